@@ -1,0 +1,64 @@
+"""Suite-wide guards.
+
+At the end of the session the suite fails if it left anything behind: a new
+entry in /dev/shm, or a live child process of the pytest process. Tests that
+start processes or create segments must clean up even when they fail; this is
+the net that catches the ones that do not.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+SHM_DIR = "/dev/shm"
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return {e for e in os.listdir(SHM_DIR) if not e.startswith(("sem.", "."))}
+    except FileNotFoundError:
+        return set()
+
+
+def live_children(pid: int | None = None) -> list[tuple[int, str]]:
+    """(pid, command line) of every live, non-zombie child of ``pid`` (default: us)."""
+    pid = os.getpid() if pid is None else pid
+    out = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read().decode(errors="replace")
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        # Fields after the parenthesised command name: state, ppid, ...
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            out.append((int(entry), cmd))
+    return out
+
+
+def pytest_sessionstart(session):
+    session.config._zephon_shm_before = _shm_entries()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = getattr(session.config, "_zephon_shm_before", set())
+    leaked = sorted(_shm_entries() - before)
+    children = live_children()
+    if leaked or children:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = []
+        if leaked:
+            lines.append(f"/dev/shm entries created by the suite and left behind: {leaked}")
+        if children:
+            lines.append(f"child processes still alive after the suite: {children}")
+        for line in lines:
+            if reporter is not None:
+                reporter.write_line(f"LEAK: {line}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -1,0 +1,41 @@
+"""MixtureReadConfig: how a mixture source interleaves its components.
+
+Both modes are deterministic functions of ``seed`` and the weights: the
+weighted round-robin is a smooth (credit-based) schedule, the weighted random
+mode draws components from a seeded generator. ``within_component`` says
+whether each component is read in its own order or shuffled (seeded too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zephon.options._spec import Bool, Int, OptionsBase, Str, document, option
+
+__all__ = ["MixtureReadConfig", "MIXTURE_MODES", "WITHIN_COMPONENT_MODES"]
+
+MIXTURE_MODES = ("weighted_round_robin", "weighted_random")
+WITHIN_COMPONENT_MODES = ("as_is", "shuffle")
+
+
+@document
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MixtureReadConfig(OptionsBase):
+    """Read policy of ``sources.mixture``."""
+
+    mode: str = option(
+        "weighted_round_robin", check=Str(choices=MIXTURE_MODES),
+        doc="weighted_round_robin: smooth deterministic schedule; weighted_random: seeded draws.",
+    )
+    seed: int = option(
+        0, check=Int(min=0),
+        doc="Seed of the component schedule and of within-component shuffles.",
+    )
+    precompute: bool = option(
+        True, check=Bool(),
+        doc="Compute the component schedule of an epoch up front (NumPy) instead of lazily.",
+    )
+    within_component: str = option(
+        "as_is", check=Str(choices=WITHIN_COMPONENT_MODES),
+        doc="as_is: each component in its own order; shuffle: a seeded permutation per epoch.",
+    )

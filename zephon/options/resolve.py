@@ -1,0 +1,276 @@
+"""Resolvers: every derived runtime value as a pure function of the options.
+
+A numeric knob left at ``None`` is derived through one cascade (SPEC §8)::
+
+    max_workers            = explicit, else clamp(os.cpu_count(), 4, 16)
+    prefetch_batches       = explicit, else max(8, 2 * max_workers)
+    op_queue_capacity      = explicit, else max(8, prefetch_batches)
+    mtp_buffer             = explicit, else max(4, prefetch_batches // 2)
+    mtp_prefetch           = explicit, else min(mtp_buffer, max(4, mtp_buffer // 10))
+    default_stage_prefetch = explicit, else max(4, prefetch_batches // 4)  (process)
+                                            max(8, prefetch_batches // 2)  (threads, inline)
+    flush_every_k_chunks   = explicit, else 8 if an op breaks cursor order, else 0
+    dp_degree              = explicit, else world_size
+    dp_group_id            = explicit, else global_rank // (world_size // dp_degree)
+    canonical_replicas     = explicit, else dp_degree
+
+Notes on the two places where this goes beyond the bare formulas:
+- a derived ``mtp_prefetch`` never exceeds ``mtp_buffer`` (an explicit
+  ``mtp_buffer`` below 4 would otherwise make the default break the
+  ``mtp_prefetch <= mtp_buffer`` rule);
+- ``dp_group_id`` equals ``global_rank`` in 1-D data parallelism (the usual
+  case); with ``dp_degree < world_size`` consecutive blocks of
+  ``world_size // dp_degree`` ranks share a data partition (tensor/pipeline
+  parallel ranks innermost). Set it explicitly for any other layout.
+
+Only ``resolve_max_workers`` reads the machine (``os.cpu_count()``); every
+resolver that depends on it takes the same optional ``cpu_count`` so a caller
+(or a test) can pin it. Functions here duck-type their argument and import
+nothing above the options layer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, NamedTuple, Sequence
+
+from zephon.errors import ZephonConfigError
+
+__all__ = [
+    "resolve_max_workers",
+    "resolve_prefetch_batches",
+    "resolve_op_queue_capacity",
+    "resolve_mtp_buffer",
+    "resolve_mtp_prefetch",
+    "resolve_default_stage_prefetch",
+    "resolve_stage_prefetch",
+    "resolve_flush_every_k_chunks",
+    "resolve_dp_degree",
+    "resolve_dp_group_id",
+    "resolve_canonical_replicas",
+    "resolve_mapping_strategy",
+    "resolve_aggregate_timeout_s",
+    "resolve_stage_workers",
+    "resolve_backend",
+    "backend_reason",
+    "is_cloud_path",
+    "resolve_all",
+    "ResolvedValue",
+    "STAGE_RUNNERS",
+    "CLOUD_AGGREGATE_MIN_TIMEOUT_S",
+]
+
+STAGE_RUNNERS = ("inline", "threads", "process")
+CLOUD_AGGREGATE_MIN_TIMEOUT_S = 90.0
+AUTO_FLUSH_EVERY_K_CHUNKS = 8
+
+
+def resolve_max_workers(opts, cpu_count: int | None = None) -> int:
+    if opts.max_workers is not None:
+        return opts.max_workers
+    n = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    return min(16, max(4, n))
+
+
+def resolve_prefetch_batches(opts, *, cpu_count: int | None = None) -> int:
+    if opts.prefetch_batches is not None:
+        return opts.prefetch_batches
+    return max(8, 2 * resolve_max_workers(opts, cpu_count))
+
+
+def resolve_op_queue_capacity(opts, *, cpu_count: int | None = None) -> int:
+    if opts.op_queue_capacity is not None:
+        return opts.op_queue_capacity
+    return max(8, resolve_prefetch_batches(opts, cpu_count=cpu_count))
+
+
+def resolve_mtp_buffer(opts, *, cpu_count: int | None = None) -> int:
+    if opts.mtp_buffer is not None:
+        return opts.mtp_buffer
+    return max(4, resolve_prefetch_batches(opts, cpu_count=cpu_count) // 2)
+
+
+def resolve_mtp_prefetch(opts, *, cpu_count: int | None = None) -> int:
+    if opts.mtp_prefetch is not None:
+        return opts.mtp_prefetch
+    buffer = resolve_mtp_buffer(opts, cpu_count=cpu_count)
+    return min(buffer, max(4, buffer // 10))
+
+
+def resolve_default_stage_prefetch(opts, runner: str, *, cpu_count: int | None = None) -> int:
+    if runner not in STAGE_RUNNERS:
+        raise ZephonConfigError(
+            f"resolve_default_stage_prefetch: runner {runner!r} is not one of {STAGE_RUNNERS}"
+        )
+    if opts.default_stage_prefetch is not None:
+        return opts.default_stage_prefetch
+    prefetch = resolve_prefetch_batches(opts, cpu_count=cpu_count)
+    if runner == "process":
+        return max(4, prefetch // 4)
+    return max(8, prefetch // 2)
+
+
+def resolve_stage_prefetch(opts, stage: int, runner: str, *, cpu_count: int | None = None) -> int:
+    """Prefetch depth of stage ``stage``: ``per_stage_prefetch`` wins over the default."""
+    if stage in opts.per_stage_prefetch:
+        return opts.per_stage_prefetch[stage]
+    return resolve_default_stage_prefetch(opts, runner, cpu_count=cpu_count)
+
+
+def resolve_flush_every_k_chunks(opts, preserves_cursor_order: bool) -> int:
+    """Epoch-flush cadence; ``preserves_cursor_order`` is True when every op preserves it."""
+    k = opts.flush_every_k_chunks
+    if k is None:
+        return 0 if preserves_cursor_order else AUTO_FLUSH_EVERY_K_CHUNKS
+    if k == 0 and not preserves_cursor_order:
+        raise ZephonConfigError(
+            "RuntimeOptions.flush_every_k_chunks: got 0, but the pipeline has an op that "
+            "does not preserve cursor order (a shuffle buffer or a packer); such ops need "
+            "flush boundaries for exact replay. Leave it None (auto = "
+            f"{AUTO_FLUSH_EVERY_K_CHUNKS}) or set a positive value.",
+            field="RuntimeOptions.flush_every_k_chunks",
+        )
+    return k
+
+
+def resolve_dp_degree(opts) -> int:
+    return opts.dp_degree if opts.dp_degree is not None else opts.world_size
+
+
+def resolve_dp_group_id(opts) -> int:
+    if opts.dp_group_id is not None:
+        return opts.dp_group_id
+    dp = resolve_dp_degree(opts)
+    if dp <= 0 or opts.world_size % dp:
+        return opts.global_rank  # the cross-field check reports the real problem
+    return opts.global_rank // (opts.world_size // dp)
+
+
+def resolve_canonical_replicas(opts) -> int:
+    if opts.canonical_replicas is not None:
+        return opts.canonical_replicas
+    return resolve_dp_degree(opts)
+
+
+def resolve_mapping_strategy(opts) -> str:
+    return opts.mapping_strategy if opts.mapping_strategy is not None else "contiguous"
+
+
+_URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+
+
+def is_cloud_path(path: str | None) -> bool:
+    """True for a URL with a scheme other than ``file`` (``s3://``, ``gs://``, ...)."""
+    if not path:
+        return False
+    match = _URL_SCHEME.match(path)
+    return bool(match) and match.group(1).lower() != "file"
+
+
+def resolve_aggregate_timeout_s(opts) -> float:
+    if is_cloud_path(opts.aggregate_dir):
+        return max(CLOUD_AGGREGATE_MIN_TIMEOUT_S, opts.aggregate_timeout_s)
+    return opts.aggregate_timeout_s
+
+
+def resolve_stage_workers(opts, stage_parallelism: Sequence[int], *,
+                          cpu_count: int | None = None) -> list[int]:
+    """Worker cap of each stage, given the summed op parallelism of each stage.
+
+    - ``fit_to_ops``: a stage's cap is the sum of its ops' parallelism;
+    - ``per_stage_fixed``: every stage gets ``max_workers``;
+    - ``global``: ``max_workers`` is split over the stages by largest remainder,
+      weighted by parallelism (ties to the earlier stage); a stage never gets
+      fewer than one worker, so with more stages than workers the total exceeds
+      ``max_workers`` by the number of stages bumped to one;
+    - ``autotune``: not implemented (NotImplementedError naming the others).
+    """
+    weights = [int(p) for p in stage_parallelism]
+    if any(w < 1 for w in weights):
+        raise ZephonConfigError(
+            f"resolve_stage_workers: stage parallelism must be >= 1, got {weights}"
+        )
+    mode = opts.worker_allocation
+    if mode == "fit_to_ops":
+        return list(weights)
+    if mode == "per_stage_fixed":
+        return [resolve_max_workers(opts, cpu_count)] * len(weights)
+    if mode == "global":
+        total = resolve_max_workers(opts, cpu_count)
+        if not weights:
+            return []
+        weight_sum = sum(weights)
+        quotas = [total * w / weight_sum for w in weights]
+        shares = [int(q) for q in quotas]
+        left = total - sum(shares)
+        order = sorted(range(len(weights)), key=lambda i: (-(quotas[i] - shares[i]), i))
+        for i in order[:left]:
+            shares[i] += 1
+        return [max(1, s) for s in shares]
+    raise NotImplementedError(
+        f"worker_allocation={mode!r} is reserved for a future probe-based tuner; "
+        "use 'fit_to_ops', 'per_stage_fixed' or 'global'"
+    )
+
+
+def resolve_backend(policy) -> str:
+    """Effective jobs backend: ``process`` when asked or when a subject timeout is set."""
+    if policy.backend == "process" or policy.subject_timeout_sec is not None:
+        return "process"
+    return "serial"
+
+
+def backend_reason(policy) -> str:
+    """One sentence saying why :func:`resolve_backend` chose what it chose."""
+    if policy.backend == "process":
+        return "backend='process' was requested"
+    if policy.subject_timeout_sec is not None:
+        return (
+            f"subject_timeout_sec={policy.subject_timeout_sec} is set and a timeout cannot "
+            "be enforced in-process (set subject_timeout_sec=None to run serially)"
+        )
+    return "backend='serial' and no subject timeout"
+
+
+class ResolvedValue(NamedTuple):
+    """One resolved option: its value and where it came from."""
+
+    value: Any
+    source: str  # "explicit" | "derived" | "default"
+
+
+_DERIVED = {
+    "max_workers": lambda o, c: resolve_max_workers(o, c),
+    "prefetch_batches": lambda o, c: resolve_prefetch_batches(o, cpu_count=c),
+    "op_queue_capacity": lambda o, c: resolve_op_queue_capacity(o, cpu_count=c),
+    "mtp_buffer": lambda o, c: resolve_mtp_buffer(o, cpu_count=c),
+    "mtp_prefetch": lambda o, c: resolve_mtp_prefetch(o, cpu_count=c),
+    "default_stage_prefetch": lambda o, c: {
+        r: resolve_default_stage_prefetch(o, r, cpu_count=c) for r in STAGE_RUNNERS
+    },
+    "flush_every_k_chunks": lambda o, c: (
+        f"auto: {AUTO_FLUSH_EVERY_K_CHUNKS} if an op breaks cursor order, else 0"
+    ),
+    "dp_degree": lambda o, c: resolve_dp_degree(o),
+    "dp_group_id": lambda o, c: resolve_dp_group_id(o),
+    "canonical_replicas": lambda o, c: resolve_canonical_replicas(o),
+    "mapping_strategy": lambda o, c: resolve_mapping_strategy(o),
+}
+
+
+def resolve_all(opts, cpu_count: int | None = None) -> dict[str, ResolvedValue]:
+    """Every field of ``opts`` with its resolved value and provenance, in field order."""
+    import dataclasses
+
+    out: dict[str, ResolvedValue] = {}
+    for f in dataclasses.fields(opts):
+        raw = getattr(opts, f.name)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.name in _DERIVED and raw is None:
+            out[f.name] = ResolvedValue(_DERIVED[f.name](opts, cpu_count), "derived")
+        elif f.name == "aggregate_timeout_s" and resolve_aggregate_timeout_s(opts) != raw:
+            out[f.name] = ResolvedValue(resolve_aggregate_timeout_s(opts), "derived")
+        else:
+            out[f.name] = ResolvedValue(raw, "default" if raw == default else "explicit")
+    return out

@@ -1,0 +1,296 @@
+"""RuntimeOptions: the execution knobs of a streaming pipeline.
+
+Every field here is a performance or operations knob: none of them may change
+the batch stream (SPEC §1), except ``deterministic=False``, which trades order
+for throughput and says so in ``explain()``.
+
+Numeric knobs left at ``None`` are derived by the resolvers in
+:mod:`zephon.options.resolve`; ``resolved()`` shows each value and whether it
+was explicit, derived or a default. Validation happens once, at construction
+(and again when a pickled copy is rebuilt in a worker): per-field checks from
+:mod:`zephon.options._spec`, then the cross-field rules of SPEC §8 in
+``_check_cross``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from dataclasses import dataclass
+from typing import Any
+
+from zephon.errors import ZephonConfigError
+from zephon.options._spec import (
+    Bool, EnumOf, Float, FrozenMap, Int, IntKeyMap, MpContext, Nested, OptionsBase,
+    PathStr, Str, document, option,
+)
+from zephon.options.metrics import ExecutionTrackingMode, MetricsSinkConfig
+from zephon.options.mixture import MixtureReadConfig
+from zephon.options import resolve as _r
+from zephon.options.store import StoreOptions
+
+__all__ = [
+    "RuntimeOptions",
+    "DEFAULT_RUN_ID",
+    "DEFAULT_IPC_BUFFER_BYTES",
+    "DEFAULT_MTP_BUFFER_BYTES",
+    "RUNNERS",
+    "WORKER_ALLOCATIONS",
+]
+
+KiB, MiB = 1 << 10, 1 << 20
+DEFAULT_RUN_ID = "default_run_id"
+DEFAULT_IPC_BUFFER_BYTES = 512 * KiB
+DEFAULT_MTP_BUFFER_BYTES = 8 * MiB
+RUNNERS = _r.STAGE_RUNNERS
+WORKER_ALLOCATIONS = ("fit_to_ops", "per_stage_fixed", "global", "autotune")
+_AGGREGATE_STORE = r"torch://([A-Za-z0-9_.\-]+:[0-9]{1,5})?"
+
+
+@document
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RuntimeOptions(OptionsBase):
+    """How the engine runs a pipeline: runners, workers, queues, transport, ranks."""
+
+    runner: str | None = option(
+        None, check=Str(choices=RUNNERS, optional=True),
+        doc="Runner of every stage unless per_stage_runner overrides it; None = chosen per "
+            "stage from its ops.",
+    )
+    run_id: str = option(
+        DEFAULT_RUN_ID, check=Str(pattern=r"[A-Za-z0-9_.\-]{1,64}"),
+        doc="Name of this run in logs, metrics and shared-memory/aggregation names.",
+    )
+    per_stage_runner: FrozenMap = option(
+        FrozenMap(), check=IntKeyMap(Str(choices=RUNNERS)),
+        doc="Runner per stage index; wins over runner (debugging and tuning).",
+    )
+    mp_context: Any = option(
+        multiprocessing.get_context("spawn"), check=MpContext(),
+        doc="Start method of worker processes; spawn is the safe default (fork + threads "
+            "deadlocks, and crash retries are refused under fork).",
+    )
+    worker_allocation: str = option(
+        "fit_to_ops", check=Str(choices=WORKER_ALLOCATIONS),
+        doc="fit_to_ops: stage cap = sum of op parallelism; per_stage_fixed: every stage gets "
+            "max_workers; global: max_workers split over stages by parallelism; autotune: "
+            "reserved (NotImplementedError).",
+    )
+    max_workers: int | None = option(
+        None, check=Int(min=1, optional=True),
+        doc="Workers per stage or in total (see worker_allocation); None = cpu_count "
+            "clamped to [4, 16].",
+    )
+    deterministic: bool = option(
+        True, check=Bool(),
+        doc="Release results in sequence order (identical stream for any runner); False "
+            "releases in completion order.",
+    )
+    prefetch_batches: int | None = option(
+        None, check=Int(min=1, optional=True),
+        doc="Batches buffered at the pipeline tail ahead of the consumer; None = "
+            "max(8, 2 * max_workers).",
+    )
+    default_stage_prefetch: int | None = option(
+        None, check=Int(min=1, optional=True),
+        doc="Items buffered between stages; None = max(4, prefetch // 4) for process stages, "
+            "max(8, prefetch // 2) for thread/inline stages.",
+    )
+    per_stage_prefetch: FrozenMap = option(
+        FrozenMap(), check=IntKeyMap(Int(min=1)),
+        doc="Prefetch depth per stage index; wins over default_stage_prefetch.",
+    )
+    op_queue_capacity: int | None = option(
+        None, check=Int(min=1, optional=True),
+        doc="In-flight items between ops inside a stage; None = max(8, prefetch_batches).",
+    )
+    ipc_transport: str = option(
+        "socketpair", check=Str(choices=("socketpair", "pipe")),
+        doc="Channel under process and MTP queues: socketpair (sized buffers, outside the "
+            "per-user pipe budget, memfd arena) or pipe (stock multiprocessing).",
+    )
+    ipc_buffer_bytes: int = option(
+        DEFAULT_IPC_BUFFER_BYTES, check=Int(min=4 * KiB),
+        doc="Kernel buffer requested per socketpair channel; the kernel may clamp it (a "
+            "warning says so).",
+    )
+    mixture_config: MixtureReadConfig | None = option(
+        None, check=Nested(MixtureReadConfig, optional=True),
+        doc="Default read policy of mixture sources that do not set their own.",
+    )
+    io_options: StoreOptions = option(
+        StoreOptions(), check=Nested(StoreOptions),
+        doc="File opening, retries and remote caching of sources.",
+    )
+    allow_latency_flush_in_deterministic: bool = option(
+        True, check=Bool(),
+        doc="Allow emitting a partial micro-batch after a timeout in deterministic mode, for "
+            "stages without batch-shape sensitive ops; False disables it there entirely.",
+    )
+    flush_every_k_chunks: int | None = option(
+        None, check=Int(min=0, optional=True),
+        doc="Flush sentinel every K chunks per lane (replay boundaries for history-dependent "
+            "ops); None = 8 if an op breaks cursor order, else 0; 0 with such an op is an "
+            "error.",
+    )
+    shutdown_mode: str = option(
+        "graceful", check=Str(choices=("graceful", "hard")),
+        doc="graceful: generous join timeouts; hard: short ones. Every child is reaped "
+            "either way.",
+    )
+    auto_validation: str = option(
+        "strict", check=Str(choices=("strict", "warn", "off")),
+        doc="Checks on user ops before iteration: strict raises ValidationError, warn "
+            "warns, off skips.",
+    )
+    mtp_mode: bool = option(
+        False, check=Bool(),
+        doc="Run the whole engine in a non-daemon subprocess; the consumer only receives "
+            "finished batches.",
+    )
+    mtp_buffer: int | None = option(
+        None, check=Int(min=1, optional=True),
+        doc="Batches in flight on the MTP channel; None = max(4, prefetch_batches // 2).",
+    )
+    mtp_buffer_bytes: int = option(
+        DEFAULT_MTP_BUFFER_BYTES, check=Int(min=4 * KiB),
+        doc="Kernel buffer requested for the MTP channel (clamped by the kernel, with a "
+            "warning).",
+    )
+    mtp_prefetch: int | None = option(
+        None, check=Int(min=0, optional=True),
+        doc="Batches a low-priority consumer-side thread receives ahead; None = "
+            "max(4, mtp_buffer // 10) (at most mtp_buffer); 0 disables the thread.",
+    )
+    mtp_auto_checkpoint: bool = option(
+        True, check=Bool(),
+        doc="Capture the final state from the MTP subprocess when iteration completes.",
+    )
+    world_size: int = option(
+        1, check=Int(min=1), doc="Number of ranks in the job.",
+    )
+    global_rank: int = option(
+        0, check=Int(min=0), doc="This rank, 0 <= global_rank < world_size.",
+    )
+    dp_degree: int | None = option(
+        None, check=Int(min=1, optional=True),
+        doc="Number of data-parallel groups (data partitions); None = world_size; must "
+            "divide world_size.",
+    )
+    dp_group_id: int | None = option(
+        None, check=Int(min=0, optional=True),
+        doc="Data partition of this rank; None = global_rank // (world_size // dp_degree).",
+    )
+    canonical_replicas: int | None = option(
+        None, check=Int(min=1, optional=True),
+        doc="Number of canonical lanes C (fixed for the life of a training run: restore "
+            "needs the same C); None = dp_degree; must be >= dp_degree.",
+    )
+    mapping_strategy: str | None = option(
+        None, check=Str(choices=("contiguous", "interleaved"), optional=True),
+        doc="Lanes to dp groups: contiguous blocks or interleaved (lane % dp_degree); "
+            "None = contiguous.",
+    )
+    shm_enabled: bool = option(
+        True, check=Bool(),
+        doc="Move array payloads through the shared-memory arena; False = plain pickle "
+            "protocol 5.",
+    )
+    shm_coalesce: bool = option(
+        True, check=Bool(),
+        doc="Group a message's eligible arrays by dtype into shared regions.",
+    )
+    shm_min_item_bytes: int = option(
+        4096, check=Int(min=0),
+        doc="Private values smaller than this travel in-band.",
+    )
+    shm_min_new_allocation_bytes: int = option(
+        2 * MiB, check=Int(min=0),
+        doc="A coalesced group with fewer useful bytes travels in-band instead.",
+    )
+    shm_min_forward_bytes: int = option(
+        128 * KiB, check=Int(min=0),
+        doc="Views of an existing region summing to fewer bytes are copied in-band instead "
+            "of forwarded.",
+    )
+    shm_compact_above_ratio: float | None = option(
+        8.0, check=Float(min=1.0, optional=True),
+        doc="Compact views of a region larger than useful bytes x ratio (with enough "
+            "saving); None disables compaction.",
+    )
+    shm_compact_min_savings_bytes: int = option(
+        16 * MiB, check=Int(min=0),
+        doc="Least bytes a compaction must free to be worth it.",
+    )
+    shm_max_coalesced_bytes: int | None = option(
+        16 * MiB, check=Int(min=1, optional=True),
+        doc="Largest coalesced region (a larger single value stands alone); None = "
+            "unlimited.",
+    )
+    max_worker_retries: int = option(
+        3, check=Int(min=0),
+        doc="Re-dispatches of a sequence whose worker died by a signal; 0 disables.",
+    )
+    aggregate_dir: str | None = option(
+        None, check=PathStr(optional=True),
+        doc="Directory (local, shared or fsspec URL) where ranks exchange checkpoint state.",
+    )
+    aggregate_store: str | None = option(
+        None, check=Str(pattern=_AGGREGATE_STORE, optional=True),
+        doc="Key-value store for checkpoint exchange instead of aggregate_dir: 'torch://' "
+            "(MASTER_ADDR/MASTER_PORT) or 'torch://host:port'.",
+    )
+    aggregate_timeout_s: float = option(
+        180.0, check=Float(min=0.0, exclusive_min=True),
+        doc="Budget of one checkpoint exchange; at least 90 s for a cloud aggregate_dir.",
+    )
+    aggregate_serializer: str = option(
+        "msgpack", check=Str(choices=("json", "msgpack")),
+        doc="Encoding of checkpoint state and aggregation files.",
+    )
+    aggregate_compressor: str = option(
+        "zstd", check=Str(choices=("none", "zstd")),
+        doc="Compression of checkpoint state and aggregation files.",
+    )
+    execution_tracking: ExecutionTrackingMode = option(
+        ExecutionTrackingMode.OFF, check=EnumOf(ExecutionTrackingMode),
+        doc="Statistics granularity: off, stages or nodes.",
+    )
+    metrics_sink_config: MetricsSinkConfig | None = option(
+        None, check=Nested(MetricsSinkConfig, optional=True),
+        doc="Where statistics are emitted; None = nowhere.",
+    )
+
+    def _check_cross(self) -> None:
+        def bad(name: str, message: str) -> ZephonConfigError:
+            return ZephonConfigError(f"RuntimeOptions.{name}: {message}",
+                                     field=f"RuntimeOptions.{name}")
+
+        if self.global_rank >= self.world_size:
+            raise bad("global_rank", f"got {self.global_rank}; expected 0 <= global_rank < "
+                                     f"world_size ({self.world_size})")
+        dp = _r.resolve_dp_degree(self)
+        if self.world_size % dp:
+            raise bad("dp_degree", f"got {dp}; world_size ({self.world_size}) must be a "
+                                   "multiple of dp_degree")
+        group = _r.resolve_dp_group_id(self)
+        if group >= dp:
+            raise bad("dp_group_id", f"got {group}; expected 0 <= dp_group_id < dp_degree "
+                                     f"({dp})")
+        lanes = _r.resolve_canonical_replicas(self)
+        if lanes < dp:
+            raise bad("canonical_replicas", f"got {lanes}; expected >= dp_degree ({dp}) so "
+                                            "every data-parallel group owns a lane")
+        if self.aggregate_dir is not None and self.aggregate_store is not None:
+            raise bad("aggregate_store", "set at most one of aggregate_dir and "
+                                         f"aggregate_store (got {self.aggregate_dir!r} and "
+                                         f"{self.aggregate_store!r})")
+        if self.mtp_prefetch is not None:
+            buffer = _r.resolve_mtp_buffer(self)
+            if self.mtp_prefetch > buffer:
+                source = "" if self.mtp_buffer is not None else " (derived; set mtp_buffer)"
+                raise bad("mtp_prefetch", f"got {self.mtp_prefetch}; expected <= mtp_buffer "
+                                          f"({buffer}{source})")
+
+    def resolved(self, cpu_count: int | None = None) -> dict[str, _r.ResolvedValue]:
+        """Each field's resolved value and provenance (explicit, derived or default)."""
+        return _r.resolve_all(self, cpu_count)

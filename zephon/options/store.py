@@ -1,0 +1,63 @@
+"""StoreOptions: how sources open, retry and cache files (local or remote).
+
+Owned here: the knobs only. The readers that honour them live in the source
+and integration layers; remote stores (fsspec URLs) use the cache, local paths
+never do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zephon.errors import ZephonConfigError
+from zephon.options._spec import Bool, Float, Int, OptionsBase, PathStr, document, option
+
+__all__ = ["StoreOptions"]
+
+
+@document
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreOptions(OptionsBase):
+    """I/O behaviour of sources: local caching of remote files and retries."""
+
+    cache_enabled: bool = option(
+        False, check=Bool(),
+        doc="Cache remote files on local disk before reading them; local paths are never cached.",
+    )
+    cache_root: str | None = option(
+        None, check=PathStr(optional=True),
+        doc="Directory of the local cache; None means ~/.cache/zephon (or $ZEPHON_CACHE_DIR).",
+    )
+    cache_limit_bytes: int | None = option(
+        None, check=Int(min=1, optional=True),
+        doc="Evict least recently used cached files above this many bytes; None = unbounded.",
+    )
+    download_retry: int = option(
+        12, check=Int(min=0),
+        doc="Retries of a failed remote download before the error reaches the pipeline.",
+    )
+    download_timeout_s: float = option(
+        180.0, check=Float(min=0.0, exclusive_min=True),
+        doc="Seconds one remote download attempt may take.",
+    )
+    open_retry_attempts: int = option(
+        5, check=Int(min=1),
+        doc="Attempts to open a file (transient errors such as a stale NFS handle).",
+    )
+    retry_backoff_initial_s: float = option(
+        0.1, check=Float(min=0.0),
+        doc="First back-off between retries; doubles each retry up to retry_backoff_max_s.",
+    )
+    retry_backoff_max_s: float = option(
+        2.0, check=Float(min=0.0),
+        doc="Longest back-off between retries.",
+    )
+
+    def _check_cross(self) -> None:
+        if self.retry_backoff_initial_s > self.retry_backoff_max_s:
+            raise ZephonConfigError(
+                "StoreOptions: retry_backoff_initial_s "
+                f"({self.retry_backoff_initial_s}) must be <= retry_backoff_max_s "
+                f"({self.retry_backoff_max_s})",
+                field="StoreOptions.retry_backoff_initial_s",
+            )
