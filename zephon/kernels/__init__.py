@@ -8,11 +8,13 @@ specification the compiled version must match):
 - ``ReorderBuffer``, ``LaneRoundRobin``     (:mod:`zephon.kernels.reorder_ref`)
 - result types and helpers                  (:mod:`zephon.kernels.types`)
 
-Selection happens once, at import: with ``ZEPHON_PURE_PYTHON=1`` the references
-are used everywhere; otherwise the compiled modules ``zephon._kernels.*``, and
-if one is missing (a source checkout that was never built) its reference with
-a single ``RuntimeWarning``. ``IMPLEMENTATION`` says which ran: ``"compiled"``,
-``"reference"`` or ``"mixed"``.
+Selection happens once, on first use of one of these names (not at import, so
+that the compiled modules, which import :mod:`zephon.kernels.types`, can be
+imported on their own without an import cycle): with ``ZEPHON_PURE_PYTHON=1``
+the references are used everywhere; otherwise the compiled modules
+``zephon._kernels.*``, and if one is missing (a source checkout that was never
+built) its reference with a single ``RuntimeWarning``. ``IMPLEMENTATION`` says
+which ran: ``"compiled"``, ``"reference"`` or ``"mixed"``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import importlib
 import os
 import warnings
 
-from zephon.kernels import compaction_ref, pack_ref, reorder_ref
 from zephon.kernels.types import (
     COMPACT, DECISION_NAMES, FORWARD, INLINE, CompactionPlan, Descriptor, PackPlan, align_up,
     byte_extent,
@@ -33,7 +34,12 @@ __all__ = [
     "DECISION_NAMES", "byte_extent", "align_up", "IMPLEMENTATION", "compiled_module",
 ]
 
-_REFERENCES = {"pack": pack_ref, "compaction": compaction_ref, "reorder": reorder_ref}
+_EXPORTS = {
+    "pack_plan": "pack", "pack_copy": "pack", "rebuild": "pack",
+    "compaction_plan": "compaction",
+    "ReorderBuffer": "reorder", "LaneRoundRobin": "reorder",
+}
+_selection: tuple[dict, str] | None = None
 
 
 def compiled_module(name: str):
@@ -41,30 +47,46 @@ def compiled_module(name: str):
     return importlib.import_module(f"zephon._kernels.{name}")
 
 
-def _select():
+def _reference(name: str):
+    return importlib.import_module(f"zephon.kernels.{name}_ref")
+
+
+def _select() -> tuple[dict, str]:
+    global _selection
+    if _selection is not None:
+        return _selection
+    names = ("pack", "compaction", "reorder")
     if os.environ.get("ZEPHON_PURE_PYTHON") == "1":
-        return dict(_REFERENCES), "reference"
+        _selection = ({name: _reference(name) for name in names}, "reference")
+        return _selection
     chosen, missing = {}, []
-    for name, ref in _REFERENCES.items():
+    for name in names:
         try:
             chosen[name] = compiled_module(name)
         except ImportError:
-            chosen[name] = ref
+            chosen[name] = _reference(name)
             missing.append(name)
     if missing:
         warnings.warn(
             f"zephon: compiled kernels {', '.join(missing)} are not built; using the pure "
             "Python references (much slower). Build with `pip install -e .`.",
             RuntimeWarning, stacklevel=3)
-    kind = "compiled" if not missing else ("reference" if len(missing) == 3 else "mixed")
-    return chosen, kind
+    kind = "compiled" if not missing else ("reference" if len(missing) == len(names)
+                                           else "mixed")
+    _selection = (chosen, kind)
+    return _selection
 
 
-_modules, IMPLEMENTATION = _select()
-pack_plan = _modules["pack"].pack_plan
-pack_copy = _modules["pack"].pack_copy
-rebuild = _modules["pack"].rebuild
-compaction_plan = _modules["compaction"].compaction_plan
-ReorderBuffer = _modules["reorder"].ReorderBuffer
-LaneRoundRobin = _modules["reorder"].LaneRoundRobin
-del _modules
+def __getattr__(name: str):
+    if name == "IMPLEMENTATION":
+        return _select()[1]
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zephon.kernels' has no attribute {name!r}")
+    value = getattr(_select()[0][module], name)
+    globals()[name] = value  # later look-ups are plain attribute reads
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
