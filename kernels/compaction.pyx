@@ -1,7 +1,11 @@
 # cython: language_level=3
 """Compiled view-compaction planning; behaviour specified by ``zephon.kernels.compaction_ref``.
 
-One ``lexsort`` by (region, start) in C, then a single GIL-free pass that
+Ordering by (region, start) is the cost that matters. ``np.lexsort`` of two keys
+costs ~10x one ``argsort`` of int64 here, so the views are ranked densely by
+region (one argsort of the ids and a C pass), and the combined key
+``rank * (max_size + 1) + start`` is sorted once; ``lexsort`` remains the
+fallback when that key could overflow int64. A single GIL-free pass then
 checks sizes, merges overlapping extents and decides per region.
 """
 
@@ -16,6 +20,40 @@ cdef enum:
     INLINE = 0
     COMPACT = 1
     FORWARD = 2
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef object _order_by_region_then_start(object ids_arr, object sizes_arr, object lo_arr):
+    cdef Py_ssize_t n = ids_arr.shape[0], j
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    by_id_arr = np.argsort(ids_arr).astype(np.int64, copy=False)
+    cdef const int64_t[::1] by_id = by_id_arr
+    cdef const int64_t[::1] ids = ids_arr
+    cdef const int64_t[::1] lo = lo_arr
+    cdef int64_t max_size = sizes_arr.max()
+    key_arr = np.empty(n, dtype=np.int64)
+    cdef int64_t[::1] key = key_arr
+    cdef int64_t rank = 0
+    cdef int64_t stride = max_size + 1
+    cdef int64_t limit
+    with nogil:
+        for j in range(1, n):
+            if ids[by_id[j]] != ids[by_id[j - 1]]:
+                rank += 1
+    # rank * stride + start must stay below 2**63 for every view.
+    limit = (<int64_t>0x7FFFFFFFFFFFFFFF - max_size) // stride if stride > 0 else 0
+    if stride <= 0 or rank > limit:
+        return np.lexsort((lo_arr, ids_arr)).astype(np.int64, copy=False)
+    rank = 0
+    with nogil:
+        key[by_id[0]] = lo[by_id[0]]
+        for j in range(1, n):
+            if ids[by_id[j]] != ids[by_id[j - 1]]:
+                rank += 1
+            key[by_id[j]] = rank * stride + lo[by_id[j]]
+    return np.argsort(key_arr).astype(np.int64, copy=False)
 
 
 @cython.boundscheck(False)
@@ -46,7 +84,7 @@ def compaction_plan(region_ids, region_sizes, starts, ends, min_forward_bytes,
         raise ValueError(f"compaction_plan: view {bad} extent [{lo[bad]}, {hi[bad]}) is not "
                          f"inside region {ids[bad]} of {sizes[bad]} bytes")
 
-    order_arr = np.lexsort((lo_arr, ids_arr)).astype(np.int64, copy=False)
+    order_arr = _order_by_region_then_start(ids_arr, sizes_arr, lo_arr)
     cdef const int64_t[::1] order = order_arr
     out_id_arr = np.empty(n, dtype=np.int64)
     out_size_arr = np.empty(n, dtype=np.int64)

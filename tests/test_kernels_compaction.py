@@ -148,3 +148,14 @@ def test_byte_extent_of_real_numpy_views():
             assert lo == np.flatnonzero(touched)[0] and hi == np.flatnonzero(touched)[-1] + 1
         else:
             assert lo == hi and not touched.any()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 2**20), st.integers(0, 2**20)),
+                min_size=1, max_size=30), policy)
+def test_huge_regions_take_the_lexsort_fallback_and_agree(rows, pol):
+    # Regions near 2**62 bytes make rank * (max_size + 1) overflow int64, so the kernel
+    # must order with lexsort instead; the answer must not change.
+    huge = (1 << 62) - 1
+    full = [(rid, huge, (1 << 61) + min(a, b), (1 << 61) + max(a, b)) for rid, a, b in rows]
+    assert plan(compiled, full, pol) == plan(compaction_ref, full, pol)
