@@ -28,6 +28,9 @@ __all__ = [
     "CheckpointError",
     "AggregationTimeoutError",
     "SubjectTimeoutError",
+    "TransportError",
+    "SerializationError",
+    "RemoteTraceback",
 ]
 
 
@@ -147,6 +150,34 @@ class SubjectTimeoutError(ZephonError, TimeoutError):
             (SubjectTimeoutError, str(self),
              {"subject_id": self.subject_id, "timeout_s": self.timeout_s}),
         )
+
+
+class TransportError(ZephonError):
+    """A channel or shared-memory arena failed (peer gone, corrupt frame, no space)."""
+
+
+class SerializationError(ZephonError, TypeError):
+    """A payload could not be encoded; ``path`` locates the offending leaf
+    (``"payload['tokens'][3]"``) when it could be found."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self):
+        return (_rebuild_kw, (SerializationError, str(self), {"path": self.path}))
+
+
+class RemoteTraceback(Exception):
+    """The formatted traceback of an exception raised in another process; attached as
+    the ``__cause__`` of the re-raised exception."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
 
 
 def _rebuild_kw(cls: type, message: str, kwargs: dict) -> ZephonError:

@@ -1,0 +1,529 @@
+"""WorkerPool: spawn-context worker processes with channels and shared-memory arenas.
+
+This is the process primitive the runners build on: it starts N workers, sends
+each a task (any picklable payload), and returns results (zero-copy views into
+the worker's arena) as they arrive. Ordering, retries and back-pressure
+policies belong to the runners; this module guarantees delivery, errors and
+clean lifecycle.
+
+Lifecycle
+---------
+``start()``: the handler (a picklable callable ``payload -> result``) is
+pickled once, in the parent, before any process exists (an unpicklable
+handler fails here). All N processes are started at once with the
+``mp_context`` (spawn by default) and the pool waits for every READY within
+``spawn_timeout_s``; a worker that cannot unpickle the handler reports why and
+``start()`` raises it. Stale named segments of dead runs are swept first.
+
+Running: ``submit(payload)`` encodes (frames from the caller's memory; views of
+regions this process holds are forwarded by reference, and stay pinned until
+the task's result or error arrives) and sends a TASK to the least-loaded live
+worker. ``get()`` waits on every worker channel plus a wake-up pipe: a lease
+whose last view died queues a FREE for its owner and writes to that pipe, so
+frees are delivered even while ``get()`` blocks (a worker waiting for arena
+space is never starved by its own consumer). ``get()`` returns
+:class:`TaskResult` or raises: the task's own exception (its worker traceback
+as ``__cause__``), a :class:`~zephon.errors.SerializationError`, or
+:class:`~zephon.errors.WorkerCrashedError` naming the worker, its exit signal
+and the tasks it had in flight. A crashed worker's slabs are released (views
+the consumer still holds stay valid until dropped); the other workers go on.
+
+Worker side: a control thread receives TASK (queued), FREE (back to the
+arena) and STOP; the main thread runs tasks in order and sends each result or
+error. If the parent dies (EOF on the channel, or the parent pid changes) the
+worker unlinks any segment names it owns and exits at once.
+
+``close()`` (idempotent; also from ``__del__`` and at interpreter exit):
+STOP to every worker at once, a shared join deadline (``shutdown_mode``
+graceful: 10 s, hard: 0.5 s), then terminate, then kill; every child is
+reaped, channels closed, and this run's segment names swept.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import logging
+import os
+import pickle
+import selectors
+import signal
+import threading
+import time
+import traceback
+import weakref
+from typing import Any, NamedTuple
+
+from zephon.errors import (
+    RemoteTraceback, SerializationError, TransportError, WorkerCrashedError,
+)
+from zephon.options import RuntimeOptions
+from zephon.transport.arena import (
+    LeaseTable, ShmArena, SlabRegistry, memfd_available, sweep_stale_segments, token_slab,
+)
+from zephon.transport.channel import ChannelClosed, channel_pair
+from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy, find_unpicklable
+
+__all__ = ["WorkerPool", "TaskResult", "default_arena_bytes"]
+
+log = logging.getLogger("zephon.transport.pool")
+
+_live_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pools() -> None:
+    for pool in list(_live_pools):
+        pool.close()
+
+
+class TaskResult(NamedTuple):
+    task_id: int
+    worker: int
+    value: Any
+
+
+def default_arena_bytes(opts: RuntimeOptions, inflight_per_worker: int) -> int:
+    """Arena bound per worker: room for the messages a worker may have in flight plus its
+    share of the consumer's prefetch, each up to ``shm_max_coalesced_bytes`` (16 MiB)."""
+    from zephon.options import resolve_prefetch_batches
+
+    per_message = opts.shm_max_coalesced_bytes or (64 << 20)
+    slots = inflight_per_worker + max(2, resolve_prefetch_batches(opts) // 2)
+    return max(64 << 20, slots * per_message)
+
+
+def _signal_name(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "an unknown cause"
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _error_frames(exc: BaseException) -> tuple[dict, list]:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        blob = pickle.dumps(exc, protocol=5)
+        pickle.loads(blob)
+    except Exception:  # noqa: BLE001 - an unpicklable exception travels as text
+        blob = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"), protocol=5)
+    return {"tb": tb}, [blob]
+
+
+# ---------------------------------------------------------------------------------------
+# worker side
+# ---------------------------------------------------------------------------------------
+
+_STOP = object()
+
+
+def _worker_entry(index: int, channel, boot: dict) -> None:
+    """Process entry point (module level so spawn can import it)."""
+    if boot.get("log_level") is not None and not logging.getLogger().handlers:
+        logging.basicConfig(level=boot["log_level"],
+                            format=f"%(asctime)s zephon-worker-{index} %(levelname)s %(message)s")
+    _Worker(index, channel, boot).run()
+
+
+class _Worker:
+    def __init__(self, index: int, channel, boot: dict) -> None:
+        self.index, self.channel, self.boot = index, channel, boot
+        self.parent_pid = boot["parent_pid"]
+        self.parent_gone = False
+        self.tasks: collections.deque = collections.deque()
+        self.task_ready = threading.Condition()
+        self.stopping = False
+        self.arena = ShmArena(index + 1, boot["arena_kind"], boot["arena_max_bytes"],
+                              parent_pid=self.parent_pid, alive=lambda: not self.parent_gone,
+                              wait_timeout_s=boot["arena_wait_timeout_s"])
+        self.leases, self.registry = LeaseTable(), SlabRegistry()
+        self.encoder = Encoder(ShmPolicy(*boot["policy"]), self.leases, self.registry,
+                               self.arena)
+        self.decoder = Decoder(self.leases, self.registry, lambda owner: None,
+                               borrow_forwarded=True)
+        self.peer = PeerState(can_map_fds=boot["transport"] == "socketpair")
+
+    def run(self) -> None:
+        try:
+            try:
+                handler = pickle.loads(self.boot["handler"])
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
+                header, frames = _error_frames(exc)
+                self.channel.send({"k": "fail", **header}, frames)
+                return
+            self.channel.send({"k": "ready", "pid": os.getpid()})
+            threading.Thread(target=self._control, name="zephon-worker-control",
+                             daemon=True).start()
+            while True:
+                with self.task_ready:
+                    while not self.tasks and not self.stopping:
+                        self.task_ready.wait()
+                    if self.stopping:
+                        return
+                    task_id, header, frames, fds = self.tasks.popleft()
+                self._run_one(handler, task_id, header, frames, fds)
+        except ChannelClosed:
+            pass
+        finally:
+            self.arena.close()
+            self.channel.close()
+
+    def _run_one(self, handler, task_id: int, header, frames, fds) -> None:
+        try:
+            payload = self.decoder.decode(header, frames, fds)
+            value = handler(payload)
+            del payload
+            out, out_frames, out_fds, _ = self.encoder.encode(value, self.peer)
+        except ChannelClosed:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            meta, blob = _error_frames(exc)
+            self.channel.send({"k": "error", "id": task_id, **meta}, blob)
+            return
+        out["k"], out["id"] = "result", task_id
+        self.channel.send(out, out_frames, out_fds)
+
+    def _control(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self.channel.fileno(), selectors.EVENT_READ)
+        try:
+            while True:
+                if not selector.select(timeout=1.0):
+                    if os.getppid() != self.parent_pid:
+                        raise ChannelClosed("parent process changed")
+                    continue
+                header, frames, fds = self.channel.recv()
+                kind = header.get("k")
+                if kind == "task":
+                    with self.task_ready:
+                        self.tasks.append((header["id"], header, frames, fds))
+                        self.task_ready.notify()
+                elif kind == "free":
+                    self.arena.free(header["t"])
+                elif kind == "stop":
+                    with self.task_ready:
+                        self.stopping = True
+                        self.task_ready.notify()
+                    return
+        except (ChannelClosed, OSError):
+            # The parent is gone: nothing will read our results. Leave no names behind.
+            self.parent_gone = True
+            self.arena.close()
+            os._exit(0)
+
+
+# ---------------------------------------------------------------------------------------
+# parent side
+# ---------------------------------------------------------------------------------------
+
+
+class _WorkerHandle:
+    __slots__ = ("index", "process", "channel", "peer", "inflight", "alive", "pid")
+
+    def __init__(self, index, process, channel, peer) -> None:
+        self.index, self.process, self.channel, self.peer = index, process, channel, peer
+        self.inflight: dict[int, list] = {}  # task id -> pinned leases
+        self.alive = True
+        self.pid = process.pid
+
+
+class WorkerPool:
+    """N worker processes running ``handler(payload) -> result`` (see the module docstring)."""
+
+    def __init__(self, handler, num_workers: int, *, options: RuntimeOptions | None = None,
+                 name: str = "pool", arena_max_bytes: int | None = None,
+                 spawn_timeout_s: float = 60.0, arena_wait_timeout_s: float = 60.0,
+                 inflight_per_worker: int = 4) -> None:
+        if not 1 <= num_workers <= 254:
+            raise ValueError(f"num_workers must be in [1, 254], got {num_workers}")
+        self.options = options or RuntimeOptions()
+        self.handler, self.num_workers, self.name = handler, num_workers, name
+        self.transport = self.options.ipc_transport
+        self.arena_kind = "memfd" if self.transport == "socketpair" and memfd_available() \
+            else "named"
+        self.arena_max_bytes = arena_max_bytes or default_arena_bytes(
+            self.options, inflight_per_worker)
+        self.spawn_timeout_s, self.arena_wait_timeout_s = spawn_timeout_s, arena_wait_timeout_s
+        self.policy = ShmPolicy.from_options(self.options)
+        self.leases, self.registry = LeaseTable(), SlabRegistry()
+        self.encoder = Encoder(self.policy, self.leases, self.registry, arena=None)
+        self.decoder = Decoder(self.leases, self.registry, self._release_for,
+                               borrow_forwarded=False)
+        self.workers: list[_WorkerHandle] = []
+        self._ids = itertools.count()
+        self._frees: dict[int, collections.deque] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._closed = False
+        self._started = False
+        self.crashes: list[WorkerCrashedError] = []
+        _live_pools.add(self)
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self) -> "WorkerPool":
+        if self._started:
+            return self
+        self._started = True
+        if self.arena_kind == "named":
+            sweep_stale_segments()
+        try:
+            handler_bytes = pickle.dumps(self.handler, protocol=5)
+        except Exception as exc:  # noqa: BLE001
+            raise SerializationError(
+                f"the worker handler {self.handler!r} cannot be pickled for spawn workers: "
+                f"{type(exc).__name__}: {exc}") from exc
+        ctx = self.options.mp_context
+        boot = {
+            "parent_pid": os.getpid(), "transport": self.transport,
+            "arena_kind": self.arena_kind, "arena_max_bytes": self.arena_max_bytes,
+            "arena_wait_timeout_s": self.arena_wait_timeout_s, "policy": tuple(self.policy),
+            "handler": handler_bytes,
+            "log_level": logging.getLogger("zephon").getEffectiveLevel(),
+        }
+        buffer_bytes = self.options.ipc_buffer_bytes
+        try:
+            for k in range(self.num_workers):
+                parent_end, child_end = channel_pair(self.transport, buffer_bytes)
+                process = ctx.Process(target=_worker_entry, args=(k, child_end, boot),
+                                      name=f"zephon-{self.name}-{k}", daemon=True)
+                process.start()
+                child_end.close()  # the child has its own copy now
+                handle = _WorkerHandle(k, process, parent_end,
+                                       PeerState(can_map_fds=self.transport == "socketpair"))
+                self.workers.append(handle)
+                self._frees[k + 1] = collections.deque()
+            self._await_ready()
+        except BaseException:
+            self.close()
+            raise
+        for handle in self.workers:
+            self._selector.register(handle.channel.fileno(), selectors.EVENT_READ, handle)
+        return self
+
+    def _await_ready(self) -> None:
+        deadline = time.monotonic() + self.spawn_timeout_s
+        waiting = {h.channel.fileno(): h for h in self.workers}
+        selector = selectors.DefaultSelector()
+        for fd, handle in waiting.items():
+            selector.register(fd, selectors.EVENT_READ, handle)
+        try:
+            while waiting:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    late = sorted(h.index for h in waiting.values())
+                    raise TransportError(
+                        f"worker(s) {late} of pool {self.name!r} did not start within "
+                        f"{self.spawn_timeout_s} s")
+                for key, _ in selector.select(timeout=min(remaining, 1.0)):
+                    handle = key.data
+                    try:
+                        header, frames, _ = handle.channel.recv()
+                    except ChannelClosed:
+                        handle.process.join(2.0)
+                        raise TransportError(
+                            f"worker {handle.index} of pool {self.name!r} died while starting "
+                            f"({_signal_name(handle.process.exitcode)})") from None
+                    if header.get("k") == "fail":
+                        raise self._remote_error(header, frames, "setting up the worker")
+                    selector.unregister(key.fd)
+                    del waiting[key.fd]
+        finally:
+            selector.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _live_pools.discard(self)
+        hard = self.options.shutdown_mode == "hard"
+        for handle in self.workers:
+            if handle.alive:
+                try:
+                    handle.channel.send({"k": "stop"})
+                except (ChannelClosed, OSError):
+                    pass
+        deadline = time.monotonic() + (0.5 if hard else 10.0)
+        for handle in self.workers:
+            handle.process.join(max(0.0, deadline - time.monotonic()))
+        stragglers = [h for h in self.workers if h.process.is_alive()]
+        for handle in stragglers:
+            handle.process.terminate()
+        deadline = time.monotonic() + (0.2 if hard else 2.0)
+        for handle in stragglers:
+            handle.process.join(max(0.0, deadline - time.monotonic()))
+            if handle.process.is_alive():
+                handle.process.kill()
+                handle.process.join()
+        for handle in self.workers:
+            handle.alive = False
+            handle.channel.close()
+        try:
+            self._selector.close()
+        finally:
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.registry.close_all()
+        if self.arena_kind == "named":
+            sweep_stale_segments()
+
+    def __enter__(self) -> "WorkerPool":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+    # -- frees -------------------------------------------------------------------------
+    def _release_for(self, owner: int):
+        queue = self._frees.get(owner)
+        wake_w = self._wake_w
+
+        def release(token: int) -> None:
+            queue.append(token)
+            try:
+                os.write(wake_w, b"\0")
+            except (BlockingIOError, OSError):
+                pass  # already awake, or the pool is closed
+
+        return release if queue is not None else None
+
+    def _flush_frees(self) -> None:
+        for owner, queue in self._frees.items():
+            if not queue:
+                continue
+            tokens = []
+            while queue:
+                tokens.append(queue.popleft())
+            handle = self.workers[owner - 1]
+            if handle.alive:
+                try:
+                    handle.channel.send({"k": "free", "t": tokens})
+                except ChannelClosed:
+                    pass
+
+    # -- tasks -------------------------------------------------------------------------
+    @property
+    def inflight(self) -> int:
+        return sum(len(h.inflight) for h in self.workers)
+
+    def live_workers(self) -> list[int]:
+        return [h.index for h in self.workers if h.alive]
+
+    def submit(self, payload: Any, *, worker: int | None = None) -> int:
+        """Send ``payload`` to a worker (least loaded if None); returns the task id."""
+        if self._closed or not self._started:
+            raise TransportError(f"pool {self.name!r} is not running")
+        if worker is None:
+            live = [h for h in self.workers if h.alive]
+            if not live:
+                raise TransportError(f"pool {self.name!r} has no live worker")
+            handle = min(live, key=lambda h: len(h.inflight))
+        else:
+            handle = self.workers[worker]
+            if not handle.alive:
+                raise TransportError(f"worker {worker} of pool {self.name!r} is not alive")
+        header, frames, fds, pins = self.encoder.encode(payload, handle.peer)
+        task_id = next(self._ids)
+        header["k"], header["id"] = "task", task_id
+        handle.inflight[task_id] = pins
+        try:
+            handle.channel.send(header, frames, fds)
+        except ChannelClosed:
+            pass  # the crash is reported by get(), with this task among the in-flight ones
+        self._flush_frees()
+        return task_id
+
+    def get(self, timeout: float | None = None) -> TaskResult:
+        """The next result from any worker (see the module docstring for what it raises)."""
+        if not self._started or self._closed:
+            raise TransportError(f"pool {self.name!r} is not running")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._flush_frees()
+            if not any(h.alive for h in self.workers):
+                raise TransportError(f"pool {self.name!r} has no live worker")
+            if not self.inflight:
+                raise TransportError(f"get() on pool {self.name!r} with no task in flight")
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"no result from pool {self.name!r} within {timeout} s")
+            for key, _ in self._selector.select(timeout=remaining):
+                handle = key.data
+                if handle is None:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                    continue
+                try:
+                    header, frames, fds = handle.channel.recv()
+                except ChannelClosed:
+                    raise self._worker_died(handle) from None
+                return self._handle_message(handle, header, frames, fds)
+
+    def _handle_message(self, handle: _WorkerHandle, header, frames, fds) -> TaskResult:
+        kind = header.get("k")
+        task_id = header.get("id")
+        pins = handle.inflight.pop(task_id, None)
+        try:
+            if kind == "result":
+                value = self.decoder.decode(header, frames, fds)
+                return TaskResult(task_id, handle.index, value)
+            if kind == "error":
+                raise self._remote_error(header, frames, f"task {task_id} on worker "
+                                                         f"{handle.index}")
+            raise TransportError(f"unexpected message {kind!r} from worker {handle.index}")
+        finally:
+            del pins  # forwarded regions of the task input may be recycled from here on
+
+    def _remote_error(self, header, frames, where: str) -> BaseException:
+        try:
+            exc = pickle.loads(frames[0])
+        except Exception as err:  # noqa: BLE001
+            exc = TransportError(f"{where} failed and its exception could not be rebuilt: "
+                                 f"{err}")
+        exc.__cause__ = RemoteTraceback(f"\n(in {where})\n" + header.get("tb", ""))
+        return exc
+
+    def _worker_died(self, handle: _WorkerHandle) -> WorkerCrashedError:
+        handle.alive = False
+        try:
+            self._selector.unregister(handle.channel.fileno())
+        except (KeyError, ValueError):
+            pass
+        handle.channel.close()
+        handle.process.join(2.0)
+        code = handle.process.exitcode
+        tasks = sorted(handle.inflight)
+        handle.inflight.clear()
+        released = self.registry.drop_owner(handle.index + 1)
+        self._frees.get(handle.index + 1, collections.deque()).clear()
+        if self.arena_kind == "named":
+            sweep_stale_segments()
+        error = WorkerCrashedError(
+            f"worker {handle.index} (pid {handle.pid}) of pool {self.name!r} died by "
+            f"{_signal_name(code)} with task(s) {tasks} in flight; its arena ({released} "
+            "slab(s)) was released",
+            seq=tasks[0] if tasks else None, signal=-code if code and code < 0 else None,
+            op=self.name, worker=handle.index)
+        error.tasks = tasks
+        log.error("%s", error)
+        self.crashes.append(error)
+        return error
