@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import socket
 import struct
 import sys
@@ -44,6 +45,7 @@ __all__ = ["Channel", "ChannelClosed", "channel_pair", "granted_buffer_bytes"]
 log = logging.getLogger("zephon.transport")
 
 _PREFIX = struct.Struct("<III")
+_CLOEXEC_FLAG = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 _MAX_FDS = 64
 _warned_sizes: set[int] = set()
 _warn_lock = threading.Lock()
@@ -131,6 +133,7 @@ class SocketChannel(Channel):
         return {"sock": self.sock}
 
     def __setstate__(self, state):
+        state["sock"].set_inheritable(False)
         self.__init__(state["sock"])
 
     def fileno(self) -> int:
@@ -162,7 +165,10 @@ class SocketChannel(Channel):
     def _recv_exact(self, view: memoryview) -> None:
         got = 0
         while got < view.nbytes:
-            n = self.sock.recv_into(view[got:])
+            try:
+                n = self.sock.recv_into(view[got:])
+            except ConnectionResetError as exc:  # the peer died with data unread
+                raise ChannelClosed(f"peer reset the channel mid-message: {exc}") from exc
             if n == 0:
                 raise ChannelClosed("peer closed the channel mid-message")
             got += n
@@ -175,13 +181,15 @@ class SocketChannel(Channel):
         while got < _PREFIX.size:
             try:
                 n, ancdata, flags, _ = self.sock.recvmsg_into(
-                    [view[got:]], socket.CMSG_SPACE(_MAX_FDS * 4))
+                    [view[got:]], socket.CMSG_SPACE(_MAX_FDS * 4), _CLOEXEC_FLAG)
             except ConnectionResetError as exc:
                 raise ChannelClosed(f"peer reset the channel: {exc}") from exc
             for level, kind, data in ancdata:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     usable = len(data) - len(data) % 4
-                    fds.extend(struct.unpack(f"{usable // 4}i", data[:usable]))
+                    for fd in struct.unpack(f"{usable // 4}i", data[:usable]):
+                        os.set_inheritable(fd, False)  # where MSG_CMSG_CLOEXEC is missing
+                        fds.append(fd)
             if flags & getattr(socket, "MSG_CTRUNC", 0):
                 raise TransportError("descriptors were truncated in transit")
             if n == 0:
@@ -266,8 +274,6 @@ class PipeChannel(Channel):
 
 
 def _close_fd(fd: int) -> None:
-    import os
-
     try:
         os.close(fd)
     except OSError:

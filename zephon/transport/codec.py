@@ -227,10 +227,13 @@ class Encoder:
                         strides = None if leaf.flags.c_contiguous else list(leaf.strides)
                         descs[i] = [kinds[i], _IN_REGION, r, start, dtype_token(leaf.dtype),
                                     list(leaf.shape), strides]
-            private.sort()
             if compact:
-                self._to_regions([leaves[i] for i in compact], compact, kinds, descs, regions,
-                                 slab_entries, fds, peer, min_item=0, min_new=0)
+                # Copied into a fresh region of this process's arena; without one (the
+                # parent) or without space, they travel in-band like private leaves.
+                private += self._to_regions([leaves[i] for i in compact], compact, kinds,
+                                            descs, regions, slab_entries, fds, peer,
+                                            min_item=0, min_new=0)
+            private.sort()
             if self.arena is not None and private:
                 private = self._to_regions([leaves[i] for i in private], private, kinds, descs,
                                            regions, slab_entries, fds, peer,
@@ -238,6 +241,9 @@ class Encoder:
                                            min_new=policy.min_new_allocation_bytes)
         if private:
             self._to_frames(leaves, private, kinds, descs, frames, forced_frames)
+        missing = [i for i, d in enumerate(descs) if d is None]
+        if missing:  # a bug, never a silent drop
+            raise SerializationError(f"internal error: leaves {missing} were not placed")
         header = {"l": descs, "r": regions, "s": slab_entries}
         return header, frames, fds, pins
 

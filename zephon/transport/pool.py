@@ -122,8 +122,28 @@ def _error_frames(exc: BaseException) -> tuple[dict, list]:
 _STOP = object()
 
 
+def _close_on_exec_all() -> None:
+    """Mark every descriptor above stderr close-on-exec: the channel rebuilt by
+    multiprocessing and its own bootstrap pipes arrive inheritable, and a subprocess
+    started by an op must not hold them (it would keep channels open after we die)."""
+    for directory in ("/proc/self/fd", "/dev/fd"):
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            fd = int(name)
+            if fd > 2:
+                try:
+                    os.set_inheritable(fd, False)
+                except OSError:
+                    pass  # the listing's own descriptor, already closed
+        return
+
+
 def _worker_entry(index: int, channel, boot: dict) -> None:
     """Process entry point (module level so spawn can import it)."""
+    _close_on_exec_all()
     if boot.get("log_level") is not None and not logging.getLogger().handlers:
         logging.basicConfig(level=boot["log_level"],
                             format=f"%(asctime)s zephon-worker-{index} %(levelname)s %(message)s")
@@ -241,8 +261,8 @@ class WorkerPool:
                  name: str = "pool", arena_max_bytes: int | None = None,
                  spawn_timeout_s: float = 60.0, arena_wait_timeout_s: float = 60.0,
                  inflight_per_worker: int = 4) -> None:
-        if not 1 <= num_workers <= 254:
-            raise ValueError(f"num_workers must be in [1, 254], got {num_workers}")
+        if not 1 <= num_workers <= 127:  # region tokens must fit the kernels' int64
+            raise ValueError(f"num_workers must be in [1, 127], got {num_workers}")
         self.options = options or RuntimeOptions()
         self.handler, self.num_workers, self.name = handler, num_workers, name
         self.transport = self.options.ipc_transport

@@ -1,0 +1,332 @@
+"""The worker pool end to end: round trips, zero copy, forwarding, compaction, recycling,
+back-pressure, errors and faults, over both transports, with real processes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import _transport_handlers as H
+from zephon import RuntimeOptions, SerializationError, WorkerCrashedError
+from zephon.errors import RemoteTraceback, TransportError
+from zephon.transport import WorkerPool
+
+TRANSPORTS = ["socketpair", "pipe"]
+
+
+@pytest.fixture
+def make_pool():
+    pools = []
+
+    def make(workers=2, transport="socketpair", handler=H.handle, **kwargs):
+        opts = RuntimeOptions(ipc_transport=transport, **kwargs.pop("options", {}))
+        pool = WorkerPool(handler, workers, options=opts, **kwargs)
+        pools.append(pool)
+        return pool.start()
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+def assert_same(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
+        if a.dtype.hasobject:
+            assert a.tolist() == b.tolist()
+        else:
+            assert a.tobytes() == b.tobytes()
+    elif isinstance(a, H.Record):
+        assert a.name == b.name and a.extra == b.extra
+        assert_same(a.values, b.values)
+    else:
+        assert type(a) is type(b) and a == b
+
+
+def arena_mapping(pool, array):
+    """The parent's mapping of the slab a received array lives in, or None."""
+    found = pool.leases.locate(array)
+    return None if found is None else found[0].slab
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_nested_round_trip_exact_and_zero_copy(make_pool, transport):
+    pool = make_pool(transport=transport, options={"shm_min_new_allocation_bytes": 0})
+    ids = [pool.submit(("nested", seed)) for seed in range(4)]
+    results = {r.task_id: r for r in (pool.get(timeout=60) for _ in ids)}
+    for seed, task in enumerate(ids):
+        got = results[task].value
+        assert_same(H.nested_payload(seed), got)
+        for key in ("big", "strided", "transposed"):
+            slab = arena_mapping(pool, got[key])
+            assert slab is not None, key
+            assert np.shares_memory(got[key], np.frombuffer(slab.mapping, dtype=np.uint8))
+            assert got[key].flags.c_contiguous and got[key].flags.writeable
+        assert isinstance(got["bytes"], bytes) and isinstance(got["bytearray"], bytearray)
+        assert arena_mapping(pool, got["small"]) is None  # 10 bytes travel in-band
+
+
+def test_shm_disabled_is_plain_pickle5(make_pool):
+    pool = make_pool(options={"shm_enabled": False})
+    pool.submit(("nested", 1))
+    got = pool.get(timeout=60).value
+    assert_same(H.nested_payload(1), got)
+    assert arena_mapping(pool, got["big"]) is None
+    assert len(pool.registry._slabs) == 0
+
+
+def test_torch_tensors_round_trip_zero_copy(make_pool):
+    torch = pytest.importorskip("torch")
+    pool = make_pool(options={"shm_min_new_allocation_bytes": 0})
+    pool.submit(("tensor", 4096))
+    got = pool.get(timeout=60).value
+    expected = torch.arange(4096, dtype=torch.float32).reshape(-1, 4)[:, 1:]
+    assert isinstance(got["t"], torch.Tensor) and torch.equal(got["t"], expected)
+    assert arena_mapping(pool, got["t"].numpy()) is not None or np.shares_memory(
+        got["t"].numpy(), np.frombuffer(next(iter(pool.registry._slabs.values())).mapping,
+                                        dtype=np.uint8))
+
+
+def test_forwarding_across_two_hops_keeps_sharing_memory(make_pool):
+    pool = make_pool(workers=2)
+    pool.submit(("full", (8 << 20, 7)))  # 8 MiB array in worker A's arena
+    first = pool.get(timeout=60)
+    data = first.value["data"]
+    original = np.frombuffer(arena_mapping(pool, data).mapping, dtype=np.uint8)
+    other = 1 - first.worker
+    # hop 1: parent -> worker B by reference; hop 2: B returns a view of it, by reference
+    pool.submit(("slice", (data, slice(1000, None))), worker=other)
+    second = pool.get(timeout=60)
+    assert second.worker == other
+    assert np.array_equal(second.value, data[1000:])
+    assert np.shares_memory(second.value, original)
+    assert pool.leases.locate(second.value)[0].token == pool.leases.locate(data)[0].token
+
+
+def test_small_view_of_big_region_is_compacted(make_pool):
+    pool = make_pool(workers=2, options={"shm_min_new_allocation_bytes": 0})
+    pool.submit(("full", (64 << 20, 3)))  # one 64 MiB region in worker A's arena
+    first = pool.get(timeout=60)
+    big = first.value["data"]
+    region = pool.leases.locate(big)[0]
+    other = 1 - first.worker
+    # B receives the whole region by reference and returns a 1 MiB view of it: 64x more
+    # backing than useful bytes and 63 MiB saved, so B compacts it into its own arena.
+    pool.submit(("slice", (big, slice(0, (1 << 20) // 8))), worker=other)
+    small = pool.get(timeout=60).value
+    assert np.array_equal(small, big[:(1 << 20) // 8])
+    moved = pool.leases.locate(small)[0]
+    assert moved.token != region.token and moved.nbytes == 1 << 20
+    assert moved.slab.slab_id >> 16 == other + 1  # a region of B's arena
+    assert not np.shares_memory(small, big)
+    # The parent has no arena: a small view it sends is copied in-band (compact or inline)
+    pool.submit(("echo", big[:(1 << 20) // 8]), worker=other)
+    echoed = pool.get(timeout=60).value
+    assert np.array_equal(echoed, big[:(1 << 20) // 8])
+    pool.submit(("echo", big[:100]), worker=other)  # below shm_min_forward_bytes
+    tiny = pool.get(timeout=60).value
+    assert np.array_equal(tiny, big[:100]) and not np.shares_memory(tiny, big)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_regions_recycle_under_a_fixed_bound(make_pool, transport):
+    bound = 32 << 20
+    pool = make_pool(workers=1, transport=transport, arena_max_bytes=bound)
+    held = []
+    for i in range(60):  # 60 x 4 MiB = 240 MiB through a 32 MiB arena
+        pool.submit(("full", (4 << 20, i)))
+        r = pool.get(timeout=60)
+        assert r.value["data"][0] == i and r.value["value"] == i
+        held.append(r.value)
+        if len(held) > 3:  # a consumer that keeps the last few batches
+            held.pop(0)
+    slabs = [s for s in pool.registry._slabs.values()]
+    assert 0 < sum(s.size for s in slabs) <= bound
+    assert len(slabs) <= 4
+
+
+def test_consumer_holding_everything_blocks_then_proceeds(make_pool, caplog, capfd):
+    pool = make_pool(workers=1, arena_max_bytes=16 << 20, arena_wait_timeout_s=120)
+    for i in range(6):
+        pool.submit(("full", (4 << 20, i)))
+    held = [pool.get(timeout=60) for _ in range(4)]  # fills the 16 MiB arena
+    with pytest.raises(TimeoutError):
+        pool.get(timeout=3.0)  # the worker waits for space: nothing comes
+    assert "waiting for space" in capfd.readouterr().err
+    del held
+    rest = sorted(pool.get(timeout=60).value["value"] for _ in range(2))
+    assert rest == [4, 5]
+
+
+def test_remote_exception_reaches_the_consumer_with_its_traceback(make_pool):
+    pool = make_pool(workers=1)
+    pool.submit(("raise", "boom"))
+    with pytest.raises(ValueError, match="op failed on purpose: boom") as info:
+        pool.get(timeout=60)
+    assert isinstance(info.value.__cause__, RemoteTraceback)
+    assert "handle" in str(info.value.__cause__)
+    pool.submit(("echo", 1))
+    assert pool.get(timeout=60).value == 1  # the worker is still serving
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_unpicklable_result_leaf_names_its_path(make_pool, transport):
+    pool = make_pool(workers=1, transport=transport)
+    pool.submit(("unpicklable", None))
+    with pytest.raises(SerializationError, match=r"payload\['a'\]\[1\]") as info:
+        pool.get(timeout=60)
+    assert info.value.path == "payload['a'][1]"
+    with pytest.raises(SerializationError, match=r"payload\[1\]\[1\]\['f'\]"):
+        pool.submit(("echo", [0, {"f": lambda: 1}]))
+
+
+def test_unpicklable_handler_fails_before_any_worker_starts():
+    pool = WorkerPool(lambda x: x, 2)
+    try:
+        with pytest.raises(SerializationError, match="cannot be pickled"):
+            pool.start()
+        assert pool.workers == []
+    finally:
+        pool.close()
+
+
+class _Unloadable:
+    def __reduce__(self):
+        return (_fail_on_load, ())
+
+    def __call__(self, x):
+        return x
+
+
+def _fail_on_load():
+    raise ImportError("this handler cannot be set up in a worker")
+
+
+def test_handler_that_cannot_load_in_the_worker_is_a_clear_error():
+    pool = WorkerPool(_Unloadable(), 2, spawn_timeout_s=60)
+    try:
+        with pytest.raises(ImportError, match="cannot be set up in a worker"):
+            pool.start()
+    finally:
+        pool.close()
+    assert all(not h.process.is_alive() for h in pool.workers)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sigkill_of_a_busy_worker_names_worker_and_tasks(make_pool, transport):
+    pool = make_pool(workers=2, transport=transport)
+    pids = {}
+    for k in range(2):
+        pool.submit(("pid", None), worker=k)
+    for _ in range(2):
+        r = pool.get(timeout=60)
+        pids[r.worker] = r.value
+    a = pool.submit(("sleep", 30), worker=0)
+    b = pool.submit(("sleep", 30), worker=0)
+    pool.submit(("sleep", 0.5), worker=1)
+    time.sleep(0.5)
+    os.kill(pids[0], signal.SIGKILL)
+    outcomes = []
+    for _ in range(2):
+        try:
+            outcomes.append(pool.get(timeout=60).value)
+        except WorkerCrashedError as exc:
+            outcomes.append(exc)
+    crash = next(o for o in outcomes if isinstance(o, WorkerCrashedError))
+    assert crash.worker == 0 and crash.signal == signal.SIGKILL and crash.seq == a
+    assert crash.tasks == [a, b] and "SIGKILL" in str(crash)
+    assert 0.5 in outcomes  # the other worker's result still arrives
+    assert pool.live_workers() == [1]
+
+
+def test_sigkill_mid_message_releases_the_dead_workers_arena(make_pool):
+    pool = make_pool(workers=1, options={"ipc_buffer_bytes": 64 << 10})
+    pool.submit(("full", (8 << 20, 1)))
+    held = pool.get(timeout=60).value  # a view into the worker's arena
+    slab_ids = set(pool.registry._slabs)
+    pool.submit(("pid", None))
+    pid = pool.get(timeout=60).value
+    # A 64 MiB result with shared memory disabled for it: it must stream through the
+    # socket, so the worker is mid-message when it is killed.
+    pool.submit(("echo", np.ones(8 << 20)), worker=0)
+    pool.submit(("nested", 3))
+    time.sleep(1.0)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerCrashedError, match="worker 0"):
+        while True:
+            pool.get(timeout=60)
+    assert not set(pool.registry._slabs) & slab_ids  # the pool let go of the dead arena
+    assert held["data"][123] == 1  # views the consumer still holds stay valid
+    maps_before = open("/proc/self/maps").read().count("zephon") if os.path.exists(
+        "/proc/self/maps") else 0
+    del held
+    import gc
+
+    gc.collect()
+    if os.path.exists("/proc/self/maps"):
+        assert open("/proc/self/maps").read().count("memfd:") <= maps_before
+
+
+def test_descriptors_are_close_on_exec(make_pool):
+    pool = make_pool(workers=1, options={"shm_min_new_allocation_bytes": 0})
+    pool.submit(("full", (4 << 20, 1)))
+    pool.get(timeout=60)
+    pool.submit(("fds", None))
+    fds = pool.get(timeout=60).value
+    interesting = {fd: v for fd, v in fds.items() if fd > 2}
+    assert any("memfd:" in target for target, _ in interesting.values())
+    inheritable = {fd: t for fd, (t, inh) in interesting.items() if inh}
+    assert not inheritable, inheritable
+    for slab in pool.registry._slabs.values():
+        assert slab.fd is None or not os.get_inheritable(slab.fd)
+
+
+@pytest.mark.parametrize("mode", ["hard", "graceful"])
+def test_close_reaps_every_worker_and_is_idempotent(mode):
+    pool = WorkerPool(H.handle, 2, options=RuntimeOptions(shutdown_mode=mode)).start()
+    procs = [h.process for h in pool.workers]
+    if mode == "hard":
+        pool.submit(("sleep", 60))  # a stuck task: hard shutdown must not wait for it
+    pool.close()
+    pool.close()
+    assert all(not p.is_alive() for p in procs)
+    with pytest.raises(TransportError):
+        pool.submit(("echo", 1))
+
+
+def test_dropped_pool_is_closed_by_its_finalizer():
+    pool = WorkerPool(H.handle, 1).start()
+    proc = pool.workers[0].process
+    del pool
+    import gc
+
+    gc.collect()
+    proc.join(15)
+    assert not proc.is_alive()
+
+
+def test_socket_buffer_clamp_warns_once_per_size():
+    from zephon.transport import channel as ch
+
+    requested = 3 * (64 << 20) + 17
+    ch._warned_sizes.discard(requested)
+    with pytest.warns(RuntimeWarning, match="granted") as record:
+        pairs = [ch.channel_pair("socketpair", requested) for _ in range(3)]
+    assert len([w for w in record if "granted" in str(w.message)]) == 1
+    for a, b in pairs:
+        a.close()
+        b.close()
+    assert ch.granted_buffer_bytes(64 << 10) >= 64 << 10
