@@ -330,3 +330,39 @@ def test_socket_buffer_clamp_warns_once_per_size():
         a.close()
         b.close()
     assert ch.granted_buffer_bytes(64 << 10) >= 64 << 10
+
+
+def test_watchdog_notices_a_death_without_anyone_in_get(make_pool, caplog):
+    pool = make_pool(workers=2)
+    pool.submit(("pid", None), worker=1)
+    pid = pool.get(timeout=60).value
+    with caplog.at_level(logging.ERROR, logger="zephon.transport.pool"):
+        os.kill(pid, signal.SIGKILL)
+        exited = pool.wait_for_exit(timeout=30)
+        deadline = time.monotonic() + 5
+        while "SIGKILL" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert exited == {1: -signal.SIGKILL}
+    assert "worker 1" in caplog.text and "SIGKILL" in caplog.text
+
+
+def test_named_segments_are_unlinked_once_both_sides_mapped(make_pool):
+    pool = make_pool(workers=1, transport="pipe")
+    assert pool.arena_kind == "named"
+    held = []
+    for i in range(3):
+        pool.submit(("full", (8 << 20, i)))
+        held.append(pool.get(timeout=60).value)
+    # views are alive and mapped, but no name is left to leak
+    assert [v["data"][0] for v in held] == [0, 1, 2]
+    assert not [e for e in os.listdir("/dev/shm") if e.startswith("zph_")]
+
+
+def test_forwarding_without_descriptors_degrades_to_a_copy(make_pool):
+    pool = make_pool(workers=2, transport="pipe")
+    pool.submit(("full", (8 << 20, 5)))
+    first = pool.get(timeout=60)
+    data = first.value["data"]
+    pool.submit(("slice", (data, slice(10, None))), worker=1 - first.worker)
+    second = pool.get(timeout=60).value
+    assert np.array_equal(second, data[10:]) and not np.shares_memory(second, data)

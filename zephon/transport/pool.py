@@ -28,6 +28,10 @@ as ``__cause__``), a :class:`~zephon.errors.SerializationError`, or
 and the tasks it had in flight. A crashed worker's slabs are released (views
 the consumer still holds stay valid until dropped); the other workers go on.
 
+A watchdog thread waits on the worker processes' sentinels and logs a death
+with its exit status when it happens (``exited``, ``wait_for_exit()``), even
+while nobody is in ``get()``.
+
 Worker side: a control thread receives TASK (queued), FREE (back to the
 arena) and STOP; the main thread runs tasks in order and sends each result or
 error. If the parent dies (EOF on the channel, or the parent pid changes) the
@@ -244,6 +248,29 @@ class _Worker:
 # ---------------------------------------------------------------------------------------
 
 
+def _watch(pool_ref, handles) -> None:
+    """Notice a worker's death when it happens, even if nobody is in get(): log it with its
+    exit status and record it in ``pool.exited`` (get() still drains what the worker sent
+    before dying, then reports the crash with its in-flight tasks)."""
+    from multiprocessing.connection import wait
+
+    pending = {h.process.sentinel: h for h in handles}
+    while pending:
+        ready = wait(list(pending), timeout=0.5)
+        pool = pool_ref()
+        if pool is None or pool._closed:
+            return
+        for sentinel in ready:
+            handle = pending.pop(sentinel)
+            handle.process.join(1.0)
+            code = handle.process.exitcode
+            pool.exited[handle.index] = code
+            pool._worker_exited.set()
+            log.error("worker %d (pid %s) of pool %r exited by %s", handle.index, handle.pid,
+                      pool.name, _signal_name(code))
+        del pool
+
+
 class _WorkerHandle:
     __slots__ = ("index", "process", "channel", "peer", "inflight", "alive", "pid")
 
@@ -286,6 +313,8 @@ class WorkerPool:
         self._closed = False
         self._started = False
         self.crashes: list[WorkerCrashedError] = []
+        self.exited: dict[int, int | None] = {}  # worker index -> exit code, by the watchdog
+        self._worker_exited = threading.Event()
         _live_pools.add(self)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -327,7 +356,18 @@ class WorkerPool:
             raise
         for handle in self.workers:
             self._selector.register(handle.channel.fileno(), selectors.EVENT_READ, handle)
+        # The watchdog holds the pool weakly: a dropped pool must stay collectable so that
+        # its finalizer can close it.
+        self._watchdog = threading.Thread(
+            target=_watch, args=(weakref.ref(self), list(self.workers)),
+            name=f"zephon-{self.name}-watchdog", daemon=True)
+        self._watchdog.start()
         return self
+
+    def wait_for_exit(self, timeout: float | None = None) -> dict[int, int | None]:
+        """Block until some worker has exited (or ``timeout``); returns ``exited``."""
+        self._worker_exited.wait(timeout)
+        return dict(self.exited)
 
     def _await_ready(self) -> None:
         deadline = time.monotonic() + self.spawn_timeout_s
