@@ -22,8 +22,14 @@ def _shm_entries() -> set[str]:
         return set()
 
 
+# multiprocessing's own helpers live as long as the interpreter (spawn starts the
+# resource tracker on first use) and exit when it does: not leftovers of a test.
+_INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
 def live_children(pid: int | None = None) -> list[tuple[int, str]]:
-    """(pid, command line) of every live, non-zombie child of ``pid`` (default: us)."""
+    """(pid, command line) of every live, non-zombie child of ``pid`` (default: us),
+    multiprocessing's interpreter-lifetime helpers excepted."""
     pid = os.getpid() if pid is None else pid
     out = []
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
@@ -38,7 +44,7 @@ def live_children(pid: int | None = None) -> list[tuple[int, str]]:
             continue
         # Fields after the parenthesised command name: state, ppid, ...
         state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == pid and state != "Z":
+        if int(ppid) == pid and state != "Z" and not any(h in cmd for h in _INTERPRETER_HELPERS):
             out.append((int(entry), cmd))
     return out
 
