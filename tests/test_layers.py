@@ -25,7 +25,7 @@ ALLOWED = {
     "runners": {"transport", "options", "kernels", "_kernels"},
     "checkpoint": {"options"},
     "pipeline": {"runners", "options", "kernels", "_kernels", "checkpoint", "transport"},
-    "jobs": {"transport", "runners", "options"},
+    "jobs": {"transport", "runners", "options", "kernels"},  # kernels: the dtype token
 }
 THIRD_PARTY_OK = {
     "options": set(),

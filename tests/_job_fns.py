@@ -1,0 +1,131 @@
+"""Job callables for the jobs tests (module level: spawn workers import them).
+
+A subject is a dict: ``subject_id``, ``dir`` (a directory the subject logs to),
+``action`` and optional ``arg``. Every run writes ``<dir>/<id>.<pid>.start`` and
+``.end`` files holding monotonic-clock times, from which the tests measure the
+concurrency that really happened.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def _log(subject, what: str) -> None:
+    path = os.path.join(subject["dir"], f"{subject['subject_id']}.{os.getpid()}.{what}")
+    with open(path, "w") as fh:
+        fh.write(repr(time.monotonic()))
+
+
+def work(subject):
+    _log(subject, "start")
+    action, arg = subject.get("action", "ok"), subject.get("arg")
+    try:
+        if action == "ok":
+            return {"id": subject["subject_id"], "pid": os.getpid(),
+                    "slot": os.environ.get("ZEPHON_GPU_SLOT")}
+        if action == "sleep":
+            time.sleep(arg)
+            return arg
+        if action == "raise":
+            raise ValueError(f"subject {subject['subject_id']} failed on purpose")
+        if action == "memory_error":
+            raise MemoryError("pretend allocation failure")
+        if action == "kill_self":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action == "hang_with_child":
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            with open(os.path.join(subject["dir"], f"{subject['subject_id']}.child"), "w") as fh:
+                fh.write(str(child.pid))
+            time.sleep(600)
+        if action == "ignore_term":
+            signal.signal(signal.SIGTERM, lambda *a: open(
+                os.path.join(subject["dir"], f"{subject['subject_id']}.term"), "w").close())
+            time.sleep(600)
+        if action == "none":
+            return None
+        if action == "array":
+            return {"a": np.arange(arg, dtype=np.float32), "t": (1, "x")}
+        if action == "object":
+            return {1, 2}
+        if action == "flaky":  # fails until it has been tried `arg` times
+            tries = len([f for f in os.listdir(subject["dir"])
+                         if f.startswith(subject["subject_id"] + ".") and f.endswith(".start")])
+            if tries <= arg:
+                raise RuntimeError(f"flaky attempt {tries}")
+            return tries
+        if action == "pid":
+            return os.getpid()
+        raise KeyError(action)
+    finally:
+        _log(subject, "end")
+
+
+class WithSetup:
+    """A callable object with setup(): each setup writes a file named after the pid."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def setup(self) -> None:
+        with open(os.path.join(self.directory, f"setup.{os.getpid()}"), "a") as fh:
+            fh.write("x")
+
+    def __call__(self, subject):
+        return work(subject)
+
+
+class HangingSetup:
+    def setup(self) -> None:
+        time.sleep(600)
+
+    def __call__(self, subject):
+        return subject
+
+
+class KeyedWork:
+    def cache_key(self, subject) -> str:
+        return f"custom:{subject['subject_id']}:{subject.get('arg')}"
+
+    def __call__(self, subject):
+        return work(subject)
+
+
+def _cannot_load():
+    raise ImportError("module 'vanished_module' is not importable in the worker")
+
+
+class Unloadable:
+    """Pickles fine here, cannot be rebuilt in a worker (like a callable whose module
+    the worker cannot import)."""
+
+    def __reduce__(self):
+        return (_cannot_load, ())
+
+    def __call__(self, subject):
+        return subject
+
+
+def interval_overlap(directory: str, ids=None) -> int:
+    """The largest number of subjects that were running at the same moment."""
+    events = []
+    for name in os.listdir(directory):
+        parts = name.rsplit(".", 2)
+        if len(parts) != 3 or parts[2] not in ("start", "end"):
+            continue
+        if ids is not None and parts[0] not in ids:
+            continue
+        with open(os.path.join(directory, name)) as fh:
+            t = float(fh.read())
+        events.append((t, 1 if parts[2] == "start" else -1))
+    level = peak = 0
+    for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+        level += delta
+        peak = max(peak, level)
+    return peak

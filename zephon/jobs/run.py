@@ -1,0 +1,287 @@
+"""``run()``: per-subject jobs under a :class:`~zephon.options.RunPolicy`.
+
+A run, in order:
+
+1. validate: subject ids (unique), the policy, the effective backend
+   (:func:`~zephon.options.resolve_backend`; ``explain()`` says why) and the
+   worker count (capped to the visible GPUs with ``cap_workers_to_gpu_pool``);
+2. open the checkpoint store when ``resume`` is on or a ``checkpoint_dir`` is
+   given (lock, fingerprint check);
+3. replay: with ``resume``, a stored success is served (``from_cache``); a
+   stored failure is served as a :class:`RecordedFailure` unless
+   ``retry_failed_subjects``; ids in ``force_rerun_subjects`` are always run;
+4. rounds: every remaining subject runs once, then failed ones again for up to
+   ``auto_retry_rounds`` extra rounds (the backend, and so a lowered OOM
+   concurrency, lives across rounds). Each attempt's outcome is written to the
+   store (a success also removes the subject's failure record). With
+   ``fail_fast`` the first failure stops every worker at once and raises the
+   subject's exception;
+5. results are yielded in input order (``ordered=False``: as they become
+   final); a failure is final after the last round;
+6. with ``clear_checkpoint_on_success`` the store is removed only when every
+   subject's final outcome, replayed ones included, is a success.
+
+Ctrl-C (KeyboardInterrupt) stops the workers within ``graceful_shutdown_sec``
+and propagates; the store is consistent (atomic writes) and unlocked; a
+subject interrupted this way is not recorded as a failure.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import multiprocessing
+import os
+from typing import Any, Iterable, Iterator, NamedTuple
+
+from zephon.errors import SerializationError, ZephonConfigError, ZephonError
+from zephon.jobs.gpu import visible_gpu_count
+from zephon.jobs.process import ProcessBackend
+from zephon.jobs.progress import Progress
+from zephon.jobs.serial import SerialBackend
+from zephon.jobs.store import CheckpointStore
+from zephon.jobs.subjects import cache_key_of, callable_name, subject_id_of
+from zephon.options import RunPolicy, backend_reason, resolve_backend
+
+__all__ = ["run", "JobRun", "SubjectResult", "RecordedFailure"]
+
+log = logging.getLogger("zephon.jobs")
+
+
+class SubjectResult(NamedTuple):
+    subject_id: str
+    value: Any
+    error: BaseException | None
+    from_cache: bool
+    attempts: int
+    duration_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class RecordedFailure(ZephonError):
+    """A failure an earlier run recorded in the store, replayed without re-running
+    (``retry_failed_subjects=True`` re-runs it instead)."""
+
+    def __init__(self, message: str, *, error_type: str = "", traceback: str = "") -> None:
+        super().__init__(message)
+        self.error_type, self.traceback = error_type, traceback
+
+    def __reduce__(self):
+        return (_rebuild_recorded, (str(self), self.error_type, self.traceback))
+
+
+def _rebuild_recorded(message, error_type, tb):
+    return RecordedFailure(message, error_type=error_type, traceback=tb)
+
+
+def _error_record(error: BaseException) -> dict:
+    cause = error.__cause__
+    return {"type": type(error).__name__, "message": str(error),
+            "traceback": str(cause) if cause is not None else ""}
+
+
+def default_checkpoint_dir(fn) -> str:
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in callable_name(fn))
+    return os.path.join(os.getcwd(), ".zephon_checkpoints", safe)
+
+
+class JobRun:
+    """An iterable job run (see the module docstring); ``summary`` after iteration."""
+
+    def __init__(self, fn, subjects: Iterable[Any], policy: RunPolicy | None = None,
+                 fingerprint: str | None = None, progress: bool = True, *,
+                 ordered: bool = True, allow_pickle: bool = False, mp_context=None) -> None:
+        policy = RunPolicy() if policy is None else policy
+        if not isinstance(policy, RunPolicy):
+            raise ZephonConfigError(f"policy must be a RunPolicy, got {type(policy).__name__}")
+        if not callable(fn):
+            raise ZephonConfigError(f"fn must be callable, got {fn!r}")
+        self.fn, self.policy, self.fingerprint = fn, policy, fingerprint
+        self.subjects = list(subjects)
+        self.ids = [subject_id_of(s, i) for i, s in enumerate(self.subjects)]
+        dupes = [sid for sid, n in collections.Counter(self.ids).items() if n > 1]
+        if dupes:
+            raise ZephonConfigError(f"duplicate subject ids: {sorted(dupes)[:10]}")
+        self.keys = [cache_key_of(fn, s, sid) for s, sid in zip(self.subjects, self.ids)]
+        self.backend_name = resolve_backend(policy)
+        self.backend_reason = backend_reason(policy)
+        self.workers = policy.workers if self.backend_name == "process" else 1
+        self.gpu_count = None
+        if policy.cap_workers_to_gpu_pool:
+            self.gpu_count = visible_gpu_count()
+            if self.gpu_count == 0:
+                raise ZephonConfigError(
+                    "RunPolicy.cap_workers_to_gpu_pool is on but no GPU is visible (torch, "
+                    "nvidia-smi and CUDA_VISIBLE_DEVICES report none)")
+            self.workers = min(self.workers, self.gpu_count)
+        self.store_dir = policy.checkpoint_dir
+        if self.store_dir is None and policy.resume:
+            self.store_dir = default_checkpoint_dir(fn)
+        self.progress, self.ordered, self.allow_pickle = progress, ordered, allow_pickle
+        self.mp_context = mp_context or multiprocessing.get_context("spawn")
+        self.summary: dict[str, int] = {}
+        self.backend = None
+
+    def explain(self) -> str:
+        p = self.policy
+        lines = [
+            f"job run of {callable_name(self.fn)} over {len(self.subjects)} subject(s)",
+            f"  backend: {self.backend_name} ({self.backend_reason})",
+            f"  workers: {self.workers}" + (f" (capped to {self.gpu_count} visible GPU(s))"
+                                            if self.gpu_count is not None else ""),
+            f"  mode: {p.parallel_mode}; recycle after {p.persistent_worker_recycle_after_tasks} "
+            f"task(s); restart after {p.persistent_worker_max_consecutive_failures} "
+            "consecutive failure(s)",
+            f"  timeouts: subject {p.subject_timeout_sec} s, spawn {p.subject_spawn_timeout_sec} "
+            f"s, grace {p.graceful_shutdown_sec} s",
+            f"  failures: {p.on_subject_failure}; {p.auto_retry_rounds} retry round(s); OOM "
+            f"back-off {'on' if p.oom_backoff else 'off'} (-{p.oom_reduce_workers_by})",
+            f"  store: {self.store_dir or 'none'} (resume {p.resume}, fingerprint "
+            f"{self.fingerprint!r}, strict {p.strict_checkpoint_hash})",
+        ]
+        return "\n".join(lines)
+
+    def __iter__(self) -> Iterator[SubjectResult]:
+        return self._run()
+
+    def _make_backend(self):
+        if self.backend_name == "serial":
+            return SerialBackend(self.fn)
+        return ProcessBackend(self.fn, self.policy, self.workers,
+                              gpu_slots=self.policy.cap_workers_to_gpu_pool,
+                              mp_context=self.mp_context)
+
+    def _run(self) -> Iterator[SubjectResult]:
+        policy, n = self.policy, len(self.subjects)
+        log.info("starting %s", self.explain().replace("\n", ";"))
+        store = None
+        if self.store_dir is not None:
+            store = CheckpointStore(self.store_dir, self.fingerprint,
+                                    strict=policy.strict_checkpoint_hash,
+                                    allow_pickle=self.allow_pickle)
+        results: list[SubjectResult | None] = [None] * n
+        counts = collections.Counter()
+        progress = Progress(n, self.progress)
+        cursor = 0
+        interrupted = False
+        try:
+            force = set(policy.force_rerun_subjects)
+            todo = []
+            for i in range(n):
+                entry = None
+                if store is not None and policy.resume and self.ids[i] not in force:
+                    entry = store.load(self.keys[i])
+                if entry is not None and entry.ok:
+                    results[i] = SubjectResult(self.ids[i], entry.value, None, True,
+                                               entry.attempts, entry.duration_s)
+                    counts["cached"] += 1
+                elif entry is not None and not policy.retry_failed_subjects:
+                    err = entry.error
+                    results[i] = SubjectResult(
+                        self.ids[i], None,
+                        RecordedFailure(f"{err['type']}: {err['message']} (recorded by an "
+                                        "earlier run)", error_type=err["type"],
+                                        traceback=err.get("traceback", "")),
+                        True, entry.attempts, entry.duration_s)
+                    counts["failed"] += 1
+                    counts["replayed_failures"] += 1
+                else:
+                    todo.append(i)
+                if results[i] is not None:
+                    progress.update(ok=results[i].ok, cached=True)
+            final = [r is not None for r in results]
+            if not self.ordered:
+                for i in range(n):
+                    if final[i]:
+                        yield results[i]
+            else:
+                while cursor < n and final[cursor]:
+                    yield results[cursor]
+                    cursor += 1
+
+            attempts = collections.Counter()
+            self.backend = backend = self._make_backend() if todo else None
+            rounds = 1 + policy.auto_retry_rounds
+            pending = todo
+            for round_no in range(rounds):
+                if not pending:
+                    break
+                last = round_no == rounds - 1
+                failed = []
+                for out in backend.run_round([(i, self.subjects[i]) for i in pending]):
+                    i = out.index
+                    attempts[i] += 1
+                    value, error = out.value, out.error
+                    if out.ok and store is not None:
+                        try:
+                            store.save_success(self.keys[i], self.ids[i], value, attempts[i],
+                                               out.duration_s)
+                        except SerializationError as exc:
+                            value, error = None, exc
+                    if error is not None:
+                        counts["timeouts"] += out.kind == "timeout"
+                        if store is not None:
+                            store.save_failure(self.keys[i], self.ids[i],
+                                               _error_record(error), attempts[i],
+                                               out.duration_s)
+                        if policy.on_subject_failure == "fail_fast":
+                            raise error
+                        failed.append(i)
+                    results[i] = SubjectResult(self.ids[i], value, error, False, attempts[i],
+                                               out.duration_s)
+                    if error is None or last:
+                        final[i] = True
+                        counts["done" if error is None else "failed"] += 1
+                        progress.update(ok=error is None, cached=False)
+                        if not self.ordered:
+                            yield results[i]
+                    if self.ordered:
+                        while cursor < n and final[cursor]:
+                            yield results[cursor]
+                            cursor += 1
+                pending = failed
+            for i in range(n):  # failures of the last round that ran
+                if not final[i]:
+                    final[i] = True
+                    counts["failed"] += 1
+                    progress.update(ok=False, cached=False)
+                    if not self.ordered:
+                        yield results[i]
+            if self.ordered:
+                while cursor < n:
+                    yield results[cursor]
+                    cursor += 1
+            counts["retried"] = sum(1 for a in attempts.values() if a > 1)
+            if policy.clear_checkpoint_on_success and store is not None and \
+                    all(r is not None and r.ok for r in results):
+                store.clear()
+                log.info("every subject succeeded: removed checkpoint store %s", store.root)
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
+        finally:
+            grace = policy.graceful_shutdown_sec
+            if self.backend is not None:
+                self.backend.shutdown(grace)
+                for key in ("oom_backoffs", "workers_started", "recycled", "restarts"):
+                    counts[key] += self.backend.stats[key]
+            if store is not None:
+                store.close()
+            self.summary = {k: counts[k] for k in ("done", "cached", "failed", "retried",
+                                                   "timeouts", "oom_backoffs")}
+            self.summary.update({k: counts[k] for k in ("replayed_failures", "workers_started",
+                                                        "recycled", "restarts") if counts[k]})
+            if interrupted:
+                self.summary["interrupted"] = 1
+            progress.close(self.summary)
+
+
+def run(fn, subjects: Iterable[Any], policy: RunPolicy | None = None,
+        fingerprint: str | None = None, progress: bool = True, **kwargs) -> JobRun:
+    """Run ``fn`` on every subject under ``policy``; iterate the result for
+    :class:`SubjectResult` objects (see :mod:`zephon.jobs.run`). Keyword options:
+    ``ordered`` (default True), ``allow_pickle`` (default False), ``mp_context``."""
+    return JobRun(fn, subjects, policy, fingerprint, progress, **kwargs)

@@ -1,0 +1,103 @@
+"""The job worker process and its wire protocol.
+
+A worker is a spawn-context child that first makes itself the leader of its
+own process group (so the parent can terminate the op's children with it),
+exports ``ZEPHON_GPU_SLOT`` when it has one, unpickles the callable (pickled
+once by the parent) and runs its ``setup()`` if it has one, then says READY.
+It runs one subject at a time and never decides to exit on its own: the
+parent stops it (recycling, failure restarts, shutdown) after it has read the
+last result, so a result is never lost to an exit.
+
+Messages (headers on a :mod:`zephon.transport.channel` socketpair; subjects,
+values and exceptions travel as pickle protocol 5 frames):
+
+    parent -> worker   task {id} [subject]       stop
+    worker -> parent   ready {pid}               fail {tb} [exception]   (setup failed)
+                       started {id}              done {id, d} [value, buffers...]
+                       error {id, d, tb, oom} [exception]
+
+If the parent dies the worker notices (EOF on the channel, or its parent pid
+changes while a subject runs) and kills its whole process group.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+
+from zephon.transport.channel import ChannelClosed
+
+__all__ = ["job_worker_main", "pickle_value", "unpickle_value", "pickle_error"]
+
+
+def pickle_value(value) -> list:
+    buffers: list = []
+    head = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    return [head, *(b.raw() for b in buffers)]
+
+
+def unpickle_value(frames: list):
+    return pickle.loads(frames[0], buffers=frames[1:])
+
+
+def pickle_error(exc: BaseException) -> tuple[str, bytes]:
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        blob = pickle.dumps(exc, protocol=5)
+        pickle.loads(blob)
+    except Exception:  # noqa: BLE001 - an exception that does not pickle travels as text
+        blob = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"), protocol=5)
+    return tb, blob
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            os.killpg(0, signal.SIGKILL)  # the parent is gone: take the op's children too
+
+
+def job_worker_main(channel, boot: dict) -> None:
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if boot.get("gpu_slot") is not None:
+        os.environ["ZEPHON_GPU_SLOT"] = str(boot["gpu_slot"])
+    threading.Thread(target=_watch_parent, args=(boot["parent_pid"],), daemon=True).start()
+    try:
+        try:
+            fn = pickle.loads(boot["fn"])
+            setup = getattr(fn, "setup", None)
+            if callable(setup):
+                setup()
+        except BaseException as exc:  # noqa: BLE001 - reported, then this worker exits
+            tb, blob = pickle_error(exc)
+            channel.send({"k": "fail", "tb": tb}, [blob])
+            return
+        channel.send({"k": "ready", "pid": os.getpid()})
+        while True:
+            header, frames, _ = channel.recv()
+            if header["k"] == "stop":
+                return
+            task_id = header["id"]
+            subject = pickle.loads(frames[0])
+            channel.send({"k": "started", "id": task_id})
+            start = time.perf_counter()
+            try:
+                out = pickle_value(fn(subject))
+            except Exception as exc:  # noqa: BLE001 - the subject's failure, not ours
+                tb, blob = pickle_error(exc)
+                channel.send({"k": "error", "id": task_id, "d": time.perf_counter() - start,
+                              "tb": tb, "oom": isinstance(exc, MemoryError)}, [blob])
+                continue
+            channel.send({"k": "done", "id": task_id, "d": time.perf_counter() - start}, out)
+    except ChannelClosed:
+        pass
+    finally:
+        channel.close()
