@@ -366,3 +366,20 @@ def test_forwarding_without_descriptors_degrades_to_a_copy(make_pool):
     pool.submit(("slice", (data, slice(10, None))), worker=1 - first.worker)
     second = pool.get(timeout=60).value
     assert np.array_equal(second, data[10:]) and not np.shares_memory(second, data)
+
+
+def test_restart_replaces_a_dead_worker_with_fresh_slab_ids(make_pool):
+    pool = make_pool(workers=1, options={"shm_min_new_allocation_bytes": 0})
+    pool.submit(("full", (4 << 20, 1)))
+    old = pool.get(timeout=60).value  # held across the restart
+    old_token = pool.leases.locate(old["data"])[0].token
+    pool.submit(("kill_self", None))
+    with pytest.raises(WorkerCrashedError):
+        pool.get(timeout=60)
+    pool.restart(0)
+    pool.submit(("full", (4 << 20, 2)))
+    new = pool.get(timeout=60).value
+    assert new["data"][0] == 2 and old["data"][0] == 1  # the old view is intact
+    assert pool.leases.locate(new["data"])[0].token != old_token
+    with pytest.raises(TransportError, match="still alive"):
+        pool.restart(0)

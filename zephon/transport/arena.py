@@ -218,7 +218,7 @@ class ShmArena:
 
     def __init__(self, owner: int, kind: str, max_bytes: int, *, parent_pid: int,
                  min_slab_bytes: int = 8 << 20, wait_log_s: float = 2.0,
-                 wait_timeout_s: float = 60.0,
+                 wait_timeout_s: float = 60.0, slab_base: int = 0,
                  alive: Callable[[], bool] = lambda: True) -> None:
         if kind not in ("memfd", "named"):
             raise ValueError(f"arena kind must be 'memfd' or 'named', got {kind!r}")
@@ -228,6 +228,7 @@ class ShmArena:
         self.min_slab_bytes = min_slab_bytes
         self.wait_log_s, self.wait_timeout_s, self.alive = wait_log_s, wait_timeout_s, alive
         self.parent_pid = parent_pid
+        self.slab_base = slab_base  # a restarted worker's slabs never reuse a dead one's ids
         self._nonce = os.urandom(2).hex()  # (secrets would import hashlib: +3 ms per worker)
         self.slabs: dict[int, Slab] = {}
         self._free: dict[int, list[list[int]]] = {}  # slab_id -> sorted [[offset, size], ...]
@@ -284,8 +285,8 @@ class ShmArena:
         return None
 
     def _grow(self, need: int) -> None:
-        index = len(self.slabs)
-        if index >= 1 << 16:
+        index = self.slab_base + len(self.slabs)
+        if len(self.slabs) >= 256 or index >= 1 << 16:
             raise TransportError("arena slab index space exhausted")
         size = max(self.min_slab_bytes, _align(need, 1 << 20), min(self.total_bytes,
                                                                    self.max_bytes - self.total_bytes))

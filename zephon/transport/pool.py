@@ -164,7 +164,8 @@ class _Worker:
         self.stopping = False
         self.arena = ShmArena(index + 1, boot["arena_kind"], boot["arena_max_bytes"],
                               parent_pid=self.parent_pid, alive=lambda: not self.parent_gone,
-                              wait_timeout_s=boot["arena_wait_timeout_s"])
+                              wait_timeout_s=boot["arena_wait_timeout_s"],
+                              slab_base=boot.get("slab_base", 0))
         self.leases, self.registry = LeaseTable(), SlabRegistry()
         self.encoder = Encoder(ShmPolicy(*boot["policy"]), self.leases, self.registry,
                                self.arena)
@@ -271,14 +272,18 @@ def _watch(pool_ref, handles) -> None:
         del pool
 
 
+_SLABS_PER_GENERATION = 256
+
+
 class _WorkerHandle:
-    __slots__ = ("index", "process", "channel", "peer", "inflight", "alive", "pid")
+    __slots__ = ("index", "process", "channel", "peer", "inflight", "alive", "pid", "generation")
 
     def __init__(self, index, process, channel, peer) -> None:
         self.index, self.process, self.channel, self.peer = index, process, channel, peer
         self.inflight: dict[int, list] = {}  # task id -> pinned leases
         self.alive = True
         self.pid = process.pid
+        self.generation = 0
 
 
 class WorkerPool:
@@ -287,11 +292,14 @@ class WorkerPool:
     def __init__(self, handler, num_workers: int, *, options: RuntimeOptions | None = None,
                  name: str = "pool", arena_max_bytes: int | None = None,
                  spawn_timeout_s: float = 60.0, arena_wait_timeout_s: float = 60.0,
-                 inflight_per_worker: int = 4) -> None:
+                 inflight_per_worker: int = 4, daemon: bool = True) -> None:
+        """``daemon=False`` lets workers start processes of their own (the MTP engine does);
+        they are still stopped by ``close()`` and at interpreter exit."""
         if not 1 <= num_workers <= 127:  # region tokens must fit the kernels' int64
             raise ValueError(f"num_workers must be in [1, 127], got {num_workers}")
         self.options = options or RuntimeOptions()
         self.handler, self.num_workers, self.name = handler, num_workers, name
+        self.daemon = daemon
         self.transport = self.options.ipc_transport
         self.arena_kind = "memfd" if self.transport == "socketpair" and memfd_available() \
             else "named"
@@ -330,48 +338,79 @@ class WorkerPool:
             raise SerializationError(
                 f"the worker handler {self.handler!r} cannot be pickled for spawn workers: "
                 f"{type(exc).__name__}: {exc}") from exc
-        ctx = self.options.mp_context
-        boot = {
+        self._boot = {
             "parent_pid": os.getpid(), "transport": self.transport,
             "arena_kind": self.arena_kind, "arena_max_bytes": self.arena_max_bytes,
             "arena_wait_timeout_s": self.arena_wait_timeout_s, "policy": tuple(self.policy),
             "handler": handler_bytes,
             "log_level": logging.getLogger("zephon").getEffectiveLevel(),
         }
-        buffer_bytes = self.options.ipc_buffer_bytes
         try:
             for k in range(self.num_workers):
-                parent_end, child_end = channel_pair(self.transport, buffer_bytes)
-                process = ctx.Process(target=_worker_entry, args=(k, child_end, boot),
-                                      name=f"zephon-{self.name}-{k}", daemon=True)
-                process.start()
-                child_end.close()  # the child has its own copy now
-                handle = _WorkerHandle(k, process, parent_end,
-                                       PeerState(can_map_fds=self.transport == "socketpair"))
-                self.workers.append(handle)
+                self.workers.append(self._launch(k, generation=0))
                 self._frees[k + 1] = collections.deque()
-            self._await_ready()
+            self._await_ready(self.workers)
         except BaseException:
             self.close()
             raise
         for handle in self.workers:
             self._selector.register(handle.channel.fileno(), selectors.EVENT_READ, handle)
+        self._start_watchdog()
+        return self
+
+    def _launch(self, k: int, generation: int) -> "_WorkerHandle":
+        parent_end, child_end = channel_pair(self.transport, self.options.ipc_buffer_bytes)
+        boot = dict(self._boot, slab_base=generation * _SLABS_PER_GENERATION)
+        process = self.options.mp_context.Process(
+            target=_worker_entry, args=(k, child_end, boot), name=f"zephon-{self.name}-{k}",
+            daemon=self.daemon)
+        process.start()
+        child_end.close()  # the child has its own copy now
+        handle = _WorkerHandle(k, process, parent_end,
+                               PeerState(can_map_fds=self.transport == "socketpair"))
+        handle.generation = generation
+        return handle
+
+    def _start_watchdog(self) -> None:
         # The watchdog holds the pool weakly: a dropped pool must stay collectable so that
         # its finalizer can close it.
         self._watchdog = threading.Thread(
             target=_watch, args=(weakref.ref(self), list(self.workers)),
             name=f"zephon-{self.name}-watchdog", daemon=True)
         self._watchdog.start()
-        return self
 
     def wait_for_exit(self, timeout: float | None = None) -> dict[int, int | None]:
         """Block until some worker has exited (or ``timeout``); returns ``exited``."""
         self._worker_exited.wait(timeout)
         return dict(self.exited)
 
-    def _await_ready(self) -> None:
+    def restart(self, k: int) -> None:
+        """Start a new process in slot ``k`` after its worker died (crash retries). Its slabs
+        take a fresh index range, so regions the consumer still holds from the dead worker
+        can never be confused with the new worker's."""
+        old = self.workers[k]
+        if old.alive:
+            raise TransportError(f"worker {k} of pool {self.name!r} is still alive")
+        generation = old.generation + 1
+        if generation * _SLABS_PER_GENERATION >= 1 << 16:
+            raise TransportError(f"worker slot {k} of pool {self.name!r} restarted too often")
+        handle = self._launch(k, generation)
+        self.workers[k] = handle
+        try:
+            self._await_ready([handle])
+        except BaseException:
+            handle.alive = False
+            handle.process.kill()
+            handle.process.join()
+            handle.channel.close()
+            raise
+        self._selector.register(handle.channel.fileno(), selectors.EVENT_READ, handle)
+        threading.Thread(target=_watch, args=(weakref.ref(self), [handle]),
+                         name=f"zephon-{self.name}-watchdog-{k}", daemon=True).start()
+
+    def _await_ready(self, handles) -> None:
         deadline = time.monotonic() + self.spawn_timeout_s
-        waiting = {h.channel.fileno(): h for h in self.workers}
+        waiting = {h.channel.fileno(): h for h in handles}
         selector = selectors.DefaultSelector()
         for fd, handle in waiting.items():
             selector.register(fd, selectors.EVENT_READ, handle)
@@ -472,7 +511,9 @@ class WorkerPool:
             while queue:
                 tokens.append(queue.popleft())
             handle = self.workers[owner - 1]
-            if handle.alive:
+            base = handle.generation * _SLABS_PER_GENERATION
+            tokens = [t for t in tokens if (token_slab(t) & 0xFFFF) >= base]
+            if handle.alive and tokens:
                 try:
                     handle.channel.send({"k": "free", "t": tokens})
                 except ChannelClosed:

@@ -1,0 +1,360 @@
+"""Ops, the records they exchange, and the accumulators.
+
+A lane's stream is a sequence of **units** (lists of :class:`Record`) and
+:class:`Boundary` markers. A record is a value plus the identities of the
+samples it came from ``(source, index, epoch)``. A Boundary ``(epoch, k)``
+opens a replay segment: every accumulator drains what it holds, then restarts
+with state seeded from ``(seed, lane, epoch, k)``, so a lane replayed from a
+boundary reproduces its stream exactly.
+
+Stateless ops (``map``, ``filter``, ``map_batch``) run inside a stage program,
+possibly in another process, on one unit at a time. Stateful ops run serially
+per lane in the engine: ``shuffle(buffer_size)`` (a seeded shuffle buffer),
+``batch(microbatch_size, drop_last)`` (collates dict samples into a
+:class:`Batch`; a partial batch is emitted at a boundary, or dropped with
+``drop_last``) and ``pack_tokens(seq_len, field)`` (concatenates token arrays
+and cuts fixed-length rows, carrying the remainder; the remainder left at a
+boundary is dropped).
+
+Traits per op: ``parallelism`` (workers it asks for), ``preserves_cursor_order``
+(False for shuffle and pack_tokens: they need flush boundaries), and
+``batch_shape_sensitive`` (map_batch: the unit boundaries it sees matter).
+Randomness for ops is ``ctx.rng``, seeded from the sample identity; a map
+function taking two arguments receives ``ctx`` as the second.
+"""
+
+from __future__ import annotations
+
+import inspect
+import zlib
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from zephon.errors import ZephonConfigError, ZephonError
+
+__all__ = ["Record", "Boundary", "Batch", "OpContext", "OpError", "Op", "MapOp", "FilterOp",
+           "MapBatchOp", "ShuffleOp", "BatchOp", "PackTokensOp", "collate", "fn_name"]
+
+
+class Record:
+    __slots__ = ("value", "ids")
+
+    def __init__(self, value: Any, ids: list) -> None:
+        self.value, self.ids = value, ids
+
+    def __reduce__(self):
+        return (Record, (self.value, self.ids))
+
+
+class Boundary(NamedTuple):
+    epoch: int
+    k: int  # lane-chunk index within the epoch where the segment starts
+
+
+class Batch(dict):
+    """A batch: ``{column: array or list}`` plus ``meta`` (lane, lane_index, sample_ids)."""
+
+    def __init__(self, *args, meta: dict | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.meta = meta if meta is not None else {}
+
+    def __reduce__(self):
+        return (_rebuild_batch, (dict(self), self.meta))
+
+    def __repr__(self) -> str:
+        return f"Batch({dict.__repr__(self)}, meta={self.meta!r})"
+
+
+def _rebuild_batch(data, meta):
+    return Batch(data, meta=meta)
+
+
+class OpError(ZephonError):
+    """A user op raised; ``op`` and ``sample_id`` say where, ``__cause__`` is the error."""
+
+    def __init__(self, message: str, *, op: str = "", sample_id: Any = None) -> None:
+        super().__init__(message)
+        self.op, self.sample_id = op, sample_id
+
+    def __reduce__(self):
+        return (_rebuild_op_error, (str(self), self.op, self.sample_id))
+
+
+def _rebuild_op_error(message, op, sample_id):
+    return OpError(message, op=op, sample_id=sample_id)
+
+
+def _stable_hash(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+class OpContext:
+    """What an op may know about the sample it runs on; ``rng`` is seeded from its identity."""
+
+    __slots__ = ("sample_id", "seed", "_rng")
+
+    def __init__(self, sample_id, seed: int) -> None:
+        self.sample_id, self.seed, self._rng = sample_id, seed, None
+
+    @property
+    def rng(self) -> np.random.Generator:
+        if self._rng is None:
+            source, index, epoch = self.sample_id
+            self._rng = np.random.default_rng([self.seed, _stable_hash(source), index, epoch])
+        return self._rng
+
+
+def fn_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+def _wants_ctx(fn: Callable) -> bool:
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 2
+
+
+def _check_int(op: str, name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ZephonConfigError(f"{op}: {name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class Op:
+    kind = "op"
+    stateless = True
+    parallelism = 1
+    preserves_cursor_order = True
+    batch_shape_sensitive = False
+
+    @property
+    def name(self) -> str:
+        return self.kind
+
+    def describe(self) -> str:
+        return self.name
+
+
+class MapOp(Op):
+    kind = "map"
+
+    def __init__(self, fn: Callable, parallelism: int = 1) -> None:
+        if not callable(fn):
+            raise ZephonConfigError(f"map: fn must be callable, got {fn!r}")
+        self.fn, self.parallelism = fn, _check_int("map", "parallelism", parallelism, 1)
+        self.with_ctx = _wants_ctx(fn)
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}({fn_name(self.fn)})"
+
+    def describe(self) -> str:
+        return f"{self.name}@{getattr(self.fn, '__module__', '?')}"
+
+    def apply(self, records: list, seed: int) -> list:
+        fn, out = self.fn, []
+        for r in records:
+            try:
+                value = fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx else fn(r.value)
+            except Exception as exc:  # noqa: BLE001 - named and re-raised for the consumer
+                raise _op_error(self, r, exc) from exc
+            out.append(Record(value, r.ids))
+        return out
+
+
+class FilterOp(MapOp):
+    kind = "filter"
+
+    def apply(self, records: list, seed: int) -> list:
+        fn, out = self.fn, []
+        for r in records:
+            try:
+                keep = fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx else fn(r.value)
+            except Exception as exc:  # noqa: BLE001
+                raise _op_error(self, r, exc) from exc
+            if keep:
+                out.append(r)
+        return out
+
+
+class MapBatchOp(MapOp):
+    kind = "map_batch"
+    batch_shape_sensitive = True
+
+    def apply(self, records: list, seed: int) -> list:
+        out = []
+        for r in records:
+            try:
+                value = self.fn(r.value)
+            except Exception as exc:  # noqa: BLE001
+                raise _op_error(self, r, exc) from exc
+            if isinstance(r.value, Batch) and isinstance(value, dict) and \
+                    not isinstance(value, Batch):
+                value = Batch(value, meta=r.value.meta)
+            out.append(Record(value, r.ids))
+        return out
+
+
+def _op_error(op: Op, record: Record, exc: BaseException) -> OpError:
+    sample = record.ids[0] if len(record.ids) == 1 else record.ids
+    return OpError(f"op {op.name} failed on sample {sample}: {type(exc).__name__}: {exc}",
+                   op=op.name, sample_id=sample)
+
+
+# -- accumulators ----------------------------------------------------------------------------
+
+class ShuffleOp(Op):
+    kind = "shuffle"
+    stateless = False
+    preserves_cursor_order = False
+
+    def __init__(self, buffer_size: int) -> None:
+        self.buffer_size = _check_int("shuffle", "buffer_size", buffer_size, 1)
+
+    def describe(self) -> str:
+        return f"shuffle({self.buffer_size})"
+
+    def start(self, seed: int, lane: int, boundary: Boundary) -> "_ShuffleState":
+        return _ShuffleState(self.buffer_size, np.random.default_rng(
+            [seed, 0x5F, lane, boundary.epoch, boundary.k]))
+
+
+class _ShuffleState:
+    def __init__(self, size: int, rng: np.random.Generator) -> None:
+        self.size, self.rng, self.buf = size, rng, []
+
+    def push(self, records: list) -> list:
+        out, buf = [], self.buf
+        for r in records:
+            if len(buf) < self.size:
+                buf.append(r)
+                continue
+            j = int(self.rng.integers(self.size))
+            out.append(buf[j])
+            buf[j] = r
+        return out
+
+    def drain(self) -> list:
+        order = self.rng.permutation(len(self.buf))
+        out = [self.buf[j] for j in order]
+        self.buf = []
+        return out
+
+
+def collate(values: list) -> dict:
+    """Dict samples -> dict of stacked arrays (lists where values are ragged or not numeric)."""
+    if not values:
+        return {}
+    if not all(isinstance(v, dict) for v in values):
+        raise ZephonConfigError("batch: samples must be dicts to be collated, got "
+                                f"{type(next(v for v in values if not isinstance(v, dict))).__name__}")
+    keys = list(values[0])
+    out = {}
+    for key in keys:
+        column = [v.get(key) for v in values]
+        arrays = [np.asarray(c) if isinstance(c, (np.ndarray, np.generic, int, float, bool))
+                  else None for c in column]
+        if all(a is not None for a in arrays) and len({(a.shape, a.dtype) for a in arrays}) == 1:
+            out[key] = np.stack(arrays)
+        else:
+            out[key] = column
+    return out
+
+
+class BatchOp(Op):
+    kind = "batch"
+    stateless = False
+
+    def __init__(self, microbatch_size: int, drop_last: bool = False) -> None:
+        self.size = _check_int("batch", "microbatch_size", microbatch_size, 1)
+        if not isinstance(drop_last, bool):
+            raise ZephonConfigError(f"batch: drop_last must be True or False, got {drop_last!r}")
+        self.drop_last = drop_last
+
+    def describe(self) -> str:
+        return f"batch({self.size}, drop_last={self.drop_last})"
+
+    def start(self, seed: int, lane: int, boundary: Boundary) -> "_BatchState":
+        return _BatchState(self.size, self.drop_last)
+
+
+class _BatchState:
+    def __init__(self, size: int, drop_last: bool) -> None:
+        self.size, self.drop_last, self.buf = size, drop_last, []
+
+    def _make(self, records: list) -> Record:
+        ids = [i for r in records for i in r.ids]
+        return Record(Batch(collate([r.value for r in records]), meta={"sample_ids": ids}), ids)
+
+    def push(self, records: list) -> list:
+        out = []
+        for r in records:
+            self.buf.append(r)
+            if len(self.buf) == self.size:
+                out.append(self._make(self.buf))
+                self.buf = []
+        return out
+
+    def drain(self) -> list:
+        buf, self.buf = self.buf, []
+        if not buf or self.drop_last:
+            return []
+        return [self._make(buf)]
+
+
+class PackTokensOp(Op):
+    kind = "pack_tokens"
+    stateless = False
+    preserves_cursor_order = False
+
+    def __init__(self, seq_len: int, field: str = "tokens") -> None:
+        self.seq_len = _check_int("pack_tokens", "seq_len", seq_len, 1)
+        if not isinstance(field, str) or not field:
+            raise ZephonConfigError(f"pack_tokens: field must be a non-empty string, got {field!r}")
+        self.field = field
+
+    def describe(self) -> str:
+        return f"pack_tokens({self.seq_len}, {self.field!r})"
+
+    def start(self, seed: int, lane: int, boundary: Boundary) -> "_PackState":
+        return _PackState(self.seq_len, self.field)
+
+
+class _PackState:
+    def __init__(self, seq_len: int, field: str) -> None:
+        self.seq_len, self.field = seq_len, field
+        self.parts: list[np.ndarray] = []
+        self.count = 0
+        self.ids: list = []
+
+    def push(self, records: list) -> list:
+        out = []
+        for r in records:
+            try:
+                tokens = np.asarray(r.value[self.field]).reshape(-1)
+            except (KeyError, TypeError, IndexError) as exc:
+                raise OpError(f"op pack_tokens failed on sample {r.ids[0]}: no token field "
+                              f"{self.field!r} ({exc})", op="pack_tokens",
+                              sample_id=r.ids[0]) from exc
+            self.parts.append(tokens)
+            self.count += tokens.size
+            self.ids.extend(r.ids)
+            if self.count >= self.seq_len:
+                flat = np.concatenate(self.parts)
+                rows = flat.size // self.seq_len
+                for j in range(rows):
+                    row = flat[j * self.seq_len:(j + 1) * self.seq_len]
+                    out.append(Record({self.field: row}, list(self.ids)))
+                rest = flat[rows * self.seq_len:]
+                self.parts = [rest] if rest.size else []
+                self.count = rest.size
+                self.ids = list(r.ids) if rest.size else []
+        return out
+
+    def drain(self) -> list:
+        self.parts, self.count, self.ids = [], 0, []
+        return []

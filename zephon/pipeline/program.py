@@ -1,0 +1,42 @@
+"""The stage program: what a worker (or the engine itself) runs on one unit.
+
+A :class:`StageProgram` holds the source, the stateless ops of every parallel
+stage and the seed; it is pickled once per worker process. ``program((stage,
+unit))`` returns the unit's output records: stage 0 reads ``(index, epoch)``
+pairs from the source first. A failure in a user op is an
+:class:`~zephon.pipeline.ops.OpError` naming the op and the sample; a failure
+reading the source names the sample likewise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zephon.pipeline.ops import OpError, Record
+
+__all__ = ["StageProgram"]
+
+
+class StageProgram:
+    def __init__(self, source, stages: list[list], seed: int) -> None:
+        self.source, self.stages, self.seed = source, stages, seed
+
+    def read(self, unit: list) -> list:
+        source, out = self.source, []
+        for index, epoch in unit:
+            name, idx = source.identity(index)
+            sid = (name, idx, epoch)
+            try:
+                value = source.get(index)
+            except Exception as exc:  # noqa: BLE001 - named and re-raised for the consumer
+                raise OpError(f"reading sample {sid} failed: {type(exc).__name__}: {exc}",
+                              op="read", sample_id=sid) from exc
+            out.append(Record(value, [sid]))
+        return out
+
+    def __call__(self, payload: tuple[int, Any]) -> list:
+        stage, unit = payload
+        records = self.read(unit) if stage == 0 else unit
+        for op in self.stages[stage]:
+            records = op.apply(records, self.seed)
+        return records

@@ -1,0 +1,253 @@
+"""Sources: random-access sample collections with a stable identity per sample.
+
+Every source has a ``name``, a length and ``get(i)``; the identity of sample
+``i`` in epoch ``e`` is ``(name, i, e)`` (for a mixture: the component's name
+and the component's own index). Sources are pickled once per worker process
+and must not hold open handles across pickling: files are (re)opened lazily in
+whichever process reads.
+
+- :func:`from_sequence` — an in-memory list/array; sample = item.
+- :func:`from_callable` — ``fn(i)`` for ``i < n`` (a map-style dataset).
+- :func:`token_windows` — a flat binary token file (nanoGPT style), memmapped;
+  sample ``i`` is ``{"tokens": tokens[i*seq_len:(i+1)*seq_len]}``.
+- :func:`jsonl` — one dict per line over files and globs (sorted); the line
+  index is built once; a bad line raises an error naming file and line.
+- :func:`mixture` — components interleaved by a deterministic schedule
+  (:class:`~zephon.options.MixtureReadConfig`): smooth weighted round-robin
+  or seeded weighted random; every component sample appears once per epoch.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import json
+import os
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from zephon.errors import ZephonConfigError, ZephonError
+from zephon.options import MixtureReadConfig
+
+__all__ = ["Source", "from_sequence", "from_callable", "token_windows", "jsonl", "mixture",
+           "SourceError"]
+
+
+class SourceError(ZephonError):
+    """A sample could not be read (the message names the file and line or index)."""
+
+
+class Source:
+    name = "source"
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def get(self, i: int) -> Any:
+        raise NotImplementedError
+
+    def identity(self, i: int) -> tuple[str, int]:
+        return self.name, i
+
+    def describe(self) -> str:
+        """A stable description (part of the pipeline fingerprint)."""
+        return f"{type(self).__name__}({self.name}, n={len(self)})"
+
+
+class SequenceSource(Source):
+    def __init__(self, items: Sequence[Any], name: str) -> None:
+        self.items, self.name = items, name
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def get(self, i: int) -> Any:
+        return self.items[i]
+
+
+class CallableSource(Source):
+    def __init__(self, n: int, fn: Callable[[int], Any], name: str) -> None:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ZephonConfigError(f"from_callable: n must be an int >= 0, got {n!r}")
+        if not callable(fn):
+            raise ZephonConfigError(f"from_callable: fn must be callable, got {fn!r}")
+        self.n, self.fn, self.name = int(n), fn, name
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get(self, i: int) -> Any:
+        return self.fn(i)
+
+    def describe(self) -> str:
+        fn = self.fn
+        return (f"CallableSource({self.name}, n={self.n}, fn="
+                f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)})")
+
+
+class TokenWindows(Source):
+    def __init__(self, path: str, seq_len: int, dtype: str, name: str) -> None:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ZephonConfigError(f"token_windows: seq_len must be an int >= 1, got {seq_len!r}")
+        self.path, self.seq_len, self.name = os.fspath(path), seq_len, name
+        self.dtype = np.dtype(dtype)
+        try:
+            size = os.path.getsize(self.path)
+        except OSError as exc:
+            raise SourceError(f"token_windows: cannot read {self.path}: {exc}") from exc
+        self.n_tokens = size // self.dtype.itemsize
+        self._tokens = None
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_tokens"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._tokens = None
+
+    def __len__(self) -> int:
+        return self.n_tokens // self.seq_len
+
+    def get(self, i: int) -> Any:
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r",
+                                     shape=(self.n_tokens,))
+        start = i * self.seq_len
+        return {"tokens": np.array(self._tokens[start:start + self.seq_len])}
+
+    def describe(self) -> str:
+        return (f"TokenWindows({self.name}, {os.path.basename(self.path)}, "
+                f"tokens={self.n_tokens}, seq_len={self.seq_len}, {self.dtype.str})")
+
+
+class JsonlSource(Source):
+    def __init__(self, paths: str | Sequence[str], name: str) -> None:
+        patterns = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+        files: list[str] = []
+        for pattern in patterns:
+            pattern = os.fspath(pattern)
+            matched = sorted(globlib.glob(pattern)) if globlib.has_magic(pattern) else [pattern]
+            if not matched:
+                raise SourceError(f"jsonl: no file matches {pattern!r}")
+            files.extend(matched)
+        self.files, self.name = files, name
+        offsets, file_index, line_no = [], [], []
+        for k, path in enumerate(files):
+            try:
+                with open(path, "rb") as fh:
+                    pos = 0
+                    for n, line in enumerate(fh, 1):
+                        if line.strip():
+                            offsets.append(pos)
+                            file_index.append(k)
+                            line_no.append(n)
+                        pos += len(line)
+            except OSError as exc:
+                raise SourceError(f"jsonl: cannot read {path}: {exc}") from exc
+        self.offsets = np.asarray(offsets, dtype=np.int64)
+        self.file_index = np.asarray(file_index, dtype=np.int32)
+        self.line_no = np.asarray(line_no, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def get(self, i: int) -> Any:
+        path = self.files[self.file_index[i]]
+        with open(path, "rb") as fh:
+            fh.seek(int(self.offsets[i]))
+            line = fh.readline()
+        try:
+            value = json.loads(line)
+        except ValueError as exc:
+            raise SourceError(f"jsonl: {path}, line {int(self.line_no[i])}: invalid JSON "
+                              f"({exc})") from None
+        if not isinstance(value, dict):
+            raise SourceError(f"jsonl: {path}, line {int(self.line_no[i])}: expected an "
+                              f"object, got {type(value).__name__}")
+        return value
+
+    def describe(self) -> str:
+        return f"JsonlSource({self.name}, files={[os.path.basename(f) for f in self.files]}, " \
+               f"n={len(self)})"
+
+
+class MixtureSource(Source):
+    def __init__(self, components: Mapping[str, Source], weights: Mapping[str, float] | None,
+                 config: MixtureReadConfig, name: str) -> None:
+        if not components:
+            raise ZephonConfigError("mixture: at least one component is needed")
+        self.names = list(components)
+        self.components = [components[k] for k in self.names]
+        weights = weights or {k: 1.0 for k in self.names}
+        unknown = set(weights) - set(self.names)
+        if unknown or set(self.names) - set(weights):
+            raise ZephonConfigError(f"mixture: weights must name exactly the components "
+                                    f"{self.names}, got {sorted(weights)}")
+        self.weights = np.array([float(weights[k]) for k in self.names])
+        if not np.all(np.isfinite(self.weights)) or np.any(self.weights <= 0):
+            raise ZephonConfigError(f"mixture: weights must be positive, got {dict(weights)}")
+        self.config, self.name = config, name
+        self.comp, self.comp_index = self._schedule()
+
+    def _schedule(self) -> tuple[np.ndarray, np.ndarray]:
+        sizes = np.array([len(c) for c in self.components], dtype=np.int64)
+        total = int(sizes.sum())
+        comp = np.empty(total, dtype=np.int32)
+        left = sizes.copy()
+        w = self.weights / self.weights.sum()
+        rng = np.random.default_rng(self.config.seed)
+        credit = np.zeros(len(sizes))
+        for i in range(total):
+            live = left > 0
+            if self.config.mode == "weighted_random":
+                p = np.where(live, w, 0.0)
+                k = int(rng.choice(len(sizes), p=p / p.sum()))
+            else:  # smooth weighted round robin over the components that have samples left
+                credit[live] += w[live]
+                k = int(np.argmax(np.where(live, credit, -np.inf)))
+                credit[k] -= w[live].sum()
+            comp[i] = k
+            left[k] -= 1
+        index = np.empty(total, dtype=np.int64)
+        for k, size in enumerate(sizes):
+            order = np.arange(size)
+            if self.config.within_component == "shuffle":
+                order = np.random.default_rng([self.config.seed, k]).permutation(size)
+            index[comp == k] = order
+        return comp, index
+
+    def __len__(self) -> int:
+        return len(self.comp)
+
+    def get(self, i: int) -> Any:
+        return self.components[self.comp[i]].get(int(self.comp_index[i]))
+
+    def identity(self, i: int) -> tuple[str, int]:
+        return self.names[self.comp[i]], int(self.comp_index[i])
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{n}: {c.describe()} x{w:g}" for n, c, w in
+                          zip(self.names, self.components, self.weights))
+        return f"MixtureSource({parts}; {self.config.to_dict()})"
+
+
+def from_sequence(items: Sequence[Any], *, name: str = "sequence") -> Source:
+    return SequenceSource(items, name)
+
+
+def from_callable(n: int, fn: Callable[[int], Any], *, name: str = "callable") -> Source:
+    return CallableSource(n, fn, name)
+
+
+def token_windows(path: str, seq_len: int, dtype: str = "uint16", *,
+                  name: str = "tokens") -> Source:
+    return TokenWindows(path, seq_len, dtype, name)
+
+
+def jsonl(paths: str | Sequence[str], *, name: str = "jsonl") -> Source:
+    return JsonlSource(paths, name)
+
+
+def mixture(components: Mapping[str, Source], weights: Mapping[str, float] | None = None, *,
+            config: MixtureReadConfig | None = None, name: str = "mixture") -> Source:
+    return MixtureSource(components, weights, config or MixtureReadConfig(), name)
