@@ -67,10 +67,15 @@ def run_parent(transport: str, mode: str):
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"helper parent failed: {proc.stderr.read()}")
-        return proc, json.loads(line)
+        seen = []
+        while True:  # the pid list is the first JSON line; anything else is kept for the report
+            line = proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"helper parent failed: {seen} {proc.stderr.read()}")
+            try:
+                return proc, json.loads(line)
+            except ValueError:
+                seen.append(line)
     except BaseException:
         proc.kill()
         proc.wait()

@@ -263,8 +263,9 @@ def _watch(pool_ref, handles) -> None:
             return
         for sentinel in ready:
             handle = pending.pop(sentinel)
-            handle.process.join(1.0)
-            code = handle.process.exitcode
+            with pool._reap_lock:  # one reaper at a time, or the other sees ECHILD
+                handle.process.join(1.0)
+                code = handle.process.exitcode
             pool.exited[handle.index] = code
             pool._worker_exited.set()
             log.error("worker %d (pid %s) of pool %r exited by %s", handle.index, handle.pid,
@@ -323,6 +324,7 @@ class WorkerPool:
         self.crashes: list[WorkerCrashedError] = []
         self.exited: dict[int, int | None] = {}  # worker index -> exit code, by the watchdog
         self._worker_exited = threading.Event()
+        self._reap_lock = threading.Lock()
         _live_pools.add(self)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -610,8 +612,9 @@ class WorkerPool:
         except (KeyError, ValueError):
             pass
         handle.channel.close()
-        handle.process.join(2.0)
-        code = handle.process.exitcode
+        with self._reap_lock:
+            handle.process.join(2.0)
+            code = handle.process.exitcode
         tasks = sorted(handle.inflight)
         handle.inflight.clear()
         released = self.registry.drop_owner(handle.index + 1)
