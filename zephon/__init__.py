@@ -25,10 +25,16 @@ from zephon.options import (
     StoreOptions,
 )
 
+from zephon.pipeline import Batch, OpError, Pipeline, sources
+
 __version__ = "0.1.0"
 
 __all__ = [
     "AggregationTimeoutError",
+    "Batch",
+    "OpError",
+    "Pipeline",
+    "sources",
     "CheckpointError",
     "ExecutionTrackingMode",
     "MetricsSinkConfig",

@@ -1,0 +1,319 @@
+"""``Pipeline``: the user-facing builder, iterator, checkpoint and restore.
+
+Builder methods return a new pipeline (the original is unchanged), so one
+definition can be run with several option sets. Iterating runs the plan for
+this rank's lanes:
+
+- all stages inline and no MTP: the engine runs in the consumer's thread;
+- otherwise a pump thread fills a queue of ``prefetch_batches`` items (MTP:
+  the engine runs in a subprocess, see :mod:`zephon.runners.mtp`).
+
+Only what ``__next__`` hands to the consumer counts as delivered: each item
+carries its lane position and delivery records it, so prefetched items are
+replayed after a restore. ``checkpoint()`` encodes the delivered positions of
+the owned lanes with the fingerprint and C (with several ranks, exchanged
+through ``aggregate_dir`` so every rank returns the same merged bytes).
+``restore(state)`` checks the envelope, the fingerprint and C, and makes the
+next iteration continue exactly after the last delivered item of every lane.
+
+Shutdown: ``close()`` (also on early ``break`` when the iterator is dropped,
+on an exception in the consumer, at garbage collection and interpreter exit)
+stops the pump, closes the worker pools and reaps every process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import queue
+import threading
+import weakref
+from typing import Any
+
+from zephon.checkpoint import aggregate_through_dir, decode_state, encode_state
+from zephon.errors import CheckpointError, ZephonConfigError
+from zephon.options import (
+    RuntimeOptions, resolve_aggregate_timeout_s, resolve_canonical_replicas,
+    resolve_dp_group_id,
+)
+from zephon.pipeline import ops as O
+from zephon.pipeline.engine import Engine, LaneState, Plan
+from zephon.pipeline.sources import Source
+from zephon.pipeline.validate import validate
+
+__all__ = ["Pipeline"]
+
+_END = object()
+_live: "weakref.WeakSet[_Run]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_runs() -> None:
+    for run in list(_live):
+        run.close()
+
+
+class _Failure:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Run:
+    """One iteration of a pipeline (the object ``iter(pipe)`` returns)."""
+
+    def __init__(self, pipe: "Pipeline", plan: Plan) -> None:
+        self.pipe, self.plan = pipe, plan
+        self.closed = False
+        self.engine = None
+        self.remote = None
+        self.thread = None
+        opts = plan.opts
+        if opts.mtp_mode:
+            from zephon.runners.mtp import MtpSource
+
+            self.remote = MtpSource(pipe._spec(), dict(pipe._states), opts)
+            self._source = self.remote.items()
+            threaded = True
+        else:
+            self.engine = Engine(plan, pipe._states)
+            self._source = self.engine.items()
+            threaded = plan.runners != {"inline"}
+        if threaded:
+            self.queue: queue.Queue = queue.Queue(maxsize=plan.prefetch)
+            self.stop = threading.Event()
+            self.thread = threading.Thread(target=self._pump, name="zephon-pump", daemon=True)
+            self.thread.start()
+        _live.add(self)
+
+    def _pump(self) -> None:
+        try:
+            for item in self._source:
+                while not self.stop.is_set():
+                    try:
+                        self.queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stop.is_set():
+                    return
+            self._put(_END)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            if not self.stop.is_set():
+                self._put(_Failure(exc))
+
+    def _put(self, item) -> None:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.closed:
+            raise StopIteration
+        try:
+            if self.thread is None:
+                value, stamp = next(self._source)
+            else:
+                item = self.queue.get()
+                if item is _END:
+                    raise StopIteration
+                if isinstance(item, _Failure):
+                    raise item.error
+                value, stamp = item
+        except StopIteration:
+            self.close()
+            self.pipe._finished()
+            raise
+        except BaseException:
+            self.close()
+            raise
+        lane, epoch, k, since, total = stamp
+        self.pipe._states[lane] = LaneState(epoch, k, since, total)
+        return value
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        _live.discard(self)
+        if self.thread is not None:
+            self.stop.set()
+        if self.engine is not None:
+            self.engine.close()
+        if self.remote is not None:
+            self.remote.close()
+        if self.thread is not None:
+            while True:  # unblock a pump waiting on a full queue, then join it
+                try:
+                    self.queue.get_nowait()
+                except queue.Empty:
+                    break
+            self.thread.join(timeout=30)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class Pipeline:
+    """``Pipeline(source, seed=..., shuffle=..., chunk_size=..., num_epochs=...)`` then ops."""
+
+    def __init__(self, source: Source, *, seed: int = 0, shuffle: bool = True,
+                 chunk_size: int = 64, num_epochs: int | None = 1) -> None:
+        if not isinstance(source, Source):
+            raise ZephonConfigError(f"Pipeline: source must be a zephon source "
+                                    f"(zephon.sources.*), got {type(source).__name__}")
+        for name, value, low in (("seed", seed, 0), ("chunk_size", chunk_size, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ZephonConfigError(f"Pipeline: {name} must be an int >= {low}, "
+                                        f"got {value!r}")
+        if num_epochs is not None and (isinstance(num_epochs, bool) or
+                                       not isinstance(num_epochs, int) or num_epochs < 1):
+            raise ZephonConfigError(f"Pipeline: num_epochs must be None or an int >= 1, "
+                                    f"got {num_epochs!r}")
+        if not isinstance(shuffle, bool):
+            raise ZephonConfigError(f"Pipeline: shuffle must be True or False, got {shuffle!r}")
+        # ``shuffle`` (the flag) permutes each epoch; ``shuffle(n)`` (the method) is the op.
+        self.source, self.seed, self.permute = source, seed, shuffle
+        self.chunk_size, self.num_epochs = chunk_size, num_epochs
+        self.ops: list[O.Op] = []
+        self.runtime = RuntimeOptions()
+        self._states: dict[int, LaneState] = {}
+        self._run: _Run | None = None
+        self._rounds = 0
+        self.final_state: bytes | None = None
+
+    # -- building ------------------------------------------------------------------------
+    def _with(self, op: O.Op | None = None, runtime: RuntimeOptions | None = None) -> "Pipeline":
+        new = Pipeline.__new__(Pipeline)
+        new.__dict__.update(self.__dict__)
+        new.ops = self.ops + ([op] if op is not None else [])
+        new.runtime = runtime if runtime is not None else self.runtime
+        new._states, new._run, new._rounds, new.final_state = {}, None, 0, None
+        return new
+
+    def map(self, fn, parallelism: int = 1) -> "Pipeline":
+        return self._with(O.MapOp(fn, parallelism))
+
+    def filter(self, pred, parallelism: int = 1) -> "Pipeline":
+        return self._with(O.FilterOp(pred, parallelism))
+
+    def map_batch(self, fn, parallelism: int = 1) -> "Pipeline":
+        return self._with(O.MapBatchOp(fn, parallelism))
+
+    def shuffle(self, buffer_size: int) -> "Pipeline":
+        return self._with(O.ShuffleOp(buffer_size))
+
+    def batch(self, microbatch_size: int, drop_last: bool = False) -> "Pipeline":
+        return self._with(O.BatchOp(microbatch_size, drop_last))
+
+    def pack_tokens(self, seq_len: int, field: str = "tokens") -> "Pipeline":
+        return self._with(O.PackTokensOp(seq_len, field))
+
+    def options(self, opts: RuntimeOptions) -> "Pipeline":
+        if not isinstance(opts, RuntimeOptions):
+            raise ZephonConfigError(f"options() takes a RuntimeOptions, got {type(opts).__name__}")
+        return self._with(runtime=opts)
+
+    # -- plan ----------------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        parts = [self.source.describe(), f"seed={self.seed}",
+                 f"shuffle={self.permute}",
+                 f"chunk={self.chunk_size}", f"epochs={self.num_epochs}"]
+        parts += [op.describe() for op in self.ops]
+        plan_k = Plan(self, self.runtime).flush_every
+        parts.append(f"flush={plan_k}")
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+    def plan(self) -> Plan:
+        return Plan(self, self.runtime)
+
+    def explain(self) -> str:
+        return self.plan().explain()
+
+    def _spec(self) -> "Pipeline":
+        """A copy without run state (what the MTP subprocess rebuilds)."""
+        return self._with()
+
+    # -- iteration -------------------------------------------------------------------------
+    def __iter__(self) -> _Run:
+        if self._run is not None:
+            self._run.close()
+        plan = self.plan()
+        validate(plan)
+        self._run = _Run(self, plan)
+        return self._run
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.close()
+
+    def _finished(self) -> None:
+        if self.runtime.mtp_mode and self.runtime.mtp_auto_checkpoint:
+            self.final_state = self.checkpoint()
+
+    # -- checkpoint ------------------------------------------------------------------------
+    def _local_state(self) -> dict:
+        plan = self.plan()
+        lanes = {str(lane): list(self._states[lane]) for lane in plan.owned
+                 if lane in self._states}
+        return {"fingerprint": self.fingerprint(), "lanes_total": plan.lanes, "lanes": lanes}
+
+    def checkpoint(self) -> bytes:
+        o = self.runtime
+        local = self._local_state()
+        if o.world_size == 1:
+            return encode_state(local, o.aggregate_serializer, o.aggregate_compressor)
+        if o.aggregate_dir is None:
+            raise ZephonConfigError(
+                "checkpoint() with world_size > 1 needs aggregate_dir (a directory every rank "
+                "can reach) so that the ranks can merge their states")
+        self._rounds += 1
+        dp = self.plan().dp
+        world = o.world_size
+        return aggregate_through_dir(
+            local, directory=o.aggregate_dir, run_id=o.run_id, round_no=self._rounds,
+            rank=o.global_rank, world=world,
+            group_of=lambda r: resolve_dp_group_id(o.replace(global_rank=r, dp_group_id=None))
+            if o.dp_group_id is None else "?",
+            timeout_s=resolve_aggregate_timeout_s(o), serializer=o.aggregate_serializer,
+            compressor=o.aggregate_compressor)
+
+    def restore(self, state: bytes) -> None:
+        decoded = decode_state(state)
+        for key in ("fingerprint", "lanes_total", "lanes"):
+            if key not in decoded:
+                raise CheckpointError(f"checkpoint lacks {key!r}: not a pipeline state")
+        if decoded["fingerprint"] != self.fingerprint():
+            raise CheckpointError(
+                "checkpoint is from a different pipeline (its fingerprint "
+                f"{str(decoded['fingerprint'])[:12]} is not this pipeline's "
+                f"{self.fingerprint()[:12]}: source, ops, seed, chunking or flush differ)")
+        lanes = resolve_canonical_replicas(self.runtime)
+        if decoded["lanes_total"] != lanes:
+            raise CheckpointError(
+                f"checkpoint has canonical_replicas={decoded['lanes_total']}, this pipeline "
+                f"{lanes}: the number of canonical lanes must not change across a restore")
+        states = {}
+        for lane, value in decoded["lanes"].items():
+            try:
+                lane_no = int(lane)
+                epoch, k, since, total = (int(v) for v in value)
+            except (TypeError, ValueError):
+                raise CheckpointError(f"corrupt lane entry {lane!r}: {value!r}") from None
+            if not 0 <= lane_no < lanes or min(epoch, k, since, total) < 0:
+                raise CheckpointError(f"corrupt lane entry {lane!r}: {value!r}")
+            states[lane_no] = LaneState(epoch, k, since, total)
+        if self._run is not None:
+            self._run.close()
+            self._run = None
+        self._states = states

@@ -1,0 +1,100 @@
+"""Auto-validation of user ops before iteration (``auto_validation``).
+
+Checks, each with an error code, run on the first sample of the source:
+
+- Z001  an op (or the source) cannot be pickled but a stage runs on the
+        process runner (or in MTP mode);
+- Z002  a map/filter op is not deterministic: the same input twice gives
+        different outputs (use ``ctx.rng``, seeded from the sample identity);
+- Z003  a map/filter op mutates its input in place.
+
+``strict`` raises :class:`~zephon.errors.ValidationError` listing every issue;
+``warn`` reports them with ``warnings.warn``; ``off`` skips all of this.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+
+import numpy as np
+
+from zephon.errors import ValidationError, ValidationIssue
+from zephon.pipeline.ops import FilterOp, MapOp, OpContext
+
+__all__ = ["validate"]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and \
+            a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001
+        return a is b
+
+
+def find_issues(plan) -> list[ValidationIssue]:
+    pipeline, opts = plan.pipeline, plan.opts
+    issues = []
+    needs_pickle = opts.mtp_mode or "process" in plan.runners
+    if needs_pickle:
+        for what, obj in [("source", pipeline.source)] + [(op.name, getattr(op, "fn", op))
+                                                            for op in pipeline.ops]:
+            try:
+                pickle.dumps(obj, protocol=5)
+            except Exception as exc:  # noqa: BLE001
+                issues.append(ValidationIssue(
+                    "Z001", what, f"cannot be pickled for process workers ({type(exc).__name__}: "
+                    f"{exc}); define it at module level or use runner='threads'"))
+    if len(pipeline.source) == 0:
+        return issues
+    try:
+        sample = pipeline.source.get(0)
+    except Exception:  # noqa: BLE001 - reading errors surface at run time, with the sample id
+        return issues
+    name, index = pipeline.source.identity(0)
+    sid = (name, index, 0)
+    for op in pipeline.ops:
+        if not isinstance(op, MapOp) or type(op) not in (MapOp, FilterOp):
+            break  # only the leading per-sample ops see raw samples
+        before = copy.deepcopy(sample)
+        try:
+            args = (lambda s: (s, OpContext(sid, pipeline.seed))) if op.with_ctx else \
+                (lambda s: (s,))
+            first = op.fn(*args(copy.deepcopy(sample)))
+            probe = copy.deepcopy(sample)
+            second = op.fn(*args(probe))
+        except Exception:  # noqa: BLE001 - op errors surface at run time, with the sample id
+            break
+        if not _same(first, second):
+            issues.append(ValidationIssue(
+                "Z002", op.name, "not deterministic: the same sample gave two different "
+                "outputs; draw randomness from ctx.rng (seeded by the sample identity)"))
+        if not _same(probe, before):
+            issues.append(ValidationIssue(
+                "Z003", op.name, "mutates its input in place; return a new value instead"))
+        if isinstance(op, FilterOp):
+            if not first:
+                break
+            continue
+        sample = first
+    return issues
+
+
+def validate(plan) -> None:
+    mode = plan.opts.auto_validation
+    if mode == "off":
+        return
+    issues = find_issues(plan)
+    if not issues:
+        return
+    if mode == "strict":
+        raise ValidationError(issues)
+    warnings.warn(str(ValidationError(issues)), RuntimeWarning, stacklevel=4)

@@ -1,0 +1,6 @@
+"""Runners: where pipeline stages execute (inline, threads, process; MTP in
+:mod:`zephon.runners.mtp`)."""
+
+from zephon.runners.executors import InlineExecutor, ProcessExecutor, ThreadExecutor
+
+__all__ = ["InlineExecutor", "ProcessExecutor", "ThreadExecutor"]

@@ -1,0 +1,131 @@
+"""Stage executors: where a parallel stage's units run.
+
+One interface for every runner: ``submit(lane, seq, payload)`` starts
+``program(payload)``; ``get(lane)`` blocks for *some* finished unit of that
+lane and returns ``(seq, result)``. Results of other lanes that arrive while a
+lane waits are kept for them. Ordering is not the executor's job: the engine
+puts results back in sequence order (the ReorderBuffer kernel).
+
+- :class:`InlineExecutor`: runs the unit on ``submit``, in the calling thread.
+- :class:`ThreadExecutor`: a thread pool of the stage's worker cap.
+- :class:`ProcessExecutor`: a :class:`~zephon.transport.WorkerPool` (spawn
+  workers, shared-memory results). When a worker dies by a signal every unit it
+  had in flight is re-dispatched to a restarted worker; only the unit it was
+  running (the oldest) is charged a retry. Past ``max_worker_retries`` the unit
+  fails with :class:`~zephon.errors.WorkerCrashedError` naming the sequence, the
+  signal and the stage; with ``deterministic=False`` it is dropped with a
+  warning instead (an empty result).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import logging
+import warnings
+from typing import Any, Callable
+
+from zephon.errors import WorkerCrashedError
+from zephon.transport import WorkerPool
+
+__all__ = ["InlineExecutor", "ThreadExecutor", "ProcessExecutor"]
+
+log = logging.getLogger("zephon.runners")
+
+
+class InlineExecutor:
+    runner = "inline"
+
+    def __init__(self, program: Callable, name: str = "stage") -> None:
+        self.program, self.name = program, name
+        self._done: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
+
+    def submit(self, lane, seq: int, payload) -> None:
+        self._done[lane].append((seq, self.program(payload)))
+
+    def get(self, lane):
+        return self._done[lane].popleft()
+
+    def close(self) -> None:
+        self._done.clear()
+
+
+class ThreadExecutor:
+    runner = "threads"
+
+    def __init__(self, program: Callable, workers: int, name: str = "stage") -> None:
+        self.program, self.name = program, name
+        self.pool = cf.ThreadPoolExecutor(max_workers=workers,
+                                          thread_name_prefix=f"zephon-{name}")
+        self._pending: dict[Any, dict] = collections.defaultdict(dict)
+
+    def submit(self, lane, seq: int, payload) -> None:
+        self._pending[lane][self.pool.submit(self.program, payload)] = seq
+
+    def get(self, lane):
+        pending = self._pending[lane]
+        done, _ = cf.wait(list(pending), return_when=cf.FIRST_COMPLETED)
+        future = next(iter(done))
+        seq = pending.pop(future)
+        return seq, future.result()
+
+    def close(self) -> None:
+        for pending in self._pending.values():
+            for future in pending:
+                future.cancel()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ProcessExecutor:
+    runner = "process"
+
+    def __init__(self, program: Callable, workers: int, *, options, name: str = "stage",
+                 max_retries: int = 3, deterministic: bool = True,
+                 inflight_per_worker: int = 4) -> None:
+        self.name, self.max_retries, self.deterministic = name, max_retries, deterministic
+        self.pool = WorkerPool(program, workers, options=options, name=name,
+                               inflight_per_worker=inflight_per_worker)
+        self.pool.start()
+        self._task: dict[int, tuple] = {}  # task id -> (lane, seq, payload)
+        self._retries: collections.Counter = collections.Counter()
+        self._done: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
+
+    def submit(self, lane, seq: int, payload) -> None:
+        task = self.pool.submit(payload)
+        self._task[task] = (lane, seq, payload)
+
+    def get(self, lane):
+        done = self._done[lane]
+        while not done:
+            try:
+                result = self.pool.get()
+            except WorkerCrashedError as crash:
+                self._recover(crash)
+                continue
+            owner, seq, _ = self._task.pop(result.task_id)
+            self._done[owner].append((seq, result.value))
+        return done.popleft()
+
+    def _recover(self, crash: WorkerCrashedError) -> None:
+        lost = [self._task.pop(t) for t in getattr(crash, "tasks", []) if t in self._task]
+        self.pool.restart(crash.worker)
+        for k, (lane, seq, payload) in enumerate(lost):
+            if k == 0:  # the unit the worker was running: the culprit
+                self._retries[(lane, seq)] += 1
+                if self._retries[(lane, seq)] > self.max_retries:
+                    sig = f"signal {crash.signal}" if crash.signal else "an unknown cause"
+                    message = (f"stage {self.name}: sequence {seq} of lane {lane} killed its "
+                               f"worker {self._retries[(lane, seq)]} times ({sig}); "
+                               f"max_worker_retries={self.max_retries} exhausted")
+                    if not self.deterministic:
+                        warnings.warn(f"zephon: dropping it: {message}", RuntimeWarning)
+                        self._done[lane].append((seq, []))
+                        continue
+                    raise WorkerCrashedError(message, seq=seq, signal=crash.signal,
+                                             op=self.name, worker=crash.worker)
+            log.warning("stage %s: re-dispatching sequence %d of lane %s after a worker crash",
+                        self.name, seq, lane)
+            self.submit(lane, seq, payload)
+
+    def close(self) -> None:
+        self.pool.close()
