@@ -57,6 +57,9 @@ class LaneState(tuple):
     def __new__(cls, epoch: int, k: int, since: int, total: int) -> "LaneState":
         return tuple.__new__(cls, (epoch, k, since, total))
 
+    def __getnewargs__(self):
+        return tuple(self)
+
     epoch = property(lambda s: s[0])
     k = property(lambda s: s[1])
     since = property(lambda s: s[2])

@@ -34,7 +34,7 @@ from zephon.checkpoint import aggregate_through_dir, decode_state, encode_state
 from zephon.errors import CheckpointError, ZephonConfigError
 from zephon.options import (
     RuntimeOptions, resolve_aggregate_timeout_s, resolve_canonical_replicas,
-    resolve_dp_group_id,
+    resolve_dp_group_id, resolve_mtp_prefetch,
 )
 from zephon.pipeline import ops as O
 from zephon.pipeline.engine import Engine, LaneState, Plan
@@ -73,15 +73,17 @@ class _Run:
         if opts.mtp_mode:
             from zephon.runners.mtp import MtpSource
 
-            self.remote = MtpSource(pipe._spec(), dict(pipe._states), opts)
+            self.remote = MtpSource(_EngineFactory(pipe._spec()), dict(pipe._states), opts)
             self._source = self.remote.items()
-            threaded = True
+            threaded = resolve_mtp_prefetch(opts) > 0
+            depth = resolve_mtp_prefetch(opts)
         else:
             self.engine = Engine(plan, pipe._states)
             self._source = self.engine.items()
             threaded = plan.runners != {"inline"}
+            depth = plan.prefetch
         if threaded:
-            self.queue: queue.Queue = queue.Queue(maxsize=plan.prefetch)
+            self.queue: queue.Queue = queue.Queue(maxsize=depth)
             self.stop = threading.Event()
             self.thread = threading.Thread(target=self._pump, name="zephon-pump", daemon=True)
             self.thread.start()
@@ -162,6 +164,32 @@ class _Run:
             self.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+class _EngineFactory:
+    """What the MTP subprocess runs: the same pipeline, engine in-process there."""
+
+    def __init__(self, pipe: "Pipeline") -> None:
+        self.pipe = pipe
+
+    def __call__(self, states: dict):
+        pipe = self.pipe._with(runtime=self.pipe.runtime.replace(mtp_mode=False))
+        engine = Engine(pipe.plan(), {int(k): LaneState(*v) for k, v in states.items()})
+        return _ClosingItems(engine)
+
+
+class _ClosingItems:
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.items = engine, engine.items()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.items)
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 class Pipeline:

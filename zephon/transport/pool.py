@@ -195,6 +195,12 @@ class _Worker:
         except ChannelClosed:
             pass
         finally:
+            closer = getattr(locals().get("handler"), "close", None)
+            if callable(closer):  # a stateful handler (the MTP engine) shuts down its work
+                try:
+                    closer()
+                except Exception:  # noqa: BLE001 - exiting anyway
+                    log.exception("worker %d: closing the handler failed", self.index)
             self.arena.close()
             self.channel.close()
 

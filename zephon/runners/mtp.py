@@ -1,0 +1,81 @@
+"""MTP mode: the whole engine in a non-daemon spawn subprocess.
+
+The consumer process keeps only a one-worker :class:`~zephon.transport.WorkerPool`
+whose handler owns the engine (built by a picklable ``factory(states)`` that
+returns an iterator of ``(item, position)``). The parent asks for items one
+request per item, with up to ``mtp_buffer`` requests in flight on a channel of
+``mtp_buffer_bytes``; batches come back through the subprocess's shared-memory
+arena as zero-copy views. The subprocess may start worker pools of its own
+(that is why it is not a daemon). Positions travel with the items, so the
+consumer side alone decides what was delivered: prefetched items are replayed
+after a restore. ``close()`` stops the subprocess, which closes its engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from zephon.options import resolve_mtp_buffer
+from zephon.transport import WorkerPool
+
+__all__ = ["MtpSource", "MtpHandler"]
+
+
+class MtpHandler:
+    """Runs in the MTP subprocess: ``("start", states)``, ``("next", None)``."""
+
+    def __init__(self, factory: Callable[[dict], Iterator]) -> None:
+        self.factory = factory
+        self.iterator = None
+
+    def __call__(self, message):
+        op, arg = message
+        if op == "start":
+            self.close()
+            self.iterator = self.factory(arg)
+            return True
+        if op == "next":
+            try:
+                return next(self.iterator)
+            except StopIteration:
+                return None
+        raise ValueError(f"unknown MTP request {op!r}")
+
+    def close(self) -> None:
+        closer = getattr(self.iterator, "close", None)
+        if closer is not None:
+            closer()
+        self.iterator = None
+
+
+class MtpSource:
+    """The consumer-side end: ``items()`` yields what the subprocess produces, in order."""
+
+    def __init__(self, factory: Callable[[dict], Iterator], states: dict, options) -> None:
+        self.options = options
+        self.depth = resolve_mtp_buffer(options)
+        pool_opts = options.replace(ipc_buffer_bytes=options.mtp_buffer_bytes)
+        self.pool = WorkerPool(MtpHandler(factory), 1, options=pool_opts, name="mtp",
+                               daemon=False, inflight_per_worker=self.depth)
+        self.pool.start()
+        self.pool.submit(("start", states))
+        self.pool.get()
+
+    def items(self) -> Iterator[Any]:
+        inflight = 0
+        ended = False
+        while True:
+            while not ended and inflight < self.depth:
+                self.pool.submit(("next", None))
+                inflight += 1
+            result = self.pool.get().value
+            inflight -= 1
+            if result is None:
+                ended = True
+                if inflight == 0:
+                    return
+                continue
+            yield result
+
+    def close(self) -> None:
+        self.pool.close()
