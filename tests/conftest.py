@@ -54,6 +54,15 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    import gc
+    import multiprocessing
+    import time
+
+    gc.collect()  # pipelines dropped inside reference cycles close their pools here
+    deadline = time.monotonic() + 10.0
+    while live_children() and time.monotonic() < deadline:
+        multiprocessing.active_children()  # reaps children that finished exiting
+        time.sleep(0.1)
     before = getattr(session.config, "_zephon_shm_before", set())
     leaked = sorted(_shm_entries() - before)
     children = live_children()

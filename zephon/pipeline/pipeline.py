@@ -60,6 +60,26 @@ class _Failure:
         self.error = error
 
 
+def _pump(source, out: queue.Queue, stop: threading.Event) -> None:
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for item in source:
+            if not put(item):
+                return
+        put(_END)
+    except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+        if not stop.is_set():
+            put(_Failure(exc))
+
+
 class _Run:
     """One iteration of a pipeline (the object ``iter(pipe)`` returns)."""
 
@@ -85,33 +105,13 @@ class _Run:
         if threaded:
             self.queue: queue.Queue = queue.Queue(maxsize=depth)
             self.stop = threading.Event()
-            self.thread = threading.Thread(target=self._pump, name="zephon-pump", daemon=True)
+            # The pump holds the queue, the stop flag and the item source, never the run:
+            # a dropped, half-consumed run must stay collectable so its finalizer can close it.
+            self.thread = threading.Thread(target=_pump, args=(self._source, self.queue,
+                                                               self.stop),
+                                           name="zephon-pump", daemon=True)
             self.thread.start()
         _live.add(self)
-
-    def _pump(self) -> None:
-        try:
-            for item in self._source:
-                while not self.stop.is_set():
-                    try:
-                        self.queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self.stop.is_set():
-                    return
-            self._put(_END)
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            if not self.stop.is_set():
-                self._put(_Failure(exc))
-
-    def _put(self, item) -> None:
-        while not self.stop.is_set():
-            try:
-                self.queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
 
     def __iter__(self):
         return self
@@ -258,12 +258,14 @@ class Pipeline:
                  f"shuffle={self.permute}",
                  f"chunk={self.chunk_size}", f"epochs={self.num_epochs}"]
         parts += [op.describe() for op in self.ops]
-        plan_k = Plan(self, self.runtime).flush_every
+        plan_k = self.plan().flush_every
         parts.append(f"flush={plan_k}")
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
     def plan(self) -> Plan:
-        return Plan(self, self.runtime)
+        # A snapshot without run state: the engine (held by a live pump thread) must not
+        # keep this object, and through it the run, from being collected.
+        return Plan(self._spec(), self.runtime)
 
     def explain(self) -> str:
         return self.plan().explain()

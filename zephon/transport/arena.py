@@ -267,7 +267,7 @@ class ShmArena:
                                 len(self._live), sum(self._live.values()))
                     next_log = now + self.wait_log_s
                 if not self.alive():
-                    raise TransportError("the consumer process is gone")
+                    raise TransportError("the consumer is gone or the worker is stopping")
                 self.waits += 1
                 self.cond.wait(min(0.25, max(0.0, deadline - now)))
 

@@ -163,7 +163,8 @@ class _Worker:
         self.task_ready = threading.Condition()
         self.stopping = False
         self.arena = ShmArena(index + 1, boot["arena_kind"], boot["arena_max_bytes"],
-                              parent_pid=self.parent_pid, alive=lambda: not self.parent_gone,
+                              parent_pid=self.parent_pid,
+                              alive=lambda: not (self.parent_gone or self.stopping),
                               wait_timeout_s=boot["arena_wait_timeout_s"],
                               slab_base=boot.get("slab_base", 0))
         self.leases, self.registry = LeaseTable(), SlabRegistry()
@@ -451,6 +452,10 @@ class WorkerPool:
             return
         self._closed = True
         _live_pools.discard(self)
+        try:
+            os.write(self._wake_w, b"\0")  # a get() blocked in another thread returns now
+        except OSError:
+            pass
         hard = self.options.shutdown_mode == "hard"
         for handle in self.workers:
             if handle.alive:
@@ -573,7 +578,10 @@ class WorkerPool:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise TimeoutError(f"no result from pool {self.name!r} within {timeout} s")
-            for key, _ in self._selector.select(timeout=remaining):
+            events = self._selector.select(timeout=remaining)
+            if self._closed:
+                raise TransportError(f"pool {self.name!r} was closed")
+            for key, _ in events:
                 handle = key.data
                 if handle is None:
                     try:

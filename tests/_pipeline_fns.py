@@ -1,0 +1,71 @@
+"""Pipeline op functions for the tests (module level: process workers import them)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+
+
+def make_sample(i):
+    return {"id": i, "x": np.full(4, i, dtype=np.int64), "tokens": np.arange(i % 7 + 1) + i}
+
+
+def double(s):
+    return {**s, "x": s["x"] * 2}
+
+
+def noisy(s, ctx):
+    return {**s, "noise": float(ctx.rng.random())}
+
+
+def keep_most(s):
+    return s["id"] % 5 != 3
+
+
+def total(batch):
+    return {**batch, "total": np.asarray(batch["x"]).sum(axis=-1)}
+
+
+def boom(s):
+    if s["id"] == 13:
+        raise ValueError("thirteen is unlucky")
+    return s
+
+
+def mutate(s):
+    s["x"] += 1
+    return s
+
+
+_calls = {"n": 0}
+
+
+def nondeterministic(s):
+    _calls["n"] += 1
+    return {**s, "n": _calls["n"]}
+
+
+def kill_once(s):
+    """SIGKILL this worker the first time sample 7 is seen (marker file in $ZEPHON_TEST_DIR)."""
+    if s["id"] == 7:
+        marker = os.path.join(os.environ["ZEPHON_TEST_DIR"], "killed-7")
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+    return s
+
+
+def kill_always(s):
+    if s["id"] == 7:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return s
+
+
+def big_sample(i):
+    return {"tokens": np.full((4 << 20) // 8, i, dtype=np.int64), "seq": i}
+
+
+def add_one(s):
+    return {"tokens": s["tokens"] + 1, "seq": s["seq"]}

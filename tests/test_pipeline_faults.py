@@ -1,0 +1,177 @@
+"""Crash retries, MTP, bad input and shutdown for pipelines (real processes, real signals)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+import _pipeline_fns as F
+from zephon import (
+    CheckpointError, OpError, Pipeline, RuntimeOptions, SerializationError, ValidationError,
+    WorkerCrashedError, ZephonConfigError, sources,
+)
+from zephon.checkpoint import encode_state
+
+
+def ids(pipe):
+    return [b["id"].tolist() for b in pipe]
+
+
+def base(n=30):
+    return Pipeline(sources.from_callable(n, F.make_sample), seed=5, chunk_size=3) \
+        .shuffle(4).batch(2)
+
+
+def test_a_worker_killed_mid_stream_gives_the_same_stream(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZEPHON_TEST_DIR", str(tmp_path))
+    pipe = Pipeline(sources.from_callable(30, F.make_sample), seed=5, chunk_size=3) \
+        .map(F.kill_once, parallelism=2).shuffle(4).batch(2)
+    marker = tmp_path / "killed-7"
+    marker.touch()  # inline runs in this very process: the reference must not kill it
+    reference = ids(pipe.options(RuntimeOptions(runner="inline")))
+    marker.unlink()
+    got = ids(pipe.options(RuntimeOptions(runner="process", max_workers=2)))
+    assert os.path.exists(tmp_path / "killed-7")  # the crash really happened
+    assert got == reference
+
+
+def test_exhausted_retries_name_the_sequence():
+    pipe = Pipeline(sources.from_callable(30, F.make_sample), seed=5, chunk_size=3) \
+        .map(F.kill_always, parallelism=2).batch(2) \
+        .options(RuntimeOptions(runner="process", max_worker_retries=1))
+    with pytest.raises(WorkerCrashedError, match=r"sequence \d+ of lane 0 killed its worker 2 "
+                                                 r"times \(signal 9\)") as info:
+        list(pipe)
+    assert info.value.seq is not None and info.value.signal == 9
+
+
+def test_mtp_mode_same_stream_and_checkpoints_count_only_consumed():
+    pipe = base(40)
+    reference = ids(pipe.options(RuntimeOptions(runner="inline")))
+    mtp = pipe.options(RuntimeOptions(mtp_mode=True, runner="threads", mtp_buffer=6,
+                                      mtp_prefetch=4))
+    it = iter(mtp)
+    head = [next(it)["id"].tolist() for _ in range(3)]
+    state = mtp.checkpoint()  # the subprocess ran ahead; only 3 were handed over
+    mtp.close()
+    again = pipe.options(RuntimeOptions(runner="inline"))
+    again.restore(state)
+    assert head + ids(again) == reference
+    whole = pipe.options(RuntimeOptions(mtp_mode=True, mtp_prefetch=0))
+    assert ids(whole) == reference and whole.final_state is not None
+
+
+def test_op_error_names_op_and_sample():
+    pipe = Pipeline(sources.from_callable(20, F.make_sample), shuffle=False).map(F.boom)
+    for runner in ("inline", "process"):
+        with pytest.raises(OpError, match=r"map\(boom\) failed on sample \('callable', 13, 0\): "
+                                          r"ValueError: thirteen is unlucky") as info:
+            list(pipe.options(RuntimeOptions(runner=runner)))
+        assert info.value.op == "map(boom)" and tuple(info.value.sample_id) == ("callable", 13, 0)
+
+
+def test_unpicklable_op_under_the_process_runner_fails_before_any_worker():
+    pipe = Pipeline(sources.from_callable(5, F.make_sample)).map(lambda s: s) \
+        .options(RuntimeOptions(runner="process"))
+    with pytest.raises(ValidationError, match="Z001"):
+        iter(pipe)
+    off = pipe.options(RuntimeOptions(runner="process", auto_validation="off"))
+    with pytest.raises(SerializationError, match="cannot be pickled"):
+        iter(off)
+
+
+def test_validation_finds_nondeterminism_and_mutation():
+    src = sources.from_callable(5, F.make_sample)
+    with pytest.raises(ValidationError) as info:
+        iter(Pipeline(src).map(F.nondeterministic).map(F.mutate))
+    codes = [i.code for i in info.value.issues]
+    assert "Z002" in codes
+    with pytest.raises(ValidationError, match="Z003"):
+        iter(Pipeline(src).map(F.mutate))
+    with pytest.warns(RuntimeWarning, match="Z003"):
+        run = iter(Pipeline(src).map(F.mutate).options(RuntimeOptions(auto_validation="warn")))
+    run.close()
+    list(Pipeline(src).map(F.mutate).options(RuntimeOptions(auto_validation="off")))
+
+
+@pytest.mark.parametrize("bad,reason", [
+    (b"", "bad magic"),
+    (b"not a checkpoint at all", "bad magic"),
+    (b"ZEPHONCK\x09\x00\x01...", "version 9"),
+])
+def test_malformed_checkpoint_bytes(bad, reason):
+    with pytest.raises(CheckpointError, match=reason):
+        base().restore(bad)
+
+
+def test_truncated_foreign_and_mismatched_checkpoints():
+    pipe = base()
+    it = iter(pipe)
+    next(it)
+    state = pipe.checkpoint()
+    pipe.close()
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        base().restore(state[:-5])
+    with pytest.raises(CheckpointError, match="different pipeline"):
+        base().batch(3).restore(state)
+    with pytest.raises(CheckpointError, match="canonical_replicas=1.*2"):
+        base().options(RuntimeOptions(canonical_replicas=2)).restore(state)
+    with pytest.raises(CheckpointError, match="lacks"):
+        base().restore(encode_state({"hello": 1}))
+    with pytest.raises(CheckpointError, match="bytes"):
+        base().restore("a string")
+
+
+def test_json_and_uncompressed_checkpoints_restore_too():
+    pipe = base().options(RuntimeOptions(aggregate_serializer="json",
+                                         aggregate_compressor="none"))
+    reference = ids(base())
+    it = iter(pipe)
+    head = [next(it)["id"].tolist() for _ in range(4)]
+    state = pipe.checkpoint()
+    pipe.close()
+    assert b'"fingerprint"' in state  # readable JSON, no compression
+    again = base()
+    again.restore(state)
+    assert head + ids(again) == reference
+
+
+def test_early_break_and_gc_leave_no_process(tmp_path):
+    pipe = base(60).options(RuntimeOptions(runner="process", max_workers=2))
+    for i, _ in enumerate(pipe):
+        if i == 2:
+            break
+    run = pipe._run
+    procs = [h.process for ex in run.engine.executors.values() for h in ex.pool.workers]
+    del pipe, run, _
+    gc.collect()
+    for p in procs:
+        p.join(15)
+        assert not p.is_alive()
+
+
+def test_consumer_exception_closes_the_run():
+    pipe = base(60).options(RuntimeOptions(runner="process", max_workers=2))
+    with pytest.raises(RuntimeError):
+        for i, _ in enumerate(pipe):
+            if i == 1:
+                raise RuntimeError("consumer failed")
+    procs = [h.process for ex in pipe._run.engine.executors.values() for h in ex.pool.workers]
+    pipe.close()
+    assert all(not p.is_alive() for p in procs)
+
+
+def test_pipeline_config_errors():
+    src = sources.from_callable(5, F.make_sample)
+    with pytest.raises(ZephonConfigError, match="chunk_size"):
+        Pipeline(src, chunk_size=0)
+    with pytest.raises(ZephonConfigError, match="flush_every_k_chunks"):
+        Pipeline(src).shuffle(3).options(RuntimeOptions(flush_every_k_chunks=0)).explain()
+    with pytest.raises(ZephonConfigError, match="batch"):
+        Pipeline(src).batch(0)
+    with pytest.raises(NotImplementedError, match="fit_to_ops"):
+        Pipeline(src).options(RuntimeOptions(worker_allocation="autotune")).explain()

@@ -1,0 +1,163 @@
+"""The batch stream is identical whatever the runner, workers, prefetch or restore cut.
+
+The differential property compares every configuration with the uninterrupted
+inline run of the same pipeline; a fast profile runs by default, a larger one
+with ``-m slow``."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import _pipeline_fns as F
+from zephon import Pipeline, RuntimeOptions, sources
+
+
+def ids_of(item):
+    if isinstance(item, dict) and "id" in item and np.ndim(item["id"]) == 1:
+        return [int(v) for v in item["id"]]
+    if isinstance(item, dict) and "id" in item:
+        return [int(item["id"])]
+    return [int(t) for t in np.ravel(item["tokens"])]
+
+
+def signature(item):
+    """A comparable form of an output item (batches, rows or samples)."""
+    out = []
+    for key in sorted(item):
+        value = item[key]
+        if isinstance(value, np.ndarray):
+            out.append((key, value.dtype.str, value.shape, value.tobytes()))
+        else:
+            out.append((key, repr(value)))
+    return tuple(out)
+
+
+CHAINS = {
+    "map-batch": lambda p: p.map(F.double).batch(3),
+    "filter-shuffle-batch": lambda p: p.filter(F.keep_most).shuffle(6).batch(4),
+    "ctx-map-batch-mapbatch": lambda p: p.map(F.noisy).batch(2).map_batch(F.total),
+    "pack": lambda p: p.map(F.double).pack_tokens(5).batch(2),
+    "shuffle-only": lambda p: p.shuffle(3),
+    "map-only": lambda p: p.map(F.double, parallelism=2),
+}
+
+
+def build(n, chunk, chain, seed=7, epochs=1):
+    return CHAINS[chain](Pipeline(sources.from_callable(n, F.make_sample), seed=seed,
+                                  chunk_size=chunk, num_epochs=epochs))
+
+
+def run_all(pipe):
+    return [signature(item) for item in pipe]
+
+
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+@pytest.mark.parametrize("runner,workers", [("threads", 3), ("process", 2)])
+def test_runners_agree_with_inline(chain, runner, workers):
+    pipe = build(41, 4, chain)
+    lanes = {"canonical_replicas": 2}
+    reference = run_all(pipe.options(RuntimeOptions(runner="inline", **lanes)))
+    assert reference
+    got = run_all(pipe.options(RuntimeOptions(runner=runner, max_workers=workers,
+                                              prefetch_batches=3, default_stage_prefetch=2,
+                                              **lanes)))
+    assert got == reference
+
+
+def test_every_sample_exactly_once_per_epoch():
+    pipe = Pipeline(sources.from_callable(53, F.make_sample), seed=1, chunk_size=5,
+                    num_epochs=2).shuffle(7).batch(4)
+    seen = collections.Counter()
+    for batch in pipe.options(RuntimeOptions(runner="threads", canonical_replicas=3)):
+        for source, index, epoch in batch.meta["sample_ids"]:
+            seen[(index, epoch)] += 1
+        assert batch.meta["lane"] in (0, 1, 2)
+    assert seen == collections.Counter({(i, e): 1 for i in range(53) for e in range(2)})
+
+
+def restore_cut(pipe, reference, cut, second):
+    first = pipe
+    out = []
+    it = iter(first)
+    for _ in range(cut):
+        out.append(signature(next(it)))
+    state = first.checkpoint()
+    first.close()
+    second.restore(state)
+    out += [signature(item) for item in second]
+    assert out == reference
+
+
+profile = settings(max_examples=12, deadline=None,
+                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def _differential(data):
+    n = data.draw(st.integers(0, 60), label="n")
+    chunk = data.draw(st.integers(1, 9), label="chunk")
+    lanes = data.draw(st.sampled_from([1, 2, 4]), label="C")
+    chain = data.draw(st.sampled_from(sorted(CHAINS)), label="chain")
+    epochs = data.draw(st.sampled_from([1, 2]), label="epochs")
+    pipe = build(n, chunk, chain, seed=data.draw(st.integers(0, 100)), epochs=epochs)
+    reference = run_all(pipe.options(RuntimeOptions(runner="inline", canonical_replicas=lanes)))
+
+    def random_opts(label):
+        runner = data.draw(st.sampled_from(["inline", "threads", "process"]), label=label)
+        return RuntimeOptions(
+            runner=runner, canonical_replicas=lanes,
+            max_workers=data.draw(st.integers(1, 3)),
+            prefetch_batches=data.draw(st.integers(1, 6)),
+            default_stage_prefetch=data.draw(st.integers(1, 4)),
+            flush_every_k_chunks=data.draw(st.sampled_from([None])))
+
+    cut = data.draw(st.integers(0, len(reference)), label="cut")
+    restore_cut(pipe.options(random_opts("first runner")), reference, cut,
+                pipe.options(random_opts("second runner")))
+
+
+@profile
+@given(st.data())
+def test_differential_restore_under_another_runner(data):
+    _differential(data)
+
+
+@pytest.mark.slow
+@settings(max_examples=120, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.data())
+def test_differential_restore_under_another_runner_large(data):
+    _differential(data)
+
+
+def test_explicit_flush_cadence_changes_boundaries_not_content():
+    base = Pipeline(sources.from_callable(40, F.make_sample), seed=3, chunk_size=2).batch(4)
+    every2 = [b["id"].tolist() for b in base.options(RuntimeOptions(flush_every_k_chunks=2))]
+    never = [b["id"].tolist() for b in base.options(RuntimeOptions(flush_every_k_chunks=0))]
+    assert sorted(sum(every2, [])) == sorted(sum(never, [])) == list(range(40))
+    assert all(len(b) == 4 for b in never)  # batches only cut at the epoch end
+    assert base.options(RuntimeOptions(flush_every_k_chunks=2)).fingerprint() != \
+        base.options(RuntimeOptions(flush_every_k_chunks=0)).fingerprint()
+
+
+def test_non_deterministic_mode_says_so_and_delivers_everything():
+    pipe = Pipeline(sources.from_callable(30, F.make_sample), chunk_size=3).map(
+        F.double, parallelism=2).options(RuntimeOptions(runner="threads", deterministic=False))
+    assert "NON-DETERMINISTIC" in pipe.explain()
+    assert sorted(int(s["id"]) for s in pipe) == list(range(30))
+
+
+def test_explain_reports_the_resolved_plan():
+    pipe = Pipeline(sources.from_callable(10, F.make_sample)).map(F.double, parallelism=3) \
+        .shuffle(4).batch(2).map_batch(F.total).options(RuntimeOptions(
+            max_workers=5, per_stage_runner={1: "threads"}, per_stage_prefetch={1: 7},
+            worker_allocation="per_stage_fixed", allow_latency_flush_in_deterministic=False))
+    text = pipe.explain()
+    assert "stage 0: runner=process workers=5 depth=4" in text
+    assert "stage 1: runner=threads workers=5 depth=7" in text
+    assert "latency_flush=off" in text and "flush: every 8 lane chunk(s)" in text
+    assert "serial 1: shuffle(4)" in text and "serial 2: batch(2, drop_last=False)" in text
