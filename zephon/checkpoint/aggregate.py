@@ -41,10 +41,10 @@ def _read(path: str) -> bytes | None:
 
 
 def aggregate_through_dir(local: dict, *, directory: str, run_id: str, round_no: int,
-                          rank: int, world: int, group_of, timeout_s: float,
+                          rank: int, world: int, timeout_s: float,
                           serializer: str, compressor: str) -> bytes:
-    """Exchange ``local`` (``{"lanes": {...}, ...}``) and return the merged checkpoint bytes.
-    ``group_of(rank)`` gives a rank's data-parallel group."""
+    """Exchange ``local`` (``{"lanes": {...}, "group": g, ...}``) and return the merged
+    checkpoint bytes."""
     folder = os.path.join(directory, run_id, f"round-{round_no}")
     os.makedirs(folder, exist_ok=True)
     nonce = os.urandom(8).hex()
@@ -69,15 +69,21 @@ def aggregate_through_dir(local: dict, *, directory: str, run_id: str, round_no:
                         f"state to {folder} within {timeout_s} s", missing=missing)
                 time.sleep(0.02)
         lanes: dict = {}
-        owner: dict = {}
+        first_of_group: dict = {}
         for r in range(world):
-            for lane, value in states[r]["lanes"].items():
-                if lane in lanes and lanes[lane] != value:
-                    raise CheckpointError(
-                        f"ranks {owner[lane]} and {r} (dp group {group_of(r)}) disagree on "
-                        f"lane {lane}: {lanes[lane]} vs {value}; every rank must take the "
-                        "checkpoint after the same number of batches (a missing barrier?)")
-                lanes[lane], owner[lane] = value, r
+            group = states[r].get("group")
+            peer = first_of_group.setdefault(group, r)
+            mine = {k: tuple(v) for k, v in states[r]["lanes"].items()}
+            theirs = {k: tuple(v) for k, v in states[peer]["lanes"].items()}
+            if mine != theirs:
+                diff = sorted(set(theirs.items()) ^ set(mine.items()), key=str)[:1]
+                lane = diff[0][0] if diff else "?"
+                raise CheckpointError(
+                    f"ranks {peer} and {r} of dp group {group} disagree on lane {lane} "
+                    f"({states[peer]['lanes'].get(lane)} vs {states[r]['lanes'].get(lane)}); "
+                    "every rank must take the checkpoint after the same number of batches "
+                    "(a missing barrier?)")
+            lanes.update(states[r]["lanes"])
         merged = dict(states[0], lanes=lanes, nonces=sorted(s["nonce"] for s in states.values()),
                       world=world)
         merged.pop("nonce", None)

@@ -34,7 +34,7 @@ from zephon.checkpoint import aggregate_through_dir, decode_state, encode_state
 from zephon.errors import CheckpointError, ZephonConfigError
 from zephon.options import (
     RuntimeOptions, resolve_aggregate_timeout_s, resolve_canonical_replicas,
-    resolve_dp_group_id, resolve_mtp_prefetch,
+    resolve_mtp_prefetch,
 )
 from zephon.pipeline import ops as O
 from zephon.pipeline.engine import Engine, LaneState, Plan
@@ -296,7 +296,8 @@ class Pipeline:
         plan = self.plan()
         lanes = {str(lane): list(self._states[lane]) for lane in plan.owned
                  if lane in self._states}
-        return {"fingerprint": self.fingerprint(), "lanes_total": plan.lanes, "lanes": lanes}
+        return {"fingerprint": self.fingerprint(), "lanes_total": plan.lanes, "lanes": lanes,
+                "group": plan.group}
 
     def checkpoint(self) -> bytes:
         o = self.runtime
@@ -308,15 +309,10 @@ class Pipeline:
                 "checkpoint() with world_size > 1 needs aggregate_dir (a directory every rank "
                 "can reach) so that the ranks can merge their states")
         self._rounds += 1
-        dp = self.plan().dp
-        world = o.world_size
         return aggregate_through_dir(
             local, directory=o.aggregate_dir, run_id=o.run_id, round_no=self._rounds,
-            rank=o.global_rank, world=world,
-            group_of=lambda r: resolve_dp_group_id(o.replace(global_rank=r, dp_group_id=None))
-            if o.dp_group_id is None else "?",
-            timeout_s=resolve_aggregate_timeout_s(o), serializer=o.aggregate_serializer,
-            compressor=o.aggregate_compressor)
+            rank=o.global_rank, world=o.world_size, timeout_s=resolve_aggregate_timeout_s(o),
+            serializer=o.aggregate_serializer, compressor=o.aggregate_compressor)
 
     def restore(self, state: bytes) -> None:
         decoded = decode_state(state)

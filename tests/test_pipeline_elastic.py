@@ -1,0 +1,149 @@
+"""Elasticity: W ranks reproduce the one-rank stream lane by lane; a checkpoint aggregated
+from ranks running as real processes restores on any number of ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import _pipeline_fns as F
+from zephon import (
+    AggregationTimeoutError, CheckpointError, Pipeline, RuntimeOptions, sources,
+)
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+C = 4
+
+
+def pipeline():
+    return Pipeline(sources.from_callable(70, F.make_sample), seed=11, chunk_size=3) \
+        .map(F.double).shuffle(5).batch(2)
+
+
+def key(batch):
+    return (batch.meta["lane"], batch.meta["lane_index"], tuple(batch["id"].tolist()))
+
+
+def interleave(by_lane: dict, start: dict | None = None) -> list:
+    """Merge per-lane streams by the round-robin rule: fewest delivered first, lowest lane."""
+    counts = dict(start or {lane: 0 for lane in by_lane})
+    queues = {lane: list(items) for lane, items in by_lane.items()}
+    out = []
+    while any(queues.values()):
+        lane = min((l for l in queues if queues[l]), key=lambda l: (counts[l], l))
+        out.append(queues[lane].pop(0))
+        counts[lane] += 1
+    return out
+
+
+def rank_outputs(world, **extra):
+    per_rank = []
+    for rank in range(world):
+        opts = RuntimeOptions(world_size=world, global_rank=rank, canonical_replicas=C, **extra)
+        per_rank.append([key(b) for b in pipeline().options(opts)])
+    return per_rank
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mapping", ["contiguous", "interleaved"])
+def test_ranks_merged_by_lane_equal_the_one_rank_stream(world, mapping):
+    single = [key(b) for b in pipeline().options(RuntimeOptions(canonical_replicas=C))]
+    by_lane = {}
+    for outputs in rank_outputs(world, mapping_strategy=mapping):
+        for item in outputs:
+            by_lane.setdefault(item[0], []).append(item)
+    assert sorted(by_lane) == list(range(C))
+    assert interleave(by_lane) == single
+
+
+RANK = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_pipeline_elastic import pipeline
+    from zephon import RuntimeOptions
+
+    if __name__ == "__main__":
+        rank, world, take = {rank}, {world}, {take}
+        pipe = pipeline().options(RuntimeOptions(
+            world_size=world, global_rank=rank, canonical_replicas={lanes},
+            aggregate_dir={agg!r}, aggregate_timeout_s={timeout}))
+        it = iter(pipe)
+        for _ in range(take):
+            next(it)
+        state = pipe.checkpoint()
+        pipe.close()
+        with open({out!r}, "wb") as fh:
+            fh.write(state)
+""")
+
+
+def run_ranks(tmp_path, world, takes, timeout=60.0, only=None):
+    procs = []
+    for rank in range(world):
+        if only is not None and rank not in only:
+            continue
+        code = RANK.format(tests=TESTS, rank=rank, world=world, take=takes[rank], lanes=C,
+                           agg=str(tmp_path / "agg"), timeout=timeout,
+                           out=str(tmp_path / f"state-{rank}"))
+        procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = [p.communicate(timeout=120) + (p.returncode,) for p in procs]
+    return results
+
+
+def test_checkpoint_from_2_ranks_restores_on_1_and_on_4(tmp_path):
+    results = run_ranks(tmp_path, 2, takes=[6, 6])
+    assert all(code == 0 for _, _, code in results), [err for _, err, _ in results]
+    states = [(tmp_path / f"state-{r}").read_bytes() for r in range(2)]
+    assert states[0] == states[1]  # every rank returns the same merged bytes
+    state = states[0]
+
+    single = [key(b) for b in pipeline().options(RuntimeOptions(canonical_replicas=C))]
+    by_lane = {}
+    for item in single:
+        by_lane.setdefault(item[0], []).append(item)
+    delivered = {lane: 3 for lane in range(C)}  # 6 batches per rank over 2 lanes each
+    expected = interleave({lane: items[3:] for lane, items in by_lane.items()}, delivered)
+
+    one = pipeline().options(RuntimeOptions(canonical_replicas=C))
+    one.restore(state)
+    assert [key(b) for b in one] == expected
+
+    rest = {}
+    for rank in range(4):
+        pipe = pipeline().options(RuntimeOptions(world_size=4, global_rank=rank,
+                                                 canonical_replicas=C))
+        pipe.restore(state)
+        for item in pipe:
+            rest.setdefault(item.meta["lane"], []).append(key(item))
+    assert interleave(rest, delivered) == expected
+
+
+def test_a_missing_rank_is_named_not_waited_for(tmp_path):
+    results = run_ranks(tmp_path, 2, takes=[2, 2], timeout=1.5, only=[0])
+    out, err, code = results[0]
+    assert code != 0 and "AggregationTimeoutError" in err and "rank(s) [1]" in err
+
+
+def test_replicas_that_disagree_are_reported(tmp_path):
+    # world 2, one dp group: both ranks read the same lanes and must agree
+    code = RANK.replace("canonical_replicas={lanes},", "canonical_replicas={lanes}, dp_degree=1,")
+    procs = []
+    for rank, take in ((0, 2), (1, 3)):
+        text = code.format(tests=TESTS, rank=rank, world=2, take=take, lanes=C,
+                           agg=str(tmp_path / "agg"), timeout=5.0,
+                           out=str(tmp_path / f"state-{rank}"))
+        procs.append(subprocess.Popen([sys.executable, "-c", text], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert "disagree on lane" in errs[0] and "barrier" in errs[0]
+
+
+def test_multi_rank_checkpoint_needs_an_aggregate_dir():
+    pipe = pipeline().options(RuntimeOptions(world_size=2, global_rank=0, canonical_replicas=C))
+    with pytest.raises(Exception, match="aggregate_dir"):
+        pipe.checkpoint()
