@@ -1,6 +1,9 @@
 """Command line: ``python -m zephon <command>``.
 
 Commands:
+  demo      run a real pipeline on an embedded synthetic token corpus, take a
+            checkpoint half-way, resume under another runner and worker count,
+            and verify that the resumed stream is identical (see zephon.demo)
   options   print the runtime options resolved for this machine: each value
             and whether it was explicit, derived or a default. ``--set k=v``
             (repeatable; v parsed as JSON when it parses, else a string) and
@@ -100,6 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="resolve as if the machine had this many CPUs")
     p_opts.add_argument("--json", action="store_true", help="machine-readable output")
     p_opts.set_defaults(func=cmd_options)
+    p_demo = sub.add_parser("demo", help="run the demo pipeline, checkpoint half-way, resume "
+                                         "under another runner and verify the stream")
+    p_demo.set_defaults(func=lambda args: __import__("zephon.demo", fromlist=["main"]).main())
     args = parser.parse_args(argv)
     if args.version:
         from zephon import __version__
