@@ -51,3 +51,11 @@ def test_options_bad_value_is_a_clear_error():
     assert "did you mean 'max_workers'" in out.stderr
     out = run_cli("options", "--set", "max_workers=true")
     assert out.returncode == 2 and "RuntimeOptions.max_workers: got True" in out.stderr
+
+
+def test_demo_resumes_identically(tmp_path):
+    out = run_cli("demo", env={**__import__("os").environ, "ZEPHON_CACHE_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "resumed stream identical to the uninterrupted one" in out.stdout
+    assert "stage 0: runner=process workers=2" in out.stdout
+    assert (tmp_path / "demo-tokens-v1.u16").stat().st_size == (8 << 20) * 2

@@ -25,9 +25,23 @@ from zephon.options import (
     StoreOptions,
 )
 
-from zephon.pipeline import Batch, OpError, Pipeline, sources
-
 __version__ = "0.1.0"
+
+# The pipeline layer (numpy, the kernels, the runners) loads on first use: a spawned
+# worker that only needs zephon.transport or zephon.options must not pay for it.
+_LAZY = {"Pipeline": "zephon.pipeline", "Batch": "zephon.pipeline",
+         "OpError": "zephon.pipeline", "sources": "zephon.pipeline"}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zephon' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "AggregationTimeoutError",

@@ -1,7 +1,23 @@
-"""Streaming pipelines: sources, ops, lanes, the plan and engine, checkpoint/restore."""
+"""Streaming pipelines: sources, ops, lanes, the plan and engine, checkpoint/restore.
 
-from zephon.pipeline import sources
-from zephon.pipeline.ops import Batch, OpError
-from zephon.pipeline.pipeline import Pipeline
+Names load on first use: a worker unpickling a stage program needs
+``zephon.pipeline.program`` and the ops, not the engine, the runners or the
+checkpoint code.
+"""
 
-__all__ = ["Batch", "OpError", "Pipeline", "sources"]
+_LAZY = {"Pipeline": "zephon.pipeline.pipeline", "Batch": "zephon.pipeline.ops",
+         "OpError": "zephon.pipeline.ops", "sources": "zephon.pipeline.sources"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zephon.pipeline' has no attribute {name!r}")
+    import importlib
+
+    loaded = importlib.import_module(module)
+    value = loaded if name == "sources" else getattr(loaded, name)
+    globals()[name] = value
+    return value

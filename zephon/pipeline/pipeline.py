@@ -279,9 +279,15 @@ class Pipeline:
         if self._run is not None:
             self._run.close()
         plan = self.plan()
-        validate(plan)
-        self._run = _Run(self, plan)
-        return self._run
+        validate(plan, "pickle")  # before any worker process exists
+        run = _Run(self, plan)  # workers start booting here...
+        try:
+            validate(plan, "behaviour")  # ...while the ops are checked on the first sample
+        except BaseException:
+            run.close()
+            raise
+        self._run = run
+        return run
 
     def close(self) -> None:
         if self._run is not None:

@@ -40,11 +40,12 @@ def _same(a, b) -> bool:
         return a is b
 
 
-def find_issues(plan) -> list[ValidationIssue]:
+def find_issues(plan, checks: str = "all") -> list[ValidationIssue]:
+    """``checks``: "pickle" (before workers start), "behaviour" (while they start), "all"."""
     pipeline, opts = plan.pipeline, plan.opts
     issues = []
     needs_pickle = opts.mtp_mode or "process" in plan.runners
-    if needs_pickle:
+    if needs_pickle and checks in ("pickle", "all"):
         for what, obj in [("source", pipeline.source)] + [(op.name, getattr(op, "fn", op))
                                                             for op in pipeline.ops]:
             try:
@@ -53,7 +54,7 @@ def find_issues(plan) -> list[ValidationIssue]:
                 issues.append(ValidationIssue(
                     "Z001", what, f"cannot be pickled for process workers ({type(exc).__name__}: "
                     f"{exc}); define it at module level or use runner='threads'"))
-    if len(pipeline.source) == 0:
+    if len(pipeline.source) == 0 or checks == "pickle":
         return issues
     try:
         sample = pipeline.source.get(0)
@@ -88,11 +89,11 @@ def find_issues(plan) -> list[ValidationIssue]:
     return issues
 
 
-def validate(plan) -> None:
+def validate(plan, checks: str = "all") -> None:
     mode = plan.opts.auto_validation
     if mode == "off":
         return
-    issues = find_issues(plan)
+    issues = find_issues(plan, checks)
     if not issues:
         return
     if mode == "strict":

@@ -85,7 +85,7 @@ class ProcessExecutor:
         self.name, self.max_retries, self.deterministic = name, max_retries, deterministic
         self.pool = WorkerPool(program, workers, options=options, name=name,
                                inflight_per_worker=inflight_per_worker)
-        self.pool.start()
+        self.pool.start(wait=False)  # READY is awaited on first use: the engine overlaps
         self._task: dict[int, tuple] = {}  # task id -> (lane, seq, payload)
         self._retries: collections.Counter = collections.Counter()
         self._done: dict[Any, collections.deque] = collections.defaultdict(collections.deque)

@@ -1,0 +1,82 @@
+"""Sources: identities, reading, errors naming the file and line, mixture schedules."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import numpy as np
+import pytest
+
+from zephon import MixtureReadConfig, Pipeline, RuntimeOptions, ZephonConfigError, sources
+from zephon.pipeline.sources import SourceError
+
+
+def test_from_sequence_and_callable():
+    seq = sources.from_sequence(["a", "b", "c"], name="letters")
+    assert len(seq) == 3 and seq.get(1) == "b" and seq.identity(2) == ("letters", 2)
+    fn = sources.from_callable(4, lambda i: i * i)
+    assert [fn.get(i) for i in range(4)] == [0, 1, 4, 9]
+    with pytest.raises(ZephonConfigError):
+        sources.from_callable(-1, abs)
+    out = list(Pipeline(seq, shuffle=False, chunk_size=2))
+    assert out == ["a", "b", "c"]
+
+
+def test_token_windows_memmap(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)
+    src = sources.token_windows(str(path), seq_len=64)
+    assert len(src) == 15  # the 40-token tail is not a full window
+    assert np.array_equal(src.get(2)["tokens"], np.arange(128, 192, dtype=np.uint16))
+    rows = list(Pipeline(src, shuffle=False, chunk_size=4).pack_tokens(100).batch(2))
+    flat = np.concatenate([b["tokens"].reshape(-1) for b in rows])
+    assert flat.dtype == np.uint16 and np.array_equal(flat, np.arange(len(flat)))
+    with pytest.raises(SourceError, match="cannot read"):
+        sources.token_windows(str(tmp_path / "missing.bin"), 8)
+
+
+def test_jsonl_globs_and_bad_lines_name_file_and_line(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"i": 0}\n\n{"i": 1}\n')
+    (tmp_path / "b.jsonl").write_text('{"i": 2}\n{"i": 3, oops}\n')
+    src = sources.jsonl(str(tmp_path / "*.jsonl"))
+    assert len(src) == 4 and [src.get(k)["i"] for k in range(3)] == [0, 1, 2]
+    with pytest.raises(SourceError, match=r"b\.jsonl, line 2: invalid JSON"):
+        src.get(3)
+    with pytest.raises(Exception, match=r"b\.jsonl, line 2"):
+        list(Pipeline(src, shuffle=False))
+    with pytest.raises(SourceError, match="no file matches"):
+        sources.jsonl(str(tmp_path / "*.csv"))
+
+
+@pytest.mark.parametrize("mode", ["weighted_round_robin", "weighted_random"])
+def test_mixture_is_deterministic_and_complete(mode):
+    web = sources.from_sequence([f"w{i}" for i in range(300)], name="web")
+    code = sources.from_sequence([f"c{i}" for i in range(100)], name="code")
+    config = MixtureReadConfig(mode=mode, seed=3, within_component="shuffle")
+    mix = sources.mixture({"web": web, "code": code}, {"web": 0.75, "code": 0.25},
+                          config=config)
+    again = sources.mixture({"web": web, "code": code}, {"web": 0.75, "code": 0.25},
+                            config=config)
+    values = [mix.get(i) for i in range(len(mix))]
+    assert values == [again.get(i) for i in range(len(again))]
+    assert sorted(values) == sorted([f"w{i}" for i in range(300)] + [f"c{i}" for i in range(100)])
+    head = collections.Counter(v[0] for v in values[:200])
+    assert 120 <= head["w"] <= 180  # about 3:1 while both components last
+    assert mix.identity(0)[0] in ("web", "code")
+
+
+def test_mixture_rejects_bad_weights():
+    a = sources.from_sequence([1])
+    with pytest.raises(ZephonConfigError, match="weights"):
+        sources.mixture({"a": a}, {"b": 1.0})
+    with pytest.raises(ZephonConfigError, match="positive"):
+        sources.mixture({"a": a}, {"a": 0.0})
+
+
+def test_sample_ids_carry_source_index_epoch():
+    src = sources.from_callable(6, lambda i: {"v": np.array(i)}, name="nums")
+    batches = list(Pipeline(src, seed=0, chunk_size=2, num_epochs=2).batch(3))
+    ids = [sid for b in batches for sid in b.meta["sample_ids"]]
+    assert sorted(ids) == sorted(("nums", i, e) for i in range(6) for e in range(2))
+    assert all(b["v"].tolist() == [sid[1] for sid in b.meta["sample_ids"]] for b in batches)
