@@ -69,3 +69,30 @@ def big_sample(i):
 
 def add_one(s):
     return {"tokens": s["tokens"] + 1, "seq": s["seq"]}
+
+
+import threading as _threading
+import time as _time
+
+_conc = {"now": 0, "peak": 0}
+_conc_lock = _threading.Lock()
+
+
+def reset_concurrency():
+    with _conc_lock:
+        _conc["now"] = _conc["peak"] = 0
+
+
+def peak_concurrency():
+    return _conc["peak"]
+
+
+def track_concurrency(s):
+    """Records how many calls overlap (threads runner: one process, shared counters)."""
+    with _conc_lock:
+        _conc["now"] += 1
+        _conc["peak"] = max(_conc["peak"], _conc["now"])
+    _time.sleep(0.02)
+    with _conc_lock:
+        _conc["now"] -= 1
+    return s

@@ -127,6 +127,15 @@ def test_differential_restore_under_another_runner(data):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.data())
+def test_differential_restore_under_another_runner_medium(data):
+    _differential(data)
+
+
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())
@@ -161,3 +170,35 @@ def test_explain_reports_the_resolved_plan():
     assert "stage 1: runner=threads workers=5 depth=7" in text
     assert "latency_flush=off" in text and "flush: every 8 lane chunk(s)" in text
     assert "serial 1: shuffle(4)" in text and "serial 2: batch(2, drop_last=False)" in text
+
+
+def test_op_queue_capacity_bounds_items_in_flight():
+    F.reset_concurrency()
+    pipe = Pipeline(sources.from_callable(24, F.make_sample), shuffle=False, chunk_size=1) \
+        .map(F.track_concurrency, parallelism=4)
+    # (validation off: it runs the op on the first sample while the workers start)
+    tight = [int(s["id"]) for s in pipe.options(RuntimeOptions(
+        runner="threads", op_queue_capacity=1, auto_validation="off"))]
+    assert F.peak_concurrency() == 1
+    F.reset_concurrency()
+    loose = [int(s["id"]) for s in pipe.options(RuntimeOptions(
+        runner="threads", op_queue_capacity=16, auto_validation="off"))]
+    assert F.peak_concurrency() > 1 and tight == loose == list(range(24))
+    assert "op_queue=1 items/lane" in pipe.options(RuntimeOptions(op_queue_capacity=1)).explain()
+
+
+def test_mixture_config_option_is_the_default_read_policy():
+    from zephon import MixtureReadConfig
+
+    a = sources.from_sequence([{"id": i} for i in range(20)], name="a")
+    b = sources.from_sequence([{"id": 100 + i} for i in range(20)], name="b")
+    mix = sources.mixture({"a": a, "b": b})
+    plain = Pipeline(mix, shuffle=False)
+    rr = [s["id"] for s in plain]
+    random_opts = RuntimeOptions(mixture_config=MixtureReadConfig(mode="weighted_random",
+                                                                  seed=9))
+    drawn = [s["id"] for s in plain.options(random_opts)]
+    assert sorted(drawn) == sorted(rr) and drawn != rr
+    assert plain.fingerprint() != plain.options(random_opts).fingerprint()
+    own = sources.mixture({"a": a, "b": b}, config=MixtureReadConfig(seed=1))
+    assert [s["id"] for s in Pipeline(own, shuffle=False).options(random_opts)] == rr

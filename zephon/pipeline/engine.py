@@ -38,7 +38,8 @@ from typing import Iterator
 from zephon.kernels import ReorderBuffer
 from zephon.options import (
     resolve_canonical_replicas, resolve_dp_degree, resolve_dp_group_id,
-    resolve_flush_every_k_chunks, resolve_mapping_strategy, resolve_prefetch_batches,
+    resolve_flush_every_k_chunks, resolve_mapping_strategy, resolve_op_queue_capacity,
+    resolve_prefetch_batches,
     resolve_stage_prefetch, resolve_stage_workers,
 )
 from zephon.pipeline.lanes import lane_units, owned_lanes
@@ -68,9 +69,10 @@ class LaneState(tuple):
 
 class Stage:
     def __init__(self, index: int, ops: list, runner: str, workers: int, depth: int,
-                 split: bool) -> None:
+                 split: bool, item_cap: int) -> None:
         self.index, self.ops, self.runner = index, ops, runner
         self.workers, self.depth, self.split = workers, depth, split
+        self.item_cap = item_cap
 
     @property
     def parallelism(self) -> int:
@@ -79,6 +81,8 @@ class Stage:
 
 class Plan:
     def __init__(self, pipeline, opts) -> None:
+        # Options that refine the source (a mixture's default read policy) apply here.
+        pipeline.source = pipeline.source.configured(opts)
         self.pipeline, self.opts = pipeline, opts
         groups: list[list] = [[]]
         steps: list = []  # ("stage", index) | ("serial", op)
@@ -106,7 +110,8 @@ class Plan:
             split = (not opts.deterministic or opts.allow_latency_flush_in_deterministic) \
                 and not sensitive and runner != "inline"
             self.stages.append(Stage(i, ops, runner, caps[i],
-                                     resolve_stage_prefetch(opts, i, runner), split))
+                                     resolve_stage_prefetch(opts, i, runner), split,
+                                     resolve_op_queue_capacity(opts)))
         preserves = all(op.preserves_cursor_order for op in pipeline.ops)
         self.flush_every = resolve_flush_every_k_chunks(opts, preserves)
         self.lanes = resolve_canonical_replicas(opts)
@@ -144,7 +149,8 @@ class Plan:
                 reads = "read" + (", " if ops else "") if s.index == 0 else ""
                 lines.append(
                     f"  stage {s.index}: runner={s.runner} workers={s.workers} "
-                    f"depth={s.depth} units/lane latency_flush={'on' if s.split else 'off'}: "
+                    f"depth={s.depth} units/lane op_queue={s.item_cap} items/lane "
+                    f"latency_flush={'on' if s.split else 'off'}: "
                     f"{reads}{ops}")
             else:
                 serial_no += 1
@@ -155,12 +161,14 @@ class Plan:
 
 def ordered_map(executor, stage: Stage, upstream: Iterator, lane: int,
                 deterministic: bool) -> Iterator:
-    depth = stage.depth
+    depth, item_cap = stage.depth, stage.item_cap
     buffer = ReorderBuffer(2 * depth * max(1, stage.workers) + 8)
-    seq = inflight = 0
+    seq = inflight = items = 0
+    sizes: dict[int, int] = {}
     exhausted = False
     while True:
-        while not exhausted and inflight < depth:
+        # at most `depth` units and `op_queue_capacity` items in flight (always at least one)
+        while not exhausted and inflight < depth and (inflight == 0 or items < item_cap):
             try:
                 unit = next(upstream)
             except StopIteration:
@@ -178,6 +186,8 @@ def ordered_map(executor, stage: Stage, upstream: Iterator, lane: int,
                 parts = [unit[i:i + size] for i in range(0, len(unit), size)]
             for part in parts:
                 executor.submit(lane, seq, (stage.index, part))
+                sizes[seq] = len(part)
+                items += len(part)
                 seq += 1
                 inflight += 1
         for out in buffer.pop_ready():
@@ -188,6 +198,7 @@ def ordered_map(executor, stage: Stage, upstream: Iterator, lane: int,
             continue
         done_seq, result = executor.get(lane)
         inflight -= 1
+        items -= sizes.pop(done_seq)
         if deterministic:
             buffer.push(done_seq, result)
         else:

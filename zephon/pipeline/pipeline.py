@@ -254,12 +254,12 @@ class Pipeline:
 
     # -- plan ----------------------------------------------------------------------------
     def fingerprint(self) -> str:
-        parts = [self.source.describe(), f"seed={self.seed}",
+        plan = self.plan()
+        parts = [plan.pipeline.source.describe(), f"seed={self.seed}",
                  f"shuffle={self.permute}",
                  f"chunk={self.chunk_size}", f"epochs={self.num_epochs}"]
         parts += [op.describe() for op in self.ops]
-        plan_k = self.plan().flush_every
-        parts.append(f"flush={plan_k}")
+        parts.append(f"flush={plan.flush_every}")
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
     def plan(self) -> Plan:

@@ -53,6 +53,10 @@ class Source:
         """A stable description (part of the pipeline fingerprint)."""
         return f"{type(self).__name__}({self.name}, n={len(self)})"
 
+    def configured(self, opts) -> "Source":
+        """This source as the runtime options refine it (most sources: itself)."""
+        return self
+
 
 class SequenceSource(Source):
     def __init__(self, items: Sequence[Any], name: str) -> None:
@@ -186,8 +190,17 @@ class MixtureSource(Source):
         self.weights = np.array([float(weights[k]) for k in self.names])
         if not np.all(np.isfinite(self.weights)) or np.any(self.weights <= 0):
             raise ZephonConfigError(f"mixture: weights must be positive, got {dict(weights)}")
-        self.config, self.name = config, name
+        self.own_config = config is not None  # else RuntimeOptions.mixture_config applies
+        self.config, self.name = config or MixtureReadConfig(), name
         self.comp, self.comp_index = self._schedule()
+
+    def configured(self, opts) -> "Source":
+        if self.own_config or opts.mixture_config is None or \
+                opts.mixture_config == self.config:
+            return self
+        components = dict(zip(self.names, self.components))
+        weights = dict(zip(self.names, self.weights.tolist()))
+        return MixtureSource(components, weights, opts.mixture_config, self.name)
 
     def _schedule(self) -> tuple[np.ndarray, np.ndarray]:
         sizes = np.array([len(c) for c in self.components], dtype=np.int64)
@@ -250,4 +263,4 @@ def jsonl(paths: str | Sequence[str], *, name: str = "jsonl") -> Source:
 
 def mixture(components: Mapping[str, Source], weights: Mapping[str, float] | None = None, *,
             config: MixtureReadConfig | None = None, name: str = "mixture") -> Source:
-    return MixtureSource(components, weights, config or MixtureReadConfig(), name)
+    return MixtureSource(components, weights, config, name)
