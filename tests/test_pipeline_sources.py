@@ -80,3 +80,27 @@ def test_sample_ids_carry_source_index_epoch():
     ids = [sid for b in batches for sid in b.meta["sample_ids"]]
     assert sorted(ids) == sorted(("nums", i, e) for i in range(6) for e in range(2))
     assert all(b["v"].tolist() == [sid[1] for sid in b.meta["sample_ids"]] for b in batches)
+
+
+def test_io_options_retry_opening_a_file_that_appears_late(tmp_path):
+    import shutil
+    import threading
+    import time
+
+    from zephon import StoreOptions
+
+    ready = tmp_path / "ready.jsonl"
+    ready.write_text('{"i": 0}\n{"i": 1}\n')
+    src = sources.jsonl(str(ready))
+    late = tmp_path / "late.jsonl"
+    src.files = [str(late)]  # the index was built; the file vanishes and comes back
+    patient = RuntimeOptions(io_options=StoreOptions(open_retry_attempts=8,
+                                                     retry_backoff_initial_s=0.05,
+                                                     retry_backoff_max_s=0.2))
+    threading.Timer(0.3, lambda: shutil.copy(ready, late)).start()
+    out = list(Pipeline(src, shuffle=False).options(patient))
+    assert [s["i"] for s in out] == [0, 1]
+    late.unlink()
+    impatient = RuntimeOptions(io_options=StoreOptions(open_retry_attempts=1))
+    with pytest.raises(Exception, match="late.jsonl"):
+        list(Pipeline(src, shuffle=False).options(impatient))

@@ -33,6 +33,7 @@ completion order (throughput over order; checkpoints are then best effort).
 from __future__ import annotations
 
 import math
+import time
 from typing import Iterator
 
 from zephon.kernels import ReorderBuffer
@@ -45,6 +46,7 @@ from zephon.options import (
 from zephon.pipeline.lanes import lane_units, owned_lanes
 from zephon.pipeline.ops import Batch, Boundary
 from zephon.pipeline.program import StageProgram
+from zephon.pipeline.stats import RunStats
 from zephon.runners import InlineExecutor, ProcessExecutor, ThreadExecutor
 
 __all__ = ["Plan", "Engine", "LaneState", "ordered_map", "accumulate"]
@@ -160,11 +162,13 @@ class Plan:
 
 
 def ordered_map(executor, stage: Stage, upstream: Iterator, lane: int,
-                deterministic: bool) -> Iterator:
+                deterministic: bool, stats=None) -> Iterator:
     depth, item_cap = stage.depth, stage.item_cap
     buffer = ReorderBuffer(2 * depth * max(1, stage.workers) + 8)
     seq = inflight = items = 0
     sizes: dict[int, int] = {}
+    sent: dict[int, float] = {}
+    node = f"stage{stage.index}"
     exhausted = False
     while True:
         # at most `depth` units and `op_queue_capacity` items in flight (always at least one)
@@ -185,6 +189,9 @@ def ordered_map(executor, stage: Stage, upstream: Iterator, lane: int,
                 size = math.ceil(len(unit) / stage.workers)
                 parts = [unit[i:i + size] for i in range(0, len(unit), size)]
             for part in parts:
+                if stats is not None:
+                    stats.submitted(node, len(part))
+                    sent[seq] = time.perf_counter()
                 executor.submit(lane, seq, (stage.index, part))
                 sizes[seq] = len(part)
                 items += len(part)
@@ -199,6 +206,8 @@ def ordered_map(executor, stage: Stage, upstream: Iterator, lane: int,
         done_seq, result = executor.get(lane)
         inflight -= 1
         items -= sizes.pop(done_seq)
+        if stats is not None:
+            stats.completed(node, len(result), time.perf_counter() - sent.pop(done_seq))
         if deterministic:
             buffer.push(done_seq, result)
         else:
@@ -206,7 +215,11 @@ def ordered_map(executor, stage: Stage, upstream: Iterator, lane: int,
             buffer.push(done_seq, None)  # keeps markers in place; None is skipped below
 
 
-def accumulate(op, upstream: Iterator, seed: int, lane: int) -> Iterator:
+def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
+               node: str = "") -> Iterator:
+    if stats is not None:
+        yield from _timed_accumulate(op, upstream, seed, lane, stats, node)
+        return
     state = None
     for unit in upstream:
         if unit is None:
@@ -228,12 +241,39 @@ def accumulate(op, upstream: Iterator, seed: int, lane: int) -> Iterator:
             yield out
 
 
+def _timed_accumulate(op, upstream: Iterator, seed: int, lane: int, stats, node: str):
+    state = None
+    for unit in upstream:
+        if unit is None:
+            continue
+        t = time.perf_counter()
+        if isinstance(unit, Boundary):
+            out = state.drain() if state is not None else []
+            state = op.start(seed, lane, unit)
+            stats.serial(node, 0, len(out), time.perf_counter() - t)
+            if out:
+                yield out
+            yield unit
+            continue
+        out = state.push(unit)
+        stats.serial(node, len(unit), len(out), time.perf_counter() - t)
+        if out:
+            yield out
+    if state is not None:
+        out = state.drain()
+        stats.serial(node, 0, len(out), 0.0)
+        if out:
+            yield out
+
+
 class Engine:
     """Runs a plan for this rank's lanes from the given delivered lane states."""
 
     def __init__(self, plan: Plan, states: dict[int, LaneState]) -> None:
         self.plan, self.states = plan, dict(states)
         p, o = plan.pipeline, plan.opts
+        mode = str(o.execution_tracking)
+        self.stats = None if mode == "off" else RunStats(mode, o.metrics_sink_config)
         program = StageProgram(p.source, [s.ops for s in plan.stages], p.seed)
         self.executors = {}
         try:
@@ -260,13 +300,16 @@ class Engine:
         total = state.total - skip if state else 0
         it = lane_units(len(p.source), p.seed, p.permute, p.chunk_size, plan.lanes, lane,
                         plan.flush_every, p.num_epochs, start)
-        for kind, what in plan.steps:
+        stats = self.stats
+        for step_no, (kind, what) in enumerate(plan.steps):
             if kind == "stage":
                 stage = plan.stages[what]
                 it = ordered_map(self.executors[what], stage, it, lane,
-                                 plan.opts.deterministic)
+                                 plan.opts.deterministic, stats)
             else:
-                it = accumulate(what, it, p.seed, lane)
+                node_stats = stats if stats is not None and stats.nodes_enabled else None
+                it = accumulate(what, it, p.seed, lane, node_stats,
+                                f"serial{step_no}_{what.kind}")
         boundary, since = start, 0
         for unit in it:
             if unit is None:
@@ -303,6 +346,8 @@ class Engine:
             yield value, stamp
 
     def close(self) -> None:
+        if self.stats is not None:
+            self.stats.close()
         for ex in self.executors.values():
             try:
                 ex.close()

@@ -138,6 +138,9 @@ class _Run:
             raise
         lane, epoch, k, since, total = stamp
         self.pipe._states[lane] = LaneState(epoch, k, since, total)
+        if self.engine is not None and self.engine.stats is not None and \
+                self.engine.stats.nodes_enabled:
+            self.engine.stats.delivered()
         return value
 
     def close(self) -> None:
@@ -293,6 +296,14 @@ class Pipeline:
         if self._run is not None:
             self._run.close()
 
+    def stats(self) -> dict:
+        """Execution statistics of the current or last run (``execution_tracking``; empty
+        when it is off, and in MTP mode, where they live in the subprocess)."""
+        run = self._run
+        if run is None or run.engine is None or run.engine.stats is None:
+            return {}
+        return run.engine.stats.snapshot()
+
     def _finished(self) -> None:
         if self.runtime.mtp_mode and self.runtime.mtp_auto_checkpoint:
             self.final_state = self.checkpoint()
@@ -310,6 +321,11 @@ class Pipeline:
         local = self._local_state()
         if o.world_size == 1:
             return encode_state(local, o.aggregate_serializer, o.aggregate_compressor)
+        if o.aggregate_store is not None:
+            raise NotImplementedError(
+                f"aggregate_store={o.aggregate_store!r}: exchanging states through torch's "
+                "TCPStore is not available yet; use aggregate_dir (a directory every rank "
+                "can reach)")
         if o.aggregate_dir is None:
             raise ZephonConfigError(
                 "checkpoint() with world_size > 1 needs aggregate_dir (a directory every rank "

@@ -19,15 +19,20 @@ whichever process reads.
 
 from __future__ import annotations
 
+import copy
 import glob as globlib
 import json
+import logging
 import os
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from zephon.errors import ZephonConfigError, ZephonError
-from zephon.options import MixtureReadConfig
+from zephon.options import MixtureReadConfig, StoreOptions
+
+log = logging.getLogger("zephon.sources")
 
 __all__ = ["Source", "from_sequence", "from_callable", "token_windows", "jsonl", "mixture",
            "SourceError"]
@@ -37,8 +42,28 @@ class SourceError(ZephonError):
     """A sample could not be read (the message names the file and line or index)."""
 
 
+def open_with_retry(path: str, mode: str, store: StoreOptions):
+    """``open`` with ``store.open_retry_attempts`` attempts and doubling back-off (from
+    ``retry_backoff_initial_s`` to ``retry_backoff_max_s``): transient failures of
+    shared file systems (a stale handle, a file not visible yet) get another chance;
+    the last attempt's error is raised."""
+    delay = store.retry_backoff_initial_s
+    for attempt in range(1, store.open_retry_attempts + 1):
+        try:
+            return open(path, mode)
+        except OSError as exc:
+            if attempt == store.open_retry_attempts:
+                raise
+            log.warning("opening %s failed (%s); attempt %d of %d in %.2f s", path, exc,
+                        attempt + 1, store.open_retry_attempts, delay)
+            time.sleep(delay)
+            delay = min(store.retry_backoff_max_s, delay * 2 if delay else 0.0)
+    raise AssertionError("unreachable")
+
+
 class Source:
     name = "source"
+    store = StoreOptions()
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -54,8 +79,13 @@ class Source:
         return f"{type(self).__name__}({self.name}, n={len(self)})"
 
     def configured(self, opts) -> "Source":
-        """This source as the runtime options refine it (most sources: itself)."""
-        return self
+        """This source as the runtime options refine it: file sources take
+        ``io_options``; a mixture also its default read policy."""
+        if self.store == opts.io_options:
+            return self
+        clone = copy.copy(self)
+        clone.store = opts.io_options
+        return clone
 
 
 class SequenceSource(Source):
@@ -99,6 +129,7 @@ class TokenWindows(Source):
             size = os.path.getsize(self.path)
         except OSError as exc:
             raise SourceError(f"token_windows: cannot read {self.path}: {exc}") from exc
+        self.store = StoreOptions()
         self.n_tokens = size // self.dtype.itemsize
         self._tokens = None
 
@@ -114,8 +145,9 @@ class TokenWindows(Source):
 
     def get(self, i: int) -> Any:
         if self._tokens is None:
-            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r",
-                                     shape=(self.n_tokens,))
+            with open_with_retry(self.path, "rb", self.store) as fh:
+                self._tokens = np.memmap(fh, dtype=self.dtype, mode="r",
+                                         shape=(self.n_tokens,))
         start = i * self.seq_len
         return {"tokens": np.array(self._tokens[start:start + self.seq_len])}
 
@@ -157,7 +189,7 @@ class JsonlSource(Source):
 
     def get(self, i: int) -> Any:
         path = self.files[self.file_index[i]]
-        with open(path, "rb") as fh:
+        with open_with_retry(path, "rb", self.store) as fh:
             fh.seek(int(self.offsets[i]))
             line = fh.readline()
         try:
@@ -195,10 +227,15 @@ class MixtureSource(Source):
         self.comp, self.comp_index = self._schedule()
 
     def configured(self, opts) -> "Source":
+        components = {n: c.configured(opts) for n, c in zip(self.names, self.components)}
+        changed = any(a is not b for a, b in zip(components.values(), self.components))
         if self.own_config or opts.mixture_config is None or \
                 opts.mixture_config == self.config:
-            return self
-        components = dict(zip(self.names, self.components))
+            if not changed:
+                return self
+            clone = copy.copy(self)
+            clone.components = list(components.values())
+            return clone
         weights = dict(zip(self.names, self.weights.tolist()))
         return MixtureSource(components, weights, opts.mixture_config, self.name)
 
