@@ -16,6 +16,8 @@ import time
 import numpy as np
 import pytest
 
+from _procs import alive
+
 import _job_fns as J
 from zephon import SerializationError, ZephonConfigError
 from zephon.errors import CheckpointError
@@ -33,12 +35,6 @@ def subjects(tmp_path, n, action="ok", arg=None):
             for i in range(n)]
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_unpicklable_callable_is_an_immediate_clear_error(tmp_path):

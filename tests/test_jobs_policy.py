@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from _procs import alive
+
 import _job_fns as J
 from zephon import SubjectTimeoutError, WorkerCrashedError, ZephonConfigError
 from zephon.errors import CheckpointError
@@ -33,12 +35,6 @@ def go(fn, subs, **policy):
     return r, list(r)
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_workers_bounds_the_observed_concurrency(tmp_path):

@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from _procs import alive
+
 from zephon.transport.arena import segment_name, sweep_stale_segments
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -47,12 +49,6 @@ PARENT = textwrap.dedent("""
 """)
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def shm_entries() -> set[str]:
