@@ -16,21 +16,19 @@ from zephon.errors import (
     ZephonConfigError,
     ZephonError,
 )
-from zephon.options import (
-    ExecutionTrackingMode,
-    MetricsSinkConfig,
-    MixtureReadConfig,
-    RunPolicy,
-    RuntimeOptions,
-    StoreOptions,
-)
-
 __version__ = "0.1.0"
 
-# The pipeline layer (numpy, the kernels, the runners) loads on first use: a spawned
-# worker that only needs zephon.transport or zephon.options must not pay for it.
+# Everything but the errors loads on first use: a spawned worker that only needs
+# zephon.transport must not pay for the options (dataclasses) or the pipeline layer.
 _LAZY = {"Pipeline": "zephon.pipeline", "Batch": "zephon.pipeline",
-         "OpError": "zephon.pipeline", "sources": "zephon.pipeline"}
+         "OpError": "zephon.pipeline", "sources": "zephon.pipeline",
+         "ExecutionTrackingMode": "zephon.options", "MetricsSinkConfig": "zephon.options",
+         "MixtureReadConfig": "zephon.options", "RunPolicy": "zephon.options",
+         "RuntimeOptions": "zephon.options", "StoreOptions": "zephon.options"}
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
 
 
 def __getattr__(name: str):

@@ -30,7 +30,6 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from zephon.errors import ZephonConfigError, ZephonError
-from zephon.options import MixtureReadConfig, StoreOptions
 
 log = logging.getLogger("zephon.sources")
 
@@ -42,28 +41,33 @@ class SourceError(ZephonError):
     """A sample could not be read (the message names the file and line or index)."""
 
 
-def open_with_retry(path: str, mode: str, store: StoreOptions):
-    """``open`` with ``store.open_retry_attempts`` attempts and doubling back-off (from
-    ``retry_backoff_initial_s`` to ``retry_backoff_max_s``): transient failures of
-    shared file systems (a stale handle, a file not visible yet) get another chance;
-    the last attempt's error is raised."""
-    delay = store.retry_backoff_initial_s
-    for attempt in range(1, store.open_retry_attempts + 1):
+# (attempts, first back-off s, longest back-off s): StoreOptions' defaults. Kept as plain
+# numbers so that a source unpickled in a worker does not import the options layer.
+DEFAULT_OPEN_RETRY = (5, 0.1, 2.0)
+
+
+def open_with_retry(path: str, mode: str, retry: tuple = DEFAULT_OPEN_RETRY):
+    """``open`` with ``attempts`` tries and doubling back-off (``io_options``:
+    ``open_retry_attempts``, ``retry_backoff_initial_s``, ``retry_backoff_max_s``):
+    transient failures of shared file systems (a stale handle, a file not visible yet)
+    get another chance; the last attempt's error is raised."""
+    attempts, delay, longest = retry
+    for attempt in range(1, attempts + 1):
         try:
             return open(path, mode)
         except OSError as exc:
-            if attempt == store.open_retry_attempts:
+            if attempt == attempts:
                 raise
             log.warning("opening %s failed (%s); attempt %d of %d in %.2f s", path, exc,
-                        attempt + 1, store.open_retry_attempts, delay)
+                        attempt + 1, attempts, delay)
             time.sleep(delay)
-            delay = min(store.retry_backoff_max_s, delay * 2 if delay else 0.0)
+            delay = min(longest, delay * 2 if delay else 0.0)
     raise AssertionError("unreachable")
 
 
 class Source:
     name = "source"
-    store = StoreOptions()
+    open_retry = DEFAULT_OPEN_RETRY
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -81,10 +85,12 @@ class Source:
     def configured(self, opts) -> "Source":
         """This source as the runtime options refine it: file sources take
         ``io_options``; a mixture also its default read policy."""
-        if self.store == opts.io_options:
+        io = opts.io_options
+        retry = (io.open_retry_attempts, io.retry_backoff_initial_s, io.retry_backoff_max_s)
+        if self.open_retry == retry:
             return self
         clone = copy.copy(self)
-        clone.store = opts.io_options
+        clone.open_retry = retry
         return clone
 
 
@@ -129,7 +135,6 @@ class TokenWindows(Source):
             size = os.path.getsize(self.path)
         except OSError as exc:
             raise SourceError(f"token_windows: cannot read {self.path}: {exc}") from exc
-        self.store = StoreOptions()
         self.n_tokens = size // self.dtype.itemsize
         self._tokens = None
 
@@ -145,7 +150,7 @@ class TokenWindows(Source):
 
     def get(self, i: int) -> Any:
         if self._tokens is None:
-            with open_with_retry(self.path, "rb", self.store) as fh:
+            with open_with_retry(self.path, "rb", self.open_retry) as fh:
                 self._tokens = np.memmap(fh, dtype=self.dtype, mode="r",
                                          shape=(self.n_tokens,))
         start = i * self.seq_len
@@ -189,7 +194,7 @@ class JsonlSource(Source):
 
     def get(self, i: int) -> Any:
         path = self.files[self.file_index[i]]
-        with open_with_retry(path, "rb", self.store) as fh:
+        with open_with_retry(path, "rb", self.open_retry) as fh:
             fh.seek(int(self.offsets[i]))
             line = fh.readline()
         try:
@@ -209,7 +214,9 @@ class JsonlSource(Source):
 
 class MixtureSource(Source):
     def __init__(self, components: Mapping[str, Source], weights: Mapping[str, float] | None,
-                 config: MixtureReadConfig, name: str) -> None:
+                 config, name: str) -> None:
+        from zephon.options import MixtureReadConfig
+
         if not components:
             raise ZephonConfigError("mixture: at least one component is needed")
         self.names = list(components)
@@ -299,5 +306,7 @@ def jsonl(paths: str | Sequence[str], *, name: str = "jsonl") -> Source:
 
 
 def mixture(components: Mapping[str, Source], weights: Mapping[str, float] | None = None, *,
-            config: MixtureReadConfig | None = None, name: str = "mixture") -> Source:
+            config=None, name: str = "mixture") -> Source:
+    """``config``: a :class:`~zephon.options.MixtureReadConfig` (None: the pipeline's
+    ``mixture_config`` if set, else the defaults)."""
     return MixtureSource(components, weights, config, name)

@@ -62,7 +62,6 @@ from typing import Any, NamedTuple
 from zephon.errors import (
     RemoteTraceback, SerializationError, TransportError, WorkerCrashedError,
 )
-from zephon.options import RuntimeOptions
 from zephon.transport.arena import (
     LeaseTable, ShmArena, SlabRegistry, memfd_available, sweep_stale_segments, token_slab,
 )
@@ -88,7 +87,7 @@ class TaskResult(NamedTuple):
     value: Any
 
 
-def default_arena_bytes(opts: RuntimeOptions, inflight_per_worker: int) -> int:
+def default_arena_bytes(opts, inflight_per_worker: int) -> int:
     """Arena bound per worker: room for the messages a worker may have in flight plus its
     share of the consumer's prefetch, each up to ``shm_max_coalesced_bytes`` (16 MiB)."""
     from zephon.options import resolve_prefetch_batches
@@ -322,7 +321,7 @@ class _WorkerHandle:
 class WorkerPool:
     """N worker processes running ``handler(payload) -> result`` (see the module docstring)."""
 
-    def __init__(self, handler, num_workers: int, *, options: RuntimeOptions | None = None,
+    def __init__(self, handler, num_workers: int, *, options=None,
                  name: str = "pool", arena_max_bytes: int | None = None,
                  spawn_timeout_s: float = 60.0, arena_wait_timeout_s: float = 60.0,
                  inflight_per_worker: int = 4, daemon: bool = True) -> None:
@@ -330,7 +329,11 @@ class WorkerPool:
         they are still stopped by ``close()`` and at interpreter exit."""
         if not 1 <= num_workers <= 127:  # region tokens must fit the kernels' int64
             raise ValueError(f"num_workers must be in [1, 127], got {num_workers}")
-        self.options = options or RuntimeOptions()
+        if options is None:
+            from zephon.options import RuntimeOptions  # parent only: workers never need it
+
+            options = RuntimeOptions()
+        self.options = options
         self.handler, self.num_workers, self.name = handler, num_workers, name
         self.daemon = daemon
         self.transport = self.options.ipc_transport
