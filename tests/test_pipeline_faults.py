@@ -175,3 +175,17 @@ def test_pipeline_config_errors():
         Pipeline(src).batch(0)
     with pytest.raises(NotImplementedError, match="fit_to_ops"):
         Pipeline(src).options(RuntimeOptions(worker_allocation="autotune")).explain()
+
+
+def test_mtp_prefetch_thread_runs_at_low_priority():
+    if not hasattr(os, "getpriority"):
+        pytest.skip("no per-thread priorities here")
+    pipe = base(40).options(RuntimeOptions(mtp_mode=True, mtp_prefetch=2))
+    it = iter(pipe)
+    next(it)
+    tid = pipe._run.thread.native_id
+    try:
+        expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)  # nice tops out at 19
+        assert os.getpriority(os.PRIO_PROCESS, tid) >= expected
+    finally:
+        pipe.close()

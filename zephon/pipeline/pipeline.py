@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import os
 import queue
 import threading
 import weakref
@@ -60,7 +61,15 @@ class _Failure:
         self.error = error
 
 
-def _pump(source, out: queue.Queue, stop: threading.Event) -> None:
+def _pump(source, out: queue.Queue, stop: threading.Event, nice: int = 0) -> None:
+    if nice:
+        # MTP's prefetch thread yields the CPU to the training loop: on Linux a thread has
+        # its own nice value, set through its native id (raising it needs no privilege).
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except (AttributeError, OSError):
+            pass
+
     def put(item) -> bool:
         while not stop.is_set():
             try:
@@ -108,7 +117,8 @@ class _Run:
             # The pump holds the queue, the stop flag and the item source, never the run:
             # a dropped, half-consumed run must stay collectable so its finalizer can close it.
             self.thread = threading.Thread(target=_pump, args=(self._source, self.queue,
-                                                               self.stop),
+                                                               self.stop,
+                                                               10 if opts.mtp_mode else 0),
                                            name="zephon-pump", daemon=True)
             self.thread.start()
         _live.add(self)
