@@ -109,108 +109,84 @@ class Row:
         self.note = ""
 
 
+def timed(row: Row, items, t0: float, warmup: int, nbytes: int, check) -> Row:
+    """Consume ``items``: time to the first one (from ``t0``), then the steady rate after
+    ``warmup`` items."""
+    got = 0
+    for item in items:
+        check(item)
+        got += 1
+        if got == 1:
+            row.first_s = time.perf_counter() - t0
+        if got == warmup:
+            t_steady = time.perf_counter()
+        del item
+    elapsed = time.perf_counter() - t_steady
+    row.items_per_s = (got - warmup) / elapsed
+    row.bytes_per_s = (got - warmup) * nbytes / elapsed
+    return row
+
+
+def pool_results(pool, n: int, arg_of, depth: int = 8):
+    """Values of ``n`` tasks, keeping ``depth`` of them in flight."""
+    submitted = 0
+    for _ in range(min(depth, n)):
+        pool.submit(arg_of(submitted))
+        submitted += 1
+    for _ in range(n):
+        value = pool.get().value
+        if submitted < n:
+            pool.submit(arg_of(submitted))
+            submitted += 1
+        yield value
+
+
+def check_batch(batch) -> None:
+    assert int(batch["tokens"][1]) - int(batch["seq"]) in (1, 2)
+
+
 def run_zephon(n: int, warmup: int) -> Row:
     from zephon.transport import WorkerPool
 
-    row = Row("zephon WorkerPool")
     t0 = time.perf_counter()
     with WorkerPool(make_batch, 2) as pool:
-        depth, nxt = 8, 0
-        for _ in range(depth):
-            pool.submit(nxt)
-            nxt += 1
-        got = 0
-        while got < n:
-            value = pool.get().value
-            assert value["tokens"][1] == 1 + value["seq"]
-            got += 1
-            if got == 1:
-                row.first_s = time.perf_counter() - t0
-            if got == warmup:
-                t_steady = time.perf_counter()
-            del value
-            if nxt < n:
-                pool.submit(nxt)
-                nxt += 1
-        elapsed = time.perf_counter() - t_steady
-    row.bytes_per_s = (n - warmup) * TOKENS * 8 / elapsed
-    row.items_per_s = (n - warmup) / elapsed
-    return row
+        return timed(Row("zephon WorkerPool"), pool_results(pool, n, lambda i: i), t0, warmup,
+                     TOKENS * 8, check_batch)
 
 
 def run_zephon_small(n_items: int, warmup_msgs: int) -> Row:
     from zephon.transport import WorkerPool
 
-    row = Row("zephon WorkerPool, 4 KiB items")
     messages = n_items // ITEMS_PER_MESSAGE
+    t0 = time.perf_counter()
     with WorkerPool(make_small_items, 2) as pool:
-        nxt = 0
-        for _ in range(8):
-            pool.submit(nxt * ITEMS_PER_MESSAGE)
-            nxt += 1
-        got = 0
-        items = 0
-        while got < messages:
-            for item in pool.get().value:
-                assert item["tokens"][1] == 1 + item["seq"]
-                if got >= warmup_msgs:
-                    items += 1
-            got += 1
-            if got == warmup_msgs:
-                t_steady = time.perf_counter()
-            if nxt < messages:
-                pool.submit(nxt * ITEMS_PER_MESSAGE)
-                nxt += 1
-        elapsed = time.perf_counter() - t_steady
-    row.items_per_s = items / elapsed
-    row.bytes_per_s = items * SMALL * 8 / elapsed
+        items = (item for message in pool_results(
+            pool, messages, lambda k: k * ITEMS_PER_MESSAGE) for item in message)
+        row = timed(Row("zephon WorkerPool, 4 KiB items"), items, t0,
+                    warmup_msgs * ITEMS_PER_MESSAGE, SMALL * 8, check_batch)
+    row.first_s = float("nan")  # a message of 256 items, not one item: not comparable
     return row
 
 
 def run_pipeline(n: int, warmup: int) -> Row:
     from zephon import Pipeline, RuntimeOptions, sources
 
-    row = Row("zephon Pipeline e2e (process, 2)")
     pipe = (Pipeline(sources.from_callable(n, make_batch), shuffle=False, chunk_size=2)
             .map(add_one, parallelism=2)
             .options(RuntimeOptions(runner="process", max_workers=2, deterministic=True)))
     t0 = time.perf_counter()
-    got = 0
-    for sample in pipe:
-        assert sample["tokens"][1] == 2 + sample["seq"]
-        got += 1
-        if got == 1:
-            row.first_s = time.perf_counter() - t0
-        if got == warmup:
-            t_steady = time.perf_counter()
-        del sample
-    elapsed = time.perf_counter() - t_steady
-    row.bytes_per_s = (n - warmup) * TOKENS * 8 / elapsed
-    row.items_per_s = (n - warmup) / elapsed
-    return row
+    return timed(Row("zephon Pipeline e2e (process, 2)"), pipe, t0, warmup, TOKENS * 8,
+                 check_batch)
 
 
 def run_torch(n: int, warmup: int, elements: int, name: str, dataset=None) -> Row:
     import torch.utils.data as tud
 
-    row = Row(name)
     dataset = dataset if dataset is not None else BatchDataset(n, elements)
     loader = tud.DataLoader(dataset, num_workers=2, batch_size=None,
                             multiprocessing_context="spawn")
     t0 = time.perf_counter()
-    got = 0
-    for batch in loader:
-        assert int(batch["tokens"][1]) - int(batch["seq"]) in (1, 2)
-        got += 1
-        if got == 1:
-            row.first_s = time.perf_counter() - t0
-        if got == warmup:
-            t_steady = time.perf_counter()
-        del batch
-    elapsed = time.perf_counter() - t_steady
-    row.items_per_s = (n - warmup) / elapsed
-    row.bytes_per_s = (n - warmup) * elements * 8 / elapsed
-    return row
+    return timed(Row(name), loader, t0, warmup, elements * 8, check_batch)
 
 
 def main(argv=None) -> int:

@@ -5,6 +5,7 @@ workers are busy, reports their pids, and is then killed or exits."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -88,45 +89,42 @@ def wait_gone(pids, seconds: float) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
-def kill_all(pids):
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+@contextlib.contextmanager
+def helper_parent(transport: str, mode: str):
+    """The helper parent and its workers' pids; everything is killed and reaped after."""
+    proc, pids = run_parent(transport, mode)
+    try:
+        yield proc, pids
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
 @pytest.mark.parametrize("transport", ["socketpair", "pipe"])
 def test_sigkill_of_the_parent_takes_the_workers_down(transport):
     before = shm_entries()
-    proc, pids = run_parent(transport, "kill")
-    try:
+    with helper_parent(transport, "kill") as (proc, pids):
         assert all(alive(p) for p in pids)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         left = wait_gone(pids, 5.0)
         assert not left, f"workers {left} outlived their parent by 5 s"
         assert shm_entries() - before == set()
-    finally:
-        kill_all(pids)
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
 
 
 @pytest.mark.parametrize("transport", ["socketpair", "pipe"])
 def test_parent_exit_without_close_cleans_up(transport):
     before = shm_entries()
-    proc, pids = run_parent(transport, "exit")
-    try:
+    with helper_parent(transport, "exit") as (proc, pids):
         assert proc.wait(30) == 0  # busy workers (120 s tasks) do not hold the exit
         assert not wait_gone(pids, 5.0)
         assert shm_entries() - before == set()
-    finally:
-        kill_all(pids)
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="names are listable on Linux only")
