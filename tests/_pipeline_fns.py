@@ -96,3 +96,10 @@ def track_concurrency(s):
     with _conc_lock:
         _conc["now"] -= 1
     return s
+
+
+def slow_first(s):
+    """Sample 0 takes a while, every other sample is instant: a head-of-line unit."""
+    if s["id"] == 0:
+        _time.sleep(0.5)
+    return s

@@ -202,3 +202,13 @@ def test_mixture_config_option_is_the_default_read_policy():
     assert plain.fingerprint() != plain.options(random_opts).fingerprint()
     own = sources.mixture({"a": a, "b": b}, config=MixtureReadConfig(seed=1))
     assert [s["id"] for s in Pipeline(own, shuffle=False).options(random_opts)] == rr
+
+
+def test_a_slow_head_of_line_unit_stalls_lookahead_instead_of_overflowing():
+    # Unit 0 is slow; every later unit finishes at once and frees its slot. Lookahead must
+    # stop at the reorder window instead of running seq numbers (and held results) past it.
+    pipe = Pipeline(sources.from_callable(200, F.make_sample), shuffle=False, chunk_size=1) \
+        .map(F.slow_first, parallelism=2)
+    opts = RuntimeOptions(runner="threads", max_workers=2, default_stage_prefetch=2,
+                          auto_validation="off")
+    assert [int(s["id"]) for s in pipe.options(opts)] == list(range(200))

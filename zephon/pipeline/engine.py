@@ -164,15 +164,22 @@ class Plan:
 def ordered_map(executor, stage: Stage, upstream: Iterator, lane: int,
                 deterministic: bool, stats=None) -> Iterator:
     depth, item_cap = stage.depth, stage.item_cap
-    buffer = ReorderBuffer(2 * depth * max(1, stage.workers) + 8)
+    window = 2 * depth * max(1, stage.workers) + 8
+    buffer = ReorderBuffer(window)
+    # New sequence numbers one pull may take: a marker plus a unit's parts.
+    per_pull = 1 + (stage.workers if stage.split else 1)
     seq = inflight = items = 0
     sizes: dict[int, int] = {}
     sent: dict[int, float] = {}
     node = f"stage{stage.index}"
     exhausted = False
     while True:
-        # at most `depth` units and `op_queue_capacity` items in flight (always at least one)
-        while not exhausted and inflight < depth and (inflight == 0 or items < item_cap):
+        # At most `depth` units and `op_queue_capacity` items in flight (always at least
+        # one), and never further ahead of the oldest unfinished unit than the reorder
+        # window: a slow head-of-line unit must stall the lookahead, not let finished
+        # results pile up behind it without bound.
+        while not exhausted and inflight < depth and (inflight == 0 or items < item_cap) \
+                and seq + per_pull - buffer.cursor <= window:
             try:
                 unit = next(upstream)
             except StopIteration:
