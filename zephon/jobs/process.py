@@ -39,10 +39,11 @@ import time
 from typing import Any, Iterator, NamedTuple
 
 from zephon.errors import (
-    RemoteTraceback, SerializationError, SubjectTimeoutError, WorkerCrashedError, ZephonError,
+    SerializationError, SubjectTimeoutError, WorkerCrashedError, ZephonError,
 )
 from zephon.jobs.worker import job_worker_main, unpickle_value
 from zephon.transport.channel import ChannelClosed, channel_pair
+from zephon.transport.remote_errors import decode_exception
 
 __all__ = ["ProcessBackend", "Outcome", "JobSetupError"]
 
@@ -92,15 +93,6 @@ def _signal_group(slot: _Slot, sig: int) -> None:
             os.kill(slot.pid, sig)
         except ProcessLookupError:
             pass
-
-
-def _remote(header, frames, fallback: str) -> BaseException:
-    try:
-        exc = pickle.loads(frames[0])
-    except Exception:  # noqa: BLE001
-        exc = RuntimeError(fallback)
-    exc.__cause__ = RemoteTraceback(header.get("tb", ""))
-    return exc
 
 
 class ProcessBackend:
@@ -236,7 +228,8 @@ class ProcessBackend:
             slot.state, slot.deadline = "idle", None
             return None
         if kind == "fail":
-            error = _remote(header, frames, "the worker failed to set up")
+            error = decode_exception(frames[0], header.get("tb", ""),
+                                     f"setting up job worker pid {slot.pid}")
             raise JobSetupError(
                 f"a job worker could not set up the callable: {type(error).__name__}: "
                 f"{error}") from error
@@ -255,7 +248,8 @@ class ProcessBackend:
                 self._stop(slot)
             return Outcome(index, True, unpickle_value(frames), None, header["d"], "ok")
         # kind == "error"
-        error = _remote(header, frames, "the subject failed")
+        error = decode_exception(frames[0], header.get("tb", ""),
+                                 f"subject {index} on job worker pid {slot.pid}")
         slot.failures += 1
         if slot.failures >= self.max_failures:
             self.stats["restarts"] += 1

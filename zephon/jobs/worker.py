@@ -27,11 +27,11 @@ import pickle
 import signal
 import threading
 import time
-import traceback
 
 from zephon.transport.channel import ChannelClosed
+from zephon.transport.remote_errors import encode_exception
 
-__all__ = ["job_worker_main", "pickle_value", "unpickle_value", "pickle_error"]
+__all__ = ["job_worker_main", "pickle_value", "unpickle_value"]
 
 
 def pickle_value(value) -> list:
@@ -42,16 +42,6 @@ def pickle_value(value) -> list:
 
 def unpickle_value(frames: list):
     return pickle.loads(frames[0], buffers=frames[1:])
-
-
-def pickle_error(exc: BaseException) -> tuple[str, bytes]:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        blob = pickle.dumps(exc, protocol=5)
-        pickle.loads(blob)
-    except Exception:  # noqa: BLE001 - an exception that does not pickle travels as text
-        blob = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"), protocol=5)
-    return tb, blob
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -77,7 +67,7 @@ def job_worker_main(channel, boot: dict) -> None:
             if callable(setup):
                 setup()
         except BaseException as exc:  # noqa: BLE001 - reported, then this worker exits
-            tb, blob = pickle_error(exc)
+            tb, blob = encode_exception(exc)
             channel.send({"k": "fail", "tb": tb}, [blob])
             return
         channel.send({"k": "ready", "pid": os.getpid()})
@@ -92,7 +82,7 @@ def job_worker_main(channel, boot: dict) -> None:
             try:
                 out = pickle_value(fn(subject))
             except Exception as exc:  # noqa: BLE001 - the subject's failure, not ours
-                tb, blob = pickle_error(exc)
+                tb, blob = encode_exception(exc)
                 channel.send({"k": "error", "id": task_id, "d": time.perf_counter() - start,
                               "tb": tb, "oom": isinstance(exc, MemoryError)}, [blob])
                 continue

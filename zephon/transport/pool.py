@@ -55,18 +55,18 @@ import selectors
 import signal
 import threading
 import time
-import traceback
 import weakref
 from typing import Any, NamedTuple
 
 from zephon.errors import (
-    RemoteTraceback, SerializationError, TransportError, WorkerCrashedError,
+    SerializationError, TransportError, WorkerCrashedError,
 )
 from zephon.transport.arena import (
     LeaseTable, ShmArena, SlabRegistry, memfd_available, sweep_stale_segments, token_slab,
 )
 from zephon.transport.channel import ChannelClosed, channel_pair
-from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy, find_unpicklable
+from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
+from zephon.transport.remote_errors import decode_exception, encode_exception
 
 __all__ = ["WorkerPool", "TaskResult", "default_arena_bytes"]
 
@@ -106,16 +106,6 @@ def _signal_name(exitcode: int | None) -> str:
         except ValueError:
             return f"signal {-exitcode}"
     return f"exit code {exitcode}"
-
-
-def _error_frames(exc: BaseException) -> tuple[dict, list]:
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        blob = pickle.dumps(exc, protocol=5)
-        pickle.loads(blob)
-    except Exception:  # noqa: BLE001 - an unpicklable exception travels as text
-        blob = pickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"), protocol=5)
-    return {"tb": tb}, [blob]
 
 
 # ---------------------------------------------------------------------------------------
@@ -203,8 +193,8 @@ class _Worker:
             try:
                 handler = pickle.loads(self.boot["handler"])
             except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
-                header, frames = _error_frames(exc)
-                self.channel.send({"k": "fail", **header}, frames)
+                tb, blob = encode_exception(exc)
+                self.channel.send({"k": "fail", "tb": tb}, [blob])
                 return
             self.channel.send({"k": "ready", "pid": os.getpid()})
             threading.Thread(target=self._control, name="zephon-worker-control",
@@ -240,8 +230,8 @@ class _Worker:
         except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            meta, blob = _error_frames(exc)
-            self.channel.send({"k": "error", "id": task_id, **meta}, blob)
+            tb, blob = encode_exception(exc)
+            self.channel.send({"k": "error", "id": task_id, "tb": tb}, [blob])
             return
         out["k"], out["id"] = "result", task_id
         self.channel.send(out, out_frames, out_fds)
@@ -484,7 +474,7 @@ class WorkerPool:
                             f"worker {handle.index} of pool {self.name!r} died while starting "
                             f"({_signal_name(handle.process.exitcode)})") from None
                     if header.get("k") == "fail":
-                        raise self._remote_error(header, frames, "setting up the worker")
+                        raise decode_exception(frames[0], header.get("tb", ""), "setting up the worker")
                     selector.unregister(key.fd)
                     del waiting[key.fd]
         finally:
@@ -649,20 +639,11 @@ class WorkerPool:
                 value = self.decoder.decode(header, frames, fds)
                 return TaskResult(task_id, handle.index, value)
             if kind == "error":
-                raise self._remote_error(header, frames, f"task {task_id} on worker "
+                raise decode_exception(frames[0], header.get("tb", ""), f"task {task_id} on worker "
                                                          f"{handle.index}")
             raise TransportError(f"unexpected message {kind!r} from worker {handle.index}")
         finally:
             del pins  # forwarded regions of the task input may be recycled from here on
-
-    def _remote_error(self, header, frames, where: str) -> BaseException:
-        try:
-            exc = pickle.loads(frames[0])
-        except Exception as err:  # noqa: BLE001
-            exc = TransportError(f"{where} failed and its exception could not be rebuilt: "
-                                 f"{err}")
-        exc.__cause__ = RemoteTraceback(f"\n(in {where})\n" + header.get("tb", ""))
-        return exc
 
     def _worker_died(self, handle: _WorkerHandle) -> WorkerCrashedError:
         handle.alive = False
