@@ -12,7 +12,6 @@ turns a missed target into a failed session (for a CI performance gate).
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 

@@ -64,7 +64,6 @@ def test_torch_dataloader_4mib_batches(benchmark, record_ratio):
 
     benchmark.pedantic(drain, rounds=5, warmup_rounds=1)
     record_ratio("pool_4MiB_vs_torch_dataloader", "baseline")
-    del loader
 
 
 def small_batch():

@@ -4,7 +4,6 @@ Ctrl-C with a real SIGINT; progress output."""
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import signal

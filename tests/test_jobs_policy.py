@@ -6,7 +6,6 @@ checked through /proc; nothing asserts a wall-clock duration."""
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import pytest

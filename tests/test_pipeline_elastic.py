@@ -11,9 +11,7 @@ import textwrap
 import pytest
 
 import _pipeline_fns as F
-from zephon import (
-    AggregationTimeoutError, CheckpointError, Pipeline, RuntimeOptions, sources,
-)
+from zephon import Pipeline, RuntimeOptions, sources
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 C = 4

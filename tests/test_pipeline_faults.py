@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
-import pickle
 
-import numpy as np
 import pytest
 
 import _pipeline_fns as F

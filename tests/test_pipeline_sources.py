@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import json
 
 import numpy as np
 import pytest
@@ -85,7 +84,6 @@ def test_sample_ids_carry_source_index_epoch():
 def test_io_options_retry_opening_a_file_that_appears_late(tmp_path):
     import shutil
     import threading
-    import time
 
     from zephon import StoreOptions
 

@@ -29,7 +29,6 @@ import os
 import queue
 import threading
 import weakref
-from typing import Any
 
 from zephon.checkpoint import aggregate_through_dir, decode_state, encode_state
 from zephon.errors import CheckpointError, ZephonConfigError

@@ -42,11 +42,11 @@ import numpy as np
 
 from zephon.errors import SerializationError
 from zephon.kernels import (
-    COMPACT, FORWARD, INLINE, byte_extent, compaction_plan, pack_copy, pack_plan, rebuild,
+    COMPACT, FORWARD, INLINE, byte_extent, compaction_plan, pack_copy, pack_plan,
 )
 from zephon.kernels.types import dtype_from_token, dtype_token
 from zephon.transport.arena import (
-    ArenaFull, LeaseTable, RegionInfo, ShmArena, SlabRegistry, Slab, slab_owner, token_slab,
+    ArenaFull, LeaseTable, RegionInfo, ShmArena, SlabRegistry, Slab, slab_owner,
 )
 
 __all__ = ["ShmPolicy", "Encoder", "Decoder", "PeerState", "find_unpicklable"]
