@@ -212,3 +212,29 @@ def test_a_slow_head_of_line_unit_stalls_lookahead_instead_of_overflowing():
     opts = RuntimeOptions(runner="threads", max_workers=2, default_stage_prefetch=2,
                           auto_validation="off")
     assert [int(s["id"]) for s in pipe.options(opts)] == list(range(200))
+
+
+def test_plan_is_resolved_once_per_definition(monkeypatch):
+    from zephon import MixtureReadConfig
+    from zephon.pipeline.sources import MixtureSource
+
+    a = sources.from_sequence([{"id": i} for i in range(30)], name="a")
+    b = sources.from_sequence([{"id": 100 + i} for i in range(30)], name="b")
+    pipe = Pipeline(sources.mixture({"a": a, "b": b}), shuffle=False).options(
+        RuntimeOptions(mixture_config=MixtureReadConfig(mode="weighted_random", seed=4)))
+    schedules = []
+    original = MixtureSource._schedule
+    monkeypatch.setattr(MixtureSource, "_schedule",
+                        lambda self: schedules.append(1) or original(self))
+    it = iter(pipe)
+    head = [next(it) for _ in range(5)]
+    state = pipe.checkpoint()
+    pipe.close()
+    pipe.explain()
+    pipe.fingerprint()
+    assert len(schedules) == 1  # the configured mixture was scheduled once, not per call
+    assert pipe.plan() is pipe.plan()
+    assert pipe.batch(2).plan() is not pipe.plan()  # a new definition gets its own plan
+    again = pipe.options(pipe.runtime)
+    again.restore(state)
+    assert head + list(again) == list(pipe.options(pipe.runtime))

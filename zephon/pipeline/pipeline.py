@@ -230,6 +230,8 @@ class Pipeline:
         self._states: dict[int, LaneState] = {}
         self._run: _Run | None = None
         self._rounds = 0
+        self._plan: Plan | None = None
+        self._fingerprint: str | None = None
         self.final_state: bytes | None = None
 
     # -- building ------------------------------------------------------------------------
@@ -239,6 +241,7 @@ class Pipeline:
         new.ops = self.ops + ([op] if op is not None else [])
         new.runtime = runtime if runtime is not None else self.runtime
         new._states, new._run, new._rounds, new.final_state = {}, None, 0, None
+        new._plan = new._fingerprint = None  # a new definition: resolve it anew
         return new
 
     def map(self, fn, parallelism: int = 1) -> "Pipeline":
@@ -266,18 +269,25 @@ class Pipeline:
 
     # -- plan ----------------------------------------------------------------------------
     def fingerprint(self) -> str:
-        plan = self.plan()
-        parts = [plan.pipeline.source.describe(), f"seed={self.seed}",
-                 f"shuffle={self.permute}",
-                 f"chunk={self.chunk_size}", f"epochs={self.num_epochs}"]
-        parts += [op.describe() for op in self.ops]
-        parts.append(f"flush={plan.flush_every}")
-        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+        if self._fingerprint is None:
+            plan = self.plan()
+            parts = [plan.pipeline.source.describe(), f"seed={self.seed}",
+                     f"shuffle={self.permute}",
+                     f"chunk={self.chunk_size}", f"epochs={self.num_epochs}"]
+            parts += [op.describe() for op in self.ops]
+            parts.append(f"flush={plan.flush_every}")
+            self._fingerprint = hashlib.sha256("\n".join(parts).encode()).hexdigest()
+        return self._fingerprint
 
     def plan(self) -> Plan:
-        # A snapshot without run state: the engine (held by a live pump thread) must not
-        # keep this object, and through it the run, from being collected.
-        return Plan(self._spec(), self.runtime)
+        """The resolved plan, computed once: a pipeline's definition never changes (every
+        builder method returns a new pipeline), while a plan can be costly (a mixture
+        under ``mixture_config`` recomputes its schedule)."""
+        if self._plan is None:
+            # A snapshot without run state: the engine (held by a live pump thread) must
+            # not keep this object, and through it the run, from being collected.
+            self._plan = Plan(self._spec(), self.runtime)
+        return self._plan
 
     def explain(self) -> str:
         return self.plan().explain()
