@@ -22,8 +22,6 @@ policy values.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 from zephon.kernels.types import (
     COMPACT, FORWARD, INLINE, CompactionPlan, check_compaction_args,
 )
@@ -31,18 +29,12 @@ from zephon.kernels.types import (
 __all__ = ["compaction_plan"]
 
 
-def _as_int_list(values: Sequence[int], name: str) -> list[int]:
-    return [int(v) for v in values]
-
-
 def compaction_plan(region_ids, region_sizes, starts, ends, min_forward_bytes: int,
                     compact_above_ratio: float | None,
                     compact_min_savings_bytes: int) -> CompactionPlan:
     check_compaction_args(min_forward_bytes, compact_above_ratio, compact_min_savings_bytes)
-    ids = _as_int_list(region_ids, "region_ids")
-    sizes = _as_int_list(region_sizes, "region_sizes")
-    lo = _as_int_list(starts, "starts")
-    hi = _as_int_list(ends, "ends")
+    ids, sizes, lo, hi = ([int(v) for v in column]
+                          for column in (region_ids, region_sizes, starts, ends))
     if not len(ids) == len(sizes) == len(lo) == len(hi):
         raise ValueError("compaction_plan: region_ids, region_sizes, starts and ends must have "
                          f"the same length, got {len(ids)}, {len(sizes)}, {len(lo)}, {len(hi)}")

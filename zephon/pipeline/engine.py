@@ -76,10 +76,6 @@ class Stage:
         self.workers, self.depth, self.split = workers, depth, split
         self.item_cap = item_cap
 
-    @property
-    def parallelism(self) -> int:
-        return max(1, sum(op.parallelism for op in self.ops))
-
 
 class Plan:
     def __init__(self, pipeline, opts) -> None:

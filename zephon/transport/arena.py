@@ -259,12 +259,12 @@ class ShmArena:
                 if now >= deadline:
                     raise ArenaFull(
                         f"arena {self.owner}: no space for {need} bytes after "
-                        f"{self.wait_timeout_s:.0f} s ({len(self._live)} regions, "
-                        f"{sum(self._live.values())} bytes held by the consumer)")
+                        f"{self.wait_timeout_s:.0f} s ({self.live_regions} regions, "
+                        f"{self.live_bytes} bytes held by the consumer)")
                 if now >= next_log:
                     log.warning("arena %d: waiting for space (%d bytes needed; %d regions, "
                                 "%d bytes held by the consumer)", self.owner, need,
-                                len(self._live), sum(self._live.values()))
+                                self.live_regions, self.live_bytes)
                     next_log = now + self.wait_log_s
                 if not self.alive():
                     raise TransportError("the consumer is gone or the worker is stopping")
