@@ -88,6 +88,7 @@ def test_shm_disabled_is_plain_pickle5(make_pool):
     assert len(pool.registry._slabs) == 0
 
 
+@pytest.mark.torch
 def test_torch_tensors_round_trip_zero_copy(make_pool):
     torch = pytest.importorskip("torch")
     pool = make_pool(options={"shm_min_new_allocation_bytes": 0})
