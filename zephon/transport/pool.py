@@ -67,6 +67,9 @@ from zephon.transport.arena import (
 from zephon.transport.channel import ChannelClosed, channel_pair
 from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
 from zephon.transport.remote_errors import decode_exception, encode_exception
+from zephon.transport.spawn_guard import (
+    EXIT_UNGUARDED_MAIN, refuse_in_spawn_bootstrap, unguarded_main_error,
+)
 
 __all__ = ["WorkerPool", "TaskResult", "default_arena_bytes"]
 
@@ -359,6 +362,7 @@ class WorkerPool:
         first use (the caller overlaps its own set-up with the workers' start-up)."""
         if self._started:
             return self
+        refuse_in_spawn_bootstrap(f"starting worker pool {self.name!r}")
         self._started = True
         if self.arena_kind == "named":
             sweep_stale_segments()
@@ -470,6 +474,9 @@ class WorkerPool:
                         header, frames, _ = handle.channel.recv()
                     except ChannelClosed:
                         handle.process.join(2.0)
+                        if handle.process.exitcode == EXIT_UNGUARDED_MAIN:
+                            raise unguarded_main_error(
+                                f"pool {self.name!r}") from None
                         raise TransportError(
                             f"worker {handle.index} of pool {self.name!r} died while starting "
                             f"({_signal_name(handle.process.exitcode)})") from None
