@@ -138,29 +138,56 @@ def test_json_and_uncompressed_checkpoints_restore_too():
     assert head + ids(again) == reference
 
 
-def test_early_break_and_gc_leave_no_process(tmp_path):
+def _worker_processes(it):
+    return [h.process for ex in it.engine.executors.values() for h in ex.pool.workers]
+
+
+def test_break_releases_the_workers_without_the_cycle_collector():
     pipe = base(60).options(RuntimeOptions(runner="process", max_workers=2))
-    for i, _ in enumerate(pipe):
-        if i == 2:
-            break
-    run = pipe._run
-    procs = [h.process for ex in run.engine.executors.values() for h in ex.pool.workers]
-    del pipe, run, _
-    gc.collect()
-    for p in procs:
-        p.join(15)
-        assert not p.is_alive()
+    gc.disable()  # reference counting alone must release the run
+    try:
+        procs = []
+        for i, _ in enumerate(pipe):
+            if i == 0:
+                procs = _worker_processes(pipe._live())
+            if i == 2:
+                break
+        assert procs and pipe._live() is None  # the loop's iterator is gone...
+        for p in procs:
+            p.join(15)
+            assert not p.is_alive()  # ...and with it every worker
+    finally:
+        gc.enable()
+
+
+def test_iterator_owns_the_run_and_the_pipeline_stays_a_definition():
+    pipe = base(30)
+    reference = ids(pipe)
+    it = iter(pipe)
+    head = [next(it)["id"].tolist() for _ in range(3)]
+    state = it.checkpoint()
+    assert pipe.checkpoint() == state  # the shortcut reads the live run
+    it.close()
+    assert pipe.checkpoint() == state  # and still answers once the run is over
+    second = iter(pipe)  # a fresh iteration starts again from the start...
+    assert next(second)["id"].tolist() == reference[0]
+    second.restore(state)  # ...until its state is restored
+    assert head + [b["id"].tolist() for b in second] == reference
 
 
 def test_consumer_exception_closes_the_run():
     pipe = base(60).options(RuntimeOptions(runner="process", max_workers=2))
+    procs = []
     with pytest.raises(RuntimeError):
         for i, _ in enumerate(pipe):
+            if i == 0:
+                procs = _worker_processes(pipe._live())
             if i == 1:
                 raise RuntimeError("consumer failed")
-    procs = [h.process for ex in pipe._run.engine.executors.values() for h in ex.pool.workers]
     pipe.close()
-    assert all(not p.is_alive() for p in procs)
+    for p in procs:
+        p.join(15)
+    assert procs and all(not p.is_alive() for p in procs)
 
 
 def test_pipeline_config_errors():
@@ -181,7 +208,7 @@ def test_mtp_prefetch_thread_runs_at_low_priority():
     pipe = base(40).options(RuntimeOptions(mtp_mode=True, mtp_prefetch=2))
     it = iter(pipe)
     next(it)
-    tid = pipe._run.thread.native_id
+    tid = it.thread.native_id
     try:
         expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)  # nice tops out at 19
         assert os.getpriority(os.PRIO_PROCESS, tid) >= expected

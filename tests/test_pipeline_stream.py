@@ -166,10 +166,14 @@ def test_explain_reports_the_resolved_plan():
             max_workers=5, per_stage_runner={1: "threads"}, per_stage_prefetch={1: 7},
             worker_allocation="per_stage_fixed", allow_latency_flush_in_deterministic=False))
     text = pipe.explain()
-    assert "stage 0: runner=process workers=5 depth=4" in text
-    assert "stage 1: runner=threads workers=5 depth=7" in text
-    assert "latency_flush=off" in text and "flush: every 8 lane chunk(s)" in text
+    assert "stage 0: read, map(double)[parallelism=3]: runner=process, workers=5 " \
+        "(per_stage_fixed: max_workers=5), depth=4 units/lane" in text
+    assert "stage 1: map_batch(total)[parallelism=1]: runner=threads, workers=5 " \
+        "(per_stage_fixed: max_workers=5), depth=7 units/lane" in text
+    assert "latency_flush=off" in text and "flush: every 8 chunks of a lane" in text
+    assert "resume: replay from the last flush boundary" in text
     assert "serial 1: shuffle(4)" in text and "serial 2: batch(2, drop_last=False)" in text
+    assert "  " not in text.replace("\n  ", "\n")  # no double spaces inside a line
 
 
 def test_op_queue_capacity_bounds_items_in_flight():

@@ -17,14 +17,29 @@ Each owned lane is one generator chain: ``lane_units`` -> for each step either
 :func:`ordered_map` (units submitted ``depth`` ahead to the stage's executor,
 results put back in sequence order by the ReorderBuffer kernel; Boundary
 markers take a sequence number too, so they never overtake data) or
-:func:`accumulate` (the op's serial accumulator for this lane). The lane's
-records are stamped with their position ``(lane, epoch, k, since, total)``:
-the segment they belong to, how many items of the lane were produced since its
-boundary, and in total. The tail pulls lanes in strict round robin, computed
-as "the live lane with the fewest items so far, lowest id first", which is the
-same rule after a restore on any number of ranks. Nothing here depends on
-timing: which worker finishes first can only change when a result is ready,
-never where it goes.
+:func:`accumulate` (the op's serial accumulator for this lane).
+
+Every delivered item carries the lane state a restore would continue from
+(:func:`cursor_state` / :func:`replay_state`):
+
+- **cursor resume** (every op preserves cursor order: map, filter, batch,
+  map_batch): ``(epoch, pos, total)``, the lane position after the last sample
+  the item consumed. A restore reads on from there; nothing before it is read
+  again, so the cost of a resume does not depend on where in the epoch it was
+  taken.
+- **replay** (a shuffle buffer or a packer carries history across samples):
+  ``(epoch, k, since, total)``, the segment (boundary) the item belongs to and
+  how many items the lane produced since it. A restore replays the lane from
+  that boundary (at most ``flush_every_k_chunks`` lane chunks back) and drops
+  ``since`` items.
+
+``total`` counts the lane's items since the start of the run; it gives
+``meta["lane_index"]`` and the tail's order. The tail is strict lane round
+robin: the lane that has produced the fewest items goes next, lowest id first.
+After a restore the lanes behind are first brought level (at most one item
+each, since every rank emits in round robin), then the ``LaneRoundRobin``
+kernel runs the rotation. Nothing here depends on timing: which worker
+finishes first can only change when a result is ready, never where it goes.
 
 ``deterministic=False``: results of a parallel stage are released in
 completion order (throughput over order; checkpoints are then best effort).
@@ -36,45 +51,46 @@ import math
 import time
 from typing import Iterator
 
-from zephon.kernels import ReorderBuffer
+from zephon.errors import CheckpointError
+
+from zephon.kernels import LaneRoundRobin, ReorderBuffer
 from zephon.options import (
     resolve_canonical_replicas, resolve_dp_degree, resolve_dp_group_id,
-    resolve_flush_every_k_chunks, resolve_mapping_strategy, resolve_op_queue_capacity,
+    resolve_flush_every_k_chunks, resolve_mapping_strategy, resolve_mtp_buffer,
+    resolve_op_queue_capacity,
     resolve_prefetch_batches,
     resolve_stage_prefetch, resolve_stage_workers,
 )
-from zephon.pipeline.lanes import lane_units, owned_lanes
+from zephon.pipeline.lanes import lane_length, lane_units, owned_lanes
 from zephon.pipeline.ops import Batch, Boundary
 from zephon.pipeline.program import StageProgram
 from zephon.pipeline.stats import RunStats
 from zephon.runners import InlineExecutor, ProcessExecutor, ThreadExecutor
 
-__all__ = ["Plan", "Engine", "LaneState", "ordered_map", "accumulate"]
+__all__ = ["Plan", "Engine", "ordered_map", "accumulate", "cursor_state", "replay_state"]
 
 
-class LaneState(tuple):
-    """Delivered position of a lane: ``(epoch, k, since, total)``."""
+def cursor_state(epoch: int, pos: int, total: int) -> tuple[int, int, int]:
+    """Lane state under cursor resume: read on from lane position ``pos`` of ``epoch``;
+    ``total`` items were delivered from the lane so far."""
+    return (epoch, pos, total)
 
-    __slots__ = ()
 
-    def __new__(cls, epoch: int, k: int, since: int, total: int) -> "LaneState":
-        return tuple.__new__(cls, (epoch, k, since, total))
-
-    def __getnewargs__(self):
-        return tuple(self)
-
-    epoch = property(lambda s: s[0])
-    k = property(lambda s: s[1])
-    since = property(lambda s: s[2])
-    total = property(lambda s: s[3])
+def replay_state(epoch: int, k: int, since: int, total: int) -> tuple[int, int, int, int]:
+    """Lane state under replay: replay from boundary ``(epoch, k)`` and drop the ``since``
+    items already delivered from it; ``total`` items were delivered from the lane so far."""
+    return (epoch, k, since, total)
 
 
 class Stage:
+    """One parallel stage of a plan: its ops, runner, worker count (and why), depths."""
+
     def __init__(self, index: int, ops: list, runner: str, workers: int, depth: int,
-                 split: bool, item_cap: int) -> None:
+                 split: bool, item_cap: int, workers_why: str = "") -> None:
         self.index, self.ops, self.runner = index, ops, runner
         self.workers, self.depth, self.split = workers, depth, split
         self.item_cap = item_cap
+        self.workers_why = workers_why
 
 
 class Plan:
@@ -107,10 +123,15 @@ class Plan:
             sensitive = any(op.batch_shape_sensitive for op in ops)
             split = (not opts.deterministic or opts.allow_latency_flush_in_deterministic) \
                 and not sensitive and runner != "inline"
-            self.stages.append(Stage(i, ops, runner, caps[i],
+            workers = 1 if runner == "inline" else caps[i]
+            self.stages.append(Stage(i, ops, runner, workers,
                                      resolve_stage_prefetch(opts, i, runner), split,
-                                     resolve_op_queue_capacity(opts)))
+                                     resolve_op_queue_capacity(opts),
+                                     _workers_why(opts, runner, parallelism[i], workers)))
         preserves = all(op.preserves_cursor_order for op in pipeline.ops)
+        #: cursor resume (restore reads on after the last delivered sample) when every op
+        #: preserves cursor order; replay from flush boundaries otherwise
+        self.cursor_resume = preserves
         self.flush_every = resolve_flush_every_k_chunks(opts, preserves)
         self.lanes = resolve_canonical_replicas(opts)
         self.dp = resolve_dp_degree(opts)
@@ -123,22 +144,41 @@ class Plan:
     def runners(self) -> set[str]:
         return {s.runner for s in self.stages}
 
+    def lane_length(self, lane: int) -> int:
+        """Samples one epoch deals to ``lane``."""
+        p = self.pipeline
+        return lane_length(len(p.source), p.chunk_size, self.lanes, lane)
+
     def explain(self) -> str:
+        """The resolved plan as text: lanes, order, resume, stages and their workers."""
         p, o = self.pipeline, self.opts
+        shuffled = "a seeded permutation per epoch" if p.permute else "source order"
         lines = [
             f"pipeline {p.fingerprint()[:12]}: source {p.source.describe()}",
-            f"  work: seed={p.seed} shuffle={p.permute} chunk_size={p.chunk_size} "
-            f"num_epochs={p.num_epochs}",
-            f"  lanes: C={self.lanes} canonical, dp_degree={self.dp}, this rank "
-            f"(global_rank {o.global_rank}/{o.world_size}) is dp group {self.group} owning "
+            f"  work: seed={p.seed}, shuffle={p.permute} ({shuffled}), "
+            f"chunk_size={p.chunk_size}, num_epochs={p.num_epochs}",
+            f"  lanes: {self.lanes} canonical lane(s) (canonical_replicas: chunk j goes to "
+            f"lane j mod {self.lanes}), dp_degree={self.dp}; this rank (global_rank "
+            f"{o.global_rank} of {o.world_size}) is dp group {self.group} and owns lane(s) "
             f"{self.owned} ({self.mapping})",
-            f"  order: {'deterministic (sequence order in every stage)' if o.deterministic else 'NON-DETERMINISTIC: completion order, checkpoints best effort'}; "
-            f"tail: strict lane round robin",
-            f"  flush: every {self.flush_every or 'epoch'} "
-            f"{'lane chunk(s)' if self.flush_every else ''} (replay boundaries)".rstrip(),
-            f"  tail prefetch: {self.prefetch} item(s)"
-            + (f"; MTP subprocess, buffer {o.mtp_buffer}" if o.mtp_mode else ""),
+            "  order: " + ("deterministic (sequence order in every stage)" if o.deterministic
+                           else "NON-DETERMINISTIC: completion order, checkpoints best effort")
+            + "; tail: strict lane round robin",
         ]
+        if self.cursor_resume:
+            resume = ("resume: from the source cursor (every op preserves cursor order: a "
+                      "restore reads on after the last delivered sample)")
+        else:
+            resume = ("resume: replay from the last flush boundary (an op carries history "
+                      "across samples)")
+        if self.flush_every:
+            flush = (f"flush: every {self.flush_every} chunks of a lane "
+                     "(accumulators drain; replay boundaries)")
+        else:
+            flush = "flush: at each epoch start (accumulators drain)"
+        lines += [f"  {resume}", f"  {flush}",
+                  f"  tail prefetch: {self.prefetch} item(s)"
+                  + (f"; MTP subprocess, buffer {resolve_mtp_buffer(o)}" if o.mtp_mode else "")]
         serial_no = 0
         for kind, what in self.steps:
             if kind == "stage":
@@ -146,15 +186,33 @@ class Plan:
                 ops = ", ".join(f"{op.name}[parallelism={op.parallelism}]" for op in s.ops)
                 reads = "read" + (", " if ops else "") if s.index == 0 else ""
                 lines.append(
-                    f"  stage {s.index}: runner={s.runner} workers={s.workers} "
-                    f"depth={s.depth} units/lane op_queue={s.item_cap} items/lane "
-                    f"latency_flush={'on' if s.split else 'off'}: "
-                    f"{reads}{ops}")
+                    f"  stage {s.index}: {reads}{ops}: runner={s.runner}, "
+                    f"workers={s.workers} ({s.workers_why}), depth={s.depth} units/lane, "
+                    f"op_queue={s.item_cap} items/lane, "
+                    f"latency_flush={'on' if s.split else 'off'}")
             else:
                 serial_no += 1
                 lines.append(f"  serial {serial_no}: {what.describe()} "
                              f"(preserves_cursor_order={what.preserves_cursor_order})")
         return "\n".join(lines)
+
+
+def _workers_why(opts, runner: str, parallelism: int, workers: int) -> str:
+    """How a stage's worker count was derived, for ``explain()``."""
+    if runner == "inline":
+        return "inline: the consumer's thread"
+    mode, cap = opts.worker_allocation, opts.max_workers
+    if mode == "fit_to_ops":
+        why = f"fit_to_ops: sum of op parallelism {parallelism}"
+        if cap is not None and parallelism > cap:
+            why += f", capped by max_workers={cap}"
+        elif cap is not None and parallelism < cap:
+            why += (f"; max_workers={cap} is only a cap here: raise the ops' parallelism or "
+                    "use worker_allocation='per_stage_fixed'")
+        return why
+    if mode == "per_stage_fixed":
+        return f"per_stage_fixed: max_workers={workers}"
+    return f"global: share of max_workers={cap if cap is not None else 'auto'} by parallelism"
 
 
 def ordered_map(executor, stage: Stage, upstream: Iterator, lane: int,
@@ -220,51 +278,32 @@ def ordered_map(executor, stage: Stage, upstream: Iterator, lane: int,
 
 def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
                node: str = "") -> Iterator:
-    if stats is not None:
-        yield from _timed_accumulate(op, upstream, seed, lane, stats, node)
-        return
+    """The serial accumulator of ``op`` over one lane: restarted (seeded from the lane and
+    the boundary) at every Boundary, after draining what it held."""
+    timer = time.perf_counter if stats is not None else None
     state = None
     for unit in upstream:
         if unit is None:
             continue
-        if isinstance(unit, Boundary):
-            if state is not None:
-                out = state.drain()
-                if out:
-                    yield out
-            state = op.start(seed, lane, unit)
-            yield unit
-            continue
-        out = state.push(unit)
-        if out:
-            yield out
-    if state is not None:
-        out = state.drain()
-        if out:
-            yield out
-
-
-def _timed_accumulate(op, upstream: Iterator, seed: int, lane: int, stats, node: str):
-    state = None
-    for unit in upstream:
-        if unit is None:
-            continue
-        t = time.perf_counter()
+        t = timer() if timer else 0.0
         if isinstance(unit, Boundary):
             out = state.drain() if state is not None else []
             state = op.start(seed, lane, unit)
-            stats.serial(node, 0, len(out), time.perf_counter() - t)
+            if timer:
+                stats.serial(node, 0, len(out), timer() - t)
             if out:
                 yield out
             yield unit
             continue
         out = state.push(unit)
-        stats.serial(node, len(unit), len(out), time.perf_counter() - t)
+        if timer:
+            stats.serial(node, len(unit), len(out), timer() - t)
         if out:
             yield out
     if state is not None:
         out = state.drain()
-        stats.serial(node, 0, len(out), 0.0)
+        if timer:
+            stats.serial(node, 0, len(out), 0.0)
         if out:
             yield out
 
@@ -272,7 +311,7 @@ def _timed_accumulate(op, upstream: Iterator, seed: int, lane: int, stats, node:
 class Engine:
     """Runs a plan for this rank's lanes from the given delivered lane states."""
 
-    def __init__(self, plan: Plan, states: dict[int, LaneState]) -> None:
+    def __init__(self, plan: Plan, states: dict[int, tuple]) -> None:
         self.plan, self.states = plan, dict(states)
         p, o = plan.pipeline, plan.opts
         mode = str(o.execution_tracking)
@@ -296,29 +335,38 @@ class Engine:
             raise
 
     def lane_stream(self, lane: int) -> Iterator:
+        """``(record, lane state after it)`` for every item of ``lane`` from its state."""
         plan, p = self.plan, self.plan.pipeline
         state = self.states.get(lane)
-        start = Boundary(state.epoch, state.k) if state else Boundary(0, 0)
-        skip = state.since if state else 0
-        total = state.total - skip if state else 0
-        it = lane_units(len(p.source), p.seed, p.permute, p.chunk_size, plan.lanes, lane,
-                        plan.flush_every, p.num_epochs, start)
-        stats = self.stats
-        for step_no, (kind, what) in enumerate(plan.steps):
-            if kind == "stage":
-                stage = plan.stages[what]
-                it = ordered_map(self.executors[what], stage, it, lane,
-                                 plan.opts.deterministic, stats)
-            else:
-                node_stats = stats if stats is not None and stats.nodes_enabled else None
-                it = accumulate(what, it, p.seed, lane, node_stats,
-                                f"serial{step_no}_{what.kind}")
-        boundary, since = start, 0
+        n = len(p.source)
+        if plan.cursor_resume:
+            epoch, pos, total = state if state else (0, 0, 0)
+            it = lane_units(n, p.seed, p.permute, p.chunk_size, plan.lanes, lane,
+                            plan.flush_every, p.num_epochs, Boundary(epoch, 0), pos)
+            skip = 0
+        else:
+            epoch, k, skip, total = state if state else (0, 0, 0, 0)
+            total -= skip
+            it = lane_units(n, p.seed, p.permute, p.chunk_size, plan.lanes, lane,
+                            plan.flush_every, p.num_epochs, Boundary(epoch, k))
+        it = self._chain(it, lane)
+        if plan.cursor_resume:
+            for unit in it:
+                if unit is None or isinstance(unit, Boundary):
+                    continue
+                for record in unit:
+                    total += 1
+                    epoch, pos = record.pos
+                    yield record, (lane, (epoch, pos + 1, total))
+            return
+        boundary, since, opened = Boundary(epoch, k), 0, False
         for unit in it:
             if unit is None:
                 continue
             if isinstance(unit, Boundary):
-                boundary, since = unit, 0
+                if skip and opened:
+                    break  # the segment ended before what the state says was delivered
+                boundary, since, opened = unit, 0, True
                 continue
             for record in unit:
                 since += 1
@@ -326,27 +374,70 @@ class Engine:
                 if skip:
                     skip -= 1
                     continue
-                yield record, (lane, boundary.epoch, boundary.k, since, total)
+                yield record, (lane, (boundary.epoch, boundary.k, since, total))
+        if skip:
+            raise CheckpointError(
+                f"lane {lane}: the restored state says {state[2]} item(s) of the segment at "
+                f"(epoch {state[0]}, lane chunk {state[1]}) were delivered, but replaying it "
+                f"produced only {state[2] - skip}: the state does not belong to this pipeline "
+                "and data")
+
+    def _chain(self, it: Iterator, lane: int) -> Iterator:
+        plan, stats = self.plan, self.stats
+        for step_no, (kind, what) in enumerate(plan.steps):
+            if kind == "stage":
+                it = ordered_map(self.executors[what], plan.stages[what], it, lane,
+                                 plan.opts.deterministic, stats)
+            else:
+                node_stats = stats if stats is not None and stats.nodes_enabled else None
+                it = accumulate(what, it, plan.pipeline.seed, lane, node_stats,
+                                f"serial{step_no}_{what.kind}")
+        return it
 
     def items(self) -> Iterator:
-        """``(value, stamp)`` in the rank's round-robin order."""
-        streams = {lane: self.lane_stream(lane) for lane in self.plan.owned}
-        produced = {lane: (self.states[lane].total if lane in self.states else 0)
-                    for lane in self.plan.owned}
-        live = set(self.plan.owned)
-        while live:
-            lane = min(live, key=lambda l: (produced[l], l))
+        """``(value, (lane, lane state))`` in the rank's round-robin order."""
+        owned = self.plan.owned
+        streams = {lane: self.lane_stream(lane) for lane in owned}
+        produced = {lane: self._total(lane) for lane in owned}
+        live = set(owned)
+
+        def pull(lane: int):
             try:
                 record, stamp = next(streams[lane])
             except StopIteration:
                 live.discard(lane)
-                continue
+                return None
             produced[lane] += 1
             value = record.value
             if isinstance(value, Batch):
                 value.meta["lane"] = lane
-                value.meta["lane_index"] = stamp[4] - 1
-            yield value, stamp
+                value.meta["lane_index"] = stamp[1][-1] - 1
+            return value, stamp
+
+        # Catch-up: after a restore, lanes that delivered one item less than the others go
+        # first (fewest items, lowest id), until every live lane is level.
+        while live and len({produced[lane] for lane in live}) > 1:
+            lane = min(live, key=lambda l: (produced[l], l))
+            item = pull(lane)
+            if item is not None:
+                yield item
+        if not live:
+            return
+        # Level: the rotation is strict round robin over the owned lanes, lowest id first.
+        rotation = LaneRoundRobin([lane for lane in owned if lane in live])
+        while not rotation.done:
+            lane = rotation.lanes[rotation.cursor]
+            item = pull(lane)
+            if item is None:
+                rotation.mark_exhausted(lane)
+            else:
+                rotation.push(lane, item)
+            for _, ready in rotation.pop_ready():
+                yield ready
+
+    def _total(self, lane: int) -> int:
+        state = self.states.get(lane)
+        return state[-1] if state else 0
 
     def close(self) -> None:
         if self.stats is not None:

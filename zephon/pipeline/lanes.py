@@ -1,17 +1,25 @@
 """The work source: epochs, chunks, canonical lanes and which rank owns which lane.
 
-Epoch ``e`` visits the source in a seeded permutation (``shuffle=True``) or in
-order. Its positions are cut into chunks of ``chunk_size``; chunk ``j`` goes to
-canonical lane ``j mod C``. A lane's input is therefore a pure function of
-(seed, epoch, lane, C, source length): that is what makes every lane
-replayable on its own, on any rank.
+Epoch ``e`` visits the source in a seeded permutation (``shuffle=True``, the
+default of ``Pipeline``) or in order. Its positions are cut into chunks of
+``chunk_size``; chunk ``j`` goes to canonical lane ``j mod C``. A lane's input
+is therefore a pure function of (seed, epoch, lane, C, source length): that is
+what makes every lane replayable on its own, on any rank.
 
-A lane's unit stream is ``Boundary(e, k)`` markers and read units (lists of
-``(index, epoch)``): a Boundary opens every ``K``-th lane chunk of an epoch
-(``K = flush_every_k_chunks``; ``K = 0``: only at the start of each epoch).
-:func:`lane_units` can start at any boundary, which is how restore replays.
+Within an epoch a lane's samples are numbered by their **lane position**
+``p = k * chunk_size + offset`` (``k``: the lane chunk, ``offset``: the place in
+it). A lane's unit stream is ``Boundary(e, k)`` markers and :class:`ReadUnit`
+s (source indices of one epoch with the lane position of the first one). A
+Boundary opens every ``K``-th lane chunk of an epoch (``K =
+flush_every_k_chunks``; ``K = 0``: only at the start of each epoch) and
+wherever the stream starts.
 
-Ownership: the dp group ``g`` of ``G`` owns the lanes ``g``'s contiguous block
+:func:`lane_units` starts at a boundary (replay: every op sees a segment from
+its start) or at any lane position (cursor resume: for lanes whose ops all
+preserve cursor order, reading resumes right after the last delivered sample;
+nothing before it is read again).
+
+Ownership: the dp group ``g`` of ``G`` owns the lanes of ``g``'s contiguous block
 (``mapping_strategy="contiguous"``, blocks as equal as possible) or the lanes
 ``l`` with ``l % G == g`` (``"interleaved"``). Ranks of one dp group read the
 same lanes.
@@ -25,7 +33,33 @@ import numpy as np
 
 from zephon.pipeline.ops import Boundary
 
-__all__ = ["epoch_order", "lane_units", "owned_lanes", "lane_chunk_count"]
+__all__ = ["ReadUnit", "epoch_order", "lane_units", "owned_lanes", "lane_chunk_count",
+           "lane_length"]
+
+
+class ReadUnit:
+    """Source indices to read, all of ``epoch``; ``indices[i]`` sits at lane position
+    ``start + i``. Slicing gives a unit of the same epoch with its own start."""
+
+    __slots__ = ("epoch", "start", "indices")
+
+    def __init__(self, epoch: int, start: int, indices: np.ndarray) -> None:
+        self.epoch, self.start, self.indices = epoch, start, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, part: slice) -> "ReadUnit":
+        first, _, step = part.indices(len(self.indices))
+        if step != 1:
+            raise ValueError("a read unit is sliced contiguously")
+        return ReadUnit(self.epoch, self.start + first, self.indices[part])
+
+    def __reduce__(self):
+        return (ReadUnit, (self.epoch, self.start, self.indices))
+
+    def __repr__(self) -> str:
+        return f"ReadUnit(epoch={self.epoch}, start={self.start}, n={len(self.indices)})"
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
@@ -39,22 +73,40 @@ def lane_chunk_count(n: int, chunk_size: int, lanes: int, lane: int) -> int:
     return 0 if lane >= chunks else -(-(chunks - lane) // lanes)
 
 
+def lane_length(n: int, chunk_size: int, lanes: int, lane: int) -> int:
+    """Samples of one epoch that fall to ``lane`` (only the globally last chunk is short)."""
+    count = lane_chunk_count(n, chunk_size, lanes, lane)
+    if count == 0:
+        return 0
+    last = lane + (count - 1) * lanes
+    return (count - 1) * chunk_size + min(chunk_size, n - last * chunk_size)
+
+
 def lane_units(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int, lane: int,
                flush_every: int, num_epochs: int | None,
-               start: Boundary = Boundary(0, 0)) -> Iterator:
+               start: Boundary = Boundary(0, 0), start_pos: int | None = None) -> Iterator:
+    """The lane's units from ``start`` (a boundary), or from lane position ``start_pos``
+    of epoch ``start.epoch`` when it is given (positions past the epoch's end move on
+    to the next epoch)."""
     epoch, k0 = start
+    offset = 0
+    if start_pos is not None:
+        k0, offset = divmod(start_pos, chunk_size)
+        if start_pos >= lane_length(n, chunk_size, lanes, lane):
+            epoch, k0, offset = epoch + 1, 0, 0
     while num_epochs is None or epoch < num_epochs:
         count = lane_chunk_count(n, chunk_size, lanes, lane)
         if count == 0 and num_epochs is None:
             return  # an empty lane stays empty: never spin through endless epochs
         order = epoch_order(n, seed, epoch, shuffle) if count else None
         for k in range(k0, count):
-            if k == k0 or (flush_every and k % flush_every == 0) or k == 0:
+            if k == k0 or (flush_every and k % flush_every == 0):
                 yield Boundary(epoch, k)
             j = lane + k * lanes
-            indices = order[j * chunk_size:(j + 1) * chunk_size]
-            yield [(int(i), epoch) for i in indices]
-        epoch, k0 = epoch + 1, 0
+            indices = order[j * chunk_size + offset:(j + 1) * chunk_size]
+            yield ReadUnit(epoch, k * chunk_size + offset, indices)
+            offset = 0
+        epoch, k0, offset = epoch + 1, 0, 0
 
 
 def owned_lanes(lanes: int, groups: int, group: int, strategy: str) -> list[int]:

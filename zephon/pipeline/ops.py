@@ -2,7 +2,9 @@
 
 A lane's stream is a sequence of **units** (lists of :class:`Record`) and
 :class:`Boundary` markers. A record is a value plus the identities of the
-samples it came from ``(source, index, epoch)``. A Boundary ``(epoch, k)``
+samples it came from ``(source, index, epoch)`` and ``pos``, the lane position
+``(epoch, p)`` of the last sample it consumed (what cursor resume restarts
+after). A Boundary ``(epoch, k)``
 opens a replay segment: every accumulator drains what it holds, then restarts
 with state seeded from ``(seed, lane, epoch, k)``, so a lane replayed from a
 boundary reproduces its stream exactly.
@@ -38,13 +40,15 @@ __all__ = ["Record", "Boundary", "Batch", "OpContext", "OpError", "Op", "MapOp",
 
 
 class Record:
-    __slots__ = ("value", "ids")
+    """A value with the identities of its samples and the lane position it ends at."""
 
-    def __init__(self, value: Any, ids: list) -> None:
-        self.value, self.ids = value, ids
+    __slots__ = ("value", "ids", "pos")
+
+    def __init__(self, value: Any, ids: list, pos: tuple = (0, -1)) -> None:
+        self.value, self.ids, self.pos = value, ids, pos
 
     def __reduce__(self):
-        return (Record, (self.value, self.ids))
+        return (Record, (self.value, self.ids, self.pos))
 
 
 class Boundary(NamedTuple):
@@ -162,7 +166,7 @@ class MapOp(Op):
                 value = fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx else fn(r.value)
             except Exception as exc:  # noqa: BLE001 - named and re-raised for the consumer
                 raise _op_error(self, r, exc) from exc
-            out.append(Record(value, r.ids))
+            out.append(Record(value, r.ids, r.pos))
         return out
 
 
@@ -195,7 +199,7 @@ class MapBatchOp(MapOp):
             if isinstance(r.value, Batch) and isinstance(value, dict) and \
                     not isinstance(value, Batch):
                 value = Batch(value, meta=r.value.meta)
-            out.append(Record(value, r.ids))
+            out.append(Record(value, r.ids, r.pos))
         return out
 
 
@@ -288,7 +292,8 @@ class _BatchState:
 
     def _make(self, records: list) -> Record:
         ids = [i for r in records for i in r.ids]
-        return Record(Batch(collate([r.value for r in records]), meta={"sample_ids": ids}), ids)
+        return Record(Batch(collate([r.value for r in records]), meta={"sample_ids": ids}), ids,
+                      records[-1].pos)
 
     def push(self, records: list) -> list:
         out = []
@@ -348,7 +353,7 @@ class _PackState:
                 rows = flat.size // self.seq_len
                 for j in range(rows):
                     row = flat[j * self.seq_len:(j + 1) * self.seq_len]
-                    out.append(Record({self.field: row}, list(self.ids)))
+                    out.append(Record({self.field: row}, list(self.ids), r.pos))
                 rest = flat[rows * self.seq_len:]
                 self.parts = [rest] if rest.size else []
                 self.count = rest.size

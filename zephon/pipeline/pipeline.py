@@ -1,207 +1,40 @@
-"""``Pipeline``: the user-facing builder, iterator, checkpoint and restore.
+"""``Pipeline``: the user-facing definition of a pipeline and its builder methods.
 
-Builder methods return a new pipeline (the original is unchanged), so one
-definition can be run with several option sets. Iterating runs the plan for
-this rank's lanes:
+A ``Pipeline`` is an immutable definition: every builder method (``map``,
+``filter``, ``shuffle``, ``batch``, ``map_batch``, ``pack_tokens``,
+``options``) returns a new pipeline and leaves the original unchanged, so one
+definition can run with several option sets. ``iter(pipe)`` starts a run and
+returns a :class:`~zephon.pipeline.iterator.PipelineIterator`, which owns it:
+its checkpoint, restore and close.
 
-- all stages inline and no MTP: the engine runs in the consumer's thread;
-- otherwise a pump thread fills a queue of ``prefetch_batches`` items (MTP:
-  the engine runs in a subprocess, see :mod:`zephon.runners.mtp`).
-
-Only what ``__next__`` hands to the consumer counts as delivered: each item
-carries its lane position and delivery records it, so prefetched items are
-replayed after a restore. ``checkpoint()`` encodes the delivered positions of
-the owned lanes with the fingerprint and C (with several ranks, exchanged
-through ``aggregate_dir`` so every rank returns the same merged bytes).
-``restore(state)`` checks the envelope, the fingerprint and C, and makes the
-next iteration continue exactly after the last delivered item of every lane.
-
-Shutdown: ``close()`` (also on early ``break`` when the iterator is dropped,
-on an exception in the consumer, at garbage collection and interpreter exit)
-stops the pump, closes the worker pools and reaps every process.
+Every ``iter(pipe)`` starts from the beginning of the stream, unless
+``pipe.restore(state)`` was called since the last one: then it starts from
+``state``. ``pipe.checkpoint()`` and ``pipe.restore(state)`` are shortcuts to
+the pipeline's latest run: ``checkpoint()`` gives the delivered position of
+that run (also after its loop has ended), ``restore(state)`` restores the live
+run, or, when none is running, the next one.
+The pipeline holds its latest iterator weakly: dropping the iterator (leaving
+a ``for`` loop with ``break``) closes the run at once.
 """
 
 from __future__ import annotations
 
-import atexit
 import hashlib
-import os
-import queue
-import threading
 import weakref
+from typing import Callable
 
-from zephon.checkpoint import aggregate_through_dir, decode_state, encode_state
-from zephon.errors import CheckpointError, ZephonConfigError
-from zephon.options import (
-    RuntimeOptions, resolve_aggregate_timeout_s, resolve_canonical_replicas,
-    resolve_mtp_prefetch,
-)
+from zephon.checkpoint import decode_state
+from zephon.errors import ZephonConfigError
+from zephon.options import RuntimeOptions
 from zephon.pipeline import ops as O
-from zephon.pipeline.engine import Engine, LaneState, Plan
+from zephon.pipeline.engine import Plan
+from zephon.pipeline.iterator import PipelineIterator, RunRecord
 from zephon.pipeline.sources import Source
+from zephon.pipeline.state import check_state
 from zephon.pipeline.validate import validate
+from zephon.transport.spawn_guard import refuse_in_spawn_bootstrap
 
 __all__ = ["Pipeline"]
-
-_END = object()
-_live: "weakref.WeakSet[_Run]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_live_runs() -> None:
-    for run in list(_live):
-        run.close()
-
-
-class _Failure:
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-def _pump(source, out: queue.Queue, stop: threading.Event, nice: int = 0) -> None:
-    if nice:
-        # MTP's prefetch thread yields the CPU to the training loop: on Linux a thread has
-        # its own nice value, set through its native id (raising it needs no privilege).
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        except (AttributeError, OSError):
-            pass
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    try:
-        for item in source:
-            if not put(item):
-                return
-        put(_END)
-    except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-        if not stop.is_set():
-            put(_Failure(exc))
-
-
-class _Run:
-    """One iteration of a pipeline (the object ``iter(pipe)`` returns)."""
-
-    def __init__(self, pipe: "Pipeline", plan: Plan) -> None:
-        self.pipe, self.plan = pipe, plan
-        self.closed = False
-        self.engine = None
-        self.remote = None
-        self.thread = None
-        opts = plan.opts
-        if opts.mtp_mode:
-            from zephon.runners.mtp import MtpSource
-
-            self.remote = MtpSource(_EngineFactory(pipe._spec()), dict(pipe._states), opts)
-            self._source = self.remote.items()
-            threaded = resolve_mtp_prefetch(opts) > 0
-            depth = resolve_mtp_prefetch(opts)
-        else:
-            self.engine = Engine(plan, pipe._states)
-            self._source = self.engine.items()
-            threaded = plan.runners != {"inline"}
-            depth = plan.prefetch
-        if threaded:
-            self.queue: queue.Queue = queue.Queue(maxsize=depth)
-            self.stop = threading.Event()
-            # The pump holds the queue, the stop flag and the item source, never the run:
-            # a dropped, half-consumed run must stay collectable so its finalizer can close it.
-            self.thread = threading.Thread(target=_pump, args=(self._source, self.queue,
-                                                               self.stop,
-                                                               10 if opts.mtp_mode else 0),
-                                           name="zephon-pump", daemon=True)
-            self.thread.start()
-        _live.add(self)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self.closed:
-            raise StopIteration
-        try:
-            if self.thread is None:
-                value, stamp = next(self._source)
-            else:
-                item = self.queue.get()
-                if item is _END:
-                    raise StopIteration
-                if isinstance(item, _Failure):
-                    raise item.error
-                value, stamp = item
-        except StopIteration:
-            self.close()
-            self.pipe._finished()
-            raise
-        except BaseException:
-            self.close()
-            raise
-        lane, epoch, k, since, total = stamp
-        self.pipe._states[lane] = LaneState(epoch, k, since, total)
-        if self.engine is not None and self.engine.stats is not None and \
-                self.engine.stats.nodes_enabled:
-            self.engine.stats.delivered()
-        return value
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        _live.discard(self)
-        if self.thread is not None:
-            self.stop.set()
-        if self.engine is not None:
-            self.engine.close()
-        if self.remote is not None:
-            self.remote.close()
-        if self.thread is not None:
-            while True:  # unblock a pump waiting on a full queue, then join it
-                try:
-                    self.queue.get_nowait()
-                except queue.Empty:
-                    break
-            self.thread.join(timeout=30)
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001
-            pass
-
-
-class _EngineFactory:
-    """What the MTP subprocess runs: the same pipeline, engine in-process there."""
-
-    def __init__(self, pipe: "Pipeline") -> None:
-        self.pipe = pipe
-
-    def __call__(self, states: dict):
-        pipe = self.pipe._with(runtime=self.pipe.runtime.replace(mtp_mode=False))
-        engine = Engine(pipe.plan(), {int(k): LaneState(*v) for k, v in states.items()})
-        return _ClosingItems(engine)
-
-
-class _ClosingItems:
-    def __init__(self, engine: Engine) -> None:
-        self.engine, self.items = engine, engine.items()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return next(self.items)
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 class Pipeline:
@@ -227,12 +60,11 @@ class Pipeline:
         self.chunk_size, self.num_epochs = chunk_size, num_epochs
         self.ops: list[O.Op] = []
         self.runtime = RuntimeOptions()
-        self._states: dict[int, LaneState] = {}
-        self._run: _Run | None = None
-        self._rounds = 0
+        self._record = RunRecord()  # the latest run's delivered positions
+        self._pending: dict[int, tuple] | None = None  # restore() before the next iter()
+        self._live: Callable[[], PipelineIterator | None] = _no_iterator
         self._plan: Plan | None = None
         self._fingerprint: str | None = None
-        self.final_state: bytes | None = None
 
     # -- building ------------------------------------------------------------------------
     def _with(self, op: O.Op | None = None, runtime: RuntimeOptions | None = None) -> "Pipeline":
@@ -240,35 +72,56 @@ class Pipeline:
         new.__dict__.update(self.__dict__)
         new.ops = self.ops + ([op] if op is not None else [])
         new.runtime = runtime if runtime is not None else self.runtime
-        new._states, new._run, new._rounds, new.final_state = {}, None, 0, None
+        new._record, new._live, new._pending = RunRecord(), _no_iterator, None
         new._plan = new._fingerprint = None  # a new definition: resolve it anew
         return new
 
     def map(self, fn, parallelism: int = 1) -> "Pipeline":
+        """Apply ``fn(sample) -> sample`` (or ``fn(sample, ctx)``: ``ctx.rng`` is seeded from
+        the sample's identity) to every sample; ``parallelism`` is the number of workers
+        this op asks for (see ``RuntimeOptions.worker_allocation``).
+
+        Example: ``pipe.map(decode, parallelism=4)``."""
         return self._with(O.MapOp(fn, parallelism))
 
     def filter(self, pred, parallelism: int = 1) -> "Pipeline":
+        """Keep the samples for which ``pred(sample)`` (or ``pred(sample, ctx)``) is true."""
         return self._with(O.FilterOp(pred, parallelism))
 
     def map_batch(self, fn, parallelism: int = 1) -> "Pipeline":
+        """Apply ``fn(batch) -> batch`` to every batch (after ``batch()``); a dict result
+        becomes a :class:`~zephon.Batch` with the input's ``meta``."""
         return self._with(O.MapBatchOp(fn, parallelism))
 
     def shuffle(self, buffer_size: int) -> "Pipeline":
+        """A seeded shuffle buffer of ``buffer_size`` samples per lane (deterministic: its
+        seed comes from the pipeline seed, the lane and the flush boundary). It carries
+        history across samples, so a restore replays from the last flush boundary."""
         return self._with(O.ShuffleOp(buffer_size))
 
     def batch(self, microbatch_size: int, drop_last: bool = False) -> "Pipeline":
+        """Collate dict samples into a :class:`~zephon.Batch` of ``microbatch_size``
+        (stacked arrays where shapes agree, lists otherwise). Batches never mix lanes; a
+        lane's partial batch is emitted at a flush boundary and at the end, or dropped
+        with ``drop_last=True``."""
         return self._with(O.BatchOp(microbatch_size, drop_last))
 
     def pack_tokens(self, seq_len: int, field: str = "tokens") -> "Pipeline":
+        """Concatenate the ``field`` token arrays of consecutive samples and cut rows of
+        exactly ``seq_len`` tokens (the remainder at a flush boundary is dropped)."""
         return self._with(O.PackTokensOp(seq_len, field))
 
     def options(self, opts: RuntimeOptions) -> "Pipeline":
+        """The same pipeline run with ``opts`` (runners, workers, queues, ranks): options
+        never change the stream, only how it is produced."""
         if not isinstance(opts, RuntimeOptions):
             raise ZephonConfigError(f"options() takes a RuntimeOptions, got {type(opts).__name__}")
         return self._with(runtime=opts)
 
     # -- plan ----------------------------------------------------------------------------
     def fingerprint(self) -> str:
+        """A hash of what defines the stream: source, ops, seed, chunking, epochs and the
+        flush cadence (a checkpoint restores only into a pipeline with the same one)."""
         if self._fingerprint is None:
             plan = self.plan()
             parts = [plan.pipeline.source.describe(), f"seed={self.seed}",
@@ -290,6 +143,7 @@ class Pipeline:
         return self._plan
 
     def explain(self) -> str:
+        """The resolved plan as text: lanes, order, resume, stages, runners and workers."""
         return self.plan().explain()
 
     def _spec(self) -> "Pipeline":
@@ -297,90 +151,71 @@ class Pipeline:
         return self._with()
 
     # -- iteration -------------------------------------------------------------------------
-    def __iter__(self) -> _Run:
-        if self._run is not None:
-            self._run.close()
+    def __iter__(self) -> PipelineIterator:
+        """Start a run and return its iterator: from the start of the stream, or from the
+        state given to :meth:`restore` since the last ``iter()``. A run still going from an
+        earlier ``iter()`` is closed first."""
+        refuse_in_spawn_bootstrap("iterating a zephon Pipeline")
+        current = self._live()
+        if current is not None:
+            current.close()
         plan = self.plan()
         validate(plan, "pickle")  # before any worker process exists
-        run = _Run(self, plan)  # workers start booting here...
+        self._record = RunRecord(self._pending)
+        self._pending = None
+        it = PipelineIterator(self, self._record)  # workers start booting here...
         try:
             validate(plan, "behaviour")  # ...while the ops are checked on the first sample
         except BaseException:
-            run.close()
+            it.close()
             raise
-        self._run = run
-        return run
+        self._live = weakref.ref(it)
+        return it
 
     def close(self) -> None:
-        if self._run is not None:
-            self._run.close()
+        """Close the pipeline's live run, if any (its iterator's ``close()``)."""
+        current = self._live()
+        if current is not None:
+            current.close()
 
     def stats(self) -> dict:
-        """Execution statistics of the current or last run (``execution_tracking``; empty
+        """Execution statistics of the live or last run (``execution_tracking``; empty
         when it is off, and in MTP mode, where they live in the subprocess)."""
-        run = self._run
-        if run is None or run.engine is None or run.engine.stats is None:
-            return {}
-        return run.engine.stats.snapshot()
+        stats = self._record.stats
+        return {} if stats is None else stats.snapshot()
 
-    def _finished(self) -> None:
-        if self.runtime.mtp_mode and self.runtime.mtp_auto_checkpoint:
-            self.final_state = self.checkpoint()
+    @property
+    def final_state(self) -> bytes | None:
+        """With ``mtp_mode`` and ``mtp_auto_checkpoint``: the checkpoint taken when the last
+        run reached the end of its stream."""
+        return self._record.final_state
 
     # -- checkpoint ------------------------------------------------------------------------
-    def _local_state(self) -> dict:
-        plan = self.plan()
-        lanes = {str(lane): list(self._states[lane]) for lane in plan.owned
-                 if lane in self._states}
-        return {"fingerprint": self.fingerprint(), "lanes_total": plan.lanes, "lanes": lanes,
-                "group": plan.group}
-
     def checkpoint(self) -> bytes:
-        o = self.runtime
-        local = self._local_state()
-        if o.world_size == 1:
-            return encode_state(local, o.aggregate_serializer, o.aggregate_compressor)
-        if o.aggregate_store is not None:
-            raise NotImplementedError(
-                f"aggregate_store={o.aggregate_store!r}: exchanging states through torch's "
-                "TCPStore is not available yet; use aggregate_dir (a directory every rank "
-                "can reach)")
-        if o.aggregate_dir is None:
-            raise ZephonConfigError(
-                "checkpoint() with world_size > 1 needs aggregate_dir (a directory every rank "
-                "can reach) so that the ranks can merge their states")
-        self._rounds += 1
-        return aggregate_through_dir(
-            local, directory=o.aggregate_dir, run_id=o.run_id, round_no=self._rounds,
-            rank=o.global_rank, world=o.world_size, timeout_s=resolve_aggregate_timeout_s(o),
-            serializer=o.aggregate_serializer, compressor=o.aggregate_compressor)
+        """The delivered position of the latest run, as checkpoint bytes (a shortcut to
+        ``iter(pipe).checkpoint()``; with several ranks every rank must call it)."""
+        current = self._live()
+        if current is not None:
+            return current.checkpoint()
+        return PipelineIterator.checkpoint(_Detached(self))  # type: ignore[arg-type]
 
     def restore(self, state: bytes) -> None:
-        decoded = decode_state(state)
-        for key in ("fingerprint", "lanes_total", "lanes"):
-            if key not in decoded:
-                raise CheckpointError(f"checkpoint lacks {key!r}: not a pipeline state")
-        if decoded["fingerprint"] != self.fingerprint():
-            raise CheckpointError(
-                "checkpoint is from a different pipeline (its fingerprint "
-                f"{str(decoded['fingerprint'])[:12]} is not this pipeline's "
-                f"{self.fingerprint()[:12]}: source, ops, seed, chunking or flush differ)")
-        lanes = resolve_canonical_replicas(self.runtime)
-        if decoded["lanes_total"] != lanes:
-            raise CheckpointError(
-                f"checkpoint has canonical_replicas={decoded['lanes_total']}, this pipeline "
-                f"{lanes}: the number of canonical lanes must not change across a restore")
-        states = {}
-        for lane, value in decoded["lanes"].items():
-            try:
-                lane_no = int(lane)
-                epoch, k, since, total = (int(v) for v in value)
-            except (TypeError, ValueError):
-                raise CheckpointError(f"corrupt lane entry {lane!r}: {value!r}") from None
-            if not 0 <= lane_no < lanes or min(epoch, k, since, total) < 0:
-                raise CheckpointError(f"corrupt lane entry {lane!r}: {value!r}")
-            states[lane_no] = LaneState(epoch, k, since, total)
-        if self._run is not None:
-            self._run.close()
-            self._run = None
-        self._states = states
+        """Continue exactly after the last item delivered when ``state`` was taken: the
+        live run restarts from it, or the next ``iter(pipe)`` starts there."""
+        current = self._live()
+        if current is not None:
+            current.restore(state)
+            return
+        self._pending = check_state(decode_state(state), self.plan(), self.fingerprint())
+
+
+class _Detached:
+    """The parts of an iterator that ``checkpoint()`` needs, for a pipeline whose last
+    run has ended (its record still holds the delivered positions)."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline, self.plan, self.record = pipeline, pipeline.plan(), pipeline._record
+
+
+def _no_iterator() -> None:
+    return None

@@ -2,8 +2,9 @@
 
 A :class:`StageProgram` holds the source, the stateless ops of every parallel
 stage and the seed; it is pickled once per worker process. ``program((stage,
-unit))`` returns the unit's output records: stage 0 reads ``(index, epoch)``
-pairs from the source first. A failure in a user op is an
+unit))`` returns the unit's output records: stage 0 reads a
+:class:`~zephon.pipeline.lanes.ReadUnit` from the source first (each record
+carries its sample identity and its lane position). A failure in a user op is an
 :class:`~zephon.pipeline.ops.OpError` naming the op and the sample; a failure
 reading the source names the sample likewise.
 """
@@ -21,9 +22,10 @@ class StageProgram:
     def __init__(self, source, stages: list[list], seed: int) -> None:
         self.source, self.stages, self.seed = source, stages, seed
 
-    def read(self, unit: list) -> list:
+    def read(self, unit) -> list:
         source, out = self.source, []
-        for index, epoch in unit:
+        epoch, pos = unit.epoch, unit.start
+        for index in unit.indices.tolist():
             name, idx = source.identity(index)
             sid = (name, idx, epoch)
             try:
@@ -31,7 +33,8 @@ class StageProgram:
             except Exception as exc:  # noqa: BLE001 - named and re-raised for the consumer
                 raise OpError(f"reading sample {sid} failed: {type(exc).__name__}: {exc}",
                               op="read", sample_id=sid) from exc
-            out.append(Record(value, [sid]))
+            out.append(Record(value, [sid], (epoch, pos)))
+            pos += 1
         return out
 
     def __call__(self, payload: tuple[int, Any]) -> list:

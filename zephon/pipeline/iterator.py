@@ -1,0 +1,287 @@
+"""``PipelineIterator``: one run of a pipeline, the object ``iter(pipe)`` returns.
+
+It owns everything that lives while the pipeline runs: the engine (or the MTP
+subprocess that runs it), the pump thread that prefetches ahead of the
+consumer, the delivered position of every lane, ``checkpoint()``,
+``restore()`` and ``close()``. The :class:`~zephon.pipeline.Pipeline` it came
+from is an immutable definition; it keeps only a weak reference to its latest
+iterator (for its ``checkpoint()``/``restore()`` shortcuts) and a small
+:class:`RunRecord` the iterator writes the delivered positions into, so that
+``pipe.checkpoint()`` still answers after the loop has ended.
+
+Lifecycle
+---------
+- start: workers start booting at construction (``validate`` checks the ops
+  while they do);
+- ``__next__``: where the engine runs inline, in the consumer's thread;
+  otherwise from a queue of ``prefetch_batches`` items filled by a pump thread
+  (MTP: a low-priority thread of ``mtp_prefetch`` items). Each item carries the
+  lane state a restore would continue from; only what ``__next__`` hands over
+  is recorded as delivered, so prefetched items are produced again after a
+  restore;
+- ``close()`` (idempotent): stops the pump, closes the executors' worker pools
+  or the MTP subprocess, reaps every process. It also runs when the iterator
+  is garbage-collected (a ``break`` out of a ``for`` loop drops it at once:
+  nothing holds it but the loop), when the consumer's code raises out of the
+  loop, at the end of the stream, and at interpreter exit before
+  ``multiprocessing`` joins its children (so no zephon process can make the
+  interpreter wait).
+
+Nothing on the pump side refers to the iterator: the thread holds only the
+queue, the stop flag and the engine's item generator, so a dropped iterator is
+collected by reference counting, without waiting for the cycle collector.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import threading
+import weakref
+from typing import Any
+
+from zephon.checkpoint import decode_state
+from zephon.options import resolve_mtp_prefetch
+from zephon.pipeline.engine import Engine
+from zephon.pipeline.state import check_state, local_state
+
+__all__ = ["PipelineIterator", "RunRecord"]
+
+_END = object()
+_live: "weakref.WeakSet[PipelineIterator]" = weakref.WeakSet()
+
+
+def _close_live_iterators() -> None:
+    for it in list(_live):
+        try:
+            it.close()
+        except Exception:  # noqa: BLE001 - the interpreter is exiting; close the rest
+            pass
+
+
+# Runs before the interpreter joins non-daemon threads and multiprocessing children (an
+# atexit callback may run after multiprocessing's own, which would wait on the MTP process).
+try:
+    threading._register_atexit(_close_live_iterators)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # pragma: no cover - not CPython >= 3.9
+    pass
+atexit.register(_close_live_iterators)
+
+
+class RunRecord:
+    """What a pipeline remembers of its latest run: delivered lane states, the checkpoint
+    round counter (multi-rank exchanges), the statistics and the MTP final state."""
+
+    __slots__ = ("states", "rounds", "final_state", "stats")
+
+    def __init__(self, states: dict | None = None) -> None:
+        self.states: dict[int, tuple] = dict(states or {})
+        self.rounds = 0
+        self.final_state: bytes | None = None
+        self.stats = None
+
+
+class _Failure:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _pump(source, out: queue.Queue, stop: threading.Event, nice: int = 0) -> None:
+    if nice:
+        # MTP's prefetch thread yields the CPU to the training loop: on Linux a thread has
+        # its own nice value, set through its native id (raising it needs no privilege).
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except (AttributeError, OSError):
+            pass
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for item in source:
+            if not put(item):
+                return
+        put(_END)
+    except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+        if not stop.is_set():
+            put(_Failure(exc))
+
+
+class _EngineFactory:
+    """What the MTP subprocess runs: the same pipeline, its engine in-process there."""
+
+    def __init__(self, spec) -> None:
+        self.spec = spec
+
+    def __call__(self, states: dict):
+        spec = self.spec._with(runtime=self.spec.runtime.replace(mtp_mode=False))
+        engine = Engine(spec.plan(), {int(k): tuple(v) for k, v in states.items()})
+        return _ClosingItems(engine)
+
+
+class _ClosingItems:
+    def __init__(self, engine: Engine) -> None:
+        self.engine, self.items = engine, engine.items()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.items)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class PipelineIterator:
+    """One run of a pipeline (see the module docstring).
+
+    Example::
+
+        it = iter(pipe)
+        first = next(it)
+        state = it.checkpoint()   # bytes: continue after ``first`` anywhere
+        it.close()
+    """
+
+    def __init__(self, pipeline, record: RunRecord) -> None:
+        self.pipeline = pipeline
+        self.plan = pipeline.plan()
+        self.record = record
+        self.closed = False
+        self._started = False
+        self.engine: Engine | None = None
+        self.remote = None
+        self.thread: threading.Thread | None = None
+        self._start()
+
+    # -- running ---------------------------------------------------------------------------
+    def _start(self) -> None:
+        plan, opts = self.plan, self.plan.opts
+        states = dict(self.record.states)
+        if opts.mtp_mode:
+            from zephon.runners.mtp import MtpSource
+
+            self.remote = MtpSource(_EngineFactory(self.pipeline._spec()), states, opts)
+            self._source = self.remote.items()
+            depth = resolve_mtp_prefetch(opts)
+            threaded = depth > 0
+        else:
+            self.engine = Engine(plan, states)
+            self.record.stats = self.engine.stats
+            self._source = self.engine.items()
+            threaded = plan.runners != {"inline"}
+            depth = plan.prefetch
+        if threaded:
+            self.queue: queue.Queue = queue.Queue(maxsize=depth)
+            self.stop = threading.Event()
+            self.thread = threading.Thread(
+                target=_pump, args=(self._source, self.queue, self.stop,
+                                    10 if opts.mtp_mode else 0),
+                name="zephon-pump", daemon=True)
+            self.thread.start()
+        self.closed = False
+        _live.add(self)
+
+    def __iter__(self) -> "PipelineIterator":
+        return self
+
+    def __next__(self) -> Any:
+        if self.closed:
+            raise StopIteration
+        try:
+            if self.thread is None:
+                value, (lane, state) = next(self._source)
+            else:
+                item = self.queue.get()
+                if item is _END:
+                    raise StopIteration
+                if isinstance(item, _Failure):
+                    raise item.error
+                value, (lane, state) = item
+        except StopIteration:
+            self.close()
+            self._finished()
+            raise
+        except BaseException:
+            self.close()
+            raise
+        self.record.states[lane] = state
+        engine = self.engine
+        if engine is not None and engine.stats is not None and engine.stats.nodes_enabled:
+            engine.stats.delivered()
+        return value
+
+    def _finished(self) -> None:
+        opts = self.plan.opts
+        if opts.mtp_mode and opts.mtp_auto_checkpoint:
+            self.record.final_state = self.checkpoint()
+
+    # -- state -----------------------------------------------------------------------------
+    def checkpoint(self) -> bytes:
+        """The delivered position of every lane as checkpoint bytes (with several ranks,
+        every rank must call it: the ranks exchange their states and all return the same
+        merged bytes)."""
+        from zephon.checkpoint import exchange_state
+
+        local = local_state(self.plan, self.pipeline.fingerprint(), self.record.states)
+        self.record.rounds += 1
+        return exchange_state(local, self.plan.opts, self.record.rounds)
+
+    def restore(self, state: bytes) -> None:
+        """Continue exactly after the last item delivered when ``state`` was taken: the
+        current run stops and the next ``next()`` starts the restored one."""
+        states = check_state(decode_state(state), self.plan, self.pipeline.fingerprint())
+        self.close()
+        self.record.states = states
+        self._start()
+
+    def stats(self) -> dict:
+        """Execution statistics of this run (empty when ``execution_tracking`` is off, and
+        in MTP mode, where they live in the subprocess)."""
+        stats = self.record.stats
+        return {} if stats is None else stats.snapshot()
+
+    # -- shutdown --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the run and reap every process it started (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        _live.discard(self)
+        if self.thread is not None:
+            self.stop.set()
+        if self.engine is not None:
+            self.engine.close()
+        if self.remote is not None:
+            self.remote.close()
+        if self.thread is not None:
+            while True:  # unblock a pump waiting on a full queue, then join it
+                try:
+                    self.queue.get_nowait()
+                except queue.Empty:
+                    break
+            self.thread.join(timeout=30)
+            self.thread = None
+
+    def __enter__(self) -> "PipelineIterator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass

@@ -1,0 +1,116 @@
+"""The checkpoint state of a pipeline run: what it holds and how it is checked.
+
+A run's local state is a dict::
+
+    {"fingerprint": str, "lanes_total": C, "group": dp group,
+     "resume": "cursor" | "replay",
+     "lanes": {"<lane>": [epoch, pos, total]          (cursor resume)
+                         [epoch, k, since, total]}}    (replay)
+
+holding the delivered position of every owned lane that delivered something
+(see :mod:`zephon.pipeline.engine` for what the numbers mean). The bytes
+around it (magic, version, checksum, compression) belong to
+:mod:`zephon.checkpoint`.
+
+:func:`check_state` trusts nothing: every field must have the exact type and a
+value this pipeline can have produced (lane ids within ``[0, C)``, epochs within
+``num_epochs``, positions within the lane's epoch, counts that cannot exceed
+what the lane holds), or a :class:`~zephon.errors.CheckpointError` says which
+field is wrong. A restore is all or nothing: nothing is applied until the whole
+state has been checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from zephon.errors import CheckpointError
+
+__all__ = ["local_state", "check_state", "MAX_COUNT"]
+
+#: No count in a state can be larger (items, positions, epochs): 2**48 items is far
+#: beyond any real run, and keeps every figure exact in JSON and msgpack alike.
+MAX_COUNT = 1 << 48
+
+
+def local_state(plan, fingerprint: str, states: dict[int, tuple]) -> dict:
+    """The state dict of this rank's owned lanes."""
+    lanes = {str(lane): list(states[lane]) for lane in plan.owned if lane in states}
+    return {"fingerprint": fingerprint, "lanes_total": plan.lanes, "lanes": lanes,
+            "group": plan.group, "resume": "cursor" if plan.cursor_resume else "replay"}
+
+
+def _int(value: Any, what: str, low: int = 0, high: int = MAX_COUNT) -> int:
+    if type(value) is not int:
+        raise CheckpointError(f"corrupt checkpoint: {what} must be an int, got "
+                              f"{type(value).__name__} {value!r:.60}")
+    if not low <= value <= high:
+        raise CheckpointError(f"corrupt checkpoint: {what} = {value} is outside "
+                              f"[{low}, {high}]")
+    return value
+
+
+def check_state(decoded: Any, plan, fingerprint: str) -> dict[int, tuple]:
+    """The lane states of a decoded checkpoint, checked against ``plan``; raises
+    :class:`~zephon.errors.CheckpointError` naming the first field that is wrong."""
+    if not isinstance(decoded, dict):
+        raise CheckpointError("corrupt checkpoint: the state is not a mapping")
+    for key in ("fingerprint", "lanes_total", "lanes"):
+        if key not in decoded:
+            raise CheckpointError(f"checkpoint lacks {key!r}: not a pipeline state")
+    theirs = decoded["fingerprint"]
+    if not isinstance(theirs, str):
+        raise CheckpointError("corrupt checkpoint: fingerprint is not a string")
+    if theirs != fingerprint:
+        raise CheckpointError(
+            f"checkpoint is from a different pipeline (its fingerprint {theirs[:12]} is not "
+            f"this pipeline's {fingerprint[:12]}: source, ops, seed, chunking or flush differ)")
+    lanes = _int(decoded["lanes_total"], "lanes_total", 1)
+    if lanes != plan.lanes:
+        raise CheckpointError(
+            f"checkpoint has canonical_replicas={lanes}, this pipeline {plan.lanes}: the number "
+            "of canonical lanes must not change across a restore")
+    mode = "cursor" if plan.cursor_resume else "replay"
+    if decoded.get("resume", mode) != mode:
+        raise CheckpointError(f"checkpoint resumes by {decoded.get('resume')!r}, this pipeline "
+                              f"by {mode!r}")
+    entries = decoded["lanes"]
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"corrupt checkpoint: lanes must be a mapping, got "
+                              f"{type(entries).__name__}")
+    if len(entries) > lanes:
+        raise CheckpointError(f"corrupt checkpoint: {len(entries)} lane entries for {lanes} "
+                              "lanes")
+    p = plan.pipeline
+    max_epoch = MAX_COUNT if p.num_epochs is None else p.num_epochs - 1
+    states: dict[int, tuple] = {}
+    for key, value in entries.items():
+        if not isinstance(key, str) or not key.isdigit() or len(key) > 6:
+            raise CheckpointError(f"corrupt checkpoint: lane id {key!r:.40} is not a lane "
+                                  "number")
+        lane = _int(int(key), f"lane id {key}", 0, lanes - 1)
+        where = f"lane {lane}"
+        if not isinstance(value, list):
+            raise CheckpointError(f"corrupt checkpoint: {where} must be a list, got "
+                                  f"{type(value).__name__}")
+        length = plan.lane_length(lane)
+        if mode == "cursor":
+            if len(value) != 3:
+                raise CheckpointError(f"corrupt checkpoint: {where} must be [epoch, pos, "
+                                      f"total], got {len(value)} value(s)")
+            epoch = _int(value[0], f"{where} epoch", 0, max_epoch)
+            pos = _int(value[1], f"{where} position", 0, length)
+            total = _int(value[2], f"{where} items delivered", 0,
+                         min(MAX_COUNT, (epoch + 1) * length))
+            states[lane] = (epoch, pos, total)
+        else:
+            if len(value) != 4:
+                raise CheckpointError(f"corrupt checkpoint: {where} must be [epoch, k, since, "
+                                      f"total], got {len(value)} value(s)")
+            epoch = _int(value[0], f"{where} epoch", 0, max_epoch)
+            chunks = -(-length // p.chunk_size)
+            k = _int(value[1], f"{where} lane chunk", 0, max(0, chunks - 1))
+            total = _int(value[3], f"{where} items delivered", 0)
+            since = _int(value[2], f"{where} items since its boundary", 0, total)
+            states[lane] = (epoch, k, since, total)
+    return states
