@@ -103,3 +103,20 @@ def slow_first(s):
     if s["id"] == 0:
         _time.sleep(0.5)
     return s
+
+
+_reads = {"n": 0}
+
+
+def counted_sample(i):
+    """make_sample that counts its calls (inline runner: one process, one counter)."""
+    _reads["n"] += 1
+    return make_sample(i)
+
+
+def reset_reads():
+    _reads["n"] = 0
+
+
+def reads():
+    return _reads["n"]

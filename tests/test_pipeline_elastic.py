@@ -17,9 +17,13 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 C = 4
 
 
-def pipeline():
-    return Pipeline(sources.from_callable(70, F.make_sample), seed=11, chunk_size=3) \
-        .map(F.double).shuffle(5).batch(2)
+def pipeline(chain: str = "replay"):
+    """``replay``: a shuffle buffer (restore replays from a flush boundary); ``cursor``:
+    only cursor-preserving ops (restore reads on from the source cursor)."""
+    base = Pipeline(sources.from_callable(70, F.make_sample), seed=11, chunk_size=3)
+    if chain == "cursor":
+        return base.map(F.double).filter(F.keep_most).batch(2)
+    return base.map(F.double).shuffle(5).batch(2)
 
 
 def key(batch):
@@ -66,7 +70,7 @@ RANK = textwrap.dedent("""
 
     if __name__ == "__main__":
         rank, world, take = {rank}, {world}, {take}
-        pipe = pipeline().options(RuntimeOptions(
+        pipe = pipeline({chain!r}).options(RuntimeOptions(
             world_size=world, global_rank=rank, canonical_replicas={lanes},
             aggregate_dir={agg!r}, aggregate_timeout_s={timeout}))
         it = iter(pipe)
@@ -79,12 +83,13 @@ RANK = textwrap.dedent("""
 """)
 
 
-def run_ranks(tmp_path, world, takes, timeout=60.0, only=None):
+def run_ranks(tmp_path, world, takes, timeout=60.0, only=None, chain="replay"):
     procs = []
     for rank in range(world):
         if only is not None and rank not in only:
             continue
         code = RANK.format(tests=TESTS, rank=rank, world=world, take=takes[rank], lanes=C,
+                           chain=chain,
                            agg=str(tmp_path / "agg"), timeout=timeout,
                            out=str(tmp_path / f"state-{rank}"))
         procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
@@ -93,28 +98,29 @@ def run_ranks(tmp_path, world, takes, timeout=60.0, only=None):
     return results
 
 
-def test_checkpoint_from_2_ranks_restores_on_1_and_on_4(tmp_path):
-    results = run_ranks(tmp_path, 2, takes=[6, 6])
+@pytest.mark.parametrize("chain", ["replay", "cursor"])
+def test_checkpoint_from_2_ranks_restores_on_1_and_on_4(tmp_path, chain):
+    results = run_ranks(tmp_path, 2, takes=[6, 6], chain=chain)
     assert all(code == 0 for _, _, code in results), [err for _, err, _ in results]
     states = [(tmp_path / f"state-{r}").read_bytes() for r in range(2)]
     assert states[0] == states[1]  # every rank returns the same merged bytes
     state = states[0]
 
-    single = [key(b) for b in pipeline().options(RuntimeOptions(canonical_replicas=C))]
+    single = [key(b) for b in pipeline(chain).options(RuntimeOptions(canonical_replicas=C))]
     by_lane = {}
     for item in single:
         by_lane.setdefault(item[0], []).append(item)
     delivered = {lane: 3 for lane in range(C)}  # 6 batches per rank over 2 lanes each
     expected = interleave({lane: items[3:] for lane, items in by_lane.items()}, delivered)
 
-    one = pipeline().options(RuntimeOptions(canonical_replicas=C))
+    one = pipeline(chain).options(RuntimeOptions(canonical_replicas=C))
     one.restore(state)
     assert [key(b) for b in one] == expected
 
     rest = {}
     for rank in range(4):
-        pipe = pipeline().options(RuntimeOptions(world_size=4, global_rank=rank,
-                                                 canonical_replicas=C))
+        pipe = pipeline(chain).options(RuntimeOptions(world_size=4, global_rank=rank,
+                                                      canonical_replicas=C))
         pipe.restore(state)
         for item in pipe:
             rest.setdefault(item.meta["lane"], []).append(key(item))
@@ -132,7 +138,7 @@ def test_replicas_that_disagree_are_reported(tmp_path):
     code = RANK.replace("canonical_replicas={lanes},", "canonical_replicas={lanes}, dp_degree=1,")
     procs = []
     for rank, take in ((0, 2), (1, 3)):
-        text = code.format(tests=TESTS, rank=rank, world=2, take=take, lanes=C,
+        text = code.format(tests=TESTS, rank=rank, world=2, take=take, lanes=C, chain="replay",
                            agg=str(tmp_path / "agg"), timeout=5.0,
                            out=str(tmp_path / f"state-{rank}"))
         procs.append(subprocess.Popen([sys.executable, "-c", text], stdout=subprocess.PIPE,

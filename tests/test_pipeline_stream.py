@@ -39,6 +39,7 @@ def signature(item):
 
 CHAINS = {
     "map-batch": lambda p: p.map(F.double).batch(3),
+    "filter-batch": lambda p: p.filter(F.keep_most).batch(3),
     "filter-shuffle-batch": lambda p: p.filter(F.keep_most).shuffle(6).batch(4),
     "ctx-map-batch-mapbatch": lambda p: p.map(F.noisy).batch(2).map_batch(F.total),
     "pack": lambda p: p.map(F.double).pack_tokens(5).batch(2),

@@ -124,8 +124,10 @@ class Plan:
             split = (not opts.deterministic or opts.allow_latency_flush_in_deterministic) \
                 and not sensitive and runner != "inline"
             workers = 1 if runner == "inline" else caps[i]
-            self.stages.append(Stage(i, ops, runner, workers,
-                                     resolve_stage_prefetch(opts, i, runner), split,
+            # An inline stage runs each unit synchronously when it is submitted: reading
+            # ahead would only delay the first item (and a resumed run's first item).
+            depth = 1 if runner == "inline" else resolve_stage_prefetch(opts, i, runner)
+            self.stages.append(Stage(i, ops, runner, workers, depth, split,
                                      resolve_op_queue_capacity(opts),
                                      _workers_why(opts, runner, parallelism[i], workers)))
         preserves = all(op.preserves_cursor_order for op in pipeline.ops)
@@ -227,7 +229,13 @@ def ordered_map(executor, stage: Stage, upstream: Iterator, lane: int,
     sent: dict[int, float] = {}
     node = f"stage{stage.index}"
     exhausted = False
+    # An inline executor runs a unit when it is submitted: hand over what is ready first,
+    # so that nothing is read before it is needed.
+    eager = stage.runner != "inline"
     while True:
+        if not eager:
+            for out in buffer.pop_ready():
+                yield out
         # At most `depth` units and `op_queue_capacity` items in flight (always at least
         # one), and never further ahead of the oldest unfinished unit than the reorder
         # window: a slow head-of-line unit must stall the lookahead, not let finished

@@ -1,0 +1,183 @@
+"""Restore: constant-cost cursor resume, bounded replay, and states that are checked.
+
+A restore must continue the stream exactly (the same items an uninterrupted run
+delivers after the cut) and must not pay for the part of the epoch already
+delivered: cursor-preserving lanes read nothing before the cut; lanes with a
+shuffle buffer replay at most ``flush_every_k_chunks`` chunks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import _pipeline_fns as F
+from zephon import CheckpointError, Pipeline, RuntimeOptions, sources
+from zephon.checkpoint import decode_state, encode_state
+
+N, CHUNK = 2000, 16
+
+
+def cursor_chain(src_fn=F.counted_sample, **opts):
+    return Pipeline(sources.from_callable(N, src_fn), seed=3, chunk_size=CHUNK) \
+        .map(F.double).filter(F.keep_most).batch(8) \
+        .options(RuntimeOptions(runner="inline", **opts))
+
+
+def replay_chain(src_fn=F.counted_sample, **opts):
+    return Pipeline(sources.from_callable(N, src_fn), seed=3, chunk_size=CHUNK) \
+        .map(F.double).shuffle(32).batch(8).options(RuntimeOptions(runner="inline", **opts))
+
+
+def ids(batches):
+    return [b["id"].tolist() for b in batches]
+
+
+def take(pipe, k):
+    it = iter(pipe)
+    head = [next(it)["id"].tolist() for _ in range(k)]
+    return head, it
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_cursor_resume_reads_nothing_before_the_cut(fraction, lanes):
+    reference = ids(cursor_chain(canonical_replicas=lanes))
+    cut = int(len(reference) * fraction)
+    head, it = take(cursor_chain(canonical_replicas=lanes), cut)
+    state = it.checkpoint()
+    it.close()
+    assert "resume: from the source cursor" in cursor_chain().explain()
+
+    F.reset_reads()
+    resumed = cursor_chain(F.counted_sample, canonical_replicas=lanes)
+    resumed.restore(state)
+    rest = iter(resumed)
+    first = next(rest)["id"].tolist()
+    # Reading resumes at the cursor, wherever the cut was: the first restored batch reads
+    # the rest of the cut chunk and, if it needs more, the next chunk of its lane
+    # (+1: validation probes the source's first sample).
+    assert F.reads() <= 2 * CHUNK + 1
+    assert head + [first] + ids(rest) == reference
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.9])
+def test_replay_resume_is_bounded_by_the_flush_cadence(fraction):
+    k = 8  # the automatic flush_every_k_chunks with a shuffle buffer
+    reference = ids(replay_chain())
+    cut = int(len(reference) * fraction)
+    head, it = take(replay_chain(), cut)
+    state = it.checkpoint()
+    it.close()
+    F.reset_reads()
+    resumed = replay_chain(F.counted_sample)
+    resumed.restore(state)
+    rest = iter(resumed)
+    first = next(rest)["id"].tolist()
+    assert F.reads() <= CHUNK * (1 + k) + 1  # (+1: the validation probe)
+    assert head + [first] + ids(rest) == reference
+
+
+@pytest.mark.parametrize("runner", ["threads", "process", "mtp"])
+def test_cursor_resume_under_every_runner(runner):
+    opts = {"mtp_mode": True, "runner": "threads"} if runner == "mtp" else {"runner": runner}
+    base = Pipeline(sources.from_callable(300, F.make_sample), seed=9, chunk_size=5) \
+        .map(F.double, parallelism=2).filter(F.keep_most).batch(4)
+    reference = ids(base.options(RuntimeOptions(runner="inline", canonical_replicas=2)))
+    pipe = base.options(RuntimeOptions(canonical_replicas=2, max_workers=2, **opts))
+    head, it = take(pipe, 17)
+    state = it.checkpoint()
+    it.close()
+    again = base.options(RuntimeOptions(runner="inline", canonical_replicas=2))
+    again.restore(state)
+    assert head + ids(again) == reference
+
+
+def test_cursor_resume_across_epochs_and_at_an_epoch_end():
+    base = Pipeline(sources.from_callable(40, F.make_sample), seed=2, chunk_size=4,
+                    num_epochs=3).map(F.double).batch(5)
+    reference = ids(base)
+    for cut in (1, 7, 8, 9, 16, len(reference) - 1, len(reference)):
+        head, it = take(base, cut)
+        state = it.checkpoint()
+        it.close()
+        again = base.options(base.runtime)
+        again.restore(state)
+        assert head + ids(again) == reference, cut
+
+
+def test_mixture_cursor_resume():
+    a = sources.from_sequence([{"id": i} for i in range(50)], name="a")
+    b = sources.from_sequence([{"id": 1000 + i} for i in range(30)], name="b")
+    base = Pipeline(sources.mixture({"a": a, "b": b}, weights={"a": 2, "b": 1}), seed=4,
+                    chunk_size=4).batch(3)
+    reference = ids(base)
+    head, it = take(base, 11)
+    state = it.checkpoint()
+    it.close()
+    again = base.options(base.runtime)
+    again.restore(state)
+    assert head + ids(again) == reference
+
+
+# -- states that are not what they claim ---------------------------------------------------
+
+def _state_of(pipe, k=5):
+    head, it = take(pipe, k)
+    state = decode_state(it.checkpoint())
+    it.close()
+    return state
+
+
+def _crafted(state, **changes):
+    return encode_state(dict(state, **changes))
+
+
+@pytest.mark.parametrize("chain", [cursor_chain, replay_chain])
+@pytest.mark.parametrize("bad_lanes", [
+    ["not", "a", "mapping"],
+    {"0": "x"},
+    {"0": [0.0, 1, 2]},
+    {"0": [True, 1, 2]},
+    {"0": ["0", 1, 2]},
+    {"0": [0, 10 ** 18, 5]},
+    {"0": [0, 8, 10 ** 18]},
+    {"0": [0, 1]},
+    {"0": [-1, 1, 1]},
+    {"7": [0, 1, 1]},
+    {"-0": [0, 1, 1]},
+    {"zero": [0, 1, 1]},
+    {"0": [5, 1, 1]},
+])
+def test_crafted_lane_entries_are_checkpoint_errors(chain, bad_lanes):
+    state = _state_of(chain())
+    if chain is replay_chain and isinstance(bad_lanes, dict):
+        # the replay form has four numbers: keep the crafted ones, add the fourth
+        bad_lanes = {k: (v + [1] if isinstance(v, list) and len(v) == 3 else v)
+                     for k, v in bad_lanes.items()}
+    pipe = chain()
+    with pytest.raises(CheckpointError):
+        pipe.restore(_crafted(state, lanes=bad_lanes))
+    # nothing was applied: the pipeline still starts from the beginning
+    assert ids(pipe)[:2] == ids(chain())[:2]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("fingerprint", 7), ("fingerprint", "0" * 64), ("lanes_total", 2), ("lanes_total", True),
+    ("lanes_total", "1"), ("resume", "replay"),
+])
+def test_crafted_header_fields_are_checkpoint_errors(field, value):
+    state = _state_of(cursor_chain())
+    with pytest.raises(CheckpointError):
+        cursor_chain().restore(_crafted(state, **{field: value}))
+
+
+def test_a_replay_count_beyond_the_segment_is_an_error_not_an_empty_stream():
+    pipe = replay_chain()
+    state = _state_of(pipe)
+    (lane, entry), = state["lanes"].items()
+    entry = list(entry)
+    entry[2] = entry[3] = 10 ** 6  # claims a million items delivered from one segment
+    again = replay_chain()
+    again.restore(_crafted(state, lanes={lane: entry}))
+    with pytest.raises(CheckpointError, match="replaying it produced only"):
+        list(again)
