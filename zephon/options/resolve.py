@@ -178,7 +178,8 @@ def resolve_stage_workers(opts, stage_parallelism: Sequence[int], *,
                           cpu_count: int | None = None) -> list[int]:
     """Worker cap of each stage, given the summed op parallelism of each stage.
 
-    - ``fit_to_ops``: a stage's cap is the sum of its ops' parallelism;
+    - ``fit_to_ops``: a stage's cap is the sum of its ops' parallelism (at most an explicit
+      ``max_workers``: no stage ever runs more workers than that);
     - ``per_stage_fixed``: every stage gets ``max_workers``;
     - ``global``: ``max_workers`` is split over the stages by largest remainder,
       weighted by parallelism (ties to the earlier stage); a stage never gets
@@ -193,6 +194,8 @@ def resolve_stage_workers(opts, stage_parallelism: Sequence[int], *,
         )
     mode = opts.worker_allocation
     if mode == "fit_to_ops":
+        if opts.max_workers is not None:
+            return [min(w, opts.max_workers) for w in weights]
         return list(weights)
     if mode == "per_stage_fixed":
         return [resolve_max_workers(opts, cpu_count)] * len(weights)
