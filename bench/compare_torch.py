@@ -19,6 +19,10 @@ touched). Rows:
   ``map(add_one)``, process runner with 2 workers, ``deterministic=True``,
   against the DataLoader over a map-style dataset doing the same load and map.
 
+- resume: the first batch after restoring a state taken at 90 % of an epoch, vs a
+  fresh start of the same pipeline (the 200,000-sample pipelines of
+  ``bench/test_bench_resume.py``: cursor-preserving, and with a shuffle buffer).
+
 Time to first batch counts from creating the pool / the DataLoader iterator to
 holding the first batch (worker start-up included). grain and spdl rows are
 added when those packages are importable. The last line is machine-readable.
@@ -189,6 +193,19 @@ def run_torch(n: int, warmup: int, elements: int, name: str, dataset=None) -> Ro
     return timed(Row(name), loader, t0, warmup, elements * 8, check_batch)
 
 
+def run_resume(chain: str, rounds: int = 7) -> tuple[float, float]:
+    """Median seconds to the first batch: (restored at 90 % of the epoch, fresh start)."""
+    import statistics
+
+    import test_bench_resume as R
+
+    R._chain[0] = chain
+    state = R.state_at(chain, 0.9)
+    restored = statistics.median(_timed(lambda: R.first_batch(state)) for _ in range(rounds))
+    fresh = statistics.median(_timed(lambda: R.first_batch(None)) for _ in range(rounds))
+    return restored, fresh
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, default=400, help="4 MiB batches per row")
@@ -211,6 +228,7 @@ def main(argv=None) -> int:
         torch_e2e = run_torch(n, warmup, TOKENS, "torch DataLoader e2e (load + map)",
                               dataset=E2EDataset(n))
     peers = [name for name in ("grain", "spdl") if importlib.util.find_spec(name)]
+    resume = {chain: run_resume(chain) for chain in ("cursor", "shuffle")}
 
     gib = float(1 << 30)
     print(f"{'row':<34} {'first batch':>12} {'GiB/s':>8} {'items/s':>10}")
@@ -221,6 +239,9 @@ def main(argv=None) -> int:
         first = f"{row.first_s:.3f} s" if row.first_s == row.first_s else ""
         print(f"{row.name:<34} {first:>12} {row.bytes_per_s / gib:>8.2f} "
               f"{row.items_per_s:>10.0f}")
+    for chain, (restored, fresh) in resume.items():
+        print(f"{'zephon resume at 90%, ' + chain:<34} {restored:>10.3f} s   "
+              f"(fresh start {fresh:.3f} s)")
     if not have_torch:
         print("torch is not installed (pip install -e '.[torch]'): zephon rows only")
     for name in ("grain", "spdl"):
@@ -237,6 +258,8 @@ def main(argv=None) -> int:
             ("e2e_throughput_ratio", e2e.bytes_per_s / torch_e2e.bytes_per_s),
             ("e2e_first_batch_ratio", e2e.first_s / torch_e2e.first_s),
         ]
+    pairs += [(f"resume_{chain}_vs_fresh_first_batch", restored / fresh)
+              for chain, (restored, fresh) in resume.items()]
     print(" ".join(f"{k}={v:.3f}" for k, v in pairs))
     return 0
 
