@@ -606,7 +606,8 @@ class WorkerPool:
         return task_id
 
     def get(self, timeout: float | None = None) -> TaskResult:
-        """The next result from any worker (see the module docstring for what it raises)."""
+        """The next result from any worker, in completion order (``task_id`` says which
+        submitted task it answers; see the module docstring for what it raises)."""
         if not self._started or self._closed:
             raise TransportError(f"pool {self.name!r} is not running")
         self._ensure_ready()
