@@ -57,5 +57,5 @@ def test_demo_resumes_identically(tmp_path):
     out = run_cli("demo", env={**__import__("os").environ, "ZEPHON_CACHE_DIR": str(tmp_path)})
     assert out.returncode == 0, out.stdout + out.stderr
     assert "resumed stream identical to the uninterrupted one" in out.stdout
-    assert "stage 0: runner=process workers=2" in out.stdout
+    assert "runner=process, workers=2 (per_stage_fixed" in out.stdout
     assert (tmp_path / "demo-tokens-v1.u16").stat().st_size == (8 << 20) * 2
