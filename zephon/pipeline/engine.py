@@ -47,13 +47,12 @@ completion order (throughput over order; checkpoints are then best effort).
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Iterator
 
 from zephon.errors import CheckpointError
 
-from zephon.kernels import LaneRoundRobin, ReorderBuffer
+from zephon.kernels import LaneRoundRobin
 from zephon.options import (
     resolve_canonical_replicas, resolve_dp_degree, resolve_dp_group_id,
     resolve_flush_every_k_chunks, resolve_mapping_strategy, resolve_mtp_buffer,
@@ -61,6 +60,7 @@ from zephon.options import (
     resolve_prefetch_batches,
     resolve_stage_prefetch, resolve_stage_workers,
 )
+from zephon.pipeline.dispatch import ordered_map
 from zephon.pipeline.lanes import lane_length, lane_units, owned_lanes
 from zephon.pipeline.ops import Batch, Boundary
 from zephon.pipeline.program import StageProgram
@@ -215,73 +215,6 @@ def _workers_why(opts, runner: str, parallelism: int, workers: int) -> str:
     if mode == "per_stage_fixed":
         return f"per_stage_fixed: max_workers={workers}"
     return f"global: share of max_workers={cap if cap is not None else 'auto'} by parallelism"
-
-
-def ordered_map(executor, stage: Stage, upstream: Iterator, lane: int,
-                deterministic: bool, stats=None) -> Iterator:
-    depth, item_cap = stage.depth, stage.item_cap
-    window = 2 * depth * max(1, stage.workers) + 8
-    buffer = ReorderBuffer(window)
-    # New sequence numbers one pull may take: a marker plus a unit's parts.
-    per_pull = 1 + (stage.workers if stage.split else 1)
-    seq = inflight = items = 0
-    sizes: dict[int, int] = {}
-    sent: dict[int, float] = {}
-    node = f"stage{stage.index}"
-    exhausted = False
-    # An inline executor runs a unit when it is submitted: hand over what is ready first,
-    # so that nothing is read before it is needed.
-    eager = stage.runner != "inline"
-    while True:
-        if not eager:
-            for out in buffer.pop_ready():
-                yield out
-        # At most `depth` units and `op_queue_capacity` items in flight (always at least
-        # one), and never further ahead of the oldest unfinished unit than the reorder
-        # window: a slow head-of-line unit must stall the lookahead, not let finished
-        # results pile up behind it without bound.
-        while not exhausted and inflight < depth and (inflight == 0 or items < item_cap) \
-                and seq + per_pull - buffer.cursor <= window:
-            try:
-                unit = next(upstream)
-            except StopIteration:
-                exhausted = True
-                break
-            if unit is None:  # a placeholder of an earlier non-deterministic stage
-                continue
-            if isinstance(unit, Boundary):
-                buffer.push(seq, unit)
-                seq += 1
-                continue
-            parts = [unit]
-            if stage.split and len(unit) > stage.workers > 1:
-                size = math.ceil(len(unit) / stage.workers)
-                parts = [unit[i:i + size] for i in range(0, len(unit), size)]
-            for part in parts:
-                if stats is not None:
-                    stats.submitted(node, len(part))
-                    sent[seq] = time.perf_counter()
-                executor.submit(lane, seq, (stage.index, part))
-                sizes[seq] = len(part)
-                items += len(part)
-                seq += 1
-                inflight += 1
-        for out in buffer.pop_ready():
-            yield out
-        if inflight == 0:
-            if exhausted:
-                return
-            continue
-        done_seq, result = executor.get(lane)
-        inflight -= 1
-        items -= sizes.pop(done_seq)
-        if stats is not None:
-            stats.completed(node, len(result), time.perf_counter() - sent.pop(done_seq))
-        if deterministic:
-            buffer.push(done_seq, result)
-        else:
-            yield result
-            buffer.push(done_seq, None)  # keeps markers in place; None is skipped below
 
 
 def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
