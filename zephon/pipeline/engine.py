@@ -61,8 +61,8 @@ from zephon.options import (
     resolve_stage_prefetch, resolve_stage_workers,
 )
 from zephon.pipeline.dispatch import ordered_map
-from zephon.pipeline.lanes import lane_length, lane_units, owned_lanes
-from zephon.pipeline.ops import Batch, Boundary
+from zephon.pipeline.lanes import batched_units, lane_length, lane_units, owned_lanes
+from zephon.pipeline.ops import Batch, BatchOp, Boundary, MapOp
 from zephon.pipeline.program import StageProgram
 from zephon.pipeline.stats import RunStats
 from zephon.runners import InlineExecutor, ProcessExecutor, ThreadExecutor
@@ -91,6 +91,7 @@ class Stage:
         self.workers, self.depth, self.split = workers, depth, split
         self.item_cap = item_cap
         self.workers_why = workers_why
+        self.collates = False  # a fused batch: each unit is one micro-batch, collated here
 
 
 class Plan:
@@ -130,6 +131,7 @@ class Plan:
             self.stages.append(Stage(i, ops, runner, workers, depth, split,
                                      resolve_op_queue_capacity(opts),
                                      _workers_why(opts, runner, parallelism[i], workers)))
+        self.fused_batch = self._fuse_batch(opts)
         preserves = all(op.preserves_cursor_order for op in pipeline.ops)
         #: cursor resume (restore reads on after the last delivered sample) when every op
         #: preserves cursor order; replay from flush boundaries otherwise
@@ -141,6 +143,25 @@ class Plan:
         self.mapping = resolve_mapping_strategy(opts)
         self.owned = owned_lanes(self.lanes, self.dp, self.group, self.mapping)
         self.prefetch = resolve_prefetch_batches(opts)
+
+    def _fuse_batch(self, opts):
+        """``read -> map* -> batch(b)``: the batch is formed where its samples are read.
+
+        When the first stage only reads and maps (1:1: no filter, so which samples make a
+        batch is known before they are read) and a ``batch`` follows it, the lane is cut
+        into units of exactly one micro-batch and the stage collates each unit itself: the
+        batch crosses from a worker as one message, and the consumer's process does not
+        copy it again. The stream is the same (see :func:`~zephon.pipeline.lanes.batched_units`)."""
+        if len(self.steps) < 2 or self.steps[0] != ("stage", 0) or not opts.deterministic:
+            return None
+        kind, op = self.steps[1]
+        stage = self.stages[0]
+        if kind != "serial" or not isinstance(op, BatchOp) or \
+                not all(type(o) is MapOp for o in stage.ops):
+            return None
+        del self.steps[1]
+        stage.collates, stage.split = True, False
+        return op
 
     @property
     def runners(self) -> set[str]:
@@ -186,6 +207,9 @@ class Plan:
             if kind == "stage":
                 s = self.stages[what]
                 ops = ", ".join(f"{op.name}[parallelism={op.parallelism}]" for op in s.ops)
+                if s.collates:
+                    ops += (", " if ops else "") + \
+                        f"{self.fused_batch.describe()} (collated in the stage)"
                 reads = "read" + (", " if ops else "") if s.index == 0 else ""
                 lines.append(
                     f"  stage {s.index}: {reads}{ops}: runner={s.runner}, "
@@ -257,7 +281,8 @@ class Engine:
         p, o = plan.pipeline, plan.opts
         mode = str(o.execution_tracking)
         self.stats = None if mode == "off" else RunStats(mode, o.metrics_sink_config)
-        program = StageProgram(p.source, [s.ops for s in plan.stages], p.seed)
+        program = StageProgram(p.source, [s.ops for s in plan.stages], p.seed,
+                               [s.collates for s in plan.stages])
         self.executors = {}
         try:
             for stage in plan.stages:
@@ -325,6 +350,8 @@ class Engine:
 
     def _chain(self, it: Iterator, lane: int) -> Iterator:
         plan, stats = self.plan, self.stats
+        if plan.fused_batch is not None:
+            it = batched_units(it, plan.fused_batch.size, plan.fused_batch.drop_last)
         for step_no, (kind, what) in enumerate(plan.steps):
             if kind == "stage":
                 it = ordered_map(self.executors[what], plan.stages[what], it, lane,

@@ -34,7 +34,7 @@ import numpy as np
 from zephon.pipeline.ops import Boundary
 
 __all__ = ["ReadUnit", "epoch_order", "lane_units", "owned_lanes", "lane_chunk_count",
-           "lane_length"]
+           "lane_length", "batched_units"]
 
 
 class ReadUnit:
@@ -107,6 +107,47 @@ def lane_units(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int, la
             yield ReadUnit(epoch, k * chunk_size + offset, indices)
             offset = 0
         epoch, k0, offset = epoch + 1, 0, 0
+
+
+def batched_units(units: Iterator, size: int, drop_last: bool) -> Iterator:
+    """Regroup a lane's read units into units of exactly ``size`` samples, each one
+    micro-batch: within a segment (between Boundary markers) consecutive samples fill
+    batches in order; the remainder before a marker, or at the end, is a partial batch
+    (dropped with ``drop_last``). Exactly the batches a ``batch(size, drop_last)``
+    accumulator forms from a 1:1 stream, cut before the samples are read, so that a
+    worker can read, map and collate a whole batch."""
+    parts: list = []
+    held = 0
+
+    def flush():
+        nonlocal parts, held
+        unit = None
+        if parts and not (drop_last and held < size):
+            first = parts[0]
+            indices = first.indices if len(parts) == 1 else \
+                np.concatenate([p.indices for p in parts])
+            unit = ReadUnit(first.epoch, first.start, indices)
+        parts, held = [], 0
+        return unit
+
+    for unit in units:
+        if isinstance(unit, Boundary):
+            out = flush()
+            if out is not None:
+                yield out
+            yield unit
+            continue
+        offset = 0
+        while offset < len(unit):
+            take = min(size - held, len(unit) - offset)
+            parts.append(unit[offset:offset + take])
+            held += take
+            offset += take
+            if held == size:
+                yield flush()
+    out = flush()
+    if out is not None:
+        yield out
 
 
 def owned_lanes(lanes: int, groups: int, group: int, strategy: str) -> list[int]:

@@ -36,7 +36,8 @@ import numpy as np
 from zephon.errors import ZephonConfigError, ZephonError
 
 __all__ = ["Record", "Boundary", "Batch", "OpContext", "OpError", "Op", "MapOp", "FilterOp",
-           "MapBatchOp", "ShuffleOp", "BatchOp", "PackTokensOp", "collate", "fn_name"]
+           "MapBatchOp", "ShuffleOp", "BatchOp", "PackTokensOp", "collate", "fn_name",
+           "make_batch"]
 
 
 class Record:
@@ -269,6 +270,14 @@ def collate(values: list) -> dict:
     return out
 
 
+def make_batch(records: list) -> Record:
+    """One :class:`Batch` record of ``records`` (their values collated, their sample ids in
+    ``meta["sample_ids"]``); it ends where the last record ends."""
+    ids = [i for r in records for i in r.ids]
+    return Record(Batch(collate([r.value for r in records]), meta={"sample_ids": ids}), ids,
+                  records[-1].pos)
+
+
 class BatchOp(Op):
     kind = "batch"
     stateless = False
@@ -291,9 +300,7 @@ class _BatchState:
         self.size, self.drop_last, self.buf = size, drop_last, []
 
     def _make(self, records: list) -> Record:
-        ids = [i for r in records for i in r.ids]
-        return Record(Batch(collate([r.value for r in records]), meta={"sample_ids": ids}), ids,
-                      records[-1].pos)
+        return make_batch(records)
 
     def push(self, records: list) -> list:
         out = []

@@ -4,7 +4,10 @@ A :class:`StageProgram` holds the source, the stateless ops of every parallel
 stage and the seed; it is pickled once per worker process. ``program((stage,
 unit))`` returns the unit's output records: stage 0 reads a
 :class:`~zephon.pipeline.lanes.ReadUnit` from the source first (each record
-carries its sample identity and its lane position). A failure in a user op is an
+carries its sample identity and its lane position). A stage that collates
+(a ``batch`` fused into the stage that reads and maps its samples) returns one
+:class:`~zephon.pipeline.ops.Batch` record per unit: the unit is exactly one
+micro-batch. A failure in a user op is an
 :class:`~zephon.pipeline.ops.OpError` naming the op and the sample; a failure
 reading the source names the sample likewise.
 """
@@ -13,14 +16,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from zephon.pipeline.ops import OpError, Record
+from zephon.pipeline.ops import OpError, Record, make_batch
 
 __all__ = ["StageProgram"]
 
 
 class StageProgram:
-    def __init__(self, source, stages: list[list], seed: int) -> None:
+    """``(stage, unit) -> records``: read (stage 0), the stage's ops, and for a stage that
+    collates (a fused ``batch``) one batch of the unit's records."""
+
+    def __init__(self, source, stages: list[list], seed: int,
+                 collates: list[bool] | None = None) -> None:
         self.source, self.stages, self.seed = source, stages, seed
+        self.collates = collates or [False] * len(stages)
 
     def read(self, unit) -> list:
         source, out = self.source, []
@@ -42,4 +50,6 @@ class StageProgram:
         records = self.read(unit) if stage == 0 else unit
         for op in self.stages[stage]:
             records = op.apply(records, self.seed)
+        if self.collates[stage] and records:
+            return [make_batch(records)]
         return records
