@@ -16,8 +16,14 @@ touched). Rows:
 - small items: 4 KiB items; zephon sends 256 items per message, torch one
   item per ``__getitem__`` (its own unit of work);
 - e2e: a ``Pipeline`` over ``from_callable`` producing the 4 MiB samples, then
-  ``map(add_one)``, process runner with 2 workers, ``deterministic=True``,
-  against the DataLoader over a map-style dataset doing the same load and map.
+  ``map(add_one, parallelism=2)`` with **default options** (auto runner: process,
+  2 workers; chunk_size 64; shuffle on), against the DataLoader over a
+  map-style dataset doing the same load and map; a row with a hand-tuned
+  ``chunk_size=2`` beside it, and one with a single worker;
+- sizes: the same e2e at 64 KiB, 1 MiB, 16 MiB and 64 MiB items, default options,
+  against the DataLoader;
+- batched: 4 KiB samples, ``map -> batch(256)`` (default options) against
+  ``DataLoader(batch_size=256)`` collating the same samples;
 
 - resume: the first batch after restoring a state taken at 90 % of an epoch, vs a
   fresh start of the same pipeline (the 200,000-sample pipelines of
@@ -172,15 +178,78 @@ def run_zephon_small(n_items: int, warmup_msgs: int) -> Row:
     return row
 
 
-def run_pipeline(n: int, warmup: int) -> Row:
-    from zephon import Pipeline, RuntimeOptions, sources
+class SizedSamples:
+    """``load(i)``: a sample of ``elements`` int64 (picklable, module level)."""
 
-    pipe = (Pipeline(sources.from_callable(n, make_batch), shuffle=False, chunk_size=2)
-            .map(add_one, parallelism=2)
-            .options(RuntimeOptions(runner="process", max_workers=2, deterministic=True)))
+    def __init__(self, elements: int) -> None:
+        self.elements = elements
+
+    def __call__(self, i: int) -> dict:
+        return {"tokens": _base_array(self.elements) + i, "seq": i}
+
+
+class SizedDataset:
+    """The DataLoader's side of a sized e2e row: the same load and map per item."""
+
+    def __init__(self, n: int, elements: int) -> None:
+        self.n, self.load = n, SizedSamples(elements)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        return add_one(self.load(i))
+
+
+def check_sample(item) -> None:
+    tokens = item["tokens"]
+    assert int(tokens.reshape(-1)[1]) >= 1
+
+
+def run_pipeline(n: int, warmup: int, elements: int = TOKENS, name: str | None = None,
+                 chunk_size: int | None = None, workers: int = 2) -> Row:
+    """A ``from_callable -> map`` pipeline with default options (only ``parallelism`` on
+    the map, as a user writes it); ``chunk_size`` to compare with a hand-tuned one."""
+    from zephon import Pipeline, sources
+
+    extra = {} if chunk_size is None else {"chunk_size": chunk_size}
+    pipe = (Pipeline(sources.from_callable(n, SizedSamples(elements)), **extra)
+            .map(add_one, parallelism=workers))
+    if workers == 1:  # one worker would run inline (in this process): ask for a process
+        from zephon import RuntimeOptions
+
+        pipe = pipe.options(RuntimeOptions(runner="process"))
+    label = name or f"zephon e2e, {_size(elements * 8)}, defaults"
     t0 = time.perf_counter()
-    return timed(Row("zephon Pipeline e2e (process, 2)"), pipe, t0, warmup, TOKENS * 8,
-                 check_batch)
+    return timed(Row(label), pipe, t0, warmup, elements * 8, check_sample)
+
+
+def run_pipeline_batched(n_items: int, batch: int = 256) -> Row:
+    from zephon import Pipeline, sources
+
+    pipe = (Pipeline(sources.from_callable(n_items, SizedSamples(SMALL)))
+            .map(add_one, parallelism=2).batch(batch))
+    t0 = time.perf_counter()
+    row = timed(Row(f"zephon 4 KiB, batch({batch}), defaults"), pipe, t0, 4,
+                SMALL * 8 * batch, check_sample)
+    row.items_per_s *= batch  # samples per second
+    return row
+
+
+def run_torch_batched(n_items: int, batch: int = 256) -> Row:
+    import torch.utils.data as tud
+
+    loader = tud.DataLoader(SizedDataset(n_items, SMALL), num_workers=2, batch_size=batch,
+                            multiprocessing_context="spawn")
+    t0 = time.perf_counter()
+    row = timed(Row(f"torch 4 KiB, batch_size={batch}"), loader, t0, 4, SMALL * 8 * batch,
+                check_sample)
+    row.items_per_s *= batch
+    return row
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def run_torch(n: int, warmup: int, elements: int, name: str, dataset=None) -> Row:
@@ -219,21 +288,42 @@ def main(argv=None) -> int:
     zephon = run_zephon(n, warmup)
     zephon_small = run_zephon_small(n_small, 2)
     e2e = run_pipeline(n, warmup)
+    e2e_tuned = run_pipeline(n, warmup, name="zephon e2e, 4 MiB, chunk_size=2", chunk_size=2)
+    e2e_one = run_pipeline(n, warmup, name="zephon e2e, 4 MiB, 1 process worker",
+                           workers=1)
+    # (item bytes, items per row): about 1.5 GiB per row (less in --quick)
+    sizes = [(64 << 10, 24_000), (1 << 20, 1_600), (16 << 20, 96), (64 << 20, 24)]
+    if args.quick:
+        sizes = [(nbytes, max(12, count // 8)) for nbytes, count in sizes]
+    sized = [(nbytes, run_pipeline(count, max(2, count // 10), nbytes // 8))
+             for nbytes, count in sizes]
+    batched_items = 51_200 if not args.quick else 12_800
+    batched = run_pipeline_batched(batched_items)
     have_torch = importlib.util.find_spec("torch") is not None
-    torch_row = torch_small = torch_e2e = None
+    torch_row = torch_small = torch_e2e = torch_batched = None
+    torch_sized: list = []
     if have_torch:
         torch_row = run_torch(n, warmup, TOKENS, "torch DataLoader")
         torch_small = run_torch(n_small, max(50, n_small // 20), SMALL,
                                 "torch DataLoader, 4 KiB items")
         torch_e2e = run_torch(n, warmup, TOKENS, "torch DataLoader e2e (load + map)",
                               dataset=E2EDataset(n))
+        torch_sized = [run_torch(count, max(2, count // 10), nbytes // 8,
+                                 f"torch e2e, {_size(nbytes)}",
+                                 dataset=SizedDataset(count, nbytes // 8))
+                       for nbytes, count in sizes]
+        torch_batched = run_torch_batched(batched_items)
     peers = [name for name in ("grain", "spdl") if importlib.util.find_spec(name)]
     resume = {chain: run_resume(chain) for chain in ("cursor", "shuffle")}
 
     gib = float(1 << 30)
     print(f"{'row':<34} {'first batch':>12} {'GiB/s':>8} {'items/s':>10}")
     print(f"{'np.copyto 256 MiB (DRAM)':<34} {'':>12} {copy_bps / gib:>8.2f} {'':>10}")
-    for row in (zephon, torch_row, zephon_small, torch_small, e2e, torch_e2e):
+    rows = [zephon, torch_row, zephon_small, torch_small, e2e, e2e_tuned, e2e_one, torch_e2e]
+    for k, (_, row) in enumerate(sized):
+        rows += [row, torch_sized[k] if torch_sized else None]
+    rows += [batched, torch_batched]
+    for row in rows:
         if row is None:
             continue
         first = f"{row.first_s:.3f} s" if row.first_s == row.first_s else ""
@@ -248,7 +338,9 @@ def main(argv=None) -> int:
         if name not in peers:
             print(f"{name} is not installed: no {name} row")
 
-    pairs = [("memcpy_fraction", zephon.bytes_per_s / copy_bps)]
+    pairs = [("memcpy_fraction", zephon.bytes_per_s / copy_bps),
+             ("default_vs_tuned_chunk_4mib", e2e.bytes_per_s / e2e_tuned.bytes_per_s),
+             ("two_vs_one_worker_4mib", e2e.bytes_per_s / e2e_one.bytes_per_s)]
     if have_torch:
         pairs = [
             ("throughput_ratio", zephon.bytes_per_s / torch_row.bytes_per_s),
@@ -257,7 +349,11 @@ def main(argv=None) -> int:
             ("small_batch_ratio", zephon_small.items_per_s / torch_small.items_per_s),
             ("e2e_throughput_ratio", e2e.bytes_per_s / torch_e2e.bytes_per_s),
             ("e2e_first_batch_ratio", e2e.first_s / torch_e2e.first_s),
-        ]
+        ] + pairs[1:]
+        pairs += [(f"e2e_{_size(nbytes).replace(' ', '').lower()}_vs_torch",
+                   row.bytes_per_s / torch_sized[k].bytes_per_s)
+                  for k, (nbytes, row) in enumerate(sized)]
+        pairs.append(("batch256_4kib_vs_torch", batched.items_per_s / torch_batched.items_per_s))
     pairs += [(f"resume_{chain}_vs_fresh_first_batch", restored / fresh)
               for chain, (restored, fresh) in resume.items()]
     print(" ".join(f"{k}={v:.3f}" for k, v in pairs))
