@@ -214,3 +214,19 @@ def test_mtp_prefetch_thread_runs_at_low_priority():
         assert os.getpriority(os.PRIO_PROCESS, tid) >= expected
     finally:
         pipe.close()
+
+
+def test_pipelines_dropped_mid_stream_release_their_workers_at_once():
+    import multiprocessing
+
+    gc.disable()  # reference counting alone, as in a loop that rebuilds its pipeline
+    try:
+        for _ in range(6):
+            pipe = base(60).options(RuntimeOptions(runner="process", max_workers=2))
+            it = iter(pipe)
+            next(it)
+            # every earlier pipeline's workers are gone already: at most this one's two
+            assert len(multiprocessing.active_children()) <= 2
+            del pipe, it
+    finally:
+        gc.enable()
