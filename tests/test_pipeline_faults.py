@@ -230,3 +230,16 @@ def test_pipelines_dropped_mid_stream_release_their_workers_at_once():
             del pipe, it
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("runner", ["threads", "process"])
+def test_closing_a_half_consumed_run_stops_its_pump(runner):
+    pipe = Pipeline(sources.from_callable(10_000, F.make_sample), chunk_size=8) \
+        .map(F.double, parallelism=2).batch(4).options(RuntimeOptions(runner=runner,
+                                                                       max_workers=2))
+    it = iter(pipe)
+    for _ in range(5):
+        next(it)
+    pump = it.thread
+    it.close()
+    assert not pump.is_alive()  # not left blocked on work the close cancelled

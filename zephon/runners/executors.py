@@ -70,10 +70,19 @@ class ThreadExecutor:
         return seq, future.result()
 
     def close(self) -> None:
-        for pending in self._pending.values():
-            for future in pending:
+        # No new work from here on; queued work is cancelled.
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for pending in list(self._pending.values()):
+            for future in list(pending):
+                # A cancelled future does not wake a get() blocked in concurrent.futures.wait
+                # on it (from the pump thread) until the cancellation is announced.
                 future.cancel()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+                if future.cancelled():
+                    try:
+                        future.set_running_or_notify_cancel()
+                    except RuntimeError:
+                        pass  # already announced
+        self.pool.shutdown(wait=True)
 
 
 class ProcessExecutor:
