@@ -126,3 +126,4 @@ def test_a_script_without_the_main_guard_is_told_how_to_fix_it(tmp_path):
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert "re-ran" in last and 'if __name__ == "__main__":' in last, proc.stderr
+    assert proc.stderr.count("if __name__") == 1  # said once, by the parent

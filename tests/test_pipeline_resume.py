@@ -171,13 +171,104 @@ def test_crafted_header_fields_are_checkpoint_errors(field, value):
         cursor_chain().restore(_crafted(state, **{field: value}))
 
 
-def test_a_replay_count_beyond_the_segment_is_an_error_not_an_empty_stream():
+def test_a_replay_count_beyond_the_segment_is_refused_at_restore():
     pipe = replay_chain()
     state = _state_of(pipe)
     (lane, entry), = state["lanes"].items()
     entry = list(entry)
     entry[2] = entry[3] = 10 ** 6  # claims a million items delivered from one segment
-    again = replay_chain()
+    with pytest.raises(CheckpointError, match="items"):
+        replay_chain().restore(_crafted(state, lanes={lane: entry}))
+
+
+def test_a_packer_replay_count_beyond_the_segment_is_an_error_not_an_empty_stream():
+    # a packer may cut many rows from one sample: no static bound, the replay finds out
+    def packed():
+        return Pipeline(sources.from_callable(N, F.counted_sample), seed=3, chunk_size=CHUNK) \
+            .pack_tokens(4).batch(2).options(RuntimeOptions(runner="inline"))
+
+    it = iter(packed())
+    for _ in range(5):
+        next(it)
+    state = decode_state(it.checkpoint())
+    it.close()
+    (lane, entry), = state["lanes"].items()
+    entry = [entry[0], entry[1], 10 ** 6, 10 ** 6]
+    again = packed()
     again.restore(_crafted(state, lanes={lane: entry}))
     with pytest.raises(CheckpointError, match="replaying it produced only"):
         list(again)
+
+
+@pytest.mark.parametrize("key", ["01", "\u00b2", "\uff11", " 1", "1 "])
+def test_lane_ids_must_be_canonical_ascii_numbers(key):
+    state = _state_of(cursor_chain(canonical_replicas=2))
+    entry = next(iter(state["lanes"].values()))
+    with pytest.raises(CheckpointError, match="lane id"):
+        cursor_chain(canonical_replicas=2).restore(_crafted(state, lanes={key: entry}))
+
+
+def test_replay_entries_off_a_flush_boundary_or_with_nothing_delivered_are_refused():
+    state = _state_of(replay_chain(), k=40)
+    (lane, entry), = state["lanes"].items()
+    for bad in ([entry[0], 3, entry[2], entry[3]], [entry[0], entry[1], 0, entry[3]]):
+        with pytest.raises(CheckpointError):
+            replay_chain().restore(_crafted(state, lanes={lane: bad}))
+
+
+def test_restore_before_iter_is_what_checkpoint_returns_and_survives_an_ended_run():
+    reference = ids(cursor_chain())
+    head, it = take(cursor_chain(), 3)
+    state = it.checkpoint()
+    it.close()
+    pipe = cursor_chain()
+    pipe.restore(state)
+    assert decode_state(pipe.checkpoint())["lanes"] == decode_state(state)["lanes"]
+    done = iter(pipe)
+    rest = ids(done)  # this run ends; `done` is still referenced
+    assert head + rest == reference
+    pipe.restore(state)  # no run is going: the next iter() starts there
+    assert ids(pipe) == rest
+
+
+def test_a_second_iterator_does_not_end_the_first():
+    pipe = cursor_chain()
+    reference = ids(pipe)
+    got = []
+    for step, batch in enumerate(pipe):
+        got.append(batch["id"].tolist())
+        if step == 3:
+            assert next(iter(pipe))["id"].tolist() == reference[0]  # a peek: its own run
+    assert got == reference
+
+
+def _keep_mod(s, m):
+    return s["id"] % m != 0
+
+
+def test_fingerprints_tell_partials_and_lambdas_apart_and_are_stable_across_processes():
+    import functools
+    import subprocess
+    import sys
+
+    def build(fn):
+        return Pipeline(sources.from_callable(10, F.make_sample)).filter(fn).batch(2)
+
+    two, three = build(functools.partial(_keep_mod, m=2)), build(functools.partial(_keep_mod, m=3))
+    assert two.fingerprint() != three.fingerprint()
+    assert build(lambda s: True).fingerprint() != build(lambda s: False).fingerprint()
+    it = iter(two)
+    next(it)
+    state = it.checkpoint()
+    it.close()
+    with pytest.raises(CheckpointError, match="different pipeline"):
+        three.restore(state)
+    code = ("import sys, functools; sys.path.insert(0, {tests!r}); import test_pipeline_resume as T;"
+            "import _pipeline_fns as F; from zephon import Pipeline, sources;"
+            "print(Pipeline(sources.from_callable(10, F.make_sample))"
+            ".filter(functools.partial(T._keep_mod, m=2)).batch(2).fingerprint())")
+    import os
+
+    out = subprocess.run([sys.executable, "-c", code.format(tests=os.path.dirname(__file__))],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == two.fingerprint(), out.stderr

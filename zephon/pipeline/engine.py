@@ -55,14 +55,15 @@ from zephon.errors import CheckpointError
 from zephon.kernels import LaneRoundRobin
 from zephon.options import (
     resolve_canonical_replicas, resolve_dp_degree, resolve_dp_group_id,
-    resolve_flush_every_k_chunks, resolve_mapping_strategy, resolve_mtp_buffer,
+    resolve_flush_every_k_chunks, resolve_mapping_strategy, resolve_max_workers,
+    resolve_mtp_buffer,
     resolve_op_queue_capacity,
     resolve_prefetch_batches,
     resolve_stage_prefetch, resolve_stage_workers,
 )
 from zephon.pipeline.dispatch import ordered_map
 from zephon.pipeline.lanes import batched_units, lane_length, lane_units, owned_lanes
-from zephon.pipeline.ops import Batch, BatchOp, Boundary, MapOp
+from zephon.pipeline.ops import Batch, BatchOp, Boundary, MapOp, PackTokensOp
 from zephon.pipeline.program import StageProgram
 from zephon.pipeline.stats import RunStats
 from zephon.runners import InlineExecutor, ProcessExecutor, ThreadExecutor
@@ -132,6 +133,9 @@ class Plan:
                                      resolve_op_queue_capacity(opts),
                                      _workers_why(opts, runner, parallelism[i], workers)))
         self.fused_batch = self._fuse_batch(opts)
+        #: an op may give more items than it reads samples (a packer): no static bound on
+        #: the items of a segment
+        self.expands = any(isinstance(op, PackTokensOp) for op in pipeline.ops)
         preserves = all(op.preserves_cursor_order for op in pipeline.ops)
         #: cursor resume (restore reads on after the last delivered sample) when every op
         #: preserves cursor order; replay from flush boundaries otherwise
@@ -236,9 +240,14 @@ def _workers_why(opts, runner: str, parallelism: int, workers: int) -> str:
             why += (f"; max_workers={cap} is only a cap here: raise the ops' parallelism or "
                     "use worker_allocation='per_stage_fixed'")
         return why
+    total = resolve_max_workers(opts)
+    shown = f"max_workers={total}" + (" (auto: cpu_count clamped to [4, 16])"
+                                      if cap is None else "")
     if mode == "per_stage_fixed":
-        return f"per_stage_fixed: max_workers={workers}"
-    return f"global: share of max_workers={cap if cap is not None else 'auto'} by parallelism"
+        return f"per_stage_fixed: {shown}"
+    return (f"global: this stage's share of {shown}, by op parallelism {parallelism}; "
+            "every stage gets at least 1, so with more stages than workers the total is "
+            "larger")
 
 
 def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,

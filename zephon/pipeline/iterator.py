@@ -70,14 +70,13 @@ atexit.register(_close_live_iterators)
 
 
 class RunRecord:
-    """What a pipeline remembers of its latest run: delivered lane states, the checkpoint
-    round counter (multi-rank exchanges), the statistics and the MTP final state."""
+    """What a pipeline remembers of a run: delivered lane states, the statistics and the
+    MTP final state."""
 
-    __slots__ = ("states", "rounds", "final_state", "stats")
+    __slots__ = ("states", "final_state", "stats")
 
     def __init__(self, states: dict | None = None) -> None:
         self.states: dict[int, tuple] = dict(states or {})
-        self.rounds = 0
         self.final_state: bytes | None = None
         self.stats = None
 
@@ -235,8 +234,7 @@ class PipelineIterator:
         from zephon.checkpoint import exchange_state
 
         local = local_state(self.plan, self.pipeline.fingerprint(), self.record.states)
-        self.record.rounds += 1
-        return exchange_state(local, self.plan.opts, self.record.rounds)
+        return exchange_state(local, self.plan.opts, self.pipeline._next_round())
 
     def restore(self, state: bytes) -> None:
         """Continue exactly after the last item delivered when ``state`` was taken: the

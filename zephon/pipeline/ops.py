@@ -27,7 +27,9 @@ function taking two arguments receives ``ctx`` as the second.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import types
 import zlib
 from typing import Any, Callable, NamedTuple
 
@@ -114,6 +116,71 @@ def fn_name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
+def stable_repr(value: Any, depth: int = 0) -> str:
+    """A description of a plain value that is the same in every process and run: numbers,
+    strings, bytes, None, and lists/tuples/dicts/sets of them; anything else is named by
+    its type (never by a memory address)."""
+    if depth > 4:
+        return "..."
+    if value is None or isinstance(value, (bool, int, float, complex, str)):
+        return repr(value)
+    if isinstance(value, (bytes, bytearray)):
+        return repr(bytes(value[:64])) + (f"+{len(value) - 64}" if len(value) > 64 else "")
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(stable_repr(v, depth + 1) for v in value[:32])
+        return f"{type(value).__name__}[{inner}{', ...' if len(value) > 32 else ''}]"
+    if isinstance(value, (set, frozenset)):
+        return "set[" + ", ".join(sorted(stable_repr(v, depth + 1) for v in value)) + "]"
+    if isinstance(value, dict):
+        items = sorted((stable_repr(k, depth + 1), stable_repr(v, depth + 1))
+                       for k, v in list(value.items())[:64])
+        return "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
+    if isinstance(value, np.ndarray):
+        return f"ndarray({value.dtype.str}, {value.shape}, {zlib.crc32(value.tobytes()):08x})"
+    if callable(value):
+        return fn_identity(value, depth + 1)
+    return type(value).__qualname__
+
+
+def fn_identity(fn: Any, depth: int = 0) -> str:
+    """What defines a user callable, for the pipeline fingerprint: its module and qualified
+    name; for a ``functools.partial`` also its function and arguments; for a lambda or a
+    nested function also a hash of its code and constants (two lambdas differ); for a
+    callable object also its attributes. Stable across processes and runs."""
+    if isinstance(fn, functools.partial):
+        args = ", ".join(stable_repr(a, depth + 1) for a in fn.args)
+        kwargs = ", ".join(f"{k}={stable_repr(v, depth + 1)}"
+                           for k, v in sorted(fn.keywords.items()))
+        return f"partial({fn_identity(fn.func, depth + 1)}; {args}; {kwargs})"
+    module = getattr(fn, "__module__", None) or "?"
+    if isinstance(fn, (types.FunctionType, types.MethodType)):
+        code = getattr(fn, "__code__", None)
+        name = f"{module}.{fn.__qualname__}"
+        if code is not None and ("<lambda>" in fn.__qualname__ or "<locals>" in fn.__qualname__):
+            blob = code.co_code + stable_repr(code.co_consts).encode() + \
+                stable_repr(code.co_names).encode()
+            closure = [c.cell_contents for c in (fn.__closure__ or ()) if _cell_ok(c)]
+            name += f"#{zlib.crc32(blob):08x}" + (f"({stable_repr(closure, depth + 1)})"
+                                                   if closure else "")
+        if isinstance(fn, types.MethodType):
+            name += f" of {stable_repr(fn.__self__, depth + 1)}"
+        return name
+    if isinstance(fn, types.BuiltinFunctionType):
+        return f"{module}.{fn.__qualname__}"
+    cls = type(fn)
+    state = getattr(fn, "__dict__", None)
+    shown = f"({stable_repr(state, depth + 1)})" if state else ""
+    return f"{cls.__module__}.{cls.__qualname__}{shown}"
+
+
+def _cell_ok(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
 def _wants_ctx(fn: Callable) -> bool:
     try:
         params = [p for p in inspect.signature(fn).parameters.values()
@@ -158,7 +225,7 @@ class MapOp(Op):
         return f"{self.kind}({fn_name(self.fn)})"
 
     def describe(self) -> str:
-        return f"{self.name}@{getattr(self.fn, '__module__', '?')}"
+        return f"{self.kind}({fn_identity(self.fn)})"
 
     def apply(self, records: list, seed: int) -> list:
         fn, out = self.fn, []

@@ -7,22 +7,20 @@ definition can run with several option sets. ``iter(pipe)`` starts a run and
 returns a :class:`~zephon.pipeline.iterator.PipelineIterator`, which owns it:
 its checkpoint, restore and close.
 
-Every ``iter(pipe)`` starts from the beginning of the stream, unless
-``pipe.restore(state)`` was called since the last one: then it starts from
-``state``. ``pipe.checkpoint()`` and ``pipe.restore(state)`` are shortcuts to
-the pipeline's latest run: ``checkpoint()`` gives the delivered position of
-that run (also after its loop has ended), ``restore(state)`` restores the live
-run, or, when none is running, the next one.
-The pipeline holds its latest iterator weakly: dropping the iterator (leaving
-a ``for`` loop with ``break``) closes the run at once.
+Every ``iter(pipe)`` starts an independent run from the beginning of the
+stream, unless ``pipe.restore(state)`` was called since the last one: then it
+starts from ``state``. ``pipe.checkpoint()`` and ``pipe.restore(state)`` are
+shortcuts: ``checkpoint()`` gives a pending restored state, else the delivered
+position of the latest run still going, else of the latest run;
+``restore(state)`` restores the latest run still going, or, when none is, the
+next one. The pipeline holds its iterators weakly: dropping one (leaving a
+``for`` loop with ``break``) closes its run at once.
 """
 
 from __future__ import annotations
 
 import hashlib
 import weakref
-from typing import Callable
-
 from zephon.checkpoint import decode_state
 from zephon.errors import ZephonConfigError
 from zephon.options import RuntimeOptions
@@ -62,7 +60,8 @@ class Pipeline:
         self.runtime = RuntimeOptions()
         self._record = RunRecord()  # the latest run's delivered positions
         self._pending: dict[int, tuple] | None = None  # restore() before the next iter()
-        self._live: Callable[[], PipelineIterator | None] = _no_iterator
+        self._runs: list[weakref.ref] = []  # this pipeline's iterators, oldest first
+        self._rounds = 0  # multi-rank checkpoint exchanges, across runs
         self._plan: Plan | None = None
         self._fingerprint: str | None = None
 
@@ -72,7 +71,7 @@ class Pipeline:
         new.__dict__.update(self.__dict__)
         new.ops = self.ops + ([op] if op is not None else [])
         new.runtime = runtime if runtime is not None else self.runtime
-        new._record, new._live, new._pending = RunRecord(), _no_iterator, None
+        new._record, new._runs, new._pending, new._rounds = RunRecord(), [], None, 0
         new._plan = new._fingerprint = None  # a new definition: resolve it anew
         return new
 
@@ -153,34 +152,42 @@ class Pipeline:
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> PipelineIterator:
         """Start a run and return its iterator: from the start of the stream, or from the
-        state given to :meth:`restore` since the last ``iter()``. A run still going from an
-        earlier ``iter()`` is closed first."""
+        state given to :meth:`restore` since the last ``iter()``. Runs are independent: an
+        earlier iterator goes on (and is closed when it is dropped or exhausted)."""
         refuse_in_spawn_bootstrap("iterating a zephon Pipeline")
-        current = self._live()
-        if current is not None:
-            current.close()
         plan = self.plan()
         validate(plan, "pickle")  # before any worker process exists
-        self._record = RunRecord(self._pending)
-        self._pending = None
-        it = PipelineIterator(self, self._record)  # workers start booting here...
+        record = RunRecord(self._pending)
+        it = PipelineIterator(self, record)  # workers start booting here...
         try:
             validate(plan, "behaviour")  # ...while the ops are checked on the first sample
         except BaseException:
             it.close()
             raise
-        self._live = weakref.ref(it)
+        self._pending = None
+        self._record = record
+        self._runs = [ref for ref in self._runs if ref() is not None] + [weakref.ref(it)]
         return it
 
+    def _live(self) -> PipelineIterator | None:
+        """The most recently started run that is still going, if any."""
+        for ref in reversed(self._runs):
+            it = ref()
+            if it is not None and not it.closed:
+                return it
+        return None
+
     def close(self) -> None:
-        """Close the pipeline's live run, if any (its iterator's ``close()``)."""
-        current = self._live()
-        if current is not None:
-            current.close()
+        """Close every run of this pipeline that is still going."""
+        for ref in self._runs:
+            it = ref()
+            if it is not None:
+                it.close()
+        self._runs = []
 
     def stats(self) -> dict:
-        """Execution statistics of the live or last run (``execution_tracking``; empty
-        when it is off, and in MTP mode, where they live in the subprocess)."""
+        """Execution statistics of the latest run (``execution_tracking``; empty when it is
+        off, and in MTP mode, where they live in the subprocess)."""
         stats = self._record.stats
         return {} if stats is None else stats.snapshot()
 
@@ -190,18 +197,28 @@ class Pipeline:
         run reached the end of its stream."""
         return self._record.final_state
 
+    def _next_round(self) -> int:
+        """A new multi-rank exchange round: counted per pipeline, across its runs."""
+        self._rounds += 1
+        return self._rounds
+
     # -- checkpoint ------------------------------------------------------------------------
     def checkpoint(self) -> bytes:
-        """The delivered position of the latest run, as checkpoint bytes (a shortcut to
-        ``iter(pipe).checkpoint()``; with several ranks every rank must call it)."""
+        """The delivered position as checkpoint bytes: of the state given to :meth:`restore`
+        if no run started since, else of the latest run still going, else of the latest run
+        (with several ranks every rank must call it). When a pipeline runs several
+        iterators at once, call ``it.checkpoint()`` on the one you mean."""
+        if self._pending is not None:
+            return PipelineIterator.checkpoint(_Detached(self, RunRecord(self._pending)))
         current = self._live()
         if current is not None:
             return current.checkpoint()
-        return PipelineIterator.checkpoint(_Detached(self))  # type: ignore[arg-type]
+        return PipelineIterator.checkpoint(_Detached(self, self._record))
 
     def restore(self, state: bytes) -> None:
         """Continue exactly after the last item delivered when ``state`` was taken: the
-        live run restarts from it, or the next ``iter(pipe)`` starts there."""
+        latest run still going restarts from it; if none is going, the next ``iter(pipe)``
+        starts there."""
         current = self._live()
         if current is not None:
             current.restore(state)
@@ -210,12 +227,8 @@ class Pipeline:
 
 
 class _Detached:
-    """The parts of an iterator that ``checkpoint()`` needs, for a pipeline whose last
-    run has ended (its record still holds the delivered positions)."""
+    """The parts of an iterator that ``checkpoint()`` needs, for a state without a live
+    run (a pending restore, or a run that has ended)."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
-        self.pipeline, self.plan, self.record = pipeline, pipeline.plan(), pipeline._record
-
-
-def _no_iterator() -> None:
-    return None
+    def __init__(self, pipeline: Pipeline, record: RunRecord) -> None:
+        self.pipeline, self.plan, self.record = pipeline, pipeline.plan(), record

@@ -120,9 +120,9 @@ class CallableSource(Source):
         return self.fn(i)
 
     def describe(self) -> str:
-        fn = self.fn
-        return (f"CallableSource({self.name}, n={self.n}, fn="
-                f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)})")
+        from zephon.pipeline.ops import fn_identity
+
+        return f"CallableSource({self.name}, n={self.n}, fn={fn_identity(self.fn)})"
 
 
 class TokenWindows(Source):

@@ -22,6 +22,7 @@ state has been checked.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from zephon.errors import CheckpointError
@@ -31,6 +32,7 @@ __all__ = ["local_state", "check_state", "MAX_COUNT"]
 #: No count in a state can be larger (items, positions, epochs): 2**48 items is far
 #: beyond any real run, and keeps every figure exact in JSON and msgpack alike.
 MAX_COUNT = 1 << 48
+_LANE_ID = re.compile(r"0|[1-9][0-9]{0,5}")  # canonical decimal, ASCII only
 
 
 def local_state(plan, fingerprint: str, states: dict[int, tuple]) -> dict:
@@ -55,7 +57,7 @@ def check_state(decoded: Any, plan, fingerprint: str) -> dict[int, tuple]:
     :class:`~zephon.errors.CheckpointError` naming the first field that is wrong."""
     if not isinstance(decoded, dict):
         raise CheckpointError("corrupt checkpoint: the state is not a mapping")
-    for key in ("fingerprint", "lanes_total", "lanes"):
+    for key in ("fingerprint", "lanes_total", "lanes", "group", "resume"):
         if key not in decoded:
             raise CheckpointError(f"checkpoint lacks {key!r}: not a pipeline state")
     theirs = decoded["fingerprint"]
@@ -70,8 +72,9 @@ def check_state(decoded: Any, plan, fingerprint: str) -> dict[int, tuple]:
         raise CheckpointError(
             f"checkpoint has canonical_replicas={lanes}, this pipeline {plan.lanes}: the number "
             "of canonical lanes must not change across a restore")
+    _int(decoded["group"], "group", 0, lanes - 1)
     mode = "cursor" if plan.cursor_resume else "replay"
-    if decoded.get("resume", mode) != mode:
+    if decoded["resume"] != mode:
         raise CheckpointError(f"checkpoint resumes by {decoded.get('resume')!r}, this pipeline "
                               f"by {mode!r}")
     entries = decoded["lanes"]
@@ -85,9 +88,9 @@ def check_state(decoded: Any, plan, fingerprint: str) -> dict[int, tuple]:
     max_epoch = MAX_COUNT if p.num_epochs is None else p.num_epochs - 1
     states: dict[int, tuple] = {}
     for key, value in entries.items():
-        if not isinstance(key, str) or not key.isdigit() or len(key) > 6:
+        if not isinstance(key, str) or not _LANE_ID.fullmatch(key):
             raise CheckpointError(f"corrupt checkpoint: lane id {key!r:.40} is not a lane "
-                                  "number")
+                                  "number in canonical form")
         lane = _int(int(key), f"lane id {key}", 0, lanes - 1)
         where = f"lane {lane}"
         if not isinstance(value, list):
@@ -110,7 +113,16 @@ def check_state(decoded: Any, plan, fingerprint: str) -> dict[int, tuple]:
             epoch = _int(value[0], f"{where} epoch", 0, max_epoch)
             chunks = -(-length // p.chunk_size)
             k = _int(value[1], f"{where} lane chunk", 0, max(0, chunks - 1))
-            total = _int(value[3], f"{where} items delivered", 0)
-            since = _int(value[2], f"{where} items since its boundary", 0, total)
+            K = plan.flush_every
+            if (K and k % K) or (not K and k):
+                raise CheckpointError(f"corrupt checkpoint: {where} lane chunk {k} is not a "
+                                      f"flush boundary (every {K or 'epoch'} chunks)")
+            if plan.expands:  # a packer may cut many rows from one sample: no static bound
+                segment = total_bound = MAX_COUNT
+            else:  # every delivered item consumed at least one sample of the segment
+                segment = min(length - k * p.chunk_size, K * p.chunk_size) if K else length
+                total_bound = min(MAX_COUNT, (epoch + 1) * length)
+            total = _int(value[3], f"{where} items delivered", 1, total_bound)
+            since = _int(value[2], f"{where} items since its boundary", 1, min(total, segment))
             states[lane] = (epoch, k, since, total)
     return states

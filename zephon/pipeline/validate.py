@@ -15,6 +15,7 @@ Checks, each with an error code, run on the first sample of the source:
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 import warnings
 
@@ -40,6 +41,22 @@ def _same(a, b) -> bool:
         return a is b
 
 
+def _unimportable_main(obj) -> str | None:
+    """The name of a function (or class) that ``obj`` pickles by reference to ``__main__``
+    when ``__main__`` has no file a spawn worker could import, else None."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path and os.path.exists(path):
+        return None
+    seen = [obj, getattr(obj, "func", None), getattr(obj, "fn", None), type(obj)]
+    for item in seen:
+        if item is not None and getattr(item, "__module__", None) == "__main__":
+            return getattr(item, "__qualname__", repr(item))
+    return None
+
+
 def find_issues(plan, checks: str = "all") -> list[ValidationIssue]:
     """``checks``: "pickle" (before workers start), "behaviour" (while they start), "all"."""
     pipeline, opts = plan.pipeline, plan.opts
@@ -54,6 +71,13 @@ def find_issues(plan, checks: str = "all") -> list[ValidationIssue]:
                 issues.append(ValidationIssue(
                     "Z001", what, f"cannot be pickled for process workers ({type(exc).__name__}: "
                     f"{exc}); define it at module level or use runner='threads'"))
+                continue
+            where = _unimportable_main(obj)
+            if where:
+                issues.append(ValidationIssue(
+                    "Z001", what, f"{where} is defined in __main__ of a session without a script "
+                    "file (python -c, stdin or a notebook): spawn workers cannot import it; "
+                    "move it to a module file, or use runner='threads'"))
     if len(pipeline.source) == 0 or checks == "pickle":
         return issues
     try:

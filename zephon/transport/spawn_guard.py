@@ -11,10 +11,10 @@ over its own locked checkpoint store. Either way the parent only sees a worker
 that died while starting, and the real cause is lost.
 
 Every zephon entry point that starts processes calls :func:`refuse_in_spawn_bootstrap`
-first. In a worker that is still importing the parent's main module it prints
-one sentence naming the fix to stderr and exits with :data:`EXIT_UNGUARDED_MAIN`;
-the parent that sees a worker die with that code during start-up raises
-:func:`unguarded_main_error` instead of a bare "died while starting".
+first. In a worker that is still importing the parent's main module it exits at
+once with :data:`EXIT_UNGUARDED_MAIN`; the parent that sees a worker die with
+that code during start-up raises :func:`unguarded_main_error`, one sentence
+naming the fix, instead of a bare "died while starting".
 
 Standard library only: this module sits at the bottom of the transport layer
 and is used by the pipeline and the jobs faces alike.
@@ -47,14 +47,10 @@ def in_spawn_bootstrap() -> bool:
 
 
 def refuse_in_spawn_bootstrap(what: str) -> None:
-    """Call before ``what`` starts processes; exits a booting worker with the advice."""
-    if not in_spawn_bootstrap():
-        return
-    try:
-        sys.stderr.write(f"zephon: {what} was called while a worker process was importing "
-                         f"the main module. {UNGUARDED_MAIN_ADVICE}.\n")
-        sys.stderr.flush()
-    finally:
+    """Call before ``what`` starts processes: a worker still importing the parent's main
+    module exits at once, quietly, with :data:`EXIT_UNGUARDED_MAIN` (the parent, which
+    started it, says what happened and how to fix it: once, not once per worker)."""
+    if in_spawn_bootstrap():
         os._exit(EXIT_UNGUARDED_MAIN)
 
 
