@@ -326,3 +326,49 @@ def test_docstrings_describe_every_field():
     for cls in BAD:
         for f in dataclasses.fields(cls):
             assert f"    {f.name} (default" in cls.__doc__, (cls, f.name)
+
+
+def _numeric_checks(check):
+    from zephon.options import _spec
+
+    if isinstance(check, (_spec.Int, _spec.Float)):
+        yield check
+    if isinstance(check, _spec.IntKeyMap):
+        yield from _numeric_checks(check.value_check)
+
+
+@pytest.mark.parametrize("cls", list(BAD))
+def test_every_numeric_field_has_a_stated_upper_bound(cls):
+    """No number is accepted that the code downstream cannot honour: each numeric field
+    (and each per-stage mapping's keys and values) has a maximum, stated in its docs."""
+    from zephon.options import _spec
+
+    for f in dataclasses.fields(cls):
+        check = f.metadata["check"]
+        for numeric in _numeric_checks(check):
+            assert numeric.max is not None, f"{cls.__name__}.{f.name} has no upper bound"
+            entry = cls.__doc__.split(f"    {f.name} (default", 1)[1].split("\n", 1)[0]
+            assert "<= " in entry, entry
+        if isinstance(check, _spec.IntKeyMap):
+            assert check.max_key == 1024
+            with pytest.raises(ZephonConfigError, match="<= 1024"):
+                cls(**{f.name: {1025: None}})
+
+
+def test_bounds_are_what_the_consumers_need():
+    from zephon.options import limits
+
+    # A region token is owner << 56 | slab << 40 | offset in a signed 64-bit value.
+    assert (limits.MAX_WORKERS + 1) << 56 > 2**63 - 1 >= limits.MAX_WORKERS << 56
+    # setsockopt takes a C int and Linux doubles the request.
+    assert 2 * limits.MAX_SOCKET_BUFFER_BYTES - 1 <= 2**31 - 1
+    import threading
+
+    assert limits.MAX_SECONDS < threading.TIMEOUT_MAX
+    o = RuntimeOptions(prefetch_batches=65536)
+    from zephon.options import resolve_mtp_buffer
+
+    assert resolve_mtp_buffer(o) == limits.MAX_MTP_BUFFER  # a derived value is capped too
+    with pytest.raises(ZephonConfigError, match="dp_degree.*world_size=8192"):
+        RuntimeOptions(world_size=8192)  # derived C = 8192 lanes
+    RuntimeOptions(world_size=8192, dp_degree=4096)
