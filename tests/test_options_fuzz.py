@@ -10,7 +10,9 @@ Two properties:
 2. Every ``RuntimeOptions`` that is accepted runs a tiny real pipeline to completion
    and delivers every sample exactly once (on a single rank). The one exception is
    ``worker_allocation='autotune'``, documented to raise ``NotImplementedError`` when
-   the plan is built: the strategy leaves it out.
+   the plan is built: the strategy leaves it out. So does a rank of a multi-rank job
+   in MTP mode with auto-checkpoint: finishing its iteration is a collective checkpoint
+   that waits for the other ranks.
 
 The strategies are derived from the field checks themselves (bounds, choices,
 mapping shapes), so a new field is fuzzed without editing this file. The default run
@@ -242,6 +244,7 @@ def test_positional_and_unknown_arguments_are_config_errors(cls, args, extra):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(construction)
 def test_construction_raises_only_config_errors_sweep(case):
@@ -267,11 +270,18 @@ def _runtime_options(small: bool):
         st.sampled_from([None, "inline", "threads", "process"]), st.booleans(),
         fields_of(RuntimeOptions, small=small, nested_as_dict=False, garbage_share=None,
                   valid=True, exclude=_RUN_EXCLUDE),
-    ).map(build).filter(lambda o: o is not None)
+    ).map(build).filter(lambda o: o is not None and not _collective_at_end(o))
 
 
 def _describe(opts: RuntimeOptions) -> None:
     event(f"runner={opts.runner} mtp={opts.mtp_mode} stages={dict(opts.per_stage_runner)}")
+
+
+def _collective_at_end(opts: RuntimeOptions) -> bool:
+    """True when finishing the iteration takes a checkpoint merged across ranks (MTP
+    auto-checkpoint with world_size > 1): by design it waits for the other ranks of the
+    job, which a single test process cannot stand in for."""
+    return opts.mtp_mode and opts.mtp_auto_checkpoint and opts.world_size > 1
 
 
 def _run_tiny_pipeline(opts: RuntimeOptions):
@@ -308,7 +318,8 @@ def test_accepted_runtime_options_run_a_pipeline(opts):
 
 
 @pytest.mark.slow
-@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@pytest.mark.timeout(1800)  # the budget of the whole sweep (about 1 s per example)
+@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
 @given(_runtime_options(small=False))
 def test_accepted_runtime_options_run_a_pipeline_sweep(opts):
     _describe(opts)

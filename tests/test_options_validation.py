@@ -175,6 +175,8 @@ CROSS = [
     (dict(aggregate_dir="/tmp/agg", aggregate_store="torch://"), "aggregate_store"),
     (dict(mtp_buffer=4, mtp_prefetch=5), "mtp_prefetch"),
     (dict(prefetch_batches=8, mtp_prefetch=5), "mtp_prefetch"),  # derived mtp_buffer = 4
+    (dict(mtp_mode=True, world_size=2), "mtp_auto_checkpoint"),
+    (dict(mtp_mode=True, world_size=2, aggregate_store="torch://"), "mtp_auto_checkpoint"),
 ]
 
 
@@ -195,6 +197,8 @@ GOOD_CROSS = [
     dict(aggregate_dir="s3://bucket/ckpt"),
     dict(mtp_buffer=4, mtp_prefetch=4),
     dict(mtp_buffer=2),  # derived mtp_prefetch is clamped to the buffer
+    dict(mtp_mode=True, world_size=2, aggregate_dir="/tmp/agg"),
+    dict(mtp_mode=True, world_size=2, mtp_auto_checkpoint=False),
 ]
 
 

@@ -170,7 +170,9 @@ class RuntimeOptions(OptionsBase):
     )
     mtp_auto_checkpoint: bool = option(
         True, check=Bool(),
-        doc="Capture the final state from the MTP subprocess when iteration completes.",
+        doc="Capture the final state from the MTP subprocess when iteration completes; "
+            "with world_size > 1 that is a checkpoint merged across ranks (it needs "
+            "aggregate_dir and waits for every rank up to aggregate_timeout_s).",
     )
     world_size: int = option(
         1, check=Int(min=1, max=MAX_WORLD_SIZE), doc="Number of ranks in the job.",
@@ -298,6 +300,12 @@ class RuntimeOptions(OptionsBase):
             raise bad("aggregate_store", "set at most one of aggregate_dir and "
                                          f"aggregate_store (got {self.aggregate_dir!r} and "
                                          f"{self.aggregate_store!r})")
+        if self.mtp_mode and self.mtp_auto_checkpoint and self.world_size > 1 \
+                and self.aggregate_dir is None:
+            raise bad("mtp_auto_checkpoint", "with mtp_mode and world_size > 1 the final "
+                      "state is a checkpoint merged across ranks, which needs aggregate_dir "
+                      "(aggregate_store cannot exchange states yet); set aggregate_dir or "
+                      "mtp_auto_checkpoint=False")
         if self.mtp_prefetch is not None:
             buffer = _r.resolve_mtp_buffer(self)
             if self.mtp_prefetch > buffer:
