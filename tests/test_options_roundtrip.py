@@ -51,6 +51,9 @@ def runtime_options(draw):
     mtp_buffer = draw(maybe(st.integers(4, 64)))
     agg_dir = draw(maybe(st.sampled_from(["/tmp/agg", "s3://bucket/agg"])))
     agg_store = None if agg_dir else draw(maybe(st.sampled_from(["torch://", "torch://h:1"])))
+    mtp_mode = draw(st.booleans())
+    # MTP auto-checkpoint on several ranks is a merged checkpoint: it needs aggregate_dir.
+    auto_checkpoint = draw(st.booleans()) if world == 1 or agg_dir else False
     return RuntimeOptions(
         runner=draw(maybe(runner)), run_id=draw(names),
         per_stage_runner=draw(st.dictionaries(st.integers(0, 9), runner, max_size=3)),
@@ -70,10 +73,10 @@ def runtime_options(draw):
         flush_every_k_chunks=draw(maybe(st.integers(0, 64))),
         shutdown_mode=draw(st.sampled_from(["graceful", "hard"])),
         auto_validation=draw(st.sampled_from(["strict", "warn", "off"])),
-        mtp_mode=draw(st.booleans()), mtp_buffer=mtp_buffer,
+        mtp_mode=mtp_mode, mtp_buffer=mtp_buffer,
         mtp_buffer_bytes=draw(st.integers(4096, 1 << 26)),
         mtp_prefetch=draw(maybe(st.integers(0, mtp_buffer or 4))),
-        mtp_auto_checkpoint=draw(st.booleans()), world_size=world, global_rank=rank,
+        mtp_auto_checkpoint=auto_checkpoint, world_size=world, global_rank=rank,
         dp_degree=dp, dp_group_id=group, canonical_replicas=lanes,
         mapping_strategy=draw(maybe(st.sampled_from(["contiguous", "interleaved"]))),
         shm_enabled=draw(st.booleans()), shm_coalesce=draw(st.booleans()),

@@ -32,94 +32,96 @@ BAD = {
                              [("0", "inline")], "inline"],
         "mp_context": ["spork", 1, None],
         "worker_allocation": ["fit", None, 0],
-        "max_workers": [0, -1, True, 2.0, "4"],
+        "max_workers": [0, -1, True, 2.0, "4", 128, 2**70, 10**400],
         "deterministic": [1, "yes", None],
-        "prefetch_batches": [0, False, 1.5],
-        "default_stage_prefetch": [0, True],
-        "per_stage_prefetch": [{0: 0}, {0: True}, {-2: 3}, 5],
-        "op_queue_capacity": [0, -3, True],
+        "prefetch_batches": [0, False, 1.5, 65537, 2**64],
+        "default_stage_prefetch": [0, True, 65537],
+        "per_stage_prefetch": [{0: 0}, {0: True}, {-2: 3}, 5, {0: 65537}, {1025: 4},
+                               {2**70: 1}, {0: [1]}, {0: {"a": 1}}, {1.0: 2}, {None: 2}],
+        "op_queue_capacity": [0, -3, True, 65537],
         "ipc_transport": ["shm", None],
-        "ipc_buffer_bytes": [1024, -1, True, None, 2.0**20],
+        "ipc_buffer_bytes": [1024, -1, True, None, 2.0**20, 2**30 + 1, 2**31],
         "mixture_config": [{"mode": "weighted_random"}, "weighted_random", 1],
         "io_options": [None, {"cache_enabled": True}, 1],
         "allow_latency_flush_in_deterministic": [0, None],
-        "flush_every_k_chunks": [-1, True, 1.0],
+        "flush_every_k_chunks": [-1, True, 1.0, 65537],
         "shutdown_mode": ["soft", None],
         "auto_validation": ["on", True],
         "mtp_mode": [1, None],
-        "mtp_buffer": [0, True],
-        "mtp_buffer_bytes": [0, 100, None],
-        "mtp_prefetch": [-1, True],
+        "mtp_buffer": [0, True, 4097, 2**70],
+        "mtp_buffer_bytes": [0, 100, None, 2**30 + 1],
+        "mtp_prefetch": [-1, True, 4097],
         "mtp_auto_checkpoint": ["true", None],
-        "world_size": [0, True, None],
-        "global_rank": [-1, None, False],
-        "dp_degree": [0, True],
-        "dp_group_id": [-1, True],
-        "canonical_replicas": [0, True],
+        "world_size": [0, True, None, 2**20 + 1],
+        "global_rank": [-1, None, False, 2**20],
+        "dp_degree": [0, True, 4097],
+        "dp_group_id": [-1, True, 4096],
+        "canonical_replicas": [0, True, 4097, 10**7],
         "mapping_strategy": ["round_robin", 0],
         "shm_enabled": [1, None],
         "shm_coalesce": [0, None],
-        "shm_min_item_bytes": [-1, True, None, 1.0],
-        "shm_min_new_allocation_bytes": [-1, True, None],
-        "shm_min_forward_bytes": [-1, True, None],
-        "shm_compact_above_ratio": [0.5, NAN, INF, -INF, True, "8"],
-        "shm_compact_min_savings_bytes": [-1, True, None],
-        "shm_max_coalesced_bytes": [0, -5, True],
-        "max_worker_retries": [-1, True, None],
-        "aggregate_dir": ["", 3],
+        "shm_min_item_bytes": [-1, True, None, 1.0, 2**40 + 1],
+        "shm_min_new_allocation_bytes": [-1, True, None, 2**40 + 1],
+        "shm_min_forward_bytes": [-1, True, None, 2**40 + 1],
+        "shm_compact_above_ratio": [0.5, NAN, INF, -INF, True, "8", 1e7, 10**400],
+        "shm_compact_min_savings_bytes": [-1, True, None, 2**40 + 1],
+        "shm_max_coalesced_bytes": [0, -5, True, 2**40 + 1],
+        "max_worker_retries": [-1, True, None, 1001],
+        "aggregate_dir": ["", 3, "a\x00b"],
         "aggregate_store": ["tcp://x:1", "torch:/", "torch://host", "", 5],
-        "aggregate_timeout_s": [0, -1.0, NAN, INF, True, None],
+        "aggregate_timeout_s": [0, -1.0, NAN, INF, True, None, 10**400, 1e308, 2592001.0],
         "aggregate_serializer": ["pickle", None],
         "aggregate_compressor": ["gzip", None],
         "execution_tracking": ["all", 1, None],
         "metrics_sink_config": [{"mode": "log"}, "log"],
     },
     RunPolicy: {
-        "workers": [0, -1, True, 2.0, None],
+        "workers": [0, -1, True, 2.0, None, 1025],
         "backend": ["thread", None],
-        "subject_timeout_sec": [0, -1, NAN, INF, True],
-        "subject_spawn_timeout_sec": [0, -1.5, NAN, False],
-        "graceful_shutdown_sec": [0, -1, INF, None, True],
+        "subject_timeout_sec": [0, -1, NAN, INF, True, 1e308, 10**400],
+        "subject_spawn_timeout_sec": [0, -1.5, NAN, False, 2592001],
+        "graceful_shutdown_sec": [0, -1, INF, None, True, 1e308],
         "on_subject_failure": ["stop", None],
         "oom_backoff": [1, None],
-        "oom_reduce_workers_by": [0, True, None],
+        "oom_reduce_workers_by": [0, True, None, 1025],
         "cap_workers_to_gpu_pool": [0, None],
         "resume": ["no", None],
-        "checkpoint_dir": ["", 7],
+        "checkpoint_dir": ["", 7, "\x00"],
         "parallel_mode": ["pooled", None],
-        "auto_retry_rounds": [-1, True, None],
+        "auto_retry_rounds": [-1, True, None, 1001],
         "retry_failed_subjects": [1, None],
         "force_rerun_subjects": ["S01", b"S01", ["S01", 2], [""], None, {"S01"}],
         "clear_checkpoint_on_success": [1, None],
         "strict_checkpoint_hash": [1, None],
-        "persistent_worker_max_consecutive_failures": [0, True, None],
-        "persistent_worker_recycle_after_tasks": [-1, True, None],
+        "persistent_worker_max_consecutive_failures": [0, True, None, 1001],
+        "persistent_worker_recycle_after_tasks": [-1, True, None, 2**31],
     },
     StoreOptions: {
         "cache_enabled": [1, None],
-        "cache_root": ["", 1],
-        "cache_limit_bytes": [0, True],
-        "download_retry": [-1, True, None],
-        "download_timeout_s": [0, NAN, None],
-        "open_retry_attempts": [0, True],
-        "retry_backoff_initial_s": [-0.1, NAN, None],
-        "retry_backoff_max_s": [-1, INF, None],
+        "cache_root": ["", 1, "x\x00"],
+        "cache_limit_bytes": [0, True, 2**50 + 1],
+        "download_retry": [-1, True, None, 1001],
+        "download_timeout_s": [0, NAN, None, 1e9],
+        "open_retry_attempts": [0, True, 1001],
+        "retry_backoff_initial_s": [-0.1, NAN, None, 1e9],
+        "retry_backoff_max_s": [-1, INF, None, 1e9, 10**400],
     },
     MixtureReadConfig: {
         "mode": ["random", None],
-        "seed": [-1, True, 1.5, None],
+        "seed": [-1, True, 1.5, None, 2**64],
         "precompute": [1, None],
         "within_component": ["sorted", None],
     },
     MetricsSinkConfig: {
         "mode": ["udp", None],
-        "namespace": ["", "has space", None],
-        "statsd_host": ["", None],
+        "namespace": ["", "has space", None, "x" * 201],
+        "statsd_host": ["", None, "a" * 64, "a..b", "h\x00st", "\ud800", 5],
         "statsd_port": [0, 65536, True, None],
-        "default_tags": [{"a": 1}, {1: "a"}, ["a"], None],
+        "default_tags": [{"a": 1}, {1: "a"}, ["a"], None, {"a,b": "c"}, {"a": "\ud800"},
+                         {f"k{i}": "v" for i in range(65)}],
         "json_logs": [1, None],
-        "max_batch_size": [0, True],
-        "flush_interval_s": [0, NAN, None],
+        "max_batch_size": [0, True, 1025],
+        "flush_interval_s": [0, NAN, None, 1e300],
     },
 }
 
@@ -173,6 +175,8 @@ CROSS = [
     (dict(aggregate_dir="/tmp/agg", aggregate_store="torch://"), "aggregate_store"),
     (dict(mtp_buffer=4, mtp_prefetch=5), "mtp_prefetch"),
     (dict(prefetch_batches=8, mtp_prefetch=5), "mtp_prefetch"),  # derived mtp_buffer = 4
+    (dict(mtp_mode=True, world_size=2), "mtp_auto_checkpoint"),
+    (dict(mtp_mode=True, world_size=2, aggregate_store="torch://"), "mtp_auto_checkpoint"),
 ]
 
 
@@ -193,6 +197,8 @@ GOOD_CROSS = [
     dict(aggregate_dir="s3://bucket/ckpt"),
     dict(mtp_buffer=4, mtp_prefetch=4),
     dict(mtp_buffer=2),  # derived mtp_prefetch is clamped to the buffer
+    dict(mtp_mode=True, world_size=2, aggregate_dir="/tmp/agg"),
+    dict(mtp_mode=True, world_size=2, mtp_auto_checkpoint=False),
 ]
 
 
@@ -211,10 +217,12 @@ def test_unknown_keys_suggest_and_list():
         RuntimeOptions.from_dict({"max_worker": 4})
     text = str(info.value)
     assert "'max_worker'" in text and "did you mean 'max_workers'" in text
-    assert "valid keys:" in text and "shm_enabled" in text
+    # Short: the suggestion and how to list the names, not the ~50 names themselves.
+    assert "RuntimeOptions.field_names()" in text and "shm_enabled" not in text
+    assert len(text) < 200, text
     with pytest.raises(ZephonConfigError, match="did you mean 'workers'"):
         RunPolicy.from_dict({"worker": 2})
-    with pytest.raises(ZephonConfigError, match="unknown key"):
+    with pytest.raises(ZephonConfigError, match="unknown option"):
         RuntimeOptions().replace(prefetch=3)
     with pytest.raises(ZephonConfigError, match="did you mean 'cache_enabled'"):
         RuntimeOptions.from_dict({"io_options": {"cache_enable": True}})
@@ -302,12 +310,69 @@ def test_pickle_round_trip_rebuilds_equal_objects():
     assert pickle.loads(pickle.dumps(p)) == p
 
 
-def test_positional_arguments_are_refused():
-    with pytest.raises(TypeError):
-        RunPolicy(4)  # keyword-only: RunPolicy(workers=4)
+@pytest.mark.parametrize("cls", list(BAD))
+def test_positional_arguments_are_a_config_error(cls):
+    with pytest.raises(ZephonConfigError, match="keyword arguments only") as info:
+        cls(4)
+    assert f"{cls.__name__}({cls.field_names()[0]}=...)" in str(info.value)
+
+
+@pytest.mark.parametrize("cls", list(BAD))
+def test_unknown_keyword_to_the_constructor_is_a_config_error(cls):
+    name = cls.field_names()[0]
+    with pytest.raises(ZephonConfigError) as info:
+        cls(**{name + "x": 1})
+    assert f"did you mean {name!r}" in str(info.value)
+    assert f"{cls.__name__}.field_names()" in str(info.value)
 
 
 def test_docstrings_describe_every_field():
     for cls in BAD:
         for f in dataclasses.fields(cls):
             assert f"    {f.name} (default" in cls.__doc__, (cls, f.name)
+
+
+def _numeric_checks(check):
+    from zephon.options import _spec
+
+    if isinstance(check, (_spec.Int, _spec.Float)):
+        yield check
+    if isinstance(check, _spec.IntKeyMap):
+        yield from _numeric_checks(check.value_check)
+
+
+@pytest.mark.parametrize("cls", list(BAD))
+def test_every_numeric_field_has_a_stated_upper_bound(cls):
+    """No number is accepted that the code downstream cannot honour: each numeric field
+    (and each per-stage mapping's keys and values) has a maximum, stated in its docs."""
+    from zephon.options import _spec
+
+    for f in dataclasses.fields(cls):
+        check = f.metadata["check"]
+        for numeric in _numeric_checks(check):
+            assert numeric.max is not None, f"{cls.__name__}.{f.name} has no upper bound"
+            entry = cls.__doc__.split(f"    {f.name} (default", 1)[1].split("\n", 1)[0]
+            assert "<= " in entry, entry
+        if isinstance(check, _spec.IntKeyMap):
+            assert check.max_key == 1024
+            with pytest.raises(ZephonConfigError, match="<= 1024"):
+                cls(**{f.name: {1025: None}})
+
+
+def test_bounds_are_what_the_consumers_need():
+    from zephon.options import limits
+
+    # A region token is owner << 56 | slab << 40 | offset in a signed 64-bit value.
+    assert (limits.MAX_WORKERS + 1) << 56 > 2**63 - 1 >= limits.MAX_WORKERS << 56
+    # setsockopt takes a C int and Linux doubles the request.
+    assert 2 * limits.MAX_SOCKET_BUFFER_BYTES - 1 <= 2**31 - 1
+    import threading
+
+    assert limits.MAX_SECONDS < threading.TIMEOUT_MAX
+    o = RuntimeOptions(prefetch_batches=65536)
+    from zephon.options import resolve_mtp_buffer
+
+    assert resolve_mtp_buffer(o) == limits.MAX_MTP_BUFFER  # a derived value is capped too
+    with pytest.raises(ZephonConfigError, match="dp_degree.*world_size=8192"):
+        RuntimeOptions(world_size=8192)  # derived C = 8192 lanes
+    RuntimeOptions(world_size=8192, dp_degree=4096)

@@ -10,7 +10,10 @@ Commands:
             ``--config FILE`` (JSON, or YAML with the ``yaml`` extra) supply
             explicit values; ``--json`` prints machine-readable output.
 
-The CLI is the only part of zephon that prints.
+The CLI is the only part of zephon that prints. A mistake of the user (a missing or
+malformed config file, a config that is not a mapping, ``--set`` without ``=``, an
+invalid option) is one line ``error: ...`` on stderr and exit status 2, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -25,28 +28,59 @@ from zephon.errors import ZephonConfigError
 from zephon.options import RuntimeOptions
 
 
+class UsageError(Exception):
+    """A mistake on the command line or in a config file: reported as one ``error:`` line
+    with exit status 2."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
 def _load_config(path: str) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
+    """Read a JSON or YAML (``.yaml``/``.yml``) config file into a dict of option values."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read config {path!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"config {path!r} is not UTF-8 text ({exc.reason} at byte "
+                         f"{exc.start})") from None
     if path.endswith((".yaml", ".yml")):
         try:
             import yaml
-        except ImportError as exc:  # pragma: no cover - depends on the extra
-            raise SystemExit(f"reading {path} needs PyYAML: pip install 'zephon[yaml]'") from exc
-        data = yaml.safe_load(text)
+        except ImportError:  # pragma: no cover - depends on the extra
+            raise UsageError(f"reading {path!r} needs PyYAML: pip install "
+                             "'zephon[yaml]'") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or exc
+            raise UsageError(f"config {path!r} is not valid YAML{where}: "
+                             f"{_one_line(problem)}") from None
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"config {path!r} is not valid JSON at line {exc.lineno}, "
+                             f"column {exc.colno}: {exc.msg}") from None
     if not isinstance(data, dict):
-        raise SystemExit(f"{path}: expected a mapping of option names to values")
+        raise UsageError(f"config {path!r} holds a {type(data).__name__}; expected a "
+                         "mapping of option names to values")
     return data
 
 
 def _parse_sets(pairs: Sequence[str]) -> dict[str, Any]:
+    """``["k=v", ...]`` to a dict; ``v`` is parsed as JSON when it parses, else kept as text."""
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--set expects key=value, got {pair!r}")
+            raise UsageError(f"--set expects KEY=VALUE, got {pair!r} (e.g. --set "
+                             "max_workers=4)")
         try:
             out[key] = json.loads(raw)
         except json.JSONDecodeError:
@@ -76,8 +110,7 @@ def cmd_options(args: argparse.Namespace) -> int:
     try:
         opts = RuntimeOptions.from_dict(data)
     except ZephonConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     resolved = opts.resolved(cpu_count=args.cpu_count)
     if args.json:
         print(json.dumps({k: {"value": _plain(v.value), "source": v.source}
@@ -95,7 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zephon")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command")
-    p_opts = sub.add_parser("options", help="print the resolved runtime options")
+    p_opts = sub.add_parser(
+        "options", help="print the resolved runtime options",
+        description="Print the runtime options resolved for this machine: each value and "
+                    "whether it was explicit, derived or a default.")
     p_opts.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="an explicit option value (JSON or a bare string); repeatable")
     p_opts.add_argument("--config", metavar="FILE", help="JSON or YAML file of option values")
@@ -103,8 +139,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="resolve as if the machine had this many CPUs")
     p_opts.add_argument("--json", action="store_true", help="machine-readable output")
     p_opts.set_defaults(func=cmd_options)
-    p_demo = sub.add_parser("demo", help="run the demo pipeline, checkpoint half-way, resume "
-                                         "under another runner and verify the stream")
+    p_demo = sub.add_parser(
+        "demo", help="run the demo pipeline, checkpoint half-way, resume under another "
+                     "runner and verify the stream",
+        description="Run a real pipeline (token windows -> shuffle -> pack -> batch) on a "
+                    "synthetic 16 MiB token corpus cached under $ZEPHON_CACHE_DIR or "
+                    "~/.cache/zephon: once uninterrupted on the process runner, then again "
+                    "with a checkpoint half-way, resumed on the threads runner with another "
+                    "worker count; it checks that the resumed stream is identical batch for "
+                    "batch and exits 0 if so, 1 if not.")
     p_demo.set_defaults(func=lambda args: __import__("zephon.demo", fromlist=["main"]).main())
     args = parser.parse_args(argv)
     if args.version:
@@ -115,7 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

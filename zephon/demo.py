@@ -10,6 +10,9 @@
 4. Run it again, stop half-way and take a checkpoint; resume in a fresh
    pipeline on the threads runner with 3 workers; check that the concatenated
    stream is identical, batch for batch, to the uninterrupted one.
+
+Each phase is announced on stdout (runner and workers per stage), so a run off a
+terminal, where the progress bars are silent, still says what was run.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from zephon import Pipeline, RuntimeOptions, sources
 
 CORPUS_TOKENS = 8 << 20
 CORPUS_NAME = "demo-tokens-v1.u16"
+FIRST_RUNNER, FIRST_WORKERS = "process", 2
+RESUME_RUNNER, RESUME_WORKERS = "threads", 3
 
 
 def cache_dir() -> str:
@@ -78,12 +83,15 @@ class Bar:
 def main() -> int:
     path = ensure_corpus()
     print(f"corpus: {path} ({CORPUS_TOKENS:,} tokens)")
-    process = RuntimeOptions(runner="process", max_workers=2, worker_allocation="per_stage_fixed")
+    process = RuntimeOptions(runner=FIRST_RUNNER, max_workers=FIRST_WORKERS,
+                             worker_allocation="per_stage_fixed")
     pipe = build(path).options(process)
     print(pipe.explain())
 
     expected_batches = CORPUS_TOKENS // (2048 * 8)
-    bar = Bar(expected_batches, "uninterrupted, process runner, 2 workers")
+    first_label = f"{FIRST_RUNNER} runner, {FIRST_WORKERS} workers per stage"
+    print(f"run 1: uninterrupted, {first_label}")
+    bar = Bar(expected_batches, f"uninterrupted, {first_label}")
     start = time.perf_counter()
     reference = []
     first_at = None
@@ -101,7 +109,8 @@ def main() -> int:
 
     half = len(reference) // 2
     first = build(path).options(process)
-    bar = Bar(half, "first half, process runner, 2 workers")
+    print(f"run 2: first half ({half} batches), {first_label}, then a checkpoint")
+    bar = Bar(half, f"first half, {first_label}")
     got = []
     it = iter(first)
     for _ in range(half):
@@ -112,17 +121,20 @@ def main() -> int:
     bar.close()
     print(f"checkpoint after {half} batches: {len(state)} bytes")
 
-    resumed = build(path).options(RuntimeOptions(runner="threads", max_workers=3,
+    resumed = build(path).options(RuntimeOptions(runner=RESUME_RUNNER, max_workers=RESUME_WORKERS,
                                                  worker_allocation="per_stage_fixed"))
     resumed.restore(state)
-    bar = Bar(len(reference) - half, "resumed, threads runner, 3 workers")
+    resume_label = f"{RESUME_RUNNER} runner, {RESUME_WORKERS} workers per stage"
+    print(f"run 2: resumed from the checkpoint on the {resume_label} (the checkpoint was "
+          f"taken on the {first_label})")
+    bar = Bar(len(reference) - half, f"resumed, {resume_label}")
     for batch in resumed:
         got.append(digest(batch))
         bar.step()
     bar.close()
     if got == reference:
         print(f"resumed stream identical to the uninterrupted one: {len(got)} batches, "
-              "batch for batch")
+              f"batch for batch (resumed on the {resume_label})")
         return 0
     mismatch = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b),
                     min(len(got), len(reference)))

@@ -19,6 +19,12 @@ everything about its field's value:
 cross-field rules (``_check_cross``), and provides ``to_dict``, ``from_dict``,
 ``replace`` and pickling through ``to_dict`` (so a pickled option object is
 re-validated where it is unpickled, and mp contexts survive as names).
+:func:`option_class` finishes a class: its constructor refuses positional
+arguments and unknown keywords as :class:`~zephon.errors.ZephonConfigError`
+(with a did-you-mean), so every failure of a constructor, ``from_dict`` or
+``replace`` is that one exception, whatever the input (huge ints, NaN, nested
+garbage, values whose ``repr`` fails). Every numeric field states its upper
+bound (:mod:`zephon.options.limits` says why each bound exists).
 
 Standard library only.
 """
@@ -28,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import functools
 import math
 import multiprocessing
 import multiprocessing.context
@@ -39,11 +46,22 @@ from typing import Any, Callable, Iterator
 
 from zephon.errors import ZephonConfigError
 
-__all__ = ["Check", "FrozenMap", "OptionsBase", "option", "fail"]
+__all__ = ["Check", "FrozenMap", "OptionsBase", "option", "option_class", "fail"]
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
+    """A short, never-failing description of ``value`` for error messages."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        try:
+            bits = int(value).bit_length()
+        except Exception:  # noqa: BLE001 - a broken Integral still gets a message
+            bits = 0
+        if bits > 64:
+            return f"an int of {bits} bits ({type(value).__name__})"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a repr that raises must not hide the real error
+        text = f"<{type(value).__name__} object with a failing repr>"
     if len(text) > 80:
         text = text[:77] + "..."
     return f"{text} ({type(value).__name__})"
@@ -141,25 +159,37 @@ class Int(Check):
         return value
 
 
+def _number(x: float) -> str:
+    """``2592000`` rather than ``2.592e+06`` for whole bounds."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(float(x))
+
+
 class Float(Check):
     def __init__(self, *, min: float | None = None, exclusive_min: bool = False,
-                 optional=False):
+                 max: float | None = None, optional=False):
         super().__init__(optional=optional)
-        self.min, self.exclusive_min = min, exclusive_min
-        bound = ""
+        self.min, self.exclusive_min, self.max = min, exclusive_min, max
+        bounds = []
         if min is not None:
-            bound = f" {'>' if exclusive_min else '>='} {min}"
-        self.allowed = f"a finite number{bound}"
+            bounds.append(f"{'>' if exclusive_min else '>='} {_number(min)}")
+        if max is not None:
+            bounds.append(f"<= {_number(max)}")
+        self.allowed = "a finite number" + (" " + " and ".join(bounds) if bounds else "")
 
     def _validate(self, owner, name, value):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise fail(owner, name, value, self.describe())
-        value = float(value)
+        try:
+            value = float(value)
+        except (OverflowError, ValueError, TypeError):  # 10**400, a broken Real
+            raise fail(owner, name, value, self.describe()) from None
         if not math.isfinite(value):
             raise fail(owner, name, value, self.describe())
         if self.min is not None and (
             value < self.min or (self.exclusive_min and value == self.min)
         ):
+            raise fail(owner, name, value, self.describe())
+        if self.max is not None and value > self.max:
             raise fail(owner, name, value, self.describe())
         return value
 
@@ -175,11 +205,13 @@ class Bool(Check):
 
 class Str(Check):
     def __init__(self, *, choices: tuple[str, ...] | None = None, pattern: str | None = None,
-                 optional=False):
+                 allowed: str | None = None, optional=False):
         super().__init__(optional=optional)
         self.choices = choices
         self.pattern = re.compile(pattern) if pattern else None
-        if choices:
+        if allowed:
+            self.allowed = allowed
+        elif choices:
             self.allowed = "one of " + ", ".join(repr(c) for c in choices)
         elif pattern:
             self.allowed = f"a string matching {pattern}"
@@ -197,12 +229,12 @@ class Str(Check):
 
 
 class PathStr(Check):
-    allowed = "a non-empty path (str or os.PathLike)"
+    allowed = "a non-empty path (str or os.PathLike) without NUL characters"
 
     def _validate(self, owner, name, value):
         if isinstance(value, os.PathLike):
             value = os.fspath(value)
-        if not isinstance(value, str) or not value:
+        if not isinstance(value, str) or not value or "\x00" in value:
             raise fail(owner, name, value, self.describe())
         return value
 
@@ -250,21 +282,26 @@ class Nested(Check):
 
 
 class IntKeyMap(Check):
-    """A mapping from stage index (int >= 0) to a value checked by ``value_check``."""
+    """A mapping from stage index (``0 <= int <= max_key``) to a value checked by
+    ``value_check``."""
 
-    def __init__(self, value_check: Check):
+    def __init__(self, value_check: Check, *, max_key: int):
         super().__init__(optional=False)
-        self.value_check = value_check
-        self.allowed = f"a mapping of stage index (int >= 0) to {value_check.describe()}"
+        self.value_check, self.max_key = value_check, max_key
+        self.key_allowed = f"a stage index (an int >= 0 and <= {max_key})"
+        self.allowed = (f"a mapping of stage index (int in [0, {max_key}]) to "
+                        f"{value_check.describe()}")
 
     def _validate(self, owner, name, value):
         if not isinstance(value, Mapping):
             raise fail(owner, name, value, self.describe())
         out = {}
         for key, item in value.items():
-            if isinstance(key, bool) or not isinstance(key, numbers.Integral) or key < 0:
-                raise fail(owner, f"{name}[{key!r}]", key, "a stage index (int >= 0)")
-            out[int(key)] = self.value_check.validate(owner, f"{name}[{key}]", item)
+            if isinstance(key, bool) or not isinstance(key, numbers.Integral) \
+                    or not 0 <= key <= self.max_key:
+                raise fail(owner, f"{name}[{_show(key).rsplit(' (', 1)[0]}]", key,
+                           self.key_allowed)
+            out[int(key)] = self.value_check.validate(owner, f"{name}[{int(key)}]", item)
         return FrozenMap(out)
 
     def dump(self, value):
@@ -275,20 +312,39 @@ class IntKeyMap(Check):
             return value
         out = {}
         for key, item in value.items():
-            if isinstance(key, str) and re.fullmatch(r"[0-9]+", key):
-                key = int(key)
+            if isinstance(key, str) and re.fullmatch(r"[0-9]{1,18}", key):
+                key = int(key)  # longer digit strings stay strings and are refused
             out[key] = self.value_check.load(item)
         return out
 
 
 class StrMap(Check):
-    allowed = "a mapping of str to str"
+    """A mapping of str to str; with patterns, keys and values must match them."""
+
+    def __init__(self, *, key_pattern: str | None = None, value_pattern: str | None = None,
+                 max_items: int | None = None):
+        super().__init__(optional=False)
+        self.key_pattern = re.compile(key_pattern) if key_pattern else None
+        self.value_pattern = re.compile(value_pattern) if value_pattern else None
+        self.max_items = max_items
+        self.allowed = "a mapping of str to str"
+        if key_pattern or value_pattern:
+            self.allowed += (f" (keys matching {key_pattern or '.*'}, values matching "
+                             f"{value_pattern or '.*'})")
+        if max_items is not None:
+            self.allowed += f" of at most {max_items} items"
 
     def _validate(self, owner, name, value):
         if not isinstance(value, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in value.items()
         ):
             raise fail(owner, name, value, self.describe())
+        if self.max_items is not None and len(value) > self.max_items:
+            raise fail(owner, name, value, self.describe())
+        for k, v in value.items():
+            if (self.key_pattern and not self.key_pattern.fullmatch(k)) or (
+                    self.value_pattern and not self.value_pattern.fullmatch(v)):
+                raise fail(owner, f"{name}[{k!r}]", value, self.describe())
         return FrozenMap(value)
 
     def dump(self, value):
@@ -353,6 +409,31 @@ def document(cls: type) -> type:
     return cls
 
 
+def option_class(cls: type) -> type:
+    """Finish an option class (apply after ``@dataclass``): document its fields and make
+    every constructor failure a :class:`~zephon.errors.ZephonConfigError`.
+
+    The dataclass ``__init__`` raises ``TypeError`` for a positional argument or an
+    unknown keyword; the wrapper installed here refuses both first, with the class
+    name, a did-you-mean suggestion and how to list the valid names.
+    """
+    generated = cls.__init__
+
+    @functools.wraps(generated)
+    def __init__(self, *args, **kwargs):
+        if args:
+            first = cls.field_names()[0]
+            raise ZephonConfigError(
+                f"{cls.__name__}() takes keyword arguments only, got {len(args)} positional "
+                f"argument(s) ({', '.join(_show(a) for a in args[:3])}); write e.g. "
+                f"{cls.__name__}({first}=...)")
+        cls._reject_unknown(kwargs.keys(), "__init__")
+        generated(self, **kwargs)
+
+    cls.__init__ = __init__
+    return document(cls)
+
+
 class OptionsBase:
     """Validation, dict round trip, ``replace`` and pickling for option classes."""
 
@@ -361,7 +442,14 @@ class OptionsBase:
     def __post_init__(self) -> None:
         owner = type(self).__name__
         for f in dataclasses.fields(self):
-            value = f.metadata["check"].validate(owner, f.name, getattr(self, f.name))
+            raw = getattr(self, f.name)
+            try:
+                value = f.metadata["check"].validate(owner, f.name, raw)
+            except ZephonConfigError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - e.g. a Mapping whose items() raises
+                raise fail(owner, f.name, raw, f"{f.metadata['check'].describe()} "
+                           f"(checking it raised {type(exc).__name__})") from None
             object.__setattr__(self, f.name, value)
         self._check_cross()
 
@@ -370,22 +458,34 @@ class OptionsBase:
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
+        """The names of every option of this class, in declaration order.
+
+        Example: ``RuntimeOptions.field_names()[:2] == ("runner", "run_id")``.
+        """
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
     def _reject_unknown(cls, keys, where: str) -> None:
+        """Refuse unknown option names in one short message: each unknown name with its
+        closest valid name(s), and how to list them all (not the list itself)."""
         valid = cls.field_names()
-        unknown = [k for k in keys if k not in valid]
+        unknown = [k for k in keys if not isinstance(k, str) or k not in valid]
         if not unknown:
             return
         parts = []
-        for key in unknown:
-            close = difflib.get_close_matches(str(key), valid, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            parts.append(f"{key!r}{hint}")
+        for key in unknown[:5]:
+            close = difflib.get_close_matches(key, valid, n=2) if isinstance(key, str) else []
+            shown = _show(key).rsplit(" (", 1)[0] if isinstance(key, str) else _show(key)
+            if len(close) == 1:
+                shown += f" (did you mean {close[0]!r}?)"
+            elif close:
+                shown += f" (did you mean {close[0]!r} or {close[1]!r}?)"
+            parts.append(shown)
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        label = f"{cls.__name__}()" if where == "__init__" else f"{cls.__name__}.{where}"
         raise ZephonConfigError(
-            f"{cls.__name__}.{where}: unknown key(s) {', '.join(parts)}; "
-            f"valid keys: {', '.join(valid)}"
+            f"{label}: unknown option(s) {', '.join(parts)}{more}; "
+            f"{cls.__name__}.field_names() lists the {len(valid)} valid names"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -404,13 +504,23 @@ class OptionsBase:
             )
         cls._reject_unknown(data.keys(), "from_dict")
         checks = {f.name: f.metadata["check"] for f in dataclasses.fields(cls)}
-        kwargs = {k: (None if v is None else checks[k].load(v)) for k, v in data.items()}
+        kwargs = {}
+        for key, value in data.items():
+            try:
+                kwargs[key] = None if value is None else checks[key].load(value)
+            except ZephonConfigError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - garbage nested in a mapping field
+                raise fail(cls.__name__, key, value, f"{checks[key].describe()} (reading it "
+                           f"raised {type(exc).__name__})") from None
         return cls(**kwargs)
 
     def replace(self, **changes):
         """A copy with ``changes`` applied (validated like a fresh object)."""
         self._reject_unknown(changes.keys(), "replace")
-        return dataclasses.replace(self, **changes)
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values.update(changes)
+        return type(self)(**values)
 
     def __reduce__(self):
         return (type(self).from_dict, (self.to_dict(),))

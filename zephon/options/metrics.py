@@ -11,13 +11,18 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from zephon.options.limits import MAX_SECONDS
 from zephon.options._spec import (
-    Bool, FrozenMap, Float, Int, OptionsBase, Str, StrMap, document, option,
+    Bool, FrozenMap, Float, Int, OptionsBase, Str, StrMap, option, option_class,
 )
 
 __all__ = ["ExecutionTrackingMode", "MetricsSinkConfig", "METRICS_SINK_MODES"]
 
 METRICS_SINK_MODES = ("log", "statsd", "both")
+# An IPv4 address or a DNS name (labels of 1-63 letters, digits and hyphens): anything
+# else fails inside sendto() with an encoding error rather than an OSError.
+_HOSTNAME = (r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9\-]{0,61}[A-Za-z0-9])?"
+             r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9\-]{0,61}[A-Za-z0-9])?)*\.?")
 
 
 class ExecutionTrackingMode(str, enum.Enum):
@@ -31,7 +36,7 @@ class ExecutionTrackingMode(str, enum.Enum):
         return self.value
 
 
-@document
+@option_class
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MetricsSinkConfig(OptionsBase):
     """Destination of pipeline metrics."""
@@ -41,25 +46,30 @@ class MetricsSinkConfig(OptionsBase):
         doc="log: the zephon.metrics logger; statsd: UDP statsd; both: each of them.",
     )
     namespace: str = option(
-        "zephon.pipeline", check=Str(pattern=r"[A-Za-z0-9_.\-]+"),
+        "zephon.pipeline", check=Str(pattern=r"[A-Za-z0-9_.\-]{1,200}"),
         doc="Prefix of every metric name.",
     )
     statsd_host: str = option(
-        "127.0.0.1", check=Str(), doc="statsd host (mode statsd or both).",
+        "127.0.0.1", check=Str(pattern=_HOSTNAME, allowed="an IPv4 address or a DNS name"),
+        doc="statsd host (mode statsd or both): an IPv4 address or a DNS name.",
     )
     statsd_port: int = option(
         8125, check=Int(min=1, max=65535), doc="statsd UDP port.",
     )
     default_tags: FrozenMap = option(
-        FrozenMap(), check=StrMap(), doc="Tags added to every metric (str -> str).",
+        FrozenMap(), check=StrMap(key_pattern=r"[A-Za-z0-9_.\-/]{1,200}",
+                                  value_pattern=r"[A-Za-z0-9_.\-/:@+]{0,200}", max_items=64),
+        doc="Tags added to every metric (str -> str), sent as DogStatsD tags: ASCII "
+            "without the separators , | # and spaces.",
     )
     json_logs: bool = option(
         False, check=Bool(), doc="Log metrics as one JSON object per line instead of text.",
     )
     max_batch_size: int = option(
-        32, check=Int(min=1), doc="Metrics buffered before a send.",
+        32, check=Int(min=1, max=1024),
+        doc="Metric lines per statsd datagram; at most 1024 (a datagram holds 64 KiB).",
     )
     flush_interval_s: float = option(
-        5.0, check=Float(min=0.0, exclusive_min=True),
+        5.0, check=Float(min=0.0, exclusive_min=True, max=MAX_SECONDS),
         doc="Longest time a buffered metric waits before it is sent.",
     )

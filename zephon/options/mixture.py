@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zephon.options._spec import Bool, Int, OptionsBase, Str, document, option
+from zephon.options.limits import MAX_SEED
+from zephon.options._spec import Bool, Int, OptionsBase, Str, option, option_class
 
 __all__ = ["MixtureReadConfig", "MIXTURE_MODES", "WITHIN_COMPONENT_MODES"]
 
@@ -18,7 +19,7 @@ MIXTURE_MODES = ("weighted_round_robin", "weighted_random")
 WITHIN_COMPONENT_MODES = ("as_is", "shuffle")
 
 
-@document
+@option_class
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MixtureReadConfig(OptionsBase):
     """Read policy of ``sources.mixture``."""
@@ -28,8 +29,9 @@ class MixtureReadConfig(OptionsBase):
         doc="weighted_round_robin: smooth deterministic schedule; weighted_random: seeded draws.",
     )
     seed: int = option(
-        0, check=Int(min=0),
-        doc="Seed of the component schedule and of within-component shuffles.",
+        0, check=Int(min=0, max=MAX_SEED),
+        doc="Seed of the component schedule and of within-component shuffles (an unsigned "
+            "64-bit int: it travels in checkpoints).",
     )
     precompute: bool = option(
         True, check=Bool(),

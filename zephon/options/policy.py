@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zephon.options.limits import MAX_COUNT, MAX_JOB_WORKERS, MAX_RETRIES, MAX_SECONDS
 from zephon.options._spec import (
-    Bool, Float, Int, OptionsBase, PathStr, Str, StrTuple, document, option,
+    Bool, Float, Int, OptionsBase, PathStr, Str, StrTuple, option, option_class,
 )
 
 __all__ = ["RunPolicy", "BACKENDS", "FAILURE_POLICIES", "PARALLEL_MODES"]
@@ -24,13 +25,15 @@ FAILURE_POLICIES = ("continue", "fail_fast")
 PARALLEL_MODES = ("persistent", "isolated")
 
 
-@document
+@option_class
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunPolicy(OptionsBase):
     """Execution policy of ``zephon.jobs.run``."""
 
     workers: int = option(
-        1, check=Int(min=1), doc="Concurrent worker processes (process backend).",
+        1, check=Int(min=1, max=MAX_JOB_WORKERS),
+        doc="Concurrent worker processes (process backend); at most 1024 (each is a "
+            "process with its own pipes).",
     )
     backend: str = option(
         "serial", check=Str(choices=BACKENDS),
@@ -38,19 +41,21 @@ class RunPolicy(OptionsBase):
             "timeout forces process (it cannot be enforced in-process).",
     )
     subject_timeout_sec: float | None = option(
-        900.0, check=Float(min=0.0, exclusive_min=True, optional=True),
+        900.0, check=Float(min=0.0, exclusive_min=True, max=MAX_SECONDS, optional=True),
         doc="Seconds a subject may run, counted from when it starts in the worker; on expiry "
             "the worker's process group is terminated, then killed after "
-            "graceful_shutdown_sec. None disables.",
+            "graceful_shutdown_sec. None disables; at most 30 days (longer waits overflow "
+            "the runtime's timeouts).",
     )
     subject_spawn_timeout_sec: float | None = option(
-        120.0, check=Float(min=0.0, exclusive_min=True, optional=True),
+        120.0, check=Float(min=0.0, exclusive_min=True, max=MAX_SECONDS, optional=True),
         doc="Seconds a worker (first start or replacement) may take to become ready, "
-            "callable unpickled and setup() done; None disables.",
+            "callable unpickled and setup() done; None disables; at most 30 days.",
     )
     graceful_shutdown_sec: float = option(
-        15.0, check=Float(min=0.0, exclusive_min=True),
-        doc="Grace between terminate and kill, for timeouts, fail_fast and Ctrl-C.",
+        15.0, check=Float(min=0.0, exclusive_min=True, max=MAX_SECONDS),
+        doc="Grace between terminate and kill, for timeouts, fail_fast and Ctrl-C; at most "
+            "30 days.",
     )
     on_subject_failure: str = option(
         "continue", check=Str(choices=FAILURE_POLICIES),
@@ -63,7 +68,7 @@ class RunPolicy(OptionsBase):
             "rest of the run, retry rounds included.",
     )
     oom_reduce_workers_by: int = option(
-        1, check=Int(min=1),
+        1, check=Int(min=1, max=MAX_JOB_WORKERS),
         doc="Workers removed per OOM back-off; the concurrency never drops below one.",
     )
     cap_workers_to_gpu_pool: bool = option(
@@ -86,7 +91,7 @@ class RunPolicy(OptionsBase):
             "subject.",
     )
     auto_retry_rounds: int = option(
-        2, check=Int(min=0),
+        2, check=Int(min=0, max=MAX_RETRIES),
         doc="Extra rounds within one run for subjects that failed; 0 disables.",
     )
     retry_failed_subjects: bool = option(
@@ -108,11 +113,11 @@ class RunPolicy(OptionsBase):
         doc="A store written under another fingerprint raises instead of being ignored.",
     )
     persistent_worker_max_consecutive_failures: int = option(
-        1, check=Int(min=1),
+        1, check=Int(min=1, max=MAX_RETRIES),
         doc="Restart a persistent worker after this many consecutive failed subjects.",
     )
     persistent_worker_recycle_after_tasks: int = option(
-        0, check=Int(min=0),
+        0, check=Int(min=0, max=MAX_COUNT),
         doc="Replace a persistent worker after this many successes (0 = never); its last "
             "result is never lost.",
     )

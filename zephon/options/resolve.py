@@ -5,7 +5,7 @@ A numeric knob left at ``None`` is derived through one cascade (SPEC §8)::
     max_workers            = explicit, else clamp(os.cpu_count(), 4, 16)
     prefetch_batches       = explicit, else max(8, 2 * max_workers)
     op_queue_capacity      = explicit, else max(8, prefetch_batches)
-    mtp_buffer             = explicit, else max(4, prefetch_batches // 2)
+    mtp_buffer             = explicit, else min(4096, max(4, prefetch_batches // 2))
     mtp_prefetch           = explicit, else min(mtp_buffer, max(4, mtp_buffer // 10))
     default_stage_prefetch = explicit, else max(4, prefetch_batches // 4)  (process)
                                             max(8, prefetch_batches // 2)  (threads, inline)
@@ -36,6 +36,7 @@ import re
 from typing import Any, NamedTuple, Sequence
 
 from zephon.errors import ZephonConfigError
+from zephon.options.limits import MAX_MTP_BUFFER
 
 __all__ = [
     "resolve_max_workers",
@@ -88,7 +89,7 @@ def resolve_op_queue_capacity(opts, *, cpu_count: int | None = None) -> int:
 def resolve_mtp_buffer(opts, *, cpu_count: int | None = None) -> int:
     if opts.mtp_buffer is not None:
         return opts.mtp_buffer
-    return max(4, resolve_prefetch_batches(opts, cpu_count=cpu_count) // 2)
+    return min(MAX_MTP_BUFFER, max(4, resolve_prefetch_batches(opts, cpu_count=cpu_count) // 2))
 
 
 def resolve_mtp_prefetch(opts, *, cpu_count: int | None = None) -> int:

@@ -21,11 +21,16 @@ from typing import Any
 from zephon.errors import ZephonConfigError
 from zephon.options._spec import (
     Bool, EnumOf, Float, FrozenMap, Int, IntKeyMap, MpContext, Nested, OptionsBase,
-    PathStr, Str, document, option,
+    PathStr, Str, option, option_class,
 )
 from zephon.options.metrics import ExecutionTrackingMode, MetricsSinkConfig
 from zephon.options.mixture import MixtureReadConfig
 from zephon.options import resolve as _r
+from zephon.options.limits import (
+    MAX_BYTES, MAX_CANONICAL_REPLICAS, MAX_MTP_BUFFER, MAX_QUEUE_DEPTH, MAX_RATIO,
+    MAX_RETRIES, MAX_SECONDS, MAX_SOCKET_BUFFER_BYTES, MAX_STAGE_INDEX, MAX_WORKERS,
+    MAX_WORLD_SIZE,
+)
 from zephon.options.store import StoreOptions
 
 __all__ = [
@@ -46,7 +51,7 @@ WORKER_ALLOCATIONS = ("fit_to_ops", "per_stage_fixed", "global", "autotune")
 _AGGREGATE_STORE = r"torch://([A-Za-z0-9_.\-]+:[0-9]{1,5})?"
 
 
-@document
+@option_class
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RuntimeOptions(OptionsBase):
     """How the engine runs a pipeline: runners, workers, queues, transport, ranks."""
@@ -61,7 +66,7 @@ class RuntimeOptions(OptionsBase):
         doc="Name of this run in logs, metrics and shared-memory/aggregation names.",
     )
     per_stage_runner: FrozenMap = option(
-        FrozenMap(), check=IntKeyMap(Str(choices=RUNNERS)),
+        FrozenMap(), check=IntKeyMap(Str(choices=RUNNERS), max_key=MAX_STAGE_INDEX),
         doc="Runner per stage index; wins over runner (debugging and tuning).",
     )
     mp_context: Any = option(
@@ -76,9 +81,10 @@ class RuntimeOptions(OptionsBase):
             "reserved (NotImplementedError).",
     )
     max_workers: int | None = option(
-        None, check=Int(min=1, optional=True),
+        None, check=Int(min=1, max=MAX_WORKERS, optional=True),
         doc="Workers per stage or in total (see worker_allocation); None = cpu_count "
-            "clamped to [4, 16].",
+            "clamped to [4, 16]. At most 127: a shared-memory region token has 7 bits "
+            "for its owning worker.",
     )
     deterministic: bool = option(
         True, check=Bool(),
@@ -86,21 +92,21 @@ class RuntimeOptions(OptionsBase):
             "releases in completion order.",
     )
     prefetch_batches: int | None = option(
-        None, check=Int(min=1, optional=True),
+        None, check=Int(min=1, max=MAX_QUEUE_DEPTH, optional=True),
         doc="Batches buffered at the pipeline tail ahead of the consumer; None = "
             "max(8, 2 * max_workers).",
     )
     default_stage_prefetch: int | None = option(
-        None, check=Int(min=1, optional=True),
+        None, check=Int(min=1, max=MAX_QUEUE_DEPTH, optional=True),
         doc="Items buffered between stages; None = max(4, prefetch // 4) for process stages, "
             "max(8, prefetch // 2) for thread/inline stages.",
     )
     per_stage_prefetch: FrozenMap = option(
-        FrozenMap(), check=IntKeyMap(Int(min=1)),
+        FrozenMap(), check=IntKeyMap(Int(min=1, max=MAX_QUEUE_DEPTH), max_key=MAX_STAGE_INDEX),
         doc="Prefetch depth per stage index; wins over default_stage_prefetch.",
     )
     op_queue_capacity: int | None = option(
-        None, check=Int(min=1, optional=True),
+        None, check=Int(min=1, max=MAX_QUEUE_DEPTH, optional=True),
         doc="In-flight items between ops inside a stage; None = max(8, prefetch_batches).",
     )
     ipc_transport: str = option(
@@ -109,9 +115,9 @@ class RuntimeOptions(OptionsBase):
             "per-user pipe budget, memfd arena) or pipe (stock multiprocessing).",
     )
     ipc_buffer_bytes: int = option(
-        DEFAULT_IPC_BUFFER_BYTES, check=Int(min=4 * KiB),
+        DEFAULT_IPC_BUFFER_BYTES, check=Int(min=4 * KiB, max=MAX_SOCKET_BUFFER_BYTES),
         doc="Kernel buffer requested per socketpair channel; the kernel may clamp it (a "
-            "warning says so).",
+            "warning says so). At most 1 GiB: setsockopt takes a C int.",
     )
     mixture_config: MixtureReadConfig | None = option(
         None, check=Nested(MixtureReadConfig, optional=True),
@@ -127,10 +133,10 @@ class RuntimeOptions(OptionsBase):
             "stages without batch-shape sensitive ops; False disables it there entirely.",
     )
     flush_every_k_chunks: int | None = option(
-        None, check=Int(min=0, optional=True),
+        None, check=Int(min=0, max=MAX_QUEUE_DEPTH, optional=True),
         doc="Flush sentinel every K chunks per lane (replay boundaries for history-dependent "
             "ops); None = 8 if an op breaks cursor order, else 0; 0 with such an op is an "
-            "error.",
+            "error. At most 65536: a restore replays up to K lane chunks.",
     )
     shutdown_mode: str = option(
         "graceful", check=Str(choices=("graceful", "hard")),
@@ -148,42 +154,47 @@ class RuntimeOptions(OptionsBase):
             "finished batches.",
     )
     mtp_buffer: int | None = option(
-        None, check=Int(min=1, optional=True),
-        doc="Batches in flight on the MTP channel; None = max(4, prefetch_batches // 2).",
+        None, check=Int(min=1, max=MAX_MTP_BUFFER, optional=True),
+        doc="Batches in flight on the MTP channel; None = max(4, prefetch_batches // 2) "
+            "(at most 4096 either way).",
     )
     mtp_buffer_bytes: int = option(
-        DEFAULT_MTP_BUFFER_BYTES, check=Int(min=4 * KiB),
+        DEFAULT_MTP_BUFFER_BYTES, check=Int(min=4 * KiB, max=MAX_SOCKET_BUFFER_BYTES),
         doc="Kernel buffer requested for the MTP channel (clamped by the kernel, with a "
-            "warning).",
+            "warning). At most 1 GiB: setsockopt takes a C int.",
     )
     mtp_prefetch: int | None = option(
-        None, check=Int(min=0, optional=True),
+        None, check=Int(min=0, max=MAX_MTP_BUFFER, optional=True),
         doc="Batches a low-priority consumer-side thread receives ahead; None = "
             "max(4, mtp_buffer // 10) (at most mtp_buffer); 0 disables the thread.",
     )
     mtp_auto_checkpoint: bool = option(
         True, check=Bool(),
-        doc="Capture the final state from the MTP subprocess when iteration completes.",
+        doc="Capture the final state from the MTP subprocess when iteration completes; "
+            "with world_size > 1 that is a checkpoint merged across ranks (it needs "
+            "aggregate_dir and waits for every rank up to aggregate_timeout_s).",
     )
     world_size: int = option(
-        1, check=Int(min=1), doc="Number of ranks in the job.",
+        1, check=Int(min=1, max=MAX_WORLD_SIZE), doc="Number of ranks in the job.",
     )
     global_rank: int = option(
-        0, check=Int(min=0), doc="This rank, 0 <= global_rank < world_size.",
+        0, check=Int(min=0, max=MAX_WORLD_SIZE - 1),
+        doc="This rank, 0 <= global_rank < world_size.",
     )
     dp_degree: int | None = option(
-        None, check=Int(min=1, optional=True),
+        None, check=Int(min=1, max=MAX_CANONICAL_REPLICAS, optional=True),
         doc="Number of data-parallel groups (data partitions); None = world_size; must "
-            "divide world_size.",
+            "divide world_size. Each group owns a canonical lane, so at most 4096.",
     )
     dp_group_id: int | None = option(
-        None, check=Int(min=0, optional=True),
+        None, check=Int(min=0, max=MAX_CANONICAL_REPLICAS - 1, optional=True),
         doc="Data partition of this rank; None = global_rank // (world_size // dp_degree).",
     )
     canonical_replicas: int | None = option(
-        None, check=Int(min=1, optional=True),
+        None, check=Int(min=1, max=MAX_CANONICAL_REPLICAS, optional=True),
         doc="Number of canonical lanes C (fixed for the life of a training run: restore "
-            "needs the same C); None = dp_degree; must be >= dp_degree.",
+            "needs the same C); None = dp_degree; must be >= dp_degree. At most 4096 "
+            "(one lane stream and one lane state each; the state must fit a checkpoint).",
     )
     mapping_strategy: str | None = option(
         None, check=Str(choices=("contiguous", "interleaved"), optional=True),
@@ -200,34 +211,34 @@ class RuntimeOptions(OptionsBase):
         doc="Group a message's eligible arrays by dtype into shared regions.",
     )
     shm_min_item_bytes: int = option(
-        4096, check=Int(min=0),
+        4096, check=Int(min=0, max=MAX_BYTES),
         doc="Private values smaller than this travel in-band.",
     )
     shm_min_new_allocation_bytes: int = option(
-        2 * MiB, check=Int(min=0),
+        2 * MiB, check=Int(min=0, max=MAX_BYTES),
         doc="A coalesced group with fewer useful bytes travels in-band instead.",
     )
     shm_min_forward_bytes: int = option(
-        128 * KiB, check=Int(min=0),
+        128 * KiB, check=Int(min=0, max=MAX_BYTES),
         doc="Views of an existing region summing to fewer bytes are copied in-band instead "
             "of forwarded.",
     )
     shm_compact_above_ratio: float | None = option(
-        8.0, check=Float(min=1.0, optional=True),
+        8.0, check=Float(min=1.0, max=MAX_RATIO, optional=True),
         doc="Compact views of a region larger than useful bytes x ratio (with enough "
             "saving); None disables compaction.",
     )
     shm_compact_min_savings_bytes: int = option(
-        16 * MiB, check=Int(min=0),
+        16 * MiB, check=Int(min=0, max=MAX_BYTES),
         doc="Least bytes a compaction must free to be worth it.",
     )
     shm_max_coalesced_bytes: int | None = option(
-        16 * MiB, check=Int(min=1, optional=True),
+        16 * MiB, check=Int(min=1, max=MAX_BYTES, optional=True),
         doc="Largest coalesced region (a larger single value stands alone); None = "
             "unlimited.",
     )
     max_worker_retries: int = option(
-        3, check=Int(min=0),
+        3, check=Int(min=0, max=MAX_RETRIES),
         doc="Re-dispatches of a sequence whose worker died by a signal; 0 disables.",
     )
     aggregate_dir: str | None = option(
@@ -240,8 +251,9 @@ class RuntimeOptions(OptionsBase):
             "(MASTER_ADDR/MASTER_PORT) or 'torch://host:port'.",
     )
     aggregate_timeout_s: float = option(
-        180.0, check=Float(min=0.0, exclusive_min=True),
-        doc="Budget of one checkpoint exchange; at least 90 s for a cloud aggregate_dir.",
+        180.0, check=Float(min=0.0, exclusive_min=True, max=MAX_SECONDS),
+        doc="Budget of one checkpoint exchange; at least 90 s for a cloud aggregate_dir; "
+            "at most 30 days (longer waits overflow thread and selector timeouts).",
     )
     aggregate_serializer: str = option(
         "msgpack", check=Str(choices=("json", "msgpack")),
@@ -277,6 +289,10 @@ class RuntimeOptions(OptionsBase):
             raise bad("dp_group_id", f"got {group}; expected 0 <= dp_group_id < dp_degree "
                                      f"({dp})")
         lanes = _r.resolve_canonical_replicas(self)
+        if lanes > MAX_CANONICAL_REPLICAS:  # derived from dp_degree = world_size
+            raise bad("dp_degree", f"got {dp} (derived from world_size={self.world_size}); "
+                                   f"expected <= {MAX_CANONICAL_REPLICAS} data-parallel "
+                                   "groups: set dp_degree (ranks of a group share data)")
         if lanes < dp:
             raise bad("canonical_replicas", f"got {lanes}; expected >= dp_degree ({dp}) so "
                                             "every data-parallel group owns a lane")
@@ -284,6 +300,12 @@ class RuntimeOptions(OptionsBase):
             raise bad("aggregate_store", "set at most one of aggregate_dir and "
                                          f"aggregate_store (got {self.aggregate_dir!r} and "
                                          f"{self.aggregate_store!r})")
+        if self.mtp_mode and self.mtp_auto_checkpoint and self.world_size > 1 \
+                and self.aggregate_dir is None:
+            raise bad("mtp_auto_checkpoint", "with mtp_mode and world_size > 1 the final "
+                      "state is a checkpoint merged across ranks, which needs aggregate_dir "
+                      "(aggregate_store cannot exchange states yet); set aggregate_dir or "
+                      "mtp_auto_checkpoint=False")
         if self.mtp_prefetch is not None:
             buffer = _r.resolve_mtp_buffer(self)
             if self.mtp_prefetch > buffer:

@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zephon.errors import ZephonConfigError
-from zephon.options._spec import Bool, Float, Int, OptionsBase, PathStr, document, option
+from zephon.options.limits import MAX_CACHE_BYTES, MAX_RETRIES, MAX_SECONDS
+from zephon.options._spec import Bool, Float, Int, OptionsBase, PathStr, option, option_class
 
 __all__ = ["StoreOptions"]
 
 
-@document
+@option_class
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreOptions(OptionsBase):
     """I/O behaviour of sources: local caching of remote files and retries."""
@@ -29,27 +30,27 @@ class StoreOptions(OptionsBase):
         doc="Directory of the local cache; None means ~/.cache/zephon (or $ZEPHON_CACHE_DIR).",
     )
     cache_limit_bytes: int | None = option(
-        None, check=Int(min=1, optional=True),
+        None, check=Int(min=1, max=MAX_CACHE_BYTES, optional=True),
         doc="Evict least recently used cached files above this many bytes; None = unbounded.",
     )
     download_retry: int = option(
-        12, check=Int(min=0),
+        12, check=Int(min=0, max=MAX_RETRIES),
         doc="Retries of a failed remote download before the error reaches the pipeline.",
     )
     download_timeout_s: float = option(
-        180.0, check=Float(min=0.0, exclusive_min=True),
-        doc="Seconds one remote download attempt may take.",
+        180.0, check=Float(min=0.0, exclusive_min=True, max=MAX_SECONDS),
+        doc="Seconds one remote download attempt may take (at most 30 days).",
     )
     open_retry_attempts: int = option(
-        5, check=Int(min=1),
+        5, check=Int(min=1, max=MAX_RETRIES),
         doc="Attempts to open a file (transient errors such as a stale NFS handle).",
     )
     retry_backoff_initial_s: float = option(
-        0.1, check=Float(min=0.0),
+        0.1, check=Float(min=0.0, max=MAX_SECONDS),
         doc="First back-off between retries; doubles each retry up to retry_backoff_max_s.",
     )
     retry_backoff_max_s: float = option(
-        2.0, check=Float(min=0.0),
+        2.0, check=Float(min=0.0, max=MAX_SECONDS),
         doc="Longest back-off between retries.",
     )
 
