@@ -6,7 +6,8 @@ callable and the subjects are the job; the policy can change without changing
 any result (seeds belong to the job, and to its fingerprint).
 
 The effective backend is a resolver (:func:`zephon.options.resolve_backend`):
-``process`` when requested or when a subject timeout is set.
+``ray`` when requested; else ``process`` when requested or when a subject
+timeout is set.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from zephon.options._spec import (
 
 __all__ = ["RunPolicy", "BACKENDS", "FAILURE_POLICIES", "PARALLEL_MODES"]
 
-BACKENDS = ("serial", "process")
+BACKENDS = ("serial", "process", "ray")
 FAILURE_POLICIES = ("continue", "fail_fast")
 PARALLEL_MODES = ("persistent", "isolated")
 
@@ -30,12 +31,17 @@ class RunPolicy(OptionsBase):
     """Execution policy of ``zephon.jobs.run``."""
 
     workers: int = option(
-        1, check=Int(min=1), doc="Concurrent worker processes (process backend).",
+        1, check=Int(min=1),
+        doc="Concurrent worker processes (process backend); concurrent subjects on the Ray "
+            "cluster (ray backend).",
     )
     backend: str = option(
         "serial", check=Str(choices=BACKENDS),
-        doc="serial runs subjects in this process; process in spawned workers. A subject "
-            "timeout forces process (it cannot be enforced in-process).",
+        doc="serial runs subjects in this process; process in spawned workers; ray as Ray "
+            "actors (persistent mode) or tasks (isolated mode) on the cluster ray.init "
+            "reaches (RAY_ADDRESS, else a local one; needs the zephon[ray] extra). A subject "
+            "timeout turns serial into process (it cannot be enforced in-process); ray stays "
+            "ray (a timeout kills the Ray worker).",
     )
     subject_timeout_sec: float | None = option(
         900.0, check=Float(min=0.0, exclusive_min=True, optional=True),

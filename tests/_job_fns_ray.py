@@ -1,0 +1,27 @@
+"""Job callables for the Ray backend tests (module level: Ray workers import them by name,
+so the tests put this directory on the workers' PYTHONPATH).
+
+Subjects are the dicts of :mod:`_job_fns` (``subject_id``, ``dir``, ``action``, ``arg``);
+``where`` runs them through :func:`_job_fns.work` and adds which Ray node and process ran
+the subject, so a test can assert where subjects landed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import _job_fns as J
+
+
+def where(subject):
+    """``{"value": work(subject), "node": <Ray node id>, "pid": <worker pid>}``."""
+    import ray
+
+    value = J.work(subject)
+    return {"value": value, "node": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid()}
+
+
+def noop(subject):
+    """Returns the subject unchanged (for overhead and batching checks)."""
+    return subject
