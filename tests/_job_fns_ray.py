@@ -25,3 +25,16 @@ def where(subject):
 def noop(subject):
     """Returns the subject unchanged (for overhead and batching checks)."""
     return subject
+
+
+def kill_once(subject):
+    """SIGKILLs its own worker process on the first attempt (a marker file remembers it),
+    then runs :func:`_job_fns.work` like any other subject."""
+    import signal
+
+    marker = os.path.join(subject["dir"], f"{subject['subject_id']}.killed")
+    if not os.path.exists(marker):
+        with open(marker, "w") as fh:
+            fh.write(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    return J.work(subject)

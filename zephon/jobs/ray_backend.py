@@ -359,14 +359,14 @@ class RayBackend:
             else:
                 actor.pid, actor.node = answer
                 actor.state = "idle"
-        if not any(a.state in ("idle", "busy") for a in self.actors) and \
-                timeout is not None and now - min(a.created for a in starting) > timeout:
+        placing = [a for a in self.actors if a.state == "placing"]
+        if timeout is not None and placing and len(placing) == len(self.actors) and \
+                now - min(a.created for a in placing) > timeout:
             raise JobSetupError(
-                f"no Ray job worker became ready within {timeout} s "
+                f"no Ray job worker could be placed within {timeout} s "
                 "(subject_spawn_timeout_sec): the cluster has no free "
-                f"{'GPU' if self.gpu else 'CPU'} for a worker, the callable cannot be "
-                f"loaded, or setup() hangs (cluster resources now: "
-                f"{self.ray.available_resources()})")
+                f"{'GPU' if self.gpu else 'CPU'} for a worker, or its worker processes "
+                f"fail to start (cluster resources now: {self.ray.available_resources()})")
 
     def _node_alive(self, exc, actor: _Actor | None) -> bool:
         if actor is not None and actor.node is not None:
@@ -399,6 +399,7 @@ class RayBackend:
             (index, subject), = items
             ref = self.task.remote(self.fn_ref, subject, self.gpu)
         self.calls[ref] = _Call(ref, items, actor, self._deadline(len(items)))
+        self.stats["batched_calls"] += len(items) > 1
 
     def run_round(self, items: list[tuple[int, Any]]) -> Iterator[Outcome]:
         """Run ``(index, subject)`` items; yields one :class:`Outcome` per item, in
