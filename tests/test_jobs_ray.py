@@ -28,7 +28,7 @@ ray = pytest.importorskip(
 import _job_fns as J  # noqa: E402
 import _job_fns_ray as R  # noqa: E402
 from _procs import alive  # noqa: E402
-from zephon import SubjectTimeoutError, WorkerCrashedError  # noqa: E402
+from zephon import SubjectTimeoutError, WorkerCrashedError, ZephonConfigError  # noqa: E402
 from zephon.jobs import CheckpointStore, JobSetupError, RunPolicy, run  # noqa: E402
 from zephon.options import backend_reason, resolve_backend  # noqa: E402
 
@@ -48,11 +48,13 @@ class RayClusters:
         os.environ["PYTHONPATH"] = os.pathsep.join(
             p for p in (TESTS, self.old_pythonpath) if p)
 
-    def local(self) -> None:
-        if self.kind != "local":
+    def local(self, num_gpus: int = 0) -> None:
+        """A local cluster with 2 CPUs (and ``num_gpus`` GPU resources: Ray only counts
+        them, so they need no hardware)."""
+        if self.kind != ("local", num_gpus):
             self.stop()
-            ray.init(num_cpus=2, include_dashboard=False)
-            self.kind = "local"
+            ray.init(num_cpus=2, num_gpus=num_gpus, include_dashboard=False)
+            self.kind = ("local", num_gpus)
 
     def two_nodes(self):
         """A fresh head (2 CPUs) plus a second node (2 CPUs); returns (cluster, node)."""
@@ -330,6 +332,21 @@ def test_ctrl_c_cancels_the_tasks_and_keeps_the_store(tmp_path):
     assert len(os.listdir(os.path.join(store, "ok"))) == 1
     assert os.listdir(os.path.join(store, "failed")) == []
     assert not [f for f in os.listdir(os.path.join(store, "ok")) if f.startswith(".tmp")]
+
+
+def test_cap_workers_to_gpu_pool_uses_the_cluster_gpus(tmp_path, clusters):
+    clusters.local()
+    with pytest.raises(ZephonConfigError, match="Ray cluster has no GPU"):
+        list(run(J.work, subjects(tmp_path, 1), RunPolicy(
+            backend="ray", cap_workers_to_gpu_pool=True, resume=False), progress=False))
+    clusters.local(num_gpus=2)  # CUDA_VISIBLE_DEVICES of this process plays no part
+    subs = subjects(tmp_path / "g", 6, "ok")
+    r, out = go(J.work, subs, "ray", workers=4, cap_workers_to_gpu_pool=True, resume=False)
+    assert all(x.ok for x in out)
+    assert "ray workers: 2 (capped to the cluster's 2 GPU(s)" in r.explain()
+    assert {x.value["slot"] for x in out} == {"0", "1"}  # one GPU id per actor
+    pids = {x.value["pid"]: x.value["slot"] for x in out}
+    assert len(pids) == 2 and len(set(pids.values())) == 2
 
 
 # -- two nodes (last: it replaces the local cluster) -----------------------------------

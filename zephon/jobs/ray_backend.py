@@ -262,7 +262,7 @@ class RayBackend:
                     "RunPolicy.cap_workers_to_gpu_pool is on but the Ray cluster has no GPU "
                     f"resource (cluster resources: {sorted(resources)})")
             workers = min(workers, self.gpu_count)
-        self.concurrency = workers
+        self.workers = self.concurrency = workers
         self.nodes = self._alive_nodes()
         try:
             self.fn_ref = ray.put(fn)
@@ -289,9 +289,13 @@ class RayBackend:
 
     def describe(self) -> list[str]:
         """Lines for ``explain()`` once connected: cluster, nodes, resources."""
-        return [f"  ray cluster: {self.cluster}; {len(self.nodes)} node(s), "
-                f"{self.cluster_cpus:g} CPU(s)"
-                + (f", {self.gpu_count} GPU(s)" if self.gpu_count is not None else "")]
+        lines = [f"  ray cluster: {self.cluster}; {len(self.nodes)} node(s), "
+                 f"{self.cluster_cpus:g} CPU(s)"
+                 + (f", {self.gpu_count} GPU(s)" if self.gpu_count is not None else "")]
+        if self.gpu_count is not None:
+            lines.append(f"  ray workers: {self.workers} (capped to the cluster's "
+                         f"{self.gpu_count} GPU(s); each requests num_gpus=1)")
+        return lines
 
     def _disconnect(self) -> None:
         if self.owns_connection and self.ray.is_initialized():

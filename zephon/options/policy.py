@@ -47,12 +47,13 @@ class RunPolicy(OptionsBase):
         900.0, check=Float(min=0.0, exclusive_min=True, optional=True),
         doc="Seconds a subject may run, counted from when it starts in the worker; on expiry "
             "the worker's process group is terminated, then killed after "
-            "graceful_shutdown_sec. None disables.",
+            "graceful_shutdown_sec (ray backend: the Ray worker is killed). None disables.",
     )
     subject_spawn_timeout_sec: float | None = option(
         120.0, check=Float(min=0.0, exclusive_min=True, optional=True),
         doc="Seconds a worker (first start or replacement) may take to become ready, "
-            "callable unpickled and setup() done; None disables.",
+            "callable unpickled and setup() done (ray backend: an actor's setup() from when Ray "
+            "placed it); None disables.",
     )
     graceful_shutdown_sec: float = option(
         15.0, check=Float(min=0.0, exclusive_min=True),
@@ -65,8 +66,9 @@ class RunPolicy(OptionsBase):
     )
     oom_backoff: bool = option(
         True, check=Bool(),
-        doc="After an OOM (MemoryError, or death by SIGKILL) lower the concurrency for the "
-            "rest of the run, retry rounds included.",
+        doc="After an OOM (MemoryError, or death by SIGKILL; on ray also Ray's memory "
+            "monitor or a worker that died while its node stayed up) lower the concurrency for "
+            "the rest of the run, retry rounds included.",
     )
     oom_reduce_workers_by: int = option(
         1, check=Int(min=1),
@@ -75,7 +77,8 @@ class RunPolicy(OptionsBase):
     cap_workers_to_gpu_pool: bool = option(
         False, check=Bool(),
         doc="Cap workers to the visible GPU count and give each worker a distinct "
-            "ZEPHON_GPU_SLOT.",
+            "ZEPHON_GPU_SLOT (ray backend: the cluster's GPU resources; each worker requests "
+            "num_gpus=1 and its slot is the GPU id Ray assigned).",
     )
     resume: bool = option(
         True, check=Bool(),
