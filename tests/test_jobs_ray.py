@@ -236,6 +236,22 @@ def test_backend_ray_stays_ray_with_a_timeout_and_says_why():
 
 
 @pytest.mark.ci
+def test_isolated_tasks_time_out_by_force_cancel_and_count_a_sigkill_as_oom(tmp_path, on_ray):
+    subs = subjects(tmp_path, 4, "ok")
+    subs[1]["action"] = "hang_with_child"
+    subs[2]["action"] = "kill_self"
+    r, out = go(J.work, subs, on_ray, workers=2, parallel_mode="isolated",
+                subject_timeout_sec=4.0, auto_retry_rounds=0, resume=False)
+    assert [x.ok for x in out] == [True, False, False, True]
+    assert isinstance(out[1].error, SubjectTimeoutError) and r.summary["timeouts"] == 1
+    assert isinstance(out[2].error, WorkerCrashedError) and r.summary["oom_backoffs"] == 1
+    hung = [int(f.split(".")[1]) for f in os.listdir(subs[1]["dir"])
+            if f.startswith("S001.") and f.endswith(".start")]
+    child = int(open(os.path.join(subs[1]["dir"], "S001.child")).read())
+    assert wait_dead(hung + [child]) == []
+
+
+@pytest.mark.ci
 def test_explain_names_the_cluster_and_ray_runs_elsewhere(tmp_path, on_ray):
     r, out = go(R.where, subjects(tmp_path, 3), on_ray, workers=2, resume=False)
     text = r.explain()
