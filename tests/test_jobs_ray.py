@@ -30,6 +30,7 @@ import _job_fns as J  # noqa: E402
 import _job_fns_ray as R  # noqa: E402
 from _procs import alive  # noqa: E402
 from zephon import SubjectTimeoutError, WorkerCrashedError, ZephonConfigError  # noqa: E402
+from zephon.errors import SerializationError  # noqa: E402
 from zephon.jobs import CheckpointStore, JobSetupError, RunPolicy, run  # noqa: E402
 from zephon.options import backend_reason, resolve_backend  # noqa: E402
 
@@ -223,6 +224,17 @@ def test_oom_backoff_lowers_concurrency_for_the_rest_of_the_run(tmp_path, backen
         assert isinstance(out[0].error, WorkerCrashedError) and "SIGKILL" in str(out[0].error)
     else:
         assert isinstance(out[0].error, MemoryError)
+
+
+@pytest.mark.ci
+def test_a_subject_that_cannot_be_serialized_fails_alone(tmp_path, backend):
+    import threading
+
+    subs = subjects(tmp_path, 3, "ok")
+    subs[1] = {**subs[1], "lock": threading.Lock()}
+    r, out = go(J.work, subs, backend, workers=2, auto_retry_rounds=0, resume=False)
+    assert [x.ok for x in out] == [True, False, True]
+    assert isinstance(out[1].error, SerializationError)
 
 
 # -- Ray only --------------------------------------------------------------------------

@@ -249,7 +249,12 @@ class RayBackend:
         self.cluster = describe_cluster()
         if self.owns_connection:
             address = os.environ.get("RAY_ADDRESS") or None
-            ray.init(address=address, logging_level=logging.WARNING)
+            try:
+                ray.init(address=address, logging_level=logging.WARNING)
+            except Exception as exc:  # noqa: BLE001 - unreachable cluster, bad address
+                raise ZephonConfigError(
+                    f"RunPolicy(backend='ray') could not reach a Ray cluster "
+                    f"(RAY_ADDRESS={address!r}): {type(exc).__name__}: {exc}") from exc
         self.gpu = bool(policy.cap_workers_to_gpu_pool)
         self.gpu_count = None
         resources = ray.cluster_resources()
@@ -391,19 +396,31 @@ class RayBackend:
         by_spread = queued // (2 * max(1, self.concurrency))
         return max(1, min(MAX_BATCH, by_time, by_spread))
 
-    def _deadline(self, n: int) -> float | None:
+    def _deadline(self) -> float | None:
         timeout = self.policy.subject_timeout_sec
         return None if timeout is None else time.monotonic() + timeout
 
-    def _submit(self, items: list, actor: _Actor | None) -> None:
+    def _submit(self, items: list, actor: _Actor | None, singles) -> Outcome | None:
+        """Hand ``items`` to ``actor`` (or to a new task). A subject Ray cannot serialize
+        is that subject's failure; a batch holding one is split into single calls."""
+        try:
+            if actor is not None:
+                ref = actor.handle.run.remote([s for _, s in items])
+            else:
+                (index, subject), = items
+                ref = self.task.remote(self.fn_ref, subject, self.gpu)
+        except Exception as exc:  # noqa: BLE001 - Ray's serializer refused an argument
+            if len(items) > 1:
+                singles.extend(items)
+                return None
+            return Outcome(items[0][0], False, None, SerializationError(
+                f"subject {items[0][0]} cannot be serialized for Ray: "
+                f"{type(exc).__name__}: {exc}"), 0.0, "error")
         if actor is not None:
-            ref = actor.handle.run.remote([s for _, s in items])
             actor.state = "busy"
-        else:
-            (index, subject), = items
-            ref = self.task.remote(self.fn_ref, subject, self.gpu)
-        self.calls[ref] = _Call(ref, items, actor, self._deadline(len(items)))
+        self.calls[ref] = _Call(ref, items, actor, self._deadline())
         self.stats["batched_calls"] += len(items) > 1
+        return None
 
     def run_round(self, items: list[tuple[int, Any]]) -> Iterator[Outcome]:
         """Run ``(index, subject)`` items; yields one :class:`Outcome` per item, in
@@ -425,14 +442,20 @@ class RayBackend:
                 self._check_starting()
                 for actor in [a for a in self.actors if a.state == "idle"]:
                     if singles:
-                        self._submit([singles.popleft()], actor)
+                        batch = [singles.popleft()]
                     elif queue:
-                        size = self._batch_size(len(queue))
-                        self._submit([queue.popleft() for _ in range(min(size, len(queue)))],
-                                     actor)
+                        size = min(self._batch_size(len(queue)), len(queue))
+                        batch = [queue.popleft() for _ in range(size)]
+                    else:
+                        break
+                    refused = self._submit(batch, actor, singles)
+                    if refused is not None:
+                        yield refused
             else:
                 while (queue or singles) and len(self.calls) < self.concurrency:
-                    self._submit([(singles or queue).popleft()], None)
+                    refused = self._submit([(singles or queue).popleft()], None, singles)
+                    if refused is not None:
+                        yield refused
             yield from self._wait(singles)
 
     def _wait(self, singles) -> Iterator[Outcome]:
