@@ -31,7 +31,9 @@ import _job_fns_ray as R  # noqa: E402
 from _procs import alive  # noqa: E402
 from zephon import SubjectTimeoutError, WorkerCrashedError, ZephonConfigError  # noqa: E402
 from zephon.errors import SerializationError  # noqa: E402
-from zephon.jobs import CheckpointStore, JobSetupError, RunPolicy, run  # noqa: E402
+from zephon.jobs import (  # noqa: E402
+    CheckpointStore, JobSetupError, RecordedFailure, RunPolicy, run,
+)
 from zephon.options import backend_reason, resolve_backend  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -311,6 +313,43 @@ def test_short_subjects_are_batched_without_changing_results(tmp_path, on_ray):
     r, out = go(J.work, subs, on_ray, workers=2, resume=False, auto_retry_rounds=0)
     assert [x.ok for x in out] == [i != 250 for i in range(300)]
     assert isinstance(out[250].error, ValueError)
+
+
+@pytest.mark.ci
+@pytest.mark.parametrize("action", ["sleep", "kill_self"])
+def test_a_batch_that_hangs_or_dies_is_split_and_blames_one_subject(tmp_path, on_ray, action):
+    subs = subjects(tmp_path, 400, "ok")
+    subs[300] = {**subs[300], "action": action, "arg": 600}
+    r, out = go(J.work, subs, on_ray, workers=2, subject_timeout_sec=4.0,
+                auto_retry_rounds=0, resume=False)
+    assert r.backend.stats["batched_calls"] > 0
+    assert [x.ok for x in out] == [i != 300 for i in range(400)]
+    assert all(x.attempts == 1 for x in out)
+    if action == "sleep":
+        assert isinstance(out[300].error, SubjectTimeoutError)
+        assert r.summary["timeouts"] == 1 and r.summary["oom_backoffs"] == 0
+    else:
+        assert isinstance(out[300].error, WorkerCrashedError)
+        assert r.summary["timeouts"] == 0 and r.summary["oom_backoffs"] == 1
+
+
+@pytest.mark.ci
+def test_the_store_is_shared_with_the_process_backend(tmp_path, on_ray):
+    store = str(tmp_path / "ckpt")
+    subs = subjects(tmp_path, 4, "ok")
+    subs[3] = {**subs[3], "action": "raise"}
+    r, first = go(J.work, subs, "process", workers=2, checkpoint_dir=store,
+                  auto_retry_rounds=0)
+    assert [x.ok for x in first] == [True, True, True, False]
+    r, again = go(J.work, subs, on_ray, workers=2, checkpoint_dir=store)
+    assert [x.from_cache for x in again] == [True] * 4
+    assert isinstance(again[3].error, RecordedFailure)
+    fixed = subs[:3] + [{**subs[3], "action": "ok"}]
+    r, third = go(J.work, fixed, on_ray, workers=2, checkpoint_dir=store,
+                  retry_failed_subjects=True, force_rerun_subjects=("S000",))
+    assert [x.from_cache for x in third] == [False, True, True, False]
+    assert all(x.ok for x in third) and third[0].value["pid"] != first[0].value["pid"]
+    assert os.listdir(os.path.join(store, "failed")) == []
 
 
 INTERRUPT = textwrap.dedent("""
