@@ -38,3 +38,13 @@ def kill_once(subject):
             fh.write(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)
     return J.work(subject)
+
+
+def gpu_slot(subject):
+    """Sleeps ``subject["arg"]`` seconds, then reports ``ZEPHON_GPU_SLOT``, the
+    ``CUDA_VISIBLE_DEVICES`` Ray set, and the worker pid."""
+    import time
+
+    time.sleep(subject.get("arg") or 0)
+    return {"slot": os.environ.get("ZEPHON_GPU_SLOT"),
+            "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid()}

@@ -55,7 +55,9 @@ Batching: in persistent mode, when subjects turn out to be short (mean run time
 under ``BATCH_TARGET_S`` / 8), several subjects go to an actor in one call
 (batch size chosen so a call stays near ``BATCH_TARGET_S``, never more than
 ``MAX_BATCH``, and never so large that some workers idle). Each subject still
-gets its own outcome and duration; a failure of one subject is its own. Batching
+gets its own outcome and duration; a failure of one subject is its own, and a
+batch stops where the failures call for a restart (the rest go to the next
+actor), as it stops where a recycle is due. Batching
 never changes outcomes: when a batch call runs past the subject timeout, or its
 actor dies, its subjects are run again one per call (not counted as attempts),
 so the timeout, the crash or the OOM is attributed to the one subject that
@@ -184,8 +186,17 @@ class _SubjectActor:
             setup()
         return _where()
 
-    def run(self, subjects: list) -> list[tuple]:
-        return [_call(self.fn, s) for s in subjects]
+    def run(self, subjects: list, failures: int, limit: int) -> list[tuple]:
+        """Run ``subjects`` in order; stop early once ``limit`` consecutive failures
+        (counting the ``failures`` this actor already had) call for a restart."""
+        out = []
+        for subject in subjects:
+            result = _call(self.fn, subject)
+            out.append(result)
+            failures = 0 if result[0] else failures + 1
+            if failures >= limit:
+                break
+        return out
 
 
 def _isolated_task(fn, subject, gpu: bool) -> list[tuple]:
@@ -405,7 +416,9 @@ class RayBackend:
         is that subject's failure; a batch holding one is split into single calls."""
         try:
             if actor is not None:
-                ref = actor.handle.run.remote([s for _, s in items])
+                ref = actor.handle.run.remote(
+                    [s for _, s in items], actor.failures,
+                    self.policy.persistent_worker_max_consecutive_failures)
             else:
                 (index, subject), = items
                 ref = self.task.remote(self.fn_ref, subject, self.gpu)
@@ -434,7 +447,9 @@ class RayBackend:
             if self.persistent:
                 live = [a for a in self.actors if a.state != "gone"]
                 want = min(self.concurrency, outstanding)
-                for actor in [a for a in live if a.state == "idle"][: max(0, len(live) - want)]:
+                spare = [a for a in live if a.state in ("placing", "starting")] + \
+                    [a for a in live if a.state == "idle"]  # keep warm actors first
+                for actor in spare[: max(0, len(live) - want)]:
                     self._retire(actor)  # after an OOM back-off, or when work runs out
                     live.remove(actor)
                 while len(live) < want:
@@ -445,6 +460,9 @@ class RayBackend:
                         batch = [singles.popleft()]
                     elif queue:
                         size = min(self._batch_size(len(queue)), len(queue))
+                        recycle = self.policy.persistent_worker_recycle_after_tasks
+                        if recycle:  # a batch never carries an actor past its recycle
+                            size = max(1, min(size, recycle - actor.successes))
                         batch = [queue.popleft() for _ in range(size)]
                     else:
                         break
@@ -498,6 +516,8 @@ class RayBackend:
         if actor is not None and actor.state == "busy":
             actor.state = "idle"
         where = f"Ray worker pid {actor.pid}" if actor is not None else "a Ray task"
+        for item in reversed(call.items[len(results):]):  # not run: the actor restarts
+            singles.appendleft(item)
         for (index, _), (ok, value, duration, tb, blob, oom) in zip(call.items, results):
             self.durations.append(duration)
             if ok:
