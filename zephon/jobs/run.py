@@ -108,9 +108,9 @@ class JobRun:
         self.keys = [cache_key_of(fn, s, sid) for s, sid in zip(self.subjects, self.ids)]
         self.backend_name = resolve_backend(policy)
         self.backend_reason = backend_reason(policy)
-        self.workers = policy.workers if self.backend_name == "process" else 1
+        self.workers = policy.workers if self.backend_name in ("process", "ray") else 1
         self.gpu_count = None
-        if policy.cap_workers_to_gpu_pool:
+        if policy.cap_workers_to_gpu_pool and self.backend_name != "ray":  # ray: cluster GPUs
             self.gpu_count = visible_gpu_count()
             if self.gpu_count == 0:
                 raise ZephonConfigError(
@@ -142,6 +142,9 @@ class JobRun:
             f"  store: {self.store_dir or 'none'} (resume {p.resume}, fingerprint "
             f"{self.fingerprint!r}, strict {p.strict_checkpoint_hash})",
         ]
+        if self.backend_name == "ray":
+            from zephon.jobs.ray_backend import explain_lines
+            lines += explain_lines(self.backend, self.store_dir)
         return "\n".join(lines)
 
     def __iter__(self) -> Iterator[SubjectResult]:
@@ -150,6 +153,9 @@ class JobRun:
     def _make_backend(self):
         if self.backend_name == "serial":
             return SerialBackend(self.fn)
+        if self.backend_name == "ray":
+            from zephon.jobs.ray_backend import RayBackend
+            return RayBackend(self.fn, self.policy, self.workers)
         return ProcessBackend(self.fn, self.policy, self.workers,
                               gpu_slots=self.policy.cap_workers_to_gpu_pool,
                               mp_context=self.mp_context)

@@ -6,7 +6,8 @@ callable and the subjects are the job; the policy can change without changing
 any result (seeds belong to the job, and to its fingerprint).
 
 The effective backend is a resolver (:func:`zephon.options.resolve_backend`):
-``process`` when requested or when a subject timeout is set.
+``ray`` when requested; else ``process`` when requested or when a subject
+timeout is set.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from zephon.options._spec import (
 
 __all__ = ["RunPolicy", "BACKENDS", "FAILURE_POLICIES", "PARALLEL_MODES"]
 
-BACKENDS = ("serial", "process")
+BACKENDS = ("serial", "process", "ray")
 FAILURE_POLICIES = ("continue", "fail_fast")
 PARALLEL_MODES = ("persistent", "isolated")
 
@@ -32,25 +33,29 @@ class RunPolicy(OptionsBase):
 
     workers: int = option(
         1, check=Int(min=1, max=MAX_JOB_WORKERS),
-        doc="Concurrent worker processes (process backend); at most 1024 (each is a "
-            "process with its own pipes).",
+        doc="Concurrent worker processes (process backend); concurrent subjects on the Ray "
+            "cluster (ray backend); at most 1024.",
     )
     backend: str = option(
         "serial", check=Str(choices=BACKENDS),
-        doc="serial runs subjects in this process; process in spawned workers. A subject "
-            "timeout forces process (it cannot be enforced in-process).",
+        doc="serial runs subjects in this process; process in spawned workers; ray as Ray "
+            "actors (persistent mode) or tasks (isolated mode) on the cluster ray.init "
+            "reaches (RAY_ADDRESS, else a local one; needs the zephon[ray] extra). A subject "
+            "timeout turns serial into process (it cannot be enforced in-process); ray stays "
+            "ray (a timeout kills the Ray worker).",
     )
     subject_timeout_sec: float | None = option(
         900.0, check=Float(min=0.0, exclusive_min=True, max=MAX_SECONDS, optional=True),
         doc="Seconds a subject may run, counted from when it starts in the worker; on expiry "
             "the worker's process group is terminated, then killed after "
-            "graceful_shutdown_sec. None disables; at most 30 days (longer waits overflow "
-            "the runtime's timeouts).",
+            "graceful_shutdown_sec (ray backend: the Ray worker is killed). None disables; "
+            "at most 30 days (longer waits overflow the runtime's timeouts).",
     )
     subject_spawn_timeout_sec: float | None = option(
         120.0, check=Float(min=0.0, exclusive_min=True, max=MAX_SECONDS, optional=True),
         doc="Seconds a worker (first start or replacement) may take to become ready, "
-            "callable unpickled and setup() done; None disables; at most 30 days.",
+            "callable unpickled and setup() done (ray backend: an actor's setup() from when Ray "
+            "placed it); None disables; at most 30 days.",
     )
     graceful_shutdown_sec: float = option(
         15.0, check=Float(min=0.0, exclusive_min=True, max=MAX_SECONDS),
@@ -64,8 +69,9 @@ class RunPolicy(OptionsBase):
     )
     oom_backoff: bool = option(
         True, check=Bool(),
-        doc="After an OOM (MemoryError, or death by SIGKILL) lower the concurrency for the "
-            "rest of the run, retry rounds included.",
+        doc="After an OOM (MemoryError, or death by SIGKILL; on ray also Ray's memory "
+            "monitor or a worker that died while its node stayed up) lower the concurrency for "
+            "the rest of the run, retry rounds included.",
     )
     oom_reduce_workers_by: int = option(
         1, check=Int(min=1, max=MAX_JOB_WORKERS),
@@ -74,7 +80,8 @@ class RunPolicy(OptionsBase):
     cap_workers_to_gpu_pool: bool = option(
         False, check=Bool(),
         doc="Cap workers to the visible GPU count and give each worker a distinct "
-            "ZEPHON_GPU_SLOT.",
+            "ZEPHON_GPU_SLOT (ray backend: the cluster's GPU resources; each worker requests "
+            "num_gpus=1 and its slot is the GPU id Ray assigned).",
     )
     resume: bool = option(
         True, check=Bool(),

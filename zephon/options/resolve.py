@@ -219,7 +219,10 @@ def resolve_stage_workers(opts, stage_parallelism: Sequence[int], *,
 
 
 def resolve_backend(policy) -> str:
-    """Effective jobs backend: ``process`` when asked or when a subject timeout is set."""
+    """Effective jobs backend: ``ray`` when asked (it enforces a subject timeout by
+    cancelling the task); else ``process`` when asked or when a subject timeout is set."""
+    if policy.backend == "ray":
+        return "ray"
     if policy.backend == "process" or policy.subject_timeout_sec is not None:
         return "process"
     return "serial"
@@ -227,6 +230,12 @@ def resolve_backend(policy) -> str:
 
 def backend_reason(policy) -> str:
     """One sentence saying why :func:`resolve_backend` chose what it chose."""
+    if policy.backend == "ray":
+        if policy.subject_timeout_sec is not None:
+            return ("backend='ray' was requested; subject_timeout_sec="
+                    f"{policy.subject_timeout_sec} is enforced by cancelling the Ray task "
+                    "(killing its worker)")
+        return "backend='ray' was requested"
     if policy.backend == "process":
         return "backend='process' was requested"
     if policy.subject_timeout_sec is not None:
