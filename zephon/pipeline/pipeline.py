@@ -30,12 +30,9 @@ import queue
 import threading
 import weakref
 
-from zephon.checkpoint import aggregate_through_dir, decode_state, encode_state
+from zephon.checkpoint import decode_state, exchange_state
 from zephon.errors import CheckpointError, ZephonConfigError
-from zephon.options import (
-    RuntimeOptions, resolve_aggregate_timeout_s, resolve_canonical_replicas,
-    resolve_mtp_prefetch,
-)
+from zephon.options import RuntimeOptions, resolve_canonical_replicas, resolve_mtp_prefetch
 from zephon.pipeline import ops as O
 from zephon.pipeline.engine import Engine, LaneState, Plan
 from zephon.pipeline.sources import Source
@@ -336,24 +333,8 @@ class Pipeline:
                 "group": plan.group}
 
     def checkpoint(self) -> bytes:
-        o = self.runtime
-        local = self._local_state()
-        if o.world_size == 1:
-            return encode_state(local, o.aggregate_serializer, o.aggregate_compressor)
-        if o.aggregate_store is not None:
-            raise NotImplementedError(
-                f"aggregate_store={o.aggregate_store!r}: exchanging states through torch's "
-                "TCPStore is not available yet; use aggregate_dir (a directory every rank "
-                "can reach)")
-        if o.aggregate_dir is None:
-            raise ZephonConfigError(
-                "checkpoint() with world_size > 1 needs aggregate_dir (a directory every rank "
-                "can reach) so that the ranks can merge their states")
-        self._rounds += 1
-        return aggregate_through_dir(
-            local, directory=o.aggregate_dir, run_id=o.run_id, round_no=self._rounds,
-            rank=o.global_rank, world=o.world_size, timeout_s=resolve_aggregate_timeout_s(o),
-            serializer=o.aggregate_serializer, compressor=o.aggregate_compressor)
+        self._rounds += 1  # collective: the n-th call on every rank is round n
+        return exchange_state(self._local_state(), self.runtime, self._rounds)
 
     def restore(self, state: bytes) -> None:
         decoded = decode_state(state)
