@@ -4,46 +4,15 @@ quickly. Ranks are real processes (tests/_aggregate_rank.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
+from _aggregate_rank import launch  # noqa: F401  (fixture)
 from test_pipeline_elastic import C, interleave, key, pipeline
 from zephon import RuntimeOptions
 from zephon.checkpoint import decode_state, encode_state, merge_states
 from zephon.checkpoint.aggregate import arrival_grace_s, owned_lanes
 from zephon.errors import CheckpointError
 from zephon.pipeline import lanes as pipeline_lanes
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
-
-
-@pytest.fixture
-def launch(tmp_path):
-    """``launch(configs) -> [(returncode, stderr)]``: one process per rank config, all
-    started at once; every process is killed and reaped even if the test fails."""
-    procs = []
-
-    def run(configs, timeout=120):
-        started = []
-        for cfg in configs:
-            cfg = dict(cfg)
-            cfg.setdefault("out", str(tmp_path / f"state-{cfg['tag']}-{cfg['rank']}"))
-            proc = subprocess.Popen([sys.executable, os.path.join(TESTS, "_aggregate_rank.py"),
-                                     json.dumps({k: v for k, v in cfg.items() if k != "tag"})],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            procs.append(proc)
-            started.append(proc)
-        return [(p.wait(timeout=timeout), p.communicate()[1]) for p in started]
-
-    yield run
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
 
 
 def expected_after(delivered_per_lane: int):

@@ -11,9 +11,10 @@ Which store:
 When zephon opens the connection itself it is a client, except that rank 0
 hosts the server when nobody else does: outside torchrun's agent store
 (``TORCHELASTIC_USE_AGENT_STORE`` not ``True``) and when the address is not
-the default process group's. A hosting rank 0 waits, after publishing the
-merged record, until every rank has read it (or the deadline), so it can exit
-right after ``checkpoint()``. Connections are cached per address for the life
+the default process group's. Rank 0 waits, after publishing the merged
+record, until every rank has read it (or the deadline): the server may live
+in rank 0's process (its own, or its process group's outside torchrun), and
+rank 0 may exit right after ``checkpoint()``. Connections are cached per address for the life
 of the process, so a hosted server outlives the round.
 
 Keys are ``zephon/<run_id>/...``. The round protocol is
@@ -151,8 +152,8 @@ class StoreMedium:
         self._guard("acknowledging", prefix, self.store.add, self.prefix + prefix + "/read", 1)
 
     def after_merge(self, prefix: str, world: int, deadline: float) -> None:
-        if not self.hosted:
-            return
+        # Whoever hosts the server (rank 0 itself, or rank 0 through its process group)
+        # may exit right after checkpoint(): rank 0 returns once every rank has read.
         key = self.prefix + prefix + "/read"
         while self._guard("counting", key, self.store.add, key, 0) < world - 1:
             if time.monotonic() > deadline:
