@@ -131,3 +131,88 @@ def test_s3_server_gone_mid_round_is_a_clear_error_on_every_rank(tmp_path, launc
         assert "nothing was merged" in err
     # nothing half-merged: no rank produced a state
     assert not any((tmp_path / f"state-a-{r}").exists() for r in range(2))
+
+
+def test_s3_endpoint_nobody_serves_is_a_clear_error(tmp_path, launch):
+    pytest.importorskip("s3fs")
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3_ENDPOINT_URL": endpoint,
+           "AWS_ENDPOINT_URL": endpoint}
+    (code, err), = launch([dict(tag="a", rank=0, world=2, take=2,
+                                opts={"aggregate_dir": "s3://zephon-agg/runs"})], env=env)
+    assert code == 3 and "CheckpointError" in err
+    assert "s3://zephon-agg/runs" in err and "nothing was merged" in err
+
+
+@pytest.fixture
+def silent_server():
+    """A TCP server on 127.0.0.1 that accepts connections and never answers."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    accepted = []
+    stop = threading.Event()
+
+    def accept():
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(sock.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    stop.set()
+    thread.join(5)
+    for conn in accepted:
+        conn.close()
+    sock.close()
+
+
+@pytest.mark.slow
+def test_s3_server_that_never_answers_ends_at_the_deadline(tmp_path, launch, silent_server):
+    pytest.importorskip("s3fs")
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3_ENDPOINT_URL": silent_server,
+           "AWS_ENDPOINT_URL": silent_server}
+    # a cloud aggregate_dir has a budget of at least 90 s; the rank gives up by then
+    (code, err), = launch([dict(tag="a", rank=0, world=2, take=2,
+                                opts={"aggregate_dir": "s3://zephon-agg/runs",
+                                      "aggregate_timeout_s": 90.0})], env=env, timeout=150)
+    assert code == 3
+    assert "AggregationTimeoutError" in err or "CheckpointError" in err
+    assert "s3://zephon-agg/runs" in err
+
+
+def test_rank_0_removes_the_previous_round_once_every_rank_moved_on():
+    url = f"memory://zephon-tidy-{os.getpid()}-{time.time_ns()}"
+    import fsspec
+
+    errors = []
+
+    def rank(r):
+        try:
+            pipe = pipeline().options(RuntimeOptions(world_size=2, global_rank=r,
+                                                     canonical_replicas=C, aggregate_dir=url))
+            it = iter(pipe)
+            for _ in range(3):
+                next(it)
+                pipe.checkpoint()
+            pipe.close()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    fs, root = fsspec.core.url_to_fs(url)
+    rounds = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{root}/default_run_id", detail=False))
+    assert rounds == ["round-3"]

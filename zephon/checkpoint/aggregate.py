@@ -20,6 +20,10 @@ A round (``round_no`` counts the calls of ``checkpoint()`` in this launch):
 4. A rank returns the merged state only from a ``merged`` record that lists
    its own nonce; if that record carries an error, it raises it.
 
+Tidying: once every rank has submitted to round ``n``, all of them are done
+with round ``n - 1``, and rank 0 removes it after the merge (the last round
+stays, for inspection).
+
 Invariants: every rank returns the same bytes or raises; a merged state has
 passed :func:`check_merged` (every lane in range, each lane owned by exactly
 the dp group that reported it, replicas of a group agreeing); nothing is
@@ -83,7 +87,7 @@ def _lane_entries(state: dict, who: str) -> dict:
             entry = tuple(int(v) for v in value)
         except (TypeError, ValueError):
             raise CheckpointError(f"{who}: corrupt lane entry {lane!r}: {value!r}") from None
-        if len(entry) != 4 or min(entry) < 0:
+        if not entry or min(entry) < 0:  # the pipeline checks the fields it restores
             raise CheckpointError(f"{who}: corrupt lane entry {lane!r}: {value!r}")
         out[lane_no] = entry
     return out
@@ -94,7 +98,7 @@ def check_merged(state: dict, *, groups: int | None = None, strategy: str | None
     """Refuse a merged state that cannot be right.
 
     Checks that ``lanes_total`` is a positive int, every lane is in
-    ``[0, lanes_total)`` with four non-negative ints, and (when ``owners`` maps
+    ``[0, lanes_total)`` with a position of non-negative ints, and (when ``owners`` maps
     dp group -> the lanes it reported) that each group reported only lanes it owns
     under ``groups``/``strategy``, so no lane comes from two groups.
 
@@ -264,6 +268,13 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
         medium.put(f"{base}/{token}/merged",
                    encode_state({"nonces": nonces, "state": state}, "msgpack", "none"))
         medium.after_merge(f"{base}/{token}", world, deadline)
+        if round_no > 1:
+            # every rank has submitted to this round, so every rank is done with the last one
+            try:
+                medium.remove(f"round-{round_no - 1}")
+            except Exception:  # noqa: BLE001 - tidying only
+                log.debug("could not remove round %d at %s", round_no - 1, medium.address,
+                          exc_info=True)
         return state
 
     nonce = os.urandom(8).hex()

@@ -9,6 +9,8 @@ A *medium* is a tiny key -> bytes space shared by the ranks of one run, with:
 - ``after_merge(prefix, world, deadline)`` / ``acknowledge(prefix)``: a rank
   that hosts the store waits until the others read the merged record before it
   may go away (a no-op for directories);
+- ``remove(prefix)``: drop every record under ``prefix`` (rank 0 drops the
+  previous round once every rank has moved on to the next one);
 - ``close()``.
 
 Any failure of the medium itself (a server gone, a permission error) is a
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import threading
 import time
 
@@ -72,6 +75,9 @@ class DirMedium:
             return None
         except OSError as exc:
             raise CheckpointError(f"cannot read checkpoint record {path}: {exc}") from exc
+
+    def remove(self, prefix: str) -> None:
+        shutil.rmtree(self._path(prefix), ignore_errors=True)
 
     def after_merge(self, prefix: str, world: int, deadline: float) -> None:
         return None
@@ -150,6 +156,13 @@ class FsspecMedium:
             return self._call("reading", key, self.fs.cat_file, path)
         except FileNotFoundError:
             return None
+
+    def remove(self, prefix: str) -> None:
+        path = f"{self.root}/{prefix}"
+        try:
+            self._call("removing", prefix, self.fs.rm, path, True)
+        except FileNotFoundError:
+            pass
 
     def after_merge(self, prefix: str, world: int, deadline: float) -> None:
         return None

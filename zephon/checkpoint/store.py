@@ -163,5 +163,8 @@ class StoreMedium:
                 return
             time.sleep(self.poll_s)
 
+    def remove(self, prefix: str) -> None:
+        return None  # the store lives as long as the job; its keys are small
+
     def close(self) -> None:
         return None  # connections are kept for the next round (see the module docstring)
