@@ -73,14 +73,14 @@ def test_tensors_share_the_arena_memory_and_keep_it_leased():
 
 
 def test_state_dict_round_trips_through_torch_save(tmp_path):
-    full = keys(pipeline(runner="threads", max_workers=2)._with())
-    loader = zt.loader(pipeline(runner="threads", max_workers=2))
+    full = keys(pipeline()._with())
+    loader = zt.loader(pipeline(runner="inline"))
     it = iter(loader)
     head = [next(it) for _ in range(5)]
     torch.save({"data": loader.state_dict()}, tmp_path / "ckpt.pt")
     loader.close()
     loaded = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    other = zt.loader(pipeline(runner="inline"))
+    other = zt.loader(pipeline(runner="threads", max_workers=2))
     other.load_state_dict(loaded["data"])
     assert keys(head) + keys(other) == full
 

@@ -1,7 +1,7 @@
 """End to end under torchrun: examples/train_ddp.py trains a tiny model with DDP (gloo) on
 2 ranks, checkpoints model + optimizer + data at step K, and is resumed from that file in
-new processes on 2 ranks (process runner, 2 workers), on 1 rank (threads, 3 workers) and
-on 4 ranks. The global sample stream after the resume equals the uninterrupted run's, and
+new processes on 2 ranks (process runner, 2 workers), on 1 rank (process runner, 3
+workers) and on 4 ranks (inline, as the first run). The global sample stream after the resume equals the uninterrupted run's, and
 with mapping_strategy="interleaved" every optimizer step sees the same samples: losses are
 bit-identical across world sizes."""
 
@@ -73,7 +73,7 @@ def test_resume_on_1_2_4_ranks_and_other_runners_continues_the_exact_stream(tmp_
     assert len(ids) == len(set(ids))
 
     for nproc, extra in ((2, ["--runner", "process", "--workers", "2"]),
-                         (1, ["--runner", "threads", "--workers", "3"]),
+                         (1, ["--runner", "process", "--workers", "3"]),
                          (4, [])):
         out = tmp_path / f"resumed-{nproc}"
         torchrun(nproc, out, "--resume", str(ckpt), *extra)
