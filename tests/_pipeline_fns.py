@@ -121,3 +121,9 @@ def noisy_tensor(s):
     import torch
 
     return {**s, "r": torch.rand(2)}
+
+
+def to_big_tensor(s):
+    import torch
+
+    return {"id": s["id"], "t": torch.full((1 << 14,), float(s["id"]))}

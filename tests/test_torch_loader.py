@@ -224,3 +224,18 @@ def test_validation_compares_tensors_bit_for_bit():
     assert not _same(a, a.reshape(3, 1))
     assert not _same(a, a.numpy())
     assert _same({"t": torch.arange(3)}, {"t": torch.arange(3)})
+
+
+def test_tensors_returned_by_process_workers_arrive_as_tensors_in_the_arena():
+    pipe = Pipeline(sources.from_callable(24, F.make_sample), seed=4, chunk_size=4) \
+        .map(F.to_big_tensor) \
+        .options(RuntimeOptions(runner="process", max_workers=2, auto_validation="off",
+                                shm_min_new_allocation_bytes=0))
+    seen = 0
+    for sample in pipe:
+        t = sample["t"]
+        assert isinstance(t, torch.Tensor) and torch.equal(t, torch.full_like(t, sample["id"]))
+        base = t.numpy().base  # the tensor wraps a view of an arena region: no copy
+        assert base is not None and not isinstance(base, (bytes, bytearray))
+        seen += 1
+    assert seen == 24
