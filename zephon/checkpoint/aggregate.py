@@ -245,7 +245,10 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
                 if r not in states:
                     blob = medium.get(f"{base}/{token}/rank-{r}")
                     if blob is not None:
-                        states[r] = decode_state(blob)
+                        try:
+                            states[r] = decode_state(blob)
+                        except CheckpointError as exc:
+                            fail({"kind": "error", "error": f"rank {r}'s record: {exc}"}, exc)
             if len(states) == world:
                 break
             now = time.monotonic()
