@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import _pipeline_fns as F
+import _torch_fns as T
 from zephon import Pipeline, RuntimeOptions, sources
 from zephon.errors import CheckpointError, ValidationError, ZephonConfigError
 
@@ -49,7 +50,7 @@ def test_numeric_columns_become_tensors_other_columns_and_meta_stay():
 
 def test_tensors_share_the_arena_memory_and_keep_it_leased():
     # batches made by a process stage arrive in the worker's shared-memory arena
-    pipe = Pipeline(sources.from_callable(48, F.make_big_sample), seed=2, chunk_size=4) \
+    pipe = Pipeline(sources.from_callable(48, T.make_big_sample), seed=2, chunk_size=4) \
         .batch(4).map_batch(F.total) \
         .options(RuntimeOptions(runner="process", max_workers=2,
                                 shm_min_new_allocation_bytes=0))
@@ -187,7 +188,7 @@ def test_dataset_adapter_refuses_dataloader_workers_saying_what_to_use():
 
 def tensor_pipeline(**opts):
     return Pipeline(sources.from_callable(20, F.make_sample), seed=3, chunk_size=4) \
-        .map(F.to_tensor).batch(4).options(RuntimeOptions(**opts))
+        .map(T.to_tensor).batch(4).options(RuntimeOptions(**opts))
 
 
 def test_a_deterministic_map_returning_tensors_passes_strict_validation():
@@ -196,7 +197,7 @@ def test_a_deterministic_map_returning_tensors_passes_strict_validation():
 
 
 def test_a_nondeterministic_tensor_map_is_still_caught():
-    pipe = Pipeline(sources.from_callable(20, F.make_sample), seed=3).map(F.noisy_tensor) \
+    pipe = Pipeline(sources.from_callable(20, F.make_sample), seed=3).map(T.noisy_tensor) \
         .options(RuntimeOptions(auto_validation="strict"))
     with pytest.raises(ValidationError, match="Z002"):
         list(pipe)
@@ -228,7 +229,7 @@ def test_validation_compares_tensors_bit_for_bit():
 
 def test_tensors_returned_by_process_workers_arrive_as_tensors_in_the_arena():
     pipe = Pipeline(sources.from_callable(24, F.make_sample), seed=4, chunk_size=4) \
-        .map(F.to_big_tensor) \
+        .map(T.to_big_tensor) \
         .options(RuntimeOptions(runner="process", max_workers=2, auto_validation="off",
                                 shm_min_new_allocation_bytes=0))
     seen = 0
