@@ -26,6 +26,9 @@ ALLOWED = {
     "checkpoint": {"options"},
     "pipeline": {"runners", "options", "kernels", "_kernels", "checkpoint", "transport"},
     "jobs": {"transport", "runners", "options", "kernels"},  # kernels: the dtype token
+    # the top layer: integrations may import everything below them
+    "torch": {"pipeline", "checkpoint", "transport", "runners", "options", "kernels",
+              "_kernels", "jobs"},
 }
 THIRD_PARTY_OK = {
     "options": set(),

@@ -152,9 +152,3 @@ def test_multi_rank_checkpoint_needs_an_aggregate_dir():
     with pytest.raises(Exception, match="aggregate_dir"):
         pipe.checkpoint()
 
-
-def test_aggregate_store_is_refused_clearly_until_available():
-    pipe = pipeline().options(RuntimeOptions(world_size=2, global_rank=0, canonical_replicas=C,
-                                             aggregate_store="torch://"))
-    with pytest.raises(NotImplementedError, match="use aggregate_dir"):
-        pipe.checkpoint()

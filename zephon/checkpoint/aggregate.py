@@ -1,104 +1,361 @@
-"""Merging the checkpoint state of all ranks through a shared directory.
+"""Merging the checkpoint state of all ranks into one state every rank returns.
 
-Round ``n`` of ``run_id`` lives in ``<aggregate_dir>/<run_id>/round-<n>/``.
-Every rank writes ``rank-<r>`` (atomically) with its encoded local state and a
-per-rank nonce. Rank 0 waits until every rank's file is there, checks that
-ranks of one data-parallel group agree on the lanes they share (if not, they
-did not reach the checkpoint at the same point: a missing barrier), merges the
-lanes, and writes ``merged`` listing the nonces it merged. The other ranks wait
-for a ``merged`` whose nonce list contains their own (a stale file of an
-earlier job never satisfies them). Every rank returns the same merged bytes.
-``aggregate_timeout_s`` bounds the whole exchange; a missing rank is an
-:class:`~zephon.errors.AggregationTimeoutError` naming it.
+What it owns: the exchange protocol (one checkpoint round), the merge and the
+consistency check of a merged state. Where the bytes travel is a *medium*
+(:mod:`zephon.checkpoint.media`: a local directory, an fsspec URL, torch's
+TCPStore); the protocol is the same over all of them.
+
+A round (``round_no`` counts the calls of ``checkpoint()`` in this launch):
+
+1. Rank 0 draws a fresh random token and publishes ``round-<n>/open`` naming it.
+2. Every other rank reads ``open`` and writes its local state (with its own
+   fresh nonce) to ``round-<n>/<token>/rank-<r>``. It re-reads ``open`` while
+   it waits: if the token changes (what it read was left by an earlier launch
+   of the same ``run_id``), it writes its state again under the new token.
+3. Rank 0 reads only ``round-<n>/<token>/rank-*``: under a token it drew a
+   moment ago, so a file of an earlier launch or round can never be merged.
+   It checks the states (:func:`merge_states`) and publishes
+   ``round-<n>/<token>/merged``: the merged state and the nonces it merged,
+   or the error that stopped it.
+4. A rank returns the merged state only from a ``merged`` record that lists
+   its own nonce; if that record carries an error, it raises it.
+
+Tidying: once every rank has submitted to round ``n``, all of them are done
+with round ``n - 1``, and rank 0 removes it after the merge (the last round
+stays, for inspection).
+
+Invariants: every rank returns the same bytes or raises; a merged state has
+passed :func:`check_merged` (every lane in range, each lane owned by exactly
+the dp group that reported it, replicas of a group agreeing); nothing is
+merged from another launch.
+
+Time: ``aggregate_timeout_s`` bounds the whole exchange. ``checkpoint()`` is
+collective: every rank must call it at the same step. Rank 0 waits for the
+other ranks at most :func:`arrival_grace_s` (a sixth of the budget, at most
+30 s) before it names the ranks that never called it; a rank waiting for
+rank 0 (which may be saving a model first) waits the whole budget. Either
+way the error says that every rank must call ``checkpoint()``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 from zephon.checkpoint.codec import decode_state, encode_state
-from zephon.errors import AggregationTimeoutError, CheckpointError
+from zephon.errors import AggregationTimeoutError, CheckpointError, ZephonConfigError
+from zephon.options import (
+    resolve_aggregate_timeout_s, resolve_canonical_replicas, resolve_dp_degree,
+    resolve_dp_group_id, resolve_mapping_strategy,
+)
 
-__all__ = ["aggregate_through_dir"]
+__all__ = ["exchange_state", "exchange", "merge_states", "check_merged", "owned_lanes",
+           "arrival_grace_s", "aggregate_through_dir"]
+
+log = logging.getLogger("zephon.checkpoint")
+
+_LOCAL_KEYS = ("nonce", "rank", "group", "world", "dp_degree", "mapping")
+MAX_ARRIVAL_GRACE_S = 30.0
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+def arrival_grace_s(timeout_s: float) -> float:
+    """How long rank 0 waits for a rank that has not called ``checkpoint()`` at all:
+    ``min(timeout_s / 6, 30 s)``. Ranks of a data-parallel job reach the checkpoint
+    at the same step, so a rank that is later than that is not calling it."""
+    return min(timeout_s / 6.0, MAX_ARRIVAL_GRACE_S)
 
 
-def _read(path: str) -> bytes | None:
+def owned_lanes(lanes: int, groups: int, group: int, strategy: str) -> list[int]:
+    """The canonical lanes dp group ``group`` of ``groups`` reads (the same rule as the
+    pipeline's work source; a test pins the two together)."""
+    if strategy == "interleaved":
+        return [lane for lane in range(lanes) if lane % groups == group]
+    base, extra = divmod(lanes, groups)
+    start = group * base + min(group, extra)
+    return list(range(start, start + base + (1 if group < extra else 0)))
+
+
+def _lane_entries(state: dict, who: str) -> dict:
+    lanes = state.get("lanes")
+    if not isinstance(lanes, dict):
+        raise CheckpointError(f"{who}: 'lanes' is {type(lanes).__name__}, not a mapping")
+    out = {}
+    for lane, value in lanes.items():
+        try:
+            lane_no = int(lane)
+            entry = tuple(int(v) for v in value)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{who}: corrupt lane entry {lane!r}: {value!r}") from None
+        if not entry or min(entry) < 0:  # the pipeline checks the fields it restores
+            raise CheckpointError(f"{who}: corrupt lane entry {lane!r}: {value!r}")
+        out[lane_no] = entry
+    return out
+
+
+def check_merged(state: dict, *, groups: int | None = None, strategy: str | None = None,
+                 owners: dict | None = None) -> None:
+    """Refuse a merged state that cannot be right.
+
+    Checks that ``lanes_total`` is a positive int, every lane is in
+    ``[0, lanes_total)`` with a position of non-negative ints, and (when ``owners`` maps
+    dp group -> the lanes it reported) that each group reported only lanes it owns
+    under ``groups``/``strategy``, so no lane comes from two groups.
+
+    Raises:
+        CheckpointError: naming the lane and what is wrong with it.
+    """
+    total = state.get("lanes_total")
+    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+        raise CheckpointError(f"merged state: lanes_total is {total!r}, expected an int >= 1")
+    for lane in _lane_entries(state, "merged state"):
+        if not 0 <= lane < total:
+            raise CheckpointError(f"merged state: lane {lane} is out of range "
+                                  f"[0, {total}) (canonical_replicas={total})")
+    if owners is None:
+        return
+    seen: dict[int, int] = {}
+    for group, lanes in sorted(owners.items()):
+        allowed = set(owned_lanes(total, groups, group, strategy))
+        for lane in lanes:
+            if lane not in allowed:
+                raise CheckpointError(
+                    f"merged state: dp group {group} reported lane {lane}, which it does not "
+                    f"own ({strategy} mapping of {total} lanes over {groups} groups gives it "
+                    f"{sorted(allowed)})")
+            if lane in seen:
+                raise CheckpointError(f"merged state: lane {lane} reported by dp groups "
+                                      f"{seen[lane]} and {group}")
+            seen[lane] = group
+
+
+def merge_states(states: dict) -> dict:
+    """Merge ``{rank: submitted state}`` (all ranks of one round) into one state.
+
+    Every submission carries the local pipeline state (``fingerprint``,
+    ``lanes_total``, ``lanes``) plus ``group``, ``world``, ``dp_degree`` and
+    ``mapping``. Refused with :class:`CheckpointError`: ranks that disagree on the
+    pipeline, the topology or C; a dp group with no rank; two ranks of one dp group
+    that disagree on a lane (they did not take the checkpoint at the same step); a
+    lane out of range or reported by a group that does not own it.
+
+    Returns:
+        The merged state: the pipeline fields of rank 0, the union of the lanes,
+        ``world``.
+    """
+    world = len(states)
+    if sorted(states) != list(range(world)):
+        raise CheckpointError(f"merge: expected ranks 0..{world - 1}, got {sorted(states)}")
+    first = states[0]
+    for key in ("fingerprint", "lanes_total", "world", "dp_degree", "mapping"):
+        for r in range(1, world):
+            if states[r].get(key) != first.get(key):
+                raise CheckpointError(
+                    f"ranks 0 and {r} disagree on {key} ({first.get(key)!r} vs "
+                    f"{states[r].get(key)!r}): they do not run the same pipeline and topology")
+    if first.get("world") != world:
+        raise CheckpointError(f"merge: {world} ranks submitted a state but they report "
+                              f"world_size={first.get('world')}")
+    groups, strategy = first["dp_degree"], first["mapping"]
+    first_of_group: dict[int, int] = {}
+    owners: dict[int, set] = {}
+    lanes: dict[int, tuple] = {}
+    for r in range(world):
+        group = states[r].get("group")
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < groups:
+            raise CheckpointError(f"rank {r} reports dp group {group!r}; expected 0 <= group "
+                                  f"< dp_degree ({groups})")
+        peer = first_of_group.setdefault(group, r)
+        mine = _lane_entries(states[r], f"rank {r}")
+        theirs = _lane_entries(states[peer], f"rank {peer}")
+        if mine != theirs:
+            lane = sorted(set(mine.items()) ^ set(theirs.items()))[0][0]
+            raise CheckpointError(
+                f"ranks {peer} and {r} of dp group {group} disagree on lane {lane} "
+                f"({theirs.get(lane)} vs {mine.get(lane)}); every rank must take the "
+                "checkpoint after the same number of batches (a missing barrier?)")
+        owners.setdefault(group, set()).update(mine)
+        lanes.update(mine)
+    missing_groups = sorted(set(range(groups)) - set(first_of_group))
+    if missing_groups:
+        raise CheckpointError(f"merge: no rank of dp group(s) {missing_groups} submitted a "
+                              "state")
+    merged = {k: v for k, v in first.items() if k not in _LOCAL_KEYS}
+    merged["lanes"] = {str(lane): list(lanes[lane]) for lane in sorted(lanes)}
+    merged["world"] = world
+    check_merged(merged, groups=groups, strategy=strategy, owners=owners)
+    return merged
+
+
+def _submission(local: dict, opts) -> dict:
+    return dict(local, group=resolve_dp_group_id(opts), world=opts.world_size,
+                dp_degree=resolve_dp_degree(opts), mapping=resolve_mapping_strategy(opts))
+
+
+def _raise_recorded(record: dict, address: str):
+    kind, message = record.get("kind"), str(record.get("error"))
+    if kind == "timeout":
+        raise AggregationTimeoutError(message, missing=record.get("missing") or ())
+    raise CheckpointError(f"rank 0 refused the checkpoint round ({address}): {message}")
+
+
+def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
+             timeout_s: float, serializer: str, compressor: str,
+             grace_s: float | None = None) -> bytes:
+    """Run one checkpoint round over ``medium`` (see the module docstring).
+
+    Args:
+        medium: a :mod:`zephon.checkpoint.media` medium (``put``/``get``/``address``).
+        submission: this rank's local state plus ``group``/``world``/``dp_degree``/
+            ``mapping``.
+        round_no: the round (the n-th ``checkpoint()`` of this launch, from 1).
+        grace_s: how long rank 0 waits for ranks that never arrive; default
+            :func:`arrival_grace_s` of ``timeout_s``.
+
+    Returns:
+        The merged checkpoint bytes (the same on every rank).
+
+    Raises:
+        AggregationTimeoutError: a rank did not take part in time (named).
+        CheckpointError: the states are inconsistent, or the medium failed.
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    grace = arrival_grace_s(timeout_s) if grace_s is None else min(grace_s, timeout_s)
+    base = f"round-{round_no}"
+    where = f"{medium.address} ({base})"
+    if rank == 0:
+        token = os.urandom(8).hex()
+        medium.put(f"{base}/open", encode_state({"token": token, "world": world}, "msgpack",
+                                                "none"))
+        states = {0: submission}
+
+        def fail(record: dict, exc: BaseException):
+            record["nonces"] = sorted(s.get("nonce", "") for s in states.values())
+            try:
+                medium.put(f"{base}/{token}/merged", encode_state(record, "msgpack", "none"))
+            except Exception:  # noqa: BLE001 - the error below is what matters
+                log.debug("could not publish the failure of %s", where, exc_info=True)
+            raise exc
+
+        submission = dict(submission, nonce=token, rank=0)
+        states[0] = submission
+        while len(states) < world:
+            for r in range(1, world):
+                if r not in states:
+                    blob = medium.get(f"{base}/{token}/rank-{r}")
+                    if blob is not None:
+                        try:
+                            states[r] = decode_state(blob)
+                        except CheckpointError as exc:
+                            fail({"kind": "error", "error": f"rank {r}'s record: {exc}"}, exc)
+            if len(states) == world:
+                break
+            now = time.monotonic()
+            missing = sorted(set(range(world)) - set(states))
+            if now - start > grace or now > deadline:
+                waited = min(grace, timeout_s)
+                message = (
+                    f"checkpoint round {round_no}: rank(s) {missing} did not call checkpoint() "
+                    f"within {waited:.1f} s of rank 0 ({where}); checkpoint() is collective: "
+                    "every rank must call it at the same step, not only rank 0")
+                fail({"kind": "timeout", "error": message, "missing": missing},
+                     AggregationTimeoutError(message, missing=missing))
+            time.sleep(medium.poll_s)
+        try:
+            merged = merge_states(states)
+            state = encode_state(merged, serializer, compressor)
+        except CheckpointError as exc:
+            fail({"kind": "error", "error": str(exc)}, exc)
+        nonces = sorted(s["nonce"] for s in states.values())
+        medium.put(f"{base}/{token}/merged",
+                   encode_state({"nonces": nonces, "state": state}, "msgpack", "none"))
+        medium.after_merge(f"{base}/{token}", world, deadline)
+        if round_no > 1:
+            # every rank has submitted to this round, so every rank is done with the last one
+            try:
+                medium.remove(f"round-{round_no - 1}")
+            except Exception:  # noqa: BLE001 - tidying only
+                log.debug("could not remove round %d at %s", round_no - 1, medium.address,
+                          exc_info=True)
+        return state
+
+    nonce = os.urandom(8).hex()
+    mine = encode_state(dict(submission, nonce=nonce, rank=rank), serializer, compressor)
+    submitted = None
+    while True:
+        blob = medium.get(f"{base}/open")
+        token = decode_state(blob).get("token") if blob is not None else None
+        if token is not None and token != submitted:
+            medium.put(f"{base}/{token}/rank-{rank}", mine)
+            submitted = token
+        if submitted is not None:
+            blob = medium.get(f"{base}/{submitted}/merged")
+            record = decode_state(blob) if blob is not None else None
+            if record is not None and nonce in record.get("nonces", ()):
+                medium.acknowledge(f"{base}/{submitted}")
+                if "error" in record:
+                    _raise_recorded(record, where)
+                return record["state"]
+        if time.monotonic() > deadline:
+            raise AggregationTimeoutError(
+                f"checkpoint round {round_no}: rank 0 did not publish the merged state within "
+                f"{timeout_s} s ({where}); checkpoint() is collective: every rank, rank 0 "
+                "included, must call it at the same step", missing=[0])
+        time.sleep(medium.poll_s)
+
+
+def exchange_state(local: dict, opts, round_no: int) -> bytes:
+    """The checkpoint bytes of a pipeline whose local state is ``local``.
+
+    ``local`` is ``{"fingerprint", "lanes_total", "lanes", "group"}`` of this rank;
+    ``opts`` the pipeline's RuntimeOptions; ``round_no`` the number of this
+    ``checkpoint()`` call in this launch (1, 2, ...). With one rank the state is
+    checked and encoded. With several, the ranks exchange their states through
+    ``opts.aggregate_dir`` (a path or an fsspec URL) or ``opts.aggregate_store``
+    (``torch://``, ``torch://host:port``) and every rank returns the same merged
+    bytes.
+
+    Raises:
+        ZephonConfigError: several ranks but neither aggregate_dir nor aggregate_store,
+            or a medium that cannot be used (missing package, no MASTER_ADDR).
+        AggregationTimeoutError: a rank did not take part in time (named).
+        CheckpointError: inconsistent states, or the medium failed mid-round.
+    """
+    serializer, compressor = opts.aggregate_serializer, opts.aggregate_compressor
+    if opts.world_size == 1:
+        state = {k: v for k, v in local.items() if k != "group"}
+        state["world"] = 1
+        check_merged(state)
+        return encode_state(state, serializer, compressor)
+    if opts.aggregate_dir is None and opts.aggregate_store is None:
+        raise ZephonConfigError(
+            "checkpoint() with world_size > 1 needs aggregate_dir (a directory or fsspec URL "
+            "every rank can reach) or aggregate_store='torch://' so that the ranks can merge "
+            "their states")
+    if resolve_canonical_replicas(opts) != local.get("lanes_total"):
+        raise CheckpointError("local state and options disagree on canonical_replicas")
+    from zephon.checkpoint.media import open_medium
+
+    timeout_s = resolve_aggregate_timeout_s(opts)
+    medium = open_medium(opts, timeout_s)
     try:
-        with open(path, "rb") as fh:
-            return fh.read()
-    except FileNotFoundError:
-        return None
+        return exchange(medium, _submission(local, opts), round_no=round_no,
+                        rank=opts.global_rank, world=opts.world_size, timeout_s=timeout_s,
+                        serializer=serializer, compressor=compressor)
+    finally:
+        medium.close()
 
 
 def aggregate_through_dir(local: dict, *, directory: str, run_id: str, round_no: int,
                           rank: int, world: int, timeout_s: float,
                           serializer: str, compressor: str) -> bytes:
-    """Exchange ``local`` (``{"lanes": {...}, "group": g, ...}``) and return the merged
-    checkpoint bytes."""
-    folder = os.path.join(directory, run_id, f"round-{round_no}")
-    os.makedirs(folder, exist_ok=True)
-    nonce = os.urandom(8).hex()
-    mine = dict(local, nonce=nonce, rank=rank)
-    _atomic_write(os.path.join(folder, f"rank-{rank}"), encode_state(mine, serializer,
-                                                                     compressor))
-    deadline = time.monotonic() + timeout_s
-    merged_path = os.path.join(folder, "merged")
-    if rank == 0:
-        states = {}
-        while len(states) < world:
-            for r in range(world):
-                if r not in states:
-                    blob = _read(os.path.join(folder, f"rank-{r}"))
-                    if blob is not None:
-                        states[r] = decode_state(blob)
-            if len(states) < world:
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(world)) - set(states))
-                    raise AggregationTimeoutError(
-                        f"checkpoint round {round_no}: rank(s) {missing} did not write their "
-                        f"state to {folder} within {timeout_s} s", missing=missing)
-                time.sleep(0.02)
-        lanes: dict = {}
-        first_of_group: dict = {}
-        for r in range(world):
-            group = states[r].get("group")
-            peer = first_of_group.setdefault(group, r)
-            mine = {k: tuple(v) for k, v in states[r]["lanes"].items()}
-            theirs = {k: tuple(v) for k, v in states[peer]["lanes"].items()}
-            if mine != theirs:
-                diff = sorted(set(theirs.items()) ^ set(mine.items()), key=str)[:1]
-                lane = diff[0][0] if diff else "?"
-                raise CheckpointError(
-                    f"ranks {peer} and {r} of dp group {group} disagree on lane {lane} "
-                    f"({states[peer]['lanes'].get(lane)} vs {states[r]['lanes'].get(lane)}); "
-                    "every rank must take the checkpoint after the same number of batches "
-                    "(a missing barrier?)")
-            lanes.update(states[r]["lanes"])
-        merged = dict(states[0], lanes=lanes, nonces=sorted(s["nonce"] for s in states.values()),
-                      world=world)
-        merged.pop("nonce", None)
-        merged.pop("rank", None)
-        blob = encode_state(merged, serializer, compressor)
-        _atomic_write(merged_path, blob)
-        return blob
-    while True:
-        blob = _read(merged_path)
-        if blob is not None:
-            state = decode_state(blob)
-            if nonce in state.get("nonces", ()):
-                return blob
-        if time.monotonic() > deadline:
-            raise AggregationTimeoutError(
-                f"checkpoint round {round_no}: rank 0 did not publish the merged state in "
-                f"{folder} within {timeout_s} s", missing=[0])
-        time.sleep(0.02)
+    """Compatibility entry point: one round through a local directory, with a
+    contiguous mapping and one dp group per rank (prefer :func:`exchange_state`)."""
+    from zephon.checkpoint.media import DirMedium
+
+    submission = dict(local, world=world, dp_degree=world, mapping="contiguous")
+    submission.setdefault("group", rank)
+    medium = DirMedium(os.path.join(directory, run_id))
+    return exchange(medium, submission, round_no=round_no, rank=rank, world=world,
+                    timeout_s=timeout_s, serializer=serializer, compressor=compressor)

@@ -318,16 +318,28 @@ class _ShuffleState:
 
 
 def collate(values: list) -> dict:
-    """Dict samples -> dict of stacked arrays (lists where values are ragged or not numeric)."""
+    """Dict samples -> dict of stacked arrays (lists where values are ragged or not numeric).
+
+    A column of torch tensors of one shape, dtype and device is stacked with
+    ``torch.stack`` as a column of arrays is with ``np.stack``."""
     if not values:
         return {}
     if not all(isinstance(v, dict) for v in values):
         raise ZephonConfigError("batch: samples must be dicts to be collated, got "
                                 f"{type(next(v for v in values if not isinstance(v, dict))).__name__}")
+    import sys
+
     keys = list(values[0])
     out = {}
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)  # never imports torch
     for key in keys:
         column = [v.get(key) for v in values]
+        if tensor is not None and all(isinstance(c, tensor) for c in column):
+            if len({(c.shape, c.dtype, c.device) for c in column}) == 1:
+                out[key] = sys.modules["torch"].stack(column)
+            else:
+                out[key] = column
+            continue
         arrays = [np.asarray(c) if isinstance(c, (np.ndarray, np.generic, int, float, bool))
                   else None for c in column]
         if all(a is not None for a in arrays) and len({(a.shape, a.dtype) for a in arrays}) == 1:

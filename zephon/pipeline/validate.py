@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import sys
 import warnings
 
 import numpy as np
@@ -28,6 +29,20 @@ __all__ = ["validate"]
 
 
 def _same(a, b) -> bool:
+    """Equal values, bit for bit where arrays or tensors are involved (a NaN equals a NaN
+    in the same place): dtype, shape and contents. Tensors compare with ``torch.equal``
+    (``bool(a == b)`` is ambiguous for them); torch is looked up, never imported."""
+    torch = sys.modules.get("torch")
+    if torch is not None and (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or \
+                a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+            return False
+        if torch.equal(a, b):
+            return True
+        if not (a.is_floating_point() or a.is_complex()):
+            return False
+        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+        return bool(torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b]))
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and \
             a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()

@@ -1,0 +1,151 @@
+"""Checkpoint aggregation through a directory: rounds belong to one launch, stale files
+never count, a merged state is checked, a rank that never calls checkpoint() is named
+quickly. Ranks are real processes (tests/_aggregate_rank.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from _aggregate_rank import launch  # noqa: F401  (fixture)
+from test_pipeline_elastic import C, interleave, key, pipeline
+from zephon import RuntimeOptions
+from zephon.checkpoint import decode_state, encode_state, merge_states
+from zephon.checkpoint.aggregate import arrival_grace_s, owned_lanes
+from zephon.errors import CheckpointError
+from zephon.pipeline import lanes as pipeline_lanes
+
+
+def expected_after(delivered_per_lane: int):
+    """The one-rank stream after ``delivered_per_lane`` batches of every lane."""
+    single = [key(b) for b in pipeline().options(RuntimeOptions(canonical_replicas=C))]
+    by_lane = {}
+    for item in single:
+        by_lane.setdefault(item[0], []).append(item)
+    return interleave({lane: items[delivered_per_lane:] for lane, items in by_lane.items()},
+                      {lane: delivered_per_lane for lane in range(C)})
+
+
+def resumed(state: bytes, world: int = 1, **extra):
+    rest = {}
+    for rank in range(world):
+        pipe = pipeline().options(RuntimeOptions(world_size=world, global_rank=rank,
+                                                 canonical_replicas=C, **extra))
+        pipe.restore(state)
+        for batch in pipe:
+            rest.setdefault(batch.meta["lane"], []).append(key(batch))
+    return rest
+
+
+def test_second_launch_with_a_late_rank_never_merges_the_first_launchs_files(tmp_path, launch):
+    agg = str(tmp_path / "agg")  # reused by both launches, default run_id
+    first = launch([dict(tag="a", rank=r, world=2, take=6, opts={"aggregate_dir": agg})
+                    for r in range(2)])
+    assert [code for code, _ in first] == [0, 0], first
+    # Second launch: fewer batches, and rank 1 arrives late, after rank 0 has looked at
+    # the directory that still holds the first launch's rank-1 file for round 1.
+    second = launch([dict(tag="b", rank=0, world=2, take=2, opts={"aggregate_dir": agg}),
+                     dict(tag="b", rank=1, world=2, take=2, delay=1.5,
+                          opts={"aggregate_dir": agg})])
+    assert [code for code, _ in second] == [0, 0], second
+    states = [(tmp_path / f"state-b-{r}").read_bytes() for r in range(2)]
+    assert states[0] == states[1]
+    assert states[0] != (tmp_path / "state-a-0").read_bytes()
+    lanes = decode_state(states[0])["lanes"]
+    # 2 batches per rank over 2 lanes each: every lane delivered exactly one batch
+    assert sorted(int(k) for k in lanes) == list(range(C))
+    delivered = {lane: 1 for lane in range(C)}
+    assert interleave(resumed(states[0]), delivered) == expected_after(1)
+
+
+def test_only_rank_0_calling_checkpoint_fails_fast_saying_every_rank_must(tmp_path, launch):
+    timeout = 12.0
+    (code, err), = launch([dict(tag="a", rank=0, world=2, take=2,
+                                opts={"aggregate_dir": str(tmp_path / "agg"),
+                                      "aggregate_timeout_s": timeout})])
+    assert code == 3
+    assert "AggregationTimeoutError" in err and "rank(s) [1]" in err
+    assert "every rank must call it" in err
+    # named after the arrival grace, not after the whole budget
+    assert f"within {arrival_grace_s(timeout):.1f} s of rank 0" in err
+
+
+def test_a_rank_without_rank_0_says_rank_0_must_call_it_too(tmp_path, launch):
+    (code, err), = launch([dict(tag="a", rank=1, world=2, take=2,
+                                opts={"aggregate_dir": str(tmp_path / "agg"),
+                                      "aggregate_timeout_s": 2.0})])
+    assert code == 3 and "AggregationTimeoutError" in err
+    assert "rank 0 included" in err
+
+
+def test_a_refused_merge_reaches_every_rank(tmp_path, launch):
+    # one dp group of two replicas that did not stop at the same step
+    opts = {"aggregate_dir": str(tmp_path / "agg"), "dp_degree": 1, "aggregate_timeout_s": 60.0}
+    results = launch([dict(tag="a", rank=0, world=2, take=2, opts=opts),
+                      dict(tag="a", rank=1, world=2, take=3, opts=opts)])
+    assert [code for code, _ in results] == [3, 3]
+    for _, err in results:
+        assert "disagree on lane" in err and "barrier" in err
+    assert "refused" in results[1][1]
+
+
+def submission(group, lanes, **over):
+    sub = {"fingerprint": "f", "lanes_total": 4, "lanes": lanes, "group": group, "world": 2,
+           "dp_degree": 2, "mapping": "contiguous", "nonce": "n", "rank": group}
+    sub.update(over)
+    return sub
+
+
+def test_merge_accepts_consistent_states():
+    merged = merge_states({0: submission(0, {"0": [0, 1, 0, 2], "1": [0, 1, 0, 2]}),
+                           1: submission(1, {"3": [0, 1, 0, 2]})})
+    assert merged["lanes"] == {"0": [0, 1, 0, 2], "1": [0, 1, 0, 2], "3": [0, 1, 0, 2]}
+    assert "nonce" not in merged and "group" not in merged and merged["world"] == 2
+
+
+@pytest.mark.parametrize("states, match", [
+    ({0: submission(0, {"2": [0, 1, 0, 2]}), 1: submission(1, {})}, "does not own"),
+    ({0: submission(0, {"0": [0, 1, 0, 2]}), 1: submission(1, {"0": [0, 1, 0, 2]})},
+     "does not own"),
+    ({0: submission(0, {"7": [0, 1, 0, 2]}), 1: submission(1, {})}, "out of range|does not own"),
+    ({0: submission(0, {"0": []}), 1: submission(1, {})}, "corrupt lane"),
+    ({0: submission(0, {"0": [0, "x", 0, 1]}), 1: submission(1, {})}, "corrupt lane"),
+    ({0: submission(0, {"0": [0, -1, 0, 2]}), 1: submission(1, {})}, "corrupt lane"),
+    ({0: submission(0, {}), 1: submission(1, {}, fingerprint="g")}, "fingerprint"),
+    ({0: submission(0, {}), 1: submission(0, {})}, "dp group"),
+    ({0: submission(0, {}), 1: submission(5, {})}, "dp group"),
+    ({0: submission(0, {}, world=3), 1: submission(1, {}, world=3)}, "world_size=3"),
+])
+def test_merge_refuses_an_inconsistent_state(states, match):
+    with pytest.raises(CheckpointError, match=match):
+        merge_states(states)
+
+
+@pytest.mark.parametrize("strategy", ["contiguous", "interleaved"])
+def test_ownership_rule_is_the_pipelines(strategy):
+    for lanes in range(1, 13):
+        for groups in range(1, lanes + 1):
+            for group in range(groups):
+                assert owned_lanes(lanes, groups, group, strategy) == \
+                    pipeline_lanes.owned_lanes(lanes, groups, group, strategy)
+
+
+@pytest.mark.parametrize("mapping", ["contiguous", "interleaved"])
+def test_state_of_2_ranks_restores_on_3_when_3_does_not_divide_the_lanes(tmp_path, mapping):
+    # the merge of two real ranks is simulated in-process: the per-lane positions after
+    # one delivered batch per lane, as the 2-rank run of the test above produces them
+    ranks = []
+    for rank in range(2):
+        pipe = pipeline().options(RuntimeOptions(world_size=2, global_rank=rank,
+                                                 canonical_replicas=C, mapping_strategy=mapping))
+        it = iter(pipe)
+        next(it), next(it)
+        ranks.append(pipe)
+    state = merge_states({r: dict(decode_state(encode_state(p._local_state())), world=2,
+                                  dp_degree=2, mapping=mapping, nonce="x", rank=r)
+                          for r, p in enumerate(ranks)})
+    for p in ranks:
+        p.close()
+    blob = encode_state(state)
+    by_lane = resumed(blob, world=3, mapping_strategy=mapping)
+    assert sorted(by_lane) == list(range(C))
+    assert interleave(by_lane, {lane: 1 for lane in range(C)}) == expected_after(1)

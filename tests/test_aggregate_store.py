@@ -1,0 +1,90 @@
+"""Checkpoint aggregation through torch's TCPStore (aggregate_store="torch://..."): an
+explicit address, MASTER_ADDR/MASTER_PORT, an initialized default process group; missing
+ranks named; unreachable or malformed addresses are errors within the budget. Ranks are
+real processes (tests/_aggregate_rank.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from _aggregate_rank import free_port, launch  # noqa: F401  (fixture)
+from test_aggregate_dir import expected_after, resumed
+from test_pipeline_elastic import C, interleave, pipeline
+from zephon import RuntimeOptions
+from zephon.errors import ZephonConfigError
+
+pytest.importorskip("torch.distributed")
+pytestmark = pytest.mark.torch
+
+CLEAN_ENV = {"MASTER_ADDR": "", "MASTER_PORT": "", "TORCHELASTIC_USE_AGENT_STORE": ""}
+
+
+def two_ranks(tag, opts, **extra):
+    return [dict(tag=tag, rank=r, world=2, take=2, opts=opts, **extra) for r in range(2)]
+
+
+def check_states(tmp_path, tag):
+    states = [(tmp_path / f"state-{tag}-{r}").read_bytes() for r in range(2)]
+    assert states[0] == states[1]
+    assert interleave(resumed(states[0]), {lane: 1 for lane in range(C)}) == expected_after(1)
+
+
+def test_explicit_address_rank_0_hosts_the_store(tmp_path, launch):
+    store = f"torch://127.0.0.1:{free_port()}"
+    results = launch(two_ranks("a", {"aggregate_store": store}), env=CLEAN_ENV)
+    assert [code for code, _ in results] == [0, 0], results
+    check_states(tmp_path, "a")
+
+
+def test_torch_url_uses_master_addr_and_port(tmp_path, launch):
+    env = dict(CLEAN_ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    configs = two_ranks("a", {"aggregate_store": "torch://"})
+    configs[1]["delay"] = 1.0  # a late rank still meets the round
+    results = launch(configs, env=env)
+    assert [code for code, _ in results] == [0, 0], results
+    check_states(tmp_path, "a")
+
+
+def test_torch_url_uses_the_default_process_groups_store(tmp_path, launch):
+    # init_process_group binds MASTER_PORT itself: a second server there would fail, so
+    # passing means zephon used the group's store
+    env = dict(CLEAN_ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    results = launch(two_ranks("a", {"aggregate_store": "torch://"}, init_pg=True), env=env)
+    assert [code for code, _ in results] == [0, 0], results
+    check_states(tmp_path, "a")
+
+
+def test_a_missing_rank_is_named_quickly(tmp_path, launch):
+    store = f"torch://127.0.0.1:{free_port()}"
+    (code, err), = launch([dict(tag="a", rank=0, world=2, take=2,
+                                opts={"aggregate_store": store, "aggregate_timeout_s": 12.0})],
+                          env=CLEAN_ENV)
+    assert code == 3 and "AggregationTimeoutError" in err and "rank(s) [1]" in err
+    assert "every rank must call it" in err
+
+
+def test_an_address_nobody_serves_is_a_timeout_naming_it(tmp_path, launch):
+    port = free_port()
+    (code, err), = launch([dict(tag="a", rank=1, world=2, take=2,
+                                opts={"aggregate_store": f"torch://127.0.0.1:{port}",
+                                      "aggregate_timeout_s": 3.0})], env=CLEAN_ENV)
+    assert code == 3 and "AggregationTimeoutError" in err
+    assert f"torch://127.0.0.1:{port}" in err
+
+
+def test_torch_url_without_master_addr_or_group_is_a_config_error(monkeypatch):
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    pipe = pipeline().options(RuntimeOptions(world_size=2, global_rank=0, canonical_replicas=C,
+                                             aggregate_store="torch://"))
+    with pytest.raises(ZephonConfigError, match="MASTER_ADDR"):
+        pipe.checkpoint()
+
+
+@pytest.mark.parametrize("opts", [
+    dict(aggregate_store="torch://host"), dict(aggregate_store="tcp://h:1"),
+    dict(aggregate_store="torch://", aggregate_dir="/tmp/agg"),
+])
+def test_malformed_or_doubled_exchange_options_are_config_errors(opts):
+    with pytest.raises(ZephonConfigError, match="aggregate_store"):
+        RuntimeOptions(world_size=2, **opts)

@@ -1,0 +1,170 @@
+"""The checkpoint exchange through torch's TCPStore (``aggregate_store="torch://..."``).
+
+Which store:
+
+- ``torch://`` with an initialized default process group: that group's store
+  (the one ``init_process_group`` built; nothing new is opened);
+- ``torch://`` otherwise: the store at ``MASTER_ADDR``/``MASTER_PORT`` (what
+  torchrun sets);
+- ``torch://host:port``: that address.
+
+When zephon opens the connection itself it is a client, except that rank 0
+hosts the server when nobody else does: outside torchrun's agent store
+(``TORCHELASTIC_USE_AGENT_STORE`` not ``True``) and when the address is not
+the default process group's. Rank 0 waits, after publishing the merged
+record, until every rank has read it (or the deadline): the server may live
+in rank 0's process (its own, or its process group's outside torchrun), and
+rank 0 may exit right after ``checkpoint()``. Connections are cached per address for the life
+of the process, so a hosted server outlives the round.
+
+Keys are ``zephon/<run_id>/...``. The round protocol is
+:func:`zephon.checkpoint.aggregate.exchange`; torch is imported only here, and
+only when such a store is asked for. Connecting or talking to an address that
+does not answer is an :class:`~zephon.errors.AggregationTimeoutError` naming
+the address within the exchange's budget.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import time
+
+from zephon.errors import AggregationTimeoutError, CheckpointError, ZephonConfigError
+
+__all__ = ["StoreMedium"]
+
+_URL = re.compile(r"^torch://(?:(?P<host>[A-Za-z0-9_.\-]+):(?P<port>[0-9]{1,5}))?$")
+_connections: dict = {}
+log = logging.getLogger("zephon.checkpoint")
+
+
+def _torch_distributed():
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        raise ZephonConfigError('aggregate_store="torch://..." needs torch '
+                                '(pip install "zephon[torch]")') from None
+    if not dist.is_available():
+        raise ZephonConfigError("aggregate_store: this torch build has no torch.distributed")
+    return dist
+
+
+def _parse(url: str) -> tuple[str | None, int | None]:
+    match = _URL.match(url or "")
+    if match is None:
+        raise ZephonConfigError(f"aggregate_store={url!r}: expected 'torch://' or "
+                                "'torch://host:port'", field="RuntimeOptions.aggregate_store")
+    if match.group("host") is None:
+        return None, None
+    port = int(match.group("port"))
+    if not 0 < port < 65536:
+        raise ZephonConfigError(f"aggregate_store={url!r}: port {port} is not in 1..65535",
+                                field="RuntimeOptions.aggregate_store")
+    return match.group("host"), port
+
+
+def _default_group_store(dist):
+    if not dist.is_initialized():
+        return None
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a backend without a store: open our own
+        return None
+
+
+class StoreMedium:
+    """A medium (see :mod:`zephon.checkpoint.media`) over a torch.distributed Store."""
+
+    poll_s = 0.05
+
+    def __init__(self, store, address: str, run_id: str, deadline: float,
+                 hosted: bool) -> None:
+        self.store, self.address, self.deadline = store, address, deadline
+        self.prefix, self.hosted = f"zephon/{run_id}/", hosted
+
+    @classmethod
+    def open(cls, url: str, *, run_id: str, rank: int, world: int,
+             deadline: float) -> "StoreMedium":
+        host, port = _parse(url)
+        dist = _torch_distributed()
+        if host is None:
+            store = _default_group_store(dist)
+            if store is not None:
+                return cls(store, "torch:// (the default process group's store)", run_id,
+                           deadline, hosted=False)
+            host, port_text = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+            if not host or not port_text:
+                raise ZephonConfigError(
+                    "aggregate_store='torch://' needs MASTER_ADDR and MASTER_PORT (torchrun sets "
+                    "them) or an initialized default process group; or give the address: "
+                    "'torch://host:port'", field="RuntimeOptions.aggregate_store")
+            try:
+                port = int(port_text)
+            except ValueError:
+                raise ZephonConfigError(f"MASTER_PORT={port_text!r} is not a port number") \
+                    from None
+        address = f"torch://{host}:{port}"
+        hosted = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        key = (host, port, hosted)
+        store = _connections.get(key)
+        if store is None:
+            remaining = deadline - time.monotonic()
+            # A client's connect retries inside the timeout and may take about twice it.
+            timeout = datetime.timedelta(seconds=max(0.5, remaining / 2.5))
+            try:
+                store = dist.TCPStore(host, port, world, hosted, timeout=timeout,
+                                      wait_for_workers=False)
+            except Exception as exc:  # noqa: BLE001 - DistNetworkError, gaierror, ...
+                what = "host a store at" if hosted else "connect to the store at"
+                raise AggregationTimeoutError(
+                    f"checkpoint exchange: cannot {what} {address} ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else ''}); is the address right "
+                    "and is the rank that hosts it running?", missing=[address]) from None
+            _connections[key] = store
+        return cls(store, address, run_id, deadline, hosted=hosted)
+
+    def _guard(self, what: str, key: str, fn, *args):
+        remaining = self.deadline - time.monotonic()
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=max(0.5, remaining)))
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - DistStoreError, DistNetworkError, ...
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            raise CheckpointError(f"checkpoint exchange: {what} {key!r} at {self.address} "
+                                  f"failed ({type(exc).__name__}: {first}); nothing was "
+                                  "merged") from None
+
+    def put(self, key: str, data: bytes) -> None:
+        self._guard("writing", key, self.store.set, self.prefix + key, data)
+
+    def get(self, key: str) -> bytes | None:
+        full = self.prefix + key
+        if not self._guard("checking", key, self.store.check, [full]):
+            return None
+        return bytes(self._guard("reading", key, self.store.get, full))
+
+    def acknowledge(self, prefix: str) -> None:
+        self._guard("acknowledging", prefix, self.store.add, self.prefix + prefix + "/read", 1)
+
+    def after_merge(self, prefix: str, world: int, deadline: float) -> None:
+        # Whoever hosts the server (rank 0 itself, or rank 0 through its process group)
+        # may exit right after checkpoint(): rank 0 returns once every rank has read.
+        key = self.prefix + prefix + "/read"
+        while self._guard("counting", key, self.store.add, key, 0) < world - 1:
+            if time.monotonic() > deadline:
+                log.warning("checkpoint exchange: rank 0 hosts %s and not every rank read the "
+                            "merged state before the deadline; they will time out",
+                            self.address)
+                return
+            time.sleep(self.poll_s)
+
+    def remove(self, prefix: str) -> None:
+        return None  # the store lives as long as the job; its keys are small
+
+    def close(self) -> None:
+        return None  # connections are kept for the next round (see the module docstring)

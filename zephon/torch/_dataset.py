@@ -1,0 +1,44 @@
+"""``PipelineDataset``: a pipeline as a ``torch.utils.data.IterableDataset``.
+
+For training code that must hand a Dataset to ``DataLoader``. zephon already
+batches, parallelises (its own worker processes) and checkpoints, so the only
+correct DataLoader around it is ``DataLoader(ds, batch_size=None,
+num_workers=0)``. In a DataLoader worker process every worker would run the
+whole pipeline and the batches would repeat, so iterating there raises a
+:class:`~zephon.errors.ZephonConfigError` that says what to use instead.
+"""
+
+from __future__ import annotations
+
+import torch.utils.data
+
+from zephon.errors import ZephonConfigError
+from zephon.torch._loader import TorchLoader
+
+__all__ = ["PipelineDataset"]
+
+
+class PipelineDataset(torch.utils.data.IterableDataset):
+    """Iterates the pipeline's batches as tensors; ``state_dict()``/``load_state_dict()``
+    as :class:`~zephon.torch._loader.TorchLoader`. Build it with
+    :func:`zephon.torch.dataset`."""
+
+    def __init__(self, pipe, *, pin_memory: bool = False) -> None:
+        super().__init__()
+        self.loader = TorchLoader(pipe, pin_memory=pin_memory)
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        if info is not None:
+            raise ZephonConfigError(
+                f"zephon.torch.dataset: DataLoader(num_workers={info.num_workers}) would run "
+                "the whole pipeline in every DataLoader worker and repeat each batch; use "
+                "DataLoader(ds, batch_size=None, num_workers=0) and give zephon the workers: "
+                "RuntimeOptions(runner='process', max_workers=N)")
+        return iter(self.loader)
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.loader.load_state_dict(state_dict)

@@ -1,0 +1,225 @@
+"""``TorchLoader``: a pipeline as an iterable of tensor batches with the Stateful protocol.
+
+Lifecycle: ``iter(loader)`` starts (or restarts) the pipeline's run, which
+continues after the last batch delivered so far (or after a loaded state);
+``next`` hands out the next batch as tensors; ``close()`` (also at the end of
+the stream, on ``load_state_dict`` and at garbage collection) stops the
+pinning thread and closes the pipeline's run.
+
+Delivery: only batches handed to the caller count for ``state_dict()``. With
+``pin_memory=False`` the loader pulls a batch from the pipeline when the
+caller asks, and ``state_dict()`` is ``pipe.checkpoint()``. With
+``pin_memory=True`` a background thread pulls up to ``prefetch`` batches
+ahead and pins them; each carries the lane position the pipeline recorded for
+it, the loader records that position when it hands the batch out, and
+``state_dict()`` exchanges exactly those positions: prefetched batches are
+produced again after a restore.
+
+``state_dict()`` is collective across ranks, like ``pipe.checkpoint()``: every
+rank calls it at the same step. Its value is ``{"zephon_checkpoint": bytes}``:
+``torch.save`` stores it (and ``torch.load(weights_only=True)`` reads it
+back), and ``torch.distributed.checkpoint`` stores it as a replicated object
+(every rank holds the same bytes).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+
+from zephon.checkpoint import exchange_state
+from zephon.errors import CheckpointError, ZephonConfigError
+from zephon.torch import STATE_KEY, _require_torch
+from zephon.torch._convert import to_torch
+
+__all__ = ["TorchLoader"]
+
+_END = object()
+_JOIN_TIMEOUT_S = 30.0
+
+
+class _Failure:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+# -- the seam to the pipeline's run state --------------------------------------------------
+# The pinning thread needs the lane position the pipeline recorded for each batch it pulls;
+# these three functions are the only places that read the pipeline's private run state.
+
+def _lane_position(pipe, lane):
+    return tuple(pipe._states[lane])
+
+
+def _positions(pipe) -> dict:
+    return {lane: tuple(value) for lane, value in dict(pipe._states).items()}
+
+
+def _exchange_positions(pipe, positions: dict) -> bytes:
+    local = pipe._local_state()
+    local["lanes"] = {str(lane): list(positions[lane]) for lane in pipe.plan().owned
+                      if lane in positions}
+    pipe._rounds += 1
+    return exchange_state(local, pipe.runtime, pipe._rounds)
+
+
+def _pin_fn(torch):
+    available = getattr(getattr(torch, "accelerator", None), "is_available", None)
+    has_accelerator = available() if available is not None else torch.cuda.is_available()
+    if not has_accelerator:
+        warnings.warn("zephon.torch: pin_memory=True but no accelerator is available; "
+                      "batches are prefetched on the background thread but not pinned",
+                      RuntimeWarning, stacklevel=4)
+        return lambda batch: batch
+
+    def pin(batch):
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                batch[key] = value.pin_memory()
+        return batch
+
+    return pin
+
+
+def _prefetch(items, pipe, pin, out: queue.Queue, stop: threading.Event) -> None:
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for batch in items:
+            lane = batch.meta.get("lane")
+            position = _lane_position(pipe, lane)
+            if not put((pin(to_torch(batch)), lane, position)):
+                return
+        put(_END)
+    except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+        if not stop.is_set():
+            put(_Failure(exc))
+
+
+class TorchLoader:
+    """Batches of ``pipe`` as torch tensors; Stateful (``state_dict``/``load_state_dict``).
+
+    Build it with :func:`zephon.torch.loader`. Iterating yields zephon Batches
+    (dicts with ``.meta``) whose numeric columns are tensors sharing the arena's
+    memory.
+    """
+
+    def __init__(self, pipe, *, pin_memory: bool = False, prefetch: int = 2) -> None:
+        from zephon.pipeline import Pipeline
+
+        if not isinstance(pipe, Pipeline):
+            raise ZephonConfigError(f"zephon.torch.loader takes a zephon Pipeline, got "
+                                    f"{type(pipe).__name__}")
+        if not isinstance(pin_memory, bool):
+            raise ZephonConfigError(f"pin_memory must be True or False, got {pin_memory!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise ZephonConfigError(f"prefetch must be an int >= 1, got {prefetch!r}")
+        self._torch = _require_torch()
+        self.pipe, self.pin_memory, self.prefetch = pipe, pin_memory, prefetch
+        self._it = None
+        self._thread = None
+        self._queue = None
+        self._stop = None
+        self._delivered: dict = {}
+        self._pin = None
+
+    # -- iteration -----------------------------------------------------------------------
+    def __iter__(self) -> "TorchLoader":
+        self.close()
+        self._it = iter(self.pipe)
+        if self.pin_memory:
+            if self._pin is None:
+                self._pin = _pin_fn(self._torch)
+            self._delivered = _positions(self.pipe)
+            self._queue = queue.Queue(maxsize=self.prefetch)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(
+                target=_prefetch, args=(self._it, self.pipe, self._pin, self._queue,
+                                        self._stop),
+                name="zephon-pin-memory", daemon=True)
+            self._thread.start()
+        return self
+
+    def __next__(self):
+        if self._it is None:
+            self.__iter__()
+        if self._thread is None:
+            try:
+                return to_torch(next(self._it))
+            except StopIteration:
+                self._it = None
+                raise
+        item = self._queue.get()
+        if item is _END:
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self.close()
+            raise item.error
+        batch, lane, position = item
+        self._delivered[lane] = position
+        return batch
+
+    def close(self) -> None:
+        """Stop the pinning thread and close the pipeline's run (idempotent).
+
+        The thread is stopped first, while the run still produces, so a thread waiting
+        for the pipeline's next batch gets it, sees the stop flag and ends; then the run
+        closes (its workers are reaped)."""
+        if self._thread is not None:
+            self._stop.set()
+            deadline = time.monotonic() + _JOIN_TIMEOUT_S  # a stalled op: give up, close
+            while self._thread.is_alive() and time.monotonic() < deadline:
+                while True:  # unblock a thread waiting on a full queue
+                    try:
+                        self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                self._thread.join(timeout=0.05)
+            self._thread = None
+        if self._it is not None:
+            close = getattr(self._it, "close", None)
+            if close is not None:
+                close()
+        self._it = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    # -- Stateful ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """``{"zephon_checkpoint": bytes}``: the position after the last batch this loader
+        handed out (collective: every rank calls it at the same step)."""
+        if self._thread is not None:
+            state = _exchange_positions(self.pipe, self._delivered)
+        else:
+            state = self.pipe.checkpoint()
+        return {STATE_KEY: state}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Continue after the batches recorded in ``state_dict`` (from :meth:`state_dict`,
+        possibly saved by another number of ranks or another runner)."""
+        if not isinstance(state_dict, dict) or STATE_KEY not in state_dict:
+            raise CheckpointError(
+                f"load_state_dict expects the dict state_dict() returned (with key "
+                f"{STATE_KEY!r}), got {type(state_dict).__name__}"
+                + (f" with keys {sorted(state_dict)}" if isinstance(state_dict, dict) else ""))
+        state = state_dict[STATE_KEY]
+        if isinstance(state, self._torch.Tensor):
+            state = state.numpy().tobytes()
+        self.close()
+        self.pipe.restore(state)
