@@ -133,18 +133,20 @@ def test_ownership_rule_is_the_pipelines(strategy):
 def test_state_of_2_ranks_restores_on_3_when_3_does_not_divide_the_lanes(tmp_path, mapping):
     # the merge of two real ranks is simulated in-process: the per-lane positions after
     # one delivered batch per lane, as the 2-rank run of the test above produces them
+    from zephon.pipeline.state import local_state
+
     ranks = []
     for rank in range(2):
         pipe = pipeline().options(RuntimeOptions(world_size=2, global_rank=rank,
                                                  canonical_replicas=C, mapping_strategy=mapping))
         it = iter(pipe)
         next(it), next(it)
-        ranks.append(pipe)
-    state = merge_states({r: dict(decode_state(encode_state(p._local_state())), world=2,
-                                  dp_degree=2, mapping=mapping, nonce="x", rank=r)
-                          for r, p in enumerate(ranks)})
-    for p in ranks:
-        p.close()
+        ranks.append((pipe, it))
+    state = merge_states({r: dict(decode_state(encode_state(local_state(
+        p.plan(), p.fingerprint(), it.delivered()))), world=2, dp_degree=2, mapping=mapping,
+        nonce="x", rank=r) for r, (p, it) in enumerate(ranks)})
+    for _, it in ranks:
+        it.close()
     blob = encode_state(state)
     by_lane = resumed(blob, world=3, mapping_strategy=mapping)
     assert sorted(by_lane) == list(range(C))

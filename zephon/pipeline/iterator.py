@@ -227,13 +227,22 @@ class PipelineIterator:
             self.record.final_state = self.checkpoint()
 
     # -- state -----------------------------------------------------------------------------
-    def checkpoint(self) -> bytes:
+    def delivered(self) -> dict[int, tuple]:
+        """A copy of the delivered position of every lane that delivered something (lane id
+        -> lane state): what :meth:`checkpoint` saves now. A wrapper that hands items on
+        later than it takes them (a prefetching thread) keeps the copy taken with each
+        item and passes the one of the last item it handed on to ``checkpoint()``."""
+        return dict(self.record.states)
+
+    def checkpoint(self, delivered: dict[int, tuple] | None = None) -> bytes:
         """The delivered position of every lane as checkpoint bytes (with several ranks,
         every rank must call it: the ranks exchange their states and all return the same
-        merged bytes)."""
+        merged bytes). ``delivered``: positions from :meth:`delivered` to save instead of
+        the current ones."""
         from zephon.checkpoint import exchange_state
 
-        local = local_state(self.plan, self.pipeline.fingerprint(), self.record.states)
+        states = self.record.states if delivered is None else delivered
+        local = local_state(self.plan, self.pipeline.fingerprint(), states)
         return exchange_state(local, self.plan.opts, self.pipeline._next_round())
 
     def restore(self, state: bytes) -> None:

@@ -2,8 +2,8 @@
 
 A run's local state is a dict::
 
-    {"fingerprint": str, "lanes_total": C, "group": dp group,
-     "resume": "cursor" | "replay",
+    {"fingerprint": str, "lanes_total": C, "resume": "cursor" | "replay",
+     "group": dp group (one rank's state) | "world": ranks (a merged state),
      "lanes": {"<lane>": [epoch, pos, total]          (cursor resume)
                          [epoch, k, since, total]}}    (replay)
 
@@ -32,6 +32,8 @@ __all__ = ["local_state", "check_state", "MAX_COUNT"]
 #: No count in a state can be larger (items, positions, epochs): 2**48 items is far
 #: beyond any real run, and keeps every figure exact in JSON and msgpack alike.
 MAX_COUNT = 1 << 48
+_REQUIRED = ("fingerprint", "lanes_total", "lanes", "resume")
+_OPTIONAL = ("group", "world")
 _LANE_ID = re.compile(r"0|[1-9][0-9]{0,5}")  # canonical decimal, ASCII only
 
 
@@ -57,9 +59,12 @@ def check_state(decoded: Any, plan, fingerprint: str) -> dict[int, tuple]:
     :class:`~zephon.errors.CheckpointError` naming the first field that is wrong."""
     if not isinstance(decoded, dict):
         raise CheckpointError("corrupt checkpoint: the state is not a mapping")
-    for key in ("fingerprint", "lanes_total", "lanes", "group", "resume"):
+    for key in _REQUIRED:
         if key not in decoded:
             raise CheckpointError(f"checkpoint lacks {key!r}: not a pipeline state")
+    unknown = sorted(str(k)[:40] for k in decoded if k not in _REQUIRED + _OPTIONAL)
+    if unknown:
+        raise CheckpointError(f"corrupt checkpoint: unknown field(s) {unknown[:5]}")
     theirs = decoded["fingerprint"]
     if not isinstance(theirs, str):
         raise CheckpointError("corrupt checkpoint: fingerprint is not a string")
@@ -72,7 +77,10 @@ def check_state(decoded: Any, plan, fingerprint: str) -> dict[int, tuple]:
         raise CheckpointError(
             f"checkpoint has canonical_replicas={lanes}, this pipeline {plan.lanes}: the number "
             "of canonical lanes must not change across a restore")
-    _int(decoded["group"], "group", 0, lanes - 1)
+    if "group" in decoded:  # a one-rank state: the data-parallel group it belongs to
+        _int(decoded["group"], "group", 0, lanes - 1)
+    if "world" in decoded:  # a merged state: how many ranks it was merged from
+        _int(decoded["world"], "world", 1, MAX_COUNT)
     mode = "cursor" if plan.cursor_resume else "replay"
     if decoded["resume"] != mode:
         raise CheckpointError(f"checkpoint resumes by {decoded.get('resume')!r}, this pipeline "

@@ -1,7 +1,8 @@
 """``TorchLoader``: a pipeline as an iterable of tensor batches with the Stateful protocol.
 
-Lifecycle: ``iter(loader)`` starts (or restarts) the pipeline's run, which
-continues after the last batch delivered so far (or after a loaded state);
+Lifecycle: ``iter(loader)`` goes on with the run in progress, if any; else it
+starts a new run of the pipeline (from the start of the stream, or after a
+loaded state);
 ``next`` hands out the next batch as tensors; ``close()`` (also at the end of
 the stream, on ``load_state_dict`` and at garbage collection) stops the
 pinning thread and closes the pipeline's run.
@@ -29,7 +30,6 @@ import threading
 import time
 import warnings
 
-from zephon.checkpoint import exchange_state
 from zephon.errors import CheckpointError, ZephonConfigError
 from zephon.torch import STATE_KEY, _require_torch
 from zephon.torch._convert import to_torch
@@ -48,23 +48,10 @@ class _Failure:
 
 
 # -- the seam to the pipeline's run state --------------------------------------------------
-# The pinning thread needs the lane position the pipeline recorded for each batch it pulls;
-# these three functions are the only places that read the pipeline's private run state.
-
-def _lane_position(pipe, lane):
-    return tuple(pipe._states[lane])
-
-
-def _positions(pipe) -> dict:
-    return {lane: tuple(value) for lane, value in dict(pipe._states).items()}
-
-
-def _exchange_positions(pipe, positions: dict) -> bytes:
-    local = pipe._local_state()
-    local["lanes"] = {str(lane): list(positions[lane]) for lane in pipe.plan().owned
-                      if lane in positions}
-    pipe._rounds += 1
-    return exchange_state(local, pipe.runtime, pipe._rounds)
+# The pinning thread takes batches from the pipeline's iterator ahead of the training loop:
+# with each batch it keeps the iterator's delivered positions at that moment, and the loader
+# checkpoints the positions of the last batch it handed on (PipelineIterator.delivered() /
+# checkpoint(delivered)).
 
 
 def _pin_fn(torch):
@@ -97,9 +84,7 @@ def _prefetch(items, pipe, pin, out: queue.Queue, stop: threading.Event) -> None
 
     try:
         for batch in items:
-            lane = batch.meta.get("lane")
-            position = _lane_position(pipe, lane)
-            if not put((pin(to_torch(batch)), lane, position)):
+            if not put((pin(to_torch(batch)), items.delivered())):
                 return
         put(_END)
     except BaseException as exc:  # noqa: BLE001 - handed to the consumer
@@ -136,12 +121,14 @@ class TorchLoader:
 
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> "TorchLoader":
+        if self._it is not None and not self._it.closed:
+            return self  # a run in progress goes on (a loop left early continues here)
         self.close()
         self._it = iter(self.pipe)
         if self.pin_memory:
             if self._pin is None:
                 self._pin = _pin_fn(self._torch)
-            self._delivered = _positions(self.pipe)
+            self._delivered = self._it.delivered()
             self._queue = queue.Queue(maxsize=self.prefetch)
             self._stop = threading.Event()
             self._thread = threading.Thread(
@@ -167,8 +154,7 @@ class TorchLoader:
         if isinstance(item, _Failure):
             self.close()
             raise item.error
-        batch, lane, position = item
-        self._delivered[lane] = position
+        batch, self._delivered = item
         return batch
 
     def close(self) -> None:
@@ -204,8 +190,10 @@ class TorchLoader:
     def state_dict(self) -> dict:
         """``{"zephon_checkpoint": bytes}``: the position after the last batch this loader
         handed out (collective: every rank calls it at the same step)."""
-        if self._thread is not None:
-            state = _exchange_positions(self.pipe, self._delivered)
+        if self._it is not None and self._thread is not None:
+            state = self._it.checkpoint(self._delivered)
+        elif self._it is not None:
+            state = self._it.checkpoint()
         else:
             state = self.pipe.checkpoint()
         return {STATE_KEY: state}
