@@ -68,6 +68,9 @@ def work(subject):
         if action == "background":  # leave a process behind (same group), then succeed
             _start_helper(subject, "background", ignore_term=True)
             return "left a background process"
+        if action == "daemon_then_hang":  # a daemon in its own session, then time out
+            _start_helper(subject, "daemon", ignore_term=True, daemon=True)
+            time.sleep(600)
         if action == "daemon":  # a double-forked daemon in its own session, then succeed
             _start_helper(subject, "daemon", ignore_term=True, daemon=True)
             return "left a daemon"

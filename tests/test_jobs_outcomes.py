@@ -126,13 +126,6 @@ def test_slow_consumer_and_sweep_ci(helpers, repetition):
 
 # -- the whole process tree ------------------------------------------------------------
 
-def _gone(pids, within: float = 15.0) -> bool:
-    deadline = time.monotonic() + within
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not any(alive(p) for p in pids)
-
-
 @pytest.mark.timeout(120)
 def test_timeout_kills_a_grandchild_that_ignores_sigterm(helpers):
     subs = [{"subject_id": "G0", "dir": helpers, "action": "stubborn_grandchild"},
@@ -147,6 +140,19 @@ def test_timeout_kills_a_grandchild_that_ignores_sigterm(helpers):
     # The run has ended: nothing it started may still be alive (no waiting allowed here).
     assert not any(alive(p) for p in grandchildren), \
         "a grandchild ignoring SIGTERM outlived the run"
+
+
+@pytest.mark.timeout(120)
+def test_timeout_ends_a_daemon_that_left_the_process_group(helpers):
+    subs = [{"subject_id": "D0", "dir": helpers, "action": "daemon_then_hang"}]
+    job = run(J.work, subs, RunPolicy(workers=1, subject_timeout_sec=2.0,
+                                      graceful_shutdown_sec=1.0, auto_retry_rounds=0,
+                                      resume=False), progress=False)
+    out = list(job)
+    assert isinstance(out[0].error, SubjectTimeoutError)
+    daemons = J.helper_pids(helpers, "daemon")
+    assert len(daemons) == 1 and not any(alive(p) for p in daemons), \
+        "a double-forked daemon in its own session outlived the timeout"
 
 
 @pytest.mark.timeout(120)

@@ -34,14 +34,14 @@ channel with a timeout that is the nearest deadline.
 The process tree. Each worker leads its own process group and, on Linux, is a
 child subreaper, so a descendant that leaves the group (``setsid``, a
 double-forked daemon) is re-parented to the worker instead of init. A worker
-told to stop ends every descendant it has (SIGTERM, then SIGKILL) before it
-exits. The parent signals whole groups: on a timeout SIGTERM, then SIGKILL
+told to stop, or terminated by SIGTERM, ends every descendant it has (SIGTERM,
+then SIGKILL) before it exits. The parent signals whole groups: on a timeout SIGTERM, then SIGKILL
 after ``graceful_shutdown_sec`` whether or not the worker itself is already
 gone; every group of a worker that exited is swept the same way; at shutdown
 every group gets SIGTERM, one shared grace, SIGKILL, and the run returns only
 when no member of any of its groups is alive. What escapes: a descendant that
-leaves the group in a worker killed by a signal before it could clean up (the
-worker is not a subreaper of its grandchildren after its death).
+left the group of a worker that was killed outright (SIGKILL, or a subject that
+replaced the worker's SIGTERM handler) before it could end it.
 
 Concurrency starts at the run's worker count (capped to the visible GPUs when
 asked) and only goes down: each OOM (a ``MemoryError`` in the subject, or the
@@ -87,7 +87,9 @@ TREE_POLICY = (
     "each worker leads its own process group (SIGTERM, then SIGKILL after the grace, to the "
     "whole group on a timeout, when a worker exits and at shutdown, whether or not the "
     "worker is still alive) and is a child subreaper on Linux (descendants that leave the "
-    "group are re-parented to it and ended when it stops)")
+    "group are re-parented to it and ended when it stops or is terminated); a descendant "
+    "that left the group of a worker killed outright (SIGKILL, or a subject's own SIGTERM "
+    "handler) is not covered")
 
 _EXIT_POLL_S = 0.02  # how often a worker known to be going is checked for exit
 _KILL_WAIT_S = 5.0  # after SIGKILL: how long a worker may take to disappear

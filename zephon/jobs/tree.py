@@ -84,9 +84,22 @@ def become_subreaper() -> bool:
         return False
 
 
+def _has_no_children(pid: int) -> bool:
+    """True when /proc says ``pid`` has no child at all (False when it cannot tell)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+        for tid in tids:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
+                if fh.read().strip():
+                    return False
+        return True
+    except OSError:
+        return False
+
+
 def descendants(pid: int) -> list[int]:
     """Live (non-zombie) processes below ``pid``, read from /proc (empty without it)."""
-    if not _HAS_PROC:
+    if not _HAS_PROC or _has_no_children(pid):
         return []
     table = _proc_table()
     children: dict[int, list[int]] = {}

@@ -8,7 +8,11 @@ callable (pickled once by the parent) and runs its ``setup()`` if it has one,
 then says READY. It runs one subject at a time and never decides to exit on
 its own: the parent stops it (recycling, failure restarts, shutdown) after it
 has read the last result, so a result is never lost to an exit. Told to stop,
-it ends every descendant it has (SIGTERM, ``grace / 2``, SIGKILL) and exits.
+or sent SIGTERM (a timeout), it ends every descendant it has (SIGTERM,
+``grace / 2``, SIGKILL), those that left its process group included, and
+exits (of SIGTERM, in the second case). A subject that installs its own
+SIGTERM handler replaces that clean-up; the parent's SIGKILL to the group
+after the grace still ends the group.
 
 Messages (headers on a :mod:`zephon.transport.channel` socketpair; subjects,
 values and exceptions travel as pickle protocol 5 frames):
@@ -83,6 +87,23 @@ def _report(channel, task_id: int, start: float, value=None, exc=None) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERM)
 
 
+def _on_sigterm(grace: float):
+    """The worker's SIGTERM handler (a subject may install its own instead): end every
+    descendant, the ones that left the process group included, then die of SIGTERM."""
+
+    def handler(signum, frame):
+        signal.pthread_sigmask(signal.SIG_BLOCK, _TERM)
+        try:
+            end_descendants(grace)
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(128 + signal.SIGTERM)
+
+    return handler
+
+
 def job_worker_main(channel, boot: dict) -> None:
     try:
         os.setpgid(0, 0)
@@ -97,6 +118,7 @@ def job_worker_main(channel, boot: dict) -> None:
     threading.Thread(target=_watch_parent, args=(boot["parent_pid"],), daemon=True).start()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERM)
     grace = float(boot.get("grace", 1.0))
+    signal.signal(signal.SIGTERM, _on_sigterm(grace / 2))
     try:
         try:
             fn = pickle.loads(boot["fn"])
