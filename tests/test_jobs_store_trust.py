@@ -188,7 +188,7 @@ def test_an_entry_forged_by_another_user_is_not_served(tmp_path, caplog):
     store, subs = _stored(tmp_path)
     path = entry_path(store, subs[1])
     os.chown(path, nobody(), nobody())
-    message = _check_one_refused(tmp_path, store, subs, caplog, f"owned by uid {nobody()}")
+    _check_one_refused(tmp_path, store, subs, caplog, f"owned by uid {nobody()}")
     assert os.stat(path).st_uid == os.geteuid()  # recomputed and rewritten by us
 
 
