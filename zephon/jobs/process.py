@@ -93,6 +93,7 @@ TREE_POLICY = (
 
 _EXIT_POLL_S = 0.02  # how often a worker known to be going is checked for exit
 _KILL_WAIT_S = 5.0  # after SIGKILL: how long a worker may take to disappear
+_CENSUS_S = 0.25  # how often every worker is checked for exit, EOF or not
 
 
 class JobSetupError(ZephonError):
@@ -153,6 +154,7 @@ class ProcessBackend:
         self._task_ids = iter(range(1, 1 << 62))
         self._running: dict[int, int] = {}  # task id -> subject index (attempts in flight)
         self._sweeps: dict[int, float] = {}  # process group -> when it gets SIGKILL
+        self._census_at = 0.0
 
     # -- workers ---------------------------------------------------------------------
     def _spawn(self) -> _Slot | None:
@@ -394,7 +396,13 @@ class ProcessBackend:
             waiter.close()
 
     def _reap(self, out: list) -> None:
+        now = time.monotonic()
+        census = now >= self._census_at  # every worker, now and then: a dead worker whose
+        if census:                       # channel a grandchild holds open sends no EOF
+            self._census_at = now + _CENSUS_S
         for slot in list(self.slots):
+            if not (census or slot.eof or slot.state in ("dying", "stopping")):
+                continue
             code = slot.process.exitcode
             if code is None:
                 continue
