@@ -101,6 +101,22 @@ def test_unordered_slow_consumer_gets_each_subject_once(helpers):
     assert sorted(seen) == sorted(s["subject_id"] for s in subs)
 
 
+@pytest.mark.timeout(120)
+def test_a_report_sent_after_the_timeout_is_not_a_second_outcome(helpers):
+    # The worker ignores the SIGTERM and reports a success 0.5 s past its timeout, before
+    # the SIGKILL: the subject timed out, once; the late report is no second outcome.
+    subs = [{"subject_id": "L0", "dir": helpers, "action": "finish_late", "arg": 1.5},
+            {"subject_id": "L1", "dir": helpers, "action": "sleep", "arg": 0.1}]
+    job = run(J.work, subs, RunPolicy(workers=2, subject_timeout_sec=TIMEOUT,
+                                      graceful_shutdown_sec=3.0, auto_retry_rounds=1,
+                                      resume=False), progress=False)
+    out = list(job)
+    assert [r.subject_id for r in out] == ["L0", "L1"]
+    assert isinstance(out[0].error, SubjectTimeoutError) and out[0].attempts == 2
+    assert out[1].ok and out[1].attempts == 1
+    assert job.summary["timeouts"] == 2 and job.summary["failed"] == 1
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("repetition", range(50))
