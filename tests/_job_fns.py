@@ -48,6 +48,10 @@ def work(subject):
             signal.signal(signal.SIGTERM, lambda *a: open(
                 os.path.join(subject["dir"], f"{subject['subject_id']}.term"), "w").close())
             time.sleep(600)
+        if action == "finish_late":  # shrug off SIGTERM, then report after the timeout
+            signal.signal(signal.SIGTERM, lambda *a: None)
+            time.sleep(arg)
+            return "late"
         if action == "none":
             return None
         if action == "array":
@@ -62,9 +66,69 @@ def work(subject):
             return tries
         if action == "pid":
             return os.getpid()
+        if action == "stubborn_grandchild":  # a grandchild that ignores SIGTERM, then hang
+            _start_helper(subject, "grandchild", ignore_term=True)
+            time.sleep(600)
+        if action == "background":  # leave a process behind (same group), then succeed
+            _start_helper(subject, "background", ignore_term=True)
+            return "left a background process"
+        if action == "daemon_then_hang":  # a daemon in its own session, then time out
+            _start_helper(subject, "daemon", ignore_term=True, daemon=True)
+            time.sleep(600)
+        if action == "daemon":  # a double-forked daemon in its own session, then succeed
+            _start_helper(subject, "daemon", ignore_term=True, daemon=True)
+            return "left a daemon"
         raise KeyError(action)
     finally:
         _log(subject, "end")
+
+
+HELPER = """
+import os, signal, sys, time
+if {daemon}:
+    if os.fork():
+        os._exit(0)
+    os.setsid()
+if {ignore_term}:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+tmp = {path!r} + ".tmp"
+with open(tmp, "w") as fh:
+    fh.write(str(os.getpid()))
+os.rename(tmp, {path!r})
+time.sleep(600)
+"""
+
+
+def _start_helper(subject, what: str, *, ignore_term: bool, daemon: bool = False) -> int:
+    """Start a helper process that writes its pid to ``<dir>/<id>.<what>`` once it is set
+    up (its SIGTERM handler installed), and wait for that file; returns the pid."""
+    path = os.path.join(subject["dir"], f"{subject['subject_id']}.{what}")
+    subprocess.Popen([sys.executable, "-c", HELPER.format(
+        daemon=daemon, ignore_term=ignore_term, path=path)])
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"helper {what} did not start")
+        time.sleep(0.01)
+    with open(path) as fh:
+        return int(fh.read())
+
+
+def helper_pids(directory: str, what: str) -> list[int]:
+    """Pids written by the helpers named ``what`` in ``directory``."""
+    out = []
+    for name in os.listdir(directory):
+        if name.endswith("." + what):
+            with open(os.path.join(directory, name)) as fh:
+                out.append(int(fh.read()))
+    return out
+
+
+def sleep_for(subject):
+    """Sleep ``subject["arg"]`` seconds (a string-free, log-free subject for timing sweeps);
+    returns the subject id."""
+    time.sleep(subject["arg"])
+    return subject["subject_id"]
 
 
 class WithSetup:

@@ -2,6 +2,9 @@
 
 A run, in order:
 
+0. refuse to start inside a spawn worker that is still importing the main
+   script (a script without ``if __name__ == "__main__":``): that worker exits
+   with one sentence naming the fix, and the parent reports the same sentence;
 1. validate: subject ids (unique), the policy, the effective backend
    (:func:`~zephon.options.resolve_backend`; ``explain()`` says why) and the
    worker count (capped to the visible GPUs with ``cap_workers_to_gpu_pool``);
@@ -9,7 +12,12 @@ A run, in order:
    given (lock, fingerprint check);
 3. replay: with ``resume``, a stored success is served (``from_cache``); a
    stored failure is served as a :class:`RecordedFailure` unless
-   ``retry_failed_subjects``; ids in ``force_rerun_subjects`` are always run;
+   ``retry_failed_subjects``; ids in ``force_rerun_subjects`` are always run.
+   An entry the store refuses (corrupt, truncated, bad values, a pickle this
+   run does not allow, a symlink, not a regular file, not ours) is reported
+   once as a warning and its subject is recomputed; with
+   ``on_bad_entry="fail"`` the subject is failed with that
+   :class:`~zephon.errors.CheckpointError` instead. Never a reason to abort;
 4. rounds: every remaining subject runs once, then failed ones again for up to
    ``auto_retry_rounds`` extra rounds (the backend, and so a lowered OOM
    concurrency, lives across rounds). Each attempt's outcome is written to the
@@ -34,16 +42,20 @@ import multiprocessing
 import os
 from typing import Any, Iterable, Iterator, NamedTuple
 
-from zephon.errors import SerializationError, ZephonConfigError, ZephonError
+from zephon.errors import CheckpointError, SerializationError, ZephonConfigError, ZephonError
 from zephon.jobs.gpu import visible_gpu_count
-from zephon.jobs.process import ProcessBackend
+from zephon.jobs.process import TREE_POLICY, ProcessBackend
 from zephon.jobs.progress import Progress
 from zephon.jobs.serial import SerialBackend
 from zephon.jobs.store import CheckpointStore
 from zephon.jobs.subjects import cache_key_of, callable_name, subject_id_of
 from zephon.options import RunPolicy, backend_reason, resolve_backend
+from zephon.transport.spawn_guard import refuse_in_spawn_bootstrap
 
-__all__ = ["run", "JobRun", "SubjectResult", "RecordedFailure"]
+__all__ = ["run", "JobRun", "SubjectResult", "RecordedFailure", "ON_BAD_ENTRY"]
+
+#: What a resumed run does with a store entry it cannot trust or read.
+ON_BAD_ENTRY = ("recompute", "fail")
 
 log = logging.getLogger("zephon.jobs")
 
@@ -93,12 +105,17 @@ class JobRun:
 
     def __init__(self, fn, subjects: Iterable[Any], policy: RunPolicy | None = None,
                  fingerprint: str | None = None, progress: bool = True, *,
-                 ordered: bool = True, allow_pickle: bool = False, mp_context=None) -> None:
+                 ordered: bool = True, allow_pickle: bool = False, mp_context=None,
+                 on_bad_entry: str = "recompute") -> None:
         policy = RunPolicy() if policy is None else policy
         if not isinstance(policy, RunPolicy):
             raise ZephonConfigError(f"policy must be a RunPolicy, got {type(policy).__name__}")
         if not callable(fn):
             raise ZephonConfigError(f"fn must be callable, got {fn!r}")
+        if on_bad_entry not in ON_BAD_ENTRY:
+            raise ZephonConfigError(f"on_bad_entry must be one of {ON_BAD_ENTRY}, got "
+                                    f"{on_bad_entry!r}")
+        self.on_bad_entry = on_bad_entry
         self.fn, self.policy, self.fingerprint = fn, policy, fingerprint
         self.subjects = list(subjects)
         self.ids = [subject_id_of(s, i) for i, s in enumerate(self.subjects)]
@@ -140,11 +157,14 @@ class JobRun:
             f"  failures: {p.on_subject_failure}; {p.auto_retry_rounds} retry round(s); OOM "
             f"back-off {'on' if p.oom_backoff else 'off'} (-{p.oom_reduce_workers_by})",
             f"  store: {self.store_dir or 'none'} (resume {p.resume}, fingerprint "
-            f"{self.fingerprint!r}, strict {p.strict_checkpoint_hash})",
+            f"{self.fingerprint!r}, strict {p.strict_checkpoint_hash}; an entry it cannot "
+            f"trust or read: {self.on_bad_entry})",
         ]
         if self.backend_name == "ray":
             from zephon.jobs.ray_backend import explain_lines
             lines += explain_lines(self.backend, self.store_dir)
+        if self.backend_name == "process":
+            lines.append(f"  process tree: {TREE_POLICY}")
         return "\n".join(lines)
 
     def __iter__(self) -> Iterator[SubjectResult]:
@@ -160,7 +180,22 @@ class JobRun:
                               gpu_slots=self.policy.cap_workers_to_gpu_pool,
                               mp_context=self.mp_context)
 
+    def _load(self, store: CheckpointStore, i: int):
+        """The stored entry of subject ``i``; a bad entry is reported once and becomes None
+        (recompute) or a :class:`CheckpointError` (``on_bad_entry="fail"``)."""
+        try:
+            return store.load(self.keys[i])
+        except CheckpointError as exc:
+            what = "recomputing it" if self.on_bad_entry == "recompute" else \
+                "failing it (on_bad_entry='fail')"
+            log.warning("checkpoint entry of subject %s not used, %s: %s", self.ids[i], what,
+                        exc)
+            if self.on_bad_entry == "fail":
+                return CheckpointError(f"subject {self.ids[i]}: {exc}")
+            return None
+
     def _run(self) -> Iterator[SubjectResult]:
+        refuse_in_spawn_bootstrap(f"zephon.jobs.run({callable_name(self.fn)})")
         policy, n = self.policy, len(self.subjects)
         log.info("starting %s", self.explain().replace("\n", ";"))
         store = None
@@ -179,8 +214,11 @@ class JobRun:
             for i in range(n):
                 entry = None
                 if store is not None and policy.resume and self.ids[i] not in force:
-                    entry = store.load(self.keys[i])
-                if entry is not None and entry.ok:
+                    entry = self._load(store, i)
+                if isinstance(entry, CheckpointError):
+                    results[i] = SubjectResult(self.ids[i], None, entry, True, 0, 0.0)
+                    counts["failed"] += 1
+                elif entry is not None and entry.ok:
                     results[i] = SubjectResult(self.ids[i], entry.value, None, True,
                                                entry.attempts, entry.duration_s)
                     counts["cached"] += 1
@@ -278,8 +316,9 @@ class JobRun:
                 store.close()
             self.summary = {k: counts[k] for k in ("done", "cached", "failed", "retried",
                                                    "timeouts", "oom_backoffs")}
-            self.summary.update({k: counts[k] for k in ("replayed_failures", "workers_started",
-                                                        "recycled", "restarts") if counts[k]})
+            self.summary["workers_started"] = counts["workers_started"]
+            self.summary.update({k: counts[k] for k in ("replayed_failures", "recycled",
+                                                        "restarts") if counts[k]})
             if interrupted:
                 self.summary["interrupted"] = 1
             progress.close(self.summary)
@@ -289,5 +328,24 @@ def run(fn, subjects: Iterable[Any], policy: RunPolicy | None = None,
         fingerprint: str | None = None, progress: bool = True, **kwargs) -> JobRun:
     """Run ``fn`` on every subject under ``policy``; iterate the result for
     :class:`SubjectResult` objects (see :mod:`zephon.jobs.run`). Keyword options:
-    ``ordered`` (default True), ``allow_pickle`` (default False), ``mp_context``."""
+    ``ordered`` (default True), ``allow_pickle`` (default False), ``mp_context``, and
+    ``on_bad_entry`` (``"recompute"``, the default, or ``"fail"``: what a resumed run does
+    with a store entry it cannot trust or read).
+
+    Call it under ``if __name__ == "__main__":`` in a script: workers are spawned and
+    re-import the main script. Example::
+
+        from zephon.jobs import RunPolicy, run
+
+        def tokenize(shard):          # module level: workers import it
+            return len(shard)
+
+        if __name__ == "__main__":
+            job = run(tokenize, ["shard-000", "shard-001"],
+                      RunPolicy(workers=2, subject_timeout_sec=600, checkpoint_dir="ckpt"),
+                      fingerprint="tokenizer-v3")
+            for r in job:
+                print(r.subject_id, "ok" if r.ok else r.error)
+            print(job.summary)
+    """
     return JobRun(fn, subjects, policy, fingerprint, progress, **kwargs)

@@ -20,6 +20,27 @@ Writes are atomic: a unique temporary name in the same directory, ``fsync``,
 ``os.replace``, then ``fsync`` of the directory. A crash or Ctrl-C leaves
 either the old entry or the new one, never a torn file.
 
+Trust: the store uses nothing it did not write. The directory is opened once
+with ``O_NOFOLLOW`` and every file in it is reached relative to that descriptor
+(so the directory cannot be swapped under the run); the directory and its
+``ok``/``failed`` subdirectories must be real directories (not symlinks) owned
+by the current user and not writable by group or others, else opening the
+store raises :class:`~zephon.errors.CheckpointError` without touching them (an
+own directory that is merely readable by others is tightened to 0700 through
+its descriptor, never through a path). ``LOCK``, ``FINGERPRINT`` and entries
+are opened with ``O_NOFOLLOW | O_NONBLOCK`` and accepted only as regular files
+owned by the current user: a symlink (to a victim file, to /dev/zero), a FIFO,
+a device or a file forged by another user is refused, never followed, read,
+truncated or chmodded. Temporary files left by writers that died are removed
+when the store is opened (the lock guarantees no live writer owns them).
+
+Loading an entry raises :class:`~zephon.errors.CheckpointError` for every kind
+of bad entry (refused as above, truncated or corrupt, a record with missing or
+mistyped fields, a value that does not decode, a pickle this store does not
+allow): one message naming the entry, the subject key and what is wrong. The
+run decides what to do with it (recompute, or fail that subject); a bad entry
+is never a reason to abort a run.
+
 Fingerprints: every entry records the fingerprint it was written under and is
 served only to a run with the same fingerprint. With ``strict=True`` opening a
 store whose FINGERPRINT differs raises :class:`~zephon.errors.CheckpointError`;
@@ -32,9 +53,11 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import pickle
 import shutil
+import stat
 import time
 from typing import Any
 
@@ -46,6 +69,14 @@ from zephon.errors import CheckpointError, SerializationError
 from zephon.kernels.types import dtype_from_token, dtype_token
 
 __all__ = ["CheckpointStore", "StoredEntry", "encode_value", "decode_value"]
+
+log = logging.getLogger("zephon.jobs")
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_READ_FLAGS = os.O_RDONLY | _O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC
+_TMP_PREFIX = ".tmp-"
 
 _EXT_ARRAY, _EXT_BIGINT, _EXT_TUPLE, _EXT_SCALAR, _EXT_PICKLE = 1, 2, 3, 4, 5
 _INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
@@ -114,22 +145,96 @@ class StoredEntry:
         self.attempts, self.duration_s = attempts, duration_s
 
 
+def _owner_text(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def _open_dir(path: str, *, dir_fd: int | None = None, create: bool) -> int:
+    """Open (creating it 0700 if asked) a store directory that must be a real directory
+    owned by us and not writable by group or others; its descriptor."""
+    name = path if dir_fd is None else os.path.basename(path)
+    if create:
+        try:
+            os.mkdir(name, 0o700, dir_fd=dir_fd)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise CheckpointError(f"cannot create checkpoint directory {path}: {exc}") from exc
+    try:
+        fd = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except OSError as exc:
+        try:
+            link = stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
+        except OSError:
+            link = False
+        if link or exc.errno == errno.ELOOP:
+            raise CheckpointError(
+                f"checkpoint directory {path} is a symbolic link; refusing to follow it (give "
+                "the real path of a directory you own)") from None
+        raise CheckpointError(f"cannot open checkpoint directory {path}: {exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISDIR(st.st_mode):
+            raise CheckpointError(f"checkpoint directory {path} is not a directory")
+        uid = os.geteuid()
+        if st.st_uid != uid:
+            raise CheckpointError(
+                f"checkpoint directory {path} is owned by {_owner_text(st.st_uid)}, not by "
+                f"this run's {_owner_text(uid)}; refusing to use it (its entries could be "
+                "forged): use a directory of your own")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o022:
+            raise CheckpointError(
+                f"checkpoint directory {path} is writable by group or others (mode "
+                f"{mode:04o}); refusing to use it (its entries could be forged): use a "
+                "directory of your own with mode 0700, or chmod 0700 this one")
+        if mode & 0o077:
+            os.fchmod(fd, 0o700)  # through the descriptor: never a symlink's target
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class CheckpointStore:
-    """One run's view of a checkpoint directory (see the module docstring)."""
+    """One run's view of a checkpoint directory (see the module docstring).
+
+    ``CheckpointStore(root, fingerprint, strict=False, allow_pickle=False)`` opens (and
+    creates) the store and takes its lock; :meth:`load`, :meth:`save_success`,
+    :meth:`save_failure`; :meth:`close` releases the lock, :meth:`clear` removes the store.
+    Raises :class:`~zephon.errors.CheckpointError` when the directory cannot be trusted or
+    another run holds it.
+    """
 
     def __init__(self, root: str, fingerprint: str | None, *, strict: bool = False,
                  allow_pickle: bool = False) -> None:
         self.root = os.path.abspath(root)
         self.fingerprint = "" if fingerprint is None else str(fingerprint)
         self.allow_pickle = allow_pickle
+        self._uid = os.geteuid()
         self._cctx = zstandard.ZstdCompressor(level=3)
         self._dctx = zstandard.ZstdDecompressor()
-        os.makedirs(self.root, mode=0o700, exist_ok=True)
-        os.chmod(self.root, 0o700)
-        for sub in ("ok", "failed"):
-            os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
-        self._lock_fd = self._lock()
+        self._lock_fd = None
+        self._fds: dict[str, int] = {}
+        parent = os.path.dirname(self.root)
         try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot create {parent} for the checkpoint store: "
+                                  f"{exc}") from exc
+        self._fds["."] = _open_dir(self.root, create=True)
+        try:
+            for sub in ("ok", "failed"):
+                self._fds[sub] = _open_dir(os.path.join(self.root, sub),
+                                           dir_fd=self._fds["."], create=True)
+            self._lock_fd = self._lock()
+            self._remove_leftover_temp_files()
             self._check_fingerprint(strict)
         except BaseException:
             self.close()
@@ -140,30 +245,98 @@ class CheckpointStore:
         import fcntl
 
         path = os.path.join(self.root, "LOCK")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = os.open("LOCK", os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | os.O_NONBLOCK |
+                         _O_CLOEXEC, 0o600, dir_fd=self._fds["."])
         except OSError as exc:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            if exc.errno == errno.ELOOP:
                 raise CheckpointError(
-                    f"checkpoint directory {self.root} is in use by another run (pid "
-                    f"{holder}); wait for it to finish or use another checkpoint_dir") from None
+                    f"{path} is a symbolic link; refusing to follow it (someone else put it "
+                    "there: remove it)") from None
+            raise CheckpointError(f"cannot open {path}: {exc}") from exc
+        try:
+            self._check_file(fd, path)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                    raise CheckpointError(
+                        f"checkpoint directory {self.root} is in use by another run (pid "
+                        f"{holder}); wait for it to finish or use another checkpoint_dir"
+                    ) from None
+                raise
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except BaseException:
+            os.close(fd)
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
         return fd
+
+    def _check_file(self, fd: int, path: str) -> os.stat_result:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path} is not a regular file; refused")
+        if st.st_uid != self._uid:
+            raise CheckpointError(f"{path} is owned by {_owner_text(st.st_uid)}, not by "
+                                  f"this run's {_owner_text(self._uid)}; refused")
+        return st
+
+    def _remove_leftover_temp_files(self) -> None:
+        removed = 0
+        for fd in self._fds.values():
+            for name in os.listdir(fd):
+                if name.startswith(_TMP_PREFIX):
+                    try:
+                        os.unlink(name, dir_fd=fd)
+                        removed += 1
+                    except OSError:
+                        pass
+        if removed:
+            log.info("removed %d temporary file(s) left in %s by writers that died", removed,
+                     self.root)
+
+    def _read_file(self, kind: str, name: str, what: str) -> bytes | None:
+        """The bytes of a file of the store, or None when it does not exist; a file that is
+        not a regular file of ours raises CheckpointError (never followed, never blocks)."""
+        path = os.path.join(self.root, name) if kind == "." else \
+            os.path.join(self.root, kind, name)
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=self._fds[kind])
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CheckpointError(f"{what} {path} is a symbolic link; refused "
+                                      "(not followed)") from None
+            raise CheckpointError(f"{what} {path} cannot be opened: {exc}") from exc
+        try:
+            st = self._check_file(fd, f"{what} {path}")
+            chunks, size = [], 0
+            while True:
+                chunk = os.read(fd, max(1 << 16, st.st_size - size + 1))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
 
     def _check_fingerprint(self, strict: bool) -> None:
         path = os.path.join(self.root, "FINGERPRINT")
         try:
-            with open(path, encoding="utf-8") as fh:
-                recorded = json.load(fh)["fingerprint"]
-        except FileNotFoundError:
+            blob = self._read_file(".", "FINGERPRINT", "fingerprint file")
+            recorded = None if blob is None else json.loads(blob.decode())["fingerprint"]
+            if recorded is not None and not isinstance(recorded, str):
+                raise ValueError(f"the fingerprint is a {type(recorded).__name__}")
+        except (CheckpointError, ValueError, KeyError, TypeError) as exc:
+            if strict:
+                raise CheckpointError(f"{path} is unreadable ({exc}) and "
+                                      "strict_checkpoint_hash is on") from exc
+            log.warning("%s is unreadable (%s); rewriting it", path, exc)
             recorded = None
-        except (ValueError, KeyError) as exc:
-            raise CheckpointError(f"{path} is corrupt: {exc}") from exc
+            self._unlink(".", "FINGERPRINT")
         if recorded is not None and recorded != self.fingerprint and strict:
             raise CheckpointError(
                 f"checkpoint directory {self.root} was written under fingerprint "
@@ -171,12 +344,16 @@ class CheckpointStore:
                 "use a new checkpoint_dir, clear this one, or disable strict_checkpoint_hash")
         self.previous_fingerprint = recorded
         if recorded != self.fingerprint:
-            self._atomic_write(path, json.dumps({"fingerprint": self.fingerprint}).encode())
+            self._atomic_write(".", "FINGERPRINT",
+                               json.dumps({"fingerprint": self.fingerprint}).encode())
 
     def close(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
 
     # -- entries ---------------------------------------------------------------------------
     @staticmethod
@@ -186,46 +363,80 @@ class CheckpointStore:
     def _path(self, kind: str, key: str) -> str:
         return os.path.join(self.root, kind, self._name(key))
 
-    def _atomic_write(self, path: str, data: bytes) -> None:
-        directory = os.path.dirname(path)
-        tmp = os.path.join(directory, f".tmp-{os.getpid()}-{os.urandom(6).hex()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    def _unlink(self, kind: str, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self._fds[kind])
+        except FileNotFoundError:
+            pass
+
+    def _atomic_write(self, kind: str, name: str, data: bytes) -> None:
+        dfd = self._fds[kind]
+        tmp = f"{_TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
+                     0o600, dir_fd=dfd)
         try:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
             os.fsync(fd)
-        except BaseException:
             os.close(fd)
-            os.unlink(tmp)
+            fd = None
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
             raise
-        os.close(fd)
-        os.replace(tmp, path)
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        os.fsync(dfd)
 
     def _read(self, kind: str, key: str) -> dict | None:
-        try:
-            with open(self._path(kind, key), "rb") as fh:
-                blob = fh.read()
-        except FileNotFoundError:
+        what = f"checkpoint entry for {key!r}:"
+        blob = self._read_file(kind, self._name(key), what)
+        if blob is None:
             return None
+        path = self._path(kind, key)
         try:
             record = msgpack.unpackb(self._dctx.decompress(blob), raw=False)
         except Exception as exc:  # noqa: BLE001 - corrupt entry: recompute, do not serve
-            raise CheckpointError(f"corrupt checkpoint entry for {key!r}: {exc}") from exc
+            raise CheckpointError(f"{what} {path} is corrupt (truncated or damaged): "
+                                  f"{type(exc).__name__}: {exc}") from None
+        if not isinstance(record, dict):
+            raise CheckpointError(f"{what} {path} is corrupt: not a record")
         if record.get("key") != key or record.get("fingerprint") != self.fingerprint:
             return None  # another key (hash clash) or another fingerprint: not served
+        attempts, duration = record.get("attempts"), record.get("duration_s")
+        if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 0 or \
+                not isinstance(duration, (int, float)) or isinstance(duration, bool):
+            raise CheckpointError(f"{what} {path} is corrupt: attempts={attempts!r}, "
+                                  f"duration_s={duration!r}")
+        if kind == "ok" and not isinstance(record.get("value"), bytes):
+            raise CheckpointError(f"{what} {path} is corrupt: it holds no encoded value")
+        if kind == "failed":
+            error = record.get("error")
+            if not isinstance(error, dict) or not isinstance(error.get("type"), str) or \
+                    not isinstance(error.get("message"), str) or \
+                    not isinstance(error.get("traceback", ""), str):
+                raise CheckpointError(f"{what} {path} is corrupt: error={error!r:.200}")
         return record
 
     def load(self, key: str) -> StoredEntry | None:
-        """The stored outcome of ``key`` under this fingerprint, or None."""
+        """The stored outcome of ``key`` under this fingerprint, or None when there is none.
+        Raises :class:`~zephon.errors.CheckpointError` for an entry that cannot be trusted
+        or read (see the module docstring)."""
         record = self._read("ok", key)
         if record is not None:
-            value = decode_value(record["value"], allow_pickle=self.allow_pickle)
+            try:
+                value = decode_value(record["value"], allow_pickle=self.allow_pickle)
+            except CheckpointError as exc:
+                raise CheckpointError(f"checkpoint entry for {key!r}: "
+                                      f"{self._path('ok', key)}: {exc}") from None
+            except Exception as exc:  # noqa: BLE001 - whatever the bad bytes raise
+                raise CheckpointError(
+                    f"checkpoint entry for {key!r}: {self._path('ok', key)} is corrupt: its "
+                    f"value does not decode: {type(exc).__name__}: {exc}") from None
             return StoredEntry(True, value, None, record["attempts"], record["duration_s"])
         record = self._read("failed", key)
         if record is not None:
@@ -239,22 +450,20 @@ class CheckpointStore:
         record = {"key": key, "subject": subject_id, "fingerprint": self.fingerprint,
                   "value": data, "attempts": attempts, "duration_s": duration_s,
                   "time": time.time()}
-        self._atomic_write(self._path("ok", key), self._cctx.compress(
+        name = self._name(key)
+        self._atomic_write("ok", name, self._cctx.compress(
             msgpack.packb(record, use_bin_type=True)))
-        try:
-            os.unlink(self._path("failed", key))
-        except FileNotFoundError:
-            pass
+        self._unlink("failed", name)
 
     def save_failure(self, key: str, subject_id: str, error: dict, attempts: int,
                      duration_s: float) -> None:
         record = {"key": key, "subject": subject_id, "fingerprint": self.fingerprint,
                   "error": error, "attempts": attempts, "duration_s": duration_s,
                   "time": time.time()}
-        self._atomic_write(self._path("failed", key), self._cctx.compress(
+        self._atomic_write("failed", self._name(key), self._cctx.compress(
             msgpack.packb(record, use_bin_type=True)))
 
     def clear(self) -> None:
         """Remove the whole store (the run still holds the lock while it does)."""
-        self.close()
         shutil.rmtree(self.root, ignore_errors=True)
+        self.close()

@@ -1,20 +1,33 @@
 """The job worker process and its wire protocol.
 
 A worker is a spawn-context child that first makes itself the leader of its
-own process group (so the parent can terminate the op's children with it),
-exports ``ZEPHON_GPU_SLOT`` when it has one, unpickles the callable (pickled
-once by the parent) and runs its ``setup()`` if it has one, then says READY.
-It runs one subject at a time and never decides to exit on its own: the
-parent stops it (recycling, failure restarts, shutdown) after it has read the
-last result, so a result is never lost to an exit.
+own process group (so the parent can signal the op's children with it) and, on
+Linux, a child subreaper (so descendants that leave the group come back to it
+when orphaned), exports ``ZEPHON_GPU_SLOT`` when it has one, unpickles the
+callable (pickled once by the parent) and runs its ``setup()`` if it has one,
+then says READY. It runs one subject at a time and never decides to exit on
+its own: the parent stops it (recycling, failure restarts, shutdown) after it
+has read the last result, so a result is never lost to an exit. Told to stop,
+or sent SIGTERM (a timeout), it ends every descendant it has (SIGTERM,
+``grace / 2``, SIGKILL), those that left its process group included, and
+exits (of SIGTERM, in the second case). A subject that installs its own
+SIGTERM handler replaces that clean-up; the parent's SIGKILL to the group
+after the grace still ends the group.
 
 Messages (headers on a :mod:`zephon.transport.channel` socketpair; subjects,
 values and exceptions travel as pickle protocol 5 frames):
 
     parent -> worker   task {id} [subject]       stop
     worker -> parent   ready {pid}               fail {tb} [exception]   (setup failed)
-                       started {id}              done {id, d} [value, buffers...]
+                       started {id, t}           done {id, d} [value, buffers...]
                        error {id, d, tb, oom} [exception]
+
+``t`` is the worker's ``time.monotonic()`` when the subject started, ``d`` the
+time from then until the callable returned or raised: the parent judges the
+subject's timeout on these. From the callable's return until its report is
+sent the worker blocks SIGTERM (in every thread of its own), so a terminate
+that races a finishing subject never cuts a report in half: the report is
+sent, then the pending SIGTERM takes effect.
 
 If the parent dies the worker notices (EOF on the channel, or its parent pid
 changes while a subject runs) and kills its whole process group.
@@ -28,10 +41,13 @@ import signal
 import threading
 import time
 
+from zephon.jobs.tree import become_subreaper, end_descendants
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.remote_errors import encode_exception
 
 __all__ = ["job_worker_main", "pickle_value", "unpickle_value"]
+
+_TERM = {signal.SIGTERM}
 
 
 def pickle_value(value) -> list:
@@ -51,15 +67,58 @@ def _watch_parent(parent_pid: int) -> None:
             os.killpg(0, signal.SIGKILL)  # the parent is gone: take the op's children too
 
 
+def _report(channel, task_id: int, start: float, value=None, exc=None) -> None:
+    """Send the subject's report with SIGTERM held back until it is on the wire."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, _TERM)
+    try:
+        duration = time.monotonic() - start
+        if exc is None:
+            try:
+                out = pickle_value(value)
+            except Exception as pickling:  # noqa: BLE001 - reported as the subject's error
+                exc = pickling
+        if exc is not None:
+            tb, blob = encode_exception(exc)
+            channel.send({"k": "error", "id": task_id, "d": duration, "tb": tb,
+                          "oom": isinstance(exc, MemoryError)}, [blob])
+        else:
+            channel.send({"k": "done", "id": task_id, "d": duration}, out)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERM)
+
+
+def _on_sigterm(grace: float):
+    """The worker's SIGTERM handler (a subject may install its own instead): end every
+    descendant, the ones that left the process group included, then die of SIGTERM."""
+
+    def handler(signum, frame):
+        signal.pthread_sigmask(signal.SIG_BLOCK, _TERM)
+        try:
+            end_descendants(grace)
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(128 + signal.SIGTERM)
+
+    return handler
+
+
 def job_worker_main(channel, boot: dict) -> None:
     try:
         os.setpgid(0, 0)
     except OSError:
         pass
+    become_subreaper()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if boot.get("gpu_slot") is not None:
         os.environ["ZEPHON_GPU_SLOT"] = str(boot["gpu_slot"])
+    # The watcher thread never takes a SIGTERM meant for the worker (it inherits the mask).
+    signal.pthread_sigmask(signal.SIG_BLOCK, _TERM)
     threading.Thread(target=_watch_parent, args=(boot["parent_pid"],), daemon=True).start()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERM)
+    grace = float(boot.get("grace", 1.0))
+    signal.signal(signal.SIGTERM, _on_sigterm(grace / 2))
     try:
         try:
             fn = pickle.loads(boot["fn"])
@@ -74,19 +133,18 @@ def job_worker_main(channel, boot: dict) -> None:
         while True:
             header, frames, _ = channel.recv()
             if header["k"] == "stop":
+                end_descendants(grace / 2)
                 return
             task_id = header["id"]
             subject = pickle.loads(frames[0])
-            channel.send({"k": "started", "id": task_id})
-            start = time.perf_counter()
+            start = time.monotonic()
+            channel.send({"k": "started", "id": task_id, "t": start})
             try:
-                out = pickle_value(fn(subject))
+                value = fn(subject)
             except Exception as exc:  # noqa: BLE001 - the subject's failure, not ours
-                tb, blob = encode_exception(exc)
-                channel.send({"k": "error", "id": task_id, "d": time.perf_counter() - start,
-                              "tb": tb, "oom": isinstance(exc, MemoryError)}, [blob])
+                _report(channel, task_id, start, exc=exc)
                 continue
-            channel.send({"k": "done", "id": task_id, "d": time.perf_counter() - start}, out)
+            _report(channel, task_id, start, value=value)
     except ChannelClosed:
         pass
     finally:

@@ -1,0 +1,161 @@
+"""The process tree of a job worker: process groups, the child subreaper, descendants.
+
+What this module owns:
+
+- :func:`signal_group` / :func:`group_alive`: signal a whole process group and ask
+  whether any member of it is still alive (zombies do not count: they are dead,
+  only not yet reaped by whoever is their parent now).
+- :func:`become_subreaper`: ``prctl(PR_SET_CHILD_SUBREAPER)`` through ctypes (Linux
+  only; a no-op returning False elsewhere). A subreaper receives the orphaned
+  descendants of its subtree instead of init, so a job worker still sees the
+  double-forked daemon a subject left behind.
+- :func:`descendants` / :func:`end_descendants`: every live process below a pid
+  (read from ``/proc``), and ending them all: SIGTERM, a grace, SIGKILL, then
+  reaping what became this process's zombies.
+
+A process group id is not reused while any member of the group exists, so
+signalling the group of a worker that has already exited reaches exactly the
+processes it left behind (or nobody: ``ProcessLookupError``).
+
+Standard library only; Linux gives the full behaviour, other POSIX systems the
+process-group part.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+import time
+
+__all__ = ["signal_group", "group_alive", "become_subreaper", "descendants",
+           "end_descendants"]
+
+_PR_SET_CHILD_SUBREAPER = 36
+_HAS_PROC = os.path.isdir("/proc/self")
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to process group ``pgid``; True when the group had a member."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _proc_table() -> list[tuple[int, int, int, str]]:
+    """(pid, ppid, pgid, state) of every process in /proc."""
+    rows = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        rows.append((int(entry), int(fields[1]), int(fields[2]), fields[0]))
+    return rows
+
+
+def group_alive(pgid: int) -> bool:
+    """True while process group ``pgid`` has a member that is not a zombie."""
+    if not _HAS_PROC:
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    return any(g == pgid and state != "Z" for _, _, g, state in _proc_table())
+
+
+def become_subreaper() -> bool:
+    """Make this process a child subreaper (Linux); True when it is one."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _has_no_children(pid: int) -> bool:
+    """True when /proc says ``pid`` has no child at all (False when it cannot tell)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+        for tid in tids:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
+                if fh.read().strip():
+                    return False
+        return True
+    except OSError:
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    """Live (non-zombie) processes below ``pid``, read from /proc (empty without it)."""
+    if not _HAS_PROC or _has_no_children(pid):
+        return []
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    state = {}
+    for p, ppid, _, st in table:
+        children.setdefault(ppid, []).append(p)
+        state[p] = st
+    out, todo = [], list(children.get(pid, ()))
+    while todo:
+        p = todo.pop()
+        if state.get(p) != "Z":
+            out.append(p)
+        todo.extend(children.get(p, ()))
+    return out
+
+
+def _reap_zombie_children() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def end_descendants(grace: float) -> None:
+    """End every descendant of this process: SIGTERM, up to ``grace`` seconds for them to
+    go, SIGKILL to what is left (and to what they started meanwhile); reap our zombies.
+    Call only when nothing else in this process waits for its children."""
+    me = os.getpid()
+    pids = descendants(me)
+    if not pids:
+        return
+    for pid in pids:
+        _kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        _reap_zombie_children()
+        pids = descendants(me)
+        if not pids:
+            return
+        time.sleep(0.01)
+    for _ in range(3):
+        pids = descendants(me)
+        if not pids:
+            break
+        for pid in pids:
+            _kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+        _reap_zombie_children()
+    _reap_zombie_children()
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
