@@ -151,3 +151,93 @@ def test_state_of_2_ranks_restores_on_3_when_3_does_not_divide_the_lanes(tmp_pat
     by_lane = resumed(blob, world=3, mapping_strategy=mapping)
     assert sorted(by_lane) == list(range(C))
     assert interleave(by_lane, {lane: 1 for lane in range(C)}) == expected_after(1)
+
+
+def _ranks_in_threads(world, body):
+    import threading
+
+    errors, out = [], {}
+
+    def run(rank):
+        try:
+            out[rank] = body(rank)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return out
+
+
+def test_two_pipelines_of_one_job_share_an_aggregate_dir(tmp_path):
+    from zephon import sources
+
+    agg = str(tmp_path / "agg")
+
+    def body(rank):
+        opts = RuntimeOptions(world_size=2, global_rank=rank, canonical_replicas=C,
+                              aggregate_dir=agg, aggregate_timeout_s=60)
+        train = pipeline().options(opts)
+        val = pipeline("cursor").options(opts)  # another pipeline, same dir
+        states = []
+        t_it, v_it = iter(train), iter(val)
+        for _ in range(2):
+            next(t_it), next(v_it)
+            states.append((t_it.checkpoint(), v_it.checkpoint()))
+        t_it.close(), v_it.close()
+        return states
+
+    out = _ranks_in_threads(2, body)
+    assert out[0] == out[1]  # every rank got the same bytes, round after round
+    for train_state, val_state in out[0]:
+        assert decode_state(train_state)["fingerprint"] != decode_state(val_state)["fingerprint"]
+
+
+def test_garbage_left_in_a_reused_directory_is_ignored(tmp_path):
+    import time
+
+    agg = tmp_path / "agg"
+
+    def body(rank, delay=0.0):
+        pipe = pipeline().options(RuntimeOptions(world_size=2, global_rank=rank,
+                                                 canonical_replicas=C, aggregate_dir=str(agg),
+                                                 aggregate_timeout_s=60))
+        it = iter(pipe)
+        next(it)
+        time.sleep(delay if rank == 0 else 0.0)
+        state = it.checkpoint()
+        it.close()
+        return state
+
+    first = _ranks_in_threads(2, body)
+    for path in agg.rglob("*"):  # every record of the finished launch becomes garbage
+        if path.is_file():
+            path.write_bytes(b"\x00garbage\xff" * 3)
+    second = _ranks_in_threads(2, lambda rank: body(rank, delay=1.0))
+    assert second[0] == second[1] == first[0]
+
+
+def test_exchange_scopes_keep_launches_and_pipelines_apart(monkeypatch):
+    from zephon.checkpoint.aggregate import exchange_scope
+
+    local = {"fingerprint": "a" * 64}
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    first = exchange_scope(local)
+    assert exchange_scope(local) == first  # every rank of one launch agrees
+    assert exchange_scope({"fingerprint": "b" * 64}) != first  # another pipeline
+    monkeypatch.setenv("MASTER_PORT", "29501")
+    assert exchange_scope(local) != first  # another torchrun launch
+
+
+@pytest.mark.parametrize("url", ["s3:/bucket/x", "file://", "gs://"])
+def test_url_typos_in_aggregate_dir_are_refused(url):
+    from zephon.errors import ZephonConfigError
+
+    with pytest.raises(ZephonConfigError, match="aggregate_dir"):
+        RuntimeOptions(world_size=2, aggregate_dir=url)

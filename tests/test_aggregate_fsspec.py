@@ -56,7 +56,8 @@ def test_file_url_is_a_local_directory(tmp_path, launch):
     results = launch([dict(tag="a", rank=r, world=2, take=2, opts={"aggregate_dir": url})
                       for r in range(2)])
     assert [code for code, _ in results] == [0, 0], results
-    assert (tmp_path / "agg" / "default_run_id" / "round-1" / "open").exists()
+    # <dir>/<run_id>/<scope of this launch and pipeline>/round-<n>
+    assert list((tmp_path / "agg" / "default_run_id").glob("p-*/round-1/open"))
 
 
 @pytest.fixture
@@ -214,5 +215,7 @@ def test_rank_0_removes_the_previous_round_once_every_rank_moved_on():
         t.join(120)
     assert not errors, errors
     fs, root = fsspec.core.url_to_fs(url)
-    rounds = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{root}/default_run_id", detail=False))
+    scopes = fs.ls(f"{root}/default_run_id", detail=False)
+    assert len(scopes) == 1  # one launch, one pipeline: one scope
+    rounds = sorted(p.rsplit("/", 1)[1] for p in fs.ls(scopes[0], detail=False))
     assert rounds == ["round-3"]

@@ -240,3 +240,43 @@ def test_tensors_returned_by_process_workers_arrive_as_tensors_in_the_arena():
         assert base is not None and not isinstance(base, (bytes, bytearray))
         seen += 1
     assert seen == 24
+
+
+@pytest.mark.parametrize("pin_memory", [False, True])
+def test_state_after_close_counts_only_batches_handed_out(pin_memory):
+    full = keys(zt.loader(pipeline()))
+    loader = zt.loader(pipeline(runner="threads", max_workers=2), pin_memory=pin_memory,
+                       prefetch=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # no accelerator to pin for
+        head = [b for _, b in zip(range(5), loader)]
+    loader.close()  # the pinning thread had pulled batches ahead of the loop
+    state = loader.state_dict()
+    again = zt.loader(pipeline())
+    again.load_state_dict(state)
+    assert keys(head) + keys(again) == full
+
+
+def test_a_refused_state_leaves_the_loader_where_it_was():
+    full = keys(zt.loader(pipeline()))
+    loader = zt.loader(pipeline())
+    head = [b for _, b in zip(range(3), loader)]
+    other = zt.loader(pipeline().map(F.double))
+    next(iter(other))
+    foreign = other.state_dict()
+    other.close()
+    import torch
+
+    for bad in (foreign, {"zephon_checkpoint": b"garbage"},
+                {"zephon_checkpoint": torch.zeros(4, dtype=torch.int64)}):
+        with pytest.raises(CheckpointError):
+            loader.load_state_dict(bad)
+    assert keys(head) + keys(loader) == full  # it went on after batch 3
+
+
+def test_columns_torch_cannot_view_become_tensors_of_a_copy():
+    import torch
+
+    batch = zt.to_torch({"rev": np.arange(6)[::-1], "be": np.arange(4, dtype=">i4")})
+    assert torch.equal(batch["rev"], torch.arange(6).flip(0))
+    assert batch["be"].tolist() == [0, 1, 2, 3]

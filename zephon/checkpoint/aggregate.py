@@ -39,8 +39,10 @@ way the error says that every rank must call ``checkpoint()``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import time
 
 from zephon.checkpoint.codec import decode_state, encode_state
@@ -201,7 +203,7 @@ def _raise_recorded(record: dict, address: str):
 
 def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
              timeout_s: float, serializer: str, compressor: str,
-             grace_s: float | None = None) -> bytes:
+             grace_s: float | None = None, scope: str = "") -> bytes:
     """Run one checkpoint round over ``medium`` (see the module docstring).
 
     Args:
@@ -211,6 +213,8 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
         round_no: the round (the n-th ``checkpoint()`` of this launch, from 1).
         grace_s: how long rank 0 waits for ranks that never arrive; default
             :func:`arrival_grace_s` of ``timeout_s``.
+        scope: a key prefix that keeps apart exchanges sharing one medium (the launch
+            and the pipeline, see :func:`exchange_scope`).
 
     Returns:
         The merged checkpoint bytes (the same on every rank).
@@ -222,7 +226,8 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
     start = time.monotonic()
     deadline = start + timeout_s
     grace = arrival_grace_s(timeout_s) if grace_s is None else min(grace_s, timeout_s)
-    base = f"round-{round_no}"
+    prefix = f"{scope}/" if scope else ""
+    base = f"{prefix}round-{round_no}"
     where = f"{medium.address} ({base})"
     if rank == 0:
         token = os.urandom(8).hex()
@@ -241,6 +246,14 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
         submission = dict(submission, nonce=token, rank=0)
         states[0] = submission
         while len(states) < world:
+            opened = _read_record(medium, f"{base}/open")
+            if opened is not None and opened.get("token") != token:
+                message = (f"checkpoint round {round_no}: another launch with the same "
+                           f"run_id opened this round at {where} while this one was "
+                           "collecting: give concurrent jobs sharing an aggregate_dir "
+                           "distinct run_ids (under torchrun each launch is kept apart "
+                           "automatically)")
+                fail({"kind": "error", "error": message}, CheckpointError(message))
             for r in range(1, world):
                 if r not in states:
                     blob = medium.get(f"{base}/{token}/rank-{r}")
@@ -274,7 +287,7 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
         if round_no > 1:
             # every rank has submitted to this round, so every rank is done with the last one
             try:
-                medium.remove(f"round-{round_no - 1}")
+                medium.remove(f"{prefix}round-{round_no - 1}")
             except Exception:  # noqa: BLE001 - tidying only
                 log.debug("could not remove round %d at %s", round_no - 1, medium.address,
                           exc_info=True)
@@ -284,14 +297,17 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
     mine = encode_state(dict(submission, nonce=nonce, rank=rank), serializer, compressor)
     submitted = None
     while True:
-        blob = medium.get(f"{base}/open")
-        token = decode_state(blob).get("token") if blob is not None else None
+        # A record that does not decode (a torn or foreign leftover in a reused directory)
+        # counts as not there yet: rank 0 of this launch writes its own.
+        opened = _read_record(medium, f"{base}/open")
+        token = opened.get("token") if opened is not None else None
+        if not isinstance(token, str) or not _TOKEN.fullmatch(token):
+            token = None
         if token is not None and token != submitted:
             medium.put(f"{base}/{token}/rank-{rank}", mine)
             submitted = token
         if submitted is not None:
-            blob = medium.get(f"{base}/{submitted}/merged")
-            record = decode_state(blob) if blob is not None else None
+            record = _read_record(medium, f"{base}/{submitted}/merged")
             if record is not None and nonce in record.get("nonces", ()):
                 medium.acknowledge(f"{base}/{submitted}")
                 if "error" in record:
@@ -303,6 +319,38 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
                 f"{timeout_s} s ({where}); checkpoint() is collective: every rank, rank 0 "
                 "included, must call it at the same step", missing=[0])
         time.sleep(medium.poll_s)
+
+
+_TOKEN = re.compile(r"[0-9a-f]{16}")
+
+
+def _read_record(medium, key: str) -> dict | None:
+    """A small record of the protocol, or None when it is absent or unreadable."""
+    blob = medium.get(key)
+    if blob is None:
+        return None
+    try:
+        record = decode_state(blob)
+    except CheckpointError:
+        log.warning("checkpoint exchange: ignoring an unreadable %s at %s", key,
+                    medium.address)
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def exchange_scope(local: dict) -> str:
+    """The key prefix of one pipeline's exchanges in one launch.
+
+    The pipeline's fingerprint keeps two pipelines of one job (train and validation) apart
+    when they share an aggregate_dir; the launch, as torchrun describes it
+    (``TORCHELASTIC_RUN_ID``, ``MASTER_ADDR``, ``MASTER_PORT``), keeps concurrent jobs on
+    one directory apart. Without torchrun, concurrent jobs need distinct ``run_id``s (rank
+    0 refuses a round another launch opened)."""
+    launch = "|".join(os.environ.get(k, "") for k in
+                      ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
+    fingerprint = str(local.get("fingerprint", ""))
+    digest = hashlib.sha256(f"{launch}\n{fingerprint}".encode()).hexdigest()[:16]
+    return f"p-{digest}"
 
 
 def exchange_state(local: dict, opts, round_no: int) -> bytes:
@@ -342,7 +390,8 @@ def exchange_state(local: dict, opts, round_no: int) -> bytes:
     try:
         return exchange(medium, _submission(local, opts), round_no=round_no,
                         rank=opts.global_rank, world=opts.world_size, timeout_s=timeout_s,
-                        serializer=serializer, compressor=compressor)
+                        serializer=serializer, compressor=compressor,
+                        scope=exchange_scope(local))
     finally:
         medium.close()
 

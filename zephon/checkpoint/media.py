@@ -140,8 +140,8 @@ class FsspecMedium:
         ok, value = box[0]
         if ok:
             return value
-        if isinstance(value, FileNotFoundError):
-            raise value
+        if isinstance(value, FileNotFoundError) and what == "reading":
+            raise value  # not there (yet): the caller polls
         raise CheckpointError(
             f"checkpoint exchange: {what} {self.address}/{key} failed: "
             f"{type(value).__name__}: {value}; nothing was merged") from value

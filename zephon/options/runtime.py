@@ -15,6 +15,7 @@ was explicit, derived or a default. Validation happens once, at construction
 from __future__ import annotations
 
 import multiprocessing
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -296,6 +297,12 @@ class RuntimeOptions(OptionsBase):
         if lanes < dp:
             raise bad("canonical_replicas", f"got {lanes}; expected >= dp_degree ({dp}) so "
                                             "every data-parallel group owns a lane")
+        if self.aggregate_dir is not None and (
+                re.match(r"[A-Za-z][A-Za-z0-9+.\-]*:/(?!/)", self.aggregate_dir)
+                or re.fullmatch(r"[A-Za-z][A-Za-z0-9+.\-]*://", self.aggregate_dir)):
+            raise bad("aggregate_dir", f"got {self.aggregate_dir!r}: a URL needs a scheme, "
+                                       "'://' and a path (e.g. 's3://bucket/runs'); a local "
+                                       "path must not start with 'name:/'")
         if self.aggregate_dir is not None and self.aggregate_store is not None:
             raise bad("aggregate_store", "set at most one of aggregate_dir and "
                                          f"aggregate_store (got {self.aggregate_dir!r} and "

@@ -4,7 +4,8 @@
 the array (and through its ``base`` the arena lease) alive, so a region of the
 shared-memory arena returns to its worker only when the last tensor over it is
 gone. Columns that are not numeric arrays (lists, strings, object arrays, a
-dtype torch lacks) are left as they are. Arrays zephon hands out may be
+dtype torch lacks) are left as they are; an array torch cannot view (negative
+strides, a non-native byte order) becomes a tensor of a copy. Arrays zephon hands out may be
 read-only views of the arena: torch has no read-only tensors, so the tensor is
 writable memory that other views may share; write into a copy if you must
 modify a batch in place.
@@ -37,6 +38,13 @@ def tensor_of(value):
             return torch.from_numpy(value)
     except TypeError:  # a dtype torch does not have
         return value
+    except ValueError:
+        # negative strides or a non-native byte order: torch cannot view it, so it gets a
+        # copy in a layout it can (the column is still a tensor, no longer zero-copy)
+        fixed = np.ascontiguousarray(value)
+        if not fixed.dtype.isnative:
+            fixed = fixed.astype(fixed.dtype.newbyteorder("="))
+        return torch.from_numpy(fixed)
 
 
 def to_torch(batch):

@@ -113,6 +113,8 @@ class TorchLoader:
         self._torch = _require_torch()
         self.pipe, self.pin_memory, self.prefetch = pipe, pin_memory, prefetch
         self._it = None
+        self._last_it = None  # the run that just ended or was closed (its state stays)
+        self._pinned_run = False
         self._thread = None
         self._queue = None
         self._stop = None
@@ -125,6 +127,7 @@ class TorchLoader:
             return self  # a run in progress goes on (a loop left early continues here)
         self.close()
         self._it = iter(self.pipe)
+        self._pinned_run = self.pin_memory
         if self.pin_memory:
             if self._pin is None:
                 self._pin = _pin_fn(self._torch)
@@ -145,7 +148,7 @@ class TorchLoader:
             try:
                 return to_torch(next(self._it))
             except StopIteration:
-                self._it = None
+                self._last_it, self._it = self._it, None
                 raise
         item = self._queue.get()
         if item is _END:
@@ -175,9 +178,8 @@ class TorchLoader:
                 self._thread.join(timeout=0.05)
             self._thread = None
         if self._it is not None:
-            close = getattr(self._it, "close", None)
-            if close is not None:
-                close()
+            self._it.close()
+            self._last_it = self._it
         self._it = None
 
     def __del__(self) -> None:
@@ -190,10 +192,11 @@ class TorchLoader:
     def state_dict(self) -> dict:
         """``{"zephon_checkpoint": bytes}``: the position after the last batch this loader
         handed out (collective: every rank calls it at the same step)."""
-        if self._it is not None and self._thread is not None:
-            state = self._it.checkpoint(self._delivered)
-        elif self._it is not None:
-            state = self._it.checkpoint()
+        it = self._it if self._it is not None else self._last_it
+        if it is not None and self._pinned_run:
+            state = it.checkpoint(self._delivered)  # what the loop got, not the prefetch
+        elif it is not None:
+            state = it.checkpoint()
         else:
             state = self.pipe.checkpoint()
         return {STATE_KEY: state}
@@ -208,6 +211,15 @@ class TorchLoader:
                 + (f" with keys {sorted(state_dict)}" if isinstance(state_dict, dict) else ""))
         state = state_dict[STATE_KEY]
         if isinstance(state, self._torch.Tensor):
+            if state.dtype != self._torch.uint8:
+                raise CheckpointError(f"load_state_dict: the {STATE_KEY!r} tensor must hold the "
+                                      f"checkpoint bytes as uint8, got {state.dtype}")
             state = state.numpy().tobytes()
+        # Check it all before anything changes: a refused state leaves the loader as it was.
+        from zephon.checkpoint import decode_state
+        from zephon.pipeline.state import check_state
+
+        check_state(decode_state(state), self.pipe.plan(), self.pipe.fingerprint())
         self.close()
+        self._last_it = None
         self.pipe.restore(state)
