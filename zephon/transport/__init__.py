@@ -2,7 +2,7 @@
 
 See :mod:`zephon.transport.pool` for the lifecycle, :mod:`zephon.transport.arena`
 for the shared-memory design and :mod:`zephon.transport.codec` for the
-per-message policy (SPEC §5).
+per-message policy.
 """
 
 from zephon.transport.arena import memfd_available, sweep_stale_segments
