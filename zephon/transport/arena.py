@@ -417,9 +417,10 @@ class ShmArena:
         index = next((i for i in range(self.slab_base, self.slab_base + _SLAB_INDICES)
                       if i not in used), None)
         if index is None or index >= 1 << 16:
-            raise TransportError(
+            raise ArenaFull(  # the codec sends in-band until the consumer drops some
                 f"arena {self.owner}: all {_SLAB_INDICES} slab indices are in use (the "
-                "consumer holds results of too many distinct large messages)")
+                "consumer holds results of too many distinct large messages)",
+                self.live_bytes + self.dedicated_bytes, self.max_bytes)
         slab_id = (self.owner << 16) | index
         name = segment_name(self.parent_pid, os.getpid(), self._nonce, index)
         slab = Slab.create(slab_id, size, self.kind, name, dedicated=dedicated)
