@@ -1,6 +1,7 @@
 """Process transport: channels, shared-memory arena, payload codec, worker pool.
 
-See :mod:`zephon.transport.pool` for the lifecycle, :mod:`zephon.transport.arena`
+See :mod:`zephon.transport.pool` for the lifecycle (:mod:`zephon.transport.worker`
+for the worker process), :mod:`zephon.transport.arena`
 for the shared-memory design and :mod:`zephon.transport.codec` for the
 per-message policy.
 """

@@ -41,16 +41,14 @@ stall. The first such result makes ``get()`` issue one ``RuntimeWarning`` per
 pool naming the bytes held, the bound and the remedies; the same happens, with
 its own warning, when no shared segment can be created (a full /dev/shm).
 
-Worker side: a control thread receives TASK (queued), FREE (back to the
-arena) and STOP; the main thread runs tasks in order and sends each result or
-error (a send that fails before any byte left, e.g. an ``OSError`` of the
-socket, reaches the consumer as a :class:`~zephon.errors.TransportError` for
-that task, naming the worker; the worker goes on). If the parent dies (EOF on
-the channel, or the parent pid changes) the worker unlinks any segment names
-it owns and exits at once. Workers ignore SIGINT: Ctrl-C in a terminal
-reaches the whole process group, and it is the parent's to handle (one
-``KeyboardInterrupt`` in the main process; then its exit closes the pool). They
-are started with SIGINT blocked, so not even their start-up prints a traceback.
+Worker side (:mod:`zephon.transport.worker`): a control thread receives TASK,
+FREE and STOP while the main thread runs tasks in order; a send that fails
+before any byte left reaches the consumer as a
+:class:`~zephon.errors.TransportError` for that task, naming the worker (not as
+a death). Workers ignore SIGINT: Ctrl-C in a terminal reaches the whole process
+group, and it is the parent's to handle (one ``KeyboardInterrupt`` in the main
+process; then its exit closes the pool). They are started with SIGINT blocked,
+so not even their start-up prints a traceback.
 
 ``close()`` (idempotent; also from ``__del__`` and at interpreter exit):
 STOP to every worker at once; what they still send is read and dropped while
@@ -89,15 +87,16 @@ from zephon.errors import (
     SerializationError, TransportError, WorkerCrashedError,
 )
 from zephon.transport.arena import (
-    LeaseTable, ShmArena, SlabRegistry, memfd_available, sweep_segments_of, sweep_stale_segments,
+    LeaseTable, SlabRegistry, memfd_available, sweep_segments_of, sweep_stale_segments,
     token_slab,
 )
 from zephon.transport.channel import ChannelClosed, channel_pair
 from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
-from zephon.transport.remote_errors import decode_exception, encode_exception
+from zephon.transport.remote_errors import decode_exception
 from zephon.transport.spawn_guard import (
     EXIT_UNGUARDED_MAIN, refuse_in_spawn_bootstrap, unguarded_main_error,
 )
+from zephon.transport.worker import worker_entry
 
 __all__ = ["WorkerPool", "TaskResult", "default_arena_bytes"]
 
@@ -152,182 +151,6 @@ def _signal_name(exitcode: int | None) -> str:
         except ValueError:
             return f"signal {-exitcode}"
     return f"exit code {exitcode}"
-
-
-# ---------------------------------------------------------------------------------------
-# worker side
-# ---------------------------------------------------------------------------------------
-
-_STOP = object()
-
-
-def _close_on_exec_all() -> None:
-    """Mark every descriptor above stderr close-on-exec: the channel rebuilt by
-    multiprocessing and its own bootstrap pipes arrive inheritable, and a subprocess
-    started by an op must not hold them (it would keep channels open after we die)."""
-    for directory in ("/proc/self/fd", "/dev/fd"):
-        try:
-            names = os.listdir(directory)
-        except OSError:
-            continue
-        for name in names:
-            fd = int(name)
-            if fd > 2:
-                try:
-                    os.set_inheritable(fd, False)
-                except OSError:
-                    pass  # the listing's own descriptor, already closed
-        return
-
-
-def _tune_malloc() -> None:
-    """Keep large buffers in the worker's heap instead of a fresh mmap each time.
-
-    A worker allocates and frees multi-MiB arrays for every task. glibc serves
-    those with mmap and gives them back with munmap, so each task page-faults its
-    whole output again (measured here: a load + map of 4 MiB samples ran at 3.1 GiB/s
-    through the pool, 8.1 GiB/s with the threshold raised). Raising the mmap threshold
-    (to its 32 MiB maximum) and the trim threshold keeps that memory mapped between
-    tasks. glibc only; ``ZEPHON_WORKER_MALLOC_TUNING=0`` turns it off.
-    """
-    if os.environ.get("ZEPHON_WORKER_MALLOC_TUNING", "1") == "0":
-        return
-    try:
-        import ctypes
-
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return  # not glibc
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    mallopt(m_mmap_threshold, 32 << 20)
-    mallopt(m_trim_threshold, 256 << 20)
-    mallopt(m_top_pad, 16 << 20)
-
-
-def _ignore_sigint() -> None:
-    """Ctrl-C to the process group is the parent's to handle: a worker ignores SIGINT.
-    The parent starts workers with SIGINT blocked (so a Ctrl-C during interpreter start-up
-    stays pending); ignoring it discards a pending one, then it is unblocked."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
-def _worker_entry(index: int, channel, boot: dict) -> None:
-    """Process entry point (module level so spawn can import it)."""
-    _ignore_sigint()
-    _close_on_exec_all()
-    _tune_malloc()
-    if boot.get("log_level") is not None and not logging.getLogger().handlers:
-        logging.basicConfig(level=boot["log_level"],
-                            format=f"%(asctime)s zephon-worker-{index} %(levelname)s %(message)s")
-    _Worker(index, channel, boot).run()
-
-
-class _Worker:
-    def __init__(self, index: int, channel, boot: dict) -> None:
-        self.index, self.channel, self.boot = index, channel, boot
-        self.parent_pid = boot["parent_pid"]
-        self.parent_gone = False
-        self.tasks: collections.deque = collections.deque()
-        self.task_ready = threading.Condition()
-        self.stopping = False
-        self.peer = PeerState(can_map_fds=boot["transport"] == "socketpair")
-        self.arena = ShmArena(index + 1, boot["arena_kind"], boot["arena_max_bytes"],
-                              parent_pid=self.parent_pid,
-                              alive=lambda: not (self.parent_gone or self.stopping),
-                              wait_timeout_s=boot["arena_wait_timeout_s"],
-                              slab_base=boot.get("slab_base", 0),
-                              on_release=self.peer.slabs.discard)
-        self.leases, self.registry = LeaseTable(), SlabRegistry()
-        self.encoder = Encoder(ShmPolicy(*boot["policy"]), self.leases, self.registry,
-                               self.arena)
-        self.decoder = Decoder(self.leases, self.registry, lambda owner: None,
-                               borrow_forwarded=True)
-
-    def run(self) -> None:
-        try:
-            try:
-                handler = pickle.loads(self.boot["handler"])
-            except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
-                tb, blob = encode_exception(exc)
-                self.channel.send({"k": "fail", "tb": tb}, [blob])
-                return
-            self.channel.send({"k": "ready", "pid": os.getpid()})
-            threading.Thread(target=self._control, name="zephon-worker-control",
-                             daemon=True).start()
-            while True:
-                with self.task_ready:
-                    while not self.tasks and not self.stopping:
-                        self.task_ready.wait()
-                    if self.stopping:
-                        return
-                    task_id, header, frames, fds = self.tasks.popleft()
-                self._run_one(handler, task_id, header, frames, fds)
-        except ChannelClosed:
-            pass
-        finally:
-            closer = getattr(locals().get("handler"), "close", None)
-            if callable(closer):  # a stateful handler (the MTP engine) shuts down its work
-                try:
-                    closer()
-                except Exception:  # noqa: BLE001 - exiting anyway
-                    log.exception("worker %d: closing the handler failed", self.index)
-            self.arena.close()
-            self.channel.close()
-
-    def _run_one(self, handler, task_id: int, header, frames, fds) -> None:
-        try:
-            payload = self.decoder.decode(header, frames, fds)
-            value = handler(payload)
-            del payload
-            out, out_frames, out_fds, _ = self.encoder.encode(value, self.peer)
-        except ChannelClosed:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            tb, blob = encode_exception(exc)
-            self.channel.send({"k": "error", "id": task_id, "tb": tb}, [blob])
-            return
-        out["k"], out["id"] = "result", task_id
-        try:
-            self.channel.send(out, out_frames, out_fds)
-        except ChannelClosed:
-            raise
-        except OSError as exc:  # nothing was sent (a broken stream is ChannelClosed)
-            error = TransportError(
-                f"worker {self.index} could not send the result of task {task_id}: "
-                f"{type(exc).__name__}: {exc}")
-            tb, blob = encode_exception(error)
-            self.channel.send({"k": "error", "id": task_id, "tb": tb}, [blob])
-
-    def _control(self) -> None:
-        selector = selectors.DefaultSelector()
-        selector.register(self.channel.fileno(), selectors.EVENT_READ)
-        try:
-            while True:
-                if not selector.select(timeout=1.0):
-                    if os.getppid() != self.parent_pid:
-                        raise ChannelClosed("parent process changed")
-                    continue
-                header, frames, fds = self.channel.recv()
-                kind = header.get("k")
-                if kind == "task":
-                    with self.task_ready:
-                        self.tasks.append((header["id"], header, frames, fds))
-                        self.task_ready.notify()
-                elif kind == "free":
-                    self.arena.free(header["t"])
-                elif kind == "stop":
-                    with self.task_ready:
-                        self.stopping = True
-                        self.task_ready.notify()
-                    return
-        except (ChannelClosed, OSError):
-            # The parent is gone: nothing will read our results. Leave no names behind.
-            self.parent_gone = True
-            self.arena.close()
-            os._exit(0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -476,7 +299,7 @@ class WorkerPool:
         parent_end, child_end = channel_pair(self.transport, self.options.ipc_buffer_bytes)
         boot = dict(self._boot, slab_base=generation * _SLABS_PER_GENERATION)
         process = self.options.mp_context.Process(
-            target=_worker_entry, args=(k, child_end, boot), name=f"zephon-{self.name}-{k}",
+            target=worker_entry, args=(k, child_end, boot), name=f"zephon-{self.name}-{k}",
             daemon=self.daemon)
         # The child inherits the signal mask through exec: SIGINT stays blocked until the
         # worker has set it to ignored (see _ignore_sigint), so a Ctrl-C during its start-up
