@@ -7,6 +7,9 @@
 - codec round trip of a batch of 256 small dict items, encode + decode in one
   process, vs ``pickle.dumps`` + ``pickle.loads`` of the same batch: the
   per-message cost the transport adds on top of plain pickling (reported).
+- a consumer that keeps all of 300 x 4 MiB results (``list(...)``: once the
+  arena is held, results travel by copy) vs one that drops each at once
+  (reported: the price of keeping, expected below 1, never a stall).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -93,3 +97,38 @@ def test_pickle_round_trip(benchmark, record_ratio):
     payload = small_batch()
     benchmark(lambda: pickle.loads(pickle.dumps(payload, protocol=5)))
     record_ratio("codec_256_items_vs_pickle", "baseline")
+
+
+KEPT = 300
+
+
+def pool_values(pool, n: int, keep: bool):
+    kept = []
+    for i in range(8):
+        pool.submit(i)
+    nxt = 8
+    for _ in range(n):
+        value = pool.get().value
+        if keep:
+            kept.append(value)
+        del value
+        if nxt < n:
+            pool.submit(nxt)
+            nxt += 1
+    return len(kept)
+
+
+def test_pool_keeping_300_results(benchmark, record_ratio, pool):
+    benchmark.group = "300 x 4 MiB results, kept vs dropped"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the one starvation warning
+        kept = benchmark.pedantic(pool_values, args=(pool, KEPT, True), rounds=3,
+                                  warmup_rounds=1)
+    assert kept == KEPT
+    record_ratio("pool_keep_300_vs_drop_300", "subject")
+
+
+def test_pool_dropping_300_results(benchmark, record_ratio, pool):
+    benchmark.group = "300 x 4 MiB results, kept vs dropped"
+    benchmark.pedantic(pool_values, args=(pool, KEPT, False), rounds=3, warmup_rounds=1)
+    record_ratio("pool_keep_300_vs_drop_300", "baseline")

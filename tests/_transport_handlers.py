@@ -80,4 +80,52 @@ def handle(msg):
 
         return {"t": torch.arange(arg, dtype=torch.float32).reshape(-1, 4)[:, 1:],
                 "n": np.arange(arg)}
+    if op == "many":  # n distinct arrays in one message
+        n, size = arg
+        return [np.full(size, i, dtype=np.int64) for i in range(n)]
+    if op == "arrays":  # count arrays of nbytes each, filled with their index
+        count, nbytes = arg
+        return [np.full(nbytes // 8, i, dtype=np.int64) for i in range(count)]
+    if op == "ones":  # one array of nbytes, cheap to make
+        return np.ones(arg, dtype=np.uint8)
+    if op == "fail_next_send":  # fault injection: the result's send fails before any byte
+        import errno
+
+        from zephon.transport import channel as ch
+
+        original = ch.SocketChannel._send_all
+
+        def failing(self, buffers, fd_chunks, progress):
+            ch.SocketChannel._send_all = original
+            raise OSError(errno.EMSGSIZE, "Message too long (injected)")
+
+        ch.SocketChannel._send_all = failing
+        return arg
+    if op == "leak_segment_and_die":  # a named segment of this worker, then SIGKILL
+        from zephon.transport.arena import Slab, segment_name
+
+        name = segment_name(os.getppid(), os.getpid(), "dead", 0)
+        Slab.create(1 << 16, 1 << 20, "named", name)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if op == "grad":
+        import torch
+
+        return {"w": torch.ones(arg, requires_grad=True), "x": torch.ones(arg),
+                "i": torch.arange(arg)}
     raise KeyError(op)
+
+
+# -- pipeline functions (module level: spawn workers import them) ------------------------
+
+def load_slow(i: int) -> np.ndarray:
+    time.sleep(0.01)
+    return np.full(1 << 18, i, dtype=np.int64)
+
+
+def load_4mib(i: int) -> np.ndarray:
+    """A 4 MiB sample whose every element is ``i``."""
+    return np.full((4 << 20) // 8, i, dtype=np.int64)
+
+
+def plus_one(x):
+    return x + 1

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -161,17 +162,30 @@ def test_regions_recycle_under_a_fixed_bound(make_pool, transport):
     assert len(slabs) <= 4
 
 
-def test_consumer_holding_everything_blocks_then_proceeds(make_pool, caplog, capfd):
-    pool = make_pool(workers=1, arena_max_bytes=16 << 20, arena_wait_timeout_s=120)
-    for i in range(6):
-        pool.submit(("full", (4 << 20, i)))
-    held = [pool.get(timeout=60) for _ in range(4)]  # fills the 16 MiB arena
-    with pytest.raises(TimeoutError):
-        pool.get(timeout=3.0)  # the worker waits for space: nothing comes
-    assert "waiting for space" in capfd.readouterr().err
-    del held
-    rest = sorted(pool.get(timeout=60).value["value"] for _ in range(2))
-    assert rest == [4, 5]
+def test_consumer_holding_everything_gets_copies_with_one_warning(make_pool):
+    # The consumer keeps every result: once its 16 MiB arena is held, the worker waits
+    # once (briefly), then sends in-band until a region comes back; one warning says so.
+    pool = make_pool(workers=1, arena_max_bytes=16 << 20)
+    held = []
+    with pytest.warns(RuntimeWarning, match="holds") as record:
+        for i in range(8):
+            pool.submit(("full", (4 << 20, i)))
+            held.append(pool.get(timeout=60).value)
+    assert [h["value"] for h in held] == list(range(8))
+    assert all(h["data"][0] == h["value"] for h in held)
+    in_arena = [arena_mapping(pool, h["data"]) is not None for h in held]
+    assert in_arena == [True] * 4 + [False] * 4
+    warned = [str(w.message) for w in record if "holds" in str(w.message)]
+    assert len(warned) == 1
+    assert "copy" in warned[0] and "prefetch_batches" in warned[0]
+    assert f"{16 << 20}-byte" in warned[0]
+    del held, record
+    # Regions came back: the next result lands in the arena again, with no new warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pool.submit(("full", (4 << 20, 8)))
+        back = pool.get(timeout=60).value
+    assert back["data"][0] == 8 and arena_mapping(pool, back["data"]) is not None
 
 
 def test_remote_exception_reaches_the_consumer_with_its_traceback(make_pool):

@@ -14,7 +14,9 @@ puts results back in sequence order (the ReorderBuffer kernel).
   running (the oldest) is charged a retry. Past ``max_worker_retries`` the unit
   fails with :class:`~zephon.errors.WorkerCrashedError` naming the sequence, the
   signal and the stage; with ``deterministic=False`` it is dropped with a
-  warning instead (an empty result).
+  warning instead (an empty result). Workers stopped by the executor's own
+  ``close()`` (or at interpreter exit) are not crashes: ``get()`` then raises
+  :class:`~zephon.errors.TransportError` ("closed") and nothing is re-dispatched.
 """
 
 from __future__ import annotations

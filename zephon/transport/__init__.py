@@ -1,8 +1,9 @@
 """Process transport: channels, shared-memory arena, payload codec, worker pool.
 
-See :mod:`zephon.transport.pool` for the lifecycle, :mod:`zephon.transport.arena`
+See :mod:`zephon.transport.pool` for the lifecycle (:mod:`zephon.transport.worker`
+for the worker process), :mod:`zephon.transport.arena`
 for the shared-memory design and :mod:`zephon.transport.codec` for the
-per-message policy (SPEC §5).
+per-message policy.
 """
 
 from zephon.transport.arena import memfd_available, sweep_stale_segments

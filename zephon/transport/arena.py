@@ -10,17 +10,33 @@ Ownership and lifecycle
   (hex pids); the receiving side unlinks the name as soon as it has mapped it,
   the creator unlinks its own names at exit, and :func:`sweep_stale_segments`
   removes names whose parent and creator are both dead (Linux lists them in
-  /dev/shm; elsewhere names cannot be listed and the sweep does nothing).
-- A **slab id** is ``owner << 16 | index``, owner being ``1 + worker index``; a
+  /dev/shm; elsewhere names cannot be listed and the sweep does nothing);
+  :func:`sweep_segments_of` removes the names of given workers of this run (a
+  pool's ``close()`` for all of its workers, ``get()`` for a worker killed by a
+  signal, which could not unlink its own).
+- A **slab id** is ``owner << 16 | index`` (indices of unmapped dedicated
+  slabs are reused), owner being ``1 + worker index``; a
   **region** is one allocation in a slab, named by its **token**
   ``slab_id << 40 | offset`` (unique while the region is live).
+- Every slab's space is reserved when it is created (``posix_fallocate`` after
+  ``ftruncate``, memfd included), so a full ``/dev/shm`` (Docker's 64 MB
+  default) is an error at creation, :class:`ShmSpaceError` naming the
+  directory and its size, never a SIGBUS on a later write. The codec answers
+  it by sending that message in-band (and the pool warns once).
 - The :class:`ShmArena` lives in the worker that owns it: it creates slabs on
   demand (pre-faulted with ``MAP_POPULATE``; each at least ``min_slab_bytes``,
-  growing geometrically) until ``max_bytes``, then waits for regions to come
-  back. Waiting is bounded: a log line every ``wait_log_s`` seconds, and after
-  ``wait_timeout_s`` :class:`ArenaFull` (the codec then sends the message
-  in-band: never a drop). A message that cannot fit even in an empty arena
-  gets a slab of its own beyond the bound (logged) instead of waiting forever.
+  growing geometrically) until ``max_bytes``. All the regions of one message
+  are allocated at once or not at all (:meth:`ShmArena.alloc_many`), so a
+  message never waits for space it holds itself.
+- A message larger than ``max_bytes`` (or one that does not fit an arena with
+  no live region) gets a **dedicated slab**, outside the bound, sized for it;
+  when its regions come back the slab is unmapped and its memory returned
+  (the receiver maps it for that message only and never forwards it).
+- When the bound is reached and the regions are held by the consumer, the
+  arena waits once, at most ``wait_timeout_s`` (1 s by default), for a region
+  to come back, then enters the **starved** state: :class:`ArenaFull` at once
+  for every message (the codec sends it in-band: never a drop, never a long
+  stall) until some region comes back. The pool turns that into one warning.
 - A **lease** is the object consumer views are built on: a ``ctypes`` array
   over the region's bytes (it exports the buffer and keeps the mapping open).
   NumPy keeps it as the ``base`` of every view, torch tensors from
@@ -38,6 +54,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -53,9 +70,9 @@ import numpy as np
 from zephon.errors import TransportError
 
 __all__ = [
-    "Slab", "ShmArena", "ArenaFull", "SlabRegistry", "LeaseTable", "RegionInfo",
-    "memfd_available", "sweep_stale_segments", "slab_owner", "token_of", "token_slab",
-    "REGION_ALIGN",
+    "Slab", "ShmArena", "ArenaFull", "ShmSpaceError", "SlabRegistry", "LeaseTable",
+    "RegionInfo", "memfd_available", "sweep_stale_segments", "sweep_segments_of",
+    "slab_owner", "token_of", "token_slab", "REGION_ALIGN",
 ]
 
 log = logging.getLogger("zephon.transport.arena")
@@ -96,36 +113,43 @@ def _address(mm: mmap.mmap) -> int:
 class Slab:
     """One shared mapping; ``fd`` is kept (memfd) so it can be passed on to another peer."""
 
-    __slots__ = ("slab_id", "size", "mapping", "fd", "name", "address", "__weakref__")
+    __slots__ = ("slab_id", "size", "mapping", "fd", "name", "address", "dedicated",
+                 "__weakref__")
 
     def __init__(self, slab_id: int, size: int, mapping: mmap.mmap, fd: int | None,
-                 name: str | None) -> None:
+                 name: str | None, dedicated: bool = False) -> None:
         self.slab_id, self.size, self.mapping, self.fd, self.name = slab_id, size, mapping, fd, name
         self.address = _address(mapping)
+        self.dedicated = dedicated  # one message's slab: never forwarded, unmapped after use
 
     @classmethod
-    def create(cls, slab_id: int, size: int, kind: str, name: str) -> "Slab":
+    def create(cls, slab_id: int, size: int, kind: str, name: str,
+               dedicated: bool = False) -> "Slab":
+        """A new slab; its space is reserved first (:class:`ShmSpaceError` when there is
+        none), so writing to it can never fault."""
         if kind == "memfd":
             fd = os.memfd_create(name, os.MFD_CLOEXEC)
             try:
                 os.ftruncate(fd, size)
+                _reserve(fd, size, kind)
                 mapping = _map(fd, size)
             except BaseException:
                 os.close(fd)
                 raise
-            return cls(slab_id, size, mapping, fd, None)
+            return cls(slab_id, size, mapping, fd, None, dedicated)
         import _posixshmem
 
         fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
+            _reserve(fd, size, kind)
             mapping = _map(fd, size)
         except BaseException:
             os.close(fd)
             _unlink(name)
             raise
         os.close(fd)
-        return cls(slab_id, size, mapping, None, name)
+        return cls(slab_id, size, mapping, None, name, dedicated)
 
     @classmethod
     def attach(cls, slab_id: int, size: int, fd: int | None = None,
@@ -161,6 +185,42 @@ class Slab:
             pass  # live views keep it mapped; it goes when they do
 
 
+SHM_DIR = "/dev/shm"
+
+
+class ShmSpaceError(TransportError):
+    """No space left for a new shared segment (a small /dev/shm, or no memory for memfd)."""
+
+
+def shm_space_message(size: int, kind: str, shm_dir: str = SHM_DIR) -> str:
+    """Why a ``size``-byte segment of ``kind`` could not be created, with the fix."""
+    if kind == "memfd":
+        return (f"no memory for a {size}-byte memfd shared segment (anonymous shared memory "
+                "is charged to RAM and to the cgroup's memory limit)")
+    try:
+        st = os.statvfs(shm_dir)
+        where = (f"{shm_dir} is {st.f_blocks * st.f_frsize} bytes with "
+                 f"{st.f_bavail * st.f_frsize} free")
+    except OSError:
+        where = f"{shm_dir} cannot be inspected"
+    return (f"no space in {shm_dir} for a {size}-byte shared segment: {where} (Docker's "
+            "default is 64 MB: run the container with a larger --shm-size, or use "
+            "ipc_transport='socketpair', whose memfd segments do not live in /dev/shm)")
+
+
+def _reserve(fd: int, size: int, kind: str) -> None:
+    """Allocate the segment's pages now: ENOSPC here instead of SIGBUS on a write."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise ShmSpaceError(shm_space_message(size, kind)) from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENODEV):
+            raise
+    except AttributeError:  # no posix_fallocate on this platform
+        pass
+
+
 def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE,
                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -189,7 +249,32 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
+def sweep_segments_of(parent_pid: int, creator_pids: Iterable[int],
+                      shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the segment names of run ``parent_pid`` created by any of ``creator_pids``:
+    a pool's ``close()`` sweeps those of its workers, and the parent sweeps the names of
+    a worker that died by a signal (it could not unlink them). Processes that mapped a
+    segment keep their mapping; only the name goes."""
+    creators = set(creator_pids)
+    removed = []
+    try:
+        entries = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _NAME_RE.match(entry)
+        if not match:
+            continue
+        parent, creator = (int(g, 16) for g in match.groups())
+        if parent == parent_pid and creator in creators:
+            _unlink(entry)
+            removed.append(entry)
+    if removed:
+        log.debug("removed %d shared-memory segment name(s): %s", len(removed), removed)
+    return removed
+
+
+def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink zephon segments whose parent and creator processes are both dead."""
     removed = []
     try:
@@ -210,66 +295,109 @@ def sweep_stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
 
 
 class ArenaFull(TransportError):
-    """No arena space came back within the wait bound."""
+    """The arena has no space and none came back within the wait bound (or it is starved).
+
+    ``held_bytes``/``max_bytes``: what the consumer holds and the arena's bound."""
+
+    def __init__(self, message: str, held_bytes: int = 0, max_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.held_bytes, self.max_bytes = held_bytes, max_bytes
+
+
+_SLAB_INDICES = 256  # per arena (and per worker generation)
 
 
 class ShmArena:
-    """The worker-side allocator over this worker's slabs (see the module docstring)."""
+    """The worker-side allocator over this worker's slabs (see the module docstring).
+
+    Args:
+        owner: 1 + worker index (the high byte of every slab id).
+        kind: ``"memfd"`` or ``"named"``.
+        max_bytes: the bound of the recycled slabs (dedicated slabs are outside it).
+        wait_timeout_s: the one wait for a region to come back before starving.
+        on_release: called with the slab id of a dedicated slab once it is unmapped (the
+            encoder forgets that its peer has it mapped).
+    """
 
     def __init__(self, owner: int, kind: str, max_bytes: int, *, parent_pid: int,
-                 min_slab_bytes: int = 8 << 20, wait_log_s: float = 2.0,
-                 wait_timeout_s: float = 60.0, slab_base: int = 0,
-                 alive: Callable[[], bool] = lambda: True) -> None:
+                 min_slab_bytes: int = 8 << 20, wait_timeout_s: float = 1.0,
+                 slab_base: int = 0, alive: Callable[[], bool] = lambda: True,
+                 on_release: Callable[[int], None] | None = None) -> None:
         if kind not in ("memfd", "named"):
             raise ValueError(f"arena kind must be 'memfd' or 'named', got {kind!r}")
         if not 0 < owner < 256:
             raise ValueError(f"arena owner must be in [1, 255], got {owner}")
         self.owner, self.kind, self.max_bytes = owner, kind, max_bytes
         self.min_slab_bytes = min_slab_bytes
-        self.wait_log_s, self.wait_timeout_s, self.alive = wait_log_s, wait_timeout_s, alive
+        self.wait_timeout_s, self.alive = wait_timeout_s, alive
+        self.on_release = on_release
         self.parent_pid = parent_pid
         self.slab_base = slab_base  # a restarted worker's slabs never reuse a dead one's ids
         self._nonce = os.urandom(2).hex()  # (secrets would import hashlib: +3 ms per worker)
         self.slabs: dict[int, Slab] = {}
         self._free: dict[int, list[list[int]]] = {}  # slab_id -> sorted [[offset, size], ...]
-        self._live: dict[int, int] = {}  # token -> size
+        self._live: dict[int, int] = {}  # token -> size (regions of recycled slabs)
+        self._dedicated: dict[int, set[int]] = {}  # dedicated slab id -> its live tokens
         self.cond = threading.Condition()
-        self.total_bytes = 0
+        self.total_bytes = 0  # recycled slabs only
+        self.dedicated_bytes = 0
         self.waits = 0
+        self.starved = False
 
     # -- allocation -------------------------------------------------------------------
     def alloc(self, nbytes: int) -> tuple[Slab, int, int]:
-        """A region of ``nbytes``: ``(slab, offset, token)``; waits (bounded) when full."""
-        need = _align(max(nbytes, 1))
-        deadline = time.monotonic() + self.wait_timeout_s
-        next_log = time.monotonic() + self.wait_log_s
+        """One region of ``nbytes``: ``(slab, offset, token)`` (see :meth:`alloc_many`)."""
+        return self.alloc_many([nbytes])[0]
+
+    def alloc_many(self, sizes: list[int]) -> list[tuple[Slab, int, int]]:
+        """Regions for every size in ``sizes``, all at once or none: ``[(slab, offset,
+        token)]``. Grows within the bound; a request larger than the bound (or that does not
+        fit an arena holding no live region) gets a dedicated slab. Otherwise waits once, at
+        most ``wait_timeout_s``, for regions to come back, then raises :class:`ArenaFull`
+        and stays starved (raising at once) until one does."""
+        needs = [_align(max(int(n), 1)) for n in sizes]
+        total = sum(needs)
+        deadline = None
         with self.cond:
+            if total > self.max_bytes:
+                return self._alloc_dedicated(needs)
             while True:
-                found = self._first_fit(need)
-                if found is not None:
-                    return found
-                if self.total_bytes + need <= self.max_bytes or not self._live:
-                    if self.total_bytes + need > self.max_bytes:
-                        log.warning("arena %d: a %d-byte message does not fit in the %d-byte "
-                                    "bound even when empty; growing past it", self.owner,
-                                    need, self.max_bytes)
-                    self._grow(need)
+                got, missing = self._fit_all(needs)
+                if got is not None:
+                    return got
+                if self.total_bytes + missing <= self.max_bytes:
+                    self._grow(missing)
                     continue
+                if not self._live:  # nothing will come back: the bound is fragmented
+                    return self._alloc_dedicated(needs)
                 now = time.monotonic()
-                if now >= deadline:
+                if deadline is None and not self.starved:
+                    deadline = now + self.wait_timeout_s
+                if self.starved or now >= deadline:
+                    self.starved = True
                     raise ArenaFull(
-                        f"arena {self.owner}: no space for {need} bytes after "
-                        f"{self.wait_timeout_s:.0f} s ({self.live_regions} regions, "
-                        f"{self.live_bytes} bytes held by the consumer)")
-                if now >= next_log:
-                    log.warning("arena %d: waiting for space (%d bytes needed; %d regions, "
-                                "%d bytes held by the consumer)", self.owner, need,
-                                self.live_regions, self.live_bytes)
-                    next_log = now + self.wait_log_s
+                        f"arena {self.owner}: no space for {total} bytes; {self.live_regions} "
+                        f"region(s), {self.live_bytes} bytes held by the consumer (bound "
+                        f"{self.max_bytes} bytes)", self.live_bytes, self.max_bytes)
                 if not self.alive():
                     raise TransportError("the consumer is gone or the worker is stopping")
                 self.waits += 1
                 self.cond.wait(min(0.25, max(0.0, deadline - now)))
+
+    def _fit_all(self, needs: list[int]):
+        """``(regions, 0)`` if every need fits the free holes, else ``(None, bytes that did
+        not fit)`` with nothing taken."""
+        got, missing = [], 0
+        for need in needs:
+            found = self._first_fit(need)
+            if found is None:
+                missing += need
+            else:
+                got.append(found)
+        if missing:
+            self._release([token for _, _, token in got])
+            return None, missing
+        return got, 0
 
     def _first_fit(self, need: int):
         for slab_id, holes in self._free.items():
@@ -284,37 +412,85 @@ class ShmArena:
                     return self.slabs[slab_id], offset, token
         return None
 
-    def _grow(self, need: int) -> None:
-        index = self.slab_base + len(self.slabs)
-        if len(self.slabs) >= 256 or index >= 1 << 16:
-            raise TransportError("arena slab index space exhausted")
-        size = max(self.min_slab_bytes, _align(need, 1 << 20), min(self.total_bytes,
-                                                                   self.max_bytes - self.total_bytes))
+    def _new_slab(self, size: int, dedicated: bool) -> Slab:
+        used = {slab_id & 0xFFFF for slab_id in self.slabs}
+        index = next((i for i in range(self.slab_base, self.slab_base + _SLAB_INDICES)
+                      if i not in used), None)
+        if index is None or index >= 1 << 16:
+            raise ArenaFull(  # the codec sends in-band until the consumer drops some
+                f"arena {self.owner}: all {_SLAB_INDICES} slab indices are in use (the "
+                "consumer holds results of too many distinct large messages)",
+                self.live_bytes + self.dedicated_bytes, self.max_bytes)
         slab_id = (self.owner << 16) | index
         name = segment_name(self.parent_pid, os.getpid(), self._nonce, index)
-        slab = Slab.create(slab_id, size, self.kind, name)
+        slab = Slab.create(slab_id, size, self.kind, name, dedicated=dedicated)
         self.slabs[slab_id] = slab
-        self._free[slab_id] = [[0, size]]
+        log.debug("arena %d: new %s%s slab %d of %d bytes", self.owner, self.kind,
+                  " dedicated" if dedicated else "", index, size)
+        return slab
+
+    def _grow(self, need: int) -> None:
+        room = self.max_bytes - self.total_bytes
+        size = max(self.min_slab_bytes, _align(need, 1 << 20), min(self.total_bytes, room))
+        size = max(need, min(size, room))
+        slab = self._new_slab(size, dedicated=False)
+        self._free[slab.slab_id] = [[0, size]]
         self.total_bytes += size
-        log.debug("arena %d: new %s slab %d of %d bytes", self.owner, self.kind, index, size)
+
+    def _alloc_dedicated(self, needs: list[int]) -> list[tuple[Slab, int, int]]:
+        total = sum(needs)
+        slab = self._new_slab(total, dedicated=True)
+        self.dedicated_bytes += total
+        out, offset = [], 0
+        for need in needs:
+            out.append((slab, offset, token_of(slab.slab_id, offset)))
+            offset += need
+        self._dedicated[slab.slab_id] = {token for _, _, token in out}
+        return out
 
     def free(self, tokens: Iterable[int]) -> None:
+        """Regions back from the consumer: recycled, or (dedicated) unmapped with their
+        slab once all of its regions are back. Any recycled region ends starvation."""
         with self.cond:
+            recycled, released = [], []
             for token in tokens:
-                size = self._live.pop(token, None)
-                if size is None:
-                    log.warning("arena %d: free of unknown region %#x ignored", self.owner, token)
+                slab_id = token_slab(token)
+                live = self._dedicated.get(slab_id)
+                if live is None:
+                    recycled.append(token)
                     continue
-                holes = self._free[token_slab(token)]
-                offset = token & ((1 << 40) - 1)
-                k = bisect.bisect_left(holes, [offset, 0])
-                holes.insert(k, [offset, size])
-                # coalesce with the next and the previous hole
-                if k + 1 < len(holes) and holes[k][0] + holes[k][1] == holes[k + 1][0]:
-                    holes[k][1] += holes.pop(k + 1)[1]
-                if k > 0 and holes[k - 1][0] + holes[k - 1][1] == holes[k][0]:
-                    holes[k - 1][1] += holes.pop(k)[1]
+                live.discard(token)
+                if not live:
+                    del self._dedicated[slab_id]
+                    slab = self.slabs.pop(slab_id)
+                    self.dedicated_bytes -= slab.size
+                    if slab.name:
+                        _unlink(slab.name)
+                    slab.close()
+                    released.append(slab_id)
+            if recycled:
+                self._release(recycled)
+                self.starved = False
+            if self.on_release is not None:  # before the index can be reused
+                for slab_id in released:
+                    self.on_release(slab_id)
             self.cond.notify_all()
+
+    def _release(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            size = self._live.pop(token, None)
+            if size is None:
+                log.warning("arena %d: free of unknown region %#x ignored", self.owner, token)
+                continue
+            holes = self._free[token_slab(token)]
+            offset = token & ((1 << 40) - 1)
+            k = bisect.bisect_left(holes, [offset, 0])
+            holes.insert(k, [offset, size])
+            # coalesce with the next and the previous hole
+            if k + 1 < len(holes) and holes[k][0] + holes[k][1] == holes[k + 1][0]:
+                holes[k][1] += holes.pop(k + 1)[1]
+            if k > 0 and holes[k - 1][0] + holes[k - 1][1] == holes[k][0]:
+                holes[k - 1][1] += holes.pop(k)[1]
 
     @property
     def live_regions(self) -> int:
@@ -325,7 +501,7 @@ class ShmArena:
         return sum(self._live.values())
 
     def close(self) -> None:
-        for slab in self.slabs.values():
+        for slab in list(self.slabs.values()):
             if slab.name:
                 _unlink(slab.name)
             slab.close()
@@ -354,6 +530,12 @@ class SlabRegistry:
 
     def __contains__(self, slab_id: int) -> bool:
         return slab_id in self._slabs
+
+    def discard(self, slab: Slab) -> None:
+        """Forget ``slab`` (if it is the one registered under its id)."""
+        with self._lock:
+            if self._slabs.get(slab.slab_id) is slab:
+                del self._slabs[slab.slab_id]
 
     def drop_owner(self, owner: int) -> int:
         """Forget (and close where no view remains) every slab of ``owner``."""

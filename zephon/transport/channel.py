@@ -21,6 +21,13 @@ Invariants:
 - ``recv`` returns whole messages or raises :class:`ChannelClosed` (the peer
   closed or died, possibly mid-message); it never returns a partial message.
 - Received descriptors are owned by the caller (close them or hand them on).
+- Any number of frames and descriptors: one ``sendmsg`` takes at most IOV_MAX
+  (1024) buffers and SCM_MAX_FD (253) descriptors, so a larger message is sent
+  in several calls (each further chunk of descriptors rides on one byte of the
+  message) and the receiver collects descriptors from every read.
+- ``send`` raises :class:`ChannelClosed` when the peer is gone or the stream
+  broke mid-message, and a plain ``OSError`` only when nothing was sent (the
+  channel is intact: the caller reports the error on it).
 - All descriptors are close-on-exec (Python's default, PEP 446).
 """
 
@@ -46,7 +53,10 @@ log = logging.getLogger("zephon.transport")
 
 _PREFIX = struct.Struct("<III")
 _CLOEXEC_FLAG = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
-_MAX_FDS = 64
+# Per sendmsg call Linux takes at most SCM_MAX_FD (253) descriptors and IOV_MAX (1024)
+# buffers: larger messages are split across calls.
+_MAX_FDS = 253
+_MAX_IOV = 1024
 _warned_sizes: set[int] = set()
 _warn_lock = threading.Lock()
 
@@ -102,6 +112,22 @@ class Channel:
     def close(self) -> None:
         raise NotImplementedError
 
+    def discard_pending(self) -> bool:
+        """Read and drop whatever the peer has sent, without blocking and without parsing
+        (the stream may be mid-message); descriptors riding on it are closed by the kernel.
+        Returns False once the peer has closed its end. For shutdown only: the channel
+        cannot carry messages afterwards."""
+        fd = self.fileno()
+        os.set_blocking(fd, False)
+        try:
+            while True:
+                if not os.read(fd, 1 << 20):
+                    return False
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
     @staticmethod
     def _meta(header: dict, frames: Sequence[Any], nfds: int) -> tuple[bytes, list[memoryview]]:
         views = []
@@ -140,50 +166,66 @@ class SocketChannel(Channel):
         return self.sock.fileno()
 
     def send(self, header, frames=(), fds=()):
-        if len(fds) > _MAX_FDS:
-            raise TransportError(f"at most {_MAX_FDS} descriptors per message, got {len(fds)}")
         meta, views = self._meta(header, frames, len(fds))
         buffers = [memoryview(meta), *views]
-        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))] \
-            if fds else []
+        fd_chunks = [list(fds[k:k + _MAX_FDS]) for k in range(0, len(fds), _MAX_FDS)]
+        if len(fd_chunks) > len(meta):  # each chunk rides on at least one byte
+            raise TransportError(f"{len(fds)} descriptors cannot ride on a {len(meta)}-byte "
+                                 "message header")
         with self.send_lock:
+            progress = [False]
             try:
-                sent = self.sock.sendmsg(buffers, ancillary)
-                # A blocking stream socket may still send partially (signals, huge frames):
-                # finish the rest without repeating the descriptors.
-                for buf in buffers:
-                    if sent >= buf.nbytes:
-                        sent -= buf.nbytes
-                        continue
-                    self.sock.sendall(buf[sent:])
-                    sent = 0
+                self._send_all(buffers, fd_chunks, progress)
             except (BrokenPipeError, ConnectionResetError, OSError) as exc:
-                if isinstance(exc, OSError) and exc.errno not in (32, 104, 9, 57, 107):
-                    raise
-                raise ChannelClosed(f"peer closed the channel: {exc}") from exc
+                if exc.errno in (32, 104, 9, 57, 107):
+                    raise ChannelClosed(f"peer closed the channel: {exc}") from exc
+                if progress[0]:  # part of the message is out: the stream cannot recover
+                    self.close()
+                    raise ChannelClosed(f"sending failed mid-message: {exc}") from exc
+                raise  # nothing was sent: the channel is intact, the caller reports it
 
-    def _recv_exact(self, view: memoryview) -> None:
+    def _send_all(self, buffers: list, fd_chunks: list, progress: list) -> None:
+        """Scatter-gather ``buffers`` with at most ``_MAX_IOV`` entries and ``_MAX_FDS``
+        descriptors per ``sendmsg``. Every chunk of descriptors but the last rides on one
+        byte of its own (the receiver collects descriptors from every read); a partial
+        send resumes where it stopped, without repeating descriptors."""
+        pos, off = 0, 0  # next buffer, offset in it
+        while pos < len(buffers) and buffers[pos].nbytes == 0:
+            pos += 1
+        while pos < len(buffers):
+            ancillary = []
+            if fd_chunks:
+                chunk = fd_chunks.pop(0)
+                ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                              struct.pack(f"{len(chunk)}i", *chunk))]
+            if fd_chunks:  # more descriptors follow: this call carries a single byte
+                iov = [buffers[pos][off:off + 1]]
+            else:
+                iov = [buffers[pos][off:]] + buffers[pos + 1:pos + _MAX_IOV]
+            sent = self.sock.sendmsg(iov, ancillary)
+            progress[0] = True
+            while sent:
+                left = buffers[pos].nbytes - off
+                if sent >= left:
+                    sent -= left
+                    pos, off = pos + 1, 0
+                else:
+                    off += sent
+                    sent = 0
+            while pos < len(buffers) and buffers[pos].nbytes == off:
+                pos, off = pos + 1, 0
+
+    def _recv_exact(self, view: memoryview, fds: list[int]) -> None:
+        """Fill ``view``, collecting descriptors from every read (a message's descriptors
+        may arrive in several chunks)."""
         got = 0
+        space = socket.CMSG_SPACE(_MAX_FDS * 4)
         while got < view.nbytes:
             try:
-                n = self.sock.recv_into(view[got:])
+                n, ancdata, flags, _ = self.sock.recvmsg_into([view[got:]], space,
+                                                              _CLOEXEC_FLAG)
             except ConnectionResetError as exc:  # the peer died with data unread
                 raise ChannelClosed(f"peer reset the channel mid-message: {exc}") from exc
-            if n == 0:
-                raise ChannelClosed("peer closed the channel mid-message")
-            got += n
-
-    def recv(self):
-        fds: list[int] = []
-        prefix = bytearray(_PREFIX.size)
-        view = memoryview(prefix)
-        got = 0
-        while got < _PREFIX.size:
-            try:
-                n, ancdata, flags, _ = self.sock.recvmsg_into(
-                    [view[got:]], socket.CMSG_SPACE(_MAX_FDS * 4), _CLOEXEC_FLAG)
-            except ConnectionResetError as exc:
-                raise ChannelClosed(f"peer reset the channel: {exc}") from exc
             for level, kind, data in ancdata:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     usable = len(data) - len(data) % 4
@@ -193,23 +235,31 @@ class SocketChannel(Channel):
             if flags & getattr(socket, "MSG_CTRUNC", 0):
                 raise TransportError("descriptors were truncated in transit")
             if n == 0:
-                for fd in fds:
-                    _close_fd(fd)
                 raise ChannelClosed("peer closed the channel" if got == 0
                                     else "peer closed the channel mid-message")
             got += n
-        header_len, nframes, nfds = _PREFIX.unpack(prefix)
-        rest = bytearray(8 * nframes + header_len)
-        self._recv_exact(memoryview(rest))
-        lengths = struct.unpack_from(f"<{nframes}Q", rest)
-        header = self._header(memoryview(rest)[8 * nframes:])
-        frames = []
-        for length in lengths:
-            frame = bytearray(length)
-            self._recv_exact(memoryview(frame))
-            frames.append(frame)
-        if len(fds) != nfds:
-            raise TransportError(f"expected {nfds} descriptors, received {len(fds)}")
+
+    def recv(self):
+        fds: list[int] = []
+        try:
+            prefix = bytearray(_PREFIX.size)
+            self._recv_exact(memoryview(prefix), fds)
+            header_len, nframes, nfds = _PREFIX.unpack(prefix)
+            rest = bytearray(8 * nframes + header_len)
+            self._recv_exact(memoryview(rest), fds)
+            lengths = struct.unpack_from(f"<{nframes}Q", rest)
+            header = self._header(memoryview(rest)[8 * nframes:])
+            frames = []
+            for length in lengths:
+                frame = bytearray(length)
+                self._recv_exact(memoryview(frame), fds)
+                frames.append(frame)
+            if len(fds) != nfds:
+                raise TransportError(f"expected {nfds} descriptors, received {len(fds)}")
+        except BaseException:
+            for fd in fds:
+                _close_fd(fd)
+            raise
         return header, frames, fds
 
     def close(self):

@@ -5,7 +5,7 @@ Encoding walks the payload once, with pickle protocol 5 and a
 dtypes), ``bytes``/``bytearray`` of at least ``shm_min_item_bytes``, and CPU
 torch tensors become *leaves*; everything else (dicts, lists, tuples,
 dataclasses, scalars, strings, object arrays) stays in the small pickled
-*skeleton*. Leaves then follow SPEC §5, through the kernels:
+*skeleton*. Leaves then go through the kernels:
 
 1. leaves that are views of a region this process holds a lease on are grouped
    by region (:func:`~zephon.kernels.compaction_plan`): INLINE (too few useful
@@ -15,7 +15,13 @@ dataclasses, scalars, strings, object arrays) stays in the small pickled
    receiver has not mapped yet travels once with the message);
 2. private leaves are planned by :func:`~zephon.kernels.pack_plan` (in-band if
    small, coalesced by dtype into regions of at most ``shm_max_coalesced_bytes``,
-   small groups in-band) and copied into arena regions by ``pack_copy``;
+   small groups in-band) and copied into arena regions by ``pack_copy``. The
+   regions of the whole message (compacted and private groups together) are
+   allocated in one request, all or none, so a message never waits for space
+   it holds itself; when the arena has none to give (the consumer holds it:
+   :class:`~zephon.transport.arena.ArenaFull`, or /dev/shm is full:
+   :class:`~zephon.transport.arena.ShmSpaceError`) those leaves travel in-band
+   and the header's ``"w"`` entry says why (the pool warns once);
 3. in-band leaves are packed by dtype into a few byte frames; without an arena
    (the parent side) large contiguous leaves are sent as frames straight from
    their memory; ``shm_enabled=False`` sends every leaf as its own frame
@@ -23,8 +29,12 @@ dataclasses, scalars, strings, object arrays) stays in the small pickled
 
 Decoding maps any new slabs, takes a lease per region (a new region's lease
 releases it to its owner when the last view dies) and rebuilds every leaf as
-a zero-copy view (``torch.from_numpy`` for tensors; ``bytes``/``bytearray``
-leaves are rebuilt as their own type, which copies).
+a zero-copy view (``torch.from_numpy`` for tensors, with ``requires_grad``
+restored for floating tensors that had it: they arrive as leaves of a new graph;
+``bytes``/``bytearray`` leaves are rebuilt as their own type, which copies). A
+dedicated slab (one message's, see :mod:`zephon.transport.arena`) is mapped
+for that message only: forgotten once its leases exist, unmapped with the last
+view, and never forwarded.
 
 An unpicklable object is a :class:`~zephon.errors.SerializationError` naming
 its path in the payload (``payload['a'][2].field``).
@@ -34,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import pickle
 import sys
 from typing import Any, Callable, NamedTuple
@@ -46,7 +57,7 @@ from zephon.kernels import (
 )
 from zephon.kernels.types import dtype_from_token, dtype_token
 from zephon.transport.arena import (
-    ArenaFull, LeaseTable, RegionInfo, ShmArena, SlabRegistry, Slab, slab_owner,
+    ArenaFull, LeaseTable, RegionInfo, ShmArena, ShmSpaceError, SlabRegistry, Slab, slab_owner,
 )
 
 __all__ = ["ShmPolicy", "Encoder", "Decoder", "PeerState", "find_unpicklable"]
@@ -57,6 +68,8 @@ _ARRAY, _TENSOR, _BYTES, _BYTEARRAY = 0, 1, 2, 3
 _IN_REGION, _IN_FRAME = 0, 1
 # region modes in a header
 _NEW, _FWD = 0, 1
+# leaf flags (an optional 8th descriptor field)
+_REQUIRES_GRAD = 1
 
 
 class ShmPolicy(NamedTuple):
@@ -95,6 +108,7 @@ class _LeafPickler(pickle.Pickler):
         super().__init__(file, protocol=5)
         self.leaves, self.kinds, self.min_bytes = leaves, kinds, min_bytes
         self.tensor_type = _torch_tensor_type()
+        self.requires_grad: list[int] = []  # leaf indices of tensors with requires_grad
 
     def persistent_id(self, obj):
         t = type(obj)
@@ -109,11 +123,14 @@ class _LeafPickler(pickle.Pickler):
         elif self.tensor_type is not None and isinstance(obj, self.tensor_type):
             if obj.device.type != "cpu" or obj.is_sparse:
                 return None
+            grad = bool(obj.requires_grad)
             try:
                 obj = obj.detach().numpy()
             except (RuntimeError, TypeError):
                 return None  # e.g. bfloat16: torch's own reducer handles it
             kind = _TENSOR
+            if grad:
+                self.requires_grad.append(len(self.leaves))
         else:
             return None
         self.leaves.append(obj)
@@ -166,8 +183,9 @@ class Encoder:
         leaves: list = []
         kinds: list[int] = []
         buf = io.BytesIO()
+        pickler = _LeafPickler(buf, leaves, kinds, self.policy.min_item_bytes)
         try:
-            _LeafPickler(buf, leaves, kinds, self.policy.min_item_bytes).dump(payload)
+            pickler.dump(payload)
         except Exception as exc:  # noqa: BLE001
             found = find_unpicklable(payload)
             where = f" at {found[0]}" if found else ""
@@ -175,6 +193,7 @@ class Encoder:
                 f"cannot serialize the payload{where}: {found[1] if found else exc}",
                 path=found[0] if found else None) from exc
         frames: list = [buf.getbuffer()]
+        warn: list = []  # why this message went in-band instead of into the arena
         descs: list = [None] * len(leaves)
         regions: list = []
         slab_entries: list = []
@@ -227,28 +246,29 @@ class Encoder:
                         strides = None if leaf.flags.c_contiguous else list(leaf.strides)
                         descs[i] = [kinds[i], _IN_REGION, r, start, dtype_token(leaf.dtype),
                                     list(leaf.shape), strides]
-            if compact:
-                # Copied into a fresh region of this process's arena; without one (the
-                # parent) or without space, they travel in-band like private leaves.
-                private += self._to_regions([leaves[i] for i in compact], compact, kinds,
-                                            descs, regions, slab_entries, fds, peer,
-                                            min_item=0, min_new=0)
-            private.sort()
-            if self.arena is not None and private:
-                private = self._to_regions([leaves[i] for i in private], private, kinds, descs,
-                                           regions, slab_entries, fds, peer,
-                                           min_item=policy.min_item_bytes,
-                                           min_new=policy.min_new_allocation_bytes)
+            if self.arena is None:
+                # No arena (the parent): compacted leaves travel in-band like private ones.
+                private = sorted(private + compact)
+            elif compact or private:
+                private.sort()
+                private = self._to_regions(leaves, compact, private, kinds, descs, regions,
+                                           slab_entries, fds, peer, warn)
         if private:
             self._to_frames(leaves, private, kinds, descs, frames, forced_frames)
         missing = [i for i, d in enumerate(descs) if d is None]
         if missing:  # a bug, never a silent drop
             raise SerializationError(f"internal error: leaves {missing} were not placed")
+        for i in pickler.requires_grad:
+            descs[i].append(_REQUIRES_GRAD)
         header = {"l": descs, "r": regions, "s": slab_entries}
+        if warn:
+            header["w"] = warn
         return header, frames, fds, pins
 
     # -- helpers ---------------------------------------------------------------------
     def _peer_can_map(self, slab: Slab, peer: PeerState) -> bool:
+        if slab.dedicated:  # one message's slab: its index is reused once it is unmapped
+            return False
         return slab.slab_id in peer.slabs or (slab.fd is not None and peer.can_map_fds) \
             or slab.name is not None
 
@@ -256,47 +276,72 @@ class Encoder:
         if slab.slab_id in peer.slabs:
             return
         if slab.fd is not None and peer.can_map_fds:
-            slab_entries.append([slab.slab_id, slab.size, None, len(fds)])
+            entry = [slab.slab_id, slab.size, None, len(fds)]
             fds.append(slab.fd)
         else:
-            slab_entries.append([slab.slab_id, slab.size, slab.name, -1])
+            entry = [slab.slab_id, slab.size, slab.name, -1]
+        if slab.dedicated:
+            entry.append(1)
+        slab_entries.append(entry)
         peer.slabs.add(slab.slab_id)
 
-    def _to_regions(self, arrays, indices, kinds, descs, regions, slab_entries, fds, peer, *,
-                    min_item: int, min_new: int) -> list[int]:
-        """Copy planned groups into new arena regions; returns the indices left in-band."""
+    def _to_regions(self, leaves, compact, private, kinds, descs, regions, slab_entries, fds,
+                    peer, warn: list) -> list[int]:
+        """Copy the leaves to compact (any size) and the private ones (planned by the
+        policy) into new arena regions, all allocated at once (a message never waits for
+        space it holds itself); returns the indices left in-band. Without space (the
+        consumer holds the arena, or /dev/shm is full) every one of them goes in-band and
+        ``warn`` says why: never a drop."""
         policy = self.policy
-        if self.arena is None:
-            return list(indices)
-        plan = pack_plan(arrays, min_item, policy.coalesce, policy.max_coalesced_bytes, min_new)
-        buffers = []
-        first_region = len(regions)
+        plans = []  # (plan, indices)
+        left = []
+        if compact:
+            plan = pack_plan([leaves[i] for i in compact], 0, policy.coalesce,
+                             policy.max_coalesced_bytes, 0)
+            left += [i for k, i in enumerate(compact) if plan.descriptors[k] is None]
+            plans.append((plan, compact))
+        if private:
+            plan = pack_plan([leaves[i] for i in private], policy.min_item_bytes,
+                             policy.coalesce, policy.max_coalesced_bytes,
+                             policy.min_new_allocation_bytes)
+            plans.append((plan, private))
+        sizes = [int(n) for plan, _ in plans for n in plan.group_nbytes]
+        if not sizes:
+            return sorted(compact + private)
         try:
+            allocated = self.arena.alloc_many(sizes)
+        except ArenaFull as exc:
+            warn[:] = ["starved", self.arena.owner, exc.held_bytes, exc.max_bytes,
+                       self.arena.wait_timeout_s]
+            return sorted(compact + private)
+        except ShmSpaceError as exc:
+            warn[:] = ["space", self.arena.owner, str(exc)]
+            return sorted(compact + private)
+        k = 0
+        for plan, indices in plans:
+            first_region = len(regions)
+            buffers = []
             for g in range(plan.n_groups):
-                nbytes = int(plan.group_nbytes[g])
-                slab, offset, token = self.arena.alloc(nbytes)
+                slab, offset, token = allocated[k]
+                nbytes = sizes[k]
+                k += 1
                 regions.append([token, slab.slab_id, offset, nbytes, _NEW])
                 buffers.append(memoryview(slab.mapping)[offset:offset + nbytes])
                 self._announce(slab, peer, slab_entries, fds)
-        except ArenaFull:
-            # never drop: give the regions back and send these leaves in-band
-            self.arena.free([r[0] for r in regions[first_region:]])
-            del regions[first_region:]
-            for buffer in buffers:
-                buffer.release()
-            return list(indices)
-        pack_copy(arrays, plan, buffers)
-        for buffer in buffers:
-            buffer.release()
-        left = []
-        for k, i in enumerate(indices):
-            desc = plan.descriptors[k]
-            if desc is None:
-                left.append(i)
-                continue
-            descs[i] = [kinds[i], _IN_REGION, first_region + desc.group, desc.offset,
-                        desc.dtype, list(desc.shape), None]
-        return left
+            try:
+                pack_copy([leaves[i] for i in indices], plan, buffers)
+            finally:
+                for buffer in buffers:
+                    buffer.release()
+            for j, i in enumerate(indices):
+                desc = plan.descriptors[j]
+                if desc is None:
+                    if plan is not plans[0][0] or not compact:
+                        left.append(i)
+                    continue
+                descs[i] = [kinds[i], _IN_REGION, first_region + desc.group, desc.offset,
+                            desc.dtype, list(desc.shape), None]
+        return sorted(left)
 
     def _to_frames(self, leaves, indices, kinds, descs, frames, one_per_leaf: bool) -> None:
         big, small = [], []
@@ -350,9 +395,13 @@ class Decoder:
         self.leases, self.registry, self.release_for = leases, registry, release_for
         self.borrow_forwarded = borrow_forwarded
 
-    def map_slabs(self, header: dict, fds: list[int]) -> None:
+    def map_slabs(self, header: dict, fds: list[int]) -> list[Slab]:
+        """Map the slabs the message announces; returns the dedicated ones (mapped for this
+        message only)."""
         used = set()
-        for slab_id, size, name, fd_index in header.get("s", ()):
+        dedicated = []
+        for entry in header.get("s", ()):
+            slab_id, size, name, fd_index = entry[:4]
             if slab_id in self.registry:
                 continue
             if fd_index >= 0:
@@ -360,15 +409,27 @@ class Decoder:
                 used.add(fd_index)
             else:
                 slab = Slab.attach(slab_id, size, name=name)
+            if len(entry) > 4 and entry[4]:
+                slab.dedicated = True
+                dedicated.append(slab)
             self.registry.add(slab)
         for k, fd in enumerate(fds):
             if k not in used:
-                import os
-
                 os.close(fd)
+        return dedicated
 
     def decode(self, header: dict, frames: list, fds: list[int]) -> Any:
-        self.map_slabs(header, fds)
+        dedicated = self.map_slabs(header, fds)
+        try:
+            return self._decode(header, frames)
+        finally:
+            # A dedicated slab lives exactly as long as the leases built on it: forget it
+            # here (its index is reused by its owner) and let the last view unmap it.
+            for slab in dedicated:
+                self.registry.discard(slab)
+                slab.close()
+
+    def _decode(self, header: dict, frames: list) -> Any:
         leases = []
         for token, slab_id, offset, nbytes, mode in header["r"]:
             lease = self.leases.get(token)
@@ -388,7 +449,7 @@ class Decoder:
             if desc is None:
                 leaves.append(None)
                 continue
-            kind, where, index, offset, dtype, shape, strides = desc
+            kind, where, index, offset, dtype, shape, strides = desc[:7]
             dt = dtype_from_token(dtype)
             buffer = leases[index] if where == _IN_REGION else frames[index]
             if kind in (_BYTES, _BYTEARRAY):
@@ -404,5 +465,7 @@ class Decoder:
                 import torch
 
                 arr = torch.from_numpy(arr)
+                if len(desc) > 7 and desc[7] & _REQUIRES_GRAD and arr.is_floating_point():
+                    arr.requires_grad_(True)
             leaves.append(arr)
         return _LeafUnpickler(io.BytesIO(frames[0]), leaves).load()

@@ -32,15 +32,39 @@ A watchdog thread waits on the worker processes' sentinels and logs a death
 with its exit status when it happens (``exited``, ``wait_for_exit()``), even
 while nobody is in ``get()``.
 
-Worker side: a control thread receives TASK (queued), FREE (back to the
-arena) and STOP; the main thread runs tasks in order and sends each result or
-error. If the parent dies (EOF on the channel, or the parent pid changes) the
-worker unlinks any segment names it owns and exits at once.
+Back-pressure: a result's regions come from the worker's arena, all at once
+(see :mod:`zephon.transport.arena`). When the consumer holds the whole arena
+(it keeps results: ``list(pipe)``, a list of batches), the worker waits once,
+briefly (``arena_wait_timeout_s``, 1 s), then sends results in-band, copied
+through the channel, until a region comes back: never a deadlock, never a long
+stall. The first such result makes ``get()`` issue one ``RuntimeWarning`` per
+pool naming the bytes held, the bound and the remedies; the same happens, with
+its own warning, when no shared segment can be created (a full /dev/shm).
+
+Worker side (:mod:`zephon.transport.worker`): a control thread receives TASK,
+FREE and STOP while the main thread runs tasks in order; a send that fails
+before any byte left reaches the consumer as a
+:class:`~zephon.errors.TransportError` for that task, naming the worker (not as
+a death). Workers ignore SIGINT: Ctrl-C in a terminal reaches the whole process
+group, and it is the parent's to handle (one ``KeyboardInterrupt`` in the main
+process; then its exit closes the pool). They are started with SIGINT blocked,
+so not even their start-up prints a traceback.
 
 ``close()`` (idempotent; also from ``__del__`` and at interpreter exit):
-STOP to every worker at once, a shared join deadline (``shutdown_mode``
-graceful: 10 s, hard: 0.5 s), then terminate, then kill; every child is
-reaped, channels closed, and this run's segment names swept.
+STOP to every worker at once; what they still send is read and dropped while
+they finish their current task, within a shared deadline (``shutdown_mode``
+graceful: 10 s, hard: 0.5 s, at most 2 s at interpreter exit), then terminate,
+then kill; every child is reaped, channels closed, and the segment names of
+this pool's workers swept. Workers stopped this way are never reported as
+crashes: ``get()`` (in any thread) raises ``TransportError("... was closed")``
+and the watchdog stays silent, so runners never re-dispatch their tasks.
+
+Exit: interpreter exit never waits on a worker. Live pools are closed from a
+``threading`` exit hook, which runs before non-daemon threads are joined and
+before every ``atexit`` callback, in particular before multiprocessing's own,
+which would join non-daemon workers (the MTP subprocess) forever, or terminate
+daemon ones under a ``get()`` in flight (read as crashes). A plain ``atexit``
+callback remains as a fallback.
 """
 
 from __future__ import annotations
@@ -55,6 +79,7 @@ import selectors
 import signal
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, NamedTuple
 
@@ -62,14 +87,16 @@ from zephon.errors import (
     SerializationError, TransportError, WorkerCrashedError,
 )
 from zephon.transport.arena import (
-    LeaseTable, ShmArena, SlabRegistry, memfd_available, sweep_stale_segments, token_slab,
+    LeaseTable, SlabRegistry, memfd_available, sweep_segments_of, sweep_stale_segments,
+    token_slab,
 )
 from zephon.transport.channel import ChannelClosed, channel_pair
 from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
-from zephon.transport.remote_errors import decode_exception, encode_exception
+from zephon.transport.remote_errors import decode_exception
 from zephon.transport.spawn_guard import (
     EXIT_UNGUARDED_MAIN, refuse_in_spawn_bootstrap, unguarded_main_error,
 )
+from zephon.transport.worker import worker_entry
 
 __all__ = ["WorkerPool", "TaskResult", "default_arena_bytes"]
 
@@ -78,10 +105,25 @@ log = logging.getLogger("zephon.transport.pool")
 _live_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
 
 
-@atexit.register
 def _close_live_pools() -> None:
+    """Close every live pool at interpreter exit (see "Exit" in the module docstring)."""
     for pool in list(_live_pools):
-        pool.close()
+        try:
+            pool.close(exiting=True)
+        except Exception:  # noqa: BLE001 - exit goes on; close() logs what it could not do
+            log.debug("closing pool %r at exit failed", pool.name, exc_info=True)
+
+
+# threading's exit hooks run before non-daemon threads are joined and before any atexit
+# handler, so before multiprocessing's own exit handler (registered when the first process
+# starts, so it runs before ours would) joins non-daemon children (the MTP subprocess) or
+# terminates daemon ones under a get() in flight. atexit stays as a fallback for
+# interpreters without the hook; close() is idempotent.
+try:
+    threading._register_atexit(_close_live_pools)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # not CPython, or imported during shutdown
+    pass
+atexit.register(_close_live_pools)
 
 
 class TaskResult(NamedTuple):
@@ -112,163 +154,6 @@ def _signal_name(exitcode: int | None) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# worker side
-# ---------------------------------------------------------------------------------------
-
-_STOP = object()
-
-
-def _close_on_exec_all() -> None:
-    """Mark every descriptor above stderr close-on-exec: the channel rebuilt by
-    multiprocessing and its own bootstrap pipes arrive inheritable, and a subprocess
-    started by an op must not hold them (it would keep channels open after we die)."""
-    for directory in ("/proc/self/fd", "/dev/fd"):
-        try:
-            names = os.listdir(directory)
-        except OSError:
-            continue
-        for name in names:
-            fd = int(name)
-            if fd > 2:
-                try:
-                    os.set_inheritable(fd, False)
-                except OSError:
-                    pass  # the listing's own descriptor, already closed
-        return
-
-
-def _tune_malloc() -> None:
-    """Keep large buffers in the worker's heap instead of a fresh mmap each time.
-
-    A worker allocates and frees multi-MiB arrays for every task. glibc serves
-    those with mmap and gives them back with munmap, so each task page-faults its
-    whole output again (measured here: a load + map of 4 MiB samples ran at 3.1 GiB/s
-    through the pool, 8.1 GiB/s with the threshold raised). Raising the mmap threshold
-    (to its 32 MiB maximum) and the trim threshold keeps that memory mapped between
-    tasks. glibc only; ``ZEPHON_WORKER_MALLOC_TUNING=0`` turns it off.
-    """
-    if os.environ.get("ZEPHON_WORKER_MALLOC_TUNING", "1") == "0":
-        return
-    try:
-        import ctypes
-
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return  # not glibc
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    mallopt(m_mmap_threshold, 32 << 20)
-    mallopt(m_trim_threshold, 256 << 20)
-    mallopt(m_top_pad, 16 << 20)
-
-
-def _worker_entry(index: int, channel, boot: dict) -> None:
-    """Process entry point (module level so spawn can import it)."""
-    _close_on_exec_all()
-    _tune_malloc()
-    if boot.get("log_level") is not None and not logging.getLogger().handlers:
-        logging.basicConfig(level=boot["log_level"],
-                            format=f"%(asctime)s zephon-worker-{index} %(levelname)s %(message)s")
-    _Worker(index, channel, boot).run()
-
-
-class _Worker:
-    def __init__(self, index: int, channel, boot: dict) -> None:
-        self.index, self.channel, self.boot = index, channel, boot
-        self.parent_pid = boot["parent_pid"]
-        self.parent_gone = False
-        self.tasks: collections.deque = collections.deque()
-        self.task_ready = threading.Condition()
-        self.stopping = False
-        self.arena = ShmArena(index + 1, boot["arena_kind"], boot["arena_max_bytes"],
-                              parent_pid=self.parent_pid,
-                              alive=lambda: not (self.parent_gone or self.stopping),
-                              wait_timeout_s=boot["arena_wait_timeout_s"],
-                              slab_base=boot.get("slab_base", 0))
-        self.leases, self.registry = LeaseTable(), SlabRegistry()
-        self.encoder = Encoder(ShmPolicy(*boot["policy"]), self.leases, self.registry,
-                               self.arena)
-        self.decoder = Decoder(self.leases, self.registry, lambda owner: None,
-                               borrow_forwarded=True)
-        self.peer = PeerState(can_map_fds=boot["transport"] == "socketpair")
-
-    def run(self) -> None:
-        try:
-            try:
-                handler = pickle.loads(self.boot["handler"])
-            except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
-                tb, blob = encode_exception(exc)
-                self.channel.send({"k": "fail", "tb": tb}, [blob])
-                return
-            self.channel.send({"k": "ready", "pid": os.getpid()})
-            threading.Thread(target=self._control, name="zephon-worker-control",
-                             daemon=True).start()
-            while True:
-                with self.task_ready:
-                    while not self.tasks and not self.stopping:
-                        self.task_ready.wait()
-                    if self.stopping:
-                        return
-                    task_id, header, frames, fds = self.tasks.popleft()
-                self._run_one(handler, task_id, header, frames, fds)
-        except ChannelClosed:
-            pass
-        finally:
-            closer = getattr(locals().get("handler"), "close", None)
-            if callable(closer):  # a stateful handler (the MTP engine) shuts down its work
-                try:
-                    closer()
-                except Exception:  # noqa: BLE001 - exiting anyway
-                    log.exception("worker %d: closing the handler failed", self.index)
-            self.arena.close()
-            self.channel.close()
-
-    def _run_one(self, handler, task_id: int, header, frames, fds) -> None:
-        try:
-            payload = self.decoder.decode(header, frames, fds)
-            value = handler(payload)
-            del payload
-            out, out_frames, out_fds, _ = self.encoder.encode(value, self.peer)
-        except ChannelClosed:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            tb, blob = encode_exception(exc)
-            self.channel.send({"k": "error", "id": task_id, "tb": tb}, [blob])
-            return
-        out["k"], out["id"] = "result", task_id
-        self.channel.send(out, out_frames, out_fds)
-
-    def _control(self) -> None:
-        selector = selectors.DefaultSelector()
-        selector.register(self.channel.fileno(), selectors.EVENT_READ)
-        try:
-            while True:
-                if not selector.select(timeout=1.0):
-                    if os.getppid() != self.parent_pid:
-                        raise ChannelClosed("parent process changed")
-                    continue
-                header, frames, fds = self.channel.recv()
-                kind = header.get("k")
-                if kind == "task":
-                    with self.task_ready:
-                        self.tasks.append((header["id"], header, frames, fds))
-                        self.task_ready.notify()
-                elif kind == "free":
-                    self.arena.free(header["t"])
-                elif kind == "stop":
-                    with self.task_ready:
-                        self.stopping = True
-                        self.task_ready.notify()
-                    return
-        except (ChannelClosed, OSError):
-            # The parent is gone: nothing will read our results. Leave no names behind.
-            self.parent_gone = True
-            self.arena.close()
-            os._exit(0)
-
-
-# ---------------------------------------------------------------------------------------
 # parent side
 # ---------------------------------------------------------------------------------------
 
@@ -290,6 +175,8 @@ def _watch(pool_ref, handles) -> None:
             with pool._reap_lock:  # one reaper at a time, or the other sees ECHILD
                 handle.process.join(1.0)
                 code = handle.process.exitcode
+            if pool._closed or handle.stopped:
+                return  # stopped by zephon itself: not a crash
             pool.exited[handle.index] = code
             pool._worker_exited.set()
             log.error("worker %d (pid %s) of pool %r exited by %s", handle.index, handle.pid,
@@ -301,7 +188,8 @@ _SLABS_PER_GENERATION = 256
 
 
 class _WorkerHandle:
-    __slots__ = ("index", "process", "channel", "peer", "inflight", "alive", "pid", "generation")
+    __slots__ = ("index", "process", "channel", "peer", "inflight", "alive", "pid", "generation",
+                 "stopped")
 
     def __init__(self, index, process, channel, peer) -> None:
         self.index, self.process, self.channel, self.peer = index, process, channel, peer
@@ -309,6 +197,7 @@ class _WorkerHandle:
         self.alive = True
         self.pid = process.pid
         self.generation = 0
+        self.stopped = False  # zephon stopped it (close): its exit is not a crash
 
 
 class WorkerPool:
@@ -316,7 +205,7 @@ class WorkerPool:
 
     def __init__(self, handler, num_workers: int, *, options=None,
                  name: str = "pool", arena_max_bytes: int | None = None,
-                 spawn_timeout_s: float = 60.0, arena_wait_timeout_s: float = 60.0,
+                 spawn_timeout_s: float = 60.0, arena_wait_timeout_s: float = 1.0,
                  inflight_per_worker: int = 4, daemon: bool = True) -> None:
         """``daemon=False`` lets workers start processes of their own (the MTP engine does);
         they are still stopped by ``close()`` and at interpreter exit."""
@@ -354,6 +243,8 @@ class WorkerPool:
         self.exited: dict[int, int | None] = {}  # worker index -> exit code, by the watchdog
         self._worker_exited = threading.Event()
         self._reap_lock = threading.Lock()
+        self._warned: set[str] = set()  # in-band fallbacks already warned about
+        self._worker_pids: set[int] = set()  # every worker ever started (names to sweep)
         _live_pools.add(self)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -408,10 +299,18 @@ class WorkerPool:
         parent_end, child_end = channel_pair(self.transport, self.options.ipc_buffer_bytes)
         boot = dict(self._boot, slab_base=generation * _SLABS_PER_GENERATION)
         process = self.options.mp_context.Process(
-            target=_worker_entry, args=(k, child_end, boot), name=f"zephon-{self.name}-{k}",
+            target=worker_entry, args=(k, child_end, boot), name=f"zephon-{self.name}-{k}",
             daemon=self.daemon)
-        process.start()
+        # The child inherits the signal mask through exec: SIGINT stays blocked until the
+        # worker has set it to ignored (see _ignore_sigint), so a Ctrl-C during its start-up
+        # prints no traceback. A SIGINT meanwhile stays pending here, never lost.
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         child_end.close()  # the child has its own copy now
+        self._worker_pids.add(process.pid)
         handle = _WorkerHandle(k, process, parent_end,
                                PeerState(can_map_fds=self.transport == "socketpair"))
         handle.generation = generation
@@ -434,6 +333,8 @@ class WorkerPool:
         """Start a new process in slot ``k`` after its worker died (crash retries). Its slabs
         take a fresh index range, so regions the consumer still holds from the dead worker
         can never be confused with the new worker's."""
+        if self._closed:
+            raise TransportError(f"pool {self.name!r} is closed")
         old = self.workers[k]
         if old.alive:
             raise TransportError(f"worker {k} of pool {self.name!r} is still alive")
@@ -487,7 +388,21 @@ class WorkerPool:
         finally:
             selector.close()
 
-    def close(self) -> None:
+    def close(self, *, exiting: bool = False) -> None:
+        """Stop every worker and release everything (idempotent).
+
+        STOP goes to every worker at once; while they finish their current task, whatever
+        they still send is read and dropped (a worker blocked sending a result can always
+        finish). Past a shared deadline (``shutdown_mode`` graceful: 10 s, hard: 0.5 s; at
+        interpreter exit at most 2 s) stragglers are terminated, then killed. Every child
+        is reaped, channels closed and the named segments of this run swept. Workers stopped
+        here are never reported as crashes and their tasks are never re-dispatched: from
+        the first line on, ``get()`` raises :class:`~zephon.errors.TransportError`
+        ("closed") and the watchdog stays silent.
+
+        Args:
+            exiting: called at interpreter exit (shorter deadline).
+        """
         if self._closed:
             return
         self._closed = True
@@ -497,19 +412,19 @@ class WorkerPool:
         except OSError:
             pass
         hard = self.options.shutdown_mode == "hard"
+        grace = 0.5 if hard else (2.0 if exiting else 10.0)
         for handle in self.workers:
+            handle.stopped = True
             if handle.alive:
                 try:
                     handle.channel.send({"k": "stop"})
                 except (ChannelClosed, OSError):
                     pass
-        deadline = time.monotonic() + (0.5 if hard else 10.0)
-        for handle in self.workers:
-            handle.process.join(max(0.0, deadline - time.monotonic()))
+        self._drain_until_exit(time.monotonic() + grace)
         stragglers = [h for h in self.workers if h.process.is_alive()]
         for handle in stragglers:
             handle.process.terminate()
-        deadline = time.monotonic() + (0.2 if hard else 2.0)
+        deadline = time.monotonic() + (0.2 if hard or exiting else 2.0)
         for handle in stragglers:
             handle.process.join(max(0.0, deadline - time.monotonic()))
             if handle.process.is_alive():
@@ -527,8 +442,30 @@ class WorkerPool:
                 except OSError:
                     pass
         self.registry.close_all()
-        if self.arena_kind == "named":
+        if self.arena_kind == "named" and self._started:
+            sweep_segments_of(os.getpid(), self._worker_pids)
             sweep_stale_segments()
+
+    def _drain_until_exit(self, deadline: float) -> None:
+        """Wait for the workers to exit, reading and dropping what they still send (raw
+        bytes: a get() interrupted mid-message may have left a channel mid-stream)."""
+        from multiprocessing.connection import wait
+
+        sentinels = {h.process.sentinel: h for h in self.workers if h.process.is_alive()}
+        readers = {h.channel.fileno(): h for h in sentinels.values() if not h.channel.closed}
+        while sentinels:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            for ready in wait(list(sentinels) + list(readers), timeout=min(remaining, 0.5)):
+                handle = sentinels.pop(ready, None)
+                if handle is not None:
+                    with self._reap_lock:
+                        handle.process.join(0.5)
+                    continue
+                handle = readers[ready]
+                if not handle.channel.discard_pending():
+                    del readers[ready]
 
     def __enter__(self) -> "WorkerPool":
         return self.start()
@@ -598,11 +535,15 @@ class WorkerPool:
         task_id = next(self._ids)
         header["k"], header["id"] = "task", task_id
         handle.inflight[task_id] = pins
+        self._flush_frees()  # before the task: the space it may need is back first
         try:
             handle.channel.send(header, frames, fds)
         except ChannelClosed:
             pass  # the crash is reported by get(), with this task among the in-flight ones
-        self._flush_frees()
+        except OSError as exc:  # nothing was sent: the caller's payload cannot travel
+            del handle.inflight[task_id]
+            raise TransportError(f"pool {self.name!r} could not send task {task_id} to worker "
+                                 f"{handle.index}: {type(exc).__name__}: {exc}") from exc
         return task_id
 
     def get(self, timeout: float | None = None) -> TaskResult:
@@ -621,9 +562,14 @@ class WorkerPool:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise TimeoutError(f"no result from pool {self.name!r} within {timeout} s")
-            events = self._selector.select(timeout=remaining)
+            try:
+                events = self._selector.select(timeout=remaining)
+            except (OSError, ValueError, KeyError):
+                if self._closed:  # closed by another thread under this select
+                    raise self._closed_error() from None
+                raise
             if self._closed:
-                raise TransportError(f"pool {self.name!r} was closed")
+                raise self._closed_error()
             for key, _ in events:
                 handle = key.data
                 if handle is None:
@@ -634,9 +580,14 @@ class WorkerPool:
                     continue
                 try:
                     header, frames, fds = handle.channel.recv()
-                except ChannelClosed:
+                except (ChannelClosed, OSError, ValueError):
+                    if self._closed or handle.stopped:  # stopped by close(): not a crash
+                        raise self._closed_error() from None
                     raise self._worker_died(handle) from None
                 return self._handle_message(handle, header, frames, fds)
+
+    def _closed_error(self) -> TransportError:
+        return TransportError(f"pool {self.name!r} was closed")
 
     def _handle_message(self, handle: _WorkerHandle, header, frames, fds) -> TaskResult:
         kind = header.get("k")
@@ -644,6 +595,8 @@ class WorkerPool:
         pins = handle.inflight.pop(task_id, None)
         try:
             if kind == "result":
+                if "w" in header:
+                    self._warn_fallback(header["w"])
                 value = self.decoder.decode(header, frames, fds)
                 return TaskResult(task_id, handle.index, value)
             if kind == "error":
@@ -653,7 +606,34 @@ class WorkerPool:
         finally:
             del pins  # forwarded regions of the task input may be recycled from here on
 
+    def _warn_fallback(self, why: list) -> None:
+        """One warning per pool and cause when results travel in-band for lack of arena
+        space (the worker says why in the message header)."""
+        kind = why[0]
+        if kind in self._warned:
+            return
+        self._warned.add(kind)
+        if kind == "starved":
+            _, owner, held, bound, waited = why
+            message = (
+                f"zephon: the consumer holds {held} bytes of the {bound}-byte shared-memory "
+                f"arena of worker {owner - 1} of pool {self.name!r} (results it has not "
+                f"dropped yet) and none came back within {waited:g} s: results now travel by "
+                "copy through the channel, which is slower, until it drops some. Drop each "
+                "batch when done with it, or copy the ones you keep (np.array(x), "
+                "tensor.clone()); to hold more at once raise RuntimeOptions.prefetch_batches "
+                "or shm_max_coalesced_bytes (the arena bound per worker is (tasks in flight "
+                "+ prefetch_batches // 2) x shm_max_coalesced_bytes, at least 64 MiB), or "
+                "pass arena_max_bytes= to WorkerPool.")
+        else:
+            _, owner, reason = why
+            message = (f"zephon: worker {owner - 1} of pool {self.name!r} cannot create "
+                       f"shared memory: {reason}. Results now travel by copy through the "
+                       "channel, which is slower.")
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
     def _worker_died(self, handle: _WorkerHandle) -> WorkerCrashedError:
+        """Record a worker that died by itself (never one stopped by close())."""
         handle.alive = False
         try:
             self._selector.unregister(handle.channel.fileno())
@@ -667,7 +647,8 @@ class WorkerPool:
         handle.inflight.clear()
         released = self.registry.drop_owner(handle.index + 1)
         self._frees.get(handle.index + 1, collections.deque()).clear()
-        if self.arena_kind == "named":
+        if self.arena_kind == "named":  # a worker killed by a signal could not unlink its own
+            sweep_segments_of(os.getpid(), [handle.pid])
             sweep_stale_segments()
         error = WorkerCrashedError(
             f"worker {handle.index} (pid {handle.pid}) of pool {self.name!r} died by "

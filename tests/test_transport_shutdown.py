@@ -1,0 +1,199 @@
+"""Prompt exit and a quiet shutdown: interpreter exit never waits on a zephon process,
+Ctrl-C to the process group is one KeyboardInterrupt in the main process, and workers
+that zephon stops itself are never reported as crashes nor re-dispatched.
+
+Each scenario runs a real helper script as its own process (its own session, so a
+SIGINT to its group reaches only it and its workers)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import _transport_handlers as H
+from _procs import alive
+
+from zephon import RuntimeOptions
+from zephon.errors import TransportError
+from zephon.transport import WorkerPool
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# A hang detector, not a timing claim: the exits tested here take about a second.
+HANG_S = 60
+
+
+def run_script(body: str, *, signal_after_ready: int | None = None):
+    """Run ``body`` as ``python -c`` in a new session; returns (returncode, stdout lines,
+    stderr, worker pids the script printed as its first JSON line)."""
+    code = textwrap.dedent(f"""
+        import json, logging, sys, time
+        sys.path.insert(0, {TESTS!r})
+        import _transport_handlers as H
+        from zephon import RuntimeOptions
+        from zephon.transport import WorkerPool
+    """) + textwrap.dedent(body)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    pids: list[int] = []
+    try:
+        first = proc.stdout.readline()
+        if first:
+            pids = json.loads(first)
+        if signal_after_ready is not None and first:
+            time.sleep(0.5)  # the main process is inside get() by now
+            os.killpg(proc.pid, signal_after_ready)
+        out, err = proc.communicate(timeout=HANG_S)
+        return proc.returncode, out, err, pids
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    finally:
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def gone_within(pids, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def test_exit_without_close_never_waits_on_a_non_daemon_worker():
+    # multiprocessing's exit handler joins non-daemon children and runs before atexit
+    # callbacks registered earlier: the pool must be closed before it runs.
+    rc, out, err, pids = run_script("""
+        if __name__ == "__main__":
+            pool = WorkerPool(H.handle, 2, daemon=False).start()
+            pids = []
+            for k in range(2):
+                pool.submit(("pid", None), worker=k)
+                pids.append(pool.get(timeout=60).value)
+            pool.submit(("sleep", 0.2), worker=0)  # one task still in flight
+            print(json.dumps(pids), flush=True)
+            sys.exit(0)  # no close()
+    """)
+    assert rc == 0, err
+    assert len(pids) == 2
+    assert not gone_within(pids, 5.0)
+    assert "Traceback" not in err, err
+
+
+def test_ctrl_c_to_the_group_is_one_keyboard_interrupt_and_no_worker_traceback():
+    rc, out, err, pids = run_script("""
+        if __name__ == "__main__":
+            pool = WorkerPool(H.handle, 2, options=RuntimeOptions(
+                shm_min_new_allocation_bytes=0)).start()
+            pids = []
+            for k in range(2):
+                pool.submit(("pid", None), worker=k)
+                pids.append(pool.get(timeout=60).value)
+            print(json.dumps(pids), flush=True)
+            while True:  # a consumer loop: workers busy, the main process in get()
+                for k in range(2):
+                    pool.submit(("full", (1 << 20, k)), worker=k)
+                    pool.submit(("sleep", 0.05), worker=k)
+                for _ in range(4):
+                    pool.get(timeout=60)
+    """, signal_after_ready=signal.SIGINT)
+    assert rc != 0
+    assert err.count("KeyboardInterrupt") == 1, err
+    assert err.count("Traceback") == 1, err
+    for noise in ("zephon-pool", "Process ", "worker_entry", "zephon-worker"):
+        assert noise not in err, err
+    assert not gone_within(pids, 5.0)
+
+
+@pytest.mark.parametrize("mtp", [False, True], ids=["process", "mtp"])
+def test_pipeline_break_then_exit_is_prompt_and_reports_no_crash(mtp):
+    # The pipeline is left after a break and never closed: the interpreter's exit stops its
+    # workers (and the non-daemon MTP subprocess), which must not be logged as crashes,
+    # re-dispatched, or waited on.
+    rc, out, err, pids = run_script(f"""
+        from zephon import Pipeline, sources
+
+        if __name__ == "__main__":
+            logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                                format="%(levelname)s %(name)s %(message)s")
+            pipe = Pipeline(sources.from_callable(400, H.load_slow)).map(H.plus_one).options(
+                RuntimeOptions(runner="process", max_workers=2, mtp_mode={mtp}))
+            for n, item in enumerate(pipe):
+                if n == 50:
+                    break
+            import multiprocessing
+            print(json.dumps([p.pid for p in multiprocessing.active_children()]),
+                  flush=True)
+    """)
+    assert rc == 0, err
+    for noise in ("ERROR", "died by", "re-dispatching", "unknown cause", "Traceback"):
+        assert noise not in err, err
+    assert not gone_within(pids, 5.0)
+
+
+@pytest.fixture
+def pool():
+    pools = []
+
+    def make(*args, **kwargs):
+        p = WorkerPool(*args, **kwargs)
+        pools.append(p)
+        return p.start()
+
+    yield make
+    for p in pools:
+        p.close()
+
+
+@pytest.mark.parametrize("mode", ["hard", "graceful"])
+def test_close_under_a_blocked_get_is_not_a_crash(pool, caplog, mode):
+    p = pool(H.handle, 2, options=RuntimeOptions(shutdown_mode=mode))
+    for k in range(2):
+        p.submit(("sleep", 30 if mode == "hard" else 2.0), worker=k)
+    outcome = []
+
+    def consumer():
+        try:
+            while True:
+                p.get(timeout=60)
+        except BaseException as exc:  # noqa: BLE001 - what get() raised is the result
+            outcome.append(exc)
+
+    thread = threading.Thread(target=consumer)
+    with caplog.at_level(logging.DEBUG, logger="zephon"):
+        thread.start()
+        time.sleep(0.5)
+        p.close()
+        thread.join(HANG_S)
+        time.sleep(1.0)  # the watchdog wakes every 0.5 s: give it the chance to speak
+    assert not thread.is_alive()
+    assert len(outcome) == 1 and type(outcome[0]) is TransportError, outcome
+    assert "closed" in str(outcome[0])
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not errors, [r.getMessage() for r in errors]
+    assert p.exited == {} and p.crashes == []
+
+
+def test_close_drains_a_worker_blocked_sending_its_result(pool, caplog):
+    # A result larger than the socket buffers, with shared memory off: the worker is
+    # blocked in send when STOP arrives; close() reads it away and the worker exits by
+    # itself (exit code 0), without terminate.
+    p = pool(H.handle, 1, options=RuntimeOptions(shm_enabled=False,
+                                                 ipc_buffer_bytes=64 << 10))
+    p.submit(("ones", 32 << 20))
+    time.sleep(1.0)
+    proc = p.workers[0].process
+    with caplog.at_level(logging.WARNING, logger="zephon"):
+        p.close()
+    assert proc.exitcode == 0
+    assert not caplog.records
