@@ -120,6 +120,10 @@ def _attempt(fn: Callable[[], T], timeout: float) -> T:
     return box["value"]
 
 
+# Programming errors are not worth another attempt.
+_NEVER_RETRY = (TypeError, AttributeError, NameError, ImportError, AssertionError)
+
+
 def call_with_retry(fn: Callable[[], T], cfg: IoConfig, what: str,
                     retry_on: tuple = (Exception,)) -> T:
     """``fn()`` with ``cfg.download_retry`` retries, each attempt limited to
@@ -135,7 +139,7 @@ def call_with_retry(fn: Callable[[], T], cfg: IoConfig, what: str,
         try:
             return _attempt(fn, cfg.download_timeout_s)
         except retry_on as exc:
-            if attempt == attempts:
+            if attempt == attempts or isinstance(exc, _NEVER_RETRY):
                 raise
             log.warning("reading %s failed (%s: %s); attempt %d of %d in %.2f s", what,
                         type(exc).__name__, exc, attempt + 1, attempts, delay)

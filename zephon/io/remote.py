@@ -110,7 +110,6 @@ def filesystem(url: str, storage_options: dict | None):
     opts = dict(storage_options or {})
     if protocol in ("s3", "s3a"):
         require("s3fs", "remote", f"reading {url}")
-        opts.setdefault("retries", 1)  # zephon's download_retry applies instead
         config = dict(opts.get("config_kwargs") or {})
         config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
         opts["config_kwargs"] = config
@@ -125,6 +124,8 @@ def filesystem(url: str, storage_options: dict | None):
             except (ImportError, ValueError) as exc:
                 raise SourceError(f"cannot open {url}: no usable fsspec filesystem for "
                                   f"{protocol!r} ({exc}); pip install \"zephon[remote]\"") from None
+            if protocol in ("s3", "s3a") and "retries" not in (storage_options or {}):
+                fs.retries = 1  # one attempt per call: zephon's download_retry applies
             _FS[key] = fs
     return fs
 
