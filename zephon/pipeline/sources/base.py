@@ -90,7 +90,7 @@ class FileSource(Source):
 
     def _fresh(self) -> None:
         self._readers: dict[int, FileReader] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # guards the per-process state; re-entered by subclasses
 
     def __getstate__(self):
         drop = {"_readers", "_lock", *self._per_process}

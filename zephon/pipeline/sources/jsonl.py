@@ -57,7 +57,7 @@ def _decompress(data: bytes, codec: str, path: str) -> bytes:
 
 
 class JsonlSource(FileSource):
-    _per_process = ("_plain",)
+    _per_process = ("_plain", "_plain_lock")
 
     def __init__(self, paths: str | Sequence[str], name: str, io: IoConfig = DEFAULT_IO,
                  storage_options: dict | None = None) -> None:

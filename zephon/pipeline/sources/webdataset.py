@@ -60,14 +60,21 @@ def split_name(name: str) -> tuple[str, str] | None:
     return (f"{directory}/{stem}" if directory else stem), ext
 
 
-def index_tar(fileobj, shard: str) -> dict:
-    """The sample index of one tar: keys, per sample its members (ext, offset, size)."""
+def index_tar(fileobj, shard: str, size: int) -> dict:
+    """The sample index of one tar of ``size`` bytes: keys, per sample its members
+    (ext, offset, size). tarfile stops quietly at a corrupt header after the first;
+    this checks that the scan ended at the end-of-archive marker (or the end of the
+    file) and that every member lies inside the file."""
     keys: list[str] = []
     members: list[list] = []
     last = "(start of the shard)"
     try:
         with tarfile.open(fileobj=fileobj, mode="r:") as tar:
             for info in tar:
+                if info.offset_data + info.size > size:
+                    raise SourceError(f"webdataset: {shard}: truncated: member {info.name!r} "
+                                      f"ends at byte {info.offset_data + info.size}, the shard "
+                                      f"has {size}")
                 last = info.name
                 if not info.isfile():
                     continue
@@ -79,6 +86,12 @@ def index_tar(fileobj, shard: str) -> dict:
                     keys.append(key)
                     members.append([])
                 members[-1].append([ext, info.offset_data, info.size])
+            stop = tar.offset
+        fileobj.seek(stop)
+        block = fileobj.read(512)
+        if block.strip(b"\0"):
+            raise SourceError(f"webdataset: {shard}: corrupt or truncated tar after member "
+                              f"{last!r}: unreadable header at byte {stop}")
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise SourceError(f"webdataset: {shard}: corrupt or truncated tar after member "
                           f"{last!r}: {type(exc).__name__}: {exc}") from None
@@ -124,7 +137,7 @@ class WebDatasetSource(FileSource):
             if stored is not None:
                 return json.loads(stored)
         with reader.file_object("building the index") as fh:
-            index = index_tar(fh, self.files[k])
+            index = index_tar(fh, self.files[k], ref.size)
         if cache is not None:
             cache.put_derived(ref, _INDEX_TAG, json.dumps(index).encode())
         return index
