@@ -292,3 +292,37 @@ def test_concurrent_processes_share_one_download(s3, proxy, tmp_path, children):
     assert digests == {hashlib.sha256(payload).hexdigest()}
     assert all(p.returncode == 0 for p in procs)
     assert proxy.gets("shared/a.bin") == 1  # one process downloaded; the others waited
+
+
+# -- formats over the remote store --------------------------------------------------------------
+@pytest.mark.parametrize("cache", [True, False])
+def test_remote_parquet_webdataset_and_jsonl_read_like_local(s3, tmp_path, cache):
+    pytest.importorskip("pyarrow")
+    import gzip
+
+    from _sources_data import write_parquet, write_shards
+
+    so = storage_options(s3.endpoint)
+    prefix = f"formats-{cache}"
+    for path in write_parquet(tmp_path, files=2) + write_shards(tmp_path, shards=2):
+        s3.put(f"{prefix}/{os.path.basename(path)}", open(path, "rb").read())
+    s3.put(f"{prefix}/a.jsonl.gz", gzip.compress(b'{"i": 0}\n{"i": 1}\n'))
+    io = store(tmp_path, cache_enabled=cache)
+    opts = RuntimeOptions(io_options=io, runner="process", max_workers=2)
+    pairs = [(sources.parquet(f"s3://{BUCKET}/{prefix}/*.parquet", storage_options=so,
+                              io_options=io), sources.parquet(str(tmp_path / "*.parquet"))),
+             (sources.webdataset(f"s3://{BUCKET}/{prefix}/shard-{{000..001}}.tar",
+                                 storage_options=so, io_options=io),
+              sources.webdataset(str(tmp_path / "*.tar")))]
+    for remote, local in pairs:
+        assert len(remote) == len(local)
+        got = list(Pipeline(remote, seed=4, chunk_size=16).options(opts))
+        want = list(Pipeline(local, seed=4, chunk_size=16))
+        assert [sorted((k, str(v)) for k, v in s.items()) for s in got] == \
+            [sorted((k, str(v)) for k, v in s.items()) for s in want]
+    lines = sources.jsonl(f"s3://{BUCKET}/{prefix}/*.jsonl.gz", storage_options=so,
+                          io_options=io)
+    assert [s["i"] for s in Pipeline(lines, shuffle=False).options(opts)] == [0, 1]
+    if cache:  # the shard index was stored beside the cached shards
+        tags = [f for _, _, fs in os.walk(tmp_path / "cache") for f in fs if f.endswith(".wdsidx")]
+        assert len(tags) == 2
