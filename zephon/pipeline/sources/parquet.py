@@ -17,6 +17,7 @@ Values: see :func:`zephon.sources.parquet`.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import os
 import threading
@@ -39,7 +40,7 @@ class _Decoded:
     """One decoded row group: per column a numpy array, an offsets+values pair for
     list-of-numeric columns, or a Python list."""
 
-    __slots__ = ("columns", "nbytes", "rows")
+    __slots__ = ("columns", "nbytes", "rows", "_plan")
 
     def __init__(self, table) -> None:
         import pyarrow as pa
@@ -59,16 +60,18 @@ class _Decoded:
                     col.values.null_count == 0:
                 offsets = col.offsets.to_numpy()
                 values = col.values.to_numpy(zero_copy_only=False)
-                self.columns[name] = ("lists", (offsets - offsets[0], values[offsets[0]:]))
+                self.columns[name] = ("lists", ((offsets - offsets[0]).tolist(),
+                                                values[offsets[0]:]))
             else:
                 self.columns[name] = ("python", col.to_pylist())
 
+        self._plan = [(name, kind == "lists", data) for name, (kind, data) in
+                      self.columns.items()]
+
     def row(self, j: int) -> dict:
         out = {}
-        for name, (kind, data) in self.columns.items():
-            if kind == "array":
-                out[name] = data[j]
-            elif kind == "lists":
+        for name, ragged, data in self._plan:
+            if ragged:
                 offsets, values = data
                 out[name] = values[offsets[j]:offsets[j + 1]]
             else:
@@ -77,7 +80,8 @@ class _Decoded:
 
 
 class ParquetSource(FileSource):
-    _per_process = ("_files", "_decoded", "_cache_bytes", "_decode_locks", "_orders")
+    _per_process = ("_files", "_decoded", "_cache_bytes", "_decode_locks", "_orders", "_last",
+                    "_starts")
 
     def __init__(self, paths, columns: Sequence[str] | None, name: str, shuffle: bool,
                  seed: int, row_group_cache_bytes: int, io: IoConfig = DEFAULT_IO,
@@ -132,7 +136,9 @@ class ParquetSource(FileSource):
         self._files: dict[int, Any] = {}
         self._decoded: collections.OrderedDict = collections.OrderedDict()
         self._cache_bytes = 0
-        self._orders: dict[int, np.ndarray] = {}
+        self._orders: dict[int, list] = {}
+        self._last: tuple | None = None  # (first row, end row, group, decoded) of the last get
+        self._starts: list | None = None
         self._decode_locks: dict[int, threading.Lock] = collections.defaultdict(threading.Lock)
 
     def __len__(self) -> int:
@@ -207,20 +213,33 @@ class ParquetSource(FileSource):
                               f"{type(exc).__name__}: {exc}") from None
 
     def get(self, i: int) -> Any:
-        pos = int(np.searchsorted(self.starts, i, side="right")) - 1
+        # Fast path: the row group of the previous call (neighbouring rows share it).
+        last = self._last
+        if last is not None and last[0] <= i < last[1]:
+            lo, _, g, decoded = last
+            j = i - lo
+            return decoded.row(self._row_order(g)[j] if self.shuffle else j)
         if not 0 <= i < len(self):
             raise IndexError(f"parquet: row {i} out of range [0, {len(self)})")
+        pos = bisect.bisect_right(self._starts_list(), i) - 1
         g = int(self.group_order[pos])
-        j = i - int(self.starts[pos])
-        if self.shuffle:
-            j = int(self._row_order(g)[j])
-        return self._row_group(g).row(j)
+        lo = int(self.starts[pos])
+        decoded = self._row_group(g)
+        self._last = (lo, int(self.starts[pos + 1]), g, decoded)
+        j = i - lo
+        return decoded.row(self._row_order(g)[j] if self.shuffle else j)
 
-    def _row_order(self, g: int) -> np.ndarray:
+    def _starts_list(self) -> list:
+        starts = self._starts
+        if starts is None:
+            starts = self._starts = self.starts.tolist()
+        return starts
+
+    def _row_order(self, g: int) -> list:
         order = self._orders.get(g)
         if order is None:
             order = self._orders[g] = np.random.default_rng([self.seed, 0x9B, g]).permutation(
-                int(self.group_rows[g]))
+                int(self.group_rows[g])).tolist()
         return order
 
     def describe(self) -> str:
