@@ -157,22 +157,25 @@ def test_download_retry_outlasts_an_object_that_comes_back(s3, tmp_path):
 
 
 def test_retry_backoff_spaces_the_attempts(s3, tmp_path):
-    """Three attempts; the object is back after 1.5 s: only a back-off of 1 s between
-    attempts (0, 1, 2 s) reaches it, 0.01 s (0, 0.01, 0.03 s) does not."""
+    """The object is back after 1.5 s. Three attempts 1 s apart (0, 1, 2 s) reach it,
+    three 0.01 s apart do not (retry_backoff_initial_s acts); eight attempts starting
+    0.05 s apart and doubling would reach it at 3.15 s, but capped at 0.05 s they are
+    all over by 0.35 s (retry_backoff_max_s acts)."""
     url, data = put_tokens(s3, "backoff/a.bin", 1024)
     src = sources.token_windows(url, 128, "uint32", storage_options=storage_options(s3.endpoint))
-    for backoff, succeeds in ((0.01, False), (1.0, True)):
+    for initial, longest, retries, succeeds in ((0.01, 0.01, 2, False), (1.0, 1.0, 2, True),
+                                                (0.05, 0.05, 7, False)):
         s3.delete("backoff/a.bin")
         timer = _reappear(s3, "backoff/a.bin", data.tobytes(), 1.5)
-        io = StoreOptions(cache_enabled=False, download_retry=2, retry_backoff_initial_s=backoff,
-                          retry_backoff_max_s=backoff)
+        io = StoreOptions(cache_enabled=False, download_retry=retries,
+                          retry_backoff_initial_s=initial, retry_backoff_max_s=longest)
         pipe = Pipeline(src, shuffle=False).options(RuntimeOptions(io_options=io))
         try:
             if succeeds:
                 assert np.array_equal(tokens_in(pipe), data)
             else:
                 with pytest.raises(OpError, match="backoff/a.bin"):
-                    list(pipe)
+                    tokens_in(pipe)
         finally:
             timer.join()
 
