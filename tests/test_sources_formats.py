@@ -245,3 +245,18 @@ def test_unpickling_a_source_loads_only_what_it_needs(tmp_path):
         out = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(src),
                              capture_output=True, check=True).stdout.decode().strip()
         assert out == ("['pyarrow']" if kind == "parquet" else "[]"), (kind, out)
+
+
+@pytest.mark.parametrize("module, extra, call", [
+    ("pyarrow", "parquet", "sources.parquet('x.parquet')"),
+    ("fsspec", "remote", "sources.jsonl('s3://bucket/a.jsonl')"),
+    ("datasets", "hf", "sources.hf_dataset('saved')"),
+])
+def test_a_missing_extra_names_the_pip_line(module, extra, call):
+    script = (f"import sys; sys.modules[{module!r}] = None\n"
+              "from zephon import sources\n"
+              "from zephon.pipeline.sources import SourceError\n"
+              f"try:\n    {call}\nexcept SourceError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True).stdout
+    assert f'pip install "zephon[{extra}]"' in out, out

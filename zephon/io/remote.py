@@ -114,7 +114,7 @@ def filesystem(url: str, storage_options: dict | None):
         config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
         opts["config_kwargs"] = config
     elif protocol in ("gs", "gcs"):
-        require("gcsfs", "remote", f"reading {url}")
+        require("gcsfs", "gcs", f"reading {url}")
     opts["skip_instance_cache"] = True
     with _FS_LOCK:
         fs = _FS.get(key)
@@ -123,7 +123,8 @@ def filesystem(url: str, storage_options: dict | None):
                 fs = fsspec.filesystem(protocol, **opts)
             except (ImportError, ValueError) as exc:
                 raise SourceError(f"cannot open {url}: no usable fsspec filesystem for "
-                                  f"{protocol!r} ({exc}); pip install \"zephon[remote]\"") from None
+                                  f"{protocol!r} ({exc}); pip install \"zephon[remote]\" (s3), "
+                                  f"\"zephon[gcs]\" (gs) or the fsspec package for it") from None
             if protocol in ("s3", "s3a") and "retries" not in (storage_options or {}):
                 fs.retries = 1  # one attempt per call: zephon's download_retry applies
             _FS[key] = fs
