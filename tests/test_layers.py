@@ -24,7 +24,8 @@ ALLOWED = {
     "transport": {"options", "kernels", "_kernels"},
     "runners": {"transport", "options", "kernels", "_kernels"},
     "checkpoint": {"options"},
-    "pipeline": {"runners", "options", "kernels", "_kernels", "checkpoint", "transport"},
+    "io": {"options"},  # reading files (local, cached, remote); pipeline sources use it
+    "pipeline": {"runners", "options", "kernels", "_kernels", "checkpoint", "transport", "io"},
     "jobs": {"transport", "runners", "options", "kernels"},  # kernels: the dtype token
     # the top layer: integrations may import everything below them
     "torch": {"pipeline", "checkpoint", "transport", "runners", "options", "kernels",

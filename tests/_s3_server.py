@@ -1,0 +1,193 @@
+"""A real S3-compatible server for the source tests, and a fault-injecting proxy.
+
+:class:`MotoServer` runs ``python -m moto.server`` as a subprocess on 127.0.0.1
+(stopped by the fixture's finalizer). :class:`FaultProxy` is a TCP proxy (threads
+in the test process) between the S3 client and that server: it records every
+request line and, per object key, can cut the next responses after N bytes or
+hold them for a while, which is how the tests drop connections mid-object and
+make downloads time out.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+BUCKET = "zephon-test"
+_REQUEST = re.compile(rb"(GET|HEAD|PUT|POST|DELETE) (/[^ ?]*)[^ ]* HTTP/1\.[01]\r\n")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MotoServer:
+    def __init__(self) -> None:
+        self.port = free_port()
+        env = dict(os.environ, AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("moto server did not start")
+                time.sleep(0.1)
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        import boto3
+
+        self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                                   aws_access_key_id="test", aws_secret_access_key="test")
+        self.client.create_bucket(Bucket=BUCKET)
+
+    def put(self, key: str, data: bytes) -> str:
+        self.client.put_object(Bucket=BUCKET, Key=key, Body=data)
+        return f"s3://{BUCKET}/{key}"
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=BUCKET, Key=key)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def storage_options(endpoint: str) -> dict:
+    return {"key": "test", "secret": "test",
+            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+
+
+class FaultProxy:
+    """``127.0.0.1:port`` -> the server. ``cut(key, after, times)``: the next ``times``
+    responses to a GET of ``key`` are cut after ``after`` bytes; ``stall(key, s,
+    times)``: held ``s`` seconds before the first byte. ``requests``: every
+    (method, path) seen."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream = upstream_port
+        self.rules: dict[str, list] = {}
+        self.requests: list[tuple[str, str]] = []
+        self.lock = threading.Lock()
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.closed = False
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def cut(self, key: str, after: int, times: int = 1, skip: int = 0) -> None:
+        with self.lock:
+            self.rules[key] = ["cut", after, times, skip]
+
+    def stall(self, key: str, seconds: float, times: int = 1, skip: int = 0) -> None:
+        with self.lock:
+            self.rules[key] = ["stall", seconds, times, skip]
+
+    def gets(self, key: str) -> int:
+        with self.lock:
+            return sum(1 for m, p in self.requests if m == "GET" and p.endswith("/" + key))
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                self.conns += [client, upstream]
+            state = {"rule": None}
+            threading.Thread(target=self._up, args=(client, upstream, state), daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, client, state),
+                             daemon=True).start()
+
+    def _up(self, client, upstream, state) -> None:
+        try:
+            while True:
+                data = client.recv(65536)
+                if not data:
+                    break
+                for match in _REQUEST.finditer(data):
+                    method, path = match.group(1).decode(), match.group(2).decode()
+                    with self.lock:
+                        self.requests.append((method, path))
+                        state["rule"] = None
+                        for key, rule in self.rules.items():
+                            if method != "GET" or not path.endswith("/" + key):
+                                continue
+                            if rule[3] > 0:
+                                rule[3] -= 1
+                            elif rule[2] > 0:
+                                rule[2] -= 1
+                                state["rule"], state["sent"] = [rule[0], rule[1]], 0
+                upstream.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _close(client, upstream)
+
+    def _down(self, upstream, client, state) -> None:
+        try:
+            while True:
+                data = upstream.recv(65536)
+                if not data:
+                    break
+                rule = state["rule"]
+                if rule and rule[0] == "stall":
+                    state["rule"] = None
+                    time.sleep(rule[1])
+                elif rule and rule[0] == "cut":
+                    room = rule[1] - state["sent"]
+                    if len(data) >= room:
+                        client.sendall(data[:max(room, 0)])
+                        break
+                    state["sent"] += len(data)
+                client.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _close(client, upstream)
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+        with self.lock:
+            for conn in self.conns:
+                _close(conn)
+
+
+def _close(*socks) -> None:
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            s.close()
+        except OSError:
+            pass

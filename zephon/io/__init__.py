@@ -1,0 +1,28 @@
+"""zephon.io: reading input files wherever they live (local disk or fsspec URLs).
+
+Owns: :class:`IoConfig` (the ``StoreOptions`` knobs as plain values) and the retry
+loop (:mod:`.config`); path expansion and ranged remote reads (:mod:`.remote`);
+the shared, atomic, LRU-bounded local cache of remote files (:mod:`.cache`);
+per-process positional readers (:mod:`.reader`); :class:`SourceError`.
+
+Layering: imports the standard library, ``zephon.errors`` and, lazily and only
+for remote paths, fsspec and its protocol packages. The pipeline's sources use it;
+it knows nothing about pipelines.
+"""
+
+from zephon.io.config import DEFAULT_IO, AttemptTimeout, IoConfig, call_with_retry
+from zephon.io.errors import SourceError
+from zephon.io.reader import FileReader, RangeFile, open_with_retry
+from zephon.io.remote import FileRef, expand, filesystem, is_remote, read_range, require
+
+__all__ = ["DEFAULT_IO", "AttemptTimeout", "IoConfig", "call_with_retry", "SourceError",
+           "FileReader", "RangeFile", "open_with_retry", "FileRef", "expand", "filesystem",
+           "is_remote", "read_range", "require", "FileCache"]
+
+
+def __getattr__(name: str):
+    if name == "FileCache":
+        from zephon.io.cache import FileCache
+
+        return FileCache
+    raise AttributeError(f"module 'zephon.io' has no attribute {name!r}")

@@ -1,0 +1,149 @@
+"""FileReader: positional reads of one input file, wherever it lives.
+
+A reader belongs to one process (sources drop their readers when pickled and
+make new ones lazily where they read) and is safe to share between threads:
+
+- a local file is opened once (``open_retry_attempts`` tries, with back-off) and
+  read with ``os.pread``;
+- a remote file with the cache enabled is fetched into the
+  :class:`~zephon.io.cache.FileCache` once, then read like a local file;
+- a remote file with the cache disabled is read by byte range on every call
+  (each request retried per ``download_retry`` / ``download_timeout_s``).
+
+Reads are exact: fewer bytes than asked (a file truncated after the source was
+built) is a :class:`SourceError` naming the file and the caller's context.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+import time
+
+from zephon.io.config import IoConfig
+from zephon.io.errors import SourceError
+from zephon.io.remote import FileRef, read_range
+
+__all__ = ["FileReader", "open_with_retry", "RangeFile"]
+
+log = logging.getLogger("zephon.io")
+
+
+def open_with_retry(path: str, mode: str, retry: tuple):
+    """``open`` with ``attempts`` tries and doubling back-off (``retry`` is
+    ``(open_retry_attempts, retry_backoff_initial_s, retry_backoff_max_s)``):
+    transient failures of shared file systems (a stale handle, a file not visible
+    yet) get another chance; the last attempt's error is raised."""
+    attempts, delay, longest = retry
+    for attempt in range(1, attempts + 1):
+        try:
+            return open(path, mode)
+        except OSError as exc:
+            if attempt == attempts:
+                raise
+            log.warning("opening %s failed (%s); attempt %d of %d in %.2f s", path, exc,
+                        attempt + 1, attempts, delay)
+            time.sleep(delay)
+            delay = min(longest, delay * 2 if delay else 0.0)
+    raise AssertionError("unreachable")
+
+
+class FileReader:
+    """Reads of ``ref`` under ``cfg`` (see the module docstring)."""
+
+    def __init__(self, ref: FileRef, cfg: IoConfig, storage_options: dict | None = None) -> None:
+        self.ref, self.cfg, self.storage_options = ref, cfg, storage_options
+        self._lock = threading.Lock()
+        self._fh = None
+        self._path: str | None = None
+
+    @property
+    def streamed(self) -> bool:
+        """True when reads go to the remote store each time (no local copy)."""
+        return self.ref.remote and not self.cfg.cache_enabled
+
+    def local_path(self, context: str = "") -> str | None:
+        """The local file holding the data (downloading it into the cache if needed);
+        None when the file is streamed."""
+        if self.streamed:
+            return None
+        self._ensure_open(context)
+        return self._path
+
+    def _ensure_open(self, context: str) -> None:
+        if self._fh is not None:
+            return
+        with self._lock:
+            if self._fh is not None:
+                return
+            if self.ref.remote:
+                from zephon.io.cache import FileCache
+
+                path = FileCache(self.cfg, self.storage_options).fetch(self.ref, context)
+            else:
+                path = self.ref.url
+            try:
+                fh = open_with_retry(path, "rb", self.cfg.open_retry)
+            except OSError as exc:
+                raise SourceError(f"cannot open {self.ref.url}: {exc}") from None
+            self._path, self._fh = path, fh
+
+    def pread(self, offset: int, size: int, context: str = "") -> bytes:
+        """Exactly ``size`` bytes at ``offset``, or a SourceError naming the file."""
+        if self.streamed:
+            return read_range(self.ref, offset, offset + size, self.cfg, self.storage_options,
+                              context)
+        self._ensure_open(context)
+        data = os.pread(self._fh.fileno(), size, offset)
+        if len(data) != size:
+            where = f", {context}" if context else ""
+            raise SourceError(f"{self.ref.url}{where}: truncated: expected {size} bytes at "
+                              f"offset {offset}, the file has {len(data)} "
+                              f"(is it shorter than when the source was built?)")
+        return data
+
+    def file_object(self, context: str = ""):
+        """A seekable binary file object over the data (a new one per call)."""
+        path = self.local_path(context)
+        if path is not None:
+            return open(path, "rb")
+        return io.BufferedReader(RangeFile(self), buffer_size=1 << 20)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+
+
+class RangeFile(io.RawIOBase):
+    """A seekable raw file over a streamed remote object (each read one range request)."""
+
+    def __init__(self, reader: FileReader) -> None:
+        self.reader, self.pos = reader, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        size = self.reader.ref.size
+        self.pos = {0: offset, 1: self.pos + offset, 2: size + offset}[whence]
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        size = self.reader.ref.size
+        n = max(0, min(len(buffer), size - self.pos))
+        if n == 0:
+            return 0
+        data = self.reader.pread(self.pos, n)
+        buffer[:n] = data
+        self.pos += n
+        return n

@@ -1,0 +1,170 @@
+"""The Source contract and the in-memory sources.
+
+Every source has a ``name``, a length and ``get(i)``; the identity of sample
+``i`` in epoch ``e`` is ``(name, i, e)`` (for a mixture: the component's name and
+the component's own index). ``get(i)`` is deterministic: the same ``i`` gives the
+same sample in every process and every run, which is what lets the pipeline
+checkpoint, restore and re-shard any source generically.
+
+Sources are pickled once per worker process and must not hold open handles
+across pickling: :class:`FileSource` keeps its per-process state (open readers,
+decoded blocks) out of its pickled state and rebuilds it lazily in whichever
+process reads. ``configured(opts)`` returns the source as the runtime options
+refine it (``io_options`` for file sources; a copy, never a mutation).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from zephon.errors import ZephonConfigError
+from zephon.io.config import DEFAULT_IO, IoConfig
+from zephon.io.errors import SourceError
+from zephon.io.reader import FileReader, open_with_retry
+from zephon.io.remote import FileRef
+
+log = logging.getLogger("zephon.sources")
+
+__all__ = ["Source", "FileSource", "SequenceSource", "CallableSource", "SourceError",
+           "open_with_retry", "DEFAULT_OPEN_RETRY", "io_config"]
+
+# (attempts, first back-off s, longest back-off s): StoreOptions' defaults. Kept as plain
+# numbers so that a source unpickled in a worker does not import the options layer.
+DEFAULT_OPEN_RETRY = DEFAULT_IO.open_retry
+
+
+def io_config(opts) -> IoConfig:
+    """The :class:`IoConfig` of ``opts.io_options`` (a RuntimeOptions)."""
+    return IoConfig.from_store_options(opts.io_options)
+
+
+class Source:
+    name = "source"
+    open_retry = DEFAULT_OPEN_RETRY
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def get(self, i: int) -> Any:
+        raise NotImplementedError
+
+    def identity(self, i: int) -> tuple[str, int]:
+        return self.name, i
+
+    def describe(self) -> str:
+        """A stable description (part of the pipeline fingerprint)."""
+        return f"{type(self).__name__}({self.name}, n={len(self)})"
+
+    def configured(self, opts) -> "Source":
+        """This source as the runtime options refine it: file sources take
+        ``io_options``; a mixture also its default read policy."""
+        io = opts.io_options
+        retry = (io.open_retry_attempts, io.retry_backoff_initial_s, io.retry_backoff_max_s)
+        if self.open_retry == retry:
+            return self
+        clone = copy.copy(self)
+        clone.open_retry = retry
+        return clone
+
+
+class FileSource(Source):
+    """A source over :class:`~zephon.io.FileRef` files read through
+    :class:`~zephon.io.FileReader` (local, cached remote or streamed remote).
+
+    Subclasses call ``_set_files(refs)`` (``self.files`` is then the list of URLs
+    or paths, ``self.refs`` the FileRefs with sizes), set ``self.io`` (IoConfig) and
+    ``self.storage_options``, and list their per-process attributes in
+    ``_per_process`` (dropped when pickled or reconfigured, rebuilt by ``_fresh``).
+    """
+
+    _per_process: tuple[str, ...] = ()
+    files: list = []
+    refs: list = []
+    io: IoConfig = DEFAULT_IO
+    storage_options: dict | None = None
+
+    def _fresh(self) -> None:
+        self._readers: dict[int, FileReader] = {}
+        self._lock = threading.RLock()  # guards the per-process state; re-entered by subclasses
+
+    def __getstate__(self):
+        drop = {"_readers", "_lock", *self._per_process}
+        return {k: v for k, v in self.__dict__.items() if k not in drop}
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+        self._fresh()
+
+    def __copy__(self):
+        clone = type(self).__new__(type(self))
+        clone.__setstate__(self.__getstate__())
+        return clone
+
+    @property
+    def open_retry(self) -> tuple:  # type: ignore[override]
+        return self.io.open_retry
+
+    def configured(self, opts) -> "Source":
+        cfg = io_config(opts)
+        if cfg == self.io:
+            return self
+        clone = copy.copy(self)
+        clone.io = cfg
+        return clone
+
+    def _set_files(self, refs: list) -> None:
+        self.refs = list(refs)
+        self.files = [r.url for r in self.refs]
+
+    def reader(self, k: int) -> FileReader:
+        """The per-process reader of file ``k``."""
+        reader = self._readers.get(k)
+        if reader is None:
+            with self._lock:
+                reader = self._readers.get(k)
+                if reader is None:
+                    ref = self.refs[k]
+                    if self.files[k] != ref.url:  # the path was re-pointed after building
+                        ref = FileRef(self.files[k], ref.size, ref.version)
+                    reader = FileReader(ref, self.io, self.storage_options)
+                    self._readers[k] = reader
+        return reader
+
+    def file_names(self) -> list[str]:
+        return [r.basename for r in self.refs]
+
+
+class SequenceSource(Source):
+    def __init__(self, items: Sequence[Any], name: str) -> None:
+        self.items, self.name = items, name
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def get(self, i: int) -> Any:
+        return self.items[i]
+
+
+class CallableSource(Source):
+    def __init__(self, n: int, fn: Callable[[int], Any], name: str) -> None:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ZephonConfigError(f"from_callable: n must be an int >= 0, got {n!r}")
+        if not callable(fn):
+            raise ZephonConfigError(f"from_callable: fn must be callable, got {fn!r}")
+        self.n, self.fn, self.name = int(n), fn, name
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get(self, i: int) -> Any:
+        return self.fn(i)
+
+    def describe(self) -> str:
+        from zephon.pipeline.ops import fn_identity
+
+        return f"CallableSource({self.name}, n={self.n}, fn={fn_identity(self.fn)})"
