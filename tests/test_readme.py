@@ -18,10 +18,64 @@ import pytest
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
+def _parquet_corpus(d):
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (d / "corpus").mkdir(exist_ok=True)
+    for f in range(2):
+        pq.write_table(pa.table({"text": [f"document {f}-{i}" for i in range(100)],
+                                 "score": np.linspace(0, 1, 100, dtype=np.float32)}),
+                       d / "corpus" / f"part-{f:03d}.parquet", row_group_size=25)
+
+
+def _tar_shards(d):
+    import io
+    import json
+    import tarfile
+
+    (d / "shards").mkdir(exist_ok=True)
+    for s in range(2):
+        with tarfile.open(d / "shards" / f"train-{s:03d}.tar", "w") as tar:
+            for k in range(50):
+                for ext, data in (("txt", f"caption {s}-{k}".encode()),
+                                  ("json", json.dumps({"label": k % 10}).encode())):
+                    info = tarfile.TarInfo(f"{s * 50 + k:06d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+
+
+def _token_file(d):
+    import numpy as np
+
+    np.arange(100_000, dtype=np.uint32).tofile(d / "train.bin")
+
+
+def _jsonl_zst(d):
+    import json
+
+    import zstandard
+
+    lines = "".join(json.dumps({"text": f"note {i}", "stars": i % 5}) + "\n" for i in range(200))
+    (d / "notes.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+
+
+def _hf_saved(d):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": [f"t{i}" for i in range(64)],
+                                "label": [i % 2 for i in range(64)]}).save_to_disk(
+        str(d / "hf_saved"))
+
+
 # substring of a block -> function(directory) writing the files that block reads
-PREPARERS: dict = {}
+PREPARERS: dict = {"corpus/*.parquet": _parquet_corpus, "shards/": _tar_shards,
+                   '"train.bin"': _token_file, "notes.jsonl.zst": _jsonl_zst,
+                   '"hf_saved"': _hf_saved}
 # substring of a block -> the module it needs (an extra): without it the block is skipped
-NEEDS = {"import torch": "torch", 'backend="ray"': "ray"}
+NEEDS = {"import torch": "torch", 'backend="ray"': "ray", "sources.parquet(": "pyarrow",
+         "sources.hf_dataset(": "datasets"}
 
 
 def blocks() -> list[str]:
