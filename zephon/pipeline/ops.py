@@ -39,7 +39,7 @@ from zephon.errors import ZephonConfigError, ZephonError
 
 __all__ = ["Record", "Boundary", "Batch", "OpContext", "OpError", "Op", "MapOp", "FilterOp",
            "MapBatchOp", "ShuffleOp", "BatchOp", "PackTokensOp", "collate", "fn_name",
-           "make_batch"]
+           "make_batch", "collate_column"]
 
 
 class Record:
@@ -340,13 +340,18 @@ def collate(values: list) -> dict:
             else:
                 out[key] = column
             continue
-        arrays = [np.asarray(c) if isinstance(c, (np.ndarray, np.generic, int, float, bool))
-                  else None for c in column]
-        if all(a is not None for a in arrays) and len({(a.shape, a.dtype) for a in arrays}) == 1:
-            out[key] = np.stack(arrays)
-        else:
-            out[key] = column
+        out[key] = collate_column(column)
     return out
+
+
+def collate_column(column: list):
+    """One column of a batch: a stacked array when every value is numeric with one shape
+    and dtype, else the list itself (the rule :func:`collate` applies to non-tensors)."""
+    arrays = [np.asarray(c) if isinstance(c, (np.ndarray, np.generic, int, float, bool))
+              else None for c in column]
+    if all(a is not None for a in arrays) and len({(a.shape, a.dtype) for a in arrays}) == 1:
+        return np.stack(arrays)
+    return column
 
 
 def make_batch(records: list) -> Record:

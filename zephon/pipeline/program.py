@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zephon.pipeline.ops import OpError, Record, make_batch
+from zephon.pipeline.ops import Batch, OpError, Record, make_batch
 
 __all__ = ["StageProgram"]
 
@@ -45,8 +45,27 @@ class StageProgram:
             pos += 1
         return out
 
+    def read_batch(self, unit) -> list | None:
+        """A whole micro-batch in one columnar read (a fused ``read -> batch`` stage over a
+        source with :meth:`~zephon.pipeline.sources.Source.get_batch`), or None."""
+        source, epoch = self.source, unit.epoch
+        try:
+            columns = source.get_batch(unit.indices)
+        except Exception as exc:  # noqa: BLE001 - named per sample by the row-wise read
+            del exc
+            return None  # read row by row: the failing sample gets its own error
+        if columns is None:
+            return None
+        ids = [(*source.identity(i), epoch) for i in unit.indices.tolist()]
+        batch = Batch(columns, meta={"sample_ids": ids})
+        return [Record(batch, ids, (epoch, unit.start + len(ids) - 1))]
+
     def __call__(self, payload: tuple[int, Any]) -> list:
         stage, unit = payload
+        if stage == 0 and self.collates[0] and not self.stages[0]:
+            fast = self.read_batch(unit)
+            if fast is not None:
+                return fast
         records = self.read(unit) if stage == 0 else unit
         for op in self.stages[stage]:
             records = op.apply(records, self.seed)

@@ -56,6 +56,14 @@ class Source:
     def identity(self, i: int) -> tuple[str, int]:
         return self.name, i
 
+    def get_batch(self, indices) -> dict | None:
+        """The samples at ``indices`` already collated (``{column: array or list}``, exactly
+        what ``batch()`` makes of ``[get(i) for i in indices]``), or None when this source
+        has no columnar read (then samples are read one by one). A source that can read
+        many rows at once (Parquet) overrides it: a ``read -> batch`` stage then costs one
+        vectorised read per batch instead of one call per row."""
+        return None
+
     def describe(self) -> str:
         """A stable description (part of the pipeline fingerprint)."""
         return f"{type(self).__name__}({self.name}, n={len(self)})"

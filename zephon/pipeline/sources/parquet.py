@@ -68,6 +68,14 @@ class _Decoded:
         self._plan = [(name, kind == "lists", data) for name, (kind, data) in
                       self.columns.items()]
 
+    def row_value(self, name: str, j: int):
+        """Row ``j`` of one column, as :meth:`row` gives it."""
+        kind, data = self.columns[name]
+        if kind == "lists":
+            offsets, values = data
+            return values[offsets[j]:offsets[j + 1]]
+        return data[j]
+
     def row(self, j: int) -> dict:
         out = {}
         for name, ragged, data in self._plan:
@@ -228,6 +236,74 @@ class ParquetSource(FileSource):
         self._last = (lo, int(self.starts[pos + 1]), g, decoded)
         j = i - lo
         return decoded.row(self._row_order(g)[j] if self.shuffle else j)
+
+    def get_batch(self, indices) -> dict | None:
+        """Rows ``indices`` collated, read column by column (see :meth:`Source.get_batch`):
+        numeric columns are one ``take`` per row group, fixed-length numeric lists one
+        gather; other columns go through the same rule as ``batch()``."""
+        from zephon.pipeline.ops import collate_column
+
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.size == 0:
+            return None
+        if idx.min() < 0 or idx.max() >= len(self):
+            raise IndexError(f"parquet: rows out of range [0, {len(self)})")
+        pos = np.searchsorted(self.starts, idx, side="right") - 1
+        parts = []  # (row group, decoded, rows within it, where in the batch)
+        for p in np.unique(pos).tolist():
+            where = np.nonzero(pos == p)[0]
+            g = int(self.group_order[p])
+            rows = idx[where] - int(self.starts[p])
+            if self.shuffle:
+                rows = np.asarray(self._row_order(g), dtype=np.int64)[rows]
+            parts.append((self._row_group(g), rows, where))
+        n = idx.size
+        out: dict = {}
+        for name, (kind, _) in parts[0][0].columns.items():
+            if any(d.columns[name][0] != kind for d, _, _ in parts):
+                kind = "python"  # row groups disagree on the column's form: row by row
+            if kind == "array":
+                first = parts[0][0].columns[name][1]
+                column = np.empty(n, dtype=first.dtype)
+                for d, rows, where in parts:
+                    column[where] = d.columns[name][1][rows]
+                out[name] = column
+                continue
+            if kind == "lists":
+                gathered = self._gather_lists(parts, name, n)
+                if gathered is not None:
+                    out[name] = gathered
+                    continue
+            values: list = [None] * n
+            for d, rows, where in parts:
+                for r, w in zip(rows.tolist(), where.tolist()):
+                    values[w] = d.row_value(name, r)
+            out[name] = collate_column(values)
+        return out
+
+    @staticmethod
+    def _gather_lists(parts, name, n):
+        """A fixed-length numeric list column as one (n, L) array, or None if ragged or of
+        mixed dtypes (then the per-row rule decides)."""
+        length = dtype = None
+        for d, rows, _ in parts:
+            offsets, values = d.columns[name][1]
+            starts = np.asarray(offsets, dtype=np.int64)
+            lengths = starts[1:] - starts[:-1]
+            sel = lengths[rows]
+            if sel.size and (sel.min() != sel.max() or (length is not None and
+                                                        sel[0] != length)):
+                return None
+            length = int(sel[0]) if sel.size else length
+            if dtype is not None and values.dtype != dtype:
+                return None
+            dtype = values.dtype
+        out = np.empty((n, length), dtype=dtype)
+        for d, rows, where in parts:
+            offsets, values = d.columns[name][1]
+            begin = np.asarray(offsets, dtype=np.int64)[rows]
+            out[where] = values[begin[:, None] + np.arange(length)]
+        return out
 
     def _starts_list(self) -> list:
         starts = self._starts
