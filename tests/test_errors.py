@@ -1,4 +1,4 @@
-"""The error hierarchy of SPEC §9, and that errors survive a process boundary."""
+"""The error hierarchy (zephon.errors), and that errors survive a process boundary."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Layering (SPEC §2): lower layers never import higher ones.
+"""Layering (docs/architecture.md): lower layers never import higher ones.
 
 The options core imports the standard library and zephon.errors only; every
 other import rule is checked against the table below by reading the source

@@ -1,4 +1,4 @@
-"""The resolver cascade (SPEC §8), worker allocation, backend choice, provenance."""
+"""The resolver cascade (zephon.options.resolve), worker allocation, backend choice, provenance."""
 
 from __future__ import annotations
 

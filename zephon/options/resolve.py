@@ -1,6 +1,6 @@
 """Resolvers: every derived runtime value as a pure function of the options.
 
-A numeric knob left at ``None`` is derived through one cascade (SPEC §8)::
+A numeric knob left at ``None`` is derived through one cascade::
 
     max_workers            = explicit, else clamp(os.cpu_count(), 4, 16)
     prefetch_batches       = explicit, else max(8, 2 * max_workers)

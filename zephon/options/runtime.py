@@ -1,14 +1,14 @@
 """RuntimeOptions: the execution knobs of a streaming pipeline.
 
 Every field here is a performance or operations knob: none of them may change
-the batch stream (SPEC §1), except ``deterministic=False``, which trades order
+the batch stream, except ``deterministic=False``, which trades order
 for throughput and says so in ``explain()``.
 
 Numeric knobs left at ``None`` are derived by the resolvers in
 :mod:`zephon.options.resolve`; ``resolved()`` shows each value and whether it
 was explicit, derived or a default. Validation happens once, at construction
 (and again when a pickled copy is rebuilt in a worker): per-field checks from
-:mod:`zephon.options._spec`, then the cross-field rules of SPEC §8 in
+:mod:`zephon.options._spec`, then the cross-field rules in
 ``_check_cross``.
 """
 
