@@ -3,12 +3,25 @@
 See :mod:`zephon.jobs.run` for the run's lifecycle, :mod:`zephon.jobs.process`
 for workers, timeouts and OOM back-off, and :mod:`zephon.jobs.store` for the
 checkpoint store.
+
+Names load on first use: a job worker imports :mod:`zephon.jobs.worker` only, and
+must not pay for the run loop, the store (NumPy, msgpack, zstd) or the options.
 """
 
-from zephon.jobs.process import JobSetupError
-from zephon.jobs.run import JobRun, RecordedFailure, SubjectResult, run
-from zephon.jobs.store import CheckpointStore
-from zephon.options import RunPolicy, resolve_backend
+_LAZY = {"JobSetupError": "zephon.jobs.process", "JobRun": "zephon.jobs.run",
+         "RecordedFailure": "zephon.jobs.run", "SubjectResult": "zephon.jobs.run",
+         "run": "zephon.jobs.run", "CheckpointStore": "zephon.jobs.store",
+         "RunPolicy": "zephon.options", "resolve_backend": "zephon.options"}
 
-__all__ = ["CheckpointStore", "JobRun", "JobSetupError", "RecordedFailure", "RunPolicy",
-           "SubjectResult", "resolve_backend", "run"]
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zephon.jobs' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

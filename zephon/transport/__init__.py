@@ -4,14 +4,27 @@ See :mod:`zephon.transport.pool` for the lifecycle (:mod:`zephon.transport.worke
 for the worker process), :mod:`zephon.transport.arena`
 for the shared-memory design and :mod:`zephon.transport.codec` for the
 per-message policy.
+
+Names load on first use: a process that only needs a channel (a job worker) must
+not pay for NumPy, the kernels and the pool.
 """
 
-from zephon.transport.arena import memfd_available, sweep_stale_segments
-from zephon.transport.channel import Channel, ChannelClosed, channel_pair
-from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
-from zephon.transport.pool import TaskResult, WorkerPool
+_LAZY = {
+    "Channel": "channel", "ChannelClosed": "channel", "channel_pair": "channel",
+    "memfd_available": "arena", "sweep_stale_segments": "arena",
+    "Decoder": "codec", "Encoder": "codec", "PeerState": "codec", "ShmPolicy": "codec",
+    "TaskResult": "pool", "WorkerPool": "pool",
+}
 
-__all__ = [
-    "Channel", "ChannelClosed", "Decoder", "Encoder", "PeerState", "ShmPolicy", "TaskResult",
-    "WorkerPool", "channel_pair", "memfd_available", "sweep_stale_segments",
-]
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zephon.transport' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"zephon.transport.{module}"), name)
+    globals()[name] = value
+    return value
