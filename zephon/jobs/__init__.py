@@ -1,6 +1,6 @@
 """Per-subject jobs under a RunPolicy: ``run(fn, subjects, policy=RunPolicy(...))``.
 
-See :mod:`zephon.jobs.run` for the run's lifecycle, :mod:`zephon.jobs.process`
+See :mod:`zephon.jobs.runner` for the run's lifecycle, :mod:`zephon.jobs.process`
 for workers, timeouts and OOM back-off, and :mod:`zephon.jobs.store` for the
 checkpoint store.
 
@@ -8,9 +8,9 @@ Names load on first use: a job worker imports :mod:`zephon.jobs.worker` only, an
 must not pay for the run loop, the store (NumPy, msgpack, zstd) or the options.
 """
 
-_LAZY = {"JobSetupError": "zephon.jobs.process", "JobRun": "zephon.jobs.run",
-         "RecordedFailure": "zephon.jobs.run", "SubjectResult": "zephon.jobs.run",
-         "run": "zephon.jobs.run", "CheckpointStore": "zephon.jobs.store",
+_LAZY = {"JobSetupError": "zephon.jobs.process", "JobRun": "zephon.jobs.runner",
+         "RecordedFailure": "zephon.jobs.runner", "SubjectResult": "zephon.jobs.runner",
+         "run": "zephon.jobs.runner", "CheckpointStore": "zephon.jobs.store",
          "RunPolicy": "zephon.options", "resolve_backend": "zephon.options"}
 
 __all__ = sorted(_LAZY)

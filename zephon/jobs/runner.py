@@ -1,4 +1,4 @@
-"""``run()``: per-subject jobs under a :class:`~zephon.options.RunPolicy`.
+"""``zephon.jobs.run()``: per-subject jobs under a :class:`~zephon.options.RunPolicy`.
 
 A run, in order:
 
@@ -327,7 +327,7 @@ class JobRun:
 def run(fn, subjects: Iterable[Any], policy: RunPolicy | None = None,
         fingerprint: str | None = None, progress: bool = True, **kwargs) -> JobRun:
     """Run ``fn`` on every subject under ``policy``; iterate the result for
-    :class:`SubjectResult` objects (see :mod:`zephon.jobs.run`). Keyword options:
+    :class:`SubjectResult` objects (see :mod:`zephon.jobs.runner`). Keyword options:
     ``ordered`` (default True), ``allow_pickle`` (default False), ``mp_context``, and
     ``on_bad_entry`` (``"recompute"``, the default, or ``"fail"``: what a resumed run does
     with a store entry it cannot trust or read).
