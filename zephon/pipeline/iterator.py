@@ -46,7 +46,7 @@ from zephon.options import resolve_mtp_prefetch
 from zephon.pipeline.engine import Engine
 from zephon.pipeline.state import check_state, local_state
 
-__all__ = ["PipelineIterator", "RunRecord"]
+__all__ = ["PipelineIterator", "RunRecord", "offer"]
 
 _END = object()
 _live: "weakref.WeakSet[PipelineIterator]" = weakref.WeakSet()
@@ -88,6 +88,18 @@ class _Failure:
         self.error = error
 
 
+def offer(out: queue.Queue, item, stop: threading.Event) -> bool:
+    """Put ``item`` on a bounded queue, waiting while it is full, until ``stop`` is set
+    (then False: the consumer is gone). What every prefetching thread uses."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 def _pump(source, out: queue.Queue, stop: threading.Event, nice: int = 0) -> None:
     if nice:
         # MTP's prefetch thread yields the CPU to the training loop: on Linux a thread has
@@ -98,13 +110,7 @@ def _pump(source, out: queue.Queue, stop: threading.Event, nice: int = 0) -> Non
             pass
 
     def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return offer(out, item, stop)
 
     try:
         for item in source:

@@ -73,14 +73,10 @@ def _pin_fn(torch):
 
 
 def _prefetch(items, pipe, pin, out: queue.Queue, stop: threading.Event) -> None:
+    from zephon.pipeline.iterator import offer
+
     def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return offer(out, item, stop)
 
     try:
         for batch in items:
