@@ -102,7 +102,9 @@ def test_on_subject_failure_continue_and_fail_fast(tmp_path):
     with pytest.raises(ValueError, match="S002 failed on purpose"):
         list(job)
     pids = {int(f.split(".")[1]) for f in os.listdir(pids_dir) if f.endswith(".start")}
-    assert len(pids) == 3 and not any(alive(p) for p in pids)
+    # S002 fails at once; on a loaded machine the sleepers may not have started yet, but
+    # every subject that did start was stopped with the run
+    assert 1 <= len(pids) <= 3 and not any(alive(p) for p in pids)
 
 
 @pytest.mark.parametrize("action", ["kill_self", "memory_error"])
