@@ -249,6 +249,22 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _sweep(shm_dir: str, doomed) -> list[str]:
+    """Unlink every zephon segment name in ``shm_dir`` for which ``doomed(parent pid,
+    creator pid)`` is true; returns the names removed."""
+    removed = []
+    try:
+        entries = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for entry in entries:
+        match = _NAME_RE.match(entry)
+        if match and doomed(*(int(g, 16) for g in match.groups())):
+            _unlink(entry)
+            removed.append(entry)
+    return removed
+
+
 def sweep_segments_of(parent_pid: int, creator_pids: Iterable[int],
                       shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink the segment names of run ``parent_pid`` created by any of ``creator_pids``:
@@ -256,19 +272,8 @@ def sweep_segments_of(parent_pid: int, creator_pids: Iterable[int],
     a worker that died by a signal (it could not unlink them). Processes that mapped a
     segment keep their mapping; only the name goes."""
     creators = set(creator_pids)
-    removed = []
-    try:
-        entries = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    for entry in entries:
-        match = _NAME_RE.match(entry)
-        if not match:
-            continue
-        parent, creator = (int(g, 16) for g in match.groups())
-        if parent == parent_pid and creator in creators:
-            _unlink(entry)
-            removed.append(entry)
+    removed = _sweep(shm_dir, lambda parent, creator: parent == parent_pid
+                     and creator in creators)
     if removed:
         log.debug("removed %d shared-memory segment name(s): %s", len(removed), removed)
     return removed
@@ -276,19 +281,8 @@ def sweep_segments_of(parent_pid: int, creator_pids: Iterable[int],
 
 def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink zephon segments whose parent and creator processes are both dead."""
-    removed = []
-    try:
-        entries = os.listdir(shm_dir)
-    except OSError:
-        return removed
-    for entry in entries:
-        match = _NAME_RE.match(entry)
-        if not match:
-            continue
-        parent, creator = (int(g, 16) for g in match.groups())
-        if not _pid_alive(parent) and not _pid_alive(creator):
-            _unlink(entry)
-            removed.append(entry)
+    removed = _sweep(shm_dir, lambda parent, creator: not _pid_alive(parent)
+                     and not _pid_alive(creator))
     if removed:
         log.info("removed %d stale shared-memory segment(s): %s", len(removed), removed)
     return removed
