@@ -197,13 +197,13 @@ def test_section_parser_reads_google_style():
     assert _documented_names(doc) == {"path", "seq_len", "kwargs"}
 
 
-def _examples() -> list[tuple[str, doctest.DocTest]]:
+def _examples() -> list[tuple[str, Any, doctest.DocTest]]:
     parser = doctest.DocTestParser()
     out = []
     for qualname, obj in OBJECTS:
         doc = inspect.getdoc(obj.fget if isinstance(obj, property) else obj)
         if doc and ">>>" in doc:
-            out.append((qualname, parser.get_doctest(doc, {}, qualname, None, 0)))
+            out.append((qualname, obj, parser.get_doctest(doc, {}, qualname, None, 0)))
     return out
 
 
@@ -214,14 +214,15 @@ def test_examples_exist():
     assert len(EXAMPLES) >= 20
 
 
-@pytest.mark.parametrize("qualname,test", EXAMPLES, ids=[q for q, _ in EXAMPLES])
-def test_docstring_example_runs(qualname, test, tmp_path, monkeypatch):
+@pytest.mark.parametrize("qualname,obj,test", EXAMPLES, ids=[q for q, _, _ in EXAMPLES])
+def test_docstring_example_runs(qualname, obj, test, tmp_path, monkeypatch):
     if all(example.options.get(doctest.SKIP) for example in test.examples):
         pytest.skip("every example needs an extra or the reader's files: read, not run")
     monkeypatch.chdir(tmp_path)
     from zephon import Pipeline, RunPolicy, RuntimeOptions, StoreOptions, sources
 
-    test.globs = {"np": np, "zephon": zephon, "Pipeline": Pipeline, "sources": sources,
+    module = inspect.getmodule(obj.fget if isinstance(obj, property) else obj)
+    test.globs = {**vars(module), "np": np, "zephon": zephon, "Pipeline": Pipeline, "sources": sources,
                   "RuntimeOptions": RuntimeOptions, "StoreOptions": StoreOptions,
                   "RunPolicy": RunPolicy}
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS |
