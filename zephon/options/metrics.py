@@ -39,7 +39,14 @@ class ExecutionTrackingMode(str, enum.Enum):
 @option_class
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MetricsSinkConfig(OptionsBase):
-    """Destination of pipeline metrics."""
+    """Destination of pipeline metrics (with ``RuntimeOptions.execution_tracking`` on).
+
+    Example:
+        >>> sink = zephon.MetricsSinkConfig(mode="log", default_tags={"job": "pretrain"})
+        >>> opts = RuntimeOptions(execution_tracking="stages", metrics_sink_config=sink)
+        >>> opts.metrics_sink_config.default_tags["job"]
+        'pretrain'
+    """
 
     mode: str = option(
         "log", check=Str(choices=METRICS_SINK_MODES),
