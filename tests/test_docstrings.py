@@ -84,8 +84,7 @@ def _public_objects() -> list[tuple[str, Any]]:
             obj = getattr(module, name)
             if inspect.isclass(obj) or inspect.isfunction(obj):
                 add(f"{modname}.{name}", obj)
-    for modname, name, needs in HANDED_OUT + [("zephon.torch._loader", "TorchLoader",
-                                                "torch")]:
+    for modname, name, needs in [*HANDED_OUT, ("zephon.torch._loader", "TorchLoader", "torch")]:
         if needs is not None and importlib.util.find_spec(needs) is None:
             continue
         add(f"{modname}.{name}", getattr(importlib.import_module(modname), name))
@@ -227,7 +226,8 @@ def test_docstring_example_runs(qualname, obj, test, tmp_path, monkeypatch):
     from zephon import Pipeline, RunPolicy, RuntimeOptions, StoreOptions, sources
 
     module = inspect.getmodule(obj.fget if isinstance(obj, property) else obj)
-    test.globs = {**vars(module), "np": np, "zephon": zephon, "Pipeline": Pipeline, "sources": sources,
+    test.globs = {**vars(module), "np": np, "zephon": zephon, "Pipeline": Pipeline,
+                  "sources": sources,
                   "RuntimeOptions": RuntimeOptions, "StoreOptions": StoreOptions,
                   "RunPolicy": RunPolicy}
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS |

@@ -120,7 +120,7 @@ def check_merged(state: dict, *, groups: int | None = None, strategy: str | None
         >>> check_merged({"lanes_total": 2, "lanes": {"3": [0, 1, 1]}})
         Traceback (most recent call last):
         ...
-        zephon.errors.CheckpointError: merged state: lane 3 is out of range [0, 2) (canonical_replicas=2)
+        zephon.errors.CheckpointError: merged state: lane 3 is out of range [0, 2) ...
     """
     total = state.get("lanes_total")
     if isinstance(total, bool) or not isinstance(total, int) or total < 1:

@@ -188,8 +188,8 @@ def resolve_default_stage_prefetch(opts, runner: str, *, cpu_count: int | None =
 
     Example:
         >>> opts = RuntimeOptions(prefetch_batches=32)
-        >>> resolve_default_stage_prefetch(opts, "process"), resolve_default_stage_prefetch(opts, "threads")
-        (8, 16)
+        >>> [resolve_default_stage_prefetch(opts, r) for r in ("process", "threads")]
+        [8, 16]
     """
     if runner not in STAGE_RUNNERS:
         raise ZephonConfigError(
@@ -347,8 +347,8 @@ def is_cloud_path(path: str | None) -> bool:
         A bool.
 
     Example:
-        >>> is_cloud_path("s3://bucket/runs"), is_cloud_path("/tmp/runs"), is_cloud_path("file:///tmp")
-        (True, False, False)
+        >>> [is_cloud_path(p) for p in ("s3://bucket/runs", "/tmp/runs", "file:///tmp")]
+        [True, False, False]
     """
     if not path:
         return False
@@ -367,7 +367,8 @@ def resolve_aggregate_timeout_s(opts) -> float:
         Seconds, a float > 0.
 
     Example:
-        >>> resolve_aggregate_timeout_s(RuntimeOptions(aggregate_timeout_s=10.0, aggregate_dir="s3://b/x"))
+        >>> opts = RuntimeOptions(aggregate_timeout_s=10.0, aggregate_dir="s3://bucket/agg")
+        >>> resolve_aggregate_timeout_s(opts)
         90.0
     """
     if is_cloud_path(opts.aggregate_dir):

@@ -234,7 +234,8 @@ class TorchLoader:
             AggregationTimeoutError: the exchange exceeded ``aggregate_timeout_s``.
 
         Example:
-            >>> loader = zephon.torch.loader(Pipeline(sources.from_sequence([1, 2, 3]), shuffle=False))
+            >>> pipe = Pipeline(sources.from_sequence([1, 2, 3]), shuffle=False)
+        >>> loader = zephon.torch.loader(pipe)
             >>> next(iter(loader))
             1
             >>> sorted(loader.state_dict())
