@@ -109,7 +109,9 @@ class Pipeline:
                 (the same draw whatever runner or worker runs it). Must be picklable (module
                 level) for the process runner.
             parallelism: the number of workers this op asks for (how it becomes a worker
-                count: ``RuntimeOptions.worker_allocation``).
+                count: ``RuntimeOptions.worker_allocation``). A stage whose ops ask for
+                more than one runs on the process runner unless ``RuntimeOptions.runner``
+                or ``per_stage_runner`` says otherwise.
 
         Returns:
             A new pipeline with the op appended.
