@@ -151,7 +151,9 @@ class JobRun:
 
     Args:
         fn: ``fn(subject) -> value``, picklable (module level) for the process and ray
-            backends. An optional ``fn.setup()`` runs once per worker, and an optional
+            backends. An optional ``fn.setup()`` runs once in each worker before its
+            first subject (in this process for ``serial``; per subject with
+            ``parallel_mode="isolated"``), and an optional
             ``fn.cache_key(subject) -> str`` names a subject's store entry (default:
             the function's qualified name and the subject id).
         subjects: an iterable of subjects, each a non-empty string (its own id) or an

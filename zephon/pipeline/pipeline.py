@@ -338,8 +338,9 @@ class Pipeline:
             A :class:`~zephon.pipeline.iterator.PipelineIterator` that owns the run.
 
         Raises:
-            ValidationError: an op fails the pre-flight checks (not picklable for a process
-                stage, or raising on the first sample), with ``auto_validation="strict"``.
+            ValidationError: with ``auto_validation="strict"``, an op fails the checks run
+                on the first sample: it cannot be pickled for a process stage (or MTP
+                mode), it is not deterministic, or it mutates its input.
 
         Example:
             >>> it = iter(Pipeline(sources.from_sequence([1, 2, 3]), shuffle=False))
@@ -434,9 +435,12 @@ class Pipeline:
             The checkpoint as bytes (a versioned, checksummed envelope).
 
         Raises:
-            CheckpointError: the multi-rank exchange failed (a rank missing, states in
-                disagreement).
-            AggregationTimeoutError: the exchange exceeded ``aggregate_timeout_s``.
+            ZephonConfigError: several ranks but neither ``aggregate_dir`` nor
+                ``aggregate_store``.
+            CheckpointError: the multi-rank exchange failed (states in disagreement, a
+                medium failing mid-round).
+            AggregationTimeoutError: a rank did not take part within
+                ``aggregate_timeout_s`` (named).
 
         Example:
             >>> pipe = Pipeline(sources.from_sequence(list(range(10))), seed=3, chunk_size=2)

@@ -127,7 +127,9 @@ def token_windows(path: str, seq_len: int, dtype: str | None = "uint16", *,
         A :class:`Source` whose sample ``i`` is ``{"tokens": ndarray[seq_len]}``.
 
     Raises:
-        SourceError: the file is missing, unreadable, or not a 1-D ``.npy`` array.
+        SourceError: the file is missing or unreadable, the path matches several
+            files, a ``.npy`` file is not a 1-D C-order array or holds another dtype
+            than ``dtype``.
 
     Example:
         >>> np.arange(10, dtype=np.uint16).tofile("train.bin")
@@ -206,8 +208,8 @@ def parquet(paths: str | Sequence[str], columns: Sequence[str] | None = None, *,
         A :class:`Source` of one sample per row.
 
     Raises:
-        ImportError: pyarrow is missing (``pip install "zephon[parquet]"``).
-        SourceError: no file matches, a footer is corrupt, or a column is missing; a
+        SourceError: pyarrow is missing (the message names ``pip install
+            "zephon[parquet]"``), no file matches, a footer is corrupt, or a column is missing; a
             corrupt row group raises it when read, naming the file and the row group.
 
     Example:
@@ -277,8 +279,8 @@ def hf_dataset(ds, *, name: str = "hf", columns: Sequence[str] | None = None) ->
         as NumPy arrays, strings as ``str``.
 
     Raises:
-        ImportError: ``datasets`` is missing (``pip install "zephon[hf]"``).
-        SourceError: the directory cannot be loaded, holds a ``DatasetDict``, or lacks
+        SourceError: ``datasets`` is missing (the message names ``pip install
+            "zephon[hf]"``), the directory cannot be loaded, holds a ``DatasetDict``, or lacks
             a requested column.
 
     Example:
