@@ -6,11 +6,12 @@ the objects those hand out (the iterator ``iter(pipe)`` returns, the torch
 dataset). For every public class, method, property and function:
 
 - there is a docstring;
+- there is an ``Example:`` section;
 - a callable with parameters has an ``Args:`` section naming every parameter
   (for a class: its constructor's, in the class or ``__init__`` docstring; an
   option class or a named tuple may list its fields under ``Attributes:``).
-  Exception classes only need a docstring: users catch them, they do not build
-  them.
+  Exception classes only need a docstring (no example, no ``Args:``): users
+  catch them, they do not build them.
 
 Every ``>>>`` example in those docstrings then runs with :mod:`doctest`, in a
 fresh temporary directory, with ``np``, ``zephon``, ``Pipeline``, ``sources``,
@@ -161,6 +162,7 @@ def test_public_object_is_documented(qualname, obj):
     assert doc and doc.strip(), f"{qualname} has no docstring"
     if inspect.isclass(obj) and issubclass(obj, BaseException):
         return
+    assert re.search(r"^Example[s]?:", doc, re.MULTILINE), f"{qualname}: no Example: section"
     params = _parameters(obj)
     if not params:
         return

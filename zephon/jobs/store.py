@@ -541,6 +541,13 @@ class CheckpointStore:
             msgpack.packb(record, use_bin_type=True)))
 
     def clear(self) -> None:
-        """Remove the whole store (the run still holds the lock while it does)."""
+        """Remove the whole store, then release the lock (the run holds it while removing).
+
+        Example:
+            >>> store = zephon.jobs.CheckpointStore("ckpt", None)
+            >>> store.clear()
+            >>> import os; os.path.exists("ckpt")
+            False
+        """
         shutil.rmtree(self.root, ignore_errors=True)
         self.close()

@@ -35,6 +35,7 @@ import dataclasses
 import difflib
 import enum
 import functools
+import inspect
 import math
 import multiprocessing
 import multiprocessing.context
@@ -407,7 +408,9 @@ def option(default: Any = dataclasses.MISSING, *, check: Check, doc: str,
 
 def document(cls: type) -> type:
     """Append an ``Attributes`` section built from the field docs to ``cls.__doc__``."""
-    lines = [(cls.__doc__ or "").rstrip(), "", "Attributes:"]
+    # cleandoc: a multi-line class docstring keeps its indentation otherwise, and the
+    # appended section (indented from column 0) would leave it indented in help().
+    lines = [inspect.cleandoc(cls.__doc__ or ""), "", "Attributes:"]
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         check = f.metadata["check"]

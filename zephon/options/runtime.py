@@ -1,8 +1,10 @@
 """RuntimeOptions: the execution knobs of a streaming pipeline.
 
 Every field here is a performance or operations knob: none of them may change
-the batch stream, except ``deterministic=False``, which trades order
-for throughput and says so in ``explain()``.
+the batch stream, except ``canonical_replicas`` (the number of lanes, recorded in
+every checkpoint), ``flush_every_k_chunks`` (where partial batches fall, part of
+the pipeline's fingerprint) and ``deterministic=False``, which trades order for
+throughput and says so in ``explain()``.
 
 Numeric knobs left at ``None`` are derived by the resolvers in
 :mod:`zephon.options.resolve`; ``resolved()`` shows each value and whether it
@@ -59,8 +61,10 @@ class RuntimeOptions(OptionsBase):
 
     Keyword arguments only; each is validated at construction (a
     :class:`~zephon.errors.ZephonConfigError` names the field, the value and what is
-    allowed). None of them changes the batch stream, except ``deterministic=False``.
-    Numeric knobs left at None are derived (see :meth:`resolved`).
+    allowed). None of them changes the batch stream except ``canonical_replicas`` (the
+    number of lanes C), ``flush_every_k_chunks`` (where partial batches fall) and
+    ``deterministic=False`` (completion order). Numeric knobs left at None are
+    derived (see :meth:`resolved`).
 
     Example:
         >>> opts = RuntimeOptions(runner="threads", max_workers=2)

@@ -233,8 +233,10 @@ class Pipeline:
         """The same pipeline, run with ``opts``.
 
         Options say how the stream is produced (runners, workers, queues, transport, ranks,
-        checkpoint exchange), never what it is: the same definition gives the same batches
-        under any options (``deterministic=False`` aside).
+        checkpoint exchange), not what it is: the same definition gives the same batches
+        under any runner, worker count or queue depth. Three options do define the
+        stream: ``canonical_replicas`` (the number of lanes), ``flush_every_k_chunks``
+        (where partial batches fall) and ``deterministic=False`` (completion order).
 
         Args:
             opts: a :class:`~zephon.RuntimeOptions`.
