@@ -104,8 +104,23 @@ def check_merged(state: dict, *, groups: int | None = None, strategy: str | None
     dp group -> the lanes it reported) that each group reported only lanes it owns
     under ``groups``/``strategy``, so no lane comes from two groups.
 
+    Args:
+        state: the merged state (``lanes_total``, ``lanes``: lane id as a string ->
+            position list).
+        groups: the number of dp groups (needed with ``owners``).
+        strategy: the lane mapping, ``"contiguous"`` or ``"interleaved"`` (needed with
+            ``owners``).
+        owners: dp group -> the lane ids it reported; None skips the ownership check.
+
     Raises:
         CheckpointError: naming the lane and what is wrong with it.
+
+    Example:
+        >>> check_merged({"lanes_total": 2, "lanes": {"1": [0, 4, 4]}})
+        >>> check_merged({"lanes_total": 2, "lanes": {"3": [0, 1, 1]}})
+        Traceback (most recent call last):
+        ...
+        zephon.errors.CheckpointError: merged state: lane 3 is out of range [0, 2) ...
     """
     total = state.get("lanes_total")
     if isinstance(total, bool) or not isinstance(total, int) or total < 1:
@@ -141,9 +156,23 @@ def merge_states(states: dict) -> dict:
     that disagree on a lane (they did not take the checkpoint at the same step); a
     lane out of range or reported by a group that does not own it.
 
+    Args:
+        states: rank -> that rank's submission, for ranks ``0 .. world - 1``.
+
     Returns:
         The merged state: the pipeline fields of rank 0, the union of the lanes,
         ``world``.
+
+    Raises:
+        CheckpointError: as above, naming the ranks, groups or lane concerned.
+
+    Example:
+        >>> def submission(rank):
+        ...     return {"fingerprint": "f", "lanes_total": 2, "resume": "cursor",
+        ...             "lanes": {str(rank): [0, 4, 4]}, "group": rank, "world": 2,
+        ...             "dp_degree": 2, "mapping": "contiguous"}
+        >>> merge_states({0: submission(0), 1: submission(1)})["lanes"]
+        {'0': [0, 4, 4], '1': [0, 4, 4]}
     """
     world = len(states)
     if sorted(states) != list(range(world)):
@@ -356,19 +385,32 @@ def exchange_scope(local: dict) -> str:
 def exchange_state(local: dict, opts, round_no: int) -> bytes:
     """The checkpoint bytes of a pipeline whose local state is ``local``.
 
-    ``local`` is ``{"fingerprint", "lanes_total", "lanes", "group"}`` of this rank;
-    ``opts`` the pipeline's RuntimeOptions; ``round_no`` the number of this
-    ``checkpoint()`` call in this launch (1, 2, ...). With one rank the state is
-    checked and encoded. With several, the ranks exchange their states through
-    ``opts.aggregate_dir`` (a path or an fsspec URL) or ``opts.aggregate_store``
-    (``torch://``, ``torch://host:port``) and every rank returns the same merged
-    bytes.
+    With one rank the state is checked and encoded. With several, the ranks exchange
+    their states through ``opts.aggregate_dir`` (a path or an fsspec URL) or
+    ``opts.aggregate_store`` (``torch://``, ``torch://host:port``) and every rank
+    returns the same merged bytes. This is what ``checkpoint()`` calls.
+
+    Args:
+        local: this rank's ``{"fingerprint", "lanes_total", "lanes", "group"}``.
+        opts: the pipeline's :class:`~zephon.RuntimeOptions` (ranks, medium, timeout,
+            serializer, compressor).
+        round_no: the number of this ``checkpoint()`` call in this launch (1, 2, ...);
+            every rank passes the same one.
+
+    Returns:
+        The checkpoint bytes (:func:`~zephon.checkpoint.decode_state` reads them).
 
     Raises:
         ZephonConfigError: several ranks but neither aggregate_dir nor aggregate_store,
             or a medium that cannot be used (missing package, no MASTER_ADDR).
         AggregationTimeoutError: a rank did not take part in time (named).
         CheckpointError: inconsistent states, or the medium failed mid-round.
+
+    Example:
+        >>> local = {"fingerprint": "f", "lanes_total": 1, "lanes": {"0": [0, 5, 5]},
+        ...          "group": 0}
+        >>> decode_state(exchange_state(local, RuntimeOptions(), 1))
+        {'fingerprint': 'f', 'lanes_total': 1, 'lanes': {'0': [0, 5, 5]}, 'world': 1}
     """
     serializer, compressor = opts.aggregate_serializer, opts.aggregate_compressor
     if opts.world_size == 1:
@@ -399,8 +441,39 @@ def exchange_state(local: dict, opts, round_no: int) -> bytes:
 def aggregate_through_dir(local: dict, *, directory: str, run_id: str, round_no: int,
                           rank: int, world: int, timeout_s: float,
                           serializer: str, compressor: str) -> bytes:
-    """Compatibility entry point: one round through a local directory, with a
-    contiguous mapping and one dp group per rank (prefer :func:`exchange_state`)."""
+    """Compatibility entry point: one exchange round through a local directory.
+
+    It assumes a contiguous mapping and one dp group per rank; prefer
+    :func:`exchange_state`, which takes the topology from the options.
+
+    Args:
+        local: this rank's ``{"fingerprint", "lanes_total", "lanes"}`` (``group``
+            defaults to ``rank``).
+        directory: a directory every rank can reach; the round runs in
+            ``directory/run_id``.
+        run_id: the name of this run (keeps runs sharing ``directory`` apart).
+        round_no: the number of this checkpoint in the launch (1, 2, ...).
+        rank: this rank, ``0 <= rank < world``.
+        world: the number of ranks.
+        timeout_s: the budget of the whole round, in seconds.
+        serializer: ``"msgpack"`` or ``"json"``.
+        compressor: ``"zstd"`` or ``"none"``.
+
+    Returns:
+        The merged checkpoint bytes, the same on every rank.
+
+    Raises:
+        AggregationTimeoutError: a rank did not take part in time (named).
+        CheckpointError: inconsistent states, or the directory failed mid-round.
+
+    Example:
+        >>> local = {"fingerprint": "f", "lanes_total": 1, "lanes": {"0": [0, 5, 5]}}
+        >>> data = aggregate_through_dir(local, directory="agg", run_id="r", round_no=1,
+        ...                              rank=0, world=1, timeout_s=10.0,
+        ...                              serializer="json", compressor="none")
+        >>> decode_state(data)["lanes"]
+        {'0': [0, 5, 5]}
+    """
     from zephon.checkpoint.media import DirMedium
 
     submission = dict(local, world=world, dp_degree=world, mapping="contiguous")

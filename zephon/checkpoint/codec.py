@@ -106,8 +106,7 @@ def encode_state(state: dict, serializer: str = "msgpack", compressor: str = "zs
             encoded, or a state larger or deeper than a checkpoint may be (so nothing
             is written that :func:`decode_state` would refuse).
 
-    Example::
-
+    Example:
         >>> decode_state(encode_state({"lanes": {"0": [0, 2**70]}}))
         {'lanes': {'0': [0, 1180591620717411303424]}}
     """
@@ -149,6 +148,15 @@ def decode_state(data: Any) -> dict:
         CheckpointError: not a zephon checkpoint, another format version, a checksum
             mismatch (corrupt or truncated), a size, element-count or nesting bound
             exceeded, or undecodable content; the message says which.
+
+    Example:
+        >>> data = encode_state({"lanes_total": 1})
+        >>> decode_state(data)
+        {'lanes_total': 1}
+        >>> decode_state(data[:-1] + bytes([data[-1] ^ 1]))
+        Traceback (most recent call last):
+        ...
+        zephon.errors.CheckpointError: corrupt checkpoint: checksum mismatch ...
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CheckpointError(f"a checkpoint is bytes, got {type(data).__name__}")

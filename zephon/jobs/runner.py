@@ -61,6 +61,26 @@ log = logging.getLogger("zephon.jobs")
 
 
 class SubjectResult(NamedTuple):
+    """The final outcome of one subject, as a job run yields it.
+
+    Attributes:
+        subject_id: the subject's id (the subject itself for a string subject, else
+            its ``subject_id`` key or attribute).
+        value: what ``fn(subject)`` returned (None when it failed).
+        error: the exception that failed the subject (a
+            :class:`~zephon.errors.SubjectTimeoutError` for a timeout, a
+            :class:`RecordedFailure` for a failure replayed from the store), or None.
+        from_cache: True when the outcome was served from the checkpoint store without
+            running ``fn``.
+        attempts: how many times ``fn`` ran on the subject, retry rounds included.
+        duration_s: seconds the last attempt took in its worker.
+
+    Example:
+        >>> job = zephon.jobs.run(len, ["ab"], RunPolicy(subject_timeout_sec=None,
+        ...                       resume=False), progress=False)
+        >>> [(r.subject_id, r.value, r.ok, r.from_cache, r.attempts) for r in job]
+        [('ab', 2, True, False, 1)]
+    """
     subject_id: str
     value: Any
     error: BaseException | None
@@ -70,12 +90,31 @@ class SubjectResult(NamedTuple):
 
     @property
     def ok(self) -> bool:
+        """True when the subject succeeded (``error`` is None).
+
+        Example:
+            >>> zephon.jobs.SubjectResult("s", 1, None, False, 1, 0.1).ok
+            True
+        """
         return self.error is None
 
 
 class RecordedFailure(ZephonError):
-    """A failure an earlier run recorded in the store, replayed without re-running
-    (``retry_failed_subjects=True`` re-runs it instead)."""
+    """A failure an earlier run recorded in the store, replayed without re-running.
+
+    A resumed run serves a stored failure as this error (``retry_failed_subjects=True``
+    re-runs the subject instead). Pickle-safe: it keeps its data when a worker sends it.
+
+    Args:
+        message: the original error's message.
+        error_type: the original exception's class name.
+        traceback: the original traceback text, when one was recorded.
+
+    Example:
+        >>> err = zephon.jobs.RecordedFailure("boom", error_type="ValueError")
+        >>> str(err), err.error_type
+        ('boom', 'ValueError')
+    """
 
     def __init__(self, message: str, *, error_type: str = "", traceback: str = "") -> None:
         super().__init__(message)
@@ -101,7 +140,48 @@ def default_checkpoint_dir(fn) -> str:
 
 
 class JobRun:
-    """An iterable job run (see the module docstring); ``summary`` after iteration."""
+    """An iterable job run: what :func:`run` returns (see the module docstring).
+
+    Construction validates everything (the policy, unique subject ids, the effective
+    backend, the worker count) and starts nothing; iterating runs the subjects and
+    yields a :class:`SubjectResult` per subject. After iteration ``summary`` holds the
+    counts (``done``, ``cached``, ``failed``, ``retried``, ``timeouts``,
+    ``oom_backoffs``, ``workers_started``, and where non-zero ``replayed_failures``,
+    ``recycled``, ``restarts``, ``interrupted``).
+
+    Args:
+        fn: ``fn(subject) -> value``, picklable (module level) for the process and ray
+            backends. An optional ``fn.setup()`` runs once in each worker before its
+            first subject (in this process for ``serial``; per subject with
+            ``parallel_mode="isolated"``), and an optional
+            ``fn.cache_key(subject) -> str`` names a subject's store entry (default:
+            the function's qualified name and the subject id).
+        subjects: an iterable of subjects, each a non-empty string (its own id) or an
+            object with a ``subject_id`` key or attribute; ids must be unique.
+        policy: the :class:`~zephon.RunPolicy` (None: the defaults).
+        fingerprint: a string naming what the results depend on (code version,
+            parameters); store entries written under another fingerprint are not
+            served (with ``strict_checkpoint_hash``, opening such a store raises).
+        progress: show a progress bar on a TTY (log lines otherwise) and a summary.
+        ordered: yield results in input order (True) or as they become final.
+        allow_pickle: let the store keep values msgpack cannot encode, with pickle
+            (loading a pickle runs code: only for stores you trust).
+        mp_context: the multiprocessing context of the process backend (None: spawn).
+        on_bad_entry: what a resumed run does with a store entry it cannot trust or
+            read: ``"recompute"`` (a warning, then the subject runs) or ``"fail"``
+            (the subject fails with that CheckpointError).
+
+    Raises:
+        ZephonConfigError: a bad policy, ``fn`` not callable, a subject without an id,
+            duplicate ids, an unknown ``on_bad_entry``, or ``cap_workers_to_gpu_pool``
+            without a visible GPU.
+
+    Example:
+        >>> job = zephon.jobs.JobRun(len, ["ab", "abc"], RunPolicy(subject_timeout_sec=None,
+        ...                          resume=False), progress=False)
+        >>> [r.value for r in job], job.summary["done"]
+        ([2, 3], 2)
+    """
 
     def __init__(self, fn, subjects: Iterable[Any], policy: RunPolicy | None = None,
                  fingerprint: str | None = None, progress: bool = True, *,
@@ -143,6 +223,19 @@ class JobRun:
         self.backend = None
 
     def explain(self) -> str:
+        """What the run will do, as text.
+
+        Returns:
+            Lines naming the function and subject count, the effective backend and why,
+            the worker count, the worker mode, the timeouts, the failure policy, and the
+            store (directory, resume, fingerprint, what a bad entry does).
+
+        Example:
+            >>> job = zephon.jobs.JobRun(len, ["ab"], RunPolicy(subject_timeout_sec=None,
+            ...                          resume=False), progress=False)
+            >>> print(job.explain().splitlines()[1])
+              backend: serial (backend='serial' and no subject timeout)
+        """
         p = self.policy
         lines = [
             f"job run of {callable_name(self.fn)} over {len(self.subjects)} subject(s)",
@@ -326,26 +419,55 @@ class JobRun:
 
 def run(fn, subjects: Iterable[Any], policy: RunPolicy | None = None,
         fingerprint: str | None = None, progress: bool = True, **kwargs) -> JobRun:
-    """Run ``fn`` on every subject under ``policy``; iterate the result for
-    :class:`SubjectResult` objects (see :mod:`zephon.jobs.runner`). Keyword options:
-    ``ordered`` (default True), ``allow_pickle`` (default False), ``mp_context``, and
-    ``on_bad_entry`` (``"recompute"``, the default, or ``"fail"``: what a resumed run does
-    with a store entry it cannot trust or read).
+    """Run ``fn`` on every subject under ``policy``; iterate the result for outcomes.
 
-    Call it under ``if __name__ == "__main__":`` in a script: workers are spawned and
-    re-import the main script. Example::
+    Nothing runs until the returned :class:`JobRun` is iterated; each iteration yields
+    a :class:`SubjectResult`. Failures are results (``r.error``), not exceptions,
+    unless ``on_subject_failure="fail_fast"``. With ``resume`` (the default) every
+    outcome is written to a checkpoint store, and a later run with the same
+    fingerprint serves stored successes instead of recomputing them. Call it under
+    ``if __name__ == "__main__":`` in a script: the process backend spawns workers
+    that re-import the main script.
 
-        from zephon.jobs import RunPolicy, run
+    Args:
+        fn: ``fn(subject) -> value``, picklable (module level) for the process and ray
+            backends; optional ``fn.setup()`` (once per worker) and
+            ``fn.cache_key(subject)``.
+        subjects: an iterable of subjects, each a non-empty string (its own id) or an
+            object with a ``subject_id`` key or attribute; ids must be unique.
+        policy: the :class:`~zephon.RunPolicy` (None: the defaults).
+        fingerprint: a string naming what the results depend on; stored entries of
+            another fingerprint are not served.
+        progress: show a progress bar on a TTY (log lines otherwise) and a summary.
+        **kwargs: ``ordered`` (default True), ``allow_pickle`` (default False),
+            ``mp_context`` and ``on_bad_entry`` (``"recompute"``, the default, or
+            ``"fail"``), as in :class:`JobRun`.
 
-        def tokenize(shard):          # module level: workers import it
-            return len(shard)
+    Returns:
+        A :class:`JobRun`; iterate it, then read ``summary``.
 
-        if __name__ == "__main__":
-            job = run(tokenize, ["shard-000", "shard-001"],
-                      RunPolicy(workers=2, subject_timeout_sec=600, checkpoint_dir="ckpt"),
-                      fingerprint="tokenizer-v3")
-            for r in job:
-                print(r.subject_id, "ok" if r.ok else r.error)
-            print(job.summary)
+    Raises:
+        ZephonConfigError: an invalid policy, subject or option (when called).
+
+    Example:
+        >>> policy = RunPolicy(subject_timeout_sec=None, checkpoint_dir="ckpt")
+        >>> [r.value for r in zephon.jobs.run(len, ["ab", "abc"], policy, progress=False)]
+        [2, 3]
+        >>> again = zephon.jobs.run(len, ["ab", "abc"], policy, progress=False)
+        >>> [r.from_cache for r in again]
+        [True, True]
+
+        In a script, on worker processes::
+
+            def tokenize(shard):          # module level: workers import it
+                return len(shard)
+
+            if __name__ == "__main__":
+                job = run(tokenize, ["shard-000", "shard-001"],
+                          RunPolicy(workers=2, subject_timeout_sec=600, checkpoint_dir="ckpt"),
+                          fingerprint="tokenizer-v3")
+                for r in job:
+                    print(r.subject_id, "ok" if r.ok else r.error)
+                print(job.summary)
     """
     return JobRun(fn, subjects, policy, fingerprint, progress, **kwargs)

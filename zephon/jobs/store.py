@@ -205,11 +205,28 @@ def _open_dir(path: str, *, dir_fd: int | None = None, create: bool) -> int:
 class CheckpointStore:
     """One run's view of a checkpoint directory (see the module docstring).
 
-    ``CheckpointStore(root, fingerprint, strict=False, allow_pickle=False)`` opens (and
-    creates) the store and takes its lock; :meth:`load`, :meth:`save_success`,
-    :meth:`save_failure`; :meth:`close` releases the lock, :meth:`clear` removes the store.
-    Raises :class:`~zephon.errors.CheckpointError` when the directory cannot be trusted or
-    another run holds it.
+    Opening it creates the store if needed and takes its lock; :meth:`load`,
+    :meth:`save_success`, :meth:`save_failure`; :meth:`close` releases the lock,
+    :meth:`clear` removes the store. ``zephon.jobs.run`` opens one itself; use it
+    directly to inspect a store.
+
+    Args:
+        root: the store directory.
+        fingerprint: what the results depend on; entries of another fingerprint are
+            not served (None: the empty fingerprint).
+        strict: refuse a store last opened under another fingerprint.
+        allow_pickle: store and load values msgpack cannot encode with pickle.
+
+    Raises:
+        CheckpointError: the directory cannot be trusted, another run holds its lock,
+            or (``strict``) it was written under another fingerprint.
+
+    Example:
+        >>> store = zephon.jobs.CheckpointStore("ckpt", "v1")
+        >>> store.save_success("key-a", "a", {"n": 3}, attempts=1, duration_s=0.5)
+        >>> store.load("key-a").value, store.load("key-b")
+        ({'n': 3}, None)
+        >>> store.close()
     """
 
     def __init__(self, root: str, fingerprint: str | None, *, strict: bool = False,
@@ -348,6 +365,12 @@ class CheckpointStore:
                                json.dumps({"fingerprint": self.fingerprint}).encode())
 
     def close(self) -> None:
+        """Release the lock and the directory descriptors (idempotent).
+
+        Example:
+            >>> store = zephon.jobs.CheckpointStore("ckpt", None)
+            >>> store.close()
+        """
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
@@ -423,9 +446,25 @@ class CheckpointStore:
         return record
 
     def load(self, key: str) -> StoredEntry | None:
-        """The stored outcome of ``key`` under this fingerprint, or None when there is none.
-        Raises :class:`~zephon.errors.CheckpointError` for an entry that cannot be trusted
-        or read (see the module docstring)."""
+        """The stored outcome of ``key`` under this fingerprint.
+
+        Args:
+            key: the subject's cache key.
+
+        Returns:
+            A ``StoredEntry`` (``ok``, ``value``, ``error``, ``attempts``, ``duration_s``):
+            a success if one is stored, else the recorded failure; None when there is none.
+
+        Raises:
+            CheckpointError: an entry that cannot be trusted or read (see the module
+                docstring).
+
+        Example:
+            >>> store = zephon.jobs.CheckpointStore("ckpt", None)
+            >>> store.load("missing") is None
+            True
+            >>> store.close()
+        """
         record = self._read("ok", key)
         if record is not None:
             try:
@@ -446,6 +485,26 @@ class CheckpointStore:
 
     def save_success(self, key: str, subject_id: str, value: Any, attempts: int,
                      duration_s: float) -> None:
+        """Record a success of ``key`` (atomically; it replaces an earlier entry).
+
+        Args:
+            key: the subject's cache key.
+            subject_id: the subject's id.
+            value: the result (msgpack-native types, NumPy arrays and scalars, tuples;
+                anything else only with ``allow_pickle``).
+            attempts: how many times the subject ran.
+            duration_s: seconds the last attempt took.
+
+        Raises:
+            CheckpointError: a value that cannot be stored, or a failed write.
+
+        Example:
+            >>> store = zephon.jobs.CheckpointStore("ckpt", None)
+            >>> store.save_success("k", "s", np.arange(3), attempts=1, duration_s=0.1)
+            >>> store.load("k").value.tolist()
+            [0, 1, 2]
+            >>> store.close()
+        """
         data = encode_value(value, allow_pickle=self.allow_pickle)
         record = {"key": key, "subject": subject_id, "fingerprint": self.fingerprint,
                   "value": data, "attempts": attempts, "duration_s": duration_s,
@@ -457,6 +516,24 @@ class CheckpointStore:
 
     def save_failure(self, key: str, subject_id: str, error: dict, attempts: int,
                      duration_s: float) -> None:
+        """Record a failure of ``key`` (kept apart from successes).
+
+        Args:
+            key: the subject's cache key.
+            subject_id: the subject's id.
+            error: ``{"type", "message", "traceback"}`` of the failure.
+            attempts: how many times the subject ran.
+            duration_s: seconds the last attempt took.
+
+        Example:
+            >>> store = zephon.jobs.CheckpointStore("ckpt", None)
+            >>> store.save_failure("k", "s", {"type": "ValueError", "message": "bad",
+            ...                    "traceback": ""}, attempts=3, duration_s=0.1)
+            >>> entry = store.load("k")
+            >>> entry.ok, entry.error["message"]
+            (False, 'bad')
+            >>> store.close()
+        """
         record = {"key": key, "subject": subject_id, "fingerprint": self.fingerprint,
                   "error": error, "attempts": attempts, "duration_s": duration_s,
                   "time": time.time()}
@@ -464,6 +541,13 @@ class CheckpointStore:
             msgpack.packb(record, use_bin_type=True)))
 
     def clear(self) -> None:
-        """Remove the whole store (the run still holds the lock while it does)."""
+        """Remove the whole store, then release the lock (the run holds it while removing).
+
+        Example:
+            >>> store = zephon.jobs.CheckpointStore("ckpt", None)
+            >>> store.clear()
+            >>> import os; os.path.exists("ckpt")
+            False
+        """
         shutil.rmtree(self.root, ignore_errors=True)
         self.close()

@@ -35,6 +35,7 @@ import dataclasses
 import difflib
 import enum
 import functools
+import inspect
 import math
 import multiprocessing
 import multiprocessing.context
@@ -75,7 +76,16 @@ def fail(owner: str, name: str, value: Any, allowed: str) -> ZephonConfigError:
 
 
 class FrozenMap(Mapping):
-    """A read-only, hashable, picklable mapping (the value of mapping options)."""
+    """A read-only, hashable, picklable mapping (the value of mapping options).
+
+    Args:
+        data: the items (None: empty); copied.
+
+    Example:
+        >>> m = FrozenMap({0: "process"})
+        >>> m[0], m == {0: "process"}, len({m: 1})
+        ('process', True, 1)
+    """
 
     __slots__ = ("_data",)
 
@@ -398,7 +408,9 @@ def option(default: Any = dataclasses.MISSING, *, check: Check, doc: str,
 
 def document(cls: type) -> type:
     """Append an ``Attributes`` section built from the field docs to ``cls.__doc__``."""
-    lines = [(cls.__doc__ or "").rstrip(), "", "Attributes:"]
+    # cleandoc: a multi-line class docstring keeps its indentation otherwise, and the
+    # appended section (indented from column 0) would leave it indented in help().
+    lines = [inspect.cleandoc(cls.__doc__ or ""), "", "Attributes:"]
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         check = f.metadata["check"]
@@ -460,7 +472,12 @@ class OptionsBase:
     def field_names(cls) -> tuple[str, ...]:
         """The names of every option of this class, in declaration order.
 
-        Example: ``RuntimeOptions.field_names()[:2] == ("runner", "run_id")``.
+        Returns:
+            A tuple of field names.
+
+        Example:
+            >>> RuntimeOptions.field_names()[:2]
+            ('runner', 'run_id')
         """
         return tuple(f.name for f in dataclasses.fields(cls))
 
@@ -489,7 +506,15 @@ class OptionsBase:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON/YAML-ready dict of every field (nested objects included)."""
+        """A plain JSON/YAML-ready dict of every field (nested option objects included).
+
+        Returns:
+            A dict: field name -> a str, number, bool, None, list or dict.
+
+        Example:
+            >>> StoreOptions(cache_enabled=True).to_dict()["cache_enabled"]
+            True
+        """
         return {
             f.name: (None if (v := getattr(self, f.name)) is None else f.metadata["check"].dump(v))
             for f in dataclasses.fields(self)
@@ -497,7 +522,25 @@ class OptionsBase:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]):
-        """Inverse of :meth:`to_dict`; missing keys take defaults, unknown keys are refused."""
+        """Build an option object from a :meth:`to_dict`-style mapping.
+
+        Missing keys take their defaults; every value is validated as in the constructor.
+
+        Args:
+            data: field name -> value (nested option objects as dicts).
+
+        Returns:
+            A new instance of this class.
+
+        Raises:
+            ZephonConfigError: not a mapping, an unknown key (with a did-you-mean), or an
+                invalid value (naming the field, the value and what is allowed).
+
+        Example:
+            >>> opts = RuntimeOptions.from_dict({"runner": "threads", "max_workers": 2})
+            >>> RuntimeOptions.from_dict(opts.to_dict()) == opts
+            True
+        """
         if not isinstance(data, Mapping):
             raise ZephonConfigError(
                 f"{cls.__name__}.from_dict: expected a mapping, got {_show(data)}"
@@ -516,7 +559,21 @@ class OptionsBase:
         return cls(**kwargs)
 
     def replace(self, **changes):
-        """A copy with ``changes`` applied (validated like a fresh object)."""
+        """A copy with ``changes`` applied, validated like a fresh object.
+
+        Args:
+            **changes: field name -> new value.
+
+        Returns:
+            A new instance (option objects are immutable).
+
+        Raises:
+            ZephonConfigError: an unknown field name or an invalid value.
+
+        Example:
+            >>> RuntimeOptions(runner="threads").replace(max_workers=2).max_workers
+            2
+        """
         self._reject_unknown(changes.keys(), "replace")
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         values.update(changes)

@@ -22,7 +22,18 @@ WITHIN_COMPONENT_MODES = ("as_is", "shuffle")
 @option_class
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MixtureReadConfig(OptionsBase):
-    """Read policy of ``sources.mixture``."""
+    """Read policy of ``sources.mixture``: how the component schedule is drawn.
+
+    Give it to ``sources.mixture(..., config=...)``, or as
+    ``RuntimeOptions(mixture_config=...)`` for every mixture without its own.
+
+    Example:
+        >>> cfg = zephon.MixtureReadConfig(mode="weighted_random", seed=7)
+        >>> a = sources.from_sequence([0, 1, 2], name="a")
+        >>> b = sources.from_sequence([10, 11, 12], name="b")
+        >>> sorted(sources.mixture({"a": a, "b": b}, config=cfg).get(i) for i in range(6))
+        [0, 1, 2, 10, 11, 12]
+    """
 
     mode: str = option(
         "weighted_round_robin", check=Str(choices=MIXTURE_MODES),

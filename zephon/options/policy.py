@@ -29,7 +29,18 @@ PARALLEL_MODES = ("persistent", "isolated")
 @option_class
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunPolicy(OptionsBase):
-    """Execution policy of ``zephon.jobs.run``."""
+    """Execution policy of ``zephon.jobs.run``: backend, workers, timeouts, failures, resume.
+
+    Keyword arguments only, validated at construction (a
+    :class:`~zephon.errors.ZephonConfigError` names the field, the value and what is
+    allowed).
+
+    Example:
+        >>> policy = RunPolicy(backend="process", workers=4, subject_timeout_sec=600,
+        ...                    on_subject_failure="fail_fast", checkpoint_dir="ckpt")
+        >>> policy.replace(workers=2).workers
+        2
+    """
 
     workers: int = option(
         1, check=Int(min=1, max=MAX_JOB_WORKERS),

@@ -68,6 +68,21 @@ AUTO_FLUSH_EVERY_K_CHUNKS = 8
 
 
 def resolve_max_workers(opts, cpu_count: int | None = None) -> int:
+    """Workers per stage or in total: ``max_workers``, else the CPU count clamped to [4, 16].
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+        cpu_count: the CPU count to assume (None: ``os.cpu_count()``).
+
+    Returns:
+        An int >= 1.
+
+    Example:
+        >>> resolve_max_workers(RuntimeOptions(), cpu_count=2)
+        4
+        >>> resolve_max_workers(RuntimeOptions(max_workers=3))
+        3
+    """
     if opts.max_workers is not None:
         return opts.max_workers
     n = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
@@ -75,24 +90,80 @@ def resolve_max_workers(opts, cpu_count: int | None = None) -> int:
 
 
 def resolve_prefetch_batches(opts, *, cpu_count: int | None = None) -> int:
+    """Batches buffered at the pipeline tail: ``prefetch_batches``, else
+    ``max(8, 2 * max_workers)``.
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+        cpu_count: the CPU count to assume (None: ``os.cpu_count()``).
+
+    Returns:
+        An int >= 1.
+
+    Example:
+        >>> resolve_prefetch_batches(RuntimeOptions(max_workers=6))
+        12
+    """
     if opts.prefetch_batches is not None:
         return opts.prefetch_batches
     return max(8, 2 * resolve_max_workers(opts, cpu_count))
 
 
 def resolve_op_queue_capacity(opts, *, cpu_count: int | None = None) -> int:
+    """In-flight items per lane inside a stage: ``op_queue_capacity``, else
+    ``max(8, prefetch_batches)``.
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+        cpu_count: the CPU count to assume (None: ``os.cpu_count()``).
+
+    Returns:
+        An int >= 1.
+
+    Example:
+        >>> resolve_op_queue_capacity(RuntimeOptions(prefetch_batches=20))
+        20
+    """
     if opts.op_queue_capacity is not None:
         return opts.op_queue_capacity
     return max(8, resolve_prefetch_batches(opts, cpu_count=cpu_count))
 
 
 def resolve_mtp_buffer(opts, *, cpu_count: int | None = None) -> int:
+    """Batches in flight on the MTP channel: ``mtp_buffer``, else
+    ``min(4096, max(4, prefetch_batches // 2))``.
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+        cpu_count: the CPU count to assume (None: ``os.cpu_count()``).
+
+    Returns:
+        An int >= 1.
+
+    Example:
+        >>> resolve_mtp_buffer(RuntimeOptions(prefetch_batches=64))
+        32
+    """
     if opts.mtp_buffer is not None:
         return opts.mtp_buffer
     return min(MAX_MTP_BUFFER, max(4, resolve_prefetch_batches(opts, cpu_count=cpu_count) // 2))
 
 
 def resolve_mtp_prefetch(opts, *, cpu_count: int | None = None) -> int:
+    """Batches the consumer-side MTP thread receives ahead: ``mtp_prefetch``, else
+    ``min(mtp_buffer, max(4, mtp_buffer // 10))``; 0 means no thread.
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+        cpu_count: the CPU count to assume (None: ``os.cpu_count()``).
+
+    Returns:
+        An int >= 0.
+
+    Example:
+        >>> resolve_mtp_prefetch(RuntimeOptions(mtp_buffer=100))
+        10
+    """
     if opts.mtp_prefetch is not None:
         return opts.mtp_prefetch
     buffer = resolve_mtp_buffer(opts, cpu_count=cpu_count)
@@ -100,6 +171,26 @@ def resolve_mtp_prefetch(opts, *, cpu_count: int | None = None) -> int:
 
 
 def resolve_default_stage_prefetch(opts, runner: str, *, cpu_count: int | None = None) -> int:
+    """Items buffered between stages for a stage on ``runner``: ``default_stage_prefetch``,
+    else ``max(4, prefetch // 4)`` for process stages and ``max(8, prefetch // 2)`` for
+    thread and inline stages.
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+        runner: ``"inline"``, ``"threads"`` or ``"process"``.
+        cpu_count: the CPU count to assume (None: ``os.cpu_count()``).
+
+    Returns:
+        An int >= 1.
+
+    Raises:
+        ZephonConfigError: an unknown runner.
+
+    Example:
+        >>> opts = RuntimeOptions(prefetch_batches=32)
+        >>> [resolve_default_stage_prefetch(opts, r) for r in ("process", "threads")]
+        [8, 16]
+    """
     if runner not in STAGE_RUNNERS:
         raise ZephonConfigError(
             f"resolve_default_stage_prefetch: runner {runner!r} is not one of {STAGE_RUNNERS}"
@@ -113,14 +204,50 @@ def resolve_default_stage_prefetch(opts, runner: str, *, cpu_count: int | None =
 
 
 def resolve_stage_prefetch(opts, stage: int, runner: str, *, cpu_count: int | None = None) -> int:
-    """Prefetch depth of stage ``stage``: ``per_stage_prefetch`` wins over the default."""
+    """Prefetch depth of stage ``stage``: ``per_stage_prefetch[stage]`` wins over the default.
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+        stage: the stage index.
+        runner: the stage's runner (``"inline"``, ``"threads"``, ``"process"``).
+        cpu_count: the CPU count to assume (None: ``os.cpu_count()``).
+
+    Returns:
+        An int >= 1.
+
+    Example:
+        >>> opts = RuntimeOptions(per_stage_prefetch={1: 3}, prefetch_batches=32)
+        >>> resolve_stage_prefetch(opts, 1, "threads"), resolve_stage_prefetch(opts, 0, "threads")
+        (3, 16)
+    """
     if stage in opts.per_stage_prefetch:
         return opts.per_stage_prefetch[stage]
     return resolve_default_stage_prefetch(opts, runner, cpu_count=cpu_count)
 
 
 def resolve_flush_every_k_chunks(opts, preserves_cursor_order: bool) -> int:
-    """Epoch-flush cadence; ``preserves_cursor_order`` is True when every op preserves it."""
+    """Flush cadence: a flush boundary every K lane chunks (0: only at epoch starts).
+
+    ``flush_every_k_chunks``, else 8 when an op breaks cursor order (a shuffle buffer,
+    a packer: they resume by replay from a boundary) and 0 when none does.
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+        preserves_cursor_order: True when every op of the pipeline preserves cursor
+        order.
+
+    Returns:
+        An int >= 0.
+
+    Raises:
+        ZephonConfigError: an explicit 0 with an op that breaks cursor order.
+
+    Example:
+        >>> resolve_flush_every_k_chunks(RuntimeOptions(), preserves_cursor_order=False)
+        8
+        >>> resolve_flush_every_k_chunks(RuntimeOptions(), preserves_cursor_order=True)
+        0
+    """
     k = opts.flush_every_k_chunks
     if k is None:
         return 0 if preserves_cursor_order else AUTO_FLUSH_EVERY_K_CHUNKS
@@ -136,10 +263,35 @@ def resolve_flush_every_k_chunks(opts, preserves_cursor_order: bool) -> int:
 
 
 def resolve_dp_degree(opts) -> int:
+    """Number of data-parallel groups: ``dp_degree``, else ``world_size``.
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+
+    Returns:
+        An int >= 1.
+
+    Example:
+        >>> resolve_dp_degree(RuntimeOptions(world_size=4, global_rank=1))
+        4
+    """
     return opts.dp_degree if opts.dp_degree is not None else opts.world_size
 
 
 def resolve_dp_group_id(opts) -> int:
+    """This rank's data-parallel group: ``dp_group_id``, else
+    ``global_rank // (world_size // dp_degree)`` (consecutive ranks share a group).
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+
+    Returns:
+        An int, ``0 <= group < dp_degree``.
+
+    Example:
+        >>> resolve_dp_group_id(RuntimeOptions(world_size=4, global_rank=3, dp_degree=2))
+        1
+    """
     if opts.dp_group_id is not None:
         return opts.dp_group_id
     dp = resolve_dp_degree(opts)
@@ -149,12 +301,36 @@ def resolve_dp_group_id(opts) -> int:
 
 
 def resolve_canonical_replicas(opts) -> int:
+    """Number of canonical lanes C: ``canonical_replicas``, else ``dp_degree``.
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+
+    Returns:
+        An int >= 1.
+
+    Example:
+        >>> resolve_canonical_replicas(RuntimeOptions(world_size=2, global_rank=0))
+        2
+    """
     if opts.canonical_replicas is not None:
         return opts.canonical_replicas
     return resolve_dp_degree(opts)
 
 
 def resolve_mapping_strategy(opts) -> str:
+    """How lanes map to dp groups: ``mapping_strategy``, else ``"contiguous"``.
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+
+    Returns:
+        ``"contiguous"`` or ``"interleaved"``.
+
+    Example:
+        >>> resolve_mapping_strategy(RuntimeOptions())
+        'contiguous'
+    """
     return opts.mapping_strategy if opts.mapping_strategy is not None else "contiguous"
 
 
@@ -162,7 +338,18 @@ _URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
 
 def is_cloud_path(path: str | None) -> bool:
-    """True for a URL with a scheme other than ``file`` (``s3://``, ``gs://``, ...)."""
+    """True for a URL with a scheme other than ``file`` (``s3://``, ``gs://``, ...).
+
+    Args:
+        path: a path or URL, or None.
+
+    Returns:
+        A bool.
+
+    Example:
+        >>> [is_cloud_path(p) for p in ("s3://bucket/runs", "/tmp/runs", "file:///tmp")]
+        [True, False, False]
+    """
     if not path:
         return False
     match = _URL_SCHEME.match(path)
@@ -170,6 +357,20 @@ def is_cloud_path(path: str | None) -> bool:
 
 
 def resolve_aggregate_timeout_s(opts) -> float:
+    """Budget of one checkpoint exchange: ``aggregate_timeout_s``, raised to at least 90 s
+    when ``aggregate_dir`` is a cloud URL.
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+
+    Returns:
+        Seconds, a float > 0.
+
+    Example:
+        >>> opts = RuntimeOptions(aggregate_timeout_s=10.0, aggregate_dir="s3://bucket/agg")
+        >>> resolve_aggregate_timeout_s(opts)
+        90.0
+    """
     if is_cloud_path(opts.aggregate_dir):
         return max(CLOUD_AGGREGATE_MIN_TIMEOUT_S, opts.aggregate_timeout_s)
     return opts.aggregate_timeout_s
@@ -187,6 +388,24 @@ def resolve_stage_workers(opts, stage_parallelism: Sequence[int], *,
       fewer than one worker, so with more stages than workers the total exceeds
       ``max_workers`` by the number of stages bumped to one;
     - ``autotune``: not implemented (NotImplementedError naming the others).
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+        stage_parallelism: the summed ``parallelism`` of each stage's ops (ints >= 1).
+        cpu_count: the CPU count to assume (None: ``os.cpu_count()``).
+
+    Returns:
+        A list of ints >= 1, one per stage.
+
+    Raises:
+        ZephonConfigError: a parallelism below 1.
+        NotImplementedError: ``worker_allocation="autotune"``.
+
+    Example:
+        >>> resolve_stage_workers(RuntimeOptions(max_workers=4), [1, 8])
+        [1, 4]
+        >>> resolve_stage_workers(RuntimeOptions(max_workers=4, worker_allocation="global"), [1, 3])
+        [1, 3]
     """
     weights = [int(p) for p in stage_parallelism]
     if any(w < 1 for w in weights):
@@ -219,8 +438,22 @@ def resolve_stage_workers(opts, stage_parallelism: Sequence[int], *,
 
 
 def resolve_backend(policy) -> str:
-    """Effective jobs backend: ``ray`` when asked (it enforces a subject timeout by
-    cancelling the task); else ``process`` when asked or when a subject timeout is set."""
+    """The effective jobs backend of ``policy``.
+
+    ``ray`` when asked (a subject timeout is enforced by killing the Ray worker); else
+    ``process`` when asked or when a subject timeout is set (it cannot be enforced
+    in-process); else ``serial``.
+
+    Args:
+        policy: a :class:`~zephon.RunPolicy`.
+
+    Returns:
+        ``"serial"``, ``"process"`` or ``"ray"``.
+
+    Example:
+        >>> resolve_backend(RunPolicy()), resolve_backend(RunPolicy(subject_timeout_sec=None))
+        ('process', 'serial')
+    """
     if policy.backend == "ray":
         return "ray"
     if policy.backend == "process" or policy.subject_timeout_sec is not None:
@@ -229,7 +462,18 @@ def resolve_backend(policy) -> str:
 
 
 def backend_reason(policy) -> str:
-    """One sentence saying why :func:`resolve_backend` chose what it chose."""
+    """One sentence saying why :func:`resolve_backend` chose what it chose.
+
+    Args:
+        policy: a :class:`~zephon.RunPolicy`.
+
+    Returns:
+        A string (``JobRun.explain()`` shows it).
+
+    Example:
+        >>> backend_reason(RunPolicy(subject_timeout_sec=None))
+        "backend='serial' and no subject timeout"
+    """
     if policy.backend == "ray":
         if policy.subject_timeout_sec is not None:
             return ("backend='ray' was requested; subject_timeout_sec="
@@ -247,7 +491,17 @@ def backend_reason(policy) -> str:
 
 
 class ResolvedValue(NamedTuple):
-    """One resolved option: its value and where it came from."""
+    """One resolved option: its value and where it came from.
+
+    Attributes:
+        value: the value the engine uses.
+        source: ``"explicit"`` (set by the user), ``"derived"`` (computed from other
+            options) or ``"default"``.
+
+    Example:
+        >>> RuntimeOptions(max_workers=2).resolved()["max_workers"]
+        ResolvedValue(value=2, source='explicit')
+    """
 
     value: Any
     source: str  # "explicit" | "derived" | "default"
@@ -273,7 +527,20 @@ _DERIVED = {
 
 
 def resolve_all(opts, cpu_count: int | None = None) -> dict[str, ResolvedValue]:
-    """Every field of ``opts`` with its resolved value and provenance, in field order."""
+    """Every field of ``opts`` with its resolved value and provenance, in field order.
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+        cpu_count: the CPU count to assume (None: ``os.cpu_count()``).
+
+    Returns:
+        A dict: field name -> :class:`ResolvedValue` (``source`` is ``"explicit"``,
+        ``"derived"`` or ``"default"``).
+
+    Example:
+        >>> resolve_all(RuntimeOptions(max_workers=2))["prefetch_batches"]
+        ResolvedValue(value=8, source='derived')
+    """
     import dataclasses
 
     out: dict[str, ResolvedValue] = {}

@@ -1,8 +1,10 @@
 """RuntimeOptions: the execution knobs of a streaming pipeline.
 
 Every field here is a performance or operations knob: none of them may change
-the batch stream, except ``deterministic=False``, which trades order
-for throughput and says so in ``explain()``.
+the batch stream, except ``canonical_replicas`` (the number of lanes, recorded in
+every checkpoint), ``flush_every_k_chunks`` (where partial batches fall, part of
+the pipeline's fingerprint) and ``deterministic=False``, which trades order for
+throughput and says so in ``explain()``.
 
 Numeric knobs left at ``None`` are derived by the resolvers in
 :mod:`zephon.options.resolve`; ``resolved()`` shows each value and whether it
@@ -55,7 +57,24 @@ _AGGREGATE_STORE = r"torch://([A-Za-z0-9_.\-]+:[0-9]{1,5})?"
 @option_class
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RuntimeOptions(OptionsBase):
-    """How the engine runs a pipeline: runners, workers, queues, transport, ranks."""
+    """How the engine runs a pipeline: runners, workers, queues, transport, ranks.
+
+    Keyword arguments only; each is validated at construction (a
+    :class:`~zephon.errors.ZephonConfigError` names the field, the value and what is
+    allowed). None of them changes the batch stream except ``canonical_replicas`` (the
+    number of lanes C), ``flush_every_k_chunks`` (where partial batches fall) and
+    ``deterministic=False`` (completion order). Numeric knobs left at None are
+    derived (see :meth:`resolved`).
+
+    Example:
+        >>> opts = RuntimeOptions(runner="threads", max_workers=2)
+        >>> opts.resolved()["prefetch_batches"].value
+        8
+        >>> RuntimeOptions(max_workers=0)
+        Traceback (most recent call last):
+        ...
+        zephon.errors.ZephonConfigError: RuntimeOptions.max_workers: ...
+    """
 
     runner: str | None = option(
         None, check=Str(choices=RUNNERS, optional=True),
@@ -321,5 +340,17 @@ class RuntimeOptions(OptionsBase):
                                           f"({buffer}{source})")
 
     def resolved(self, cpu_count: int | None = None) -> dict[str, _r.ResolvedValue]:
-        """Each field's resolved value and provenance (explicit, derived or default)."""
+        """Each field's resolved value and provenance.
+
+        Args:
+            cpu_count: the CPU count to assume for derived values (None: this machine's).
+
+        Returns:
+            A dict: field name -> ``ResolvedValue(value, source)`` with ``source``
+            ``"explicit"``, ``"derived"`` or ``"default"``.
+
+        Example:
+            >>> RuntimeOptions().resolved(cpu_count=32)["max_workers"]
+            ResolvedValue(value=16, source='derived')
+        """
         return _r.resolve_all(self, cpu_count)

@@ -19,7 +19,17 @@ __all__ = ["StoreOptions"]
 @option_class
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreOptions(OptionsBase):
-    """I/O behaviour of sources: local caching of remote files and retries."""
+    """I/O behaviour of sources: local caching of remote files and retries.
+
+    Pass it as ``RuntimeOptions(io_options=...)`` (the reads while iterating) or as a
+    source constructor's ``io_options=`` (the reads made while building the source).
+    Keyword arguments only, validated at construction.
+
+    Example:
+        >>> io = StoreOptions(cache_enabled=True, cache_root="cache", cache_limit_bytes=1 << 30)
+        >>> RuntimeOptions(io_options=io).io_options.cache_limit_bytes
+        1073741824
+    """
 
     cache_enabled: bool = option(
         False, check=Bool(),

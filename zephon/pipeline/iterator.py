@@ -149,14 +149,34 @@ class _ClosingItems:
 
 
 class PipelineIterator:
-    """One run of a pipeline (see the module docstring).
+    """One run of a pipeline: what ``iter(pipe)`` returns (see the module docstring).
 
-    Example::
+    It yields the pipeline's items in stream order and owns the run: worker processes,
+    the prefetching thread, and the delivered position of every lane. It closes itself
+    at the end of the stream, when the consumer's code raises out of the loop, when it
+    is garbage-collected (a ``break`` out of a ``for`` loop), and at interpreter exit.
+    It is also a context manager (``with iter(pipe) as it:``).
 
-        it = iter(pipe)
-        first = next(it)
-        state = it.checkpoint()   # bytes: continue after ``first`` anywhere
-        it.close()
+    Args:
+        pipeline: the :class:`~zephon.Pipeline` to run; build the iterator with
+            ``iter(pipeline)`` rather than directly.
+        record: where the delivered positions are written (the pipeline keeps it, so
+            ``pipe.checkpoint()`` still answers after the run); its ``states`` are the
+            lane states the run starts from.
+
+    Attributes:
+        closed: True once the run is stopped.
+
+    Example:
+        >>> pipe = Pipeline(sources.from_sequence(list(range(5))), shuffle=False)
+        >>> with iter(pipe) as it:
+        ...     first = next(it)
+        ...     state = it.checkpoint()   # continue after ``first``, anywhere
+        >>> first, it.closed
+        (0, True)
+        >>> pipe.restore(state)
+        >>> list(pipe)
+        [1, 2, 3, 4]
     """
 
     def __init__(self, pipeline, record: RunRecord) -> None:
@@ -234,17 +254,55 @@ class PipelineIterator:
 
     # -- state -----------------------------------------------------------------------------
     def delivered(self) -> dict[int, tuple]:
-        """A copy of the delivered position of every lane that delivered something (lane id
-        -> lane state): what :meth:`checkpoint` saves now. A wrapper that hands items on
-        later than it takes them (a prefetching thread) keeps the copy taken with each
-        item and passes the one of the last item it handed on to ``checkpoint()``."""
+        """A copy of the delivered position of every lane that delivered something.
+
+        This is what :meth:`checkpoint` saves now. A wrapper that hands items on later
+        than it takes them (a prefetching thread) keeps the copy taken with each item and
+        passes the one of the last item it handed on to :meth:`checkpoint`.
+
+        Returns:
+            A dict: lane id -> lane state (a tuple of ints, the format of the checkpoint's
+            ``lanes`` entries).
+
+        Example:
+            >>> it = iter(Pipeline(sources.from_sequence(list(range(5))), shuffle=False))
+            >>> it.delivered()
+            {}
+            >>> _ = next(it)
+            >>> it.delivered()
+            {0: (0, 1, 1)}
+            >>> it.close()
+        """
         return dict(self.record.states)
 
     def checkpoint(self, delivered: dict[int, tuple] | None = None) -> bytes:
-        """The delivered position of every lane as checkpoint bytes (with several ranks,
-        every rank must call it: the ranks exchange their states and all return the same
-        merged bytes). ``delivered``: positions from :meth:`delivered` to save instead of
-        the current ones."""
+        """The delivered position of every lane as checkpoint bytes.
+
+        Only items handed over by ``next()`` count: items prefetched but not yet delivered
+        are produced again after a restore. With several ranks every rank must call it at
+        the same step: the ranks exchange their states (through ``aggregate_dir`` or
+        ``aggregate_store``) and all return the same merged bytes.
+
+        Args:
+            delivered: positions from :meth:`delivered` to save instead of the current ones
+                (None: the current ones).
+
+        Returns:
+            The checkpoint as bytes.
+
+        Raises:
+            CheckpointError: the multi-rank exchange failed.
+            AggregationTimeoutError: the exchange exceeded ``aggregate_timeout_s``.
+
+        Example:
+            >>> it = iter(Pipeline(sources.from_sequence(list(range(5))), shuffle=False))
+            >>> _ = next(it)
+            >>> earlier = it.delivered()
+            >>> _ = next(it)
+            >>> it.checkpoint(earlier) == it.checkpoint()
+            False
+            >>> it.close()
+        """
         from zephon.checkpoint import exchange_state
 
         states = self.record.states if delivered is None else delivered
@@ -252,22 +310,64 @@ class PipelineIterator:
         return exchange_state(local, self.plan.opts, self.pipeline._next_round())
 
     def restore(self, state: bytes) -> None:
-        """Continue exactly after the last item delivered when ``state`` was taken: the
-        current run stops and the next ``next()`` starts the restored one."""
+        """Continue exactly after the last item delivered when ``state`` was taken.
+
+        The current run stops (its workers are reaped) and the next ``next()`` starts the
+        restored one. The state may come from another runner, worker count or number of
+        ranks, with the same pipeline definition and number of canonical lanes.
+
+        Args:
+            state: checkpoint bytes from :meth:`checkpoint` or ``Pipeline.checkpoint()``.
+
+        Raises:
+            CheckpointError: the bytes are corrupt or do not fit this pipeline (checked
+                before anything is applied: the current run then goes on).
+
+        Example:
+            >>> it = iter(Pipeline(sources.from_sequence(list(range(5))), shuffle=False))
+            >>> state = it.checkpoint()      # nothing delivered yet: the start
+            >>> next(it), next(it)
+            (0, 1)
+            >>> it.restore(state)
+            >>> list(it)
+            [0, 1, 2, 3, 4]
+        """
         states = check_state(decode_state(state), self.plan, self.pipeline.fingerprint())
         self.close()
         self.record.states = states
         self._start()
 
     def stats(self) -> dict:
-        """Execution statistics of this run (empty when ``execution_tracking`` is off, and
-        in MTP mode, where they live in the subprocess)."""
+        """Execution statistics of this run.
+
+        Returns:
+            A dict snapshot of the run's counters (``RuntimeOptions.execution_tracking``);
+            empty when tracking is off, and in MTP mode, where they live in the subprocess.
+
+        Example:
+            >>> it = iter(Pipeline(sources.from_sequence([1, 2])))
+            >>> it.stats()
+            {}
+            >>> it.close()
+        """
         stats = self.record.stats
         return {} if stats is None else stats.snapshot()
 
     # -- shutdown --------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the run and reap every process it started (idempotent)."""
+        """Stop the run and reap every process it started (idempotent).
+
+        Items prefetched but not delivered are dropped; the delivered position stays
+        available to ``Pipeline.checkpoint()``. After ``close()`` the iterator is
+        exhausted (``next()`` raises StopIteration) unless :meth:`restore` restarts it.
+
+        Example:
+            >>> it = iter(Pipeline(sources.from_sequence([1, 2])))
+            >>> it.close()
+            >>> it.close()
+            >>> list(it)
+            []
+        """
         if self.closed:
             return
         self.closed = True

@@ -60,7 +60,23 @@ class Boundary(NamedTuple):
 
 
 class Batch(dict):
-    """A batch: ``{column: array or list}`` plus ``meta`` (lane, lane_index, sample_ids)."""
+    """A batch: ``{column: array or list}`` plus ``meta``.
+
+    What ``Pipeline.batch()`` produces: a dict whose columns are stacked arrays (where
+    the samples' shapes agree) or lists, with ``meta`` saying where it came from:
+    ``sample_ids`` (``(source, index, epoch)`` per sample), ``lane`` and
+    ``lane_index`` (the batch's position in its lane). It pickles with its ``meta``.
+
+    Args:
+        *args: as for ``dict``.
+        meta: the batch's metadata (None: empty).
+        **kwargs: as for ``dict``.
+
+    Example:
+        >>> b = zephon.Batch({"x": np.zeros((2, 3))}, meta={"lane": 0})
+        >>> b["x"].shape, b.meta["lane"]
+        ((2, 3), 0)
+    """
 
     def __init__(self, *args, meta: dict | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)

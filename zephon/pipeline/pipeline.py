@@ -36,7 +36,32 @@ __all__ = ["Pipeline"]
 
 
 class Pipeline:
-    """``Pipeline(source, seed=..., shuffle=..., chunk_size=..., num_epochs=...)`` then ops."""
+    """A pipeline definition: a source, then ops, then options; ``iter(pipe)`` runs it.
+
+    The stream a pipeline produces is a pure function of its definition (source, ops,
+    seed, chunking, epochs) and of the number of canonical lanes: runners, worker counts
+    and prefetch depths never change it. Every builder method returns a new pipeline.
+
+    Args:
+        source: a zephon source (``zephon.sources.*``).
+        seed: the seed of the epoch permutations and of every op's randomness (an int
+            >= 0).
+        shuffle: visit each epoch in a seeded permutation (True) or in source order.
+            (The ``shuffle(n)`` method is a different thing: a shuffle-buffer op.)
+        chunk_size: samples per chunk (an int >= 1): an epoch's order is cut into chunks
+            and chunk ``j`` goes to lane ``j mod C``.
+        num_epochs: epochs to run (an int >= 1), or None to run forever.
+
+    Raises:
+        ZephonConfigError: a value out of range or of the wrong type, naming it.
+
+    Example:
+        >>> pipe = Pipeline(sources.from_sequence(list(range(10))), seed=0, chunk_size=4)
+        >>> sorted(pipe) == list(range(10))
+        True
+        >>> list(Pipeline(sources.from_sequence([1, 2, 3]), shuffle=False))
+        [1, 2, 3]
+    """
 
     def __init__(self, source: Source, *, seed: int = 0, shuffle: bool = True,
                  chunk_size: int = 64, num_epochs: int | None = 1) -> None:
@@ -76,51 +101,180 @@ class Pipeline:
         return new
 
     def map(self, fn, parallelism: int = 1) -> "Pipeline":
-        """Apply ``fn(sample) -> sample`` (or ``fn(sample, ctx)``: ``ctx.rng`` is seeded from
-        the sample's identity) to every sample; ``parallelism`` is the number of workers
-        this op asks for (see ``RuntimeOptions.worker_allocation``).
+        """Apply ``fn`` to every sample.
 
-        Example: ``pipe.map(decode, parallelism=4)``."""
+        Args:
+            fn: ``fn(sample) -> sample``, or ``fn(sample, ctx) -> sample`` where ``ctx.rng``
+                is a NumPy Generator seeded from the pipeline seed and the sample's identity
+                (the same draw whatever runner or worker runs it). Must be picklable (module
+                level) for the process runner.
+            parallelism: the number of workers this op asks for (how it becomes a worker
+                count: ``RuntimeOptions.worker_allocation``). A stage whose ops ask for
+                more than one runs on the process runner unless ``RuntimeOptions.runner``
+                or ``per_stage_runner`` says otherwise.
+
+        Returns:
+            A new pipeline with the op appended.
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence([1, 2, 3]), shuffle=False)
+            >>> list(pipe.map(lambda x: x * 10))
+            [10, 20, 30]
+        """
         return self._with(O.MapOp(fn, parallelism))
 
     def filter(self, pred, parallelism: int = 1) -> "Pipeline":
-        """Keep the samples for which ``pred(sample)`` (or ``pred(sample, ctx)``) is true."""
+        """Keep the samples for which ``pred`` is true.
+
+        Args:
+            pred: ``pred(sample) -> bool`` or ``pred(sample, ctx) -> bool`` (``ctx.rng`` as
+                in :meth:`map`).
+            parallelism: the number of workers this op asks for.
+
+        Returns:
+            A new pipeline with the op appended.
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence(list(range(6))), shuffle=False)
+            >>> list(pipe.filter(lambda x: x % 2 == 0))
+            [0, 2, 4]
+        """
         return self._with(O.FilterOp(pred, parallelism))
 
     def map_batch(self, fn, parallelism: int = 1) -> "Pipeline":
-        """Apply ``fn(batch) -> batch`` to every batch (after ``batch()``); a dict result
-        becomes a :class:`~zephon.Batch` with the input's ``meta``."""
+        """Apply ``fn`` to every batch (place it after :meth:`batch`).
+
+        Args:
+            fn: ``fn(batch) -> batch``; a plain dict result becomes a
+                :class:`~zephon.Batch` carrying the input batch's ``meta``.
+            parallelism: the number of workers this op asks for.
+
+        Returns:
+            A new pipeline with the op appended.
+
+        Example:
+            >>> src = sources.from_callable(4, lambda i: {"x": np.full(2, i)})
+            >>> pipe = Pipeline(src, shuffle=False).batch(2).map_batch(lambda b: {"x": b["x"] * 2})
+            >>> [b["x"].tolist() for b in pipe]
+            [[[0, 0], [2, 2]], [[4, 4], [6, 6]]]
+        """
         return self._with(O.MapBatchOp(fn, parallelism))
 
     def shuffle(self, buffer_size: int) -> "Pipeline":
-        """A seeded shuffle buffer of ``buffer_size`` samples per lane (deterministic: its
-        seed comes from the pipeline seed, the lane and the flush boundary). It carries
-        history across samples, so a restore replays from the last flush boundary."""
+        """A seeded shuffle buffer of ``buffer_size`` samples per lane.
+
+        Deterministic: the buffer's seed comes from the pipeline seed, the lane and the
+        flush boundary. It carries history across samples, so the pipeline resumes by
+        replay: a restore re-reads from the last flush boundary
+        (``RuntimeOptions.flush_every_k_chunks``) and drops what was already delivered.
+
+        Args:
+            buffer_size: samples held per lane before one is released (an int >= 1).
+
+        Returns:
+            A new pipeline with the op appended.
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence(list(range(8))), shuffle=False)
+            >>> sorted(pipe.shuffle(4)) == list(range(8))
+            True
+        """
         return self._with(O.ShuffleOp(buffer_size))
 
     def batch(self, microbatch_size: int, drop_last: bool = False) -> "Pipeline":
-        """Collate dict samples into a :class:`~zephon.Batch` of ``microbatch_size``
-        (stacked arrays where shapes agree, lists otherwise). Batches never mix lanes; a
-        lane's partial batch is emitted at a flush boundary and at the end, or dropped
-        with ``drop_last=True``."""
+        """Collate samples into :class:`~zephon.Batch` objects of ``microbatch_size``.
+
+        Dict samples are collated per key: arrays and numbers whose shapes agree are
+        stacked, anything else becomes a list. A batch never mixes lanes; a lane's partial
+        batch is emitted at a flush boundary and at the end of the stream. Each batch's
+        ``meta`` holds ``sample_ids`` (``(source, index, epoch)`` per sample), ``lane`` and
+        ``lane_index``.
+
+        Args:
+            microbatch_size: samples per batch (an int >= 1).
+            drop_last: drop a lane's partial batches instead of emitting them.
+
+        Returns:
+            A new pipeline with the op appended.
+
+        Example:
+            >>> src = sources.from_callable(5, lambda i: {"x": np.arange(3) + i, "label": i})
+            >>> batches = list(Pipeline(src, shuffle=False).batch(2))
+            >>> batches[0]["x"].shape, batches[0]["label"].tolist(), len(batches)
+            ((2, 3), [0, 1], 3)
+            >>> len(list(Pipeline(src, shuffle=False).batch(2, drop_last=True)))
+            2
+        """
         return self._with(O.BatchOp(microbatch_size, drop_last))
 
     def pack_tokens(self, seq_len: int, field: str = "tokens") -> "Pipeline":
-        """Concatenate the ``field`` token arrays of consecutive samples and cut rows of
-        exactly ``seq_len`` tokens (the remainder at a flush boundary is dropped)."""
+        """Concatenate token arrays of consecutive samples and cut rows of ``seq_len``.
+
+        Each output sample is ``{field: ndarray[seq_len]}``; the tokens left over at a
+        flush boundary (and at the end) are dropped. Like :meth:`shuffle` it carries history,
+        so the pipeline resumes by replay.
+
+        Args:
+            seq_len: tokens per output row (an int >= 1).
+            field: the key of the token array in each input sample.
+
+        Returns:
+            A new pipeline with the op appended.
+
+        Example:
+            >>> src = sources.from_callable(3, lambda i: {"tokens": np.arange(5) + 10 * i})
+            >>> rows = list(Pipeline(src, shuffle=False).pack_tokens(4))
+            >>> [r["tokens"].tolist() for r in rows]
+            [[0, 1, 2, 3], [4, 10, 11, 12], [13, 14, 20, 21]]
+        """
         return self._with(O.PackTokensOp(seq_len, field))
 
     def options(self, opts: RuntimeOptions) -> "Pipeline":
-        """The same pipeline run with ``opts`` (runners, workers, queues, ranks): options
-        never change the stream, only how it is produced."""
+        """The same pipeline, run with ``opts``.
+
+        Options say how the stream is produced (runners, workers, queues, transport, ranks,
+        checkpoint exchange), not what it is: the same definition gives the same batches
+        under any runner, worker count or queue depth. Three options do define the
+        stream: ``canonical_replicas`` (the number of lanes), ``flush_every_k_chunks``
+        (where partial batches fall) and ``deterministic=False`` (completion order).
+
+        Args:
+            opts: a :class:`~zephon.RuntimeOptions`.
+
+        Returns:
+            A new pipeline carrying ``opts``.
+
+        Raises:
+            ZephonConfigError: ``opts`` is not a RuntimeOptions.
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence(list(range(6))), seed=1)
+            >>> threaded = pipe.options(RuntimeOptions(runner="threads", max_workers=2))
+            >>> list(threaded) == list(pipe)
+            True
+        """
         if not isinstance(opts, RuntimeOptions):
             raise ZephonConfigError(f"options() takes a RuntimeOptions, got {type(opts).__name__}")
         return self._with(runtime=opts)
 
     # -- plan ----------------------------------------------------------------------------
     def fingerprint(self) -> str:
-        """A hash of what defines the stream: source, ops, seed, chunking, epochs and the
-        flush cadence (a checkpoint restores only into a pipeline with the same one)."""
+        """A hash of what defines the stream.
+
+        It covers the source's description, the ops, the seed, the ``shuffle`` flag,
+        ``chunk_size``, ``num_epochs`` and the flush cadence; a checkpoint restores only
+        into a pipeline with the same fingerprint.
+
+        Returns:
+            A 64-character hex string (SHA-256).
+
+        Example:
+            >>> a = Pipeline(sources.from_sequence([1, 2]), seed=0)
+            >>> a.fingerprint() == Pipeline(sources.from_sequence([1, 2]), seed=0).fingerprint()
+            True
+            >>> a.fingerprint() == a.map(abs).fingerprint()
+            False
+        """
         if self._fingerprint is None:
             plan = self.plan()
             parts = [plan.pipeline.source.describe(), f"seed={self.seed}",
@@ -132,9 +286,21 @@ class Pipeline:
         return self._fingerprint
 
     def plan(self) -> Plan:
-        """The resolved plan, computed once: a pipeline's definition never changes (every
-        builder method returns a new pipeline), while a plan can be costly (a mixture
-        under ``mixture_config`` recomputes its schedule)."""
+        """The resolved plan, computed once per pipeline.
+
+        A pipeline's definition never changes (every builder method returns a new
+        pipeline), while resolving can be costly (a mixture under ``mixture_config``
+        recomputes its schedule), so the plan is cached.
+
+        Returns:
+            The :class:`~zephon.pipeline.engine.Plan`: lanes, stages, runners, worker counts
+            and queue depths (``plan().explain()`` prints it).
+
+        Example:
+            >>> plan = Pipeline(sources.from_sequence([1, 2])).plan()
+            >>> plan.runners
+            {'inline'}
+        """
         if self._plan is None:
             # A snapshot without run state: the engine (held by a live pump thread) must
             # not keep this object, and through it the run, from being collected.
@@ -142,7 +308,18 @@ class Pipeline:
         return self._plan
 
     def explain(self) -> str:
-        """The resolved plan as text: lanes, order, resume, stages, runners and workers."""
+        """The resolved plan as text.
+
+        Returns:
+            Lines describing the lanes and which this rank owns, the order, how a restore
+            resumes (cursor or replay), the flush cadence, and each stage's ops, runner,
+            workers and queue depths.
+
+        Example:
+            >>> text = Pipeline(sources.from_sequence([1, 2])).map(abs).explain()
+            >>> "stage 0: read, map(abs)" in text
+            True
+        """
         return self.plan().explain()
 
     def _spec(self) -> "Pipeline":
@@ -151,9 +328,28 @@ class Pipeline:
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> PipelineIterator:
-        """Start a run and return its iterator: from the start of the stream, or from the
-        state given to :meth:`restore` since the last ``iter()``. Runs are independent: an
-        earlier iterator goes on (and is closed when it is dropped or exhausted)."""
+        """Start a run and return its iterator.
+
+        The run starts at the beginning of the stream, or from the state given to
+        :meth:`restore` since the last ``iter()``. Runs are independent: an earlier
+        iterator goes on (and is closed when it is dropped or exhausted). Worker processes
+        start booting here while the ops are checked on the first sample
+        (``RuntimeOptions.auto_validation``).
+
+        Returns:
+            A :class:`~zephon.pipeline.iterator.PipelineIterator` that owns the run.
+
+        Raises:
+            ValidationError: with ``auto_validation="strict"``, an op fails the checks run
+                on the first sample: it cannot be pickled for a process stage (or MTP
+                mode), it is not deterministic, or it mutates its input.
+
+        Example:
+            >>> it = iter(Pipeline(sources.from_sequence([1, 2, 3]), shuffle=False))
+            >>> next(it), next(it)
+            (1, 2)
+            >>> it.close()
+        """
         refuse_in_spawn_bootstrap("iterating a zephon Pipeline")
         plan = self.plan()
         validate(plan, "pickle")  # before any worker process exists
@@ -178,7 +374,15 @@ class Pipeline:
         return None
 
     def close(self) -> None:
-        """Close every run of this pipeline that is still going."""
+        """Close every run of this pipeline that is still going (idempotent).
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence([1, 2, 3]))
+            >>> it = iter(pipe)
+            >>> pipe.close()
+            >>> it.closed
+            True
+        """
         for ref in self._runs:
             it = ref()
             if it is not None:
@@ -186,15 +390,31 @@ class Pipeline:
         self._runs = []
 
     def stats(self) -> dict:
-        """Execution statistics of the latest run (``execution_tracking``; empty when it is
-        off, and in MTP mode, where they live in the subprocess)."""
+        """Execution statistics of the latest run.
+
+        Returns:
+            A dict snapshot of the latest run's counters (see
+            ``RuntimeOptions.execution_tracking``); empty when tracking is off, and in MTP
+            mode, where the statistics live in the subprocess.
+
+        Example:
+            >>> Pipeline(sources.from_sequence([1, 2])).stats()
+            {}
+        """
         stats = self._record.stats
         return {} if stats is None else stats.snapshot()
 
     @property
     def final_state(self) -> bytes | None:
-        """With ``mtp_mode`` and ``mtp_auto_checkpoint``: the checkpoint taken when the last
-        run reached the end of its stream."""
+        """The checkpoint taken when the latest run reached the end of its stream.
+
+        Set only with ``mtp_mode`` and ``mtp_auto_checkpoint``; None otherwise, and until
+        a run ends.
+
+        Example:
+            >>> Pipeline(sources.from_sequence([1, 2])).final_state is None
+            True
+        """
         return self._record.final_state
 
     def _next_round(self) -> int:
@@ -204,10 +424,36 @@ class Pipeline:
 
     # -- checkpoint ------------------------------------------------------------------------
     def checkpoint(self) -> bytes:
-        """The delivered position as checkpoint bytes: of the state given to :meth:`restore`
-        if no run started since, else of the latest run still going, else of the latest run
-        (with several ranks every rank must call it). When a pipeline runs several
-        iterators at once, call ``it.checkpoint()`` on the one you mean."""
+        """The delivered position as checkpoint bytes (a shortcut for ``it.checkpoint()``).
+
+        It saves the state given to :meth:`restore` if no run started since; else the
+        delivered position of the latest run still going; else that of the latest run.
+        Only items handed to the consumer count. With several ranks every rank must call
+        it at the same step: the ranks exchange their states and all return the same
+        merged bytes. When a pipeline runs several iterators at once, call
+        ``it.checkpoint()`` on the one you mean.
+
+        Returns:
+            The checkpoint as bytes (a versioned, checksummed envelope).
+
+        Raises:
+            ZephonConfigError: several ranks but neither ``aggregate_dir`` nor
+                ``aggregate_store``.
+            CheckpointError: the multi-rank exchange failed (states in disagreement, a
+                medium failing mid-round).
+            AggregationTimeoutError: a rank did not take part within
+                ``aggregate_timeout_s`` (named).
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence(list(range(10))), seed=3, chunk_size=2)
+            >>> for _, x in zip(range(4), pipe):
+            ...     pass
+            >>> state = pipe.checkpoint()
+            >>> again = Pipeline(sources.from_sequence(list(range(10))), seed=3, chunk_size=2)
+            >>> again.restore(state)
+            >>> list(again) == list(pipe)[4:]
+            True
+        """
         if self._pending is not None:
             return PipelineIterator.checkpoint(_Detached(self, RunRecord(self._pending)))
         current = self._live()
@@ -216,9 +462,32 @@ class Pipeline:
         return PipelineIterator.checkpoint(_Detached(self, self._record))
 
     def restore(self, state: bytes) -> None:
-        """Continue exactly after the last item delivered when ``state`` was taken: the
-        latest run still going restarts from it; if none is going, the next ``iter(pipe)``
-        starts there."""
+        """Continue exactly after the last item delivered when ``state`` was taken.
+
+        If a run of this pipeline is still going, it restarts from ``state``; otherwise
+        the next ``iter(pipe)`` starts there. The state may come from any runner, worker
+        count or number of ranks, as long as the definition (:meth:`fingerprint`) and the
+        number of canonical lanes are the same.
+
+        Args:
+            state: bytes from :meth:`checkpoint` (or ``it.checkpoint()``).
+
+        Raises:
+            CheckpointError: the bytes are corrupt, of another format version, or do not
+                fit this pipeline (another fingerprint, lane count, or positions out of
+                range), naming what differs. Nothing is applied then.
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence(list(range(6))), shuffle=False)
+            >>> it = iter(pipe)
+            >>> next(it), next(it)
+            (0, 1)
+            >>> state = it.checkpoint()
+            >>> it.close()
+            >>> pipe.restore(state)
+            >>> list(pipe)
+            [2, 3, 4, 5]
+        """
         current = self._live()
         if current is not None:
             current.restore(state)

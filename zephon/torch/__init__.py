@@ -39,14 +39,22 @@ def loader(pipe, *, pin_memory: bool = False, prefetch: int = 2) -> "TorchLoader
         pin_memory: pin numeric columns in page-locked memory on a background thread
             (only where an accelerator is available; otherwise a warning, and the
             batches are returned unpinned).
-        prefetch: batches the pinning thread may prepare ahead (``pin_memory`` only).
+        prefetch: batches the pinning thread may prepare ahead (an int >= 1;
+            ``pin_memory`` only).
 
     Returns:
         A :class:`TorchLoader`; iterate it, and checkpoint it with ``state_dict()``.
 
+    Raises:
+        ImportError: torch is missing (``pip install "zephon[torch]"``).
+        ZephonConfigError: ``pipe`` is not a Pipeline, or a bad ``pin_memory`` or
+            ``prefetch``.
+
     Example:
-        >>> for batch in zephon.torch.loader(pipe):
-        ...     loss = model(batch["tokens"])
+        >>> src = sources.from_callable(6, lambda i: {"x": np.full(3, i, dtype=np.float32)})
+        >>> loader = zephon.torch.loader(Pipeline(src, shuffle=False).batch(2))
+        >>> [type(b["x"]).__name__ for b in loader]
+        ['Tensor', 'Tensor', 'Tensor']
     """
     from zephon.torch._loader import TorchLoader
 
@@ -58,8 +66,27 @@ def dataset(pipe, *, pin_memory: bool = False):
 
     Use it with ``DataLoader(ds, batch_size=None, num_workers=0)``: zephon batches
     already, and runs its own workers (``RuntimeOptions(runner="process",
-    max_workers=N)``); ``num_workers > 0`` raises a ZephonConfigError saying so.
-    The dataset has ``state_dict()`` / ``load_state_dict()`` like :class:`TorchLoader`.
+    max_workers=N)``); iterating it in a DataLoader worker (``num_workers > 0``) raises
+    a ZephonConfigError saying so. The dataset has ``state_dict()`` /
+    ``load_state_dict()`` like :class:`TorchLoader`.
+
+    Args:
+        pipe: the pipeline, options included.
+        pin_memory: as in :func:`loader`.
+
+    Returns:
+        A ``PipelineDataset`` (an ``IterableDataset``).
+
+    Raises:
+        ImportError: torch is missing (``pip install "zephon[torch]"``).
+
+    Example:
+        >>> import torch
+        >>> src = sources.from_callable(4, lambda i: {"x": np.full(2, i)})
+        >>> ds = zephon.torch.dataset(Pipeline(src, shuffle=False).batch(2))
+        >>> dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)
+        >>> [b["x"].tolist() for b in dl]
+        [[[0, 0], [1, 1]], [[2, 2], [3, 3]]]
     """
     from zephon.torch._dataset import PipelineDataset
 
@@ -67,9 +94,28 @@ def dataset(pipe, *, pin_memory: bool = False):
 
 
 def to_torch(batch):
-    """A zephon Batch with every numeric numpy column as a tensor sharing its memory
-    (``torch.from_numpy``: the arena region stays leased while the tensor lives); other
-    columns untouched; ``.meta`` kept."""
+    """A zephon Batch with every numeric NumPy column as a tensor sharing its memory.
+
+    ``torch.from_numpy`` makes the tensor, so a shared-memory region stays leased
+    while a tensor over it lives. Other columns (lists, strings, object arrays) are
+    left as they are; ``.meta`` is kept. An array torch cannot view (negative
+    strides, a non-native byte order) becomes a tensor of a copy.
+
+    Args:
+        batch: a :class:`~zephon.Batch` or dict of columns, or a single array.
+
+    Returns:
+        A :class:`~zephon.Batch` (for a dict) or a tensor (for a numeric array), else
+        ``batch`` unchanged.
+
+    Raises:
+        ImportError: torch is missing (``pip install "zephon[torch]"``).
+
+    Example:
+        >>> out = zephon.torch.to_torch({"x": np.arange(3), "name": ["a", "b", "c"]})
+        >>> type(out["x"]).__name__, out["name"]
+        ('Tensor', ['a', 'b', 'c'])
+    """
     from zephon.torch._convert import to_torch as convert
 
     return convert(batch)

@@ -19,9 +19,20 @@ __all__ = ["PipelineDataset"]
 
 
 class PipelineDataset(torch.utils.data.IterableDataset):
-    """Iterates the pipeline's batches as tensors; ``state_dict()``/``load_state_dict()``
-    as :class:`~zephon.torch._loader.TorchLoader`. Build it with
-    :func:`zephon.torch.dataset`."""
+    """Iterates the pipeline's batches as tensors, for code that needs a Dataset.
+
+    Build it with :func:`zephon.torch.dataset` and hand it to
+    ``DataLoader(ds, batch_size=None, num_workers=0)``.
+
+    Args:
+        pipe: the zephon Pipeline, options included.
+        pin_memory: pin numeric columns on a background thread.
+
+    Example:
+        >>> ds = zephon.torch.dataset(Pipeline(sources.from_sequence([1, 2]), shuffle=False))
+        >>> list(ds)
+        [1, 2]
+    """
 
     def __init__(self, pipe, *, pin_memory: bool = False) -> None:
         super().__init__()
@@ -38,7 +49,33 @@ class PipelineDataset(torch.utils.data.IterableDataset):
         return iter(self.loader)
 
     def state_dict(self) -> dict:
+        """The position after the last batch handed out, as :meth:`TorchLoader.state_dict`.
+
+        Returns:
+            ``{"zephon_checkpoint": bytes}``.
+
+        Example:
+            >>> ds = zephon.torch.dataset(Pipeline(sources.from_sequence([1, 2])))
+            >>> list(ds.state_dict())
+            ['zephon_checkpoint']
+        """
         return self.loader.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Continue after the batches recorded in ``state_dict``, as
+        :meth:`TorchLoader.load_state_dict`.
+
+        Args:
+            state_dict: the dict :meth:`state_dict` returned.
+
+        Raises:
+            CheckpointError: not such a dict, or a checkpoint that does not fit.
+
+        Example:
+            >>> ds = zephon.torch.dataset(Pipeline(sources.from_sequence([1, 2]), shuffle=False))
+            >>> state = ds.state_dict()
+            >>> ds.load_state_dict(state)
+            >>> list(ds)
+            [1, 2]
+        """
         self.loader.load_state_dict(state_dict)

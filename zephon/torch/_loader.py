@@ -89,11 +89,35 @@ def _prefetch(items, pipe, pin, out: queue.Queue, stop: threading.Event) -> None
 
 
 class TorchLoader:
-    """Batches of ``pipe`` as torch tensors; Stateful (``state_dict``/``load_state_dict``).
+    """Batches of ``pipe`` as torch tensors, with the Stateful protocol.
 
     Build it with :func:`zephon.torch.loader`. Iterating yields zephon Batches
     (dicts with ``.meta``) whose numeric columns are tensors sharing the arena's
-    memory.
+    memory. ``iter(loader)`` goes on with the run in progress, if any (a loop left
+    early continues where it stopped), else starts a new run of the pipeline (from the
+    start, or after a loaded state). Only batches handed to the caller count for
+    :meth:`state_dict`.
+
+    Args:
+        pipe: the zephon Pipeline, options included.
+        pin_memory: pin numeric columns on a background thread (see
+            :func:`zephon.torch.loader`).
+        prefetch: batches the pinning thread may prepare ahead (an int >= 1).
+
+    Raises:
+        ImportError: torch is missing.
+        ZephonConfigError: ``pipe`` is not a Pipeline, or a bad ``pin_memory`` or
+            ``prefetch``.
+
+    Example:
+        >>> src = sources.from_sequence([{"x": np.float32(i)} for i in range(6)])
+        >>> loader = zephon.torch.loader(Pipeline(src, shuffle=False).batch(2))
+        >>> first = next(iter(loader))
+        >>> ckpt = {"data": loader.state_dict()}
+        >>> rest = [b["x"].tolist() for b in loader]
+        >>> loader.load_state_dict(ckpt["data"])
+        >>> [b["x"].tolist() for b in loader] == rest
+        True
     """
 
     def __init__(self, pipe, *, pin_memory: bool = False, prefetch: int = 2) -> None:
@@ -161,7 +185,15 @@ class TorchLoader:
 
         The thread is stopped first, while the run still produces, so a thread waiting
         for the pipeline's next batch gets it, sees the stop flag and ends; then the run
-        closes (its workers are reaped)."""
+        closes (its workers are reaped). :meth:`state_dict` still answers afterwards.
+
+        Example:
+            >>> loader = zephon.torch.loader(Pipeline(sources.from_sequence([1, 2])))
+            >>> next(iter(loader))
+            1
+            >>> loader.close()
+            >>> loader.close()
+        """
         if self._thread is not None:
             self._stop.set()
             deadline = time.monotonic() + _JOIN_TIMEOUT_S  # a stalled op: give up, close
@@ -186,8 +218,30 @@ class TorchLoader:
 
     # -- Stateful ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """``{"zephon_checkpoint": bytes}``: the position after the last batch this loader
-        handed out (collective: every rank calls it at the same step)."""
+        """The position after the last batch this loader handed out.
+
+        Collective across ranks, like ``Pipeline.checkpoint()``: every rank calls it at
+        the same step. Batches prefetched by the pinning thread but not handed out are not
+        counted (they come again after a restore).
+
+        Returns:
+            ``{"zephon_checkpoint": bytes}``: ``torch.save`` stores it (and
+            ``torch.load(weights_only=True)`` reads it back); ``torch.distributed.checkpoint``
+            stores it as a replicated object.
+
+        Raises:
+            CheckpointError: the multi-rank exchange failed.
+            AggregationTimeoutError: the exchange exceeded ``aggregate_timeout_s``.
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence([1, 2, 3]), shuffle=False)
+        >>> loader = zephon.torch.loader(pipe)
+            >>> next(iter(loader))
+            1
+            >>> sorted(loader.state_dict())
+            ['zephon_checkpoint']
+            >>> loader.close()
+        """
         it = self._it if self._it is not None else self._last_it
         if it is not None and self._pinned_run:
             state = it.checkpoint(self._delivered)  # what the loop got, not the prefetch
@@ -198,8 +252,30 @@ class TorchLoader:
         return {STATE_KEY: state}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Continue after the batches recorded in ``state_dict`` (from :meth:`state_dict`,
-        possibly saved by another number of ranks or another runner)."""
+        """Continue after the batches recorded in ``state_dict``.
+
+        The state may come from another number of ranks or another runner. It is checked
+        before anything changes: a refused state leaves the loader as it was. Otherwise the
+        current run closes and the next iteration starts from the state.
+
+        Args:
+            state_dict: the dict :meth:`state_dict` returned (its bytes may have become a
+                uint8 tensor through ``torch.distributed.checkpoint``).
+
+        Raises:
+            CheckpointError: not such a dict, a tensor of another dtype, or a checkpoint
+                that is corrupt or does not fit this pipeline.
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence([1, 2, 3]), shuffle=False)
+            >>> loader = zephon.torch.loader(pipe)
+            >>> state = loader.state_dict()             # before any batch: the start
+            >>> next(iter(loader)), next(iter(loader))
+            (1, 2)
+            >>> loader.load_state_dict(state)
+            >>> list(loader)
+            [1, 2, 3]
+        """
         if not isinstance(state_dict, dict) or STATE_KEY not in state_dict:
             raise CheckpointError(
                 f"load_state_dict expects the dict state_dict() returned (with key "

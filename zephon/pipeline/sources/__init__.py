@@ -58,13 +58,47 @@ def _io(io_options) -> IoConfig:
 
 
 def from_sequence(items: Sequence[Any], *, name: str = "sequence") -> Source:
-    """A source over an in-memory sequence; sample ``i`` is ``items[i]``."""
+    """A source over an in-memory sequence: sample ``i`` is ``items[i]``.
+
+    The sequence is pickled once into every worker process of a process stage, so keep
+    it small (or use :func:`from_callable` to load samples where they are read).
+
+    Args:
+        items: a list, tuple, NumPy array or any sequence with ``len`` and indexing.
+        name: the source's name, the first part of every sample identity
+            ``(name, index, epoch)``.
+
+    Returns:
+        A :class:`Source` of ``len(items)`` samples.
+
+    Example:
+        >>> src = sources.from_sequence(["a", "b", "c"])
+        >>> len(src), src.get(1), src.identity(1)
+        (3, 'b', ('sequence', 1))
+    """
     return SequenceSource(items, name)
 
 
 def from_callable(n: int, fn: Callable[[int], Any], *, name: str = "callable") -> Source:
-    """A map-style source: sample ``i`` is ``fn(i)`` for ``0 <= i < n`` (``fn`` must be
-    deterministic and, for the process runner, picklable)."""
+    """A map-style source: sample ``i`` is ``fn(i)`` for ``0 <= i < n``.
+
+    Args:
+        n: the number of samples (an int >= 0).
+        fn: ``fn(i) -> sample``; it must be deterministic (a restore reads samples
+            again), and picklable (module level) for the process runner.
+        name: the source's name, the first part of every sample identity.
+
+    Returns:
+        A :class:`Source` of ``n`` samples.
+
+    Raises:
+        ZephonConfigError: ``n`` is not an int >= 0, or ``fn`` is not callable.
+
+    Example:
+        >>> src = sources.from_callable(4, lambda i: {"x": np.full(2, i)})
+        >>> len(src), src.get(3)["x"].tolist()
+        (4, [3, 3])
+    """
     return CallableSource(n, fn, name)
 
 
@@ -73,33 +107,72 @@ def token_windows(path: str, seq_len: int, dtype: str | None = "uint16", *,
                   storage_options: dict | None = None) -> Source:
     """Windows of ``seq_len`` tokens over one flat token file.
 
+    Sample ``i`` is ``{"tokens": tokens[i * seq_len:(i + 1) * seq_len]}``; a trailing
+    partial window is not a sample. Each reading process maps or reads the file
+    lazily.
+
     Args:
         path: a ``.bin`` file of raw tokens or a ``.npy`` 1-D array; local, ``file://``
             or an fsspec URL (``s3://bucket/train.bin``).
         seq_len: tokens per sample.
         dtype: ``"uint16"`` (default) or ``"uint32"`` (also int32/int64/uint8); for a
             ``.npy`` file None takes the file's dtype.
-        io_options: a :class:`~zephon.StoreOptions` for the reads made while building
-            (the pipeline's ``io_options`` govern the reads while iterating).
+        name: the source's name, the first part of every sample identity.
+        io_options: a :class:`~zephon.StoreOptions` (caching, retries, timeouts) for the
+            reads made while building the source; while iterating, the pipeline's
+            ``RuntimeOptions.io_options`` govern. None: the defaults.
         storage_options: fsspec options for remote paths (endpoint, credentials).
 
-    Returns: a source whose sample ``i`` is ``{"tokens": ndarray[seq_len]}``.
+    Returns:
+        A :class:`Source` whose sample ``i`` is ``{"tokens": ndarray[seq_len]}``.
 
-    Example::
+    Raises:
+        SourceError: the file is missing or unreadable, the path matches several
+            files, a ``.npy`` file is not a 1-D C-order array or holds another dtype
+            than ``dtype``.
 
-        src = sources.token_windows("train.bin", seq_len=1024, dtype="uint32")
+    Example:
+        >>> np.arange(10, dtype=np.uint16).tofile("train.bin")
+        >>> src = sources.token_windows("train.bin", seq_len=4)
+        >>> len(src), src.get(1)["tokens"].tolist()
+        (2, [4, 5, 6, 7])
     """
     return TokenWindows(path, seq_len, dtype, name, _io(io_options), storage_options)
 
 
 def jsonl(paths: str | Sequence[str], *, name: str = "jsonl", io_options=None,
           storage_options: dict | None = None) -> Source:
-    """One dict per non-blank line over files, globs, directories or fsspec URLs
-    (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``); see :mod:`.jsonl`.
+    """One dict per non-blank JSON line over one or more files.
 
-    Example::
+    The files are read once when the source is built, to index their lines: sample
+    ``i`` is the ``i``-th non-blank line over all files, its identity the file and line.
+    Compressed files (``.jsonl.gz``, ``.jsonl.zst``) are held decompressed in memory by
+    each reading process.
 
-        src = sources.jsonl("data/*.jsonl.zst")
+    Args:
+        paths: a path, glob (sorted), directory (its ``*.jsonl*`` files) or fsspec URL,
+            or a list of them.
+        name: the source's name, the first part of every sample identity.
+        io_options: a :class:`~zephon.StoreOptions` (caching, retries, timeouts) for the
+            reads made while building the source; while iterating, the pipeline's
+            ``RuntimeOptions.io_options`` govern. None: the defaults.
+        storage_options: fsspec options for remote paths (endpoint, credentials).
+
+    Returns:
+        A :class:`Source` whose sample ``i`` is the parsed line.
+
+    Raises:
+        SourceError: no file matches, or a file cannot be read; a bad line raises it
+            when read, naming the file and the line.
+
+    Example:
+        >>> with open("part-0.jsonl", "w") as f:
+        ...     print('{"stars": 3}', file=f)
+        ...     print('', file=f)
+        ...     print('{"stars": 5}', file=f)
+        >>> src = sources.jsonl("part-*.jsonl")
+        >>> len(src), src.get(1)
+        (2, {'stars': 5})
     """
     return JsonlSource(paths, name, _io(io_options), storage_options)
 
@@ -110,22 +183,39 @@ def parquet(paths: str | Sequence[str], columns: Sequence[str] | None = None, *,
             storage_options: dict | None = None) -> Source:
     """One dict ``{column: value}`` per row over Parquet files (``parquet`` extra).
 
+    Rows are read at random through the files' footers; each process keeps a budget
+    of decoded row groups, so neighbouring rows cost one decode. Values: numeric and
+    boolean columns give NumPy scalars, list-of-numeric columns NumPy arrays (views of
+    the decoded row group), strings ``str``, binaries ``bytes``, other types their
+    Python value (``to_pylist``); nulls give None. A ``read -> batch`` stage reads a
+    whole micro-batch in one vectorised read.
+
     Args:
         paths: files, globs (sorted), directories (their ``*.parquet``) or fsspec URLs.
         columns: the columns to read (None: all).
+        name: the source's name, the first part of every sample identity.
         shuffle: visit row groups in a seeded order and rows in a seeded order within
-            each row group: a shuffled stream that still reads each row group once
+            each row group: a shuffled stream that still decodes each row group once
             (combine with ``Pipeline(..., shuffle=False)`` and a ``.shuffle(n)`` op).
         seed: the seed of that order.
         row_group_cache_bytes: per-process budget of decoded row groups (LRU).
+        io_options: a :class:`~zephon.StoreOptions` (caching, retries, timeouts) for the
+            reads made while building the source; while iterating, the pipeline's
+            ``RuntimeOptions.io_options`` govern. None: the defaults.
+        storage_options: fsspec options for remote paths (endpoint, credentials).
 
-    Values: numeric and boolean columns give numpy scalars, list-of-numeric columns
-    numpy arrays (views of the decoded row group), strings ``str``, binaries
-    ``bytes``, other types their Python value (``to_pylist``). Nulls give None.
+    Returns:
+        A :class:`Source` of one sample per row.
 
-    Example::
+    Raises:
+        SourceError: pyarrow is missing (the message names ``pip install
+            "zephon[parquet]"``), no file matches, a footer is corrupt, or a column is missing; a
+            corrupt row group raises it when read, naming the file and the row group.
 
-        src = sources.parquet("corpus/*.parquet", columns=["text", "score"])
+    Example:
+        >>> src = sources.parquet("corpus/*.parquet", columns=["text", "score"])  # doctest: +SKIP
+        >>> src.get(0)  # doctest: +SKIP
+        {'text': 'first row', 'score': 0.5}
     """
     return ParquetSource(paths, columns, name, shuffle, seed, row_group_cache_bytes,
                          _io(io_options), storage_options)
@@ -133,33 +223,105 @@ def parquet(paths: str | Sequence[str], columns: Sequence[str] | None = None, *,
 
 def webdataset(shards: str | Sequence[str], *, name: str = "webdataset", io_options=None,
                storage_options: dict | None = None) -> Source:
-    """WebDataset tar shards: the members sharing a key (``000123.jpg``,
-    ``000123.json``) form one sample ``{"__key__": key, "jpg": bytes, "json": bytes}``
-    (decode with ``.map``). Each shard is indexed once when the source is built
-    (cached beside the shard in the cache when it is enabled), so any sample is one
-    positional read.
+    """Samples from WebDataset tar shards, with random access.
 
-    Example::
+    The members sharing a key (``000123.jpg``, ``000123.json``) form one sample
+    ``{"__key__": key, "jpg": bytes, "json": bytes}`` (the field is the extension after
+    the first dot; decode with ``.map``). Each shard's headers are scanned once when
+    the source is built (with the cache enabled, the index is kept beside a cached
+    remote shard), so reading any sample is one positional read.
 
-        src = sources.webdataset("shards/train-{000..009}.tar")  # or a glob / list
+    Args:
+        shards: a path, glob, brace pattern (``train-{000..009}.tar``), directory (its
+            ``*.tar``) or fsspec URL, or a list of them.
+        name: the source's name, the first part of every sample identity.
+        io_options: a :class:`~zephon.StoreOptions` (caching, retries, timeouts) for the
+            reads made while building the source; while iterating, the pipeline's
+            ``RuntimeOptions.io_options`` govern. None: the defaults.
+        storage_options: fsspec options for remote paths (endpoint, credentials).
+
+    Returns:
+        A :class:`Source` of one sample per key.
+
+    Raises:
+        SourceError: no shard matches or a tar header is corrupt (naming the shard and
+            member); a shard truncated after building raises it when read.
+
+    Example:
+        >>> import io, tarfile
+        >>> with tarfile.open("shard-000.tar", "w") as tar:
+        ...     for name, data in [("a.txt", b"hello"), ("a.cls", b"1"), ("b.txt", b"bye")]:
+        ...         info = tarfile.TarInfo(name)
+        ...         info.size = len(data)
+        ...         tar.addfile(info, io.BytesIO(data))
+        >>> src = sources.webdataset("shard-{000..000}.tar")
+        >>> len(src), src.get(0)
+        (2, {'__key__': 'a', 'txt': b'hello', 'cls': b'1'})
     """
     return WebDatasetSource(shards, name, _io(io_options), storage_options)
 
 
 def hf_dataset(ds, *, name: str = "hf", columns: Sequence[str] | None = None) -> Source:
-    """A Hugging Face ``datasets.Dataset``: a loaded one, or the directory of one saved
-    with ``save_to_disk`` (``hf`` extra). No network access. Sample ``i`` is
-    ``ds[i]`` with numeric lists as numpy arrays.
+    """A Hugging Face ``datasets.Dataset`` as a source (``hf`` extra; no network access).
 
-    Example::
+    Given a loaded ``Dataset`` the source keeps it (one backed by Arrow cache files
+    pickles as its paths). Given the directory of a dataset saved with
+    ``save_to_disk``, each reading process opens it memory-mapped on first use.
 
-        src = sources.hf_dataset("saved_dataset_dir")
+    Args:
+        ds: a ``datasets.Dataset``, or the path of one saved with ``save_to_disk``
+            (one split, not a ``DatasetDict``).
+        name: the source's name, the first part of every sample identity.
+        columns: the columns to keep (None: all).
+
+    Returns:
+        A :class:`Source` whose sample ``i`` is ``ds[i]`` with numeric values and lists
+        as NumPy arrays, strings as ``str``.
+
+    Raises:
+        SourceError: ``datasets`` is missing (the message names ``pip install
+            "zephon[hf]"``), the directory cannot be loaded, holds a ``DatasetDict``, or lacks
+            a requested column.
+
+    Example:
+        >>> src = sources.hf_dataset("saved_dataset_dir", columns=["text"])  # doctest: +SKIP
     """
     return HfDatasetSource(ds, name, columns)
 
 
 def mixture(components: Mapping[str, Source], weights: Mapping[str, float] | None = None, *,
             config=None, name: str = "mixture") -> Source:
-    """``config``: a :class:`~zephon.options.MixtureReadConfig` (None: the pipeline's
-    ``mixture_config`` if set, else the defaults)."""
+    """Components interleaved by a deterministic schedule.
+
+    Every component sample appears once per epoch; the schedule decides which
+    component comes next: a smooth weighted round robin (default) or seeded weighted
+    draws (:class:`~zephon.MixtureReadConfig`). It is a pure function of the component
+    lengths, the weights and the config, so a mixture checkpoints and restores like
+    any source. A sample's identity is its component's name and the component's own
+    index.
+
+    Args:
+        components: component name -> source.
+        weights: component name -> positive weight (every component, no other name);
+            None: equal weights.
+        config: a :class:`~zephon.MixtureReadConfig`; None: the pipeline's
+            ``RuntimeOptions.mixture_config`` if set, else the defaults.
+        name: the mixture's name.
+
+    Returns:
+        A :class:`Source` whose length is the sum of the components'.
+
+    Raises:
+        ZephonConfigError: no component, weights that do not name exactly the
+            components, or a weight that is not a positive finite number.
+
+    Example:
+        >>> a = sources.from_sequence(["a0", "a1", "a2", "a3"], name="a")
+        >>> b = sources.from_sequence(["b0", "b1"], name="b")
+        >>> mix = sources.mixture({"a": a, "b": b}, {"a": 2.0, "b": 1.0})
+        >>> [mix.get(i) for i in range(len(mix))]
+        ['a0', 'b0', 'a1', 'a2', 'b1', 'a3']
+        >>> mix.identity(1)
+        ('b', 0)
+    """
     return MixtureSource(components, weights, config, name)

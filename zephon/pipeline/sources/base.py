@@ -44,6 +44,23 @@ def io_config(opts) -> IoConfig:
 
 
 class Source:
+    """A random-access collection of samples with a stable identity per sample.
+
+    Build one with the constructors of :mod:`zephon.sources`; a custom source
+    subclasses this and implements ``__len__`` and :meth:`get`. ``get(i)`` must be
+    deterministic (the same sample in every process and run) and the source picklable
+    without open handles (file handles are reopened lazily where the source is read).
+
+    Example:
+        >>> class Squares(sources.Source):
+        ...     name = "squares"
+        ...     def __len__(self):
+        ...         return 4
+        ...     def get(self, i):
+        ...         return i * i
+        >>> list(Pipeline(Squares(), shuffle=False))
+        [0, 1, 4, 9]
+    """
     name = "source"
     open_retry = DEFAULT_OPEN_RETRY
 
@@ -51,26 +68,89 @@ class Source:
         raise NotImplementedError
 
     def get(self, i: int) -> Any:
+        """The sample at index ``i``.
+
+        Args:
+            i: an index, ``0 <= i < len(self)``.
+
+        Returns:
+            The sample (any picklable value; ops and ``batch()`` work best on dicts).
+
+        Example:
+            >>> sources.from_sequence([10, 20]).get(1)
+            20
+        """
         raise NotImplementedError
 
     def identity(self, i: int) -> tuple[str, int]:
+        """The identity of sample ``i``, without the epoch.
+
+        Args:
+            i: an index, ``0 <= i < len(self)``.
+
+        Returns:
+            ``(name, index)``: the source's name and ``i`` (a mixture: the component's name
+            and its own index). With the epoch it seeds ``ctx.rng`` and names the sample in
+            ``Batch.meta["sample_ids"]``.
+
+        Example:
+            >>> sources.from_sequence([10, 20], name="nums").identity(1)
+            ('nums', 1)
+        """
         return self.name, i
 
     def get_batch(self, indices) -> dict | None:
-        """The samples at ``indices`` already collated (``{column: array or list}``, exactly
-        what ``batch()`` makes of ``[get(i) for i in indices]``), or None when this source
-        has no columnar read (then samples are read one by one). A source that can read
-        many rows at once (Parquet) overrides it: a ``read -> batch`` stage then costs one
-        vectorised read per batch instead of one call per row."""
+        """The samples at ``indices``, already collated, if this source has a columnar read.
+
+        A source that can read many rows at once (Parquet) overrides it: a
+        ``read -> batch`` stage then costs one vectorised read per batch instead of one
+        call per row.
+
+        Args:
+            indices: the sample indices of one micro-batch, in order.
+
+        Returns:
+            ``{column: array or list}``, exactly what ``batch()`` makes of
+            ``[get(i) for i in indices]``; or None when the source has no columnar read
+            (then samples are read one by one).
+
+        Example:
+            >>> sources.from_sequence([{"x": 1}]).get_batch([0]) is None
+            True
+        """
         return None
 
     def describe(self) -> str:
-        """A stable description (part of the pipeline fingerprint)."""
+        """A stable description of the source (part of the pipeline fingerprint).
+
+        Returns:
+            A string naming the source's class, name and length (and what else defines
+            its samples).
+
+        Example:
+            >>> sources.from_sequence([1, 2, 3]).describe()
+            'SequenceSource(sequence, n=3)'
+        """
         return f"{type(self).__name__}({self.name}, n={len(self)})"
 
     def configured(self, opts) -> "Source":
-        """This source as the runtime options refine it: file sources take
-        ``io_options``; a mixture also its default read policy."""
+        """This source as the runtime options refine it (a copy, never a mutation).
+
+        File sources take ``io_options`` (retries, cache); a mixture also takes
+        ``mixture_config`` when it has no config of its own. The engine calls it when it
+        plans a run.
+
+        Args:
+            opts: the pipeline's :class:`~zephon.RuntimeOptions`.
+
+        Returns:
+            ``self`` when the options change nothing, else a refined copy.
+
+        Example:
+            >>> src = sources.from_sequence([1])
+            >>> src.configured(RuntimeOptions()) is src
+            True
+        """
         io = opts.io_options
         retry = (io.open_retry_attempts, io.retry_backoff_initial_s, io.retry_backoff_max_s)
         if self.open_retry == retry:
