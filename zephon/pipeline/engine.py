@@ -51,24 +51,32 @@ import time
 from typing import Iterator
 
 from zephon.errors import CheckpointError
-
 from zephon.kernels import LaneRoundRobin
 from zephon.options import (
-    resolve_canonical_replicas, resolve_dp_degree, resolve_dp_group_id,
-    resolve_flush_every_k_chunks, resolve_mapping_strategy, resolve_max_workers,
+    resolve_canonical_replicas,
+    resolve_dp_degree,
+    resolve_dp_group_id,
+    resolve_flush_every_k_chunks,
+    resolve_mapping_strategy,
+    resolve_max_workers,
     resolve_mtp_buffer,
     resolve_op_queue_capacity,
     resolve_prefetch_batches,
-    resolve_stage_prefetch, resolve_stage_workers,
+    resolve_stage_prefetch,
+    resolve_stage_workers,
 )
-from zephon.pipeline.dispatch import ordered_map
+from zephon.pipeline.dispatch import PIPELINE_ARENA_BYTES, lane_budget_bytes, ordered_map
 from zephon.pipeline.lanes import batched_units, lane_length, lane_units, owned_lanes
 from zephon.pipeline.ops import Batch, BatchOp, Boundary, MapOp, PackTokensOp
 from zephon.pipeline.program import StageProgram
 from zephon.pipeline.stats import RunStats
 from zephon.runners import InlineExecutor, ProcessExecutor, ThreadExecutor
+from zephon.transport.pool import default_arena_bytes
 
-__all__ = ["Plan", "Engine", "ordered_map", "accumulate", "cursor_state", "replay_state"]
+#: tasks a process stage's pool keeps in flight per worker
+INFLIGHT_PER_WORKER = 4
+
+__all__ = ["Engine", "Plan", "accumulate", "cursor_state", "ordered_map", "replay_state"]
 
 
 def cursor_state(epoch: int, pos: int, total: int) -> tuple[int, int, int]:
@@ -93,6 +101,10 @@ class Stage:
         self.item_cap = item_cap
         self.workers_why = workers_why
         self.collates = False  # a fused batch: each unit is one micro-batch, collated here
+        #: process stages: the shared-memory arena bound of each worker, and the output
+        #: bytes one lane may have in flight or waiting to be reordered (a share of it)
+        self.arena_bytes: int | None = None
+        self.budget_bytes: int | None = None
 
 
 class Plan:
@@ -147,6 +159,16 @@ class Plan:
         self.mapping = resolve_mapping_strategy(opts)
         self.owned = owned_lanes(self.lanes, self.dp, self.group, self.mapping)
         self.prefetch = resolve_prefetch_batches(opts)
+        for stage in self.stages:
+            if stage.runner == "process":
+                stage.arena_bytes = max(default_arena_bytes(opts, INFLIGHT_PER_WORKER),
+                                        PIPELINE_ARENA_BYTES)
+                stage.budget_bytes = lane_budget_bytes(stage.arena_bytes, len(self.owned))
+        #: bytes of items the consumer-side prefetch queue may hold (it holds at least one):
+        #: a quarter of the smallest arena bound, so that what waits there, what the lanes
+        #: hold and what the consumer holds never fill a worker's arena
+        arenas = [s.arena_bytes for s in self.stages if s.arena_bytes]
+        self.prefetch_bytes = min(arenas) // 4 if arenas else None
 
     def _fuse_batch(self, opts):
         """``read -> map* -> batch(b)``: the batch is formed where its samples are read.
@@ -219,7 +241,10 @@ class Plan:
                     f"  stage {s.index}: {reads}{ops}: runner={s.runner}, "
                     f"workers={s.workers} ({s.workers_why}), depth={s.depth} units/lane, "
                     f"op_queue={s.item_cap} items/lane, "
-                    f"latency_flush={'on' if s.split else 'off'}")
+                    + (f"in flight <= {s.budget_bytes >> 20} MiB/lane (arena "
+                       f"{s.arena_bytes >> 20} MiB/worker), " if s.budget_bytes and
+                       s.arena_bytes else "")
+                    + f"latency_flush={'on' if s.split else 'off'}")
             else:
                 serial_no += 1
                 lines.append(f"  serial {serial_no}: {what.describe()} "
@@ -299,7 +324,9 @@ class Engine:
                 if stage.runner == "process":
                     ex = ProcessExecutor(program, stage.workers, options=o, name=name,
                                          max_retries=o.max_worker_retries,
-                                         deterministic=o.deterministic)
+                                         deterministic=o.deterministic,
+                                         inflight_per_worker=INFLIGHT_PER_WORKER,
+                                         arena_max_bytes=stage.arena_bytes)
                 elif stage.runner == "threads":
                     ex = ThreadExecutor(program, stage.workers, name=name)
                 else:
@@ -394,7 +421,7 @@ class Engine:
         # Catch-up: after a restore, lanes that delivered one item less than the others go
         # first (fewest items, lowest id), until every live lane is level.
         while live and len({produced[lane] for lane in live}) > 1:
-            lane = min(live, key=lambda l: (produced[l], l))
+            lane = min(live, key=lambda x: (produced[x], x))
             item = pull(lane)
             if item is not None:
                 yield item
