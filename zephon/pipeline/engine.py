@@ -48,7 +48,7 @@ completion order (throughput over order; checkpoints are then best effort).
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 from zephon.errors import CheckpointError
 from zephon.kernels import LaneRoundRobin
@@ -280,7 +280,8 @@ def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
     """The serial accumulator of ``op`` over one lane: restarted (seeded from the lane and
     the boundary) at every Boundary, after draining what it held."""
     timer = time.perf_counter if stats is not None else None
-    state = None
+    state: Any = None  # the op's accumulator, from the lane's first Boundary on
+    out: list
     for unit in upstream:
         if unit is None:
             continue
@@ -321,6 +322,7 @@ class Engine:
         try:
             for stage in plan.stages:
                 name = f"stage{stage.index}"
+                ex: ProcessExecutor | ThreadExecutor | InlineExecutor
                 if stage.runner == "process":
                     ex = ProcessExecutor(program, stage.workers, options=o, name=name,
                                          max_retries=o.max_worker_retries,
@@ -345,22 +347,26 @@ class Engine:
             epoch, pos, total = state if state else (0, 0, 0)
             it = lane_units(n, p.seed, p.permute, p.chunk_size, plan.lanes, lane,
                             plan.flush_every, p.num_epochs, Boundary(epoch, 0), pos)
-            skip = 0
-        else:
-            epoch, k, skip, total = state if state else (0, 0, 0, 0)
-            total -= skip
-            it = lane_units(n, p.seed, p.permute, p.chunk_size, plan.lanes, lane,
-                            plan.flush_every, p.num_epochs, Boundary(epoch, k))
-        it = self._chain(it, lane)
-        if plan.cursor_resume:
-            for unit in it:
-                if unit is None or isinstance(unit, Boundary):
-                    continue
-                for record in unit:
-                    total += 1
-                    epoch, pos = record.pos
-                    yield record, (lane, (epoch, pos + 1, total))
-            return
+            return self._cursor_stream(self._chain(it, lane), lane, total)
+        replay = state if state else (0, 0, 0, 0)
+        it = lane_units(n, p.seed, p.permute, p.chunk_size, plan.lanes, lane,
+                        plan.flush_every, p.num_epochs, Boundary(replay[0], replay[1]))
+        return self._replay_stream(self._chain(it, lane), lane, replay)
+
+    @staticmethod
+    def _cursor_stream(it: Iterator, lane: int, total: int) -> Iterator:
+        for unit in it:
+            if unit is None or isinstance(unit, Boundary):
+                continue
+            for record in unit:
+                total += 1
+                epoch, pos = record.pos
+                yield record, (lane, (epoch, pos + 1, total))
+
+    @staticmethod
+    def _replay_stream(it: Iterator, lane: int, state: tuple) -> Iterator:
+        epoch, k, skip, total = state
+        total -= skip
         boundary, since, opened = Boundary(epoch, k), 0, False
         for unit in it:
             if unit is None:

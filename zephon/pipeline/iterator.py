@@ -82,7 +82,7 @@ class RunRecord:
     def __init__(self, states: dict | None = None) -> None:
         self.states: dict[int, tuple] = dict(states or {})
         self.final_state: bytes | None = None
-        self.stats = None
+        self.stats: Any = None  # the run's RunStats while it runs with tracking on
 
 
 class _Failure:
@@ -208,7 +208,7 @@ class PipelineIterator:
         self.closed = False
         self._started = False
         self.engine: Engine | None = None
-        self.remote = None
+        self.remote: Any = None  # the MTP subprocess's end (MtpSource), in MTP mode
         self.thread: threading.Thread | None = None
         self.gate: ByteGate | None = None
         self._start()
