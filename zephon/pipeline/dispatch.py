@@ -26,7 +26,8 @@ part's result goes downstream as one unit: the records and their order are the
 same.
 
 Bounds (per lane and stage): at most ``depth`` parts and ``op_queue_capacity``
-items in flight (always at least one part), and sequence numbers never further
+items in flight (always at least one part; a process stage with the default
+``op_queue_capacity=None`` has no item bound, only the byte bound below), and sequence numbers never further
 ahead of the oldest unfinished part than the reorder window, so a slow
 head-of-line part stalls the lookahead instead of letting finished results
 pile up behind it. **Bytes** bound it too: the estimated output of the parts in
@@ -266,7 +267,7 @@ class _LaneDispatch:
         """Whether a part of ``samples`` may go out now (one part always may)."""
         if inflight == 0:
             return True
-        if inflight >= self.depth or self.items >= self.item_cap:
+        if inflight >= self.depth or (self.item_cap is not None and self.items >= self.item_cap):
             return False
         if self.per_item is None:  # sizes unknown: one part per worker until a result
             return inflight < self.workers

@@ -95,7 +95,7 @@ class Stage:
     """One parallel stage of a plan: its ops, runner, worker count (and why), depths."""
 
     def __init__(self, index: int, ops: list, runner: str, workers: int, depth: int,
-                 split: bool, item_cap: int, workers_why: str = "") -> None:
+                 split: bool, item_cap: int | None, workers_why: str = "") -> None:
         self.index, self.ops, self.runner = index, ops, runner
         self.workers, self.depth, self.split = workers, depth, split
         self.item_cap = item_cap
@@ -141,8 +141,12 @@ class Plan:
             # An inline stage runs each unit synchronously when it is submitted: reading
             # ahead would only delay the first item (and a resumed run's first item).
             depth = 1 if runner == "inline" else resolve_stage_prefetch(opts, i, runner)
-            self.stages.append(Stage(i, ops, runner, workers, depth, split,
-                                     resolve_op_queue_capacity(opts),
+            # A process stage's samples in flight are bounded by their bytes (the lane's
+            # share of the arena) unless op_queue_capacity is set: a count of samples
+            # would keep small samples to one part (one busy worker) at a time.
+            item_cap = None if runner == "process" and opts.op_queue_capacity is None \
+                else resolve_op_queue_capacity(opts)
+            self.stages.append(Stage(i, ops, runner, workers, depth, split, item_cap,
                                      _workers_why(opts, runner, parallelism[i], workers)))
         self.fused_batch = self._fuse_batch(opts)
         #: an op may give more items than it reads samples (a packer): no static bound on
@@ -240,7 +244,8 @@ class Plan:
                 lines.append(
                     f"  stage {s.index}: {reads}{ops}: runner={s.runner}, "
                     f"workers={s.workers} ({s.workers_why}), depth={s.depth} units/lane, "
-                    f"op_queue={s.item_cap} items/lane, "
+                    + (f"op_queue={s.item_cap} items/lane, " if s.item_cap is not None
+                       else "op_queue=bounded by bytes, ")
                     + (f"in flight <= {s.budget_bytes >> 20} MiB/lane (arena "
                        f"{s.arena_bytes >> 20} MiB/worker), " if s.budget_bytes and
                        s.arena_bytes else "")

@@ -18,8 +18,8 @@ Lifecycle
   (MTP: a low-priority thread of ``mtp_prefetch`` items). With process stages
   the queue is bounded in bytes as well (the plan's ``prefetch_bytes``, a share
   of a worker's shared-memory arena; one item always fits), so that large
-  items waiting there can never fill the arena the workers write into. Each item carries the
-  lane state a restore would continue from; only what ``__next__`` hands over
+  items waiting there can never fill the arena the workers write into. Each
+  item carries the lane state a restore would continue from; only what ``__next__`` hands over
   is recorded as delivered, so prefetched items are produced again after a
   restore;
 - ``close()`` (idempotent): stops the pump, closes the executors' worker pools
