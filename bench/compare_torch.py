@@ -1,51 +1,56 @@
-"""Side-by-side: zephon's process transport vs torch.utils.data.DataLoader, one run.
+"""Side-by-side: zephon with its default options vs torch, torchdata, Grain and SPDL.
 
-    python bench/compare_torch.py [--batches 400] [--quick]
+    python bench/compare_torch.py            # every row, 3 repetitions (a few minutes)
+    python bench/compare_torch.py --quick    # 4 KiB / 4 MiB / 64 MiB, one repetition
+    python bench/compare_torch.py --only 4mib --reps 5   # rows whose name matches
 
-Workload (the same for every row): 2 spawn workers; each batch is
-``{"tokens": base + i, "seq": i}`` with ``base`` a 4 MiB int64 array, made by
-one NumPy op in the worker and consumed in the main process (one element
-touched). Rows:
+Every row runs in a **fresh process** (``python compare_torch.py --row JSON``), so
+no loader inherits another's warm pages, imports or leftover workers; each row is
+repeated (``--reps``, 3 by default) and the table shows medians. Ratios are taken
+between rows of the same run only: absolute numbers on a shared machine are noise.
 
-- copyto: ``np.copyto`` of a 256 MiB array (pre-faulted, best of 5): the DRAM
-  copy bandwidth every throughput is compared with;
-- zephon: ``WorkerPool`` with 4 batches in flight per worker;
-- torch: ``DataLoader(num_workers=2, multiprocessing_context="spawn",
-  batch_size=None)`` over a map-style dataset (its default: arrays become
-  tensors in the worker and travel through shared memory);
-- small items: 4 KiB items; zephon sends 256 items per message, torch one
-  item per ``__getitem__`` (its own unit of work);
-- e2e: a ``Pipeline`` over ``from_callable`` producing the 4 MiB samples, then
-  ``map(add_one, parallelism=2)`` with **default options** (auto runner: process,
-  2 workers; chunk_size 64; shuffle on), against the DataLoader over a
-  map-style dataset doing the same load and map; a row with a hand-tuned
-  ``chunk_size=2`` beside it, and one with a single worker;
-- sizes: the same e2e at 64 KiB, 1 MiB, 16 MiB and 64 MiB items, default options,
-  against the DataLoader;
-- batched: 4 KiB samples, ``map -> batch(256)`` (default options) against
-  ``DataLoader(batch_size=256)`` collating the same samples;
+Workload (the same for every loader): 2 spawn workers; sample ``i`` is
+``{"tokens": base + i, "seq": i}`` (``base`` an int64 array of the row's item size,
+one NumPy op in the worker), then ``add_one`` (another NumPy op) as the map;
+the main process touches one element of each item and drops it.
 
-- resume: the first batch after restoring a state taken at 90 % of an epoch, vs a
-  fresh start of the same pipeline (the 200,000-sample pipelines of
-  ``bench/test_bench_resume.py``: cursor-preserving, and with a shuffle buffer).
+- ``zephon``: ``Pipeline(from_callable(n, load)).map(add_one, parallelism=2)``,
+  **default options** (what a user writes); ``chunk=K`` rows set ``chunk_size=K``
+  (to find the best hand-tuned one), ``1 worker`` rows a single process worker;
+- ``pool``: zephon's bare ``WorkerPool`` (no pipeline), 4 tasks in flight per worker;
+- ``torch``: ``DataLoader(dataset, num_workers=2, batch_size=None,
+  multiprocessing_context="spawn")`` over a map-style dataset doing load + map;
+- ``torchdata``: ``StatefulDataLoader`` with the same arguments;
+- ``grain``: ``MapDataset.range(n).map(...).to_iter_dataset().mp_prefetch(2 workers)``;
+- ``spdl``: ``iterate_in_subprocess`` of an SPDL pipeline (2 threads) with a
+  ``SharedMemorySegmentPool`` arena (its zero-copy shared-memory path);
+- ``batch256``: 4 KiB samples ``.batch(256)`` (zephon, default options) against
+  ``DataLoader(batch_size=256)`` collating the same samples; rate in samples/s.
 
-Time to first batch counts from creating the pool / the DataLoader iterator to
-holding the first batch (worker start-up included). grain and spdl rows are
-added when those packages are importable. The last line is machine-readable.
+The table gives time to the first item (from building the loader: worker
+start-up included), steady GiB/s and items/s after a 10 % warm-up, and the
+ratios the performance bars are stated in. The last line is machine-readable
+``key=value`` pairs. Optional peers (``pip install "zephon[bench]"``) get rows when
+importable; a missing one is named in the output.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 TOKENS = (4 << 20) // 8  # int64 elements in a 4 MiB batch
 SMALL = 4096 // 8  # int64 elements in a 4 KiB item
 ITEMS_PER_MESSAGE = 256
+KIB, MIB = 1 << 10, 1 << 20
 
 _base: np.ndarray | None = None
 
@@ -57,11 +62,15 @@ def _base_array(n: int) -> np.ndarray:
     return _base
 
 
+# -- the workload (module level: picklable into spawn workers) ------------------------------
+
 def make_batch(i: int) -> dict:
+    """A 4 MiB sample (the WorkerPool rows and bench/test_bench_transport.py)."""
     return {"tokens": _base_array(TOKENS) + i, "seq": i}
 
 
 def make_small_items(start: int) -> list:
+    """``ITEMS_PER_MESSAGE`` 4 KiB samples in one message (bench/test_bench_transport.py)."""
     base = _base_array(SMALL)
     return [{"tokens": base + (start + k), "seq": start + k} for k in range(ITEMS_PER_MESSAGE)]
 
@@ -70,21 +79,41 @@ def add_one(sample: dict) -> dict:
     return {"tokens": sample["tokens"] + 1, "seq": sample["seq"]}
 
 
-class E2EDataset:
-    """The end-to-end case for torch: the same load and the same map, per item."""
+class SizedSamples:
+    """``load(i)``: a sample of ``elements`` int64."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, elements: int) -> None:
+        self.elements = elements
+
+    def __call__(self, i: int) -> dict:
+        return {"tokens": _base_array(self.elements) + i, "seq": i}
+
+
+class LoadAndMap:
+    """``add_one(load(i))``: what every peer runs per sample."""
+
+    def __init__(self, elements: int) -> None:
+        self.load = SizedSamples(elements)
+
+    def __call__(self, i: int) -> dict:
+        return add_one(self.load(i))
+
+
+class SizedDataset:
+    """Map-style dataset for the DataLoaders: the same load and map per item."""
+
+    def __init__(self, n: int, elements: int) -> None:
+        self.n, self.fn = n, LoadAndMap(elements)
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> dict:
-        return add_one(make_batch(i))
+        return self.fn(int(i))
 
 
 class BatchDataset:
-    """Map-style dataset for the DataLoader (no torch import needed to define it)."""
+    """Map-style dataset of bare samples (bench/test_bench_transport.py)."""
 
     def __init__(self, n: int, elements: int) -> None:
         self.n, self.elements = n, elements
@@ -96,266 +125,305 @@ class BatchDataset:
         return {"tokens": _base_array(self.elements) + i, "seq": i}
 
 
-def copy_bandwidth() -> float:
-    src = np.ones((256 << 20) // 8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the destination in first
-    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
-    return src.nbytes / best
+def _spdl_source(n: int, elements: int):
+    """What SPDL's subprocess iterates: its own pipeline, two threads running the map."""
+    from spdl.pipeline import PipelineBuilder
+
+    fn = LoadAndMap(elements)
+    return (PipelineBuilder().add_source(range(n)).pipe(fn, concurrency=2)
+            .add_sink(4).build(num_threads=2))
 
 
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-class Row:
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.first_s = float("nan")
-        self.bytes_per_s = float("nan")
-        self.items_per_s = float("nan")
-        self.note = ""
-
-
-def timed(row: Row, items, t0: float, warmup: int, nbytes: int, check) -> Row:
-    """Consume ``items``: time to the first one (from ``t0``), then the steady rate after
-    ``warmup`` items."""
-    got = 0
-    for item in items:
-        check(item)
-        got += 1
-        if got == 1:
-            row.first_s = time.perf_counter() - t0
-        if got == warmup:
-            t_steady = time.perf_counter()
-        del item
-    elapsed = time.perf_counter() - t_steady
-    row.items_per_s = (got - warmup) / elapsed
-    row.bytes_per_s = (got - warmup) * nbytes / elapsed
-    return row
-
-
-def pool_results(pool, n: int, arg_of, depth: int = 8):
-    """Values of ``n`` tasks, keeping ``depth`` of them in flight."""
-    submitted = 0
-    for _ in range(min(depth, n)):
-        pool.submit(arg_of(submitted))
-        submitted += 1
-    for _ in range(n):
-        value = pool.get().value
-        if submitted < n:
-            pool.submit(arg_of(submitted))
-            submitted += 1
-        yield value
-
-
-def check_batch(batch) -> None:
-    assert int(batch["tokens"][1]) - int(batch["seq"]) in (1, 2)
-
-
-def run_zephon(n: int, warmup: int) -> Row:
-    from zephon.transport import WorkerPool
-
-    t0 = time.perf_counter()
-    with WorkerPool(make_batch, 2) as pool:
-        return timed(Row("zephon WorkerPool"), pool_results(pool, n, lambda i: i), t0, warmup,
-                     TOKENS * 8, check_batch)
-
-
-def run_zephon_small(n_items: int, warmup_msgs: int) -> Row:
-    from zephon.transport import WorkerPool
-
-    messages = n_items // ITEMS_PER_MESSAGE
-    t0 = time.perf_counter()
-    with WorkerPool(make_small_items, 2) as pool:
-        items = (item for message in pool_results(
-            pool, messages, lambda k: k * ITEMS_PER_MESSAGE) for item in message)
-        row = timed(Row("zephon WorkerPool, 4 KiB items"), items, t0,
-                    warmup_msgs * ITEMS_PER_MESSAGE, SMALL * 8, check_batch)
-    row.first_s = float("nan")  # a message of 256 items, not one item: not comparable
-    return row
-
-
-class SizedSamples:
-    """``load(i)``: a sample of ``elements`` int64 (picklable, module level)."""
-
-    def __init__(self, elements: int) -> None:
-        self.elements = elements
-
-    def __call__(self, i: int) -> dict:
-        return {"tokens": _base_array(self.elements) + i, "seq": i}
-
-
-class SizedDataset:
-    """The DataLoader's side of a sized e2e row: the same load and map per item."""
-
+class _SpdlIterable:
     def __init__(self, n: int, elements: int) -> None:
-        self.n, self.load = n, SizedSamples(elements)
+        self.n, self.elements = n, elements
 
-    def __len__(self) -> int:
-        return self.n
+    def __iter__(self):
+        pipeline = _spdl_source(self.n, self.elements)
+        with pipeline.auto_stop():
+            yield from pipeline
 
-    def __getitem__(self, i: int) -> dict:
-        return add_one(self.load(i))
+
+def _spdl_factory(n: int, elements: int):
+    return _SpdlIterable(n, elements)
 
 
-def check_sample(item) -> None:
+# -- loaders: each returns (iterable, close) --------------------------------------------------
+
+def loader_zephon(n: int, elements: int, chunk_size: int | None = None, workers: int = 2,
+                  batch: int | None = None):
+    from zephon import Pipeline, RuntimeOptions, sources
+
+    extra = {} if chunk_size is None else {"chunk_size": chunk_size}
+    pipe = Pipeline(sources.from_callable(n, SizedSamples(elements)), **extra) \
+        .map(add_one, parallelism=workers)
+    if workers == 1:  # one worker would run inline (in this process): ask for a process
+        pipe = pipe.options(RuntimeOptions(runner="process"))
+    if batch:
+        pipe = pipe.batch(batch)
+    it = iter(pipe)
+    return it, it.close
+
+
+def loader_pool(n: int, elements: int, depth: int = 8):
+    from zephon.transport import WorkerPool
+
+    pool = WorkerPool(SizedSamples(elements), 2).start(wait=False)
+
+    def results():
+        submitted = 0
+        for _ in range(min(depth, n)):
+            pool.submit(submitted)
+            submitted += 1
+        for _ in range(n):
+            value = pool.get().value
+            if submitted < n:
+                pool.submit(submitted)
+                submitted += 1
+            yield value
+
+    return results(), pool.close
+
+
+def _dataloader(cls, n: int, elements: int, batch: int | None = None):
+    loader = cls(SizedDataset(n, elements), num_workers=2, batch_size=batch,
+                 multiprocessing_context="spawn")
+    return iter(loader), lambda: None
+
+
+def loader_torch(n: int, elements: int, batch: int | None = None):
+    import torch.utils.data as tud
+
+    return _dataloader(tud.DataLoader, n, elements, batch)
+
+
+def loader_torchdata(n: int, elements: int, batch: int | None = None):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return _dataloader(StatefulDataLoader, n, elements, batch)
+
+
+def loader_grain(n: int, elements: int):
+    import grain
+
+    ds = grain.MapDataset.range(n).map(LoadAndMap(elements)).to_iter_dataset() \
+        .mp_prefetch(grain.MultiprocessingOptions(num_workers=2))
+    it = iter(ds)
+    return it, getattr(it, "close", lambda: None)
+
+
+def loader_spdl(n: int, elements: int):
+    import functools
+    import multiprocessing
+
+    from spdl.pipeline import SharedMemorySegmentPool, iterate_in_subprocess
+
+    # The arena's condition must come from the same (spawn) context as the subprocess.
+    multiprocessing.set_start_method("spawn", force=True)
+    arena = SharedMemorySegmentPool(elements * 8 + (1 << 16), 8)
+    iterable = iterate_in_subprocess(functools.partial(_spdl_factory, n, elements),
+                                     buffer_size=3, mp_context="spawn", arena=arena)
+    it = iter(iterable)
+    return it, getattr(it, "close", lambda: None)
+
+
+LOADERS = {"zephon": loader_zephon, "pool": loader_pool, "torch": loader_torch,
+           "torchdata": loader_torchdata, "grain": loader_grain, "spdl": loader_spdl}
+PEER_MODULES = {"torch": "torch", "torchdata": "torchdata", "grain": "grain", "spdl": "spdl"}
+
+
+def check_item(item) -> None:
     tokens = item["tokens"]
     assert int(tokens.reshape(-1)[1]) >= 1
 
 
-def run_pipeline(n: int, warmup: int, elements: int = TOKENS, name: str | None = None,
-                 chunk_size: int | None = None, workers: int = 2) -> Row:
-    """A ``from_callable -> map`` pipeline with default options (only ``parallelism`` on
-    the map, as a user writes it); ``chunk_size`` to compare with a hand-tuned one."""
-    from zephon import Pipeline, sources
-
-    extra = {} if chunk_size is None else {"chunk_size": chunk_size}
-    pipe = (Pipeline(sources.from_callable(n, SizedSamples(elements)), **extra)
-            .map(add_one, parallelism=workers))
-    if workers == 1:  # one worker would run inline (in this process): ask for a process
-        from zephon import RuntimeOptions
-
-        pipe = pipe.options(RuntimeOptions(runner="process"))
-    label = name or f"zephon e2e, {_size(elements * 8)}, defaults"
+def run_row(spec: dict) -> dict:
+    """Run one row in this process: ``{"first_s", "bytes_per_s", "items_per_s"}``."""
+    n, elements = spec["n"], spec["elements"]
+    batch = spec.get("kw", {}).get("batch") or 1
     t0 = time.perf_counter()
-    return timed(Row(label), pipe, t0, warmup, elements * 8, check_sample)
+    items, close = LOADERS[spec["loader"]](n, elements, **spec.get("kw", {}))
+    warmup = max(1, (n // batch) // 10)
+    got, first, t_steady = 0, float("nan"), t0
+    try:
+        for item in items:
+            check_item(item)
+            got += 1
+            if got == 1:
+                first = time.perf_counter() - t0
+            if got == warmup:
+                t_steady = time.perf_counter()
+            del item
+    finally:
+        close()
+    elapsed = time.perf_counter() - t_steady
+    steady = (got - warmup) * batch
+    return {"first_s": first, "items_per_s": steady / elapsed,
+            "bytes_per_s": steady * elements * 8 / elapsed, "items": got * batch}
 
 
-def run_pipeline_batched(n_items: int, batch: int = 256) -> Row:
-    from zephon import Pipeline, sources
+def copy_bandwidth() -> float:
+    """``np.copyto`` of 256 MiB (pre-faulted, best of 5): the DRAM copy bandwidth."""
+    src = np.ones((256 << 20) // 8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return src.nbytes / best
 
-    pipe = (Pipeline(sources.from_callable(n_items, SizedSamples(SMALL)))
-            .map(add_one, parallelism=2).batch(batch))
-    t0 = time.perf_counter()
-    row = timed(Row(f"zephon 4 KiB, batch({batch}), defaults"), pipe, t0, 4,
-                SMALL * 8 * batch, check_sample)
-    row.items_per_s *= batch  # samples per second
-    return row
 
-
-def run_torch_batched(n_items: int, batch: int = 256) -> Row:
-    import torch.utils.data as tud
-
-    loader = tud.DataLoader(SizedDataset(n_items, SMALL), num_workers=2, batch_size=batch,
-                            multiprocessing_context="spawn")
-    t0 = time.perf_counter()
-    row = timed(Row(f"torch 4 KiB, batch_size={batch}"), loader, t0, 4, SMALL * 8 * batch,
-                check_sample)
-    row.items_per_s *= batch
-    return row
-
+# -- the plan of rows -------------------------------------------------------------------------
 
 def _size(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
 
 
-def run_torch(n: int, warmup: int, elements: int, name: str, dataset=None) -> Row:
-    import torch.utils.data as tud
-
-    dataset = dataset if dataset is not None else BatchDataset(n, elements)
-    loader = tud.DataLoader(dataset, num_workers=2, batch_size=None,
-                            multiprocessing_context="spawn")
-    t0 = time.perf_counter()
-    return timed(Row(name), loader, t0, warmup, elements * 8, check_batch)
+def _key(nbytes: int) -> str:
+    return _size(nbytes).replace(" ", "").lower()
 
 
-def run_resume(chain: str, rounds: int = 7) -> tuple[float, float]:
-    """Median seconds to the first batch: (restored at 90 % of the epoch, fresh start)."""
-    import statistics
+def _count(nbytes: int, budget: int) -> int:
+    """Items per row: about ``budget`` bytes, at least 12 items, at most 20,000."""
+    return int(min(20_000, max(12, budget // nbytes)))
 
-    import test_bench_resume as R
 
-    R._chain[0] = chain
-    state = R.state_at(chain, 0.9)
-    restored = statistics.median(_timed(lambda: R.first_batch(state)) for _ in range(rounds))
-    fresh = statistics.median(_timed(lambda: R.first_batch(None)) for _ in range(rounds))
-    return restored, fresh
+def plan(quick: bool, peers: list[str]) -> list[dict]:
+    """Every row to run: ``{"name", "loader", "n", "elements", "kw"}``."""
+    budget = (256 if quick else 768) * MIB
+    sizes = [4 * KIB, 4 * MIB, 64 * MIB] if quick else \
+        [4 * KIB, 64 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
+    chunk_rows = {4 * KIB: (16, 256, 1024), 4 * MIB: (2, 8, 256), 64 * MIB: (1, 2, 8)}
+    rows = []
+    for nbytes in sizes:
+        n, elements, key = _count(nbytes, budget), nbytes // 8, _key(nbytes)
+        if nbytes == 256 * MIB:
+            n = 8 if not quick else 4  # no stall check, zephon only (2 GiB per repetition)
+            rows.append({"name": f"zephon {key} defaults", "loader": "zephon", "n": n,
+                         "elements": elements})
+            continue
+        rows.append({"name": f"zephon {key} defaults", "loader": "zephon", "n": n,
+                     "elements": elements})
+        for chunk in chunk_rows.get(nbytes, ()):
+            rows.append({"name": f"zephon {key} chunk={chunk}", "loader": "zephon", "n": n,
+                         "elements": elements, "kw": {"chunk_size": chunk}})
+        if nbytes == 4 * MIB:
+            rows.append({"name": f"zephon {key} 1 worker", "loader": "zephon", "n": n,
+                         "elements": elements, "kw": {"workers": 1}})
+            rows.append({"name": f"pool {key}", "loader": "pool", "n": n,
+                         "elements": elements})
+        for peer in peers:
+            rows.append({"name": f"{peer} {key}", "loader": peer, "n": n, "elements": elements})
+    n_batched = 12_800 if quick else 51_200
+    rows.append({"name": "zephon 4kib batch256 defaults", "loader": "zephon", "n": n_batched,
+                 "elements": SMALL, "kw": {"batch": 256}})
+    for peer in ("torch", "torchdata"):
+        if peer in peers:
+            rows.append({"name": f"{peer} 4kib batch256", "loader": peer, "n": n_batched,
+                         "elements": SMALL, "kw": {"batch": 256}})
+    return rows
+
+
+def run_fresh(spec: dict, timeout: float) -> dict | None:
+    """One row in a fresh interpreter; None (and the reason on stderr) if it failed."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--row", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        print(f"  {spec['name']}: timed out after {timeout:g} s", file=sys.stderr)
+        return None
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        print(f"  {spec['name']}: failed (exit {proc.returncode})\n{tail}", file=sys.stderr)
+        return None
+    if "RuntimeWarning: zephon" in proc.stderr:
+        print(f"  {spec['name']}: {proc.stderr.strip().splitlines()[-1]}", file=sys.stderr)
+    return json.loads(lines[-1])
+
+
+def median_row(results: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in results)
+            for k in ("first_s", "bytes_per_s", "items_per_s")}
+
+
+def ratios(table: dict[str, dict], peers: list[str]) -> list[tuple[str, float]]:
+    """The bars' ratios from the medians (only those whose rows all ran)."""
+    out: list[tuple[str, float]] = []
+
+    def rate(name: str) -> float | None:
+        row = table.get(name)
+        return None if row is None else row["items_per_s"]
+
+    def add(key: str, num: str, den: str) -> None:
+        a, b = rate(num), rate(den)
+        if a is not None and b:
+            out.append((key, a / b))
+
+    for key in ("4kib", "64kib", "1mib", "4mib", "16mib", "64mib"):
+        for peer in peers:
+            add(f"{key}_vs_{peer}", f"zephon {key} defaults", f"{peer} {key}")
+    for key in ("4kib", "4mib", "64mib"):
+        chunks = [name for name in table if name.startswith(f"zephon {key} chunk=")]
+        best = max((rate(c) or 0.0 for c in chunks), default=0.0)
+        if best and rate(f"zephon {key} defaults"):
+            out.append((f"{key}_default_vs_best_chunk",
+                        (rate(f"zephon {key} defaults") or 0.0) / best))
+    add("4mib_two_vs_one_worker", "zephon 4mib defaults", "zephon 4mib 1 worker")
+    add("4mib_defaults_vs_pool", "zephon 4mib defaults", "pool 4mib")
+    for peer in ("torch", "torchdata"):
+        add(f"batch256_vs_{peer}", "zephon 4kib batch256 defaults", f"{peer} 4kib batch256")
+    return out
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, default=400, help="4 MiB batches per row")
-    parser.add_argument("--small-items", type=int, default=20480, help="4 KiB items per row")
-    parser.add_argument("--quick", action="store_true", help="fewer batches (smoke run)")
+    parser.add_argument("--quick", action="store_true",
+                        help="4 KiB, 4 MiB and 64 MiB only, fewer items, one repetition")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions per row (3)")
+    parser.add_argument("--only", default="", help="run rows whose name contains this")
+    parser.add_argument("--no-peers", action="store_true", help="zephon rows only")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per row run")
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: run one row, print JSON
     args = parser.parse_args(argv)
-    n, n_small = (60, 4096) if args.quick else (args.batches, args.small_items)
-    warmup = max(5, n // 10)
-
-    copy_bps = copy_bandwidth()
-    zephon = run_zephon(n, warmup)
-    zephon_small = run_zephon_small(n_small, 2)
-    e2e = run_pipeline(n, warmup)
-    e2e_tuned = run_pipeline(n, warmup, name="zephon e2e, 4 MiB, chunk_size=2", chunk_size=2)
-    e2e_one = run_pipeline(n, warmup, name="zephon e2e, 4 MiB, 1 process worker",
-                           workers=1)
-    # (item bytes, items per row): about 1.5 GiB per row (less in --quick)
-    sizes = [(64 << 10, 24_000), (1 << 20, 1_600), (16 << 20, 96), (64 << 20, 24)]
+    if args.row:
+        print(json.dumps(run_row(json.loads(args.row))), flush=True)
+        return 0
+    reps = args.reps or (1 if args.quick else 3)
+    available = [p for p, mod in PEER_MODULES.items() if importlib.util.find_spec(mod)]
+    peers = [] if args.no_peers else available
     if args.quick:
-        sizes = [(nbytes, max(12, count // 8)) for nbytes, count in sizes]
-    sized = [(nbytes, run_pipeline(count, max(2, count // 10), nbytes // 8))
-             for nbytes, count in sizes]
-    batched_items = 51_200 if not args.quick else 12_800
-    batched = run_pipeline_batched(batched_items)
-    have_torch = importlib.util.find_spec("torch") is not None
-    torch_row = torch_small = torch_e2e = torch_batched = None
-    torch_sized: list = []
-    if have_torch:
-        torch_row = run_torch(n, warmup, TOKENS, "torch DataLoader")
-        torch_small = run_torch(n_small, max(50, n_small // 20), SMALL,
-                                "torch DataLoader, 4 KiB items")
-        torch_e2e = run_torch(n, warmup, TOKENS, "torch DataLoader e2e (load + map)",
-                              dataset=E2EDataset(n))
-        torch_sized = [run_torch(count, max(2, count // 10), nbytes // 8,
-                                 f"torch e2e, {_size(nbytes)}",
-                                 dataset=SizedDataset(count, nbytes // 8))
-                       for nbytes, count in sizes]
-        torch_batched = run_torch_batched(batched_items)
-    peers = [name for name in ("grain", "spdl") if importlib.util.find_spec(name)]
-    resume = {chain: run_resume(chain) for chain in ("cursor", "shuffle")}
+        peers = [p for p in peers if p in ("torch", "spdl")]
+    rows = [r for r in plan(args.quick, peers) if args.only in r["name"]]
+    copy_bps = copy_bandwidth()
+    results: dict[str, list[dict]] = {r["name"]: [] for r in rows}
+    for rep in range(reps):  # interleaved: a slow phase of the machine hits every row
+        for spec in rows:
+            got = run_fresh(spec, args.timeout)
+            if got is not None:
+                results[spec["name"]].append(got)
+        print(f"repetition {rep + 1}/{reps} done", file=sys.stderr, flush=True)
+    table = {name: median_row(rs) for name, rs in results.items() if rs}
 
     gib = float(1 << 30)
-    print(f"{'row':<34} {'first batch':>12} {'GiB/s':>8} {'items/s':>10}")
-    print(f"{'np.copyto 256 MiB (DRAM)':<34} {'':>12} {copy_bps / gib:>8.2f} {'':>10}")
-    rows = [zephon, torch_row, zephon_small, torch_small, e2e, e2e_tuned, e2e_one, torch_e2e]
-    for k, (_, row) in enumerate(sized):
-        rows += [row, torch_sized[k] if torch_sized else None]
-    rows += [batched, torch_batched]
-    for row in rows:
+    print(f"medians of {reps} run(s), each in a fresh process")
+    print(f"{'row':<34} {'first item':>11} {'GiB/s':>8} {'items/s':>11}")
+    print(f"{'np.copyto 256 MiB (DRAM)':<34} {'':>11} {copy_bps / gib:>8.2f}")
+    for spec in rows:
+        row = table.get(spec["name"])
         if row is None:
+            print(f"{spec['name']:<34} {'failed':>11}")
             continue
-        first = f"{row.first_s:.3f} s" if row.first_s == row.first_s else ""
-        print(f"{row.name:<34} {first:>12} {row.bytes_per_s / gib:>8.2f} "
-              f"{row.items_per_s:>10.0f}")
-    for chain, (restored, fresh) in resume.items():
-        print(f"{'zephon resume at 90%, ' + chain:<34} {restored:>10.3f} s   "
-              f"(fresh start {fresh:.3f} s)")
-    if not have_torch:
-        print("torch is not installed (pip install -e '.[torch]'): zephon rows only")
-    for name in ("grain", "spdl"):
-        if name not in peers:
-            print(f"{name} is not installed: no {name} row")
-
-    pairs = [("memcpy_fraction", zephon.bytes_per_s / copy_bps),
-             ("default_vs_tuned_chunk_4mib", e2e.bytes_per_s / e2e_tuned.bytes_per_s),
-             ("two_vs_one_worker_4mib", e2e.bytes_per_s / e2e_one.bytes_per_s)]
-    if have_torch:
-        pairs = [
-            ("throughput_ratio", zephon.bytes_per_s / torch_row.bytes_per_s),
-            pairs[0],
-            ("first_batch_ratio", zephon.first_s / torch_row.first_s),
-            ("small_batch_ratio", zephon_small.items_per_s / torch_small.items_per_s),
-            ("e2e_throughput_ratio", e2e.bytes_per_s / torch_e2e.bytes_per_s),
-            ("e2e_first_batch_ratio", e2e.first_s / torch_e2e.first_s),
-        ] + pairs[1:]
-        pairs += [(f"e2e_{_size(nbytes).replace(' ', '').lower()}_vs_torch",
-                   row.bytes_per_s / torch_sized[k].bytes_per_s)
-                  for k, (nbytes, row) in enumerate(sized)]
-        pairs.append(("batch256_4kib_vs_torch", batched.items_per_s / torch_batched.items_per_s))
-    pairs += [(f"resume_{chain}_vs_fresh_first_batch", restored / fresh)
-              for chain, (restored, fresh) in resume.items()]
+        print(f"{spec['name']:<34} {row['first_s']:>9.3f} s {row['bytes_per_s'] / gib:>8.2f} "
+              f"{row['items_per_s']:>11.0f}")
+    for peer in PEER_MODULES:
+        if peer not in available:
+            print(f"{peer} is not installed (pip install 'zephon[bench]'): no {peer} rows")
+    pairs = ratios(table, peers)
+    if "pool 4mib" in table:
+        pairs.append(("pool_4mib_memcpy_fraction", table["pool 4mib"]["bytes_per_s"] / copy_bps))
     print(" ".join(f"{k}={v:.3f}" for k, v in pairs))
     return 0
 

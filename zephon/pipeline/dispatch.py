@@ -18,11 +18,24 @@ must see them whole: a batch-shape sensitive op (``map_batch``), a stage that
 collates batches itself (a fused ``batch``), or when latency flush is not
 allowed (``allow_latency_flush_in_deterministic=False``).
 
+Parts are also not bounded by a unit from below: where a unit is smaller than a
+part should be (small samples, a small ``chunk_size``), consecutive units of the
+lane are **merged** into one part (never across a Boundary marker), so the
+per-message cost is paid once per ~4 MiB whatever ``chunk_size`` is. A merged
+part's result goes downstream as one unit: the records and their order are the
+same.
+
 Bounds (per lane and stage): at most ``depth`` parts and ``op_queue_capacity``
-items in flight (always at least one part), and sequence numbers never further
+items in flight (always at least one part; a process stage with the default
+``op_queue_capacity=None`` has no item bound, only the byte bound below), and sequence numbers never further
 ahead of the oldest unfinished part than the reorder window, so a slow
 head-of-line part stalls the lookahead instead of letting finished results
-pile up behind it.
+pile up behind it. **Bytes** bound it too: the estimated output of the parts in
+flight plus the finished results waiting in the reorder buffer stays within the
+stage's ``budget_bytes`` (a share of a worker's shared-memory arena, see
+:func:`lane_budget_bytes`), so results waiting in zephon's own queues can never
+fill the arena whatever the item size; one part is always allowed, so an item
+larger than the budget still flows (alone).
 
 ``deterministic=False``: results are released in completion order (markers
 still keep their place).
@@ -40,12 +53,47 @@ import numpy as np
 from zephon.kernels import ReorderBuffer
 from zephon.pipeline.ops import Boundary
 
-__all__ = ["ordered_map", "DISPATCH_TARGET_BYTES", "approx_nbytes"]
+__all__ = [
+    "DISPATCH_TARGET_BYTES",
+    "PIPELINE_ARENA_BYTES",
+    "approx_nbytes",
+    "lane_budget_bytes",
+    "merge_units",
+    "ordered_map",
+]
 
 #: Output bytes one dispatch part aims at: large enough that per-message costs vanish,
 #: small enough that a part fits the worker's shared-memory arena many times over and the
 #: first result arrives early.
 DISPATCH_TARGET_BYTES = 4 << 20
+
+#: Shared-memory arena bound per worker of a pipeline's process stage (at least what the
+#: transport would choose). Slabs are created only as results need them, so a high bound
+#: costs memory only when large results are held; it lets results of up to a quarter of it
+#: (256 MiB) wait in the pipeline's queues without ever filling the arena.
+PIPELINE_ARENA_BYTES = 1 << 30
+
+
+def lane_budget_bytes(arena_bytes: int, lanes: int) -> int:
+    """Output bytes one lane of a stage may have in flight or waiting to be reordered:
+    a quarter of a worker's arena bound shared by the ``lanes`` the rank owns (another
+    quarter is the consumer-side prefetch queue's, the rest what the consumer holds).
+
+    Example: ``lane_budget_bytes(1 << 30, 1) == 256 << 20``."""
+    return max(1, arena_bytes // 4 // max(1, lanes))
+
+
+def merge_units(first, second):
+    """One unit of two consecutive units of a lane, or None when they cannot be merged
+    (read units of another epoch or not contiguous, or units of different kinds)."""
+    if isinstance(first, list) and isinstance(second, list):
+        return first + second
+    epoch, start = getattr(first, "epoch", None), getattr(first, "start", None)
+    if epoch is None or start is None or not hasattr(first, "indices") or \
+            type(second) is not type(first) or second.epoch != epoch or \
+            second.start != start + len(first):
+        return None
+    return type(first)(epoch, start, np.concatenate([first.indices, second.indices]))
 
 
 def approx_nbytes(value: Any, depth: int = 0) -> int:
@@ -74,81 +122,177 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
                 stats=None) -> Iterator:
     """The results of ``stage`` over one lane's units, in sequence order (see the module
     docstring)."""
-    depth, item_cap, workers = stage.depth, stage.item_cap, max(1, stage.workers)
-    window = 2 * depth * workers + 8
-    buffer = ReorderBuffer(window)
-    seq = inflight = items = 0
-    sizes: dict[int, int] = {}
-    sent: dict[int, float] = {}
-    parts: collections.deque = collections.deque()  # the current unit's parts not yet sent
-    node = f"stage{stage.index}"
-    exhausted = False
-    per_item: float | None = None  # output bytes per input sample, from results seen
+    feed = _Feeder(executor, stage, upstream, lane, stats)
+    state, buffer = feed.state, feed.buffer
     # An inline executor runs a part when it is submitted: hand over what is ready first,
     # so that nothing is read before it is needed.
     eager = stage.runner != "inline"
-    cut = stage.split
-
-    def part_size(n: int) -> int:
-        if not cut or n <= 1:
-            return n
-        if per_item is None:
-            return 1  # until a result says how large this stage's output is
-        size = max(1, int(DISPATCH_TARGET_BYTES // max(per_item, 1.0)))
-        if workers > 1:
-            size = min(size, math.ceil(n / workers))
-        return min(size, n)
-
     while True:
         if not eager:
-            for out in buffer.pop_ready():
-                yield out
-        while inflight < depth and (inflight == 0 or items < item_cap) \
-                and seq + 2 - buffer.cursor <= window:
-            if not parts:
-                if exhausted:
-                    break
-                try:
-                    unit = next(upstream)
-                except StopIteration:
-                    exhausted = True
-                    break
-                if unit is None:  # a placeholder of an earlier non-deterministic stage
-                    continue
-                if isinstance(unit, Boundary):
-                    buffer.push(seq, unit)
-                    seq += 1
-                    continue
-                size = part_size(len(unit))
-                if size >= len(unit):
-                    parts.append(unit)
-                else:
-                    parts.extend(unit[i:i + size] for i in range(0, len(unit), size))
-            part = parts.popleft()
-            if stats is not None:
-                stats.submitted(node, len(part))
-                sent[seq] = time.perf_counter()
-            executor.submit(lane, seq, (stage.index, part))
-            sizes[seq] = len(part)
-            items += len(part)
-            seq += 1
-            inflight += 1
-        for out in buffer.pop_ready():
-            yield out
-        if inflight == 0:
-            if exhausted and not parts:
+            yield from buffer.pop_ready()
+            state.release(buffer.cursor)
+        feed.fill()
+        yield from buffer.pop_ready()
+        state.release(buffer.cursor)
+        if feed.inflight == 0:
+            if feed.exhausted and not feed.parts:
                 return
             continue
         done_seq, result = executor.get(lane)
-        inflight -= 1
-        consumed = sizes.pop(done_seq)
-        items -= consumed
-        if result and consumed:
-            per_item = approx_nbytes(result[0].value) * len(result) / consumed
+        feed.inflight -= 1
+        state.done(done_seq, result, deterministic)
         if stats is not None:
-            stats.completed(node, len(result), time.perf_counter() - sent.pop(done_seq))
+            stats.completed(feed.node, len(result),
+                            time.perf_counter() - feed.sent.pop(done_seq))
         if deterministic:
             buffer.push(done_seq, result)
         else:
             yield result
             buffer.push(done_seq, None)  # keeps markers in place; None is skipped below
+
+
+class _Feeder:
+    """The submitting side of one lane of one stage: reads units (and markers) from
+    upstream, cuts or merges them into parts and submits them while the bounds allow."""
+
+    def __init__(self, executor, stage, upstream: Iterator, lane: int, stats) -> None:
+        self.executor, self.stage, self.upstream, self.lane = executor, stage, upstream, lane
+        self.stats, self.node = stats, f"stage{stage.index}"
+        self.state = _LaneDispatch(stage)
+        self.buffer = ReorderBuffer(self.state.window)
+        self.lookahead: collections.deque = collections.deque()  # read ahead by merging
+        self.parts: collections.deque = collections.deque()  # cut and not yet sent
+        self.sent: dict[int, float] = {}
+        self.seq = self.inflight = 0
+        self.exhausted = False
+
+    def pull(self):
+        return self.lookahead.popleft() if self.lookahead else next(self.upstream)
+
+    def take(self) -> None:
+        """Take one item from upstream: a unit is cut into parts, a marker goes to the
+        buffer (it takes a sequence number), the end of upstream is remembered."""
+        try:
+            unit = self.pull()
+        except StopIteration:
+            self.exhausted = True
+            return
+        if unit is None:  # a placeholder of an earlier non-deterministic stage
+            return
+        if isinstance(unit, Boundary):
+            self.buffer.push(self.seq, unit)
+            self.seq += 1
+            return
+        unit = self.state.merge(unit, self.pull, self.lookahead)
+        self.parts.extend(self.state.cut(unit))
+
+    def fill(self) -> None:
+        """Submit parts while the window, the depth and the byte budget allow."""
+        state, buffer = self.state, self.buffer
+        while self.seq + 2 - buffer.cursor <= state.window:
+            if not self.parts:
+                if self.exhausted:
+                    return
+                self.take()
+                continue
+            if not state.room(self.inflight, len(self.parts[0])):
+                return
+            part = self.parts.popleft()
+            if self.stats is not None:
+                self.stats.submitted(self.node, len(part))
+                self.sent[self.seq] = time.perf_counter()
+            self.executor.submit(self.lane, self.seq, (self.stage.index, part))
+            state.sent(self.seq, len(part))
+            self.seq += 1
+            self.inflight += 1
+
+
+class _LaneDispatch:
+    """The sizing and the bounds of one lane of one stage: how units become parts, and
+    whether one more part may go out (parts, items and bytes in flight)."""
+
+    def __init__(self, stage) -> None:
+        self.depth, self.item_cap = stage.depth, stage.item_cap
+        self.workers = max(1, stage.workers)
+        self.window = 2 * self.depth * self.workers + 8
+        self.split = stage.split
+        self.merges = stage.split and stage.index == 0  # read units: merging reads nothing
+        self.budget: int | None = getattr(stage, "budget_bytes", None)
+        self.per_item: float | None = None  # output bytes per input sample, from results
+        self.items = 0  # input samples in flight
+        self.held = 0.0  # estimated output bytes in flight or waiting in the reorder buffer
+        self.sizes: dict[int, int] = {}  # seq -> samples of a part in flight
+        self.estimate: dict[int, float] = {}  # seq -> bytes counted for a part in flight
+        self.buffered: dict[int, float] = {}  # seq -> bytes of a result not yet handed on
+
+    def target(self) -> int:
+        """Samples per part: ~DISPATCH_TARGET_BYTES of output (1 until a result says)."""
+        if self.per_item is None:
+            return 1
+        return max(1, int(DISPATCH_TARGET_BYTES // max(self.per_item, 1.0)))
+
+    def merge(self, unit, pull, lookahead: collections.deque):
+        """``unit`` grown with the lane's next units while it is smaller than a part (the
+        unit that does not fit, or a marker, waits in ``lookahead``)."""
+        if not self.merges or self.per_item is None:
+            return unit
+        want = self.target() * self.workers
+        while len(unit) < want:
+            try:
+                nxt = pull()
+            except StopIteration:
+                break
+            merged = None if nxt is None or isinstance(nxt, Boundary) else \
+                merge_units(unit, nxt)
+            if merged is None:
+                lookahead.appendleft(nxt)
+                break
+            unit = merged
+        return unit
+
+    def cut(self, unit) -> list:
+        """``unit`` as dispatch parts (itself when it must stay whole)."""
+        n = len(unit)
+        if not self.split or n <= 1:
+            return [unit]
+        size = self.target()
+        if self.per_item is not None and self.workers > 1:
+            size = min(size, math.ceil(n / self.workers))
+        size = min(size, n)
+        if size >= n:
+            return [unit]
+        return [unit[i:i + size] for i in range(0, n, size)]
+
+    def room(self, inflight: int, samples: int) -> bool:
+        """Whether a part of ``samples`` may go out now (one part always may)."""
+        if inflight == 0:
+            return True
+        if inflight >= self.depth or (self.item_cap is not None and self.items >= self.item_cap):
+            return False
+        if self.per_item is None:  # sizes unknown: one part per worker until a result
+            return inflight < self.workers
+        return self.budget is None or self.held + samples * self.per_item <= self.budget
+
+    def sent(self, seq: int, samples: int) -> None:
+        self.sizes[seq] = samples
+        self.items += samples
+        guess = samples * (self.per_item or 0.0)
+        self.estimate[seq] = guess
+        self.held += guess
+
+    def done(self, seq: int, result: list, deterministic: bool) -> None:
+        consumed = self.sizes.pop(seq)
+        self.items -= consumed
+        self.held -= self.estimate.pop(seq)
+        if result and consumed:
+            self.per_item = approx_nbytes(result[0].value) * len(result) / consumed
+        if deterministic:
+            nbytes = (self.per_item or 0.0) * consumed
+            self.buffered[seq] = nbytes
+            self.held += nbytes
+
+    def release(self, cursor: int) -> None:
+        """Results before ``cursor`` were handed on: they leave the lane's budget."""
+        if self.buffered:
+            for seq in [s for s in self.buffered if s < cursor]:
+                self.held -= self.buffered.pop(seq)

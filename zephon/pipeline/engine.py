@@ -48,27 +48,35 @@ completion order (throughput over order; checkpoints are then best effort).
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 from zephon.errors import CheckpointError
-
 from zephon.kernels import LaneRoundRobin
 from zephon.options import (
-    resolve_canonical_replicas, resolve_dp_degree, resolve_dp_group_id,
-    resolve_flush_every_k_chunks, resolve_mapping_strategy, resolve_max_workers,
+    resolve_canonical_replicas,
+    resolve_dp_degree,
+    resolve_dp_group_id,
+    resolve_flush_every_k_chunks,
+    resolve_mapping_strategy,
+    resolve_max_workers,
     resolve_mtp_buffer,
     resolve_op_queue_capacity,
     resolve_prefetch_batches,
-    resolve_stage_prefetch, resolve_stage_workers,
+    resolve_stage_prefetch,
+    resolve_stage_workers,
 )
-from zephon.pipeline.dispatch import ordered_map
+from zephon.pipeline.dispatch import PIPELINE_ARENA_BYTES, lane_budget_bytes, ordered_map
 from zephon.pipeline.lanes import batched_units, lane_length, lane_units, owned_lanes
 from zephon.pipeline.ops import Batch, BatchOp, Boundary, MapOp, PackTokensOp
 from zephon.pipeline.program import StageProgram
 from zephon.pipeline.stats import RunStats
 from zephon.runners import InlineExecutor, ProcessExecutor, ThreadExecutor
+from zephon.transport.pool import default_arena_bytes
 
-__all__ = ["Plan", "Engine", "ordered_map", "accumulate", "cursor_state", "replay_state"]
+#: tasks a process stage's pool keeps in flight per worker
+INFLIGHT_PER_WORKER = 4
+
+__all__ = ["Engine", "Plan", "accumulate", "cursor_state", "ordered_map", "replay_state"]
 
 
 def cursor_state(epoch: int, pos: int, total: int) -> tuple[int, int, int]:
@@ -87,12 +95,16 @@ class Stage:
     """One parallel stage of a plan: its ops, runner, worker count (and why), depths."""
 
     def __init__(self, index: int, ops: list, runner: str, workers: int, depth: int,
-                 split: bool, item_cap: int, workers_why: str = "") -> None:
+                 split: bool, item_cap: int | None, workers_why: str = "") -> None:
         self.index, self.ops, self.runner = index, ops, runner
         self.workers, self.depth, self.split = workers, depth, split
         self.item_cap = item_cap
         self.workers_why = workers_why
         self.collates = False  # a fused batch: each unit is one micro-batch, collated here
+        #: process stages: the shared-memory arena bound of each worker, and the output
+        #: bytes one lane may have in flight or waiting to be reordered (a share of it)
+        self.arena_bytes: int | None = None
+        self.budget_bytes: int | None = None
 
 
 class Plan:
@@ -129,8 +141,12 @@ class Plan:
             # An inline stage runs each unit synchronously when it is submitted: reading
             # ahead would only delay the first item (and a resumed run's first item).
             depth = 1 if runner == "inline" else resolve_stage_prefetch(opts, i, runner)
-            self.stages.append(Stage(i, ops, runner, workers, depth, split,
-                                     resolve_op_queue_capacity(opts),
+            # A process stage's samples in flight are bounded by their bytes (the lane's
+            # share of the arena) unless op_queue_capacity is set: a count of samples
+            # would keep small samples to one part (one busy worker) at a time.
+            item_cap = None if runner == "process" and opts.op_queue_capacity is None \
+                else resolve_op_queue_capacity(opts)
+            self.stages.append(Stage(i, ops, runner, workers, depth, split, item_cap,
                                      _workers_why(opts, runner, parallelism[i], workers)))
         self.fused_batch = self._fuse_batch(opts)
         #: an op may give more items than it reads samples (a packer): no static bound on
@@ -147,6 +163,16 @@ class Plan:
         self.mapping = resolve_mapping_strategy(opts)
         self.owned = owned_lanes(self.lanes, self.dp, self.group, self.mapping)
         self.prefetch = resolve_prefetch_batches(opts)
+        for stage in self.stages:
+            if stage.runner == "process":
+                stage.arena_bytes = max(default_arena_bytes(opts, INFLIGHT_PER_WORKER),
+                                        PIPELINE_ARENA_BYTES)
+                stage.budget_bytes = lane_budget_bytes(stage.arena_bytes, len(self.owned))
+        #: bytes of items the consumer-side prefetch queue may hold (it holds at least one):
+        #: a quarter of the smallest arena bound, so that what waits there, what the lanes
+        #: hold and what the consumer holds never fill a worker's arena
+        arenas = [s.arena_bytes for s in self.stages if s.arena_bytes]
+        self.prefetch_bytes = min(arenas) // 4 if arenas else None
 
     def _fuse_batch(self, opts):
         """``read -> map* -> batch(b)``: the batch is formed where its samples are read.
@@ -218,8 +244,12 @@ class Plan:
                 lines.append(
                     f"  stage {s.index}: {reads}{ops}: runner={s.runner}, "
                     f"workers={s.workers} ({s.workers_why}), depth={s.depth} units/lane, "
-                    f"op_queue={s.item_cap} items/lane, "
-                    f"latency_flush={'on' if s.split else 'off'}")
+                    + (f"op_queue={s.item_cap} items/lane, " if s.item_cap is not None
+                       else "op_queue=bounded by bytes, ")
+                    + (f"in flight <= {s.budget_bytes >> 20} MiB/lane (arena "
+                       f"{s.arena_bytes >> 20} MiB/worker), " if s.budget_bytes and
+                       s.arena_bytes else "")
+                    + f"latency_flush={'on' if s.split else 'off'}")
             else:
                 serial_no += 1
                 lines.append(f"  serial {serial_no}: {what.describe()} "
@@ -255,7 +285,8 @@ def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
     """The serial accumulator of ``op`` over one lane: restarted (seeded from the lane and
     the boundary) at every Boundary, after draining what it held."""
     timer = time.perf_counter if stats is not None else None
-    state = None
+    state: Any = None  # the op's accumulator, from the lane's first Boundary on
+    out: list
     for unit in upstream:
         if unit is None:
             continue
@@ -296,10 +327,13 @@ class Engine:
         try:
             for stage in plan.stages:
                 name = f"stage{stage.index}"
+                ex: ProcessExecutor | ThreadExecutor | InlineExecutor
                 if stage.runner == "process":
                     ex = ProcessExecutor(program, stage.workers, options=o, name=name,
                                          max_retries=o.max_worker_retries,
-                                         deterministic=o.deterministic)
+                                         deterministic=o.deterministic,
+                                         inflight_per_worker=INFLIGHT_PER_WORKER,
+                                         arena_max_bytes=stage.arena_bytes)
                 elif stage.runner == "threads":
                     ex = ThreadExecutor(program, stage.workers, name=name)
                 else:
@@ -318,22 +352,26 @@ class Engine:
             epoch, pos, total = state if state else (0, 0, 0)
             it = lane_units(n, p.seed, p.permute, p.chunk_size, plan.lanes, lane,
                             plan.flush_every, p.num_epochs, Boundary(epoch, 0), pos)
-            skip = 0
-        else:
-            epoch, k, skip, total = state if state else (0, 0, 0, 0)
-            total -= skip
-            it = lane_units(n, p.seed, p.permute, p.chunk_size, plan.lanes, lane,
-                            plan.flush_every, p.num_epochs, Boundary(epoch, k))
-        it = self._chain(it, lane)
-        if plan.cursor_resume:
-            for unit in it:
-                if unit is None or isinstance(unit, Boundary):
-                    continue
-                for record in unit:
-                    total += 1
-                    epoch, pos = record.pos
-                    yield record, (lane, (epoch, pos + 1, total))
-            return
+            return self._cursor_stream(self._chain(it, lane), lane, total)
+        replay = state if state else (0, 0, 0, 0)
+        it = lane_units(n, p.seed, p.permute, p.chunk_size, plan.lanes, lane,
+                        plan.flush_every, p.num_epochs, Boundary(replay[0], replay[1]))
+        return self._replay_stream(self._chain(it, lane), lane, replay)
+
+    @staticmethod
+    def _cursor_stream(it: Iterator, lane: int, total: int) -> Iterator:
+        for unit in it:
+            if unit is None or isinstance(unit, Boundary):
+                continue
+            for record in unit:
+                total += 1
+                epoch, pos = record.pos
+                yield record, (lane, (epoch, pos + 1, total))
+
+    @staticmethod
+    def _replay_stream(it: Iterator, lane: int, state: tuple) -> Iterator:
+        epoch, k, skip, total = state
+        total -= skip
         boundary, since, opened = Boundary(epoch, k), 0, False
         for unit in it:
             if unit is None:
@@ -394,7 +432,7 @@ class Engine:
         # Catch-up: after a restore, lanes that delivered one item less than the others go
         # first (fewest items, lowest id), until every live lane is level.
         while live and len({produced[lane] for lane in live}) > 1:
-            lane = min(live, key=lambda l: (produced[l], l))
+            lane = min(live, key=lambda x: (produced[x], x))
             item = pull(lane)
             if item is not None:
                 yield item

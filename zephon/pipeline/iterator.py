@@ -15,8 +15,11 @@ Lifecycle
   while they do);
 - ``__next__``: where the engine runs inline, in the consumer's thread;
   otherwise from a queue of ``prefetch_batches`` items filled by a pump thread
-  (MTP: a low-priority thread of ``mtp_prefetch`` items). Each item carries the
-  lane state a restore would continue from; only what ``__next__`` hands over
+  (MTP: a low-priority thread of ``mtp_prefetch`` items). With process stages
+  the queue is bounded in bytes as well (the plan's ``prefetch_bytes``, a share
+  of a worker's shared-memory arena; one item always fits), so that large
+  items waiting there can never fill the arena the workers write into. Each
+  item carries the lane state a restore would continue from; only what ``__next__`` hands over
   is recorded as delivered, so prefetched items are produced again after a
   restore;
 - ``close()`` (idempotent): stops the pump, closes the executors' worker pools
@@ -43,10 +46,11 @@ from typing import Any
 
 from zephon.checkpoint import decode_state
 from zephon.options import resolve_mtp_prefetch
+from zephon.pipeline.dispatch import approx_nbytes
 from zephon.pipeline.engine import Engine
 from zephon.pipeline.state import check_state, local_state
 
-__all__ = ["PipelineIterator", "RunRecord", "offer"]
+__all__ = ["ByteGate", "PipelineIterator", "RunRecord", "offer"]
 
 _END = object()
 _live: "weakref.WeakSet[PipelineIterator]" = weakref.WeakSet()
@@ -73,12 +77,12 @@ class RunRecord:
     """What a pipeline remembers of a run: delivered lane states, the statistics and the
     MTP final state."""
 
-    __slots__ = ("states", "final_state", "stats")
+    __slots__ = ("final_state", "states", "stats")
 
     def __init__(self, states: dict | None = None) -> None:
         self.states: dict[int, tuple] = dict(states or {})
         self.final_state: bytes | None = None
-        self.stats = None
+        self.stats: Any = None  # the run's RunStats while it runs with tracking on
 
 
 class _Failure:
@@ -100,7 +104,40 @@ def offer(out: queue.Queue, item, stop: threading.Event) -> bool:
     return False
 
 
-def _pump(source, out: queue.Queue, stop: threading.Event, nice: int = 0) -> None:
+class ByteGate:
+    """A byte bound on what waits in a queue: ``acquire(n)`` waits while the bytes already
+    admitted plus ``n`` exceed ``limit`` (an empty queue admits any item, so nothing is
+    ever refused for its size); the consumer ``release(n)``-es what it takes.
+
+    Example::
+
+        gate = ByteGate(64 << 20)
+        gate.acquire(nbytes, stop)   # producer, before putting the item
+        gate.release(nbytes)         # consumer, after taking it
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self.cond = threading.Condition()
+
+    def acquire(self, nbytes: int, stop: threading.Event) -> bool:
+        """Admit ``nbytes``; False if ``stop`` was set while waiting."""
+        with self.cond:
+            while self.used and self.used + nbytes > self.limit:
+                if stop.is_set():
+                    return False
+                self.cond.wait(0.1)
+            self.used += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self.cond:
+            self.used -= nbytes
+            self.cond.notify_all()
+
+
+def _pump(source, out: queue.Queue, stop: threading.Event, nice: int = 0,
+          gate: ByteGate | None = None) -> None:
     if nice:
         # MTP's prefetch thread yields the CPU to the training loop: on Linux a thread has
         # its own nice value, set through its native id (raising it needs no privilege).
@@ -113,8 +150,13 @@ def _pump(source, out: queue.Queue, stop: threading.Event, nice: int = 0) -> Non
         return offer(out, item, stop)
 
     try:
-        for item in source:
-            if not put(item):
+        for value, stamp in source:
+            nbytes = 0
+            if gate is not None:
+                nbytes = approx_nbytes(value)
+                if not gate.acquire(nbytes, stop):
+                    return
+            if not put((value, stamp, nbytes)):
                 return
         put(_END)
     except BaseException as exc:  # noqa: BLE001 - handed to the consumer
@@ -186,8 +228,9 @@ class PipelineIterator:
         self.closed = False
         self._started = False
         self.engine: Engine | None = None
-        self.remote = None
+        self.remote: Any = None  # the MTP subprocess's end (MtpSource), in MTP mode
         self.thread: threading.Thread | None = None
+        self.gate: ByteGate | None = None
         self._start()
 
     # -- running ---------------------------------------------------------------------------
@@ -210,9 +253,11 @@ class PipelineIterator:
         if threaded:
             self.queue: queue.Queue = queue.Queue(maxsize=depth)
             self.stop = threading.Event()
+            limit = None if opts.mtp_mode else plan.prefetch_bytes
+            self.gate = ByteGate(limit) if limit else None
             self.thread = threading.Thread(
                 target=_pump, args=(self._source, self.queue, self.stop,
-                                    10 if opts.mtp_mode else 0),
+                                    10 if opts.mtp_mode else 0, self.gate),
                 name="zephon-pump", daemon=True)
             self.thread.start()
         self.closed = False
@@ -233,7 +278,9 @@ class PipelineIterator:
                     raise StopIteration
                 if isinstance(item, _Failure):
                     raise item.error
-                value, (lane, state) = item
+                value, (lane, state), nbytes = item
+                if nbytes:
+                    self.gate.release(nbytes)  # type: ignore[union-attr]
         except StopIteration:
             self.close()
             self._finished()

@@ -30,7 +30,7 @@ from typing import Any, Callable
 from zephon.errors import WorkerCrashedError
 from zephon.transport import WorkerPool
 
-__all__ = ["InlineExecutor", "ThreadExecutor", "ProcessExecutor"]
+__all__ = ["InlineExecutor", "ProcessExecutor", "ThreadExecutor"]
 
 log = logging.getLogger("zephon.runners")
 
@@ -92,10 +92,13 @@ class ProcessExecutor:
 
     def __init__(self, program: Callable, workers: int, *, options, name: str = "stage",
                  max_retries: int = 3, deterministic: bool = True,
-                 inflight_per_worker: int = 4) -> None:
+                 inflight_per_worker: int = 4, arena_max_bytes: int | None = None) -> None:
+        """``arena_max_bytes``: each worker's shared-memory arena bound (None: the pool's
+        default, from the options)."""
         self.name, self.max_retries, self.deterministic = name, max_retries, deterministic
         self.pool = WorkerPool(program, workers, options=options, name=name,
-                               inflight_per_worker=inflight_per_worker)
+                               inflight_per_worker=inflight_per_worker,
+                               arena_max_bytes=arena_max_bytes)
         self.pool.start(wait=False)  # READY is awaited on first use: the engine overlaps
         self._task: dict[int, tuple] = {}  # task id -> (lane, seq, payload)
         self._retries: collections.Counter = collections.Counter()
@@ -129,7 +132,8 @@ class ProcessExecutor:
                                f"worker {self._retries[(lane, seq)]} times ({sig}); "
                                f"max_worker_retries={self.max_retries} exhausted")
                     if not self.deterministic:
-                        warnings.warn(f"zephon: dropping it: {message}", RuntimeWarning)
+                        warnings.warn(f"zephon: dropping it: {message}", RuntimeWarning,
+                                      stacklevel=2)
                         self._done[lane].append((seq, []))
                         continue
                     raise WorkerCrashedError(message, seq=seq, signal=crash.signal,

@@ -1,0 +1,77 @@
+"""Byte-aware back-pressure: with default options, results waiting in the pipeline's own
+queues never fill a worker's shared-memory arena, whatever the item size.
+
+The arena falls back to sending results by copy through the channel (and the pool warns
+once: "the consumer holds ... bytes of the ...-byte shared-memory arena") only after a
+region did not come back in time; these tests fail on that warning, so they check which
+path was taken, not how long anything took. The consumer here is slower than the workers
+(it sleeps a little per item, as a training step would), so every queue of the pipeline
+fills up; it drops each item before it asks for the next one, as a training loop does.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+from zephon import Pipeline, sources
+from zephon.pipeline.dispatch import PIPELINE_ARENA_BYTES, lane_budget_bytes
+
+
+class Sized:
+    """Sample ``i``: ``nbytes`` of int64 starting at ``i``."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.elements = nbytes // 8
+
+    def __call__(self, i: int) -> dict:
+        return {"tokens": np.arange(self.elements, dtype=np.int64) + i, "seq": i}
+
+
+def add_one(sample: dict) -> dict:
+    return {"tokens": sample["tokens"] + 1, "seq": sample["seq"]}
+
+
+def run_without_fallback(nbytes: int, n: int) -> list[int]:
+    """The ``seq`` of every item of a default-options pipeline with 2 process workers;
+    fails if any result left the shared-memory arena for the in-band fallback."""
+    pipe = Pipeline(sources.from_callable(n, Sized(nbytes))).map(add_one, parallelism=2)
+    seen = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="zephon: the consumer holds",
+                                category=RuntimeWarning)
+        it = iter(pipe)
+        try:
+            for item in it:
+                assert int(item["tokens"][0]) == item["seq"] + 1
+                seen.append(item["seq"])
+                del item
+                time.sleep(0.05)  # a training step: the pipeline's queues fill meanwhile
+        finally:
+            it.close()
+    return seen
+
+
+def test_64mib_items_never_fall_back_to_in_band():
+    seen = run_without_fallback(64 << 20, 16)
+    assert sorted(seen) == list(range(16))
+
+
+@pytest.mark.slow
+def test_256mib_items_never_fall_back_to_in_band():
+    seen = run_without_fallback(256 << 20, 6)
+    assert sorted(seen) == list(range(6))
+
+
+def test_plan_bounds_in_flight_bytes_by_the_arena():
+    pipe = Pipeline(sources.from_callable(8, Sized(4096))).map(add_one, parallelism=2)
+    plan = pipe.plan()
+    stage = plan.stages[0]
+    assert stage.arena_bytes >= PIPELINE_ARENA_BYTES
+    assert stage.budget_bytes == lane_budget_bytes(stage.arena_bytes, len(plan.owned))
+    # lanes' share + the prefetch queue's share leave half of the arena to the consumer
+    assert stage.budget_bytes * len(plan.owned) + plan.prefetch_bytes <= stage.arena_bytes // 2
+    assert "MiB/lane" in plan.explain()
