@@ -93,12 +93,18 @@ from zephon.transport.wire import (
     SpaceFallback,
     StarvedFallback,
     WireHeader,
+    leaf_desc,
 )
 
 __all__ = ["Decoder", "Encoder", "PeerState", "ShmPolicy", "find_unpicklable"]
 
-_ARRAY, _TENSOR = LeafKind.ARRAY, LeafKind.TENSOR
-_BYTES, _BYTEARRAY = LeafKind.BYTES, LeafKind.BYTEARRAY
+# Plain ints on the hot paths (an enum attribute look-up per leaf costs more than the
+# comparison it feeds, and msgpack packs exact ints fastest).
+_ARRAY, _TENSOR = int(LeafKind.ARRAY), int(LeafKind.TENSOR)
+_BYTES, _BYTEARRAY = int(LeafKind.BYTES), int(LeafKind.BYTEARRAY)
+_REGION, _FRAME = int(Placement.REGION), int(Placement.FRAME)
+_NO_FLAGS = int(LeafFlag.NONE)
+_NEW, _FORWARDED = int(RegionMode.NEW), int(RegionMode.FORWARDED)
 _VIEW_KINDS = (_ARRAY, _TENSOR)  # leaves that can be views of a leased region
 _BYTES_KINDS = (_BYTES, _BYTEARRAY)
 _BYTE_DTYPE = "|u1"  # the dtype token of a bytes-like leaf
@@ -360,8 +366,9 @@ class Encoder:
             self._announce(info.slab, peer, msg)
         leaf = msg.leaves[s.leaf]
         strides = None if leaf.flags.c_contiguous else list(leaf.strides)
-        msg.descs[s.leaf] = LeafDesc(msg.kinds[s.leaf], Placement.REGION, r, s.start,
-                                      dtype_token(leaf.dtype), list(leaf.shape), strides)
+        msg.descs[s.leaf] = leaf_desc((msg.kinds[s.leaf], _REGION, r, s.start,
+                                       dtype_token(leaf.dtype), list(leaf.shape), strides,
+                                       _NO_FLAGS))
 
     # -- helpers ---------------------------------------------------------------------
     def _peer_can_map(self, slab: Slab, peer: PeerState) -> bool:
@@ -444,9 +451,9 @@ class Encoder:
                 if desc is None:
                     left.append(i)  # too small for a region (compacted views never are)
                     continue
-                msg.descs[i] = LeafDesc(msg.kinds[i], Placement.REGION,
-                                        first_region + desc.group, desc.offset, desc.dtype,
-                                        list(desc.shape), None)
+                msg.descs[i] = leaf_desc((msg.kinds[i], _REGION, first_region + desc.group,
+                                          desc.offset, desc.dtype, list(desc.shape), None,
+                                          _NO_FLAGS))
         return sorted(left)
 
     def _to_frames(self, msg: _Message, indices: list[int], one_per_leaf: bool) -> None:
@@ -469,13 +476,13 @@ class Encoder:
     def _own_frame(msg: _Message, i: int) -> None:
         leaf, kind = msg.leaves[i], msg.kinds[i]
         if kind in _BYTES_KINDS:
-            msg.descs[i] = LeafDesc(kind, Placement.FRAME, len(msg.frames), 0, _BYTE_DTYPE,
-                                    [len(leaf)], None)
+            msg.descs[i] = leaf_desc((kind, _FRAME, len(msg.frames), 0, _BYTE_DTYPE,
+                                      [len(leaf)], None, _NO_FLAGS))
             msg.frames.append(leaf)
             return
         data = leaf if leaf.flags.c_contiguous else np.ascontiguousarray(leaf)
-        msg.descs[i] = LeafDesc(kind, Placement.FRAME, len(msg.frames), 0,
-                                dtype_token(leaf.dtype), list(leaf.shape), None)
+        msg.descs[i] = leaf_desc((kind, _FRAME, len(msg.frames), 0, dtype_token(leaf.dtype),
+                                  list(leaf.shape), None, _NO_FLAGS))
         msg.frames.append(data.reshape(-1).view(np.uint8) if data.size else b"")
 
     @staticmethod
@@ -490,12 +497,13 @@ class Encoder:
             desc = plan.descriptors[k]
             if desc is None:  # only zero-itemsize dtypes: send the (empty) bytes
                 leaf = msg.leaves[i]
-                msg.descs[i] = LeafDesc(msg.kinds[i], Placement.FRAME, len(msg.frames), 0,
-                                        dtype_token(leaf.dtype), list(leaf.shape), None)
+                msg.descs[i] = leaf_desc((msg.kinds[i], _FRAME, len(msg.frames), 0,
+                                          dtype_token(leaf.dtype), list(leaf.shape), None,
+                                          _NO_FLAGS))
                 msg.frames.append(b"")
                 continue
-            msg.descs[i] = LeafDesc(msg.kinds[i], Placement.FRAME, base + desc.group,
-                                    desc.offset, desc.dtype, list(desc.shape), None)
+            msg.descs[i] = leaf_desc((msg.kinds[i], _FRAME, base + desc.group, desc.offset,
+                                      desc.dtype, list(desc.shape), None, _NO_FLAGS))
 
 
 class Decoder:
@@ -550,7 +558,7 @@ class Decoder:
         lease = self.leases.get(region.token)
         if lease is not None:
             return lease
-        if region.mode == RegionMode.FORWARDED and not self.borrow_forwarded:
+        if region.mode == _FORWARDED and not self.borrow_forwarded:
             raise SerializationError(
                 f"forwarded region {region.token:#x} is no longer leased here: a worker kept "
                 "a view of a task input beyond its task (copy it to keep it)")
@@ -558,31 +566,38 @@ class Decoder:
         if slab is None:
             raise SerializationError(f"message refers to unknown slab {region.slab_id:#x}")
         release = self.release_for(slab_owner(region.slab_id)) \
-            if region.mode == RegionMode.NEW else None
+            if region.mode == _NEW else None
         return self.leases.lease(RegionInfo(region.token, slab, region.offset, region.nbytes),
                                  release)
 
     def _decode(self, header: WireHeader, frames: list) -> Any:
         leases = [self._region_lease(region) for region in header.regions]
-        leaves = [_rebuild_leaf(desc, leases, frames) for desc in header.leaves]
+        dtypes: dict[str, np.dtype] = {}  # dtype token -> dtype, once per message
+        leaves = []
+        for desc in header.leaves:
+            buffer = leases[desc.buffer] if desc.placement == _REGION else frames[desc.buffer]
+            dt = dtypes.get(desc.dtype)
+            if dt is None:
+                dt = dtypes[desc.dtype] = dtype_from_token(desc.dtype)
+            leaves.append(_rebuild_leaf(desc, buffer, dt))
         return _LeafUnpickler(io.BytesIO(frames[0]), leaves).load()
 
 
-def _rebuild_leaf(desc: LeafDesc, leases: list, frames: list) -> Any:
-    """One leaf as a zero-copy view of its region or frame (bytes-likes are copies)."""
-    buffer = leases[desc.buffer] if desc.placement == Placement.REGION else frames[desc.buffer]
+def _rebuild_leaf(desc: LeafDesc, buffer: Any, dt: np.dtype) -> Any:
+    """One leaf as a zero-copy view of ``buffer`` (bytes-likes are copies)."""
     kind, offset, shape = desc.kind, desc.offset, desc.shape
+    if kind == _ARRAY and desc.strides is None and (len(buffer) or not dt.itemsize):
+        return np.ndarray(shape, dt, buffer=buffer, offset=offset)  # the common case
     if kind in _BYTES_KINDS:
         data = bytes(memoryview(buffer)[offset:offset + shape[0]])
-        return data if kind == LeafKind.BYTES else bytearray(data)
-    dt = dtype_from_token(desc.dtype)
+        return data if kind == _BYTES else bytearray(data)
     if desc.strides is not None:
         arr = np.ndarray(shape, dt, buffer=buffer, offset=offset, strides=desc.strides)
     elif len(buffer) or not dt.itemsize:
         arr = np.ndarray(shape, dt, buffer=buffer, offset=offset)
     else:
         arr = np.empty(shape, dt)
-    if kind != LeafKind.TENSOR:
+    if kind != _TENSOR:
         return arr
     import torch
 

@@ -14,13 +14,14 @@ gives the dict the channel sends and :meth:`WireHeader.from_wire` reads one back
 
 The transport adds its own keys (``"k"``, ``"id"``, ...) to the same dict; the
 codec's keys are the one-letter ones above. Both ends run the same zephon, so the
-layout carries no version; a reader accepts the older short forms (a leaf without
-``flags``, a slab entry without ``dedicated``).
+layout carries no version. A message can hold thousands of leaves, so leaf
+descriptors are made with :func:`leaf_desc` (``tuple.__new__``, no Python-level
+constructor call: the named fields cost the hot path almost nothing).
 
 Example::
 
-    >>> h = WireHeader([LeafDesc(LeafKind.ARRAY, Placement.FRAME, 1, 0, "<f4", [3], None)],
-    ...                [], [])
+    >>> leaf = LeafDesc(LeafKind.ARRAY, Placement.FRAME, 1, 0, "<f4", [3], None, 0)
+    >>> h = WireHeader([leaf], [], [])
     >>> WireHeader.from_wire(h.to_wire()).leaves[0].dtype
     '<f4'
 """
@@ -28,7 +29,8 @@ Example::
 from __future__ import annotations
 
 import enum
-from typing import Any, NamedTuple, Union
+import functools
+from typing import Any, Callable, NamedTuple, Union
 
 __all__ = [
     "NO_SPACE",
@@ -44,6 +46,7 @@ __all__ = [
     "SpaceFallback",
     "StarvedFallback",
     "WireHeader",
+    "leaf_desc",
 ]
 
 
@@ -90,7 +93,12 @@ class LeafDesc(NamedTuple):
     dtype: str
     shape: list
     strides: list | None
-    flags: int = 0
+    flags: int
+
+
+#: ``leaf_desc((kind, placement, buffer, offset, dtype, shape, strides, flags))``: a
+#: :class:`LeafDesc` from a tuple of all eight fields, at the cost of a plain tuple.
+leaf_desc: Callable[[tuple], LeafDesc] = functools.partial(tuple.__new__, LeafDesc)
 
 
 class RegionEntry(NamedTuple):
@@ -164,6 +172,6 @@ class WireHeader(NamedTuple):
         fallback = wire.get("w")
         if fallback is not None:
             fallback = (StarvedFallback if fallback[0] == STARVED else SpaceFallback)(*fallback)
-        return cls([LeafDesc(*d) for d in wire["l"]],
+        return cls(list(map(leaf_desc, wire["l"])),
                    [RegionEntry(*r) for r in wire["r"]],
                    [SlabEntry(*s) for s in wire.get("s", ())], fallback)
