@@ -1,6 +1,9 @@
 # cython: language_level=3
 """Compiled view-compaction planning; behaviour specified by ``zephon.kernels.compaction_ref``.
 
+Caller: :class:`zephon.transport.codec.Encoder` (``_place_shared``: forward,
+compact or inline the views of regions this process holds a lease on).
+
 Ordering by (region, start) is the cost that matters. ``np.lexsort`` of two keys
 costs ~10x one ``argsort`` of int64 here, so the views are ranked densely by
 region (one argsort of the ids and a C pass), and the combined key

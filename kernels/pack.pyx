@@ -1,6 +1,9 @@
 # cython: language_level=3
 """Compiled buffer packing; behaviour specified by ``zephon.kernels.pack_ref``.
 
+Callers: :class:`zephon.transport.codec.Encoder` (``pack_plan`` + ``pack_copy``
+into arena regions, ``_to_regions``, and into in-band frames, ``_packed_frames``).
+
 Speed comes from three places: the plan is one typed pass that looks each
 dtype object up once per call (not ``dtype.str`` per leaf); the copy collects
 raw pointers with the GIL held and then copies every leaf with the GIL
@@ -20,7 +23,7 @@ import numpy as np
 
 from zephon.kernels.pack_ref import as_leaf_array
 from zephon.kernels.types import (
-    Descriptor, PackPlan, check_pack_args, dtype_from_token, dtype_token,
+    Descriptor, PackPlan, check_pack_args, dtype_token,
 )
 
 cnp.import_array()
@@ -304,36 +307,3 @@ def pack_copy(leaves, plan, buffers):
         free(views)
         free(jobs)
 
-
-def rebuild(buffers, descriptors):
-    cdef dict dtypes = {}
-    cdef dict sizes = {}
-    cdef list out = []
-    cdef Py_ssize_t k = 0
-    cdef int64_t offset, count, size, s
-    for desc in descriptors:
-        if desc is None:
-            out.append(None)
-            k += 1
-            continue
-        group, offset, dtype_str, shape = desc
-        dtype = dtypes.get(dtype_str)
-        if dtype is None:
-            dtype = dtypes[dtype_str] = dtype_from_token(dtype_str)
-        shape = tuple(shape)
-        count = 1
-        for s in shape:
-            count *= s
-        buffer = buffers[group]
-        size_obj = sizes.get(group)
-        if size_obj is None:
-            size_obj = sizes[group] = memoryview(buffer).nbytes
-        size = size_obj
-        if offset < 0 or offset + count * dtype.itemsize > size:
-            raise ValueError(f"rebuild: descriptor {k} needs bytes [{offset}, "
-                             f"{offset + count * dtype.itemsize}) but buffer {group} holds "
-                             f"{size}")
-        out.append(np.frombuffer(buffer, dtype=dtype, count=count, offset=offset)
-                   .reshape(shape))
-        k += 1
-    return out

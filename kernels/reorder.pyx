@@ -1,6 +1,10 @@
 # cython: language_level=3
 """Compiled ordered merge; behaviour specified by ``zephon.kernels.reorder_ref``.
 
+Callers: ``ReorderBuffer`` by :mod:`zephon.pipeline.dispatch` (sequence order
+inside a stage); ``LaneRoundRobin`` by
+:mod:`zephon.pipeline.engine` (the ordered merge of a rank's lanes).
+
 ``ReorderBuffer`` keeps items in a ring of ``capacity`` slots indexed by
 ``seq % capacity`` with a byte flag per slot, so push and pop are O(1) with no
 hashing; ``push_many`` takes a whole window in one call. ``LaneRoundRobin``

@@ -3,10 +3,19 @@
 Public names (each documented in its reference module, which is the
 specification the compiled version must match):
 
-- ``pack_plan``, ``pack_copy``, ``rebuild``  (:mod:`zephon.kernels.pack_ref`)
-- ``compaction_plan``                       (:mod:`zephon.kernels.compaction_ref`)
-- ``ReorderBuffer``, ``LaneRoundRobin``     (:mod:`zephon.kernels.reorder_ref`)
-- result types and helpers                  (:mod:`zephon.kernels.types`)
+- ``pack_plan``, ``pack_copy``          (:mod:`zephon.kernels.pack_ref`; called by the
+  codec's encoder, :mod:`zephon.transport.codec`, for arena regions and in-band frames)
+- ``compaction_plan``                   (:mod:`zephon.kernels.compaction_ref`; called by
+  the codec's encoder to forward, compact or inline views of leased regions)
+- ``ReorderBuffer``                     (:mod:`zephon.kernels.reorder_ref`; called by
+  :mod:`zephon.pipeline.dispatch` to restore sequence order inside a stage)
+- ``LaneRoundRobin``                    (:mod:`zephon.kernels.reorder_ref`; called by
+  :mod:`zephon.pipeline.engine` for the ordered merge of a rank's lanes)
+- result types and helpers              (:mod:`zephon.kernels.types`)
+
+Leaves are rebuilt on the receiving side by the codec's decoder with one
+``np.ndarray`` per leaf; a ``rebuild`` kernel for that step existed and was
+removed because it was slower than that path.
 
 Selection happens once, on first use of one of these names (not at import, so
 that the compiled modules, which import :mod:`zephon.kernels.types`, can be
@@ -24,18 +33,38 @@ import os
 import warnings
 
 from zephon.kernels.types import (
-    COMPACT, DECISION_NAMES, FORWARD, INLINE, CompactionPlan, Descriptor, PackPlan, align_up,
+    COMPACT,
+    DECISION_NAMES,
+    FORWARD,
+    INLINE,
+    CompactionPlan,
+    Descriptor,
+    PackPlan,
+    align_up,
     byte_extent,
 )
 
 __all__ = [
-    "pack_plan", "pack_copy", "rebuild", "compaction_plan", "ReorderBuffer", "LaneRoundRobin",
-    "PackPlan", "CompactionPlan", "Descriptor", "INLINE", "COMPACT", "FORWARD",
-    "DECISION_NAMES", "byte_extent", "align_up", "IMPLEMENTATION", "compiled_module",
+    "COMPACT",
+    "DECISION_NAMES",
+    "FORWARD",
+    "IMPLEMENTATION",
+    "INLINE",
+    "CompactionPlan",
+    "Descriptor",
+    "LaneRoundRobin",
+    "PackPlan",
+    "ReorderBuffer",
+    "align_up",
+    "byte_extent",
+    "compaction_plan",
+    "compiled_module",
+    "pack_copy",
+    "pack_plan",
 ]
 
 _EXPORTS = {
-    "pack_plan": "pack", "pack_copy": "pack", "rebuild": "pack",
+    "pack_plan": "pack", "pack_copy": "pack",
     "compaction_plan": "compaction",
     "ReorderBuffer": "reorder", "LaneRoundRobin": "reorder",
 }

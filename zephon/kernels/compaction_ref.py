@@ -1,5 +1,8 @@
 """Reference view-compaction planning: the specification of ``kernels/compaction.pyx``.
 
+Caller: :class:`zephon.transport.codec.Encoder` (``_place_shared``: forward,
+compact or inline the views of regions this process holds a lease on).
+
 ``compaction_plan(region_ids, region_sizes, starts, ends, min_forward_bytes,
 compact_above_ratio, compact_min_savings_bytes) -> CompactionPlan``
 
@@ -23,10 +26,32 @@ policy values.
 from __future__ import annotations
 
 from zephon.kernels.types import (
-    COMPACT, FORWARD, INLINE, CompactionPlan, check_compaction_args,
+    COMPACT,
+    FORWARD,
+    INLINE,
+    CompactionPlan,
+    check_compaction_args,
 )
 
 __all__ = ["compaction_plan"]
+
+
+def _union_bytes(extents: list[tuple[int, int]]) -> int:
+    """Bytes covered by the union of half-open ``extents`` (overlaps count once)."""
+    useful = 0
+    run: list[int] | None = None  # [lo, hi) of the run being merged
+    for a, b in sorted(extents):
+        if a == b:
+            continue
+        if run is None or a > run[1]:
+            if run is not None:
+                useful += run[1] - run[0]
+            run = [a, b]
+        elif b > run[1]:
+            run[1] = b
+    if run is not None:
+        useful += run[1] - run[0]
+    return useful
 
 
 def compaction_plan(region_ids, region_sizes, starts, ends, min_forward_bytes: int,
@@ -40,7 +65,7 @@ def compaction_plan(region_ids, region_sizes, starts, ends, min_forward_bytes: i
                          f"the same length, got {len(ids)}, {len(sizes)}, {len(lo)}, {len(hi)}")
     size_of: dict[int, int] = {}
     extents: dict[int, list[tuple[int, int]]] = {}
-    for k, (rid, size, a, b) in enumerate(zip(ids, sizes, lo, hi)):
+    for k, (rid, size, a, b) in enumerate(zip(ids, sizes, lo, hi, strict=True)):
         if size_of.setdefault(rid, size) != size:
             raise ValueError(f"compaction_plan: region {rid} has two sizes "
                              f"({size_of[rid]} and {size})")
@@ -51,19 +76,7 @@ def compaction_plan(region_ids, region_sizes, starts, ends, min_forward_bytes: i
 
     out_ids, out_sizes, out_useful, out_decision = [], [], [], []
     for rid in sorted(extents):
-        useful = 0
-        cur_lo = cur_hi = None
-        for a, b in sorted(extents[rid]):
-            if a == b:
-                continue
-            if cur_hi is None or a > cur_hi:
-                if cur_hi is not None:
-                    useful += cur_hi - cur_lo
-                cur_lo, cur_hi = a, b
-            elif b > cur_hi:
-                cur_hi = b
-        if cur_hi is not None:
-            useful += cur_hi - cur_lo
+        useful = _union_bytes(extents[rid])
         size = size_of[rid]
         if useful < min_forward_bytes:
             decision = INLINE

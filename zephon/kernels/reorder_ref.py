@@ -1,5 +1,9 @@
 """Reference ordered merge: the specification of ``kernels/reorder.pyx``.
 
+Callers: ``ReorderBuffer`` by :mod:`zephon.pipeline.dispatch` (sequence order
+inside a stage); ``LaneRoundRobin`` by
+:mod:`zephon.pipeline.engine` (the ordered merge of a rank's lanes).
+
 ``ReorderBuffer(capacity, cursor=0)``
     Restores sequence order inside a stage. ``push(seq, item)`` accepts any
     arrival order within the window ``[cursor, cursor + capacity)``;
@@ -29,9 +33,9 @@ from __future__ import annotations
 
 import numbers
 from collections import deque
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, cast
 
-__all__ = ["ReorderBuffer", "LaneRoundRobin"]
+__all__ = ["LaneRoundRobin", "ReorderBuffer"]
 
 
 def _check_seq(seq: Any) -> int:
@@ -47,8 +51,8 @@ class ReorderBuffer:
             raise ValueError(f"ReorderBuffer: capacity must be an int >= 1, got {capacity!r}")
         if isinstance(cursor, bool) or not isinstance(cursor, numbers.Integral) or cursor < 0:
             raise ValueError(f"ReorderBuffer: cursor must be an int >= 0, got {cursor!r}")
-        self.capacity = int(capacity)
-        self.cursor = int(cursor)
+        self.capacity: int = int(capacity)
+        self.cursor: int = int(cursor)
         self._held: dict[int, Any] = {}
 
     def push(self, seq: int, item: Any) -> None:
@@ -67,7 +71,7 @@ class ReorderBuffer:
         seqs, items = list(seqs), list(items)
         if len(seqs) != len(items):
             raise ValueError(f"ReorderBuffer.push_many: {len(seqs)} seqs but {len(items)} items")
-        for seq, item in zip(seqs, items):
+        for seq, item in zip(seqs, items, strict=True):
             self.push(seq, item)
 
     def pop_ready(self) -> list:
@@ -97,7 +101,7 @@ class LaneRoundRobin:
         if isinstance(lanes, numbers.Integral) and not isinstance(lanes, bool):
             lane_ids = list(range(int(lanes)))
         else:
-            lane_ids = [int(x) for x in lanes]
+            lane_ids = [int(x) for x in cast("Sequence[int]", lanes)]
         if not lane_ids or len(set(lane_ids)) != len(lane_ids):
             raise ValueError(f"LaneRoundRobin: lanes must be a positive count or distinct lane "
                              f"ids, got {lanes!r}")
@@ -105,9 +109,9 @@ class LaneRoundRobin:
             raise ValueError(f"LaneRoundRobin: cursor {cursor} outside [0, {len(lane_ids)})")
         self.lanes = tuple(lane_ids)
         self._pos = {lane: k for k, lane in enumerate(lane_ids)}
-        self._fifo = [deque() for _ in lane_ids]
+        self._fifo: list[deque[Any]] = [deque() for _ in lane_ids]
         self._exhausted = [False] * len(lane_ids)
-        self.cursor = int(cursor)
+        self.cursor: int = int(cursor)
 
     def _index(self, lane: int) -> int:
         try:
@@ -146,11 +150,11 @@ class LaneRoundRobin:
         return all(self._exhausted) and not any(self._fifo)
 
     def pending(self) -> dict:
-        return {lane: len(f) for lane, f in zip(self.lanes, self._fifo) if f}
+        return {lane: len(f) for lane, f in zip(self.lanes, self._fifo, strict=True) if f}
 
     def state(self) -> dict:
         return {"cursor": self.cursor,
-                "exhausted": [lane for lane, e in zip(self.lanes, self._exhausted) if e]}
+                "exhausted": [lane for lane, e in zip(self.lanes, self._exhausted, strict=True) if e]}
 
     @classmethod
     def from_state(cls, lanes: int | Sequence[int], state: dict) -> "LaneRoundRobin":

@@ -14,10 +14,10 @@ Ownership and lifecycle
   :func:`sweep_segments_of` removes the names of given workers of this run (a
   pool's ``close()`` for all of its workers, ``get()`` for a worker killed by a
   signal, which could not unlink its own).
-- A **slab id** is ``owner << 16 | index`` (indices of unmapped dedicated
-  slabs are reused), owner being ``1 + worker index``; a
-  **region** is one allocation in a slab, named by its **token**
-  ``slab_id << 40 | offset`` (unique while the region is live).
+- A **slab id** names one slab of one owner (``1 + worker index``; indices of
+  unmapped dedicated slabs are reused); a **region** is one allocation in a
+  slab, named by its **token** (unique while the region is live). Their bit
+  layout belongs to :mod:`zephon.transport.tokens` alone.
 - Every slab's space is reserved when it is created (``posix_fallocate`` after
   ``ftruncate``, memfd included), so a full ``/dev/shm`` (Docker's 64 MB
   default) is an error at creation, :class:`ShmSpaceError` naming the
@@ -55,6 +55,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
+import importlib
 import logging
 import mmap
 import os
@@ -63,39 +64,62 @@ import sys
 import threading
 import time
 import weakref
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from zephon.errors import TransportError
+from zephon.errors import TransportError, ZephonConfigError
+from zephon.transport.tokens import (
+    SLAB_INDICES,
+    check_owner,
+    pack_slab_id,
+    region_token,
+    slab_index,
+    slab_owner,
+    token_offset,
+    token_slab,
+)
 
 __all__ = [
-    "Slab", "ShmArena", "ArenaFull", "ShmSpaceError", "SlabRegistry", "LeaseTable",
-    "RegionInfo", "memfd_available", "sweep_stale_segments", "sweep_segments_of",
-    "slab_owner", "token_of", "token_slab", "REGION_ALIGN",
+    "ARENA_KINDS",
+    "DEFAULT_WAIT_TIMEOUT_S",
+    "MEMFD",
+    "NAMED",
+    "REGION_ALIGN",
+    "ArenaFull",
+    "LeaseTable",
+    "RegionInfo",
+    "ShmArena",
+    "ShmSpaceError",
+    "Slab",
+    "SlabRegistry",
+    "memfd_available",
+    "sweep_segments_of",
+    "sweep_stale_segments",
 ]
 
 log = logging.getLogger("zephon.transport.arena")
 
 REGION_ALIGN = 64
+# Arena kinds: anonymous memfd slabs (descriptors travel over socketpairs) or named POSIX
+# segments (any channel).
+MEMFD = "memfd"
+NAMED = "named"
+ARENA_KINDS = (MEMFD, NAMED)
+DEFAULT_WAIT_TIMEOUT_S = 1.0  # the one wait for a region to come back before starving
+_WAIT_SLICE_S = 0.25  # re-check the consumer's liveness at least this often while waiting
+DEFAULT_MIN_SLAB_BYTES = 8 << 20
+_GROW_GRANULE_BYTES = 1 << 20  # a recycled slab's size is rounded up to this
+# posix_fallocate errors that mean "no space" (an answer: in-band) and those that mean
+# "this filesystem cannot preallocate" (space is then reserved by the first write).
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
+_NO_FALLOCATE_ERRNOS = (errno.EOPNOTSUPP, errno.EINVAL, errno.ENODEV)
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _NAME_RE = re.compile(r"^zph_([0-9a-f]+)_([0-9a-f]+)_[0-9a-f]+_[0-9a-f]+$")
 
 
 def memfd_available() -> bool:
     return hasattr(os, "memfd_create") and sys.platform.startswith("linux")
-
-
-def slab_owner(slab_id: int) -> int:
-    return slab_id >> 16
-
-
-def token_of(slab_id: int, offset: int) -> int:
-    return (slab_id << 40) | offset
-
-
-def token_slab(token: int) -> int:
-    return token >> 40
 
 
 def _align(n: int, a: int = REGION_ALIGN) -> int:
@@ -113,8 +137,16 @@ def _address(mm: mmap.mmap) -> int:
 class Slab:
     """One shared mapping; ``fd`` is kept (memfd) so it can be passed on to another peer."""
 
-    __slots__ = ("slab_id", "size", "mapping", "fd", "name", "address", "dedicated",
-                 "__weakref__")
+    __slots__ = (
+        "__weakref__",
+        "address",
+        "dedicated",
+        "fd",
+        "mapping",
+        "name",
+        "size",
+        "slab_id",
+    )
 
     def __init__(self, slab_id: int, size: int, mapping: mmap.mmap, fd: int | None,
                  name: str | None, dedicated: bool = False) -> None:
@@ -127,7 +159,7 @@ class Slab:
                dedicated: bool = False) -> "Slab":
         """A new slab; its space is reserved first (:class:`ShmSpaceError` when there is
         none), so writing to it can never fault."""
-        if kind == "memfd":
+        if kind == MEMFD:
             fd = os.memfd_create(name, os.MFD_CLOEXEC)
             try:
                 os.ftruncate(fd, size)
@@ -137,9 +169,7 @@ class Slab:
                 os.close(fd)
                 raise
             return cls(slab_id, size, mapping, fd, None, dedicated)
-        import _posixshmem
-
-        fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = _posix_shm().shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
             _reserve(fd, size, kind)
@@ -157,10 +187,11 @@ class Slab:
         """Map a peer's slab: by descriptor (kept) or by name (unlinked once mapped)."""
         if fd is not None:
             return cls(slab_id, size, _map(fd, size), fd, None)
-        import _posixshmem
-
+        if name is None:
+            raise ZephonConfigError(f"slab {slab_id:#x}: attach needs a descriptor or a name, "
+                                    "got neither", field="name")
         try:
-            named_fd = _posixshmem.shm_open("/" + name, os.O_RDWR, 0o600)
+            named_fd = _posix_shm().shm_open("/" + name, os.O_RDWR, 0o600)
         except FileNotFoundError as exc:
             raise TransportError(f"shared segment {name} vanished before it was mapped") \
                 from exc
@@ -194,7 +225,7 @@ class ShmSpaceError(TransportError):
 
 def shm_space_message(size: int, kind: str, shm_dir: str = SHM_DIR) -> str:
     """Why a ``size``-byte segment of ``kind`` could not be created, with the fix."""
-    if kind == "memfd":
+    if kind == MEMFD:
         return (f"no memory for a {size}-byte memfd shared segment (anonymous shared memory "
                 "is charged to RAM and to the cgroup's memory limit)")
     try:
@@ -213,9 +244,9 @@ def _reserve(fd: int, size: int, kind: str) -> None:
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+        if exc.errno in _NO_SPACE_ERRNOS:
             raise ShmSpaceError(shm_space_message(size, kind)) from exc
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENODEV):
+        if exc.errno not in _NO_FALLOCATE_ERRNOS:
             raise
     except AttributeError:  # no posix_fallocate on this platform
         pass
@@ -226,11 +257,15 @@ def _map(fd: int, size: int) -> mmap.mmap:
                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def _unlink(name: str) -> None:
-    import _posixshmem
+def _posix_shm() -> Any:
+    """CPython's ``_posixshmem`` (shm_open/shm_unlink; it ships no type stubs), imported
+    on first use: memfd arenas never need it."""
+    return importlib.import_module("_posixshmem")
 
+
+def _unlink(name: str) -> None:
     try:
-        _posixshmem.shm_unlink("/" + name)
+        _posix_shm().shm_unlink("/" + name)
     except FileNotFoundError:
         pass
 
@@ -252,7 +287,7 @@ def _pid_alive(pid: int) -> bool:
 def _sweep(shm_dir: str, doomed) -> list[str]:
     """Unlink every zephon segment name in ``shm_dir`` for which ``doomed(parent pid,
     creator pid)`` is true; returns the names removed."""
-    removed = []
+    removed: list[str] = []
     try:
         entries = os.listdir(shm_dir)
     except OSError:
@@ -305,7 +340,8 @@ class ShmArena:
     """The worker-side allocator over this worker's slabs (see the module docstring).
 
     Args:
-        owner: 1 + worker index (the high byte of every slab id).
+        owner: 1 + worker index, in ``[1, MAX_OWNER]`` (the owner field of every slab id
+            and region token, see :mod:`zephon.transport.tokens`).
         kind: ``"memfd"`` or ``"named"``.
         max_bytes: the bound of the recycled slabs (dedicated slabs are outside it).
         wait_timeout_s: the one wait for a region to come back before starving.
@@ -314,13 +350,14 @@ class ShmArena:
     """
 
     def __init__(self, owner: int, kind: str, max_bytes: int, *, parent_pid: int,
-                 min_slab_bytes: int = 8 << 20, wait_timeout_s: float = 1.0,
+                 min_slab_bytes: int = DEFAULT_MIN_SLAB_BYTES,
+                 wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
                  slab_base: int = 0, alive: Callable[[], bool] = lambda: True,
                  on_release: Callable[[int], None] | None = None) -> None:
-        if kind not in ("memfd", "named"):
-            raise ValueError(f"arena kind must be 'memfd' or 'named', got {kind!r}")
-        if not 0 < owner < 256:
-            raise ValueError(f"arena owner must be in [1, 255], got {owner}")
+        if kind not in ARENA_KINDS:
+            raise ZephonConfigError(f"arena kind must be one of {ARENA_KINDS}, got {kind!r}",
+                                    field="kind")
+        check_owner(owner)
         self.owner, self.kind, self.max_bytes = owner, kind, max_bytes
         self.min_slab_bytes = min_slab_bytes
         self.wait_timeout_s, self.alive = wait_timeout_s, alive
@@ -351,7 +388,7 @@ class ShmArena:
         and stays starved (raising at once) until one does."""
         needs = [_align(max(int(n), 1)) for n in sizes]
         total = sum(needs)
-        deadline = None
+        deadline: float | None = None
         with self.cond:
             if total > self.max_bytes:
                 return self._alloc_dedicated(needs)
@@ -365,7 +402,7 @@ class ShmArena:
                 if not self._live:  # nothing will come back: the bound is fragmented
                     return self._alloc_dedicated(needs)
                 now = time.monotonic()
-                if deadline is None and not self.starved:
+                if deadline is None:
                     deadline = now + self.wait_timeout_s
                 if self.starved or now >= deadline:
                     self.starved = True
@@ -376,7 +413,7 @@ class ShmArena:
                 if not self.alive():
                     raise TransportError("the consumer is gone or the worker is stopping")
                 self.waits += 1
-                self.cond.wait(min(0.25, max(0.0, deadline - now)))
+                self.cond.wait(min(_WAIT_SLICE_S, max(0.0, deadline - now)))
 
     def _fit_all(self, needs: list[int]):
         """``(regions, 0)`` if every need fits the free holes, else ``(None, bytes that did
@@ -401,31 +438,32 @@ class ShmArena:
                         del holes[k]
                     else:
                         holes[k] = [offset + need, size - need]
-                    token = token_of(slab_id, offset)
+                    token = region_token(slab_id, offset)
                     self._live[token] = need
                     return self.slabs[slab_id], offset, token
         return None
 
     def _new_slab(self, size: int, dedicated: bool) -> Slab:
-        used = {slab_id & 0xFFFF for slab_id in self.slabs}
+        used = {slab_index(sid) for sid in self.slabs}
         index = next((i for i in range(self.slab_base, self.slab_base + _SLAB_INDICES)
                       if i not in used), None)
-        if index is None or index >= 1 << 16:
+        if index is None or index >= SLAB_INDICES:
             raise ArenaFull(  # the codec sends in-band until the consumer drops some
                 f"arena {self.owner}: all {_SLAB_INDICES} slab indices are in use (the "
                 "consumer holds results of too many distinct large messages)",
                 self.live_bytes + self.dedicated_bytes, self.max_bytes)
-        slab_id = (self.owner << 16) | index
+        sid = pack_slab_id(self.owner, index)
         name = segment_name(self.parent_pid, os.getpid(), self._nonce, index)
-        slab = Slab.create(slab_id, size, self.kind, name, dedicated=dedicated)
-        self.slabs[slab_id] = slab
+        slab = Slab.create(sid, size, self.kind, name, dedicated=dedicated)
+        self.slabs[sid] = slab
         log.debug("arena %d: new %s%s slab %d of %d bytes", self.owner, self.kind,
                   " dedicated" if dedicated else "", index, size)
         return slab
 
     def _grow(self, need: int) -> None:
         room = self.max_bytes - self.total_bytes
-        size = max(self.min_slab_bytes, _align(need, 1 << 20), min(self.total_bytes, room))
+        size = max(self.min_slab_bytes, _align(need, _GROW_GRANULE_BYTES),
+                   min(self.total_bytes, room))
         size = max(need, min(size, room))
         slab = self._new_slab(size, dedicated=False)
         self._free[slab.slab_id] = [[0, size]]
@@ -437,7 +475,7 @@ class ShmArena:
         self.dedicated_bytes += total
         out, offset = [], 0
         for need in needs:
-            out.append((slab, offset, token_of(slab.slab_id, offset)))
+            out.append((slab, offset, region_token(slab.slab_id, offset)))
             offset += need
         self._dedicated[slab.slab_id] = {token for _, _, token in out}
         return out
@@ -477,7 +515,7 @@ class ShmArena:
                 log.warning("arena %d: free of unknown region %#x ignored", self.owner, token)
                 continue
             holes = self._free[token_slab(token)]
-            offset = token & ((1 << 40) - 1)
+            offset = token_offset(token)
             k = bisect.bisect_left(holes, [offset, 0])
             holes.insert(k, [offset, size])
             # coalesce with the next and the previous hole
@@ -502,7 +540,7 @@ class ShmArena:
 
 
 class RegionInfo:
-    __slots__ = ("token", "slab", "offset", "nbytes")
+    __slots__ = ("nbytes", "offset", "slab", "token")
 
     def __init__(self, token: int, slab: Slab, offset: int, nbytes: int) -> None:
         self.token, self.slab, self.offset, self.nbytes = token, slab, offset, nbytes

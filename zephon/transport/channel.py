@@ -33,6 +33,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import logging
 import multiprocessing
 import os
@@ -57,6 +58,12 @@ _CLOEXEC_FLAG = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 # buffers: larger messages are split across calls.
 _MAX_FDS = 253
 _MAX_IOV = 1024
+_FD_BYTES = struct.calcsize("i")  # one descriptor in an SCM_RIGHTS payload
+_DISCARD_CHUNK = 1 << 20  # bytes read per call while discarding a stream at shutdown
+DEFAULT_BUFFER_BYTES = 512 * 1024
+# send() errors that mean the peer is gone (the value differs per platform: ENOTCONN is
+# 107 on Linux, 57 on macOS), as opposed to a failure the channel survives.
+_PEER_GONE_ERRNOS = frozenset((errno.EPIPE, errno.ECONNRESET, errno.EBADF, errno.ENOTCONN))
 _warned_sizes: set[int] = set()
 _warn_lock = threading.Lock()
 
@@ -121,7 +128,7 @@ class Channel:
         os.set_blocking(fd, False)
         try:
             while True:
-                if not os.read(fd, 1 << 20):
+                if not os.read(fd, _DISCARD_CHUNK):
                     return False
         except BlockingIOError:
             return True
@@ -144,7 +151,7 @@ class Channel:
     def _header(data: bytes | memoryview) -> dict:
         try:
             return msgpack.unpackb(data, raw=False, strict_map_key=False)
-        except Exception as exc:  # noqa: BLE001 - any decode failure is a corrupt frame
+        except Exception as exc:  # any decode failure means a corrupt header
             raise TransportError(f"corrupt message header: {exc}") from exc
 
 
@@ -160,7 +167,8 @@ class SocketChannel(Channel):
 
     def __setstate__(self, state):
         state["sock"].set_inheritable(False)
-        self.__init__(state["sock"])
+        Channel.__init__(self)
+        self.sock = state["sock"]
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -177,7 +185,7 @@ class SocketChannel(Channel):
             try:
                 self._send_all(buffers, fd_chunks, progress)
             except (BrokenPipeError, ConnectionResetError, OSError) as exc:
-                if exc.errno in (32, 104, 9, 57, 107):
+                if exc.errno in _PEER_GONE_ERRNOS:
                     raise ChannelClosed(f"peer closed the channel: {exc}") from exc
                 if progress[0]:  # part of the message is out: the stream cannot recover
                     self.close()
@@ -201,7 +209,7 @@ class SocketChannel(Channel):
             if fd_chunks:  # more descriptors follow: this call carries a single byte
                 iov = [buffers[pos][off:off + 1]]
             else:
-                iov = [buffers[pos][off:]] + buffers[pos + 1:pos + _MAX_IOV]
+                iov = [buffers[pos][off:], *buffers[pos + 1:pos + _MAX_IOV]]
             sent = self.sock.sendmsg(iov, ancillary)
             progress[0] = True
             while sent:
@@ -219,7 +227,7 @@ class SocketChannel(Channel):
         """Fill ``view``, collecting descriptors from every read (a message's descriptors
         may arrive in several chunks)."""
         got = 0
-        space = socket.CMSG_SPACE(_MAX_FDS * 4)
+        space = socket.CMSG_SPACE(_MAX_FDS * _FD_BYTES)
         while got < view.nbytes:
             try:
                 n, ancdata, flags, _ = self.sock.recvmsg_into([view[got:]], space,
@@ -228,8 +236,8 @@ class SocketChannel(Channel):
                 raise ChannelClosed(f"peer reset the channel mid-message: {exc}") from exc
             for level, kind, data in ancdata:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    usable = len(data) - len(data) % 4
-                    for fd in struct.unpack(f"{usable // 4}i", data[:usable]):
+                    usable = len(data) - len(data) % _FD_BYTES
+                    for fd in struct.unpack(f"{usable // _FD_BYTES}i", data[:usable]):
                         os.set_inheritable(fd, False)  # where MSG_CMSG_CLOEXEC is missing
                         fds.append(fd)
             if flags & getattr(socket, "MSG_CTRUNC", 0):
@@ -281,7 +289,8 @@ class PipeChannel(Channel):
         return {"reader": self.reader, "writer": self.writer}
 
     def __setstate__(self, state):
-        self.__init__(state["reader"], state["writer"])
+        Channel.__init__(self)
+        self.reader, self.writer = state["reader"], state["writer"]
 
     def fileno(self) -> int:
         return self.reader.fileno()
@@ -301,7 +310,7 @@ class PipeChannel(Channel):
     def recv(self):
         try:
             meta = self.reader.recv_bytes()
-            header_len, nframes, _ = _PREFIX.unpack_from(meta)
+            _, nframes, _ = _PREFIX.unpack_from(meta)
             lengths = struct.unpack_from(f"<{nframes}Q", meta, _PREFIX.size)
             header = self._header(memoryview(meta)[_PREFIX.size + 8 * nframes:])
             frames = []
@@ -331,7 +340,7 @@ def _close_fd(fd: int) -> None:
 
 
 def channel_pair(transport: str = "socketpair",
-                 buffer_bytes: int = 512 * 1024) -> tuple[Channel, Channel]:
+                 buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> tuple[Channel, Channel]:
     """Two connected channel ends ``(parent, child)`` of the given transport."""
     if transport == "socketpair":
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -21,7 +21,7 @@ dataclasses, scalars, strings, object arrays) stays in the small pickled
    it holds itself; when the arena has none to give (the consumer holds it:
    :class:`~zephon.transport.arena.ArenaFull`, or /dev/shm is full:
    :class:`~zephon.transport.arena.ShmSpaceError`) those leaves travel in-band
-   and the header's ``"w"`` entry says why (the pool warns once);
+   and the header's fallback entry says why (the pool warns once);
 3. in-band leaves are packed by dtype into a few byte frames; without an arena
    (the parent side) large contiguous leaves are sent as frames straight from
    their memory; ``shm_enabled=False`` sends every leaf as its own frame
@@ -36,6 +36,12 @@ dedicated slab (one message's, see :mod:`zephon.transport.arena`) is mapped
 for that message only: forgotten once its leases exist, unmapped with the last
 view, and never forwarded.
 
+The header's layout (named fields in memory, compact msgpack arrays on the
+wire) is :mod:`zephon.transport.wire`; region tokens are
+:mod:`zephon.transport.tokens`. :class:`Encoder` does one step per method:
+pickle the skeleton, forward or compact views of leased regions, copy private
+leaves into arena regions, put the rest in frames.
+
 An unpicklable object is a :class:`~zephon.errors.SerializationError` naming
 its path in the payload (``payload['a'][2].field``).
 """
@@ -47,29 +53,64 @@ import io
 import os
 import pickle
 import sys
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, cast
 
 import numpy as np
 
 from zephon.errors import SerializationError
 from zephon.kernels import (
-    COMPACT, FORWARD, INLINE, byte_extent, compaction_plan, pack_copy, pack_plan,
+    COMPACT,
+    FORWARD,
+    INLINE,
+    PackPlan,
+    byte_extent,
+    compaction_plan,
+    pack_copy,
+    pack_plan,
 )
 from zephon.kernels.types import dtype_from_token, dtype_token
 from zephon.transport.arena import (
-    ArenaFull, LeaseTable, RegionInfo, ShmArena, ShmSpaceError, SlabRegistry, Slab, slab_owner,
+    ArenaFull,
+    LeaseTable,
+    RegionInfo,
+    ShmArena,
+    ShmSpaceError,
+    Slab,
+    SlabRegistry,
+)
+from zephon.transport.tokens import slab_owner
+from zephon.transport.wire import (
+    NO_SPACE,
+    STARVED,
+    Fallback,
+    LeafDesc,
+    LeafFlag,
+    LeafKind,
+    Placement,
+    RegionEntry,
+    RegionMode,
+    SlabEntry,
+    SpaceFallback,
+    StarvedFallback,
+    WireHeader,
+    leaf_desc,
 )
 
-__all__ = ["ShmPolicy", "Encoder", "Decoder", "PeerState", "find_unpicklable"]
+__all__ = ["Decoder", "Encoder", "PeerState", "ShmPolicy", "find_unpicklable"]
 
-# leaf kinds
-_ARRAY, _TENSOR, _BYTES, _BYTEARRAY = 0, 1, 2, 3
-# where a leaf lives
-_IN_REGION, _IN_FRAME = 0, 1
-# region modes in a header
-_NEW, _FWD = 0, 1
-# leaf flags (an optional 8th descriptor field)
-_REQUIRES_GRAD = 1
+# Plain ints on the hot paths (an enum attribute look-up per leaf costs more than the
+# comparison it feeds, and msgpack packs exact ints fastest).
+_ARRAY, _TENSOR = int(LeafKind.ARRAY), int(LeafKind.TENSOR)
+_BYTES, _BYTEARRAY = int(LeafKind.BYTES), int(LeafKind.BYTEARRAY)
+_REGION, _FRAME = int(Placement.REGION), int(Placement.FRAME)
+_NO_FLAGS = int(LeafFlag.NONE)
+_NEW, _FORWARDED = int(RegionMode.NEW), int(RegionMode.FORWARDED)
+_VIEW_KINDS = (_ARRAY, _TENSOR)  # leaves that can be views of a leased region
+_BYTES_KINDS = (_BYTES, _BYTEARRAY)
+_BYTE_DTYPE = "|u1"  # the dtype token of a bytes-like leaf
+_NO_FD = -1  # SlabEntry.fd_index of a slab announced by name
+_FRAME_ALIGN = 16  # alignment of small leaves packed together into in-band frames
+_MAX_SEARCH_DEPTH = 50  # find_unpicklable gives up below this nesting
 
 
 class ShmPolicy(NamedTuple):
@@ -149,7 +190,7 @@ class _LeafUnpickler(pickle.Unpickler):
 
 def find_unpicklable(payload: Any, path: str = "payload", depth: int = 0) -> tuple[str, str] | None:
     """``(path, error)`` of the first object in ``payload`` that cannot be pickled."""
-    if depth > 50:
+    if depth > _MAX_SEARCH_DEPTH:
         return None
     children: list[tuple[str, Any]] = []
     if isinstance(payload, dict):
@@ -170,6 +211,57 @@ def find_unpicklable(payload: Any, path: str = "payload", depth: int = 0) -> tup
     return None
 
 
+class _Message:
+    """The working state of one ``encode``: the leaves found while pickling and, as they
+    are placed, their descriptors, the regions and slabs they need, the frames, the
+    descriptors to pass and the leases to pin."""
+
+    __slots__ = (
+        "descs",
+        "fallback",
+        "fds",
+        "frames",
+        "kinds",
+        "leaves",
+        "pins",
+        "regions",
+        "requires_grad",
+        "slabs",
+    )
+
+    def __init__(self, leaves: list, kinds: list[int], skeleton: memoryview,
+                 requires_grad: list[int]) -> None:
+        self.leaves, self.kinds, self.requires_grad = leaves, kinds, requires_grad
+        self.descs: list[LeafDesc | None] = [None] * len(leaves)
+        self.regions: list[RegionEntry] = []
+        self.slabs: list[SlabEntry] = []
+        self.frames: list[Any] = [skeleton]
+        self.fds: list[int] = []
+        self.pins: list[Any] = []
+        self.fallback: Fallback | None = None
+
+    def header(self) -> WireHeader:
+        """The header of the placed message (every leaf must have a descriptor)."""
+        missing = [i for i, d in enumerate(self.descs) if d is None]
+        if missing:  # a bug, never a silent drop
+            raise SerializationError(f"internal error: leaves {missing} were not placed")
+        descs = cast("list[LeafDesc]", self.descs)
+        for i in self.requires_grad:
+            descs[i] = descs[i]._replace(flags=LeafFlag.REQUIRES_GRAD)
+        return WireHeader(descs, self.regions, self.slabs, self.fallback)
+
+
+class _SharedLeaf(NamedTuple):
+    """A leaf that is a view of a region this process holds a lease on."""
+
+    leaf: int  # its index among the message's leaves
+    region: RegionInfo
+    lease: Any
+    start: int  # byte offset of its first element in the region
+    lo: int  # the byte extent it touches in the region
+    hi: int
+
+
 class Encoder:
     """Encodes payloads for one sending process (owns no channel)."""
 
@@ -177,93 +269,106 @@ class Encoder:
                  arena: ShmArena | None = None) -> None:
         self.policy, self.leases, self.registry, self.arena = policy, leases, registry, arena
 
-    def encode(self, payload: Any, peer: PeerState) -> tuple[dict, list, list[int], list]:
-        """``(header, frames, fds, pins)``; ``pins`` are leases that must outlive the send
-        until the peer is done with forwarded regions."""
+    def encode(self, payload: Any, peer: PeerState) -> tuple[dict[str, Any], list, list[int],
+                                                             list]:
+        """Encode ``payload`` for the process behind ``peer``.
+
+        Returns ``(header, frames, fds, pins)``: the header dict to send (the wire form of a
+        :class:`~zephon.transport.wire.WireHeader`), the frames (the pickled skeleton
+        first), descriptors to pass with the message, and ``pins``, leases that must
+        outlive the send until the peer is done with forwarded regions. An unpicklable
+        payload is a :class:`~zephon.errors.SerializationError` naming its path.
+        """
+        msg = self._pickle(payload)
+        if not self.policy.enabled:
+            self._to_frames(msg, list(range(len(msg.leaves))), one_per_leaf=True)
+        else:
+            private, compact = self._place_shared(msg, peer)
+            if self.arena is None:
+                # No arena (the parent): compacted leaves travel in-band like private ones.
+                private = sorted(private + compact)
+            elif compact or private:
+                private = self._to_regions(msg, compact, sorted(private), peer)
+            if private:
+                self._to_frames(msg, private, one_per_leaf=False)
+        return msg.header().to_wire(), msg.frames, msg.fds, msg.pins
+
+    # -- steps -----------------------------------------------------------------------
+    def _pickle(self, payload: Any) -> _Message:
+        """Pickle the skeleton, collecting the leaves (a named error if it cannot be)."""
         leaves: list = []
         kinds: list[int] = []
         buf = io.BytesIO()
         pickler = _LeafPickler(buf, leaves, kinds, self.policy.min_item_bytes)
         try:
             pickler.dump(payload)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # any pickling failure: reported with its path
             found = find_unpicklable(payload)
             where = f" at {found[0]}" if found else ""
             raise SerializationError(
                 f"cannot serialize the payload{where}: {found[1] if found else exc}",
                 path=found[0] if found else None) from exc
-        frames: list = [buf.getbuffer()]
-        warn: list = []  # why this message went in-band instead of into the arena
-        descs: list = [None] * len(leaves)
-        regions: list = []
-        slab_entries: list = []
-        fds: list[int] = []
-        pins: list = []
-        policy = self.policy
+        return _Message(leaves, kinds, buf.getbuffer(), pickler.requires_grad)
 
-        if not policy.enabled:
-            private = list(range(len(leaves)))
-            forced_frames = True
-        else:
-            forced_frames = False
-            private = []
-            shared: list[tuple[int, RegionInfo, object, int, int]] = []
-            for i, leaf in enumerate(leaves):
-                found = self.leases.locate(leaf) if kinds[i] in (_ARRAY, _TENSOR) else None
-                if found is None:
-                    private.append(i)
-                    continue
-                info, lease = found
-                start = leaf.__array_interface__["data"][0] - (info.slab.address + info.offset)
-                lo, hi = byte_extent(start, leaf.shape, leaf.strides, leaf.itemsize)
-                shared.append((i, info, lease, start, lo, hi))
-            compact: list[int] = []
-            if shared:
-                plan = compaction_plan(
-                    [s[1].token for s in shared], [s[1].nbytes for s in shared],
-                    [s[4] for s in shared], [s[5] for s in shared],
-                    policy.min_forward_bytes, policy.compact_above_ratio,
-                    policy.compact_min_savings_bytes)
-                decision = dict(zip(plan.region_id.tolist(), plan.decision.tolist()))
-                region_index: dict[int, int] = {}
-                for i, info, lease, start, lo, hi in shared:
-                    d = decision[info.token]
-                    if d == FORWARD and not self._peer_can_map(info.slab, peer):
-                        d = INLINE
-                    if d == INLINE:
-                        private.append(i)
-                    elif d == COMPACT:
-                        compact.append(i)
-                    else:
-                        r = region_index.get(info.token)
-                        if r is None:
-                            r = region_index[info.token] = len(regions)
-                            regions.append([info.token, info.slab.slab_id, info.offset,
-                                            info.nbytes, _FWD])
-                            pins.append(lease)
-                            self._announce(info.slab, peer, slab_entries, fds)
-                        leaf = leaves[i]
-                        strides = None if leaf.flags.c_contiguous else list(leaf.strides)
-                        descs[i] = [kinds[i], _IN_REGION, r, start, dtype_token(leaf.dtype),
-                                    list(leaf.shape), strides]
-            if self.arena is None:
-                # No arena (the parent): compacted leaves travel in-band like private ones.
-                private = sorted(private + compact)
-            elif compact or private:
-                private.sort()
-                private = self._to_regions(leaves, compact, private, kinds, descs, regions,
-                                           slab_entries, fds, peer, warn)
-        if private:
-            self._to_frames(leaves, private, kinds, descs, frames, forced_frames)
-        missing = [i for i, d in enumerate(descs) if d is None]
-        if missing:  # a bug, never a silent drop
-            raise SerializationError(f"internal error: leaves {missing} were not placed")
-        for i in pickler.requires_grad:
-            descs[i].append(_REQUIRES_GRAD)
-        header = {"l": descs, "r": regions, "s": slab_entries}
-        if warn:
-            header["w"] = warn
-        return header, frames, fds, pins
+    def _shared_leaves(self, msg: _Message) -> tuple[list[_SharedLeaf], list[int]]:
+        """Split the leaves into views of leased regions and private ones."""
+        shared: list[_SharedLeaf] = []
+        private: list[int] = []
+        for i, leaf in enumerate(msg.leaves):
+            found = self.leases.locate(leaf) if msg.kinds[i] in _VIEW_KINDS else None
+            if found is None:
+                private.append(i)
+                continue
+            info, lease = found
+            start = leaf.__array_interface__["data"][0] - (info.slab.address + info.offset)
+            lo, hi = byte_extent(start, leaf.shape, leaf.strides, leaf.itemsize)
+            shared.append(_SharedLeaf(i, info, lease, start, lo, hi))
+        return shared, private
+
+    def _place_shared(self, msg: _Message, peer: PeerState) -> tuple[list[int], list[int]]:
+        """Forward the views of leased regions that are worth it (their descriptors are
+        written here); returns ``(private, compact)``: the leaf indices still to place, as
+        private leaves and as views to copy into a fresh region."""
+        shared, private = self._shared_leaves(msg)
+        compact: list[int] = []
+        if not shared:
+            return private, compact
+        policy = self.policy
+        plan = compaction_plan(
+            [s.region.token for s in shared], [s.region.nbytes for s in shared],
+            [s.lo for s in shared], [s.hi for s in shared],
+            policy.min_forward_bytes, policy.compact_above_ratio,
+            policy.compact_min_savings_bytes)
+        decision = dict(zip(plan.region_id.tolist(), plan.decision.tolist(), strict=True))
+        region_index: dict[int, int] = {}
+        for s in shared:
+            d = decision[s.region.token]
+            if d == FORWARD and not self._peer_can_map(s.region.slab, peer):
+                d = INLINE
+            if d == INLINE:
+                private.append(s.leaf)
+            elif d == COMPACT:
+                compact.append(s.leaf)
+            else:
+                self._forward(msg, s, region_index, peer)
+        return private, compact
+
+    def _forward(self, msg: _Message, s: _SharedLeaf, region_index: dict[int, int],
+                 peer: PeerState) -> None:
+        """Describe leaf ``s`` as a view of its region, sent by reference."""
+        info = s.region
+        r = region_index.get(info.token)
+        if r is None:
+            r = region_index[info.token] = len(msg.regions)
+            msg.regions.append(RegionEntry(info.token, info.slab.slab_id, info.offset,
+                                           info.nbytes, RegionMode.FORWARDED))
+            msg.pins.append(s.lease)
+            self._announce(info.slab, peer, msg)
+        leaf = msg.leaves[s.leaf]
+        strides = None if leaf.flags.c_contiguous else list(leaf.strides)
+        msg.descs[s.leaf] = leaf_desc((msg.kinds[s.leaf], _REGION, r, s.start,
+                                       dtype_token(leaf.dtype), list(leaf.shape), strides,
+                                       _NO_FLAGS))
 
     # -- helpers ---------------------------------------------------------------------
     def _peer_can_map(self, slab: Slab, peer: PeerState) -> bool:
@@ -272,115 +377,133 @@ class Encoder:
         return slab.slab_id in peer.slabs or (slab.fd is not None and peer.can_map_fds) \
             or slab.name is not None
 
-    def _announce(self, slab: Slab, peer: PeerState, slab_entries: list, fds: list) -> None:
+    def _announce(self, slab: Slab, peer: PeerState, msg: _Message) -> None:
         if slab.slab_id in peer.slabs:
             return
         if slab.fd is not None and peer.can_map_fds:
-            entry = [slab.slab_id, slab.size, None, len(fds)]
-            fds.append(slab.fd)
+            entry = SlabEntry(slab.slab_id, slab.size, None, len(msg.fds), slab.dedicated)
+            msg.fds.append(slab.fd)
         else:
-            entry = [slab.slab_id, slab.size, slab.name, -1]
-        if slab.dedicated:
-            entry.append(1)
-        slab_entries.append(entry)
+            entry = SlabEntry(slab.slab_id, slab.size, slab.name, _NO_FD, slab.dedicated)
+        msg.slabs.append(entry)
         peer.slabs.add(slab.slab_id)
 
-    def _to_regions(self, leaves, compact, private, kinds, descs, regions, slab_entries, fds,
-                    peer, warn: list) -> list[int]:
+    def _region_plans(self, msg: _Message, compact: list[int],
+                      private: list[int]) -> list[tuple[PackPlan, list[int]]]:
+        """The pack plans of the leaves to compact (any size) and of the private ones
+        (planned by the policy)."""
+        policy = self.policy
+        plans = []
+        if compact:
+            plans.append((pack_plan([msg.leaves[i] for i in compact], 0, policy.coalesce,
+                                    policy.max_coalesced_bytes, 0), compact))
+        if private:
+            plans.append((pack_plan([msg.leaves[i] for i in private], policy.min_item_bytes,
+                                    policy.coalesce, policy.max_coalesced_bytes,
+                                    policy.min_new_allocation_bytes), private))
+        return plans
+
+    def _allocate(self, msg: _Message, sizes: list[int]) -> list[tuple[Slab, int, int]] | None:
+        """All the regions at once, or None with ``msg.fallback`` saying why."""
+        arena = self.arena
+        assert arena is not None
+        try:
+            return arena.alloc_many(sizes)
+        except ArenaFull as exc:
+            msg.fallback = StarvedFallback(STARVED, arena.owner, exc.held_bytes, exc.max_bytes,
+                                           arena.wait_timeout_s)
+        except ShmSpaceError as exc:
+            msg.fallback = SpaceFallback(NO_SPACE, arena.owner, str(exc))
+        return None
+
+    def _to_regions(self, msg: _Message, compact: list[int], private: list[int],
+                    peer: PeerState) -> list[int]:
         """Copy the leaves to compact (any size) and the private ones (planned by the
         policy) into new arena regions, all allocated at once (a message never waits for
         space it holds itself); returns the indices left in-band. Without space (the
         consumer holds the arena, or /dev/shm is full) every one of them goes in-band and
-        ``warn`` says why: never a drop."""
-        policy = self.policy
-        plans = []  # (plan, indices)
-        left = []
-        if compact:
-            plan = pack_plan([leaves[i] for i in compact], 0, policy.coalesce,
-                             policy.max_coalesced_bytes, 0)
-            left += [i for k, i in enumerate(compact) if plan.descriptors[k] is None]
-            plans.append((plan, compact))
-        if private:
-            plan = pack_plan([leaves[i] for i in private], policy.min_item_bytes,
-                             policy.coalesce, policy.max_coalesced_bytes,
-                             policy.min_new_allocation_bytes)
-            plans.append((plan, private))
+        the header's fallback says why: never a drop."""
+        plans = self._region_plans(msg, compact, private)
         sizes = [int(n) for plan, _ in plans for n in plan.group_nbytes]
-        if not sizes:
+        allocated = self._allocate(msg, sizes) if sizes else None
+        if allocated is None:
             return sorted(compact + private)
-        try:
-            allocated = self.arena.alloc_many(sizes)
-        except ArenaFull as exc:
-            warn[:] = ["starved", self.arena.owner, exc.held_bytes, exc.max_bytes,
-                       self.arena.wait_timeout_s]
-            return sorted(compact + private)
-        except ShmSpaceError as exc:
-            warn[:] = ["space", self.arena.owner, str(exc)]
-            return sorted(compact + private)
+        left: list[int] = []
         k = 0
         for plan, indices in plans:
-            first_region = len(regions)
+            first_region = len(msg.regions)
             buffers = []
-            for g in range(plan.n_groups):
+            for _ in range(plan.n_groups):
                 slab, offset, token = allocated[k]
                 nbytes = sizes[k]
                 k += 1
-                regions.append([token, slab.slab_id, offset, nbytes, _NEW])
+                msg.regions.append(RegionEntry(token, slab.slab_id, offset, nbytes,
+                                               RegionMode.NEW))
                 buffers.append(memoryview(slab.mapping)[offset:offset + nbytes])
-                self._announce(slab, peer, slab_entries, fds)
+                self._announce(slab, peer, msg)
             try:
-                pack_copy([leaves[i] for i in indices], plan, buffers)
+                pack_copy([msg.leaves[i] for i in indices], plan, buffers)
             finally:
                 for buffer in buffers:
                     buffer.release()
             for j, i in enumerate(indices):
                 desc = plan.descriptors[j]
                 if desc is None:
-                    if plan is not plans[0][0] or not compact:
-                        left.append(i)
+                    left.append(i)  # too small for a region (compacted views never are)
                     continue
-                descs[i] = [kinds[i], _IN_REGION, first_region + desc.group, desc.offset,
-                            desc.dtype, list(desc.shape), None]
+                msg.descs[i] = leaf_desc((msg.kinds[i], _REGION, first_region + desc.group,
+                                          desc.offset, desc.dtype, list(desc.shape), None,
+                                          _NO_FLAGS))
         return sorted(left)
 
-    def _to_frames(self, leaves, indices, kinds, descs, frames, one_per_leaf: bool) -> None:
+    def _to_frames(self, msg: _Message, indices: list[int], one_per_leaf: bool) -> None:
+        """Send the leaves ``indices`` in-band: bytes and large contiguous arrays (every
+        leaf with ``one_per_leaf``) as their own frames, the others packed by dtype."""
         big, small = [], []
         for i in indices:
-            leaf = leaves[i]
-            if kinds[i] in (_BYTES, _BYTEARRAY):
-                big.append(i)  # already contiguous bytes: its own frame, no copy
-                continue
-            if one_per_leaf or (leaf.flags.c_contiguous and leaf.nbytes >= self.policy.min_item_bytes):
-                big.append(i)
+            leaf = msg.leaves[i]
+            if msg.kinds[i] in _BYTES_KINDS or one_per_leaf or (
+                    leaf.flags.c_contiguous and leaf.nbytes >= self.policy.min_item_bytes):
+                big.append(i)  # already contiguous bytes, or worth a frame of its own
             else:
                 small.append(i)
         for i in big:
-            leaf = leaves[i]
-            if kinds[i] in (_BYTES, _BYTEARRAY):
-                descs[i] = [kinds[i], _IN_FRAME, len(frames), 0, "|u1", [len(leaf)], None]
-                frames.append(leaf)
-                continue
-            data = leaf if leaf.flags.c_contiguous else np.ascontiguousarray(leaf)
-            descs[i] = [kinds[i], _IN_FRAME, len(frames), 0, dtype_token(leaf.dtype),
-                        list(leaf.shape), None]
-            frames.append(data.reshape(-1).view(np.uint8) if data.size else b"")
+            self._own_frame(msg, i)
         if small:
-            arrays = [leaves[i] for i in small]
-            plan = pack_plan(arrays, 0, True, None, 0, 16)
-            blobs = [bytearray(int(n)) for n in plan.group_nbytes]
-            pack_copy(arrays, plan, blobs)
-            base = len(frames)
-            frames.extend(blobs)
-            for k, i in enumerate(small):
-                desc = plan.descriptors[k]
-                if desc is None:  # only zero-itemsize dtypes: send the (empty) bytes
-                    leaf = leaves[i]
-                    descs[i] = [kinds[i], _IN_FRAME, len(frames), 0, dtype_token(leaf.dtype),
-                                list(leaf.shape), None]
-                    frames.append(b"")
-                    continue
-                descs[i] = [kinds[i], _IN_FRAME, base + desc.group, desc.offset, desc.dtype,
-                            list(desc.shape), None]
+            self._packed_frames(msg, small)
+
+    @staticmethod
+    def _own_frame(msg: _Message, i: int) -> None:
+        leaf, kind = msg.leaves[i], msg.kinds[i]
+        if kind in _BYTES_KINDS:
+            msg.descs[i] = leaf_desc((kind, _FRAME, len(msg.frames), 0, _BYTE_DTYPE,
+                                      [len(leaf)], None, _NO_FLAGS))
+            msg.frames.append(leaf)
+            return
+        data = leaf if leaf.flags.c_contiguous else np.ascontiguousarray(leaf)
+        msg.descs[i] = leaf_desc((kind, _FRAME, len(msg.frames), 0, dtype_token(leaf.dtype),
+                                  list(leaf.shape), None, _NO_FLAGS))
+        msg.frames.append(data.reshape(-1).view(np.uint8) if data.size else b"")
+
+    @staticmethod
+    def _packed_frames(msg: _Message, small: list[int]) -> None:
+        arrays = [msg.leaves[i] for i in small]
+        plan = pack_plan(arrays, 0, True, None, 0, _FRAME_ALIGN)
+        blobs = [bytearray(int(n)) for n in plan.group_nbytes]
+        pack_copy(arrays, plan, blobs)
+        base = len(msg.frames)
+        msg.frames.extend(blobs)
+        for k, i in enumerate(small):
+            desc = plan.descriptors[k]
+            if desc is None:  # only zero-itemsize dtypes: send the (empty) bytes
+                leaf = msg.leaves[i]
+                msg.descs[i] = leaf_desc((msg.kinds[i], _FRAME, len(msg.frames), 0,
+                                          dtype_token(leaf.dtype), list(leaf.shape), None,
+                                          _NO_FLAGS))
+                msg.frames.append(b"")
+                continue
+            msg.descs[i] = leaf_desc((msg.kinds[i], _FRAME, base + desc.group, desc.offset,
+                                      desc.dtype, list(desc.shape), None, _NO_FLAGS))
 
 
 class Decoder:
@@ -395,21 +518,20 @@ class Decoder:
         self.leases, self.registry, self.release_for = leases, registry, release_for
         self.borrow_forwarded = borrow_forwarded
 
-    def map_slabs(self, header: dict, fds: list[int]) -> list[Slab]:
+    def map_slabs(self, header: WireHeader, fds: list[int]) -> list[Slab]:
         """Map the slabs the message announces; returns the dedicated ones (mapped for this
-        message only)."""
+        message only). Descriptors the message carried but did not use are closed."""
         used = set()
         dedicated = []
-        for entry in header.get("s", ()):
-            slab_id, size, name, fd_index = entry[:4]
-            if slab_id in self.registry:
+        for entry in header.slabs:
+            if entry.slab_id in self.registry:
                 continue
-            if fd_index >= 0:
-                slab = Slab.attach(slab_id, size, fd=fds[fd_index])
-                used.add(fd_index)
+            if entry.fd_index != _NO_FD:
+                slab = Slab.attach(entry.slab_id, entry.size, fd=fds[entry.fd_index])
+                used.add(entry.fd_index)
             else:
-                slab = Slab.attach(slab_id, size, name=name)
-            if len(entry) > 4 and entry[4]:
+                slab = Slab.attach(entry.slab_id, entry.size, name=entry.name)
+            if entry.dedicated:
                 slab.dedicated = True
                 dedicated.append(slab)
             self.registry.add(slab)
@@ -418,10 +540,12 @@ class Decoder:
                 os.close(fd)
         return dedicated
 
-    def decode(self, header: dict, frames: list, fds: list[int]) -> Any:
-        dedicated = self.map_slabs(header, fds)
+    def decode(self, header: dict[str, Any], frames: list, fds: list[int]) -> Any:
+        """The payload of a received message (``header`` as received: its wire form)."""
+        wire = WireHeader.from_wire(header)
+        dedicated = self.map_slabs(wire, fds)
         try:
-            return self._decode(header, frames)
+            return self._decode(wire, frames)
         finally:
             # A dedicated slab lives exactly as long as the leases built on it: forget it
             # here (its index is reused by its owner) and let the last view unmap it.
@@ -429,43 +553,55 @@ class Decoder:
                 self.registry.discard(slab)
                 slab.close()
 
-    def _decode(self, header: dict, frames: list) -> Any:
-        leases = []
-        for token, slab_id, offset, nbytes, mode in header["r"]:
-            lease = self.leases.get(token)
-            if lease is None:
-                if mode == _FWD and not self.borrow_forwarded:
-                    raise SerializationError(
-                        f"forwarded region {token:#x} is no longer leased here: a worker kept a "
-                        "view of a task input beyond its task (copy it to keep it)")
-                slab = self.registry.get(slab_id)
-                if slab is None:
-                    raise SerializationError(f"message refers to unknown slab {slab_id:#x}")
-                release = self.release_for(slab_owner(slab_id)) if mode == _NEW else None
-                lease = self.leases.lease(RegionInfo(token, slab, offset, nbytes), release)
-            leases.append(lease)
-        leaves = []
-        for desc in header["l"]:
-            if desc is None:
-                leaves.append(None)
-                continue
-            kind, where, index, offset, dtype, shape, strides = desc[:7]
-            dt = dtype_from_token(dtype)
-            buffer = leases[index] if where == _IN_REGION else frames[index]
-            if kind in (_BYTES, _BYTEARRAY):
-                data = bytes(memoryview(buffer)[offset:offset + shape[0]])
-                leaves.append(data if kind == _BYTES else bytearray(data))
-                continue
-            if strides is None:
-                arr = np.ndarray(shape, dt, buffer=buffer, offset=offset) if len(buffer) or \
-                    not dt.itemsize else np.empty(shape, dt)
-            else:
-                arr = np.ndarray(shape, dt, buffer=buffer, offset=offset, strides=strides)
-            if kind == _TENSOR:
-                import torch
+    def _region_lease(self, region: RegionEntry) -> Any:
+        """The lease of one region of the message (existing, borrowed or new)."""
+        lease = self.leases.get(region.token)
+        if lease is not None:
+            return lease
+        if region.mode == _FORWARDED and not self.borrow_forwarded:
+            raise SerializationError(
+                f"forwarded region {region.token:#x} is no longer leased here: a worker kept "
+                "a view of a task input beyond its task (copy it to keep it)")
+        slab = self.registry.get(region.slab_id)
+        if slab is None:
+            raise SerializationError(f"message refers to unknown slab {region.slab_id:#x}")
+        release = self.release_for(slab_owner(region.slab_id)) \
+            if region.mode == _NEW else None
+        return self.leases.lease(RegionInfo(region.token, slab, region.offset, region.nbytes),
+                                 release)
 
-                arr = torch.from_numpy(arr)
-                if len(desc) > 7 and desc[7] & _REQUIRES_GRAD and arr.is_floating_point():
-                    arr.requires_grad_(True)
-            leaves.append(arr)
+    def _decode(self, header: WireHeader, frames: list) -> Any:
+        leases = [self._region_lease(region) for region in header.regions]
+        dtypes: dict[str, np.dtype] = {}  # dtype token -> dtype, once per message
+        leaves = []
+        for desc in header.leaves:
+            buffer = leases[desc.buffer] if desc.placement == _REGION else frames[desc.buffer]
+            dt = dtypes.get(desc.dtype)
+            if dt is None:
+                dt = dtypes[desc.dtype] = dtype_from_token(desc.dtype)
+            leaves.append(_rebuild_leaf(desc, buffer, dt))
         return _LeafUnpickler(io.BytesIO(frames[0]), leaves).load()
+
+
+def _rebuild_leaf(desc: LeafDesc, buffer: Any, dt: np.dtype) -> Any:
+    """One leaf as a zero-copy view of ``buffer`` (bytes-likes are copies)."""
+    kind, offset, shape = desc.kind, desc.offset, desc.shape
+    if kind == _ARRAY and desc.strides is None and (len(buffer) or not dt.itemsize):
+        return np.ndarray(shape, dt, buffer=buffer, offset=offset)  # the common case
+    if kind in _BYTES_KINDS:
+        data = bytes(memoryview(buffer)[offset:offset + shape[0]])
+        return data if kind == _BYTES else bytearray(data)
+    if desc.strides is not None:
+        arr = np.ndarray(shape, dt, buffer=buffer, offset=offset, strides=desc.strides)
+    elif len(buffer) or not dt.itemsize:
+        arr = np.ndarray(shape, dt, buffer=buffer, offset=offset)
+    else:
+        arr = np.empty(shape, dt)
+    if kind != _TENSOR:
+        return arr
+    import torch
+
+    tensor = torch.from_numpy(arr)
+    if desc.flags & LeafFlag.REQUIRES_GRAD and tensor.is_floating_point():
+        tensor.requires_grad_(True)
+    return tensor

@@ -88,7 +88,6 @@ from zephon.errors import (
 )
 from zephon.transport.arena import (
     LeaseTable, SlabRegistry, memfd_available, sweep_segments_of, sweep_stale_segments,
-    token_slab,
 )
 from zephon.transport.channel import ChannelClosed, channel_pair
 from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
@@ -96,6 +95,7 @@ from zephon.transport.remote_errors import decode_exception
 from zephon.transport.spawn_guard import (
     EXIT_UNGUARDED_MAIN, refuse_in_spawn_bootstrap, unguarded_main_error,
 )
+from zephon.transport.tokens import MAX_OWNER, SLAB_INDICES, slab_index, token_slab
 from zephon.transport.worker import worker_entry
 
 __all__ = ["WorkerPool", "TaskResult", "default_arena_bytes"]
@@ -209,8 +209,8 @@ class WorkerPool:
                  inflight_per_worker: int = 4, daemon: bool = True) -> None:
         """``daemon=False`` lets workers start processes of their own (the MTP engine does);
         they are still stopped by ``close()`` and at interpreter exit."""
-        if not 1 <= num_workers <= 127:  # region tokens must fit the kernels' int64
-            raise ValueError(f"num_workers must be in [1, 127], got {num_workers}")
+        if not 1 <= num_workers <= MAX_OWNER:  # a worker's owner field in region tokens
+            raise ValueError(f"num_workers must be in [1, {MAX_OWNER}], got {num_workers}")
         if options is None:
             from zephon.options import RuntimeOptions  # parent only: workers never need it
 
@@ -339,7 +339,7 @@ class WorkerPool:
         if old.alive:
             raise TransportError(f"worker {k} of pool {self.name!r} is still alive")
         generation = old.generation + 1
-        if generation * _SLABS_PER_GENERATION >= 1 << 16:
+        if generation * _SLABS_PER_GENERATION >= SLAB_INDICES:
             raise TransportError(f"worker slot {k} of pool {self.name!r} restarted too often")
         handle = self._launch(k, generation)
         self.workers[k] = handle
@@ -502,7 +502,7 @@ class WorkerPool:
                 tokens.append(queue.popleft())
             handle = self.workers[owner - 1]
             base = handle.generation * _SLABS_PER_GENERATION
-            tokens = [t for t in tokens if (token_slab(t) & 0xFFFF) >= base]
+            tokens = [t for t in tokens if slab_index(token_slab(t)) >= base]
             if handle.alive and tokens:
                 try:
                     handle.channel.send({"k": "free", "t": tokens})
