@@ -38,6 +38,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from zephon.kernels import ReorderBuffer
+from zephon.pipeline.lanes import BatchGroup
 from zephon.pipeline.ops import Boundary
 
 __all__ = ["ordered_map", "DISPATCH_TARGET_BYTES", "approx_nbytes"]
@@ -68,6 +69,14 @@ def approx_nbytes(value: Any, depth: int = 0) -> int:
         total = sum(approx_nbytes(v, depth + 1) for v in head)
         return total * len(value) // max(1, len(head))
     return 0
+
+
+def _items_in(part, stage) -> int:
+    """Items a part puts in flight: its samples, or its batches for a stage that collates
+    (one per micro-batch unit, one per member of a :class:`BatchGroup`)."""
+    if stage.collates:
+        return len(part.units) if isinstance(part, BatchGroup) else 1
+    return len(part)
 
 
 def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: bool,
@@ -129,8 +138,8 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
                 stats.submitted(node, len(part))
                 sent[seq] = time.perf_counter()
             executor.submit(lane, seq, (stage.index, part))
-            sizes[seq] = len(part)
-            items += len(part)
+            sizes[seq] = _items_in(part, stage)
+            items += sizes[seq]
             seq += 1
             inflight += 1
         for out in buffer.pop_ready():
