@@ -12,6 +12,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 import _pipeline_fns as F  # noqa: E402
+
 from zephon import Pipeline, RuntimeOptions, sources  # noqa: E402
 from zephon.pipeline.ops import collate  # noqa: E402
 
@@ -43,7 +44,7 @@ def same(a, b):
         return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and \
             a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
     if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return type(a) is type(b) and a == b
 
 
@@ -70,3 +71,113 @@ def test_a_read_batch_pipeline_equals_the_row_by_row_one(corpus, runner):
     columnar = Pipeline(src, seed=4, chunk_size=8).batch(5).options(opts)
     rows = Pipeline(src, seed=4, chunk_size=8).map(F.identity).batch(5).options(opts)
     assert run(columnar) == run(rows)
+
+
+# -- several micro-batches per message (process runner) ------------------------------------------
+def full_stream(pipe):
+    return [(b.meta["lane"], b.meta["lane_index"], list(b.meta["sample_ids"]),
+             {k: (v.dtype.str, v.shape, v.tolist()) if isinstance(v, np.ndarray) else
+              [(x.dtype.str, x.tolist()) if isinstance(x, np.ndarray) else x for x in v]
+              for k, v in b.items()}) for b in pipe]
+
+
+GROUPED = RuntimeOptions(runner="process", max_workers=2, worker_allocation="per_stage_fixed",
+                         canonical_replicas=2, op_queue_capacity=16)
+
+
+@pytest.mark.parametrize("source_shuffle,pipe_shuffle", [(False, False), (True, True)])
+def test_grouped_batches_equal_the_inline_stream(corpus, source_shuffle, pipe_shuffle):
+    """Batches read a group at a time in workers (one columnar read per message) are the
+    inline stream: same batches, dtypes, ids, lanes; every column kind, including columns
+    that stack in one batch and not in another (nulls, ragged lists)."""
+    from zephon.pipeline.engine import Plan
+    from zephon.pipeline.program import batches_per_message
+
+    src = sources.parquet(str(corpus / "*.parquet"), shuffle=source_shuffle, seed=5)
+    pipe = Pipeline(src, seed=4, chunk_size=6, shuffle=pipe_shuffle, num_epochs=2).batch(5)
+    assert batches_per_message(src, 5, Plan(pipe, GROUPED).stages[0]) == 8
+    inline = full_stream(pipe.options(RuntimeOptions(runner="inline", canonical_replicas=2)))
+    assert full_stream(pipe.options(GROUPED)) == inline
+    assert any(isinstance(b[3]["maybe"], tuple) for b in inline)  # stacked in some batches
+    assert any(isinstance(b[3]["maybe"], list) for b in inline)  # a list in others
+
+
+@pytest.mark.parametrize("source_shuffle", [False, True])
+def test_grouped_resume_mid_row_group(corpus, source_shuffle):
+    """A checkpoint taken after a few grouped batches (mid row group, mid message) restores
+    to exactly the rest of the stream, on another runner and on the same one."""
+    src = sources.parquet(str(corpus / "*.parquet"), columns=["id", "vec", "text"],
+                          shuffle=source_shuffle, seed=2)
+    pipe = Pipeline(src, seed=7, chunk_size=4, shuffle=True).batch(3)
+    expected = full_stream(pipe.options(RuntimeOptions(runner="inline", canonical_replicas=2)))
+    it = iter(pipe.options(GROUPED))
+    head = [next(it) for _ in range(7)]
+    state = it.checkpoint()
+    it.close()
+    for opts in (RuntimeOptions(runner="inline", canonical_replicas=2), GROUPED):
+        again = pipe.options(opts)
+        again.restore(state)
+        assert full_stream(head) + full_stream(again) == expected
+
+
+def test_a_group_is_read_once_and_cut_into_views(corpus):
+    """The grouped path reads a message's batches with one columnar read and cuts the
+    pickled group back into batches whose arrays are views of one array per column."""
+    import pickle
+
+    from zephon.pipeline.lanes import BatchGroup, ReadUnit
+    from zephon.pipeline.program import StageProgram
+
+    src = sources.parquet(str(corpus / "*.parquet"), columns=["id", "maybe", "text"])
+    calls = []
+
+    class Counting(type(src)):
+        def get_batch(self, indices):
+            calls.append(len(indices))
+            return super().get_batch(indices)
+
+    counting = pickle.loads(pickle.dumps(src))
+    counting.__class__ = Counting
+    program = StageProgram(counting, [[]], 0, [True])
+    units = [ReadUnit(0, 4 * k, np.arange(4 * k, 4 * k + 4)) for k in range(5)]
+    grouped = pickle.loads(pickle.dumps(program((0, BatchGroup(units)))))
+    assert calls == [20]
+    single = [r for u in units for r in StageProgram(src, [[]], 0, [True])((0, u))]
+    assert [r.pos for r in grouped] == [r.pos for r in single]
+    for g, s in zip(grouped, single, strict=True):
+        assert g.ids == s.ids == g.value.meta["sample_ids"]
+        assert list(g.value) == list(s.value)
+        assert all(same(g.value[k], s.value[k]) for k in s.value)
+    bases = {id(r.value["id"].base) for r in grouped}
+    assert len(bases) == 1  # views of one array
+
+
+def test_sample_ids_pickle_compactly_and_stay_a_list():
+    import pickle
+
+    from zephon.pipeline.columnar import SampleIds
+
+    ids = SampleIds("pq", np.arange(1000, 1256), 3)
+    assert ids == [("pq", i, 3) for i in range(1000, 1256)]
+    back = pickle.loads(pickle.dumps(ids))
+    assert type(back) is list and back == ids
+    _, args = ids.__reduce__()
+    assert [type(a) for a in args] == [str, bytes, int]  # not one object per sample
+    ids[0] = ("changed", 0, 0)  # a changed list travels as what it now holds
+    assert pickle.loads(pickle.dumps(ids))[0] == ("changed", 0, 0)
+
+
+def test_grouped_units_never_cross_a_boundary():
+    from zephon.pipeline.lanes import BatchGroup, ReadUnit, grouped_units
+    from zephon.pipeline.ops import Boundary
+
+    units = [Boundary(0, 0), *[ReadUnit(0, k, np.arange(k, k + 1)) for k in range(5)],
+             Boundary(1, 0), ReadUnit(1, 0, np.arange(1))]
+    out = list(grouped_units(iter(units), 2))
+    kinds = [type(u).__name__ for u in out]
+    assert kinds == ["Boundary", "BatchGroup", "BatchGroup", "ReadUnit", "Boundary",
+                     "ReadUnit"]
+    flat = [u for x in out if not isinstance(x, Boundary)
+            for u in (x.units if isinstance(x, BatchGroup) else [x])]
+    assert [u.start for u in flat] == [0, 1, 2, 3, 4, 0]
+    assert list(grouped_units(iter(units), 1)) == units

@@ -51,6 +51,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from zephon.kernels import ReorderBuffer
+from zephon.pipeline.lanes import BatchGroup
 from zephon.pipeline.ops import Boundary
 
 __all__ = [
@@ -116,6 +117,14 @@ def approx_nbytes(value: Any, depth: int = 0) -> int:
         total = sum(approx_nbytes(v, depth + 1) for v in head)
         return total * len(value) // max(1, len(head))
     return 0
+
+
+def _items_in(part, stage) -> int:
+    """Items a part puts in flight: its samples, or its batches for a stage that collates
+    (one per micro-batch unit, one per member of a :class:`BatchGroup`)."""
+    if stage.collates:
+        return len(part.units) if isinstance(part, BatchGroup) else 1
+    return len(part)
 
 
 def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: bool,
@@ -195,14 +204,15 @@ class _Feeder:
                     return
                 self.take()
                 continue
-            if not state.room(self.inflight, len(self.parts[0])):
+            items = _items_in(self.parts[0], self.stage)
+            if not state.room(self.inflight, items):
                 return
             part = self.parts.popleft()
             if self.stats is not None:
                 self.stats.submitted(self.node, len(part))
                 self.sent[self.seq] = time.perf_counter()
             self.executor.submit(self.lane, self.seq, (self.stage.index, part))
-            state.sent(self.seq, len(part))
+            state.sent(self.seq, items)
             self.seq += 1
             self.inflight += 1
 

@@ -66,9 +66,15 @@ from zephon.options import (
     resolve_stage_workers,
 )
 from zephon.pipeline.dispatch import PIPELINE_ARENA_BYTES, lane_budget_bytes, ordered_map
-from zephon.pipeline.lanes import batched_units, lane_length, lane_units, owned_lanes
+from zephon.pipeline.lanes import (
+    batched_units,
+    grouped_units,
+    lane_length,
+    lane_units,
+    owned_lanes,
+)
 from zephon.pipeline.ops import Batch, BatchOp, Boundary, MapOp, PackTokensOp
-from zephon.pipeline.program import StageProgram
+from zephon.pipeline.program import StageProgram, batches_per_message
 from zephon.pipeline.stats import RunStats
 from zephon.runners import InlineExecutor, ProcessExecutor, ThreadExecutor
 from zephon.transport.pool import default_arena_bytes
@@ -399,6 +405,8 @@ class Engine:
         plan, stats = self.plan, self.stats
         if plan.fused_batch is not None:
             it = batched_units(it, plan.fused_batch.size, plan.fused_batch.drop_last)
+            it = grouped_units(it, batches_per_message(
+                plan.pipeline.source, plan.fused_batch.size, plan.stages[0]))
         for step_no, (kind, what) in enumerate(plan.steps):
             if kind == "stage":
                 it = ordered_map(self.executors[what], plan.stages[what], it, lane,

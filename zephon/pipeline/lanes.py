@@ -33,15 +33,24 @@ import numpy as np
 
 from zephon.pipeline.ops import Boundary
 
-__all__ = ["ReadUnit", "epoch_order", "lane_units", "owned_lanes", "lane_chunk_count",
-           "lane_length", "batched_units"]
+__all__ = [
+    "BatchGroup",
+    "ReadUnit",
+    "batched_units",
+    "epoch_order",
+    "grouped_units",
+    "lane_chunk_count",
+    "lane_length",
+    "lane_units",
+    "owned_lanes",
+]
 
 
 class ReadUnit:
     """Source indices to read, all of ``epoch``; ``indices[i]`` sits at lane position
     ``start + i``. Slicing gives a unit of the same epoch with its own start."""
 
-    __slots__ = ("epoch", "start", "indices")
+    __slots__ = ("epoch", "indices", "start")
 
     def __init__(self, epoch: int, start: int, indices: np.ndarray) -> None:
         self.epoch, self.start, self.indices = epoch, start, indices
@@ -60,6 +69,26 @@ class ReadUnit:
 
     def __repr__(self) -> str:
         return f"ReadUnit(epoch={self.epoch}, start={self.start}, n={len(self.indices)})"
+
+
+class BatchGroup:
+    """Consecutive micro-batch read units of one segment that travel to a worker as one
+    message; the stage reads and collates each member as its own batch, so the batches
+    are exactly those of the members sent one by one."""
+
+    __slots__ = ("units",)
+
+    def __init__(self, units: list) -> None:
+        self.units = units
+
+    def __len__(self) -> int:
+        return sum(len(u) for u in self.units)
+
+    def __reduce__(self):
+        return (BatchGroup, (self.units,))
+
+    def __repr__(self) -> str:
+        return f"BatchGroup({len(self.units)} units, n={len(self)})"
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
@@ -82,9 +111,12 @@ def lane_length(n: int, chunk_size: int, lanes: int, lane: int) -> int:
     return (count - 1) * chunk_size + min(chunk_size, n - last * chunk_size)
 
 
+_START = Boundary(0, 0)  # the stream of a lane from its very beginning
+
+
 def lane_units(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int, lane: int,
                flush_every: int, num_epochs: int | None,
-               start: Boundary = Boundary(0, 0), start_pos: int | None = None) -> Iterator:
+               start: Boundary = _START, start_pos: int | None = None) -> Iterator:
     """The lane's units from ``start`` (a boundary), or from lane position ``start_pos``
     of epoch ``start.epoch`` when it is given (positions past the epoch's end move on
     to the next epoch)."""
@@ -98,7 +130,7 @@ def lane_units(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int, la
         count = lane_chunk_count(n, chunk_size, lanes, lane)
         if count == 0 and num_epochs is None:
             return  # an empty lane stays empty: never spin through endless epochs
-        order = epoch_order(n, seed, epoch, shuffle) if count else None
+        order = epoch_order(n, seed, epoch, shuffle) if count else np.empty(0, np.int64)
         for k in range(k0, count):
             if k == k0 or (flush_every and k % flush_every == 0):
                 yield Boundary(epoch, k)
@@ -148,6 +180,30 @@ def batched_units(units: Iterator, size: int, drop_last: bool) -> Iterator:
     out = flush()
     if out is not None:
         yield out
+
+
+def grouped_units(units: Iterator, per_group: int) -> Iterator:
+    """Pack the micro-batch units of :func:`batched_units` ``per_group`` at a time into
+    :class:`BatchGroup` s (never across a Boundary marker: what is held is sent before the
+    marker). A transport choice only: the batches, their order and the markers' places
+    are unchanged. ``per_group <= 1`` passes the units through."""
+    if per_group <= 1:
+        yield from units
+        return
+    held: list = []
+    for unit in units:
+        if isinstance(unit, ReadUnit):
+            held.append(unit)
+            if len(held) == per_group:
+                yield BatchGroup(held)
+                held = []
+            continue
+        if held:
+            yield held[0] if len(held) == 1 else BatchGroup(held)
+            held = []
+        yield unit
+    if held:
+        yield held[0] if len(held) == 1 else BatchGroup(held)
 
 
 def owned_lanes(lanes: int, groups: int, group: int, strategy: str) -> list[int]:

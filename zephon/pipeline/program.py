@@ -16,9 +16,37 @@ from __future__ import annotations
 
 from typing import Any
 
-from zephon.pipeline.ops import Batch, OpError, Record, make_batch
+import numpy as np
 
-__all__ = ["StageProgram"]
+from zephon.pipeline.columnar import BatchRun, sample_ids
+from zephon.pipeline.lanes import BatchGroup
+from zephon.pipeline.ops import Batch, OpError, Record, make_batch
+from zephon.pipeline.sources.base import Source
+
+__all__ = ["StageProgram", "batches_per_message"]
+
+#: Bytes of batches one message to or from a worker aims at when a stage reads whole batches
+#: column by column: large enough that the per-message cost vanishes next to the read.
+GROUP_TARGET_BYTES = 4 << 20
+#: ... and at most this many batches, so the first ones arrive early.
+GROUP_MAX_BATCHES = 64
+
+
+def batches_per_message(source, batch_size: int, stage) -> int:
+    """How many micro-batches of a fused ``read -> batch`` stage travel in one message
+    (see :class:`~zephon.pipeline.lanes.BatchGroup`): several only on the process runner,
+    for a stage without ops over a source that reads batches column by column and can
+    estimate its sample size; 1 otherwise (the batch is the message). A message holds at
+    most :data:`GROUP_TARGET_BYTES` and leaves every worker a message of its own within
+    the stage's items-in-flight bound (``stage.item_cap`` batches per lane)."""
+    if stage.runner != "process" or stage.ops or \
+            type(source).get_batch is Source.get_batch:
+        return 1
+    row = source.sample_nbytes()
+    if not row:
+        return 1
+    per = int(GROUP_TARGET_BYTES // max(1.0, row * batch_size))
+    return max(1, min(GROUP_MAX_BATCHES, per, stage.item_cap // max(1, stage.workers)))
 
 
 class StageProgram:
@@ -38,7 +66,7 @@ class StageProgram:
             sid = (name, idx, epoch)
             try:
                 value = source.get(index)
-            except Exception as exc:  # noqa: BLE001 - named and re-raised for the consumer
+            except Exception as exc:
                 raise OpError(f"reading sample {sid} failed: {type(exc).__name__}: {exc}",
                               op="read", sample_id=sid) from exc
             out.append(Record(value, [sid], (epoch, pos)))
@@ -56,12 +84,39 @@ class StageProgram:
             return None  # read row by row: the failing sample gets its own error
         if columns is None:
             return None
-        ids = [(*source.identity(i), epoch) for i in unit.indices.tolist()]
+        ids = sample_ids(source, unit.indices, epoch)
         batch = Batch(columns, meta={"sample_ids": ids})
         return [Record(batch, ids, (epoch, unit.start + len(ids) - 1))]
 
+    def read_group(self, group: BatchGroup) -> list | None:
+        """The micro-batches of ``group`` with ONE columnar read, as a
+        :class:`~zephon.pipeline.columnar.BatchRun` (the same batches as reading each
+        member on its own), or None when the members must be read one by one (a stage
+        with ops, a source without a columnar read or with its own identities, members
+        of several epochs, or a read that failed: each member then names its samples)."""
+        source, units = self.source, group.units
+        if not self.collates[0] or self.stages[0] or \
+                type(source).identity is not Source.identity or \
+                len({u.epoch for u in units}) != 1:
+            return None
+        indices = np.concatenate([u.indices for u in units])
+        try:
+            columns = source.get_batch(indices)
+        except Exception as exc:  # noqa: BLE001 - named per sample by the row-wise read
+            del exc
+            return None
+        if columns is None:
+            return None
+        return BatchRun(columns, source.name, indices, units[0].epoch,
+                        [len(u) for u in units], [u.start for u in units])
+
     def __call__(self, payload: tuple[int, Any]) -> list:
         stage, unit = payload
+        if isinstance(unit, BatchGroup):  # several micro-batches, each collated on its own
+            fast = self.read_group(unit) if stage == 0 else None
+            if fast is not None:
+                return fast
+            return [r for member in unit.units for r in self((stage, member))]
         if stage == 0 and self.collates[0] and not self.stages[0]:
             fast = self.read_batch(unit)
             if fast is not None:

@@ -30,8 +30,16 @@ from zephon.io.remote import FileRef
 
 log = logging.getLogger("zephon.sources")
 
-__all__ = ["Source", "FileSource", "SequenceSource", "CallableSource", "SourceError",
-           "open_with_retry", "DEFAULT_OPEN_RETRY", "io_config"]
+__all__ = [
+    "DEFAULT_OPEN_RETRY",
+    "CallableSource",
+    "FileSource",
+    "SequenceSource",
+    "Source",
+    "SourceError",
+    "io_config",
+    "open_with_retry",
+]
 
 # (attempts, first back-off s, longest back-off s): StoreOptions' defaults. Kept as plain
 # numbers so that a source unpickled in a worker does not import the options layer.
@@ -120,6 +128,11 @@ class Source:
         """
         return None
 
+    def sample_nbytes(self) -> float | None:
+        """An estimate of one sample's bytes once read (for sizing the messages that carry
+        many batches read column by column), or None when the source cannot tell cheaply."""
+        return None
+
     def describe(self) -> str:
         """A stable description of the source (part of the pipeline fingerprint).
 
@@ -171,8 +184,8 @@ class FileSource(Source):
     """
 
     _per_process: tuple[str, ...] = ()
-    files: list = []
-    refs: list = []
+    files: list
+    refs: list
     io: IoConfig = DEFAULT_IO
     storage_options: dict | None = None
 

@@ -37,36 +37,32 @@ def _pyarrow():
 
 
 class _Decoded:
-    """One decoded row group: per column a numpy array, an offsets+values pair for
-    list-of-numeric columns, or a Python list."""
+    """One decoded row group, per column one of:
 
-    __slots__ = ("columns", "nbytes", "rows", "_plan")
+    - ``("array", a)``: a numeric column without nulls, a 1-D numpy array;
+    - ``("fixed", a)``: a list-of-numeric column whose lists all have one length ``L``,
+      an ``(rows, L)`` numpy array (row ``j`` is the view ``a[j]``);
+    - ``("lists", (offsets, values))``: a ragged list-of-numeric column, int64 offsets
+      (from 0) and the flat values array (row ``j`` is a view of ``values``);
+    - ``("python", list)``: anything else (strings, nulls, nested), Python objects.
+
+    Everything is numpy so that a batch of rows is a slice or a ``take``, never a
+    conversion whose cost grows with the row group."""
+
+    __slots__ = ("_plan", "columns", "nbytes", "rows")
 
     def __init__(self, table) -> None:
-        import pyarrow as pa
-
         self.rows = table.num_rows
         self.nbytes = int(table.nbytes)
-        self.columns = {}
-        for name in table.column_names:
-            col = table.column(name).combine_chunks()
-            kind = col.type
-            if (pa.types.is_integer(kind) or pa.types.is_floating(kind)
-                    or pa.types.is_boolean(kind)) and col.null_count == 0:
-                self.columns[name] = ("array", col.to_numpy(zero_copy_only=False))
-            elif (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and \
-                    col.null_count == 0 and (pa.types.is_integer(kind.value_type) or
-                                             pa.types.is_floating(kind.value_type)) and \
-                    col.values.null_count == 0:
-                offsets = col.offsets.to_numpy()
-                values = col.values.to_numpy(zero_copy_only=False)
-                self.columns[name] = ("lists", ((offsets - offsets[0]).tolist(),
-                                                values[offsets[0]:]))
-            else:
-                self.columns[name] = ("python", col.to_pylist())
-
-        self._plan = [(name, kind == "lists", data) for name, (kind, data) in
-                      self.columns.items()]
+        self.columns = {name: _column(table.column(name).combine_chunks())
+                        for name in table.column_names}
+        plan = []
+        for name, (kind, data) in self.columns.items():
+            if kind == "lists":
+                offsets, values = data
+                data = (offsets.tolist(), values)  # Python ints: cheap row slicing
+            plan.append((name, kind == "lists", data))
+        self._plan = plan
 
     def row_value(self, name: str, j: int):
         """Row ``j`` of one column, as :meth:`row` gives it."""
@@ -87,6 +83,27 @@ class _Decoded:
         return out
 
 
+def _column(col) -> tuple[str, Any]:
+    """The stored form of one combined Arrow column (see :class:`_Decoded`)."""
+    import pyarrow as pa
+
+    kind = col.type
+    if (pa.types.is_integer(kind) or pa.types.is_floating(kind)
+            or pa.types.is_boolean(kind)) and col.null_count == 0:
+        return "array", _numbers(col)
+    if (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and col.null_count == 0 and \
+            (pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)) \
+            and col.values.null_count == 0:
+        offsets = _numbers(col.offsets).astype(np.int64)
+        values = _numbers(col.values)[offsets[0]:offsets[-1]]
+        offsets -= offsets[0]
+        lengths = np.diff(offsets)
+        if len(col) and lengths.min() == lengths.max():
+            return "fixed", values.reshape(len(col), int(lengths[0]))
+        return "lists", (offsets, values)
+    return "python", col.to_pylist()
+
+
 class ParquetSource(FileSource):
     _per_process = ("_files", "_decoded", "_cache_bytes", "_decode_locks", "_orders", "_last",
                     "_starts")
@@ -104,6 +121,7 @@ class ParquetSource(FileSource):
         self._set_files(expand(paths, "parquet", io, storage_options, suffixes=(".parquet",)))
         self._fresh()
         group_rows, group_file, group_index = [], [], []
+        group_bytes = 0  # uncompressed bytes of the chosen columns, from the footers
         for k, path in enumerate(self.files):
             try:
                 with self.reader(k).file_object("footer") as fh:
@@ -121,6 +139,7 @@ class ParquetSource(FileSource):
                                       f"{schema.names}")
             for g in range(meta.num_row_groups):
                 group_rows.append(meta.row_group(g).num_rows)
+                group_bytes += _selected_bytes(meta.row_group(g), columns)
                 group_file.append(k)
                 group_index.append(g)
             self.readers_done(k)
@@ -131,6 +150,7 @@ class ParquetSource(FileSource):
         if self.shuffle:
             order = np.random.default_rng([self.seed, 0x9A]).permutation(len(order))
         self.group_order = order  # visiting position -> global row group
+        self.row_nbytes = group_bytes / max(1, int(self.group_rows.sum()))
         self.starts = np.concatenate([[0], np.cumsum(self.group_rows[order])])
 
     def readers_done(self, k: int) -> None:
@@ -144,7 +164,7 @@ class ParquetSource(FileSource):
         self._files: dict[int, Any] = {}
         self._decoded: collections.OrderedDict = collections.OrderedDict()
         self._cache_bytes = 0
-        self._orders: dict[int, list] = {}
+        self._orders: dict[int, tuple] = {}
         self._last: tuple | None = None  # (first row, end row, group, decoded) of the last get
         self._starts: list | None = None
         self._decode_locks: dict[int, threading.Lock] = collections.defaultdict(threading.Lock)
@@ -160,7 +180,7 @@ class ParquetSource(FileSource):
         g = int(self.group_order[pos])
         j = i - int(self.starts[pos])
         if self.shuffle:
-            j = int(self._row_order(g)[j])
+            j = int(self._row_order(g)[1][j])
         return int(self.group_file[g]), int(self.group_index[g]), j
 
     def _row_group(self, g: int) -> _Decoded:
@@ -226,7 +246,7 @@ class ParquetSource(FileSource):
         if last is not None and last[0] <= i < last[1]:
             lo, _, g, decoded = last
             j = i - lo
-            return decoded.row(self._row_order(g)[j] if self.shuffle else j)
+            return decoded.row(self._row_order(g)[1][j] if self.shuffle else j)
         if not 0 <= i < len(self):
             raise IndexError(f"parquet: row {i} out of range [0, {len(self)})")
         pos = bisect.bisect_right(self._starts_list(), i) - 1
@@ -235,75 +255,60 @@ class ParquetSource(FileSource):
         decoded = self._row_group(g)
         self._last = (lo, int(self.starts[pos + 1]), g, decoded)
         j = i - lo
-        return decoded.row(self._row_order(g)[j] if self.shuffle else j)
+        return decoded.row(self._row_order(g)[1][j] if self.shuffle else j)
 
     def get_batch(self, indices) -> dict | None:
-        """Rows ``indices`` collated, read column by column (see :meth:`Source.get_batch`):
-        numeric columns are one ``take`` per row group, fixed-length numeric lists one
-        gather; other columns go through the same rule as ``batch()``."""
-        from zephon.pipeline.ops import collate_column
+        """Rows ``indices`` collated, read column by column (see :meth:`Source.get_batch`).
 
+        A run of consecutive rows (a sequential pipeline's micro-batch) is a slice of one
+        or two decoded row groups, any other set one ``take`` per row group: numeric
+        columns and fixed-length numeric lists come out as one array each, copied out of
+        the cache; other columns go through the same rule as ``batch()``."""
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size == 0:
             return None
         if idx.min() < 0 or idx.max() >= len(self):
             raise IndexError(f"parquet: rows out of range [0, {len(self)})")
-        pos = np.searchsorted(self.starts, idx, side="right") - 1
-        parts = []  # (row group, decoded, rows within it, where in the batch)
-        for p in np.unique(pos).tolist():
-            where = np.nonzero(pos == p)[0]
+        parts = self._parts(idx)
+        n = idx.size
+        out: dict = {}
+        for name in parts[0][0].columns:
+            forms = [d.columns[name] for d, _, _ in parts]
+            out[name] = _gather(name, forms, parts, n)
+        return out
+
+    def _parts(self, idx: np.ndarray) -> list[tuple]:
+        """``(decoded row group, rows in it, places in the batch)`` covering ``idx``; rows
+        and places are slices for a run of consecutive source rows, index arrays else."""
+        n = idx.size
+        first, last = int(idx[0]), int(idx[-1])
+        if last - first == n - 1 and (n == 1 or bool((np.diff(idx) == 1).all())):
+            starts, i = self._starts_list(), first
+            parts: list[tuple] = []
+            while i <= last:
+                pos = bisect.bisect_right(starts, i) - 1
+                lo, end = starts[pos], min(starts[pos + 1], last + 1)
+                g = int(self.group_order[pos])
+                rows: Any = slice(i - lo, end - lo)
+                if self.shuffle:
+                    rows = self._row_order(g)[0][rows]
+                parts.append((self._row_group(g), rows, slice(i - first, end - first)))
+                i = end
+            return parts
+        return self._scattered_parts(idx)
+
+    def _scattered_parts(self, idx: np.ndarray) -> list[tuple]:
+        """:meth:`_parts` of any set of rows: one ``take`` per row group."""
+        positions = np.searchsorted(self.starts, idx, side="right") - 1
+        parts: list[tuple] = []
+        for p in np.unique(positions).tolist():
+            where = np.nonzero(positions == p)[0]
             g = int(self.group_order[p])
             rows = idx[where] - int(self.starts[p])
             if self.shuffle:
-                rows = np.asarray(self._row_order(g), dtype=np.int64)[rows]
+                rows = self._row_order(g)[0][rows]
             parts.append((self._row_group(g), rows, where))
-        n = idx.size
-        out: dict = {}
-        for name, (kind, _) in parts[0][0].columns.items():
-            if any(d.columns[name][0] != kind for d, _, _ in parts):
-                kind = "python"  # row groups disagree on the column's form: row by row
-            if kind == "array":
-                first = parts[0][0].columns[name][1]
-                column = np.empty(n, dtype=first.dtype)
-                for d, rows, where in parts:
-                    column[where] = d.columns[name][1][rows]
-                out[name] = column
-                continue
-            if kind == "lists":
-                gathered = self._gather_lists(parts, name, n)
-                if gathered is not None:
-                    out[name] = gathered
-                    continue
-            values: list = [None] * n
-            for d, rows, where in parts:
-                for r, w in zip(rows.tolist(), where.tolist()):
-                    values[w] = d.row_value(name, r)
-            out[name] = collate_column(values)
-        return out
-
-    @staticmethod
-    def _gather_lists(parts, name, n):
-        """A fixed-length numeric list column as one (n, L) array, or None if ragged or of
-        mixed dtypes (then the per-row rule decides)."""
-        length = dtype = None
-        for d, rows, _ in parts:
-            offsets, values = d.columns[name][1]
-            starts = np.asarray(offsets, dtype=np.int64)
-            lengths = starts[1:] - starts[:-1]
-            sel = lengths[rows]
-            if sel.size and (sel.min() != sel.max() or (length is not None and
-                                                        sel[0] != length)):
-                return None
-            length = int(sel[0]) if sel.size else length
-            if dtype is not None and values.dtype != dtype:
-                return None
-            dtype = values.dtype
-        out = np.empty((n, length), dtype=dtype)
-        for d, rows, where in parts:
-            offsets, values = d.columns[name][1]
-            begin = np.asarray(offsets, dtype=np.int64)[rows]
-            out[where] = values[begin[:, None] + np.arange(length)]
-        return out
+        return parts
 
     def _starts_list(self) -> list:
         starts = self._starts
@@ -311,15 +316,111 @@ class ParquetSource(FileSource):
             starts = self._starts = self.starts.tolist()
         return starts
 
-    def _row_order(self, g: int) -> list:
+    def _row_order(self, g: int) -> tuple[np.ndarray, list]:
+        """The seeded order of the rows of row group ``g`` (shuffle=True), as an array (for
+        batches) and a list (for single rows)."""
         order = self._orders.get(g)
         if order is None:
-            order = self._orders[g] = np.random.default_rng([self.seed, 0x9B, g]).permutation(
-                int(self.group_rows[g])).tolist()
+            perm = np.random.default_rng([self.seed, 0x9B, g]).permutation(
+                int(self.group_rows[g]))
+            order = self._orders[g] = (perm, perm.tolist())
         return order
+
+    def sample_nbytes(self) -> float | None:
+        """Uncompressed bytes per row of the chosen columns, as the footers give them."""
+        return self.row_nbytes
 
     def describe(self) -> str:
         names = [f if is_remote(f) else os.path.basename(f) for f in self.files]
         return (f"ParquetSource({self.name}, files={names}, rows={len(self)}, "
                 f"row_groups={len(self.group_rows)}, columns={self.columns}, "
                 f"shuffle={self.shuffle}, seed={self.seed})")
+
+
+def _numbers(arr) -> np.ndarray:
+    """A null-free numeric or boolean Arrow array as numpy, read from its data buffer
+    (``Array.to_numpy`` would import pandas, a second or so in every worker)."""
+    import pyarrow as pa
+
+    kind, n, data = arr.type, len(arr), arr.buffers()[1]
+    if pa.types.is_boolean(kind):
+        bits = np.frombuffer(data, dtype=np.uint8) if data is not None else \
+            np.zeros(0, np.uint8)
+        return np.unpackbits(bits, bitorder="little")[arr.offset:arr.offset + n].astype(bool)
+    if pa.types.is_floating(kind):
+        dtype = np.dtype(f"f{kind.bit_width // 8}")
+    else:
+        signed = pa.types.is_signed_integer(kind)
+        dtype = np.dtype(f"{'i' if signed else 'u'}{kind.bit_width // 8}")
+    if data is None or n == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.frombuffer(data, dtype=dtype, count=n, offset=arr.offset * dtype.itemsize)
+
+
+def _selected_bytes(row_group, columns) -> int:
+    """Uncompressed bytes of the chosen top-level ``columns`` (all if None) in one row
+    group's footer entry."""
+    total = 0
+    for c in range(row_group.num_columns):
+        chunk = row_group.column(c)
+        if columns is None or chunk.path_in_schema.split(".")[0] in columns:
+            total += chunk.total_uncompressed_size
+    return total
+
+
+def _positions(index) -> list:
+    """A slice or an index array as a list of ints."""
+    if isinstance(index, slice):
+        return list(range(index.start, index.stop))
+    return index.tolist()
+
+
+def _gather(name: str, forms: list, parts: list, n: int):
+    """Column ``name`` of a batch of ``n`` rows from its stored forms in the parts' row
+    groups: one array when every part stores it as numbers of one dtype (and, for lists,
+    one length), else the values row by row through ``batch()``'s rule."""
+    from zephon.pipeline.ops import collate_column
+
+    kinds = {kind for kind, _ in forms}
+    kind = kinds.pop() if len(kinds) == 1 else "mixed"
+    if kind in ("array", "fixed") and len({(a.dtype, a.shape[1:]) for _, a in forms}) == 1:
+        first = forms[0][1]
+        column = np.empty((n, *first.shape[1:]), dtype=first.dtype)
+        for (_, data), (_, rows, where) in zip(forms, parts, strict=True):
+            column[where] = data[rows]
+        return column
+    if kind == "lists":
+        gathered = _gather_lists(forms, parts, n)
+        if gathered is not None:
+            return gathered
+    values: list = [None] * n
+    for (form, data), (decoded, rows, where) in zip(forms, parts, strict=True):
+        if form == "python" and isinstance(rows, slice):
+            values[where] = data[rows]
+            continue
+        for r, w in zip(_positions(rows), _positions(where), strict=True):
+            values[w] = decoded.row_value(name, r)
+    return collate_column(values)
+
+
+def _gather_lists(forms: list, parts: list, n: int):
+    """A ragged-stored numeric list column whose selected rows all have one length, as one
+    ``(n, L)`` array; None if they are ragged or of mixed dtypes (then the per-row rule
+    decides)."""
+    length = dtype = None
+    selected = []
+    for (_, (offsets, values)), (_, rows, _) in zip(forms, parts, strict=True):
+        begin = offsets[:-1][rows]
+        sel = offsets[1:][rows] - begin
+        if sel.size and (sel.min() != sel.max() or (length is not None and
+                                                    sel[0] != length)):
+            return None
+        length = int(sel[0]) if sel.size else length
+        if dtype is not None and values.dtype != dtype:
+            return None
+        dtype = values.dtype
+        selected.append(begin)
+    out = np.empty((n, length or 0), dtype=dtype)
+    for (_, (_, values)), (_, _, where), begin in zip(forms, parts, selected, strict=True):
+        out[where] = values[begin[:, None] + np.arange(length or 0)]
+    return out
