@@ -38,7 +38,8 @@ def batches_per_message(source, batch_size: int, stage) -> int:
     for a stage without ops over a source that reads batches column by column and can
     estimate its sample size; 1 otherwise (the batch is the message). A message holds at
     most :data:`GROUP_TARGET_BYTES` and leaves every worker a message of its own within
-    the stage's items-in-flight bound (``stage.item_cap`` batches per lane)."""
+    the stage's items-in-flight bound (``stage.item_cap`` batches per lane, when the stage
+    has one; otherwise its byte budget bounds what is in flight)."""
     if stage.runner != "process" or stage.ops or \
             type(source).get_batch is Source.get_batch:
         return 1
@@ -46,7 +47,9 @@ def batches_per_message(source, batch_size: int, stage) -> int:
     if not row:
         return 1
     per = int(GROUP_TARGET_BYTES // max(1.0, row * batch_size))
-    return max(1, min(GROUP_MAX_BATCHES, per, stage.item_cap // max(1, stage.workers)))
+    if stage.item_cap is not None:
+        per = min(per, stage.item_cap // max(1, stage.workers))
+    return max(1, min(GROUP_MAX_BATCHES, per))
 
 
 class StageProgram:
