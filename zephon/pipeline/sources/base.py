@@ -129,8 +129,17 @@ class Source:
         return None
 
     def sample_nbytes(self) -> float | None:
-        """An estimate of one sample's bytes once read (for sizing the messages that carry
-        many batches read column by column), or None when the source cannot tell cheaply."""
+        """An estimate of one sample's bytes once read, used to size the messages that carry
+        many batches read column by column.
+
+        Returns:
+            Bytes per sample (a float: an average), or None when the source cannot tell
+            cheaply (then each batch travels as its own message).
+
+        Example:
+            >>> sources.from_sequence([{"x": 1}]).sample_nbytes() is None
+            True
+        """
         return None
 
     def describe(self) -> str:
