@@ -15,25 +15,26 @@ implementation ran.
 from __future__ import annotations
 
 import json
+import math
 import numbers
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
 __all__ = [
-    "PackPlan",
+    "COMPACT",
+    "DECISION_NAMES",
+    "FORWARD",
+    "INLINE",
     "CompactionPlan",
     "Descriptor",
-    "INLINE",
-    "COMPACT",
-    "FORWARD",
-    "DECISION_NAMES",
-    "byte_extent",
-    "check_pack_args",
-    "check_compaction_args",
+    "PackPlan",
     "align_up",
-    "dtype_token",
+    "byte_extent",
+    "check_compaction_args",
+    "check_pack_args",
     "dtype_from_token",
+    "dtype_token",
 ]
 
 INLINE, COMPACT, FORWARD = 0, 1, 2
@@ -60,8 +61,14 @@ class PackPlan:
     in-band leaves).
     """
 
-    __slots__ = ("leaf_group", "leaf_offset", "leaf_nbytes", "group_nbytes", "group_dtype",
-                 "descriptors")
+    __slots__ = (
+        "descriptors",
+        "group_dtype",
+        "group_nbytes",
+        "leaf_group",
+        "leaf_nbytes",
+        "leaf_offset",
+    )
 
     def __init__(self, leaf_group, leaf_offset, leaf_nbytes, group_nbytes, group_dtype,
                  descriptors):
@@ -97,13 +104,13 @@ class PackPlan:
 
     def __repr__(self) -> str:
         return (f"PackPlan(leaves={len(self)}, inband={len(self.inband())}, "
-                f"groups={list(zip(self.group_dtype, self.group_nbytes.tolist()))})")
+                f"groups={list(zip(self.group_dtype, self.group_nbytes.tolist(), strict=True))})")
 
 
 class CompactionPlan:
     """The outcome of ``compaction_plan``: one row per region, ascending region id."""
 
-    __slots__ = ("region_id", "region_size", "useful_bytes", "decision")
+    __slots__ = ("decision", "region_id", "region_size", "useful_bytes")
 
     def __init__(self, region_id, region_size, useful_bytes, decision):
         self.region_id = np.asarray(region_id, dtype=np.int64)
@@ -118,7 +125,7 @@ class CompactionPlan:
         """``{region_id: (useful_bytes, "inline" | "compact" | "forward")}``."""
         return {
             int(r): (int(u), DECISION_NAMES[int(d)])
-            for r, u, d in zip(self.region_id, self.useful_bytes, self.decision)
+            for r, u, d in zip(self.region_id, self.useful_bytes, self.decision, strict=True)
         }
 
     def __eq__(self, other: Any) -> bool:
@@ -173,7 +180,7 @@ def byte_extent(offset: int, shape: Sequence[int], strides: Sequence[int],
     if any(int(s) == 0 for s in shape):
         return offset, offset
     lo = hi = offset
-    for n, st in zip(shape, strides):
+    for n, st in zip(shape, strides, strict=True):
         span = (int(n) - 1) * int(st)
         if span < 0:
             lo += span
@@ -215,7 +222,7 @@ def check_compaction_args(min_forward_bytes, compact_above_ratio,
     if compact_above_ratio is not None and (
         isinstance(compact_above_ratio, bool)
         or not isinstance(compact_above_ratio, numbers.Real)
-        or not np.isfinite(compact_above_ratio) or compact_above_ratio < 1.0
+        or not math.isfinite(compact_above_ratio) or compact_above_ratio < 1.0
     ):
         raise ValueError(
             "compaction_plan: compact_above_ratio must be None or a finite number >= 1, "

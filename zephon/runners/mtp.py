@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 from zephon.options import resolve_mtp_buffer
 from zephon.transport import WorkerPool
 
-__all__ = ["MtpSource", "MtpHandler"]
+__all__ = ["MtpHandler", "MtpSource"]
 
 
 class MtpHandler:
@@ -26,7 +26,7 @@ class MtpHandler:
 
     def __init__(self, factory: Callable[[dict], Iterator]) -> None:
         self.factory = factory
-        self.iterator = None
+        self.iterator: Iterator | None = None
 
     def __call__(self, message):
         op, arg = message
@@ -35,6 +35,8 @@ class MtpHandler:
             self.iterator = self.factory(arg)
             return True
         if op == "next":
+            if self.iterator is None:
+                raise ValueError("MTP request 'next' before 'start'")
             try:
                 return next(self.iterator)
             except StopIteration:
