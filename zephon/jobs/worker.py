@@ -38,12 +38,12 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import threading
 import time
 
-from zephon.jobs.tree import become_subreaper, end_descendants
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.remote_errors import encode_exception
+from zephon.transport.supervisor import MsgKind, ignore_sigint, watch_parent
+from zephon.transport.tree import become_group_leader, become_subreaper, end_descendants
 
 __all__ = ["job_worker_main", "pickle_value", "unpickle_value"]
 
@@ -60,11 +60,8 @@ def unpickle_value(frames: list):
     return pickle.loads(frames[0], buffers=frames[1:])
 
 
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent_pid:
-            os.killpg(0, signal.SIGKILL)  # the parent is gone: take the op's children too
+def _kill_own_group() -> None:
+    os.killpg(0, signal.SIGKILL)  # the parent is gone: take the op's children too
 
 
 def _report(channel, task_id: int, start: float, value=None, exc=None) -> None:
@@ -79,10 +76,10 @@ def _report(channel, task_id: int, start: float, value=None, exc=None) -> None:
                 exc = pickling
         if exc is not None:
             tb, blob = encode_exception(exc)
-            channel.send({"k": "error", "id": task_id, "d": duration, "tb": tb,
+            channel.send({"k": MsgKind.ERROR, "id": task_id, "d": duration, "tb": tb,
                           "oom": isinstance(exc, MemoryError)}, [blob])
         else:
-            channel.send({"k": "done", "id": task_id, "d": duration}, out)
+            channel.send({"k": MsgKind.DONE, "id": task_id, "d": duration}, out)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERM)
 
@@ -105,17 +102,20 @@ def _on_sigterm(grace: float):
 
 
 def job_worker_main(channel, boot: dict) -> None:
-    try:
-        os.setpgid(0, 0)
-    except OSError:
-        pass
+    """Process entry point of a job worker (module level so spawn can import it).
+
+    Args:
+        channel: the worker's end of its channel to the backend.
+        boot: ``fn`` (the pickled callable), ``gpu_slot``, ``parent_pid``, ``grace``.
+    """
+    become_group_leader()
     become_subreaper()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    ignore_sigint()  # Ctrl-C is the parent's to handle
     if boot.get("gpu_slot") is not None:
         os.environ["ZEPHON_GPU_SLOT"] = str(boot["gpu_slot"])
     # The watcher thread never takes a SIGTERM meant for the worker (it inherits the mask).
     signal.pthread_sigmask(signal.SIG_BLOCK, _TERM)
-    threading.Thread(target=_watch_parent, args=(boot["parent_pid"],), daemon=True).start()
+    watch_parent(boot["parent_pid"], _kill_own_group)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERM)
     grace = float(boot.get("grace", 1.0))
     signal.signal(signal.SIGTERM, _on_sigterm(grace / 2))
@@ -127,18 +127,18 @@ def job_worker_main(channel, boot: dict) -> None:
                 setup()
         except BaseException as exc:  # noqa: BLE001 - reported, then this worker exits
             tb, blob = encode_exception(exc)
-            channel.send({"k": "fail", "tb": tb}, [blob])
+            channel.send({"k": MsgKind.FAIL, "tb": tb}, [blob])
             return
-        channel.send({"k": "ready", "pid": os.getpid()})
+        channel.send({"k": MsgKind.READY, "pid": os.getpid()})
         while True:
             header, frames, _ = channel.recv()
-            if header["k"] == "stop":
+            if header["k"] == MsgKind.STOP:
                 end_descendants(grace / 2)
                 return
             task_id = header["id"]
             subject = pickle.loads(frames[0])
             start = time.monotonic()
-            channel.send({"k": "started", "id": task_id, "t": start})
+            channel.send({"k": MsgKind.STARTED, "id": task_id, "t": start})
             try:
                 value = fn(subject)
             except Exception as exc:  # noqa: BLE001 - the subject's failure, not ours

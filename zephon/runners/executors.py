@@ -30,7 +30,7 @@ from typing import Any, Callable
 from zephon.errors import WorkerCrashedError
 from zephon.transport import WorkerPool
 
-__all__ = ["InlineExecutor", "ThreadExecutor", "ProcessExecutor"]
+__all__ = ["InlineExecutor", "ProcessExecutor", "ThreadExecutor"]
 
 log = logging.getLogger("zephon.runners")
 
@@ -118,7 +118,7 @@ class ProcessExecutor:
         return done.popleft()
 
     def _recover(self, crash: WorkerCrashedError) -> None:
-        lost = [self._task.pop(t) for t in getattr(crash, "tasks", []) if t in self._task]
+        lost = [self._task.pop(t) for t in crash.tasks if t in self._task]
         self.pool.restart(crash.worker)
         for k, (lane, seq, payload) in enumerate(lost):
             if k == 0:  # the unit the worker was running: the culprit
@@ -129,7 +129,8 @@ class ProcessExecutor:
                                f"worker {self._retries[(lane, seq)]} times ({sig}); "
                                f"max_worker_retries={self.max_retries} exhausted")
                     if not self.deterministic:
-                        warnings.warn(f"zephon: dropping it: {message}", RuntimeWarning)
+                        warnings.warn(f"zephon: dropping it: {message}", RuntimeWarning,
+                                      stacklevel=2)
                         self._done[lane].append((seq, []))
                         continue
                     raise WorkerCrashedError(message, seq=seq, signal=crash.signal,
