@@ -1,6 +1,8 @@
 """The job worker process and its wire protocol.
 
-A worker is a spawn-context child that first makes itself the leader of its
+A worker is a spawn-context child started by the supervisor
+(:mod:`zephon.transport.supervisor`) that first, through
+:func:`~zephon.transport.supervisor.lead_process_tree`, makes itself the leader of its
 own process group (so the parent can signal the op's children with it) and, on
 Linux, a child subreaper (so descendants that leave the group come back to it
 when orphaned), exports ``ZEPHON_GPU_SLOT`` when it has one, unpickles the
@@ -42,8 +44,8 @@ import time
 
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.remote_errors import encode_exception
-from zephon.transport.supervisor import MsgKind, ignore_sigint, watch_parent
-from zephon.transport.tree import become_group_leader, become_subreaper, end_descendants
+from zephon.transport.supervisor import MsgKind, lead_process_tree
+from zephon.transport.tree import end_descendants
 
 __all__ = ["job_worker_main", "pickle_value", "unpickle_value"]
 
@@ -58,10 +60,6 @@ def pickle_value(value) -> list:
 
 def unpickle_value(frames: list):
     return pickle.loads(frames[0], buffers=frames[1:])
-
-
-def _kill_own_group() -> None:
-    os.killpg(0, signal.SIGKILL)  # the parent is gone: take the op's children too
 
 
 def _report(channel, task_id: int, start: float, value=None, exc=None) -> None:
@@ -84,23 +82,6 @@ def _report(channel, task_id: int, start: float, value=None, exc=None) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERM)
 
 
-def _on_sigterm(grace: float):
-    """The worker's SIGTERM handler (a subject may install its own instead): end every
-    descendant, the ones that left the process group included, then die of SIGTERM."""
-
-    def handler(signum, frame):
-        signal.pthread_sigmask(signal.SIG_BLOCK, _TERM)
-        try:
-            end_descendants(grace)
-        finally:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERM)
-            os.kill(os.getpid(), signal.SIGTERM)
-            os._exit(128 + signal.SIGTERM)
-
-    return handler
-
-
 def job_worker_main(channel, boot: dict) -> None:
     """Process entry point of a job worker (module level so spawn can import it).
 
@@ -108,17 +89,10 @@ def job_worker_main(channel, boot: dict) -> None:
         channel: the worker's end of its channel to the backend.
         boot: ``fn`` (the pickled callable), ``gpu_slot``, ``parent_pid``, ``grace``.
     """
-    become_group_leader()
-    become_subreaper()
-    ignore_sigint()  # Ctrl-C is the parent's to handle
+    grace = float(boot.get("grace", 1.0))
+    lead_process_tree(boot["parent_pid"], grace / 2)
     if boot.get("gpu_slot") is not None:
         os.environ["ZEPHON_GPU_SLOT"] = str(boot["gpu_slot"])
-    # The watcher thread never takes a SIGTERM meant for the worker (it inherits the mask).
-    signal.pthread_sigmask(signal.SIG_BLOCK, _TERM)
-    watch_parent(boot["parent_pid"], _kill_own_group)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERM)
-    grace = float(boot.get("grace", 1.0))
-    signal.signal(signal.SIGTERM, _on_sigterm(grace / 2))
     try:
         try:
             fn = pickle.loads(boot["fn"])

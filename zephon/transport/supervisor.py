@@ -68,7 +68,13 @@ from zephon.errors import TransportError, WorkerCrashedError
 from zephon.transport.channel import ChannelClosed, channel_pair
 from zephon.transport.remote_errors import decode_exception
 from zephon.transport.spawn_guard import EXIT_UNGUARDED_MAIN, unguarded_main_error
-from zephon.transport.tree import live_groups, signal_group
+from zephon.transport.tree import (
+    become_group_leader,
+    become_subreaper,
+    end_descendants,
+    live_groups,
+    signal_group,
+)
 
 __all__ = [
     "EXITING_S",
@@ -90,6 +96,7 @@ __all__ = [
     "exit_text",
     "handshake",
     "ignore_sigint",
+    "lead_process_tree",
     "parent_changed",
     "startup_death_error",
     "stop_children",
@@ -382,6 +389,49 @@ def ignore_sigint() -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _kill_own_group() -> None:
+    os.killpg(0, signal.SIGKILL)  # the parent is gone: take the child's processes too
+
+
+def _end_tree_on_sigterm(grace: float):
+    """A SIGTERM handler: end every descendant (those that left the process group
+    included), then die of SIGTERM."""
+    term = {signal.SIGTERM}
+
+    def handler(signum, frame):
+        signal.pthread_sigmask(signal.SIG_BLOCK, term)
+        try:
+            end_descendants(grace)
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, term)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(128 + signal.SIGTERM)
+
+    return handler
+
+
+def lead_process_tree(parent_pid: int, grace: float) -> None:
+    """Child side, for a child started with ``group=True``: own every process it starts.
+
+    It leads a new process group, becomes a child subreaper (Linux: descendants that
+    leave the group are re-parented to it), ignores SIGINT, kills its whole group when
+    its parent is gone (:func:`watch_parent`), and on SIGTERM ends every descendant
+    (SIGTERM, ``grace``, SIGKILL) before it dies of SIGTERM. Call first thing in the
+    child's main thread; a task that installs its own SIGTERM handler replaces that
+    clean-up (the parent's SIGKILL to the group still ends the group).
+    """
+    become_group_leader()
+    become_subreaper()
+    ignore_sigint()  # Ctrl-C is the parent's to handle
+    term = {signal.SIGTERM}
+    # The watcher thread never takes a SIGTERM meant for the child (it inherits the mask).
+    signal.pthread_sigmask(signal.SIG_BLOCK, term)
+    watch_parent(parent_pid, _kill_own_group)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, term)
+    signal.signal(signal.SIGTERM, _end_tree_on_sigterm(grace))
 
 
 def _wait_exit(children: list[Child], deadline: float,
