@@ -158,13 +158,13 @@ def test_a_crash_report_keeps_its_fields_through_pickle():
     back = pickle.loads(pickle.dumps(error))
     assert isinstance(back, WorkerCrashedError)
     assert (back.worker, back.pid, back.signal, back.tasks, back.seq, back.op) == \
-        (2, 4321, signal.SIGKILL, (5, 6), 5, "p")
+        (2, 4321, signal.SIGKILL, [5, 6], 5, "p")
     assert str(back) == str(error)
 
 
 def test_a_crash_by_exit_code_has_no_signal():
     error = crash_error("died", worker=0, pid=1, exitcode=3)
-    assert error.signal is None and error.tasks == ()
+    assert error.signal is None and error.tasks == []
 
 
 def test_the_public_shutdown_options_map_onto_one_policy():

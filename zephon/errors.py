@@ -101,7 +101,7 @@ class WorkerCrashedError(ZephonError):
     number (positive), ``op`` the op (or stage, or pool) name, ``worker`` the
     worker's slot index in its pool or job backend (the same slot keeps its index
     across restarts), ``pid`` the process id of the process that died, ``tasks``
-    the ids of the tasks it had in flight (a tuple; empty when unknown). Every
+    the ids of the tasks it had in flight (a list; empty when unknown). Every
     field is a constructor argument and survives pickling.
     """
 
@@ -114,12 +114,12 @@ class WorkerCrashedError(ZephonError):
         op: str | None = None,
         worker: int | None = None,
         pid: int | None = None,
-        tasks: tuple[int, ...] = (),
+        tasks: Sequence[int] = (),
     ) -> None:
         super().__init__(message)
         self.seq, self.signal, self.op, self.worker = seq, signal, op, worker
         self.pid = pid
-        self.tasks: tuple[int, ...] = tuple(tasks)
+        self.tasks: list[int] = list(tasks)
 
     def __reduce__(self):
         return (

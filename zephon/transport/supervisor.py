@@ -526,4 +526,4 @@ def crash_error(message: str, *, worker: int | None, pid: int | None,
     """
     sig = -exitcode if exitcode is not None and exitcode < 0 else None
     return WorkerCrashedError(message, seq=seq, signal=sig, op=op, worker=worker, pid=pid,
-                              tasks=tuple(tasks))
+                              tasks=tasks)
