@@ -4,7 +4,9 @@ This is the process primitive the runners build on: it starts N workers, sends
 each a task (any picklable payload), and returns results (zero-copy views into
 the worker's arena) as they arrive. Ordering, retries and back-pressure
 policies belong to the runners; this module guarantees delivery, errors and
-clean lifecycle.
+clean lifecycle. The processes themselves are started, greeted, stopped and
+reaped by :mod:`zephon.transport.supervisor` (the same code the jobs backend
+uses); the pool adds the channels' traffic, the arenas and crash recovery.
 
 Lifecycle
 ---------
@@ -76,6 +78,7 @@ import logging
 import os
 import pickle
 import selectors
+import signal
 import threading
 import time
 import warnings
@@ -341,9 +344,10 @@ class WorkerPool:
             self._await_ready([handle])
         except BaseException:
             handle.alive = False
-            handle.process.kill()
-            handle.process.join()
-            handle.channel.close()
+            handle.child.stopped = True
+            handle.child.signal(signal.SIGKILL)
+            handle.child.reap()
+            handle.child.close_channel()
             raise
         self._selector.register(handle.channel.fileno(), selectors.EVENT_READ, handle)
         threading.Thread(target=_watch, args=(weakref.ref(self), [handle]),
