@@ -436,14 +436,19 @@ def lead_process_tree(parent_pid: int, grace: float) -> None:
 
 def _wait_exit(children: list[Child], deadline: float,
                drain: Callable[[list[Child], float], None] | None) -> None:
-    while any(c.exitcode is None for c in children):
+    """Wait until every child has exited or ``deadline``: on their sentinels (woken at
+    once by an exit), or through ``drain``."""
+    from multiprocessing.connection import wait
+
+    while True:
+        live = [c for c in children if c.exitcode is None]
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if not live or remaining <= 0:
             return
         if drain is not None:
-            drain([c for c in children if c.exitcode is None], deadline)
+            drain(live, deadline)
         else:
-            time.sleep(min(remaining, EXIT_POLL_S))
+            wait([c.process.sentinel for c in live], timeout=remaining)
 
 
 def stop_children(children: Iterable[Child], policy: ShutdownPolicy, *,
@@ -461,7 +466,7 @@ def stop_children(children: Iterable[Child], policy: ShutdownPolicy, *,
             and cannot read STOP).
         drain: called as ``drain(live_children, deadline)`` while waiting for the exits,
             to read and drop what they still send (it must return by ``deadline``); by
-            default the wait polls every :data:`EXIT_POLL_S`.
+            default the wait is on the children's sentinels.
         lock: held while joining (a watchdog thread that reaps too must not see ECHILD).
 
     Returns:
