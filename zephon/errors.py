@@ -98,7 +98,11 @@ class WorkerCrashedError(ZephonError):
     """A worker process died by a signal and its retries are exhausted.
 
     ``seq`` is the sequence number that was in flight, ``signal`` the signal
-    number (positive), ``op`` the op (or stage) name, ``worker`` the worker id.
+    number (positive), ``op`` the op (or stage, or pool) name, ``worker`` the
+    worker's slot index in its pool or job backend (the same slot keeps its index
+    across restarts), ``pid`` the process id of the process that died, ``tasks``
+    the ids of the tasks it had in flight (a list; empty when unknown). Every
+    field is a constructor argument and survives pickling.
     """
 
     def __init__(
@@ -109,15 +113,20 @@ class WorkerCrashedError(ZephonError):
         signal: int | None = None,
         op: str | None = None,
         worker: int | None = None,
+        pid: int | None = None,
+        tasks: Sequence[int] = (),
     ) -> None:
         super().__init__(message)
         self.seq, self.signal, self.op, self.worker = seq, signal, op, worker
+        self.pid = pid
+        self.tasks: list[int] = list(tasks)
 
     def __reduce__(self):
         return (
             _rebuild_kw,
             (WorkerCrashedError, str(self),
-             {"seq": self.seq, "signal": self.signal, "op": self.op, "worker": self.worker}),
+             {"seq": self.seq, "signal": self.signal, "op": self.op, "worker": self.worker,
+              "pid": self.pid, "tasks": self.tasks}),
         )
 
 

@@ -1,4 +1,8 @@
-"""The process backend: spawn-context job workers driven by one loop.
+"""The process backend: job scheduling over supervised worker processes.
+
+Starting, the READY handshake, signalling a worker's process tree, stopping
+and reaping belong to :mod:`zephon.transport.supervisor`; this module decides
+when: timeouts, OOM back-off, recycling, persistent vs isolated workers.
 
 One outcome per subject, by construction. Each dispatch of a subject is an
 *attempt* with a task id unique in the backend; the parent keeps, per round, the
@@ -22,7 +26,8 @@ dying still wins (the worker blocks SIGTERM while it reports, so a report is
 never cut in half), anything else is a :class:`~zephon.errors.SubjectTimeoutError`.
 A report with ``d`` over the timeout is a timeout too.
 
-Slots (workers) and their states: ``starting`` (spawned, READY not seen; bounded
+Slots (workers, :class:`SlotState`; each has a slot index, the lowest free
+one, reported as ``worker=`` of a crash with the ``pid`` beside it): ``starting`` (spawned, READY not seen; bounded
 by ``subject_spawn_timeout_sec``), ``idle``, ``busy`` (an attempt in flight),
 ``stopping`` (sent STOP after recycling or a failure restart, or because work
 ran out: its result was already read), ``dying`` (SIGTERM sent to its process
@@ -61,24 +66,40 @@ workers never share one.
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import os
 import pickle
 import selectors
 import signal
 import time
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import Any, Final, NamedTuple
 
 from zephon.errors import (
-    SerializationError, SubjectTimeoutError, TransportError, WorkerCrashedError, ZephonError,
+    SerializationError,
+    SubjectTimeoutError,
+    TransportError,
+    ZephonError,
 )
-from zephon.jobs.tree import group_alive, signal_group
 from zephon.jobs.worker import job_worker_main, unpickle_value
-from zephon.transport.channel import ChannelClosed, channel_pair
+from zephon.transport.channel import ChannelClosed
 from zephon.transport.remote_errors import decode_exception
-from zephon.transport.spawn_guard import EXIT_UNGUARDED_MAIN, unguarded_main_error
+from zephon.transport.supervisor import (
+    EXIT_POLL_S,
+    KILL_WAIT_S,
+    Child,
+    MsgKind,
+    ShutdownPolicy,
+    crash_error,
+    exit_text,
+    handshake,
+    startup_death_error,
+    stop_children,
+    sweep_groups,
+)
 
-__all__ = ["ProcessBackend", "Outcome", "JobSetupError", "TREE_POLICY"]
+__all__ = ["TREE_POLICY", "JobSetupError", "Outcome", "ProcessBackend"]
 
 log = logging.getLogger("zephon.jobs")
 
@@ -91,9 +112,26 @@ TREE_POLICY = (
     "that left the group of a worker killed outright (SIGKILL, or a subject's own SIGTERM "
     "handler) is not covered")
 
-_EXIT_POLL_S = 0.02  # how often a worker known to be going is checked for exit
-_KILL_WAIT_S = 5.0  # after SIGKILL: how long a worker may take to disappear
-_CENSUS_S = 0.25  # how often every worker is checked for exit, EOF or not
+_CENSUS_S: Final = 0.25  # how often every worker is checked for exit, EOF or not
+_IDLE_WAIT_S: Final = 0.5  # longest wait of the loop when no deadline is nearer
+_CLOCK_SKEW_S: Final = 1.0  # a worker's start time this far ahead of ours is not our clock
+_CLOCK_PAST_S: Final = 3600.0  # ... nor one this far behind
+_CHANNEL_BYTES: Final = 1 << 20  # socket buffer of a job worker's channel
+_DRAIN_TIMEOUT_S: Final = 1.0  # reading what a dead worker sent never blocks longer
+
+
+class SlotState(enum.Enum):
+    """The state of a worker slot (see the module docstring)."""
+
+    STARTING = "starting"
+    IDLE = "idle"
+    BUSY = "busy"
+    STOPPING = "stopping"
+    DYING = "dying"
+
+
+_LIVE_STATES: Final = (SlotState.STARTING, SlotState.IDLE, SlotState.BUSY)
+_GOING_STATES: Final = (SlotState.DYING, SlotState.STOPPING)
 
 
 class JobSetupError(ZephonError):
@@ -103,7 +141,10 @@ class JobSetupError(ZephonError):
 
 
 class Outcome(NamedTuple):
-    index: int
+    """One subject's outcome: its index, whether it succeeded, its value or error, how long
+    it ran and its ``kind`` (``"ok"``, ``"error"``, ``"oom"``, ``"timeout"``, ``"crash"``)."""
+
+    index: int  # type: ignore[assignment]  # the public field name shadows tuple.index
     ok: bool
     value: Any
     error: BaseException | None
@@ -112,15 +153,15 @@ class Outcome(NamedTuple):
 
 
 class _Slot:
-    __slots__ = ("process", "channel", "state", "deadline", "task", "successes", "failures",
-                 "gpu_slot", "pid", "kill_at", "killed_at", "eof", "registered")
+    __slots__ = ("channel", "child", "deadline", "eof", "failures", "gpu_slot", "index",
+                 "kill_at", "killed_at", "pid", "registered", "state", "successes", "task")
 
-    def __init__(self, process, channel, gpu_slot, deadline) -> None:
-        self.process, self.channel, self.gpu_slot = process, channel, gpu_slot
-        self.state, self.deadline = "starting", deadline
-        self.task = None
+    def __init__(self, child: Child, index: int, gpu_slot, deadline) -> None:
+        self.child, self.index, self.gpu_slot = child, index, gpu_slot
+        self.channel, self.pid = child.channel, child.pid
+        self.state, self.deadline = SlotState.STARTING, deadline
+        self.task: int | None = None
         self.successes = self.failures = 0
-        self.pid = process.pid
         self.kill_at = self.killed_at = None
         self.eof = False
         self.registered = True
@@ -132,7 +173,7 @@ class ProcessBackend:
     def __init__(self, fn, policy, workers: int, *, gpu_slots: bool, mp_context) -> None:
         try:
             self.fn_bytes = pickle.dumps(fn, protocol=5)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise SerializationError(
                 f"the job callable {fn!r} cannot be pickled for worker processes: "
                 f"{type(exc).__name__}: {exc}; use a module-level function or an object "
@@ -150,10 +191,10 @@ class ProcessBackend:
         self.max_failures = 1 if isolated else policy.persistent_worker_max_consecutive_failures
         self.slots: list[_Slot] = []
         self.selector = selectors.DefaultSelector()
-        self.stats = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
         self._task_ids = iter(range(1, 1 << 62))
         self._running: dict[int, int] = {}  # task id -> subject index (attempts in flight)
-        self._sweeps: dict[int, float] = {}  # process group -> when it gets SIGKILL
+        self._sweeps: dict[Child, float] = {}  # a gone worker's group -> when it gets SIGKILL
         self._census_at = 0.0
 
     # -- workers ---------------------------------------------------------------------
@@ -165,18 +206,18 @@ class ProcessBackend:
             if not free:
                 return None  # a dying worker still holds the slot: wait for it
             gpu = free[0]
-        parent_end, child_end = channel_pair("socketpair", 1 << 20)
         boot = {"fn": self.fn_bytes, "gpu_slot": gpu, "parent_pid": os.getpid(),
                 "grace": self.grace}
-        process = self.ctx.Process(target=job_worker_main, args=(child_end, boot),
-                                   name="zephon-job-worker")
-        process.start()
-        child_end.close()
+        child = Child.spawn(self.ctx, job_worker_main, (boot,), transport="socketpair",
+                            buffer_bytes=_CHANNEL_BYTES, name="zephon-job-worker",
+                            daemon=False, group=True)
         spawn_timeout = self.policy.subject_spawn_timeout_sec
         deadline = None if spawn_timeout is None else time.monotonic() + spawn_timeout
-        slot = _Slot(process, parent_end, gpu, deadline)
+        held = {s.index for s in self.slots}
+        index = next(k for k in range(len(self.slots) + 1) if k not in held)
+        slot = _Slot(child, index, gpu, deadline)
         self.slots.append(slot)
-        self.selector.register(parent_end.fileno(), selectors.EVENT_READ, slot)
+        self.selector.register(child.channel.fileno(), selectors.EVENT_READ, slot)
         self.stats["workers_started"] += 1
         return slot
 
@@ -197,23 +238,21 @@ class ProcessBackend:
             self.slots.remove(slot)
         kill_at = slot.kill_at
         if kill_at is None and slot.killed_at is None:
-            if signal_group(slot.pid, signal.SIGTERM):
+            if slot.child.signal(signal.SIGTERM):  # exited: its group only
                 kill_at = time.monotonic() + self.grace
         if kill_at is not None:
-            self._sweeps[slot.pid] = kill_at
+            self._sweeps[slot.child] = kill_at
 
     def _stop(self, slot: _Slot) -> None:
-        slot.state = "stopping"
+        slot.state = SlotState.STOPPING
         slot.deadline = time.monotonic() + self.grace
-        try:
-            slot.channel.send({"k": "stop"})
-        except ChannelClosed:
-            pass
+        slot.child.send_stop()
 
     def _terminate(self, slot: _Slot) -> None:
-        slot.state = "dying"
+        slot.state = SlotState.DYING
         slot.deadline = None
-        _signal_slot(slot, signal.SIGTERM)
+        slot.child.stopped = True
+        slot.child.signal(signal.SIGTERM)
         slot.kill_at = time.monotonic() + self.grace
 
     # -- attempts ----------------------------------------------------------------------
@@ -224,6 +263,10 @@ class ProcessBackend:
         if index is None:
             return None
         return Outcome(index, ok, value, error, duration_s, kind)
+
+    def _index_of(self, task: int | None) -> int:
+        """The subject index of a running attempt (-1 when it is not running)."""
+        return -1 if task is None else self._running.get(task, -1)
 
     def _timeout_error(self, index: int) -> SubjectTimeoutError:
         return SubjectTimeoutError(
@@ -239,24 +282,24 @@ class ProcessBackend:
             out: list[Outcome] = []
             self._staff(len(queue))
             for slot in self.slots:
-                if slot.state == "idle" and queue:
+                if slot.state is SlotState.IDLE and queue:
                     index, subject = queue.popleft()
                     self._dispatch(slot, index, subject, out)
             self._poll(out)
             yield from out
 
     def _staff(self, queued: int) -> None:
-        live = [s for s in self.slots if s.state in ("starting", "idle", "busy")]
-        busy = sum(1 for s in live if s.state == "busy")
+        live = [s for s in self.slots if s.state in _LIVE_STATES]
+        busy = sum(1 for s in live if s.state is SlotState.BUSY)
         want = min(self.concurrency, queued + busy)
-        for slot in [s for s in live if s.state == "idle"][: max(0, len(live) - want)]:
+        for slot in [s for s in live if s.state is SlotState.IDLE][: max(0, len(live) - want)]:
             self._stop(slot)  # after an OOM back-off, or when work runs out
             live.remove(slot)
         while len(live) < want:
-            slot = self._spawn()
-            if slot is None:
+            started = self._spawn()
+            if started is None:
                 break
-            live.append(slot)
+            live.append(started)
 
     def _dispatch(self, slot: _Slot, index: int, subject, out: list) -> None:
         task = next(self._task_ids)
@@ -267,11 +310,11 @@ class ProcessBackend:
             out.append(self._settle(task, False, None, SerializationError(
                 f"subject {index} cannot be pickled: {exc}"), 0.0, "error"))
             return
-        slot.task, slot.state = task, "busy"
+        slot.task, slot.state = task, SlotState.BUSY
         # Until the worker says when it started, the deadline counts from the dispatch.
         slot.deadline = None if self.timeout is None else time.monotonic() + self.timeout
         try:
-            slot.channel.send({"k": "task", "id": task}, [payload])
+            slot.channel.send({"k": MsgKind.TASK, "id": task}, [payload])
         except ChannelClosed:
             pass  # its death is handled with this attempt, when the worker is reaped
 
@@ -287,13 +330,13 @@ class ProcessBackend:
         self._judge(out)
 
     def _wait_time(self) -> float:
-        if any(s.eof or s.state in ("dying", "stopping") for s in self.slots):
-            return _EXIT_POLL_S
+        if any(s.eof or s.state in _GOING_STATES for s in self.slots):
+            return EXIT_POLL_S
         times = [t for s in self.slots for t in (s.deadline, s.kill_at) if t is not None]
         times.extend(self._sweeps.values())
         if not times:
-            return 0.5
-        return max(0.0, min(0.5, min(times) - time.monotonic()))
+            return _IDLE_WAIT_S
+        return max(0.0, min(_IDLE_WAIT_S, min(times) - time.monotonic()))
 
     def _read(self, slot: _Slot, out: list) -> None:
         try:
@@ -306,71 +349,75 @@ class ProcessBackend:
 
     def _message(self, slot: _Slot, header, frames, out: list) -> None:
         kind = header.get("k")
-        if kind == "ready":
-            if slot.state == "starting":
-                slot.state, slot.deadline = "idle", None
+        if kind in (MsgKind.READY, MsgKind.FAIL):
+            self._handshake(slot, header, frames)
             return
-        if kind == "fail":
-            error = decode_exception(frames[0], header.get("tb", ""),
-                                     f"setting up job worker pid {slot.pid}")
-            raise JobSetupError(
-                f"a job worker could not set up the callable: {type(error).__name__}: "
-                f"{error}") from error
         task = header.get("id")
         if task is None or task != slot.task or task not in self._running:
             log.debug("dropped a %s message for task %s from worker pid %s (running %s)",
                       kind, task, slot.pid, slot.task)
             return
-        if kind == "started":
-            if slot.state == "busy" and self.timeout is not None:
-                started = float(header.get("t", 0.0))
-                now = time.monotonic()
-                if not now - 3600.0 < started <= now + 1.0:  # not our clock: count from now
-                    started = now
-                slot.deadline = started + self.timeout
-            return
-        if kind not in ("done", "error"):
-            return
+        if kind == MsgKind.STARTED:
+            self._started(slot, header)
+        elif kind in (MsgKind.DONE, MsgKind.ERROR):
+            self._report(slot, task, header, frames, out)
+
+    def _started(self, slot: _Slot, header) -> None:
+        """The worker says when the subject started: its deadline counts from then."""
+        if slot.state is SlotState.BUSY and self.timeout is not None:
+            started = float(header.get("t", 0.0))
+            now = time.monotonic()
+            if not now - _CLOCK_PAST_S < started <= now + _CLOCK_SKEW_S:  # not our clock
+                started = now
+            slot.deadline = started + self.timeout
+
+    def _decode_report(self, slot: _Slot, index: int, header, frames):
+        """``(ok, value, error)`` of a DONE/ERROR report judged in time."""
+        if header.get("k") == MsgKind.DONE:
+            try:
+                return True, unpickle_value(frames), None
+            except Exception as exc:  # noqa: BLE001 - the value's class is not importable here
+                return False, None, SerializationError(
+                    f"the value of subject {index} cannot be unpickled in the parent: "
+                    f"{type(exc).__name__}: {exc}")
+        return False, None, decode_exception(frames[0], header.get("tb", ""),
+                                             f"subject {index} on job worker pid {slot.pid}")
+
+    def _after_report(self, slot: _Slot, late: bool, ok: bool) -> None:
+        """The slot's next state once its subject reported: idle, recycled, restarted after
+        failures, or terminated (a report over the timeout)."""
+        slot.task = None
+        if slot.state is not SlotState.BUSY:
+            return  # dying: the report came in before the worker was gone
+        slot.state, slot.deadline = SlotState.IDLE, None
+        if late:
+            self.stats["timeouts"] += 1
+            self._terminate(slot)
+        elif ok:
+            slot.successes += 1
+            slot.failures = 0
+            if self.recycle_after and slot.successes >= self.recycle_after:
+                self.stats["recycled"] += 1
+                self._stop(slot)
+        else:
+            slot.failures += 1
+            if slot.failures >= self.max_failures:
+                self.stats["restarts"] += 1
+                self._stop(slot)
+
+    def _report(self, slot: _Slot, task: int, header, frames, out: list) -> None:
+        """A DONE or ERROR report: the subject's outcome (see the module docstring)."""
         duration = float(header["d"])
         index = self._running[task]
         late = self.timeout is not None and duration > self.timeout
-        if kind == "done" and not late:
-            try:
-                value = unpickle_value(frames)
-            except Exception as exc:  # noqa: BLE001 - the value's class is not importable here
-                kind, error = "error", SerializationError(
-                    f"the value of subject {index} cannot be unpickled in the parent: "
-                    f"{type(exc).__name__}: {exc}")
-                frames = None
-        else:
-            value = None
-        if kind == "error" and not late and frames is not None:
-            error = decode_exception(frames[0], header.get("tb", ""),
-                                     f"subject {index} on job worker pid {slot.pid}")
-        oom = kind == "error" and not late and bool(header.get("oom"))
-        if slot.state == "busy":
-            slot.task = None
-            slot.state, slot.deadline = "idle", None
-            if late:
-                self.stats["timeouts"] += 1
-                self._terminate(slot)
-            elif kind == "done":
-                slot.successes += 1
-                slot.failures = 0
-                if self.recycle_after and slot.successes >= self.recycle_after:
-                    self.stats["recycled"] += 1
-                    self._stop(slot)
-            else:
-                slot.failures += 1
-                if slot.failures >= self.max_failures:
-                    self.stats["restarts"] += 1
-                    self._stop(slot)
-        else:  # dying: the report came in before the worker was gone
-            slot.task = None
+        ok, value, error = (False, None, None) if late else \
+            self._decode_report(slot, index, header, frames)
+        oom = not (late or ok) and header.get("k") == MsgKind.ERROR and bool(header.get("oom"))
+        self._after_report(slot, late, ok)
         if late:
-            outcome = self._settle(task, False, None, self._timeout_error(index), self.timeout,
-                                   "timeout")
-        elif kind == "done":
+            outcome = self._settle(task, False, None, self._timeout_error(index),
+                                   self.timeout or 0.0, "timeout")
+        elif ok:
             outcome = self._settle(task, True, value, None, duration, "ok")
         else:
             if oom:
@@ -386,7 +433,7 @@ class ProcessBackend:
             return
         sock = getattr(slot.channel, "sock", None)
         if sock is not None:
-            sock.settimeout(1.0)
+            sock.settimeout(_DRAIN_TIMEOUT_S)
         waiter = selectors.DefaultSelector()
         try:
             waiter.register(slot.channel.fileno(), selectors.EVENT_READ)
@@ -401,82 +448,82 @@ class ProcessBackend:
         if census:                       # channel a grandchild holds open sends no EOF
             self._census_at = now + _CENSUS_S
         for slot in list(self.slots):
-            if not (census or slot.eof or slot.state in ("dying", "stopping")):
+            if not (census or slot.eof or slot.state in _GOING_STATES):
                 continue
-            code = slot.process.exitcode
+            code = slot.child.exitcode
             if code is None:
                 continue
             self._drain_dead(slot, out)
             state, task = slot.state, slot.task
             self._forget(slot)
-            if state == "starting":
-                if code == EXIT_UNGUARDED_MAIN:
-                    raise JobSetupError(str(unguarded_main_error(
-                        f"job run of {self.fn_label}"))) from None
+            if state is SlotState.STARTING:
+                unguarded = startup_death_error(code, f"job run of {self.fn_label}")
+                if unguarded is not None:
+                    raise JobSetupError(str(unguarded)) from None
                 raise JobSetupError(
-                    f"a job worker (pid {slot.pid}) died before it was ready ({_exit_text(code)})"
+                    f"a job worker (pid {slot.pid}) died before it was ready ({exit_text(code)})"
                     "; is the callable importable in a fresh process?")
-            if state == "dying":
+            if state is SlotState.DYING:
                 outcome = self._settle(task, False, None, self._timeout_error(
-                    self._running.get(task, -1)), self.timeout or 0.0, "timeout")
-            elif state == "busy":
+                    self._index_of(task)), self.timeout or 0.0, "timeout")
+            elif state is SlotState.BUSY:
                 outcome = self._crashed(slot, task, code)
             else:
-                if state == "idle":
-                    log.warning("idle job worker (pid %s) exited (%s)", slot.pid,
-                                _exit_text(code))
+                if state is SlotState.IDLE:
+                    log.warning("idle job worker %d (pid %s) exited (%s)", slot.index, slot.pid,
+                                exit_text(code))
                 outcome = None
             if outcome is not None:
                 out.append(outcome)
 
     def _crashed(self, slot: _Slot, task, code: int) -> Outcome | None:
-        index = self._running.get(task, -1)
+        index = self._index_of(task)
+        tasks = () if task is None else (task,)
         if code == -signal.SIGKILL:
             self._back_off()
-            error = WorkerCrashedError(
+            error = crash_error(
                 f"the worker running subject {index} was killed by SIGKILL (counted as out of "
-                "memory)", signal=signal.SIGKILL, worker=slot.pid)
+                "memory)", worker=slot.index, pid=slot.pid, exitcode=code, tasks=tasks)
             return self._settle(task, False, None, error, 0.0, "oom")
-        sig = -code if code < 0 else None
-        error = WorkerCrashedError(
-            f"the worker running subject {index} died by {_exit_text(code)}",
-            signal=sig, worker=slot.pid)
+        error = crash_error(
+            f"the worker running subject {index} died by {exit_text(code)}",
+            worker=slot.index, pid=slot.pid, exitcode=code, tasks=tasks)
         return self._settle(task, False, None, error, 0.0, "crash")
 
     def _judge(self, out: list) -> None:
         now = time.monotonic()
         for slot in list(self.slots):
-            if slot.state == "dying":
+            if slot.state is SlotState.DYING:
                 if slot.kill_at is not None and now >= slot.kill_at:
-                    _signal_slot(slot, signal.SIGKILL)
+                    slot.child.signal(signal.SIGKILL)
                     slot.kill_at, slot.killed_at = None, now
-                elif slot.killed_at is not None and now >= slot.killed_at + _KILL_WAIT_S:
+                elif slot.killed_at is not None and now >= slot.killed_at + KILL_WAIT_S:
                     log.warning("job worker pid %s survived SIGKILL for %s s; giving up on it",
-                                slot.pid, _KILL_WAIT_S)
+                                slot.pid, KILL_WAIT_S)
                     task = slot.task
                     self._forget(slot)
                     outcome = self._settle(task, False, None, self._timeout_error(
-                        self._running.get(task, -1)), self.timeout or 0.0, "timeout")
+                        self._index_of(task)), self.timeout or 0.0, "timeout")
                     if outcome is not None:
                         out.append(outcome)
                 continue
             if slot.deadline is None or now < slot.deadline:
                 continue
-            if slot.state == "starting":
-                _signal_slot(slot, signal.SIGKILL)
+            if slot.state is SlotState.STARTING:
+                slot.child.signal(signal.SIGKILL)
                 raise JobSetupError(
                     f"a job worker did not become ready within "
                     f"{self.policy.subject_spawn_timeout_sec} s (subject_spawn_timeout_sec): "
                     "unpickling the callable or its setup() hangs")
-            if slot.state == "stopping":
+            if slot.state is SlotState.STOPPING:
                 self._terminate(slot)
-            elif slot.state == "busy":
+            elif slot.state is SlotState.BUSY:
                 self.stats["timeouts"] += 1
                 self._terminate(slot)  # the verdict waits for the worker to be gone
-        for pgid, kill_at in list(self._sweeps.items()):
+        for child, kill_at in list(self._sweeps.items()):
             if now >= kill_at:
-                signal_group(pgid, signal.SIGKILL)
-                del self._sweeps[pgid]
+                child.signal(signal.SIGKILL)
+                del self._sweeps[child]
 
     def _back_off(self) -> None:
         if not self.policy.oom_backoff:
@@ -489,79 +536,39 @@ class ProcessBackend:
             self.stats["oom_backoffs"] += 1
 
     # -- shutdown ---------------------------------------------------------------------
+    def _handshake(self, slot: _Slot, header, frames) -> None:
+        """READY makes a starting slot idle; FAIL (the callable did not unpickle, or its
+        ``setup()`` raised) fails the run with :class:`JobSetupError`."""
+        try:
+            ready = handshake(header, frames, f"setting up job worker pid {slot.pid}")
+        except Exception as error:  # the worker's own set-up exception, whatever its type
+            raise JobSetupError(
+                f"a job worker could not set up the callable: {type(error).__name__}: "
+                f"{error}") from error
+        if ready and slot.state is SlotState.STARTING:
+            slot.state, slot.deadline = SlotState.IDLE, None
+
     def shutdown(self, grace: float) -> None:
         """Stop every worker in parallel within ``grace`` seconds, then kill; reap all; then
         sweep every process group the run created until none of its members is alive:
-        SIGTERM, the rest of the same ``grace``, SIGKILL."""
-        deadline = time.monotonic() + grace
+        SIGTERM, the rest of the same ``grace``, SIGKILL (see
+        :func:`~zephon.transport.supervisor.stop_children` and
+        :func:`~zephon.transport.supervisor.sweep_groups`)."""
+        policy = ShutdownPolicy.for_grace(grace)
         slots = list(self.slots)
+        deadline = stop_children(
+            [s.child for s in slots], policy,
+            graceful=lambda child: any(s.child is child and s.state is SlotState.IDLE
+                                       for s in slots))
+        groups = {child.pid for child in self._sweeps}
         for slot in slots:
-            if slot.state == "idle":
-                try:
-                    slot.channel.send({"k": "stop"})  # it ends its own descendants first
-                    continue
-                except ChannelClosed:
-                    pass
-            if slot.state not in ("dying", "stopping"):
-                _signal_slot(slot, signal.SIGTERM)
-        while any(s.process.exitcode is None for s in slots) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for slot in slots:
-            if slot.process.exitcode is None:
-                _signal_slot(slot, signal.SIGKILL)
-        groups = dict(self._sweeps)
-        for slot in slots:
-            slot.process.join(_KILL_WAIT_S)
             self._unregister(slot)
             slot.channel.close()
-            groups[slot.pid] = deadline
+            groups.add(slot.pid)
         self.slots.clear()
         self._sweeps.clear()
         self._running = {}
-        for pgid in groups:
-            signal_group(pgid, signal.SIGTERM)
-        groups = _live_groups(groups, deadline)
-        for pgid in groups:
-            signal_group(pgid, signal.SIGKILL)
-        groups = _live_groups(groups, time.monotonic() + _KILL_WAIT_S)
-        if groups:
-            log.warning("process groups %s still have live members after SIGKILL",
-                        sorted(groups))
+        left = sweep_groups(groups, deadline, policy)
+        if left:
+            log.warning("process groups %s still have live members after SIGKILL", sorted(left))
         self.selector.close()
-
-
-def _live_groups(groups, until: float) -> list[int]:
-    """Wait until no group in ``groups`` has a live member, or ``until``; the live ones."""
-    live = list(groups)
-    while live:
-        live = [g for g in live if group_alive(g)]
-        if not live or time.monotonic() >= until:
-            break
-        time.sleep(0.01)
-    return live
-
-
-def _signal_slot(slot: _Slot, sig: int) -> bool:
-    """Signal the worker's process group (its children go too). Only before the worker has
-    made itself a group leader (its first instants) is the worker signalled alone, and only
-    while it is unreaped: a reaped pid may already belong to someone else."""
-    if signal_group(slot.pid, sig):
-        return True
-    if slot.process.exitcode is None:
-        try:
-            os.kill(slot.pid, sig)
-            return True
-        except ProcessLookupError:
-            pass
-    return False
-
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "exit code unknown"
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"

@@ -556,11 +556,11 @@ class RayBackend:
                 f"the Ray worker running subject {index} died without an exception while its "
                 "node stayed up (as when killed by SIGKILL, e.g. by the OOM killer, or by "
                 f"Ray's memory monitor; counted as out of memory): {_first_line(exc)}",
-                worker=None if call.actor is None else call.actor.pid)
+                pid=None if call.actor is None else call.actor.pid)
         else:
             error = WorkerCrashedError(
                 f"the Ray worker running subject {index} was lost with its node: "
-                f"{_first_line(exc)}", worker=None if call.actor is None else call.actor.pid)
+                f"{_first_line(exc)}", pid=None if call.actor is None else call.actor.pid)
         yield Outcome(index, False, None, error, time.monotonic() - call.submitted, kind)
 
     def _expire(self, singles) -> Iterator[Outcome]:

@@ -1,6 +1,8 @@
 """The job worker process and its wire protocol.
 
-A worker is a spawn-context child that first makes itself the leader of its
+A worker is a spawn-context child started by the supervisor
+(:mod:`zephon.transport.supervisor`) that first, through
+:func:`~zephon.transport.supervisor.lead_process_tree`, makes itself the leader of its
 own process group (so the parent can signal the op's children with it) and, on
 Linux, a child subreaper (so descendants that leave the group come back to it
 when orphaned), exports ``ZEPHON_GPU_SLOT`` when it has one, unpickles the
@@ -38,12 +40,12 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import threading
 import time
 
-from zephon.jobs.tree import become_subreaper, end_descendants
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.remote_errors import encode_exception
+from zephon.transport.supervisor import MsgKind, lead_process_tree
+from zephon.transport.tree import end_descendants
 
 __all__ = ["job_worker_main", "pickle_value", "unpickle_value"]
 
@@ -60,13 +62,6 @@ def unpickle_value(frames: list):
     return pickle.loads(frames[0], buffers=frames[1:])
 
 
-def _watch_parent(parent_pid: int) -> None:
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent_pid:
-            os.killpg(0, signal.SIGKILL)  # the parent is gone: take the op's children too
-
-
 def _report(channel, task_id: int, start: float, value=None, exc=None) -> None:
     """Send the subject's report with SIGTERM held back until it is on the wire."""
     signal.pthread_sigmask(signal.SIG_BLOCK, _TERM)
@@ -79,46 +74,25 @@ def _report(channel, task_id: int, start: float, value=None, exc=None) -> None:
                 exc = pickling
         if exc is not None:
             tb, blob = encode_exception(exc)
-            channel.send({"k": "error", "id": task_id, "d": duration, "tb": tb,
+            channel.send({"k": MsgKind.ERROR, "id": task_id, "d": duration, "tb": tb,
                           "oom": isinstance(exc, MemoryError)}, [blob])
         else:
-            channel.send({"k": "done", "id": task_id, "d": duration}, out)
+            channel.send({"k": MsgKind.DONE, "id": task_id, "d": duration}, out)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERM)
 
 
-def _on_sigterm(grace: float):
-    """The worker's SIGTERM handler (a subject may install its own instead): end every
-    descendant, the ones that left the process group included, then die of SIGTERM."""
-
-    def handler(signum, frame):
-        signal.pthread_sigmask(signal.SIG_BLOCK, _TERM)
-        try:
-            end_descendants(grace)
-        finally:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERM)
-            os.kill(os.getpid(), signal.SIGTERM)
-            os._exit(128 + signal.SIGTERM)
-
-    return handler
-
-
 def job_worker_main(channel, boot: dict) -> None:
-    try:
-        os.setpgid(0, 0)
-    except OSError:
-        pass
-    become_subreaper()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    """Process entry point of a job worker (module level so spawn can import it).
+
+    Args:
+        channel: the worker's end of its channel to the backend.
+        boot: ``fn`` (the pickled callable), ``gpu_slot``, ``parent_pid``, ``grace``.
+    """
+    grace = float(boot.get("grace", 1.0))
+    lead_process_tree(boot["parent_pid"], grace / 2)
     if boot.get("gpu_slot") is not None:
         os.environ["ZEPHON_GPU_SLOT"] = str(boot["gpu_slot"])
-    # The watcher thread never takes a SIGTERM meant for the worker (it inherits the mask).
-    signal.pthread_sigmask(signal.SIG_BLOCK, _TERM)
-    threading.Thread(target=_watch_parent, args=(boot["parent_pid"],), daemon=True).start()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERM)
-    grace = float(boot.get("grace", 1.0))
-    signal.signal(signal.SIGTERM, _on_sigterm(grace / 2))
     try:
         try:
             fn = pickle.loads(boot["fn"])
@@ -127,18 +101,18 @@ def job_worker_main(channel, boot: dict) -> None:
                 setup()
         except BaseException as exc:  # noqa: BLE001 - reported, then this worker exits
             tb, blob = encode_exception(exc)
-            channel.send({"k": "fail", "tb": tb}, [blob])
+            channel.send({"k": MsgKind.FAIL, "tb": tb}, [blob])
             return
-        channel.send({"k": "ready", "pid": os.getpid()})
+        channel.send({"k": MsgKind.READY, "pid": os.getpid()})
         while True:
             header, frames, _ = channel.recv()
-            if header["k"] == "stop":
+            if header["k"] == MsgKind.STOP:
                 end_descendants(grace / 2)
                 return
             task_id = header["id"]
             subject = pickle.loads(frames[0])
             start = time.monotonic()
-            channel.send({"k": "started", "id": task_id, "t": start})
+            channel.send({"k": MsgKind.STARTED, "id": task_id, "t": start})
             try:
                 value = fn(subject)
             except Exception as exc:  # noqa: BLE001 - the subject's failure, not ours

@@ -121,7 +121,7 @@ class ProcessExecutor:
         return done.popleft()
 
     def _recover(self, crash: WorkerCrashedError) -> None:
-        lost = [self._task.pop(t) for t in getattr(crash, "tasks", []) if t in self._task]
+        lost = [self._task.pop(t) for t in crash.tasks if t in self._task]
         self.pool.restart(crash.worker)
         for k, (lane, seq, payload) in enumerate(lost):
             if k == 0:  # the unit the worker was running: the culprit

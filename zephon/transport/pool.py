@@ -4,7 +4,9 @@ This is the process primitive the runners build on: it starts N workers, sends
 each a task (any picklable payload), and returns results (zero-copy views into
 the worker's arena) as they arrive. Ordering, retries and back-pressure
 policies belong to the runners; this module guarantees delivery, errors and
-clean lifecycle.
+clean lifecycle. The processes themselves are started, greeted, stopped and
+reaped by :mod:`zephon.transport.supervisor` (the same code the jobs backend
+uses); the pool adds the channels' traffic, the arenas and crash recovery.
 
 Lifecycle
 ---------
@@ -84,21 +86,36 @@ import weakref
 from typing import Any, NamedTuple
 
 from zephon.errors import (
-    SerializationError, TransportError, WorkerCrashedError,
+    SerializationError,
+    TransportError,
+    WorkerCrashedError,
 )
 from zephon.transport.arena import (
-    LeaseTable, SlabRegistry, memfd_available, sweep_segments_of, sweep_stale_segments,
+    LeaseTable,
+    SlabRegistry,
+    memfd_available,
+    sweep_segments_of,
+    sweep_stale_segments,
 )
-from zephon.transport.channel import ChannelClosed, channel_pair
+from zephon.transport.channel import ChannelClosed
 from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
 from zephon.transport.remote_errors import decode_exception
-from zephon.transport.spawn_guard import (
-    EXIT_UNGUARDED_MAIN, refuse_in_spawn_bootstrap, unguarded_main_error,
+from zephon.transport.spawn_guard import refuse_in_spawn_bootstrap
+from zephon.transport.supervisor import (
+    REAP_JOIN_S,
+    WATCHDOG_POLL_S,
+    Child,
+    MsgKind,
+    ShutdownPolicy,
+    await_ready,
+    crash_error,
+    exit_text,
+    stop_children,
 )
 from zephon.transport.tokens import MAX_OWNER, SLAB_INDICES, slab_index, token_slab
 from zephon.transport.worker import worker_entry
 
-__all__ = ["WorkerPool", "TaskResult", "default_arena_bytes"]
+__all__ = ["TaskResult", "WorkerPool", "default_arena_bytes"]
 
 log = logging.getLogger("zephon.transport.pool")
 
@@ -110,7 +127,7 @@ def _close_live_pools() -> None:
     for pool in list(_live_pools):
         try:
             pool.close(exiting=True)
-        except Exception:  # noqa: BLE001 - exit goes on; close() logs what it could not do
+        except Exception:
             log.debug("closing pool %r at exit failed", pool.name, exc_info=True)
 
 
@@ -142,17 +159,6 @@ def default_arena_bytes(opts, inflight_per_worker: int) -> int:
     return max(64 << 20, slots * per_message)
 
 
-def _signal_name(exitcode: int | None) -> str:
-    if exitcode is None:
-        return "an unknown cause"
-    if exitcode < 0:
-        try:
-            return f"signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"signal {-exitcode}"
-    return f"exit code {exitcode}"
-
-
 # ---------------------------------------------------------------------------------------
 # parent side
 # ---------------------------------------------------------------------------------------
@@ -166,21 +172,20 @@ def _watch(pool_ref, handles) -> None:
 
     pending = {h.process.sentinel: h for h in handles}
     while pending:
-        ready = wait(list(pending), timeout=0.5)
+        ready = wait(list(pending), timeout=WATCHDOG_POLL_S)
         pool = pool_ref()
         if pool is None or pool._closed:
             return
         for sentinel in ready:
             handle = pending.pop(sentinel)
             with pool._reap_lock:  # one reaper at a time, or the other sees ECHILD
-                handle.process.join(1.0)
-                code = handle.process.exitcode
-            if pool._closed or handle.stopped:
+                code = handle.child.reap(REAP_JOIN_S)
+            if pool._closed or handle.child.stopped:
                 return  # stopped by zephon itself: not a crash
             pool.exited[handle.index] = code
             pool._worker_exited.set()
             log.error("worker %d (pid %s) of pool %r exited by %s", handle.index, handle.pid,
-                      pool.name, _signal_name(code))
+                      pool.name, exit_text(code))
         del pool
 
 
@@ -188,16 +193,18 @@ _SLABS_PER_GENERATION = 256
 
 
 class _WorkerHandle:
-    __slots__ = ("index", "process", "channel", "peer", "inflight", "alive", "pid", "generation",
-                 "stopped")
+    """Slot ``index`` of a pool: its supervised child (``child.stopped``: zephon stopped
+    it, its exit is not a crash) and the tasks it has in flight."""
 
-    def __init__(self, index, process, channel, peer) -> None:
-        self.index, self.process, self.channel, self.peer = index, process, channel, peer
+    __slots__ = ("alive", "channel", "child", "generation", "index", "inflight", "peer", "pid",
+                 "process")
+
+    def __init__(self, index: int, child: Child, peer) -> None:
+        self.index, self.child, self.peer = index, child, peer
+        self.process, self.channel, self.pid = child.process, child.channel, child.pid
         self.inflight: dict[int, list] = {}  # task id -> pinned leases
         self.alive = True
-        self.pid = process.pid
         self.generation = 0
-        self.stopped = False  # zephon stopped it (close): its exit is not a crash
 
 
 class WorkerPool:
@@ -259,7 +266,7 @@ class WorkerPool:
             sweep_stale_segments()
         try:
             handler_bytes = pickle.dumps(self.handler, protocol=5)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise SerializationError(
                 f"the worker handler {self.handler!r} cannot be pickled for spawn workers: "
                 f"{type(exc).__name__}: {exc}") from exc
@@ -296,23 +303,13 @@ class WorkerPool:
         self._ready = True
 
     def _launch(self, k: int, generation: int) -> "_WorkerHandle":
-        parent_end, child_end = channel_pair(self.transport, self.options.ipc_buffer_bytes)
         boot = dict(self._boot, slab_base=generation * _SLABS_PER_GENERATION)
-        process = self.options.mp_context.Process(
-            target=worker_entry, args=(k, child_end, boot), name=f"zephon-{self.name}-{k}",
-            daemon=self.daemon)
-        # The child inherits the signal mask through exec: SIGINT stays blocked until the
-        # worker has set it to ignored (see _ignore_sigint), so a Ctrl-C during its start-up
-        # prints no traceback. A SIGINT meanwhile stays pending here, never lost.
-        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            process.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-        child_end.close()  # the child has its own copy now
-        self._worker_pids.add(process.pid)
-        handle = _WorkerHandle(k, process, parent_end,
-                               PeerState(can_map_fds=self.transport == "socketpair"))
+        child = Child.spawn(self.options.mp_context, worker_entry, (k, boot),
+                            transport=self.transport,
+                            buffer_bytes=self.options.ipc_buffer_bytes,
+                            name=f"zephon-{self.name}-{k}", daemon=self.daemon)
+        self._worker_pids.add(child.pid)
+        handle = _WorkerHandle(k, child, PeerState(can_map_fds=self.transport == "socketpair"))
         handle.generation = generation
         return handle
 
@@ -347,46 +344,18 @@ class WorkerPool:
             self._await_ready([handle])
         except BaseException:
             handle.alive = False
-            handle.process.kill()
-            handle.process.join()
-            handle.channel.close()
+            handle.child.stopped = True
+            handle.child.signal(signal.SIGKILL)
+            handle.child.reap()
+            handle.child.close_channel()
             raise
         self._selector.register(handle.channel.fileno(), selectors.EVENT_READ, handle)
         threading.Thread(target=_watch, args=(weakref.ref(self), [handle]),
                          name=f"zephon-{self.name}-watchdog-{k}", daemon=True).start()
 
     def _await_ready(self, handles) -> None:
-        deadline = time.monotonic() + self.spawn_timeout_s
-        waiting = {h.channel.fileno(): h for h in handles}
-        selector = selectors.DefaultSelector()
-        for fd, handle in waiting.items():
-            selector.register(fd, selectors.EVENT_READ, handle)
-        try:
-            while waiting:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    late = sorted(h.index for h in waiting.values())
-                    raise TransportError(
-                        f"worker(s) {late} of pool {self.name!r} did not start within "
-                        f"{self.spawn_timeout_s} s")
-                for key, _ in selector.select(timeout=min(remaining, 1.0)):
-                    handle = key.data
-                    try:
-                        header, frames, _ = handle.channel.recv()
-                    except ChannelClosed:
-                        handle.process.join(2.0)
-                        if handle.process.exitcode == EXIT_UNGUARDED_MAIN:
-                            raise unguarded_main_error(
-                                f"pool {self.name!r}") from None
-                        raise TransportError(
-                            f"worker {handle.index} of pool {self.name!r} died while starting "
-                            f"({_signal_name(handle.process.exitcode)})") from None
-                    if header.get("k") == "fail":
-                        raise decode_exception(frames[0], header.get("tb", ""), "setting up the worker")
-                    selector.unregister(key.fd)
-                    del waiting[key.fd]
-        finally:
-            selector.close()
+        await_ready({h.index: h.child for h in handles}, self.spawn_timeout_s,
+                    f"pool {self.name!r}")
 
     def close(self, *, exiting: bool = False) -> None:
         """Stop every worker and release everything (idempotent).
@@ -411,25 +380,12 @@ class WorkerPool:
             os.write(self._wake_w, b"\0")  # a get() blocked in another thread returns now
         except OSError:
             pass
-        hard = self.options.shutdown_mode == "hard"
-        grace = 0.5 if hard else (2.0 if exiting else 10.0)
-        for handle in self.workers:
-            handle.stopped = True
-            if handle.alive:
-                try:
-                    handle.channel.send({"k": "stop"})
-                except (ChannelClosed, OSError):
-                    pass
-        self._drain_until_exit(time.monotonic() + grace)
-        stragglers = [h for h in self.workers if h.process.is_alive()]
-        for handle in stragglers:
-            handle.process.terminate()
-        deadline = time.monotonic() + (0.2 if hard or exiting else 2.0)
-        for handle in stragglers:
-            handle.process.join(max(0.0, deadline - time.monotonic()))
-            if handle.process.is_alive():
-                handle.process.kill()
-                handle.process.join()
+        policy = ShutdownPolicy.for_shutdown_mode(self.options.shutdown_mode, exiting=exiting)
+        alive = {id(h.child) for h in self.workers if h.alive}
+        self._drained: set[int] = set()
+        stop_children([h.child for h in self.workers], policy,
+                      graceful=lambda child: id(child) in alive, drain=self._drain,
+                      lock=self._reap_lock)
         for handle in self.workers:
             handle.alive = False
             handle.channel.close()
@@ -446,26 +402,23 @@ class WorkerPool:
             sweep_segments_of(os.getpid(), self._worker_pids)
             sweep_stale_segments()
 
-    def _drain_until_exit(self, deadline: float) -> None:
-        """Wait for the workers to exit, reading and dropping what they still send (raw
-        bytes: a get() interrupted mid-message may have left a channel mid-stream)."""
+    def _drain(self, children: list[Child], deadline: float) -> None:
+        """One wait of ``close()`` for the workers to exit, reading and dropping what they
+        still send (raw bytes: a get() interrupted mid-message may have left a channel
+        mid-stream)."""
         from multiprocessing.connection import wait
 
-        sentinels = {h.process.sentinel: h for h in self.workers if h.process.is_alive()}
-        readers = {h.channel.fileno(): h for h in sentinels.values() if not h.channel.closed}
-        while sentinels:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            for ready in wait(list(sentinels) + list(readers), timeout=min(remaining, 0.5)):
-                handle = sentinels.pop(ready, None)
-                if handle is not None:
-                    with self._reap_lock:
-                        handle.process.join(0.5)
-                    continue
-                handle = readers[ready]
-                if not handle.channel.discard_pending():
-                    del readers[ready]
+        sentinels = {c.process.sentinel: c for c in children}
+        readers = {c.channel.fileno(): c for c in children
+                   if not c.channel.closed and c.pid not in self._drained}
+        remaining = max(0.0, deadline - time.monotonic())
+        for ready in wait(list(sentinels) + list(readers), timeout=min(remaining, 0.5)):
+            child = sentinels.get(ready)
+            if child is not None:
+                with self._reap_lock:
+                    child.reap(0.5)
+            elif not readers[ready].channel.discard_pending():
+                self._drained.add(readers[ready].pid)
 
     def __enter__(self) -> "WorkerPool":
         return self.start()
@@ -482,6 +435,8 @@ class WorkerPool:
     # -- frees -------------------------------------------------------------------------
     def _release_for(self, owner: int):
         queue = self._frees.get(owner)
+        if queue is None:
+            return None
         wake_w = self._wake_w
 
         def release(token: int) -> None:
@@ -491,7 +446,7 @@ class WorkerPool:
             except (BlockingIOError, OSError):
                 pass  # already awake, or the pool is closed
 
-        return release if queue is not None else None
+        return release
 
     def _flush_frees(self) -> None:
         for owner, queue in self._frees.items():
@@ -505,7 +460,7 @@ class WorkerPool:
             tokens = [t for t in tokens if slab_index(token_slab(t)) >= base]
             if handle.alive and tokens:
                 try:
-                    handle.channel.send({"k": "free", "t": tokens})
+                    handle.channel.send({"k": MsgKind.FREE, "t": tokens})
                 except ChannelClosed:
                     pass
 
@@ -533,7 +488,7 @@ class WorkerPool:
                 raise TransportError(f"worker {worker} of pool {self.name!r} is not alive")
         header, frames, fds, pins = self.encoder.encode(payload, handle.peer)
         task_id = next(self._ids)
-        header["k"], header["id"] = "task", task_id
+        header["k"], header["id"] = MsgKind.TASK, task_id
         handle.inflight[task_id] = pins
         self._flush_frees()  # before the task: the space it may need is back first
         try:
@@ -571,20 +526,25 @@ class WorkerPool:
             if self._closed:
                 raise self._closed_error()
             for key, _ in events:
-                handle = key.data
-                if handle is None:
-                    try:
-                        os.read(self._wake_r, 4096)
-                    except BlockingIOError:
-                        pass
-                    continue
-                try:
-                    header, frames, fds = handle.channel.recv()
-                except (ChannelClosed, OSError, ValueError):
-                    if self._closed or handle.stopped:  # stopped by close(): not a crash
-                        raise self._closed_error() from None
-                    raise self._worker_died(handle) from None
-                return self._handle_message(handle, header, frames, fds)
+                result = self._receive(key.data)
+                if result is not None:
+                    return result
+
+    def _receive(self, handle: _WorkerHandle | None) -> TaskResult | None:
+        """Read one ready channel of ``get()``: None for the wake-up pipe (``handle`` None)."""
+        if handle is None:
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+            return None
+        try:
+            header, frames, fds = handle.channel.recv()
+        except (ChannelClosed, OSError, ValueError):
+            if self._closed or handle.child.stopped:  # stopped by close(): not a crash
+                raise self._closed_error() from None
+            raise self._worker_died(handle) from None
+        return self._handle_message(handle, header, frames, fds)
 
     def _closed_error(self) -> TransportError:
         return TransportError(f"pool {self.name!r} was closed")
@@ -594,12 +554,12 @@ class WorkerPool:
         task_id = header.get("id")
         pins = handle.inflight.pop(task_id, None)
         try:
-            if kind == "result":
+            if kind == MsgKind.RESULT:
                 if "w" in header:
                     self._warn_fallback(header["w"])
                 value = self.decoder.decode(header, frames, fds)
                 return TaskResult(task_id, handle.index, value)
-            if kind == "error":
+            if kind == MsgKind.ERROR:
                 raise decode_exception(frames[0], header.get("tb", ""), f"task {task_id} on worker "
                                                          f"{handle.index}")
             raise TransportError(f"unexpected message {kind!r} from worker {handle.index}")
@@ -641,8 +601,7 @@ class WorkerPool:
             pass
         handle.channel.close()
         with self._reap_lock:
-            handle.process.join(2.0)
-            code = handle.process.exitcode
+            code = handle.child.reap(REAP_JOIN_S)
         tasks = sorted(handle.inflight)
         handle.inflight.clear()
         released = self.registry.drop_owner(handle.index + 1)
@@ -650,13 +609,12 @@ class WorkerPool:
         if self.arena_kind == "named":  # a worker killed by a signal could not unlink its own
             sweep_segments_of(os.getpid(), [handle.pid])
             sweep_stale_segments()
-        error = WorkerCrashedError(
+        error = crash_error(
             f"worker {handle.index} (pid {handle.pid}) of pool {self.name!r} died by "
-            f"{_signal_name(code)} with task(s) {tasks} in flight; its arena ({released} "
+            f"{exit_text(code)} with task(s) {tasks} in flight; its arena ({released} "
             "slab(s)) was released",
-            seq=tasks[0] if tasks else None, signal=-code if code and code < 0 else None,
-            op=self.name, worker=handle.index)
-        error.tasks = tasks
+            worker=handle.index, pid=handle.pid, exitcode=code, tasks=tasks,
+            seq=tasks[0] if tasks else None, op=self.name)
         log.error("%s", error)
         self.crashes.append(error)
         return error

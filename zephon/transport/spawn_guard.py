@@ -28,8 +28,13 @@ import sys
 
 from zephon.errors import TransportError
 
-__all__ = ["EXIT_UNGUARDED_MAIN", "in_spawn_bootstrap", "refuse_in_spawn_bootstrap",
-           "unguarded_main_error", "UNGUARDED_MAIN_ADVICE"]
+__all__ = [
+    "EXIT_UNGUARDED_MAIN",
+    "UNGUARDED_MAIN_ADVICE",
+    "in_spawn_bootstrap",
+    "refuse_in_spawn_bootstrap",
+    "unguarded_main_error",
+]
 
 #: Exit status of a worker that stopped because the main module has no guard.
 EXIT_UNGUARDED_MAIN = 87

@@ -23,7 +23,6 @@ import logging
 import os
 import pickle
 import selectors
-import signal
 import threading
 
 from zephon.errors import TransportError
@@ -31,6 +30,7 @@ from zephon.transport.arena import LeaseTable, ShmArena, SlabRegistry
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
 from zephon.transport.remote_errors import encode_exception
+from zephon.transport.supervisor import PARENT_POLL_S, MsgKind, ignore_sigint, parent_changed
 
 __all__ = ["worker_entry"]
 
@@ -80,17 +80,15 @@ def _tune_malloc() -> None:
     mallopt(m_top_pad, 16 << 20)
 
 
-def _ignore_sigint() -> None:
-    """Ctrl-C to the process group is the parent's to handle: a worker ignores SIGINT.
-    The parent starts workers with SIGINT blocked (so a Ctrl-C during interpreter start-up
-    stays pending); ignoring it discards a pending one, then it is unblocked."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+def worker_entry(channel, index: int, boot: dict) -> None:
+    """Process entry point of worker ``index`` (module level so spawn can import it).
 
-
-def worker_entry(index: int, channel, boot: dict) -> None:
-    """Process entry point of worker ``index`` (module level so spawn can import it)."""
-    _ignore_sigint()
+    Args:
+        channel: the worker's end of its channel to the pool.
+        index: the worker's slot index in the pool.
+        boot: the pool's start-up settings (handler bytes, arena, policy).
+    """
+    ignore_sigint()
     _close_on_exec_all()
     _tune_malloc()
     if boot.get("log_level") is not None and not logging.getLogger().handlers:
@@ -126,9 +124,9 @@ class _Worker:
                 handler = pickle.loads(self.boot["handler"])
             except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
                 tb, blob = encode_exception(exc)
-                self.channel.send({"k": "fail", "tb": tb}, [blob])
+                self.channel.send({"k": MsgKind.FAIL, "tb": tb}, [blob])
                 return
-            self.channel.send({"k": "ready", "pid": os.getpid()})
+            self.channel.send({"k": MsgKind.READY, "pid": os.getpid()})
             threading.Thread(target=self._control, name="zephon-worker-control",
                              daemon=True).start()
             while True:
@@ -146,7 +144,7 @@ class _Worker:
             if callable(closer):  # a stateful handler (the MTP engine) shuts down its work
                 try:
                     closer()
-                except Exception:  # noqa: BLE001 - exiting anyway
+                except Exception:
                     log.exception("worker %d: closing the handler failed", self.index)
             self.arena.close()
             self.channel.close()
@@ -159,13 +157,13 @@ class _Worker:
             out, out_frames, out_fds, _ = self.encoder.encode(value, self.peer)
         except ChannelClosed:
             raise
-        except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
+        except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             tb, blob = encode_exception(exc)
-            self.channel.send({"k": "error", "id": task_id, "tb": tb}, [blob])
+            self.channel.send({"k": MsgKind.ERROR, "id": task_id, "tb": tb}, [blob])
             return
-        out["k"], out["id"] = "result", task_id
+        out["k"], out["id"] = MsgKind.RESULT, task_id
         try:
             self.channel.send(out, out_frames, out_fds)
         except ChannelClosed:
@@ -175,26 +173,26 @@ class _Worker:
                 f"worker {self.index} could not send the result of task {task_id}: "
                 f"{type(exc).__name__}: {exc}")
             tb, blob = encode_exception(error)
-            self.channel.send({"k": "error", "id": task_id, "tb": tb}, [blob])
+            self.channel.send({"k": MsgKind.ERROR, "id": task_id, "tb": tb}, [blob])
 
     def _control(self) -> None:
         selector = selectors.DefaultSelector()
         selector.register(self.channel.fileno(), selectors.EVENT_READ)
         try:
             while True:
-                if not selector.select(timeout=1.0):
-                    if os.getppid() != self.parent_pid:
+                if not selector.select(timeout=PARENT_POLL_S):
+                    if parent_changed(self.parent_pid):
                         raise ChannelClosed("parent process changed")
                     continue
                 header, frames, fds = self.channel.recv()
                 kind = header.get("k")
-                if kind == "task":
+                if kind == MsgKind.TASK:
                     with self.task_ready:
                         self.tasks.append((header["id"], header, frames, fds))
                         self.task_ready.notify()
-                elif kind == "free":
+                elif kind == MsgKind.FREE:
                     self.arena.free(header["t"])
-                elif kind == "stop":
+                elif kind == MsgKind.STOP:
                     with self.task_ready:
                         self.stopping = True
                         self.task_ready.notify()

@@ -1,4 +1,4 @@
-"""The process tree of a job worker: process groups, the child subreaper, descendants.
+"""The process tree of a supervised child: process groups, the child subreaper, descendants.
 
 What this module owns:
 
@@ -30,8 +30,15 @@ import signal
 import sys
 import time
 
-__all__ = ["signal_group", "group_alive", "become_subreaper", "descendants",
-           "end_descendants"]
+__all__ = [
+    "become_group_leader",
+    "become_subreaper",
+    "descendants",
+    "end_descendants",
+    "group_alive",
+    "live_groups",
+    "signal_group",
+]
 
 _PR_SET_CHILD_SUBREAPER = 36
 _HAS_PROC = os.path.isdir("/proc/self")
@@ -71,6 +78,30 @@ def group_alive(pgid: int) -> bool:
         except (ProcessLookupError, PermissionError):
             return False
     return any(g == pgid and state != "Z" for _, _, g, state in _proc_table())
+
+
+def live_groups(groups, until: float, poll_s: float = 0.01) -> list[int]:
+    """Wait until no group in ``groups`` has a live member, or the monotonic time ``until``.
+
+    Returns:
+        The groups that still have a live member (empty when all are gone).
+    """
+    live = list(groups)
+    while live:
+        live = [g for g in live if group_alive(g)]
+        if not live or time.monotonic() >= until:
+            break
+        time.sleep(poll_s)
+    return live
+
+
+def become_group_leader() -> bool:
+    """Make this process the leader of a new process group; True when it is one."""
+    try:
+        os.setpgid(0, 0)
+        return True
+    except OSError:
+        return False
 
 
 def become_subreaper() -> bool:

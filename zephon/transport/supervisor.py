@@ -1,0 +1,534 @@
+"""The supervisor: the one owner of zephon's child processes, from spawn to reap.
+
+Both faces start processes through this module: the pipeline's
+:class:`~zephon.transport.pool.WorkerPool` and the jobs process backend
+(:mod:`zephon.jobs.process`). Their policies differ (a pool re-dispatches a
+crashed worker's tasks, a job run judges timeouts and backs off on OOM); the
+mechanics are here, once.
+
+Lifecycle of a :class:`Child`
+-----------------------------
+1. **Start** (:meth:`Child.spawn`): a channel pair is made, the target runs in a
+   ``mp_context`` process (spawn by default) as ``target(channel, *args)``,
+   started with SIGINT blocked so that a Ctrl-C during the child's interpreter
+   start-up stays pending (the child then ignores it: Ctrl-C to the process
+   group is the parent's to handle). The parent closes its copy of the child's
+   end at once.
+2. **Handshake**: the child's first message is READY (``{"k": "ready", "pid"}``)
+   or FAIL (``{"k": "fail", "tb"}`` and the pickled exception) when it could not
+   set itself up. :func:`await_ready` waits for a set of children within a
+   deadline; :func:`handshake` reads one message for a caller that multiplexes
+   start-up with other work. A child that dies before READY with
+   :data:`~zephon.transport.spawn_guard.EXIT_UNGUARDED_MAIN` is reported as the
+   missing ``__main__`` guard (:func:`startup_death_error`).
+3. **Parent-death watch** (child side, :func:`watch_parent`): a daemon thread
+   polls the parent pid every :data:`PARENT_POLL_S`; when it changes the child
+   runs its clean-up (unlink its segments, kill its group) and exits. EOF on the
+   channel means the same thing to a child blocked reading it.
+4. **Stop -> terminate -> kill -> reap** (:func:`stop_children`): STOP to every
+   child at once (or SIGTERM at once to a child that cannot read it), one shared
+   grace of the :class:`ShutdownPolicy` while a ``drain`` callback reads and drops
+   what they still send, SIGTERM to stragglers, ``terminate_wait_s``, SIGKILL,
+   then every child is joined. A child that leads its own process group
+   (``group=True``) is signalled with its whole group: the processes it started
+   go with it. :func:`sweep_groups` then ends what is left of those groups
+   (SIGTERM, the rest of the grace, SIGKILL) and waits until none of their
+   members is alive; the child side ends descendants that left its group via
+   :func:`~zephon.transport.tree.end_descendants` (it is a child subreaper).
+5. **Crash reports** (:func:`crash_error`): a child that died by itself becomes a
+   :class:`~zephon.errors.WorkerCrashedError` with the worker's slot index
+   (``worker``), its ``pid``, its exit signal and the ``tasks`` it had in flight,
+   all constructor arguments (the error pickles with them). A child stopped by
+   the supervisor (``Child.stopped``) is never reported as a crash.
+
+Shutdown policy
+---------------
+One object, :class:`ShutdownPolicy`, says how long each step of 4 may take.
+The public options map onto it: ``RuntimeOptions.shutdown_mode`` (pipelines,
+:meth:`ShutdownPolicy.for_shutdown_mode`) and ``RunPolicy.graceful_shutdown_sec``
+(jobs, :meth:`ShutdownPolicy.for_grace`).
+
+Message kinds (the ``"k"`` of every header) are the constants of
+:class:`MsgKind`; every deadline and poll interval of the supervisor, the pool
+and the jobs backend is a named constant here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import selectors
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final
+
+from zephon.errors import TransportError, WorkerCrashedError
+from zephon.transport.channel import ChannelClosed, channel_pair
+from zephon.transport.remote_errors import decode_exception
+from zephon.transport.spawn_guard import EXIT_UNGUARDED_MAIN, unguarded_main_error
+from zephon.transport.tree import (
+    become_group_leader,
+    become_subreaper,
+    end_descendants,
+    live_groups,
+    signal_group,
+)
+
+__all__ = [
+    "EXITING_S",
+    "EXIT_POLL_S",
+    "GRACEFUL_S",
+    "HANDSHAKE_POLL_S",
+    "HARD_S",
+    "HARD_TERMINATE_WAIT_S",
+    "KILL_WAIT_S",
+    "PARENT_POLL_S",
+    "REAP_JOIN_S",
+    "TERMINATE_WAIT_S",
+    "WATCHDOG_POLL_S",
+    "Child",
+    "MsgKind",
+    "ShutdownPolicy",
+    "await_ready",
+    "crash_error",
+    "exit_text",
+    "handshake",
+    "ignore_sigint",
+    "lead_process_tree",
+    "parent_changed",
+    "startup_death_error",
+    "stop_children",
+    "sweep_groups",
+    "watch_parent",
+]
+
+
+class MsgKind:
+    """The ``"k"`` value of every message header between a parent and its children.
+
+    Plain strings (headers travel as msgpack), named once here.
+    """
+
+    READY: Final = "ready"      # child -> parent: set up, ready for work ({"pid"})
+    FAIL: Final = "fail"        # child -> parent: could not set up ({"tb"} + exception)
+    STOP: Final = "stop"        # parent -> child: finish the current task, clean up, exit
+    TASK: Final = "task"        # parent -> child: one unit of work ({"id"})
+    FREE: Final = "free"        # parent -> pool worker: arena regions given back
+    RESULT: Final = "result"    # pool worker -> parent: a task's value
+    ERROR: Final = "error"      # child -> parent: a task raised ({"id", "tb"})
+    STARTED: Final = "started"  # job worker -> parent: a subject started ({"id", "t"})
+    DONE: Final = "done"        # job worker -> parent: a subject returned ({"id", "d"})
+
+
+#: How often a handshake wait wakes up to check its deadline (seconds).
+HANDSHAKE_POLL_S: Final = 1.0
+#: How often a child checks whether its parent is still the one that started it.
+PARENT_POLL_S: Final = 0.5
+#: How often the pool's watchdog wakes up to notice that its pool was closed.
+WATCHDOG_POLL_S: Final = 0.5
+#: How often a child known to be going is checked for exit.
+EXIT_POLL_S: Final = 0.02
+#: How long a parent waits to reap a child whose channel just closed.
+REAP_JOIN_S: Final = 2.0
+#: After SIGKILL: how long a child (or a process group) may take to disappear.
+KILL_WAIT_S: Final = 5.0
+
+
+#: ``shutdown_mode="graceful"``: workers finish their current task.
+GRACEFUL_S: Final = 10.0
+#: ``shutdown_mode="hard"``: workers get half a second.
+HARD_S: Final = 0.5
+#: At interpreter exit nothing waits long on a worker.
+EXITING_S: Final = 2.0
+#: SIGTERM -> SIGKILL after a graceful stop.
+TERMINATE_WAIT_S: Final = 2.0
+#: SIGTERM -> SIGKILL after a hard stop or at interpreter exit.
+HARD_TERMINATE_WAIT_S: Final = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class ShutdownPolicy:
+    """How long each step of stopping children may take.
+
+    Attributes:
+        grace_s: from STOP (or SIGTERM) until stragglers are terminated.
+        terminate_wait_s: from SIGTERM to stragglers until SIGKILL.
+        kill_wait_s: after SIGKILL, how long to wait for them to disappear.
+
+    Example:
+        >>> ShutdownPolicy.for_shutdown_mode("hard").grace_s
+        0.5
+        >>> ShutdownPolicy.for_grace(3.0).terminate_wait_s
+        3.0
+    """
+
+    grace_s: float
+    terminate_wait_s: float
+    kill_wait_s: float = KILL_WAIT_S
+
+    @classmethod
+    def for_shutdown_mode(cls, mode: str, *, exiting: bool = False) -> "ShutdownPolicy":
+        """The policy of a pipeline's ``RuntimeOptions.shutdown_mode``.
+
+        Args:
+            mode: ``"graceful"`` or ``"hard"``.
+            exiting: at interpreter exit (shorter deadlines).
+        """
+        if mode == "hard":
+            return cls(HARD_S, HARD_TERMINATE_WAIT_S)
+        if exiting:
+            return cls(EXITING_S, HARD_TERMINATE_WAIT_S)
+        return cls(GRACEFUL_S, TERMINATE_WAIT_S)
+
+    @classmethod
+    def for_grace(cls, grace_s: float) -> "ShutdownPolicy":
+        """The policy of a job run's ``RunPolicy.graceful_shutdown_sec``: one grace from
+        STOP (to an idle worker) or SIGTERM (to a busy one, which cannot read STOP) until
+        SIGKILL; a timed-out subject's worker gets the same grace from SIGTERM to SIGKILL."""
+        return cls(grace_s, 0.0)
+
+
+def exit_text(exitcode: int | None) -> str:
+    """A child's exit status in words: ``"signal SIGKILL"``, ``"exit code 3"``.
+
+    Example:
+        >>> exit_text(-9)
+        'signal SIGKILL'
+    """
+    if exitcode is None:
+        return "an unknown cause"
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+class Child:
+    """One supervised child process and the parent's end of its channel.
+
+    Attributes:
+        process: the ``multiprocessing`` process.
+        channel: the parent's end of the channel.
+        pid: the child's pid (kept after it is reaped).
+        group: the child makes itself a process-group leader; signals go to its group.
+        stopped: the supervisor stopped it: its exit is not a crash.
+    """
+
+    __slots__ = ("channel", "group", "pid", "process", "stopped")
+
+    def __init__(self, process, channel, *, group: bool = False) -> None:
+        self.process, self.channel, self.group = process, channel, group
+        self.pid: int = process.pid
+        self.stopped = False
+
+    @classmethod
+    def spawn(cls, mp_context, target: Callable, args: Sequence[Any] = (), *,
+              transport: str = "socketpair", buffer_bytes: int = 1 << 20, name: str,
+              daemon: bool = True, group: bool = False) -> "Child":
+        """Start ``target(channel, *args)`` in a new process with SIGINT blocked.
+
+        Args:
+            mp_context: a ``multiprocessing`` context (spawn).
+            target: a module-level function (spawn imports it).
+            args: its arguments after the channel.
+            transport, buffer_bytes: the channel (see :func:`channel_pair`).
+            name: the process name.
+            daemon: a daemon process cannot start processes of its own.
+            group: the child makes itself a process-group leader (see :class:`Child`).
+        """
+        parent_end, child_end = channel_pair(transport, buffer_bytes)
+        process = mp_context.Process(target=target, args=(child_end, *args), name=name,
+                                     daemon=daemon)
+        # The child inherits the signal mask through exec: SIGINT stays blocked until it
+        # has set it to ignored (ignore_sigint), so a Ctrl-C during its start-up prints no
+        # traceback. A SIGINT meanwhile stays pending here, never lost.
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            process.start()
+        except BaseException:
+            parent_end.close()
+            raise
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+            child_end.close()  # the child has its own copy now
+        return cls(process, parent_end, group=group)
+
+    @property
+    def exitcode(self) -> int | None:
+        """The exit code once the child has exited (negative: the signal), else None."""
+        return self.process.exitcode
+
+    def is_alive(self) -> bool:
+        """True while the child runs."""
+        return self.process.is_alive()
+
+    def send_stop(self) -> bool:
+        """Mark the child stopped and send it STOP; False when its channel is gone."""
+        self.stopped = True
+        try:
+            self.channel.send({"k": MsgKind.STOP})
+            return True
+        except (ChannelClosed, OSError):
+            return False
+
+    def signal(self, sig: int) -> bool:
+        """Send ``sig`` to the child (with its process group when it leads one).
+
+        Only while the child is unreaped is it signalled alone: a reaped pid may already
+        belong to someone else. Returns True when some process got the signal.
+        """
+        if self.group and signal_group(self.pid, sig):
+            return True
+        if self.process.exitcode is None:
+            try:
+                os.kill(self.pid, sig)
+                return True
+            except ProcessLookupError:
+                pass
+        return False
+
+    def reap(self, timeout: float | None = None) -> int | None:
+        """Join the child for up to ``timeout`` seconds; its exit code (None: still alive)."""
+        self.process.join(timeout)
+        return self.process.exitcode
+
+    def close_channel(self) -> None:
+        """Close the parent's end of the channel (idempotent)."""
+        self.channel.close()
+
+
+def startup_death_error(exitcode: int | None, where: str) -> TransportError | None:
+    """The error for a child that exited with ``exitcode`` before READY because the main
+    script has no ``__main__`` guard; None for any other exit."""
+    if exitcode == EXIT_UNGUARDED_MAIN:
+        return unguarded_main_error(where)
+    return None
+
+
+def handshake(header: dict, frames: list, where: str) -> bool:
+    """Read one start-up message: True for READY, False for anything else.
+
+    Raises:
+        BaseException: the child's own set-up exception (its traceback as ``__cause__``)
+            for FAIL.
+    """
+    kind = header.get("k")
+    if kind == MsgKind.FAIL:
+        raise decode_exception(frames[0], header.get("tb", ""), where)
+    return kind == MsgKind.READY
+
+
+def await_ready(children: dict[Any, Child], timeout: float, where: str) -> None:
+    """Wait until every child of ``children`` (label -> child) has said READY.
+
+    Raises:
+        TransportError: one did not start within ``timeout`` seconds (the message names
+            the late labels), died while starting (naming its exit status), or re-ran an
+            unguarded main script.
+        BaseException: a child's own set-up exception (FAIL).
+    """
+    deadline = time.monotonic() + timeout
+    selector = selectors.DefaultSelector()
+    for label, child in children.items():
+        selector.register(child.channel.fileno(), selectors.EVENT_READ, label)
+    try:
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                late = sorted(key.data for key in selector.get_map().values())
+                raise TransportError(f"worker(s) {late} of {where} did not start within "
+                                     f"{timeout} s")
+            for key, _ in selector.select(timeout=min(remaining, HANDSHAKE_POLL_S)):
+                child = children[key.data]
+                try:
+                    header, frames, _ = child.channel.recv()
+                except ChannelClosed:
+                    code = child.reap(REAP_JOIN_S)
+                    error = startup_death_error(code, where)
+                    if error is not None:
+                        raise error from None
+                    raise TransportError(f"worker {key.data} of {where} died while starting "
+                                         f"({exit_text(code)})") from None
+                if handshake(header, frames, "setting up the worker"):
+                    selector.unregister(key.fd)
+    finally:
+        selector.close()
+
+
+def parent_changed(parent_pid: int) -> bool:
+    """Child side: True when the process that started this one is gone (re-parented)."""
+    return os.getppid() != parent_pid
+
+
+def watch_parent(parent_pid: int, on_gone: Callable[[], None],
+                 poll_s: float = PARENT_POLL_S) -> threading.Thread:
+    """Child side: start a daemon thread that calls ``on_gone()`` once the parent is gone.
+
+    ``on_gone`` should end the process (``os._exit``, ``os.killpg``). Returns the thread.
+    """
+
+    def watch() -> None:
+        while not parent_changed(parent_pid):
+            time.sleep(poll_s)
+        on_gone()
+
+    thread = threading.Thread(target=watch, name="zephon-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def ignore_sigint() -> None:
+    """Child side: ignore SIGINT (Ctrl-C to the process group is the parent's to handle).
+
+    The parent starts children with SIGINT blocked; ignoring it discards a pending one,
+    then it is unblocked.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _kill_own_group() -> None:
+    os.killpg(0, signal.SIGKILL)  # the parent is gone: take the child's processes too
+
+
+def _end_tree_on_sigterm(grace: float):
+    """A SIGTERM handler: end every descendant (those that left the process group
+    included), then die of SIGTERM."""
+    term = {signal.SIGTERM}
+
+    def handler(signum, frame):
+        signal.pthread_sigmask(signal.SIG_BLOCK, term)
+        try:
+            end_descendants(grace)
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, term)
+            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(128 + signal.SIGTERM)
+
+    return handler
+
+
+def lead_process_tree(parent_pid: int, grace: float) -> None:
+    """Child side, for a child started with ``group=True``: own every process it starts.
+
+    It leads a new process group, becomes a child subreaper (Linux: descendants that
+    leave the group are re-parented to it), ignores SIGINT, kills its whole group when
+    its parent is gone (:func:`watch_parent`), and on SIGTERM ends every descendant
+    (SIGTERM, ``grace``, SIGKILL) before it dies of SIGTERM. Call first thing in the
+    child's main thread; a task that installs its own SIGTERM handler replaces that
+    clean-up (the parent's SIGKILL to the group still ends the group).
+    """
+    become_group_leader()
+    become_subreaper()
+    ignore_sigint()  # Ctrl-C is the parent's to handle
+    term = {signal.SIGTERM}
+    # The watcher thread never takes a SIGTERM meant for the child (it inherits the mask).
+    signal.pthread_sigmask(signal.SIG_BLOCK, term)
+    watch_parent(parent_pid, _kill_own_group)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, term)
+    signal.signal(signal.SIGTERM, _end_tree_on_sigterm(grace))
+
+
+def _wait_exit(children: list[Child], deadline: float,
+               drain: Callable[[list[Child], float], None] | None) -> None:
+    """Wait until every child has exited or ``deadline``: on their sentinels (woken at
+    once by an exit), or through ``drain``."""
+    from multiprocessing.connection import wait
+
+    while True:
+        live = [c for c in children if c.exitcode is None]
+        remaining = deadline - time.monotonic()
+        if not live or remaining <= 0:
+            return
+        if drain is not None:
+            drain(live, deadline)
+        else:
+            wait([c.process.sentinel for c in live], timeout=remaining)
+
+
+def stop_children(children: Iterable[Child], policy: ShutdownPolicy, *,
+                  graceful: Callable[[Child], bool] = lambda child: True,
+                  drain: Callable[[list[Child], float], None] | None = None,
+                  lock: threading.Lock | None = None) -> float:
+    """Stop -> terminate -> kill -> reap every child, all at once, within ``policy``.
+
+    Args:
+        children: the children to stop (each is marked ``stopped``: never a crash). One
+            already marked ``stopped`` (STOP or SIGTERM sent earlier) gets no new signal
+            before the grace runs out.
+        policy: the deadlines.
+        graceful: whether a child gets STOP (True) or SIGTERM at once (False: it is busy
+            and cannot read STOP).
+        drain: called as ``drain(live_children, deadline)`` while waiting for the exits,
+            to read and drop what they still send (it must return by ``deadline``); by
+            default the wait is on the children's sentinels.
+        lock: held while joining (a watchdog thread that reaps too must not see ECHILD).
+
+    Returns:
+        The monotonic deadline of the grace (for a :func:`sweep_groups` that follows).
+    """
+    children = list(children)
+    deadline = time.monotonic() + policy.grace_s
+    for child in children:
+        if child.stopped or child.exitcode is not None:
+            child.stopped = True  # already exited, or already being stopped: let it go on
+            continue
+        if not (graceful(child) and child.send_stop()):
+            child.stopped = True
+            child.signal(signal.SIGTERM)
+    _wait_exit(children, deadline, drain)
+    stragglers = [c for c in children if c.exitcode is None]
+    for child in stragglers:
+        child.signal(signal.SIGTERM)
+    kill_at = time.monotonic() + policy.terminate_wait_s
+    for child in stragglers:
+        child.reap(max(0.0, kill_at - time.monotonic()))
+        if child.exitcode is None:
+            child.signal(signal.SIGKILL)
+    for child in children:
+        if lock is not None:
+            with lock:
+                child.reap(policy.kill_wait_s)
+        else:
+            child.reap(policy.kill_wait_s)
+    return deadline
+
+
+def sweep_groups(groups: Iterable[int], deadline: float, policy: ShutdownPolicy) -> list[int]:
+    """End every process of ``groups`` (group ids of children that led one): SIGTERM, wait
+    until ``deadline``, SIGKILL, wait ``policy.kill_wait_s``.
+
+    Returns:
+        The groups that still have a live member (normally empty).
+    """
+    groups = list(groups)
+    for pgid in groups:
+        signal_group(pgid, signal.SIGTERM)
+    groups = live_groups(groups, deadline)
+    for pgid in groups:
+        signal_group(pgid, signal.SIGKILL)
+    return live_groups(groups, time.monotonic() + policy.kill_wait_s)
+
+
+def crash_error(message: str, *, worker: int | None, pid: int | None,
+                exitcode: int | None, tasks: Sequence[int] = (), seq: int | None = None,
+                op: str | None = None) -> WorkerCrashedError:
+    """The crash report of a child that died by itself.
+
+    Args:
+        message: the full sentence (say which worker, how it died, what was lost).
+        worker: the worker's slot index in its pool or backend.
+        pid: its process id.
+        exitcode: its exit code (negative: the signal).
+        tasks: the task ids it had in flight.
+        seq: the sequence number in flight, if the caller knows one.
+        op: the op, stage or pool name.
+    """
+    sig = -exitcode if exitcode is not None and exitcode < 0 else None
+    return WorkerCrashedError(message, seq=seq, signal=sig, op=op, worker=worker, pid=pid,
+                              tasks=tasks)
