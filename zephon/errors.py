@@ -20,17 +20,17 @@ from __future__ import annotations
 from typing import Any, Iterable, Sequence
 
 __all__ = [
-    "ZephonError",
-    "ZephonConfigError",
+    "AggregationTimeoutError",
+    "CheckpointError",
+    "RemoteTraceback",
+    "SerializationError",
+    "SubjectTimeoutError",
+    "TransportError",
     "ValidationError",
     "ValidationIssue",
     "WorkerCrashedError",
-    "CheckpointError",
-    "AggregationTimeoutError",
-    "SubjectTimeoutError",
-    "TransportError",
-    "SerializationError",
-    "RemoteTraceback",
+    "ZephonConfigError",
+    "ZephonError",
 ]
 
 

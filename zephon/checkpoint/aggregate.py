@@ -48,12 +48,22 @@ import time
 from zephon.checkpoint.codec import decode_state, encode_state
 from zephon.errors import AggregationTimeoutError, CheckpointError, ZephonConfigError
 from zephon.options import (
-    resolve_aggregate_timeout_s, resolve_canonical_replicas, resolve_dp_degree,
-    resolve_dp_group_id, resolve_mapping_strategy,
+    resolve_aggregate_timeout_s,
+    resolve_canonical_replicas,
+    resolve_dp_degree,
+    resolve_dp_group_id,
+    resolve_mapping_strategy,
 )
 
-__all__ = ["exchange_state", "exchange", "merge_states", "check_merged", "owned_lanes",
-           "arrival_grace_s", "aggregate_through_dir"]
+__all__ = [
+    "aggregate_through_dir",
+    "arrival_grace_s",
+    "check_merged",
+    "exchange",
+    "exchange_state",
+    "merge_states",
+    "owned_lanes",
+]
 
 log = logging.getLogger("zephon.checkpoint")
 
@@ -239,7 +249,7 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
             record["nonces"] = sorted(s.get("nonce", "") for s in states.values())
             try:
                 medium.put(f"{base}/{token}/merged", encode_state(record, "msgpack", "none"))
-            except Exception:  # noqa: BLE001 - the error below is what matters
+            except Exception:
                 log.debug("could not publish the failure of %s", where, exc_info=True)
             raise exc
 
@@ -288,7 +298,7 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
             # every rank has submitted to this round, so every rank is done with the last one
             try:
                 medium.remove(f"{prefix}round-{round_no - 1}")
-            except Exception:  # noqa: BLE001 - tidying only
+            except Exception:
                 log.debug("could not remove round %d at %s", round_no - 1, medium.address,
                           exc_info=True)
         return state

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable, TypeVar
 
-__all__ = ["IoConfig", "DEFAULT_IO", "call_with_retry", "AttemptTimeout"]
+__all__ = ["DEFAULT_IO", "AttemptTimeout", "IoConfig", "call_with_retry"]
 
 log = logging.getLogger("zephon.io")
 T = TypeVar("T")
@@ -37,9 +37,16 @@ class IoConfig:
     '/tmp/c'
     """
 
-    __slots__ = ("cache_enabled", "cache_root", "cache_limit_bytes", "download_retry",
-                 "download_timeout_s", "open_retry_attempts", "retry_backoff_initial_s",
-                 "retry_backoff_max_s")
+    __slots__ = (
+        "cache_enabled",
+        "cache_limit_bytes",
+        "cache_root",
+        "download_retry",
+        "download_timeout_s",
+        "open_retry_attempts",
+        "retry_backoff_initial_s",
+        "retry_backoff_max_s",
+    )
 
     def __init__(self, *, cache_enabled: bool = False, cache_root: str | None = None,
                  cache_limit_bytes: int | None = None, download_retry: int = 12,

@@ -26,7 +26,7 @@ from zephon.io.config import IoConfig
 from zephon.io.errors import SourceError
 from zephon.io.remote import FileRef, read_range
 
-__all__ = ["FileReader", "open_with_retry", "RangeFile"]
+__all__ = ["FileReader", "RangeFile", "open_with_retry"]
 
 log = logging.getLogger("zephon.io")
 

@@ -79,13 +79,22 @@ import time
 from typing import Any, Iterator
 
 from zephon.errors import (
-    SerializationError, SubjectTimeoutError, WorkerCrashedError, ZephonConfigError,
+    SerializationError,
+    SubjectTimeoutError,
+    WorkerCrashedError,
+    ZephonConfigError,
 )
 from zephon.jobs.process import JobSetupError, Outcome
 from zephon.transport.remote_errors import decode_exception, encode_exception
 
-__all__ = ["RayBackend", "describe_cluster", "explain_lines", "import_ray", "BATCH_TARGET_S",
-           "MAX_BATCH"]
+__all__ = [
+    "BATCH_TARGET_S",
+    "MAX_BATCH",
+    "RayBackend",
+    "describe_cluster",
+    "explain_lines",
+    "import_ray",
+]
 
 log = logging.getLogger("zephon.jobs")
 
@@ -211,8 +220,17 @@ def _isolated_task(fn, subject, gpu: bool) -> list[tuple]:
 # -- the driver side ------------------------------------------------------------------
 
 class _Actor:
-    __slots__ = ("handle", "state", "ready_ref", "created", "placed_at", "pid", "node",
-                 "successes", "failures")
+    __slots__ = (
+        "created",
+        "failures",
+        "handle",
+        "node",
+        "pid",
+        "placed_at",
+        "ready_ref",
+        "state",
+        "successes",
+    )
 
     def __init__(self, handle, ready_ref) -> None:
         self.handle, self.ready_ref = handle, ready_ref
@@ -225,7 +243,7 @@ class _Actor:
 class _Call:
     """One in-flight call: its items, its deadline, the actor (persistent mode)."""
 
-    __slots__ = ("ref", "items", "actor", "deadline", "submitted")
+    __slots__ = ("actor", "deadline", "items", "ref", "submitted")
 
     def __init__(self, ref, items, actor, deadline) -> None:
         self.ref, self.items, self.actor, self.deadline = ref, items, actor, deadline
@@ -262,7 +280,7 @@ class RayBackend:
             address = os.environ.get("RAY_ADDRESS") or None
             try:
                 ray.init(address=address, logging_level=logging.WARNING)
-            except Exception as exc:  # noqa: BLE001 - unreachable cluster, bad address
+            except Exception as exc:
                 raise ZephonConfigError(
                     f"RunPolicy(backend='ray') could not reach a Ray cluster "
                     f"(RAY_ADDRESS={address!r}): {type(exc).__name__}: {exc}") from exc
@@ -282,7 +300,7 @@ class RayBackend:
         self.nodes = self._alive_nodes()
         try:
             self.fn_ref = ray.put(fn)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._disconnect()
             raise SerializationError(
                 f"the job callable {fn!r} cannot be serialized for Ray workers: "

@@ -52,7 +52,7 @@ from zephon.jobs.subjects import cache_key_of, callable_name, subject_id_of
 from zephon.options import RunPolicy, backend_reason, resolve_backend
 from zephon.transport.spawn_guard import refuse_in_spawn_bootstrap
 
-__all__ = ["run", "JobRun", "SubjectResult", "RecordedFailure", "ON_BAD_ENTRY"]
+__all__ = ["ON_BAD_ENTRY", "JobRun", "RecordedFailure", "SubjectResult", "run"]
 
 #: What a resumed run does with a store entry it cannot trust or read.
 ON_BAD_ENTRY = ("recompute", "fail")

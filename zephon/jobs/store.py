@@ -68,7 +68,7 @@ import zstandard
 from zephon.errors import CheckpointError, SerializationError
 from zephon.kernels.types import dtype_from_token, dtype_token
 
-__all__ = ["CheckpointStore", "StoredEntry", "encode_value", "decode_value"]
+__all__ = ["CheckpointStore", "StoredEntry", "decode_value", "encode_value"]
 
 log = logging.getLogger("zephon.jobs")
 
@@ -137,7 +137,7 @@ def decode_value(data: bytes, *, allow_pickle: bool) -> Any:
 
 
 class StoredEntry:
-    __slots__ = ("ok", "value", "error", "attempts", "duration_s")
+    __slots__ = ("attempts", "duration_s", "error", "ok", "value")
 
     def __init__(self, ok: bool, value: Any, error: dict | None, attempts: int,
                  duration_s: float) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from zephon.errors import ZephonConfigError
 
-__all__ = ["subject_id_of", "callable_name", "cache_key_of"]
+__all__ = ["cache_key_of", "callable_name", "subject_id_of"]
 
 
 def subject_id_of(subject: Any, position: int) -> str:

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator
 
 from zephon.errors import ZephonConfigError
 
-__all__ = ["Check", "FrozenMap", "OptionsBase", "option", "option_class", "fail"]
+__all__ = ["Check", "FrozenMap", "OptionsBase", "fail", "option", "option_class"]
 
 
 def _show(value: Any) -> str:

@@ -33,15 +33,22 @@ import numpy as np
 
 from zephon.pipeline.ops import Boundary
 
-__all__ = ["ReadUnit", "epoch_order", "lane_units", "owned_lanes", "lane_chunk_count",
-           "lane_length", "batched_units"]
+__all__ = [
+    "ReadUnit",
+    "batched_units",
+    "epoch_order",
+    "lane_chunk_count",
+    "lane_length",
+    "lane_units",
+    "owned_lanes",
+]
 
 
 class ReadUnit:
     """Source indices to read, all of ``epoch``; ``indices[i]`` sits at lane position
     ``start + i``. Slicing gives a unit of the same epoch with its own start."""
 
-    __slots__ = ("epoch", "start", "indices")
+    __slots__ = ("epoch", "indices", "start")
 
     def __init__(self, epoch: int, start: int, indices: np.ndarray) -> None:
         self.epoch, self.start, self.indices = epoch, start, indices

@@ -37,15 +37,30 @@ import numpy as np
 
 from zephon.errors import ZephonConfigError, ZephonError
 
-__all__ = ["Record", "Boundary", "Batch", "OpContext", "OpError", "Op", "MapOp", "FilterOp",
-           "MapBatchOp", "ShuffleOp", "BatchOp", "PackTokensOp", "collate", "fn_name",
-           "make_batch", "collate_column"]
+__all__ = [
+    "Batch",
+    "BatchOp",
+    "Boundary",
+    "FilterOp",
+    "MapBatchOp",
+    "MapOp",
+    "Op",
+    "OpContext",
+    "OpError",
+    "PackTokensOp",
+    "Record",
+    "ShuffleOp",
+    "collate",
+    "collate_column",
+    "fn_name",
+    "make_batch",
+]
 
 
 class Record:
     """A value with the identities of its samples and the lane position it ends at."""
 
-    __slots__ = ("value", "ids", "pos")
+    __slots__ = ("ids", "pos", "value")
 
     def __init__(self, value: Any, ids: list, pos: tuple = (0, -1)) -> None:
         self.value, self.ids, self.pos = value, ids, pos
@@ -99,7 +114,7 @@ def _stable_hash(text: str) -> int:
 class OpContext:
     """What an op may know about the sample it runs on; ``rng`` is seeded from its identity."""
 
-    __slots__ = ("sample_id", "seed", "_rng")
+    __slots__ = ("_rng", "sample_id", "seed")
 
     def __init__(self, sample_id, seed: int) -> None:
         self.sample_id, self.seed, self._rng = sample_id, seed, None
@@ -232,7 +247,7 @@ class MapOp(Op):
         for r in records:
             try:
                 value = fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx else fn(r.value)
-            except Exception as exc:  # noqa: BLE001 - named and re-raised for the consumer
+            except Exception as exc:
                 raise _op_error(self, r, exc) from exc
             out.append(Record(value, r.ids, r.pos))
         return out
@@ -246,7 +261,7 @@ class FilterOp(MapOp):
         for r in records:
             try:
                 keep = fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx else fn(r.value)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 raise _op_error(self, r, exc) from exc
             if keep:
                 out.append(r)
@@ -262,7 +277,7 @@ class MapBatchOp(MapOp):
         for r in records:
             try:
                 value = self.fn(r.value)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 raise _op_error(self, r, exc) from exc
             if isinstance(r.value, Batch) and isinstance(value, dict) and \
                     not isinstance(value, Batch):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
+
 from zephon.checkpoint import decode_state
 from zephon.errors import ZephonConfigError
 from zephon.options import RuntimeOptions

@@ -27,7 +27,7 @@ from typing import Any
 
 from zephon.errors import CheckpointError
 
-__all__ = ["local_state", "check_state", "MAX_COUNT"]
+__all__ = ["MAX_COUNT", "check_state", "local_state"]
 
 #: No count in a state can be larger (items, positions, epochs): 2**48 items is far
 #: beyond any real run, and keeps every figure exact in JSON and msgpack alike.

@@ -33,7 +33,7 @@ log = logging.getLogger("zephon.metrics")
 
 
 class _Node:
-    __slots__ = ("counters", "latency", "inflight")
+    __slots__ = ("counters", "inflight", "latency")
 
     def __init__(self) -> None:
         self.counters = collections.Counter()

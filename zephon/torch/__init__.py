@@ -18,7 +18,7 @@ importing ``zephon`` itself; without torch they raise an ImportError naming
 
 from __future__ import annotations
 
-__all__ = ["TorchLoader", "loader", "dataset", "to_torch", "STATE_KEY"]
+__all__ = ["STATE_KEY", "TorchLoader", "dataset", "loader", "to_torch"]
 
 STATE_KEY = "zephon_checkpoint"
 

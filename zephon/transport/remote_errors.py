@@ -15,7 +15,7 @@ import traceback
 
 from zephon.errors import RemoteTraceback, TransportError
 
-__all__ = ["encode_exception", "decode_exception"]
+__all__ = ["decode_exception", "encode_exception"]
 
 
 def encode_exception(exc: BaseException) -> tuple[str, bytes]:

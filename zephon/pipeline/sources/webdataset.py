@@ -23,7 +23,7 @@ import json
 import os
 import re
 import tarfile
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
