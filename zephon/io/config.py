@@ -79,7 +79,7 @@ class IoConfig:
         return self.key()
 
     def __setstate__(self, state) -> None:
-        for name, value in zip(self.__slots__, state):
+        for name, value in zip(self.__slots__, state, strict=True):
             setattr(self, name, value)
 
     def __repr__(self) -> str:

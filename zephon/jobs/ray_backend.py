@@ -438,7 +438,7 @@ class RayBackend:
                     [s for _, s in items], actor.failures,
                     self.policy.persistent_worker_max_consecutive_failures)
             else:
-                (index, subject), = items
+                (_, subject), = items
                 ref = self.task.remote(self.fn_ref, subject, self.gpu)
         except Exception as exc:  # noqa: BLE001 - Ray's serializer refused an argument
             if len(items) > 1:
@@ -456,7 +456,6 @@ class RayBackend:
     def run_round(self, items: list[tuple[int, Any]]) -> Iterator[Outcome]:
         """Run ``(index, subject)`` items; yields one :class:`Outcome` per item, in
         completion order."""
-        ray = self.ray
         queue = collections.deque(items)
         singles: collections.deque = collections.deque()  # split batches, one per call
         while queue or singles or self.calls:
@@ -533,10 +532,19 @@ class RayBackend:
             return
         if actor is not None and actor.state == "busy":
             actor.state = "idle"
-        where = f"Ray worker pid {actor.pid}" if actor is not None else "a Ray task"
         for item in reversed(call.items[len(results):]):  # not run: the actor restarts
             singles.appendleft(item)
-        for (index, _), (ok, value, duration, tb, blob, oom) in zip(call.items, results):
+        yield from self._outcomes(call, results)
+        if actor is not None and actor.state == "idle":
+            self._maybe_retire(actor)
+
+    def _outcomes(self, call: _Call, results: list) -> Iterator[Outcome]:
+        """One Outcome per result of a finished call (a persistent actor's batch may
+        return fewer results than items: the rest went back to ``singles``)."""
+        actor = call.actor
+        where = f"Ray worker pid {actor.pid}" if actor is not None else "a Ray task"
+        for (index, _), (ok, value, duration, tb, blob, oom) in zip(
+                call.items, results, strict=False):
             self.durations.append(duration)
             if ok:
                 if actor is not None:
@@ -550,14 +558,16 @@ class RayBackend:
             if oom:
                 self._back_off()
             yield Outcome(index, False, None, error, duration, "oom" if oom else "error")
-        if actor is not None and actor.state == "idle":
-            recycle = self.policy.persistent_worker_recycle_after_tasks
-            if recycle and actor.successes >= recycle:
-                self.stats["recycled"] += 1
-                self._retire(actor)
-            elif actor.failures >= self.policy.persistent_worker_max_consecutive_failures:
-                self.stats["restarts"] += 1
-                self._retire(actor)
+
+    def _maybe_retire(self, actor: _Actor) -> None:
+        """Retire an idle actor that reached its recycle count or its failure limit."""
+        recycle = self.policy.persistent_worker_recycle_after_tasks
+        if recycle and actor.successes >= recycle:
+            self.stats["recycled"] += 1
+            self._retire(actor)
+        elif actor.failures >= self.policy.persistent_worker_max_consecutive_failures:
+            self.stats["restarts"] += 1
+            self._retire(actor)
 
     def _lost(self, call: _Call, singles, kind: str, exc) -> Iterator[Outcome]:
         """The worker running ``call`` died: a batch is split into single calls; a single

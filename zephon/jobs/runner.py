@@ -122,7 +122,7 @@ class JobRun:
         dupes = [sid for sid, n in collections.Counter(self.ids).items() if n > 1]
         if dupes:
             raise ZephonConfigError(f"duplicate subject ids: {sorted(dupes)[:10]}")
-        self.keys = [cache_key_of(fn, s, sid) for s, sid in zip(self.subjects, self.ids)]
+        self.keys = [cache_key_of(fn, s, sid) for s, sid in zip(self.subjects, self.ids, strict=True)]
         self.backend_name = resolve_backend(policy)
         self.backend_reason = backend_reason(policy)
         self.workers = policy.workers if self.backend_name in ("process", "ray") else 1

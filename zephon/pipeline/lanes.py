@@ -89,9 +89,12 @@ def lane_length(n: int, chunk_size: int, lanes: int, lane: int) -> int:
     return (count - 1) * chunk_size + min(chunk_size, n - last * chunk_size)
 
 
+_EPOCH_START = Boundary(0, 0)  # the first boundary of a run
+
+
 def lane_units(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int, lane: int,
                flush_every: int, num_epochs: int | None,
-               start: Boundary = Boundary(0, 0), start_pos: int | None = None) -> Iterator:
+               start: Boundary = _EPOCH_START, start_pos: int | None = None) -> Iterator:
     """The lane's units from ``start`` (a boundary), or from lane position ``start_pos``
     of epoch ``start.epoch`` when it is given (positions past the epoch's end move on
     to the next epoch)."""

@@ -190,7 +190,7 @@ def fn_identity(fn: Any, depth: int = 0) -> str:
 
 def _cell_ok(cell) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:  # an empty cell
         return False
     return True

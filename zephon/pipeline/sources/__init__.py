@@ -30,19 +30,15 @@ not load pyarrow.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Mapping, Sequence
 
 from zephon.io.config import DEFAULT_IO, IoConfig
 from zephon.pipeline.sources.base import (
-    DEFAULT_OPEN_RETRY,
     CallableSource,
     FileSource,
     SequenceSource,
     Source,
     SourceError,
-    log,
-    open_with_retry,
 )
 from zephon.pipeline.sources.hf import HfDatasetSource
 from zephon.pipeline.sources.jsonl import JsonlSource
@@ -52,6 +48,7 @@ from zephon.pipeline.sources.tokens import TokenWindows
 from zephon.pipeline.sources.webdataset import WebDatasetSource
 
 __all__ = [
+    "FileSource",
     "Source",
     "SourceError",
     "from_callable",

@@ -66,7 +66,7 @@ class JsonlSource(FileSource):
                                suffixes=(".jsonl", ".jsonl.gz", ".jsonl.zst")))
         self._fresh()
         offsets, ends, file_index, line_no = [], [], [], []
-        for k, path in enumerate(self.files):
+        for k in range(len(self.files)):
             data = self._data(k, "building the line index")
             pos = 0
             for n, line in enumerate(data.splitlines(keepends=True), 1):
