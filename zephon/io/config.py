@@ -20,14 +20,12 @@ import threading
 import time
 from typing import Callable, TypeVar
 
+from zephon.errors import AttemptTimeout
+
 __all__ = ["DEFAULT_IO", "AttemptTimeout", "IoConfig", "call_with_retry"]
 
 log = logging.getLogger("zephon.io")
 T = TypeVar("T")
-
-
-class AttemptTimeout(TimeoutError):
-    """One download attempt took longer than ``download_timeout_s``."""
 
 
 class IoConfig:
@@ -121,7 +119,8 @@ def _attempt(fn: Callable[[], T], timeout: float) -> T:
     if not done.wait(timeout):
         # The thread is abandoned: its result is never used (a late reply cannot leak
         # into the data); it ends when the transport's own timeouts give up.
-        raise AttemptTimeout(f"no answer within download_timeout_s={timeout:g} s")
+        raise AttemptTimeout(f"no answer within download_timeout_s={timeout:g} s",
+                             timeout_s=timeout)
     if "error" in box:
         raise box["error"]
     return box["value"]

@@ -70,7 +70,7 @@ import time
 from typing import Any, Iterator, NamedTuple
 
 from zephon.errors import (
-    SerializationError, SubjectTimeoutError, TransportError, WorkerCrashedError, ZephonError,
+    JobSetupError, SerializationError, SubjectTimeoutError, TransportError, WorkerCrashedError,
 )
 from zephon.jobs.tree import group_alive, signal_group
 from zephon.jobs.worker import job_worker_main, unpickle_value
@@ -94,12 +94,6 @@ TREE_POLICY = (
 _EXIT_POLL_S = 0.02  # how often a worker known to be going is checked for exit
 _KILL_WAIT_S = 5.0  # after SIGKILL: how long a worker may take to disappear
 _CENSUS_S = 0.25  # how often every worker is checked for exit, EOF or not
-
-
-class JobSetupError(ZephonError):
-    """A job worker could not start: the callable did not unpickle, ``setup()`` failed, the
-    main script has no ``if __name__ == "__main__":`` guard, or the worker did not become
-    ready within ``subject_spawn_timeout_sec``."""
 
 
 class Outcome(NamedTuple):

@@ -42,7 +42,12 @@ import multiprocessing
 import os
 from typing import Any, Iterable, Iterator, NamedTuple
 
-from zephon.errors import CheckpointError, SerializationError, ZephonConfigError, ZephonError
+from zephon.errors import (
+    CheckpointError,
+    RecordedFailure,
+    SerializationError,
+    ZephonConfigError,
+)
 from zephon.jobs.gpu import visible_gpu_count
 from zephon.jobs.process import TREE_POLICY, ProcessBackend
 from zephon.jobs.progress import Progress
@@ -71,22 +76,6 @@ class SubjectResult(NamedTuple):
     @property
     def ok(self) -> bool:
         return self.error is None
-
-
-class RecordedFailure(ZephonError):
-    """A failure an earlier run recorded in the store, replayed without re-running
-    (``retry_failed_subjects=True`` re-runs it instead)."""
-
-    def __init__(self, message: str, *, error_type: str = "", traceback: str = "") -> None:
-        super().__init__(message)
-        self.error_type, self.traceback = error_type, traceback
-
-    def __reduce__(self):
-        return (_rebuild_recorded, (str(self), self.error_type, self.traceback))
-
-
-def _rebuild_recorded(message, error_type, tb):
-    return RecordedFailure(message, error_type=error_type, traceback=tb)
 
 
 def _error_record(error: BaseException) -> dict:

@@ -329,7 +329,7 @@ class CheckpointStore:
             blob = self._read_file(".", "FINGERPRINT", "fingerprint file")
             recorded = None if blob is None else json.loads(blob.decode())["fingerprint"]
             if recorded is not None and not isinstance(recorded, str):
-                raise ValueError(f"the fingerprint is a {type(recorded).__name__}")
+                raise CheckpointError(f"the fingerprint is a {type(recorded).__name__}")
         except (CheckpointError, ValueError, KeyError, TypeError) as exc:
             if strict:
                 raise CheckpointError(f"{path} is unreadable ({exc}) and "

@@ -35,7 +35,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from zephon.errors import ZephonConfigError, ZephonError
+from zephon.errors import OpError, ZephonConfigError
 
 __all__ = [
     "Batch",
@@ -90,21 +90,6 @@ class Batch(dict):
 
 def _rebuild_batch(data, meta):
     return Batch(data, meta=meta)
-
-
-class OpError(ZephonError):
-    """A user op raised; ``op`` and ``sample_id`` say where, ``__cause__`` is the error."""
-
-    def __init__(self, message: str, *, op: str = "", sample_id: Any = None) -> None:
-        super().__init__(message)
-        self.op, self.sample_id = op, sample_id
-
-    def __reduce__(self):
-        return (_rebuild_op_error, (str(self), self.op, self.sample_id))
-
-
-def _rebuild_op_error(message, op, sample_id):
-    return OpError(message, op=op, sample_id=sample_id)
 
 
 def _stable_hash(text: str) -> int:

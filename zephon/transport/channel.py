@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 import msgpack
 
-from zephon.errors import TransportError
+from zephon.errors import ChannelClosed, TransportError
 
 __all__ = ["Channel", "ChannelClosed", "channel_pair", "granted_buffer_bytes"]
 
@@ -59,10 +59,6 @@ _MAX_FDS = 253
 _MAX_IOV = 1024
 _warned_sizes: set[int] = set()
 _warn_lock = threading.Lock()
-
-
-class ChannelClosed(TransportError):
-    """The other end closed the channel or its process died (maybe mid-message)."""
 
 
 def _granted(sock: socket.socket, option: int) -> int:
