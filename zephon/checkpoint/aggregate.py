@@ -127,6 +127,8 @@ def check_merged(state: dict, *, groups: int | None = None, strategy: str | None
                                   f"[0, {total}) (canonical_replicas={total})")
     if owners is None:
         return
+    if groups is None or strategy is None:
+        raise TypeError("check_merged: owners needs groups and strategy to check against")
     seen: dict[int, int] = {}
     for group, lanes in sorted(owners.items()):
         allowed = set(owned_lanes(total, groups, group, strategy))

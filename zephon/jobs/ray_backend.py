@@ -235,7 +235,8 @@ class _Actor:
     def __init__(self, handle, ready_ref) -> None:
         self.handle, self.ready_ref = handle, ready_ref
         self.state = "placing"  # placing -> starting -> idle <-> busy -> gone
-        self.created, self.placed_at = time.monotonic(), None
+        self.created = time.monotonic()
+        self.placed_at: float | None = None  # when Ray placed it (state "starting")
         self.pid = self.node = None
         self.successes = self.failures = 0
 
@@ -273,7 +274,7 @@ class RayBackend:
     def __init__(self, fn, policy, workers: int, *, batching: bool = True) -> None:
         self.ray = ray = import_ray()
         self.policy = policy
-        self.stats = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
         self.owns_connection = not ray.is_initialized()
         self.cluster = describe_cluster()
         if self.owns_connection:
@@ -315,7 +316,7 @@ class RayBackend:
             self.task = ray.remote(max_retries=0, max_calls=1, **opts)(_isolated_task)
         self.actors: list[_Actor] = []
         self.calls: dict[Any, _Call] = {}
-        self.durations = collections.deque(maxlen=256)
+        self.durations: collections.deque[float] = collections.deque(maxlen=256)
 
     # -- cluster ---------------------------------------------------------------------
     def _alive_nodes(self) -> set[str]:
@@ -368,7 +369,7 @@ class RayBackend:
         for actor in starting:
             if actor.ready_ref not in done:
                 if actor.state == "starting" and timeout is not None and \
-                        now - actor.placed_at > timeout:
+                        actor.placed_at is not None and now - actor.placed_at > timeout:
                     self._retire(actor)
                     raise JobSetupError(
                         f"a Ray job worker did not become ready within {timeout} s "

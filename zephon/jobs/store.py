@@ -380,10 +380,10 @@ class CheckpointStore:
                 view = view[os.write(fd, view):]
             os.fsync(fd)
             os.close(fd)
-            fd = None
+            fd = -1  # closed
             os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
-            if fd is not None:
+            if fd >= 0:
                 os.close(fd)
             try:
                 os.unlink(tmp, dir_fd=dfd)

@@ -36,6 +36,7 @@ import re
 from typing import Any, NamedTuple, Sequence
 
 from zephon.errors import ZephonConfigError
+from zephon.options._spec import field_default
 from zephon.options.limits import MAX_MTP_BUFFER
 
 __all__ = [
@@ -166,7 +167,7 @@ def is_cloud_path(path: str | None) -> bool:
     if not path:
         return False
     match = _URL_SCHEME.match(path)
-    return bool(match) and match.group(1).lower() != "file"
+    return match is not None and match.group(1).lower() != "file"
 
 
 def resolve_aggregate_timeout_s(opts) -> float:
@@ -279,7 +280,7 @@ def resolve_all(opts, cpu_count: int | None = None) -> dict[str, ResolvedValue]:
     out: dict[str, ResolvedValue] = {}
     for f in dataclasses.fields(opts):
         raw = getattr(opts, f.name)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = field_default(f)
         if f.name in _DERIVED and raw is None:
             out[f.name] = ResolvedValue(_DERIVED[f.name](opts, cpu_count), "derived")
         elif f.name == "aggregate_timeout_s" and resolve_aggregate_timeout_s(opts) != raw:

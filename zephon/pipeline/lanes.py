@@ -108,7 +108,7 @@ def lane_units(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int, la
         count = lane_chunk_count(n, chunk_size, lanes, lane)
         if count == 0 and num_epochs is None:
             return  # an empty lane stays empty: never spin through endless epochs
-        order = epoch_order(n, seed, epoch, shuffle) if count else None
+        order = epoch_order(n, seed, epoch, shuffle) if count else np.empty(0, np.int64)
         for k in range(k0, count):
             if k == k0 or (flush_every and k % flush_every == 0):
                 yield Boundary(epoch, k)

@@ -102,7 +102,8 @@ class OpContext:
     __slots__ = ("_rng", "sample_id", "seed")
 
     def __init__(self, sample_id, seed: int) -> None:
-        self.sample_id, self.seed, self._rng = sample_id, seed, None
+        self.sample_id, self.seed = sample_id, seed
+        self._rng: np.random.Generator | None = None
 
     @property
     def rng(self) -> np.random.Generator:
@@ -297,7 +298,8 @@ class ShuffleOp(Op):
 
 class _ShuffleState:
     def __init__(self, size: int, rng: np.random.Generator) -> None:
-        self.size, self.rng, self.buf = size, rng, []
+        self.size, self.rng = size, rng
+        self.buf: list = []
 
     def push(self, records: list) -> list:
         out, buf = [], self.buf
@@ -347,9 +349,9 @@ def collate(values: list) -> dict:
 def collate_column(column: list):
     """One column of a batch: a stacked array when every value is numeric with one shape
     and dtype, else the list itself (the rule :func:`collate` applies to non-tensors)."""
-    arrays = [np.asarray(c) if isinstance(c, (np.ndarray, np.generic, int, float, bool))
-              else None for c in column]
-    if all(a is not None for a in arrays) and len({(a.shape, a.dtype) for a in arrays}) == 1:
+    arrays = [np.asarray(c) for c in column
+              if isinstance(c, (np.ndarray, np.generic, int, float, bool))]
+    if len(arrays) == len(column) and len({(a.shape, a.dtype) for a in arrays}) == 1:
         return np.stack(arrays)
     return column
 
@@ -381,7 +383,8 @@ class BatchOp(Op):
 
 class _BatchState:
     def __init__(self, size: int, drop_last: bool) -> None:
-        self.size, self.drop_last, self.buf = size, drop_last, []
+        self.size, self.drop_last = size, drop_last
+        self.buf: list = []
 
     def _make(self, records: list) -> Record:
         return make_batch(records)

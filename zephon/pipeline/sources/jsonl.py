@@ -95,7 +95,7 @@ class JsonlSource(FileSource):
             if reader.streamed:
                 raw = reader.pread(0, ref.size, context)
             else:
-                with open(reader.local_path(context), "rb") as fh:
+                with open(reader.local_file(context), "rb") as fh:
                     raw = fh.read()
         except OSError as exc:
             raise SourceError(f"jsonl: cannot read {self.files[k]}: {exc}") from None
