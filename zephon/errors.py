@@ -233,9 +233,21 @@ class JobSetupError(ZephonError):
 
 
 class RecordedFailure(ZephonError):
-    """A failure an earlier run recorded in the store, replayed without re-running
-    (``retry_failed_subjects=True`` re-runs it instead); ``error_type`` is the name of the
-    exception class recorded, ``traceback`` its formatted traceback (may be empty)."""
+    """A failure an earlier run recorded in the store, replayed without re-running.
+
+    A resumed run serves a stored failure as this error (``retry_failed_subjects=True``
+    re-runs the subject instead). Pickle-safe: it keeps its data when a worker sends it.
+
+    Args:
+        message: the original error's message.
+        error_type: the original exception's class name.
+        traceback: the original traceback text, when one was recorded.
+
+    Example:
+        >>> err = RecordedFailure("boom", error_type="ValueError")
+        >>> str(err), err.error_type
+        ('boom', 'ValueError')
+    """
 
     def __init__(self, message: str, *, error_type: str = "", traceback: str = "") -> None:
         super().__init__(message)
