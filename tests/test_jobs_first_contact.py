@@ -53,7 +53,7 @@ def test_the_unguarded_readme_example_names_the_missing_guard(tmp_path):
     out = run_script(tmp_path, UNGUARDED)
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("zephon.jobs.process.JobSetupError"), out.stderr
+    assert last.startswith("zephon.errors.JobSetupError"), out.stderr
     assert 'if __name__ == "__main__":' in last and "tokenize_job.py" in last
     assert "CheckpointError" not in out.stderr and "in use by another run" not in out.stderr
     assert "importable" not in out.stderr

@@ -16,6 +16,7 @@ from zephon.errors import (
     ZephonConfigError,
     ZephonError,
 )
+
 __version__ = "0.1.0"
 
 # Everything but the errors loads on first use: a spawned worker that only needs
@@ -44,13 +45,12 @@ def __getattr__(name: str):
 __all__ = [
     "AggregationTimeoutError",
     "Batch",
-    "OpError",
-    "Pipeline",
-    "sources",
     "CheckpointError",
     "ExecutionTrackingMode",
     "MetricsSinkConfig",
     "MixtureReadConfig",
+    "OpError",
+    "Pipeline",
     "RunPolicy",
     "RuntimeOptions",
     "SerializationError",
@@ -62,4 +62,5 @@ __all__ = [
     "ZephonConfigError",
     "ZephonError",
     "__version__",
+    "sources",
 ]

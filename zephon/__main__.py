@@ -30,7 +30,11 @@ from zephon.options import RuntimeOptions
 
 class UsageError(Exception):
     """A mistake on the command line or in a config file: reported as one ``error:`` line
-    with exit status 2."""
+    with exit status 2.
+
+    It stays here rather than in :mod:`zephon.errors`: only the CLI raises it and the CLI
+    always catches it (it becomes the exit status), so no library caller ever sees it.
+    """
 
 
 def _one_line(text: str) -> str:
@@ -161,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except UsageError as exc:
-        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        print(f"error: {_one_line(str(exc))}", file=sys.stderr)
         return 2
 
 

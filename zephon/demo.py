@@ -136,7 +136,7 @@ def main() -> int:
         print(f"resumed stream identical to the uninterrupted one: {len(got)} batches, "
               f"batch for batch (resumed on the {resume_label})")
         return 0
-    mismatch = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b),
+    mismatch = next((i for i, (a, b) in enumerate(zip(got, reference, strict=False)) if a != b),
                     min(len(got), len(reference)))
     print(f"MISMATCH: the resumed stream differs from batch {mismatch} "
           f"({len(got)} vs {len(reference)} batches)")

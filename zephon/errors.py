@@ -20,17 +20,25 @@ from __future__ import annotations
 from typing import Any, Iterable, Sequence
 
 __all__ = [
-    "ZephonError",
-    "ZephonConfigError",
+    "AggregationTimeoutError",
+    "ArenaFull",
+    "AttemptTimeout",
+    "ChannelClosed",
+    "CheckpointError",
+    "JobSetupError",
+    "OpError",
+    "RecordedFailure",
+    "RemoteTraceback",
+    "SerializationError",
+    "ShmSpaceError",
+    "SourceError",
+    "SubjectTimeoutError",
+    "TransportError",
     "ValidationError",
     "ValidationIssue",
     "WorkerCrashedError",
-    "CheckpointError",
-    "AggregationTimeoutError",
-    "SubjectTimeoutError",
-    "TransportError",
-    "SerializationError",
-    "RemoteTraceback",
+    "ZephonConfigError",
+    "ZephonError",
 ]
 
 
@@ -175,6 +183,88 @@ class SerializationError(ZephonError, TypeError):
 
     def __reduce__(self):
         return (_rebuild_kw, (SerializationError, str(self), {"path": self.path}))
+
+
+class ChannelClosed(TransportError):
+    """The other end closed the channel or its process died (maybe mid-message)."""
+
+
+class ShmSpaceError(TransportError):
+    """No space left for a new shared segment (a small /dev/shm, or no memory for memfd)."""
+
+
+class ArenaFull(TransportError):
+    """The arena has no space and none came back within the wait bound (or it is starved).
+
+    ``held_bytes``/``max_bytes``: what the consumer holds and the arena's bound.
+    """
+
+    def __init__(self, message: str, held_bytes: int = 0, max_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.held_bytes, self.max_bytes = held_bytes, max_bytes
+
+    def __reduce__(self):
+        return (_rebuild_kw, (ArenaFull, str(self),
+                              {"held_bytes": self.held_bytes, "max_bytes": self.max_bytes}))
+
+
+class SourceError(ZephonError):
+    """A file or a sample could not be read. The message names the file (or URL) and
+    the position inside it (line, row group, tar member) when there is one."""
+
+
+class AttemptTimeout(ZephonError, TimeoutError):
+    """One download attempt took longer than ``download_timeout_s`` (``timeout_s``)."""
+
+    def __init__(self, message: str, *, timeout_s: float | None = None) -> None:
+        super().__init__(message)
+        self.timeout_s = timeout_s
+
+    def __reduce__(self):
+        return (_rebuild_kw, (AttemptTimeout, str(self), {"timeout_s": self.timeout_s}))
+
+
+class OpError(ZephonError):
+    """A user op raised; ``op`` and ``sample_id`` say where, ``__cause__`` is the error."""
+
+    def __init__(self, message: str, *, op: str = "", sample_id: Any = None) -> None:
+        super().__init__(message)
+        self.op, self.sample_id = op, sample_id
+
+    def __reduce__(self):
+        return (_rebuild_kw, (OpError, str(self), {"op": self.op, "sample_id": self.sample_id}))
+
+
+class JobSetupError(ZephonError):
+    """A job worker could not start: the callable did not unpickle, ``setup()`` failed, the
+    main script has no ``if __name__ == "__main__":`` guard, or the worker did not become
+    ready within ``subject_spawn_timeout_sec``."""
+
+
+class RecordedFailure(ZephonError):
+    """A failure an earlier run recorded in the store, replayed without re-running.
+
+    A resumed run serves a stored failure as this error (``retry_failed_subjects=True``
+    re-runs the subject instead). Pickle-safe: it keeps its data when a worker sends it.
+
+    Args:
+        message: the original error's message.
+        error_type: the original exception's class name.
+        traceback: the original traceback text, when one was recorded.
+
+    Example:
+        >>> err = RecordedFailure("boom", error_type="ValueError")
+        >>> str(err), err.error_type
+        ('boom', 'ValueError')
+    """
+
+    def __init__(self, message: str, *, error_type: str = "", traceback: str = "") -> None:
+        super().__init__(message)
+        self.error_type, self.traceback = error_type, traceback
+
+    def __reduce__(self):
+        return (_rebuild_kw, (RecordedFailure, str(self),
+                              {"error_type": self.error_type, "traceback": self.traceback}))
 
 
 class RemoteTraceback(Exception):

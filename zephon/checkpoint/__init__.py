@@ -7,7 +7,10 @@ through ``aggregate_dir`` (a path or fsspec URL) or ``aggregate_store``
 """
 
 from zephon.checkpoint.aggregate import (
-    aggregate_through_dir, check_merged, exchange_state, merge_states,
+    aggregate_through_dir,
+    check_merged,
+    exchange_state,
+    merge_states,
 )
 from zephon.checkpoint.codec import decode_state, encode_state
 

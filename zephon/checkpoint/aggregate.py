@@ -44,16 +44,27 @@ import logging
 import os
 import re
 import time
+from typing import Callable, NoReturn
 
 from zephon.checkpoint.codec import decode_state, encode_state
 from zephon.errors import AggregationTimeoutError, CheckpointError, ZephonConfigError
 from zephon.options import (
-    resolve_aggregate_timeout_s, resolve_canonical_replicas, resolve_dp_degree,
-    resolve_dp_group_id, resolve_mapping_strategy,
+    resolve_aggregate_timeout_s,
+    resolve_canonical_replicas,
+    resolve_dp_degree,
+    resolve_dp_group_id,
+    resolve_mapping_strategy,
 )
 
-__all__ = ["exchange_state", "exchange", "merge_states", "check_merged", "owned_lanes",
-           "arrival_grace_s", "aggregate_through_dir"]
+__all__ = [
+    "aggregate_through_dir",
+    "arrival_grace_s",
+    "check_merged",
+    "exchange",
+    "exchange_state",
+    "merge_states",
+    "owned_lanes",
+]
 
 log = logging.getLogger("zephon.checkpoint")
 
@@ -131,6 +142,8 @@ def check_merged(state: dict, *, groups: int | None = None, strategy: str | None
                                   f"[0, {total}) (canonical_replicas={total})")
     if owners is None:
         return
+    if groups is None or strategy is None:
+        raise TypeError("check_merged: owners needs groups and strategy to check against")
     seen: dict[int, int] = {}
     for group, lanes in sorted(owners.items()):
         allowed = set(owned_lanes(total, groups, group, strategy))
@@ -223,7 +236,7 @@ def _submission(local: dict, opts) -> dict:
                 dp_degree=resolve_dp_degree(opts), mapping=resolve_mapping_strategy(opts))
 
 
-def _raise_recorded(record: dict, address: str):
+def _raise_recorded(record: dict, address: str) -> NoReturn:
     kind, message = record.get("kind"), str(record.get("error"))
     if kind == "timeout":
         raise AggregationTimeoutError(message, missing=record.get("missing") or ())
@@ -252,76 +265,106 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
         AggregationTimeoutError: a rank did not take part in time (named).
         CheckpointError: the states are inconsistent, or the medium failed.
     """
-    start = time.monotonic()
-    deadline = start + timeout_s
-    grace = arrival_grace_s(timeout_s) if grace_s is None else min(grace_s, timeout_s)
-    prefix = f"{scope}/" if scope else ""
-    base = f"{prefix}round-{round_no}"
-    where = f"{medium.address} ({base})"
+    rnd = _Round(medium, round_no, timeout_s, grace_s, scope)
     if rank == 0:
-        token = os.urandom(8).hex()
-        medium.put(f"{base}/open", encode_state({"token": token, "world": world}, "msgpack",
-                                                "none"))
-        states = {0: submission}
+        return _lead(rnd, submission, world, serializer, compressor)
+    return _follow(rnd, submission, rank, serializer, compressor)
 
-        def fail(record: dict, exc: BaseException):
-            record["nonces"] = sorted(s.get("nonce", "") for s in states.values())
-            try:
-                medium.put(f"{base}/{token}/merged", encode_state(record, "msgpack", "none"))
-            except Exception:  # noqa: BLE001 - the error below is what matters
-                log.debug("could not publish the failure of %s", where, exc_info=True)
-            raise exc
 
-        submission = dict(submission, nonce=token, rank=0)
-        states[0] = submission
-        while len(states) < world:
-            opened = _read_record(medium, f"{base}/open")
-            if opened is not None and opened.get("token") != token:
-                message = (f"checkpoint round {round_no}: another launch with the same "
-                           f"run_id opened this round at {where} while this one was "
-                           "collecting: give concurrent jobs sharing an aggregate_dir "
-                           "distinct run_ids (under torchrun each launch is kept apart "
-                           "automatically)")
-                fail({"kind": "error", "error": message}, CheckpointError(message))
-            for r in range(1, world):
-                if r not in states:
-                    blob = medium.get(f"{base}/{token}/rank-{r}")
-                    if blob is not None:
-                        try:
-                            states[r] = decode_state(blob)
-                        except CheckpointError as exc:
-                            fail({"kind": "error", "error": f"rank {r}'s record: {exc}"}, exc)
-            if len(states) == world:
-                break
-            now = time.monotonic()
-            missing = sorted(set(range(world)) - set(states))
-            if now - start > grace or now > deadline:
-                waited = min(grace, timeout_s)
-                message = (
-                    f"checkpoint round {round_no}: rank(s) {missing} did not call checkpoint() "
-                    f"within {waited:.1f} s of rank 0 ({where}); checkpoint() is collective: "
-                    "every rank must call it at the same step, not only rank 0")
-                fail({"kind": "timeout", "error": message, "missing": missing},
-                     AggregationTimeoutError(message, missing=missing))
-            time.sleep(medium.poll_s)
+class _Round:
+    """One exchange round's keys and clock: where its records live on the medium, when
+    rank 0 stops waiting for arrivals (``grace``) and when everyone gives up."""
+
+    def __init__(self, medium, round_no: int, timeout_s: float, grace_s: float | None,
+                 scope: str) -> None:
+        self.medium, self.round_no, self.timeout_s = medium, round_no, timeout_s
+        self.start = time.monotonic()
+        self.deadline = self.start + timeout_s
+        self.grace = arrival_grace_s(timeout_s) if grace_s is None else min(grace_s, timeout_s)
+        self.prefix = f"{scope}/" if scope else ""
+        self.base = f"{self.prefix}round-{round_no}"
+        self.where = f"{medium.address} ({self.base})"
+
+
+def _lead(rnd: _Round, submission: dict, world: int, serializer: str,
+          compressor: str) -> bytes:
+    """Rank 0: open the round, collect every rank's state, merge, publish the merged
+    state (or the failure, which every rank then raises), and drop the previous round."""
+    medium, base = rnd.medium, rnd.base
+    token = os.urandom(8).hex()
+    medium.put(f"{base}/open", encode_state({"token": token, "world": world}, "msgpack",
+                                            "none"))
+    states = {0: dict(submission, nonce=token, rank=0)}
+
+    def fail(record: dict, exc: BaseException) -> NoReturn:
+        record["nonces"] = sorted(s.get("nonce", "") for s in states.values())
         try:
-            merged = merge_states(states)
-            state = encode_state(merged, serializer, compressor)
-        except CheckpointError as exc:
-            fail({"kind": "error", "error": str(exc)}, exc)
-        nonces = sorted(s["nonce"] for s in states.values())
-        medium.put(f"{base}/{token}/merged",
-                   encode_state({"nonces": nonces, "state": state}, "msgpack", "none"))
-        medium.after_merge(f"{base}/{token}", world, deadline)
-        if round_no > 1:
-            # every rank has submitted to this round, so every rank is done with the last one
-            try:
-                medium.remove(f"{prefix}round-{round_no - 1}")
-            except Exception:  # noqa: BLE001 - tidying only
-                log.debug("could not remove round %d at %s", round_no - 1, medium.address,
-                          exc_info=True)
-        return state
+            medium.put(f"{base}/{token}/merged", encode_state(record, "msgpack", "none"))
+        except Exception:  # best effort: the ranks then time out instead
+            log.debug("could not publish the failure of %s", rnd.where, exc_info=True)
+        raise exc
 
+    _collect(rnd, token, states, world, fail)
+    try:
+        merged = merge_states(states)
+        state = encode_state(merged, serializer, compressor)
+    except CheckpointError as exc:
+        fail({"kind": "error", "error": str(exc)}, exc)
+    nonces = sorted(s["nonce"] for s in states.values())
+    medium.put(f"{base}/{token}/merged",
+               encode_state({"nonces": nonces, "state": state}, "msgpack", "none"))
+    medium.after_merge(f"{base}/{token}", world, rnd.deadline)
+    if rnd.round_no > 1:
+        # every rank has submitted to this round, so every rank is done with the last one
+        try:
+            medium.remove(f"{rnd.prefix}round-{rnd.round_no - 1}")
+        except Exception:  # a leftover round is harmless: keep the checkpoint
+            log.debug("could not remove round %d at %s", rnd.round_no - 1, medium.address,
+                      exc_info=True)
+    return state
+
+
+def _collect(rnd: _Round, token: str, states: dict, world: int,
+             fail: Callable[[dict, BaseException], NoReturn]) -> None:
+    """Rank 0: poll until every rank's state is in ``states``; ``fail`` on a foreign
+    opener, an unreadable record or ranks that do not arrive in time."""
+    medium, base = rnd.medium, rnd.base
+    while len(states) < world:
+        opened = _read_record(medium, f"{base}/open")
+        if opened is not None and opened.get("token") != token:
+            message = (f"checkpoint round {rnd.round_no}: another launch with the same "
+                       f"run_id opened this round at {rnd.where} while this one was "
+                       "collecting: give concurrent jobs sharing an aggregate_dir "
+                       "distinct run_ids (under torchrun each launch is kept apart "
+                       "automatically)")
+            fail({"kind": "error", "error": message}, CheckpointError(message))
+        for r in range(1, world):
+            blob = None if r in states else medium.get(f"{base}/{token}/rank-{r}")
+            if blob is not None:
+                try:
+                    states[r] = decode_state(blob)
+                except CheckpointError as exc:
+                    fail({"kind": "error", "error": f"rank {r}'s record: {exc}"}, exc)
+        if len(states) == world:
+            return
+        now = time.monotonic()
+        if now - rnd.start > rnd.grace or now > rnd.deadline:
+            missing = sorted(set(range(world)) - set(states))
+            waited = min(rnd.grace, rnd.timeout_s)
+            message = (
+                f"checkpoint round {rnd.round_no}: rank(s) {missing} did not call "
+                f"checkpoint() within {waited:.1f} s of rank 0 ({rnd.where}); checkpoint() "
+                "is collective: every rank must call it at the same step, not only rank 0")
+            fail({"kind": "timeout", "error": message, "missing": missing},
+                 AggregationTimeoutError(message, missing=missing))
+        time.sleep(medium.poll_s)
+
+
+def _follow(rnd: _Round, submission: dict, rank: int, serializer: str,
+            compressor: str) -> bytes:
+    """A rank other than 0: submit to the round rank 0 opened (again if it reopens it),
+    then wait for the merged state that names this rank's nonce."""
+    medium, base = rnd.medium, rnd.base
     nonce = os.urandom(8).hex()
     mine = encode_state(dict(submission, nonce=nonce, rank=rank), serializer, compressor)
     submitted = None
@@ -330,9 +373,7 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
         # counts as not there yet: rank 0 of this launch writes its own.
         opened = _read_record(medium, f"{base}/open")
         token = opened.get("token") if opened is not None else None
-        if not isinstance(token, str) or not _TOKEN.fullmatch(token):
-            token = None
-        if token is not None and token != submitted:
+        if isinstance(token, str) and _TOKEN.fullmatch(token) and token != submitted:
             medium.put(f"{base}/{token}/rank-{rank}", mine)
             submitted = token
         if submitted is not None:
@@ -340,13 +381,13 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
             if record is not None and nonce in record.get("nonces", ()):
                 medium.acknowledge(f"{base}/{submitted}")
                 if "error" in record:
-                    _raise_recorded(record, where)
+                    _raise_recorded(record, rnd.where)
                 return record["state"]
-        if time.monotonic() > deadline:
+        if time.monotonic() > rnd.deadline:
             raise AggregationTimeoutError(
-                f"checkpoint round {round_no}: rank 0 did not publish the merged state within "
-                f"{timeout_s} s ({where}); checkpoint() is collective: every rank, rank 0 "
-                "included, must call it at the same step", missing=[0])
+                f"checkpoint round {rnd.round_no}: rank 0 did not publish the merged state "
+                f"within {rnd.timeout_s} s ({rnd.where}); checkpoint() is collective: every "
+                "rank, rank 0 included, must call it at the same step", missing=[0])
         time.sleep(medium.poll_s)
 
 

@@ -46,8 +46,15 @@ import zstandard
 
 from zephon.errors import CheckpointError
 
-__all__ = ["encode_state", "decode_state", "MAGIC", "VERSION", "MAX_DECODED_BYTES",
-           "MAX_DEPTH", "MAX_ITEMS"]
+__all__ = [
+    "MAGIC",
+    "MAX_DECODED_BYTES",
+    "MAX_DEPTH",
+    "MAX_ITEMS",
+    "VERSION",
+    "decode_state",
+    "encode_state",
+]
 
 MAGIC = b"ZEPHONCK"
 VERSION = 2

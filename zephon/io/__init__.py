@@ -15,9 +15,23 @@ from zephon.io.errors import SourceError
 from zephon.io.reader import FileReader, RangeFile, open_with_retry
 from zephon.io.remote import FileRef, expand, filesystem, is_remote, read_range, require
 
-__all__ = ["DEFAULT_IO", "AttemptTimeout", "IoConfig", "call_with_retry", "SourceError",
-           "FileReader", "RangeFile", "open_with_retry", "FileRef", "expand", "filesystem",
-           "is_remote", "read_range", "require", "FileCache"]
+__all__ = [
+    "DEFAULT_IO",
+    "AttemptTimeout",
+    "FileCache",
+    "FileReader",
+    "FileRef",
+    "IoConfig",
+    "RangeFile",
+    "SourceError",
+    "call_with_retry",
+    "expand",
+    "filesystem",
+    "is_remote",
+    "open_with_retry",
+    "read_range",
+    "require",
+]
 
 
 def __getattr__(name: str):

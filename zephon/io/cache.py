@@ -41,7 +41,7 @@ from zephon.io.config import IoConfig
 from zephon.io.errors import SourceError
 from zephon.io.remote import FileRef, read_range
 
-__all__ = ["FileCache", "BLOCK"]
+__all__ = ["BLOCK", "FileCache"]
 
 log = logging.getLogger("zephon.io.cache")
 BLOCK = 8 << 20  # one download request (one attempt) covers at most this many bytes

@@ -20,14 +20,12 @@ import threading
 import time
 from typing import Callable, TypeVar
 
-__all__ = ["IoConfig", "DEFAULT_IO", "call_with_retry", "AttemptTimeout"]
+from zephon.errors import AttemptTimeout
+
+__all__ = ["DEFAULT_IO", "AttemptTimeout", "IoConfig", "call_with_retry"]
 
 log = logging.getLogger("zephon.io")
 T = TypeVar("T")
-
-
-class AttemptTimeout(TimeoutError):
-    """One download attempt took longer than ``download_timeout_s``."""
 
 
 class IoConfig:
@@ -37,9 +35,16 @@ class IoConfig:
     '/tmp/c'
     """
 
-    __slots__ = ("cache_enabled", "cache_root", "cache_limit_bytes", "download_retry",
-                 "download_timeout_s", "open_retry_attempts", "retry_backoff_initial_s",
-                 "retry_backoff_max_s")
+    __slots__ = (
+        "cache_enabled",
+        "cache_limit_bytes",
+        "cache_root",
+        "download_retry",
+        "download_timeout_s",
+        "open_retry_attempts",
+        "retry_backoff_initial_s",
+        "retry_backoff_max_s",
+    )
 
     def __init__(self, *, cache_enabled: bool = False, cache_root: str | None = None,
                  cache_limit_bytes: int | None = None, download_retry: int = 12,
@@ -72,7 +77,7 @@ class IoConfig:
         return self.key()
 
     def __setstate__(self, state) -> None:
-        for name, value in zip(self.__slots__, state):
+        for name, value in zip(self.__slots__, state, strict=True):
             setattr(self, name, value)
 
     def __repr__(self) -> str:
@@ -114,7 +119,8 @@ def _attempt(fn: Callable[[], T], timeout: float) -> T:
     if not done.wait(timeout):
         # The thread is abandoned: its result is never used (a late reply cannot leak
         # into the data); it ends when the transport's own timeouts give up.
-        raise AttemptTimeout(f"no answer within download_timeout_s={timeout:g} s")
+        raise AttemptTimeout(f"no answer within download_timeout_s={timeout:g} s",
+                             timeout_s=timeout)
     if "error" in box:
         raise box["error"]
     return box["value"]

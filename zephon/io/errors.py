@@ -1,17 +1,13 @@
-"""The error raised when a file or a sample cannot be read.
+"""The error raised when a file or a sample cannot be read (defined in zephon.errors).
 
-It lives in the io layer (the lowest layer that reads files) so that the cache, the
+It is exported by the io layer (the lowest layer that reads files) so that the cache, the
 remote-store access and the format readers raise the same class; the pipeline's
 sources re-export it as ``zephon.sources.SourceError``.
 """
 
 from __future__ import annotations
 
-from zephon.errors import ZephonError
+from zephon.errors import SourceError
 
 __all__ = ["SourceError"]
 
-
-class SourceError(ZephonError):
-    """A file or a sample could not be read. The message names the file (or URL) and
-    the position inside it (line, row group, tar member) when there is one."""

@@ -21,17 +21,18 @@ import logging
 import os
 import threading
 import time
+from typing import Any
 
 from zephon.io.config import IoConfig
 from zephon.io.errors import SourceError
 from zephon.io.remote import FileRef, read_range
 
-__all__ = ["FileReader", "open_with_retry", "RangeFile"]
+__all__ = ["FileReader", "RangeFile", "open_with_retry"]
 
 log = logging.getLogger("zephon.io")
 
 
-def open_with_retry(path: str, mode: str, retry: tuple):
+def open_with_retry(path: str, mode: str, retry: tuple) -> Any:
     """``open`` with ``attempts`` tries and doubling back-off (``retry`` is
     ``(open_retry_attempts, retry_backoff_initial_s, retry_backoff_max_s)``):
     transient failures of shared file systems (a stale handle, a file not visible
@@ -56,7 +57,7 @@ class FileReader:
     def __init__(self, ref: FileRef, cfg: IoConfig, storage_options: dict | None = None) -> None:
         self.ref, self.cfg, self.storage_options = ref, cfg, storage_options
         self._lock = threading.Lock()
-        self._fh = None
+        self._fh: io.BufferedIOBase | None = None
         self._path: str | None = None
 
     @property
@@ -72,12 +73,21 @@ class FileReader:
         self._ensure_open(context)
         return self._path
 
-    def _ensure_open(self, context: str) -> None:
+    def local_file(self, context: str = "") -> str:
+        """Like :meth:`local_path` for a reader that is not streamed: the local file's
+        path; a SourceError naming the file when it is streamed (no local copy)."""
+        path = self.local_path(context)
+        if path is None:
+            raise SourceError(f"{self.ref.url} is streamed: it has no local file")
+        return path
+
+    def _ensure_open(self, context: str) -> io.BufferedIOBase:
+        """The open local file (fetched into the cache first when it is remote)."""
         if self._fh is not None:
-            return
+            return self._fh
         with self._lock:
             if self._fh is not None:
-                return
+                return self._fh
             if self.ref.remote:
                 from zephon.io.cache import FileCache
 
@@ -89,14 +99,15 @@ class FileReader:
             except OSError as exc:
                 raise SourceError(f"cannot open {self.ref.url}: {exc}") from None
             self._path, self._fh = path, fh
+            return fh
 
     def pread(self, offset: int, size: int, context: str = "") -> bytes:
         """Exactly ``size`` bytes at ``offset``, or a SourceError naming the file."""
         if self.streamed:
             return read_range(self.ref, offset, offset + size, self.cfg, self.storage_options,
                               context)
-        self._ensure_open(context)
-        data = os.pread(self._fh.fileno(), size, offset)
+        fh = self._ensure_open(context)
+        data = os.pread(fh.fileno(), size, offset)
         if len(data) != size:
             where = f", {context}" if context else ""
             raise SourceError(f"{self.ref.url}{where}: truncated: expected {size} bytes at "

@@ -31,8 +31,15 @@ from typing import Sequence
 from zephon.io.config import IoConfig, call_with_retry
 from zephon.io.errors import SourceError
 
-__all__ = ["FileRef", "is_remote", "strip_file_url", "expand", "filesystem", "read_range",
-           "require"]
+__all__ = [
+    "FileRef",
+    "expand",
+    "filesystem",
+    "is_remote",
+    "read_range",
+    "require",
+    "strip_file_url",
+]
 
 _FS: dict = {}
 _FS_LOCK = threading.Lock()
@@ -54,7 +61,7 @@ class FileRef:
     ``version`` (the ETag or mtime seen when the source was built; '' for local
     files)."""
 
-    __slots__ = ("url", "size", "version")
+    __slots__ = ("size", "url", "version")
 
     def __init__(self, url: str, size: int, version: str = "") -> None:
         self.url, self.size, self.version = url, int(size), version

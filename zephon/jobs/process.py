@@ -77,10 +77,10 @@ from collections.abc import Iterator
 from typing import Any, Final, NamedTuple
 
 from zephon.errors import (
+    JobSetupError,
     SerializationError,
     SubjectTimeoutError,
     TransportError,
-    ZephonError,
 )
 from zephon.jobs.worker import job_worker_main, unpickle_value
 from zephon.transport.channel import ChannelClosed
@@ -132,12 +132,6 @@ class SlotState(enum.Enum):
 
 _LIVE_STATES: Final = (SlotState.STARTING, SlotState.IDLE, SlotState.BUSY)
 _GOING_STATES: Final = (SlotState.DYING, SlotState.STOPPING)
-
-
-class JobSetupError(ZephonError):
-    """A job worker could not start: the callable did not unpickle, ``setup()`` failed, the
-    main script has no ``if __name__ == "__main__":`` guard, or the worker did not become
-    ready within ``subject_spawn_timeout_sec``."""
 
 
 class Outcome(NamedTuple):

@@ -79,13 +79,22 @@ import time
 from typing import Any, Iterator
 
 from zephon.errors import (
-    SerializationError, SubjectTimeoutError, WorkerCrashedError, ZephonConfigError,
+    SerializationError,
+    SubjectTimeoutError,
+    WorkerCrashedError,
+    ZephonConfigError,
 )
 from zephon.jobs.process import JobSetupError, Outcome
 from zephon.transport.remote_errors import decode_exception, encode_exception
 
-__all__ = ["RayBackend", "describe_cluster", "explain_lines", "import_ray", "BATCH_TARGET_S",
-           "MAX_BATCH"]
+__all__ = [
+    "BATCH_TARGET_S",
+    "MAX_BATCH",
+    "RayBackend",
+    "describe_cluster",
+    "explain_lines",
+    "import_ray",
+]
 
 log = logging.getLogger("zephon.jobs")
 
@@ -211,13 +220,23 @@ def _isolated_task(fn, subject, gpu: bool) -> list[tuple]:
 # -- the driver side ------------------------------------------------------------------
 
 class _Actor:
-    __slots__ = ("handle", "state", "ready_ref", "created", "placed_at", "pid", "node",
-                 "successes", "failures")
+    __slots__ = (
+        "created",
+        "failures",
+        "handle",
+        "node",
+        "pid",
+        "placed_at",
+        "ready_ref",
+        "state",
+        "successes",
+    )
 
     def __init__(self, handle, ready_ref) -> None:
         self.handle, self.ready_ref = handle, ready_ref
         self.state = "placing"  # placing -> starting -> idle <-> busy -> gone
-        self.created, self.placed_at = time.monotonic(), None
+        self.created = time.monotonic()
+        self.placed_at: float | None = None  # when Ray placed it (state "starting")
         self.pid = self.node = None
         self.successes = self.failures = 0
 
@@ -225,7 +244,7 @@ class _Actor:
 class _Call:
     """One in-flight call: its items, its deadline, the actor (persistent mode)."""
 
-    __slots__ = ("ref", "items", "actor", "deadline", "submitted")
+    __slots__ = ("actor", "deadline", "items", "ref", "submitted")
 
     def __init__(self, ref, items, actor, deadline) -> None:
         self.ref, self.items, self.actor, self.deadline = ref, items, actor, deadline
@@ -255,14 +274,14 @@ class RayBackend:
     def __init__(self, fn, policy, workers: int, *, batching: bool = True) -> None:
         self.ray = ray = import_ray()
         self.policy = policy
-        self.stats = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
         self.owns_connection = not ray.is_initialized()
         self.cluster = describe_cluster()
         if self.owns_connection:
             address = os.environ.get("RAY_ADDRESS") or None
             try:
                 ray.init(address=address, logging_level=logging.WARNING)
-            except Exception as exc:  # noqa: BLE001 - unreachable cluster, bad address
+            except Exception as exc:
                 raise ZephonConfigError(
                     f"RunPolicy(backend='ray') could not reach a Ray cluster "
                     f"(RAY_ADDRESS={address!r}): {type(exc).__name__}: {exc}") from exc
@@ -282,7 +301,7 @@ class RayBackend:
         self.nodes = self._alive_nodes()
         try:
             self.fn_ref = ray.put(fn)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._disconnect()
             raise SerializationError(
                 f"the job callable {fn!r} cannot be serialized for Ray workers: "
@@ -297,7 +316,7 @@ class RayBackend:
             self.task = ray.remote(max_retries=0, max_calls=1, **opts)(_isolated_task)
         self.actors: list[_Actor] = []
         self.calls: dict[Any, _Call] = {}
-        self.durations = collections.deque(maxlen=256)
+        self.durations: collections.deque[float] = collections.deque(maxlen=256)
 
     # -- cluster ---------------------------------------------------------------------
     def _alive_nodes(self) -> set[str]:
@@ -350,7 +369,7 @@ class RayBackend:
         for actor in starting:
             if actor.ready_ref not in done:
                 if actor.state == "starting" and timeout is not None and \
-                        now - actor.placed_at > timeout:
+                        actor.placed_at is not None and now - actor.placed_at > timeout:
                     self._retire(actor)
                     raise JobSetupError(
                         f"a Ray job worker did not become ready within {timeout} s "
@@ -420,7 +439,7 @@ class RayBackend:
                     [s for _, s in items], actor.failures,
                     self.policy.persistent_worker_max_consecutive_failures)
             else:
-                (index, subject), = items
+                (_, subject), = items
                 ref = self.task.remote(self.fn_ref, subject, self.gpu)
         except Exception as exc:  # noqa: BLE001 - Ray's serializer refused an argument
             if len(items) > 1:
@@ -438,7 +457,6 @@ class RayBackend:
     def run_round(self, items: list[tuple[int, Any]]) -> Iterator[Outcome]:
         """Run ``(index, subject)`` items; yields one :class:`Outcome` per item, in
         completion order."""
-        ray = self.ray
         queue = collections.deque(items)
         singles: collections.deque = collections.deque()  # split batches, one per call
         while queue or singles or self.calls:
@@ -515,10 +533,19 @@ class RayBackend:
             return
         if actor is not None and actor.state == "busy":
             actor.state = "idle"
-        where = f"Ray worker pid {actor.pid}" if actor is not None else "a Ray task"
         for item in reversed(call.items[len(results):]):  # not run: the actor restarts
             singles.appendleft(item)
-        for (index, _), (ok, value, duration, tb, blob, oom) in zip(call.items, results):
+        yield from self._outcomes(call, results)
+        if actor is not None and actor.state == "idle":
+            self._maybe_retire(actor)
+
+    def _outcomes(self, call: _Call, results: list) -> Iterator[Outcome]:
+        """One Outcome per result of a finished call (a persistent actor's batch may
+        return fewer results than items: the rest went back to ``singles``)."""
+        actor = call.actor
+        where = f"Ray worker pid {actor.pid}" if actor is not None else "a Ray task"
+        for (index, _), (ok, value, duration, tb, blob, oom) in zip(
+                call.items, results, strict=False):
             self.durations.append(duration)
             if ok:
                 if actor is not None:
@@ -532,14 +559,16 @@ class RayBackend:
             if oom:
                 self._back_off()
             yield Outcome(index, False, None, error, duration, "oom" if oom else "error")
-        if actor is not None and actor.state == "idle":
-            recycle = self.policy.persistent_worker_recycle_after_tasks
-            if recycle and actor.successes >= recycle:
-                self.stats["recycled"] += 1
-                self._retire(actor)
-            elif actor.failures >= self.policy.persistent_worker_max_consecutive_failures:
-                self.stats["restarts"] += 1
-                self._retire(actor)
+
+    def _maybe_retire(self, actor: _Actor) -> None:
+        """Retire an idle actor that reached its recycle count or its failure limit."""
+        recycle = self.policy.persistent_worker_recycle_after_tasks
+        if recycle and actor.successes >= recycle:
+            self.stats["recycled"] += 1
+            self._retire(actor)
+        elif actor.failures >= self.policy.persistent_worker_max_consecutive_failures:
+            self.stats["restarts"] += 1
+            self._retire(actor)
 
     def _lost(self, call: _Call, singles, kind: str, exc) -> Iterator[Outcome]:
         """The worker running ``call`` died: a batch is split into single calls; a single

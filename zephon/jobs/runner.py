@@ -42,7 +42,12 @@ import multiprocessing
 import os
 from typing import Any, Iterable, Iterator, NamedTuple
 
-from zephon.errors import CheckpointError, SerializationError, ZephonConfigError, ZephonError
+from zephon.errors import (
+    CheckpointError,
+    RecordedFailure,
+    SerializationError,
+    ZephonConfigError,
+)
 from zephon.jobs.gpu import visible_gpu_count
 from zephon.jobs.process import TREE_POLICY, ProcessBackend
 from zephon.jobs.progress import Progress
@@ -52,7 +57,7 @@ from zephon.jobs.subjects import cache_key_of, callable_name, subject_id_of
 from zephon.options import RunPolicy, backend_reason, resolve_backend
 from zephon.transport.spawn_guard import refuse_in_spawn_bootstrap
 
-__all__ = ["run", "JobRun", "SubjectResult", "RecordedFailure", "ON_BAD_ENTRY"]
+__all__ = ["ON_BAD_ENTRY", "JobRun", "RecordedFailure", "SubjectResult", "run"]
 
 #: What a resumed run does with a store entry it cannot trust or read.
 ON_BAD_ENTRY = ("recompute", "fail")
@@ -97,35 +102,6 @@ class SubjectResult(NamedTuple):
             True
         """
         return self.error is None
-
-
-class RecordedFailure(ZephonError):
-    """A failure an earlier run recorded in the store, replayed without re-running.
-
-    A resumed run serves a stored failure as this error (``retry_failed_subjects=True``
-    re-runs the subject instead). Pickle-safe: it keeps its data when a worker sends it.
-
-    Args:
-        message: the original error's message.
-        error_type: the original exception's class name.
-        traceback: the original traceback text, when one was recorded.
-
-    Example:
-        >>> err = zephon.jobs.RecordedFailure("boom", error_type="ValueError")
-        >>> str(err), err.error_type
-        ('boom', 'ValueError')
-    """
-
-    def __init__(self, message: str, *, error_type: str = "", traceback: str = "") -> None:
-        super().__init__(message)
-        self.error_type, self.traceback = error_type, traceback
-
-    def __reduce__(self):
-        return (_rebuild_recorded, (str(self), self.error_type, self.traceback))
-
-
-def _rebuild_recorded(message, error_type, tb):
-    return RecordedFailure(message, error_type=error_type, traceback=tb)
 
 
 def _error_record(error: BaseException) -> dict:
@@ -202,7 +178,7 @@ class JobRun:
         dupes = [sid for sid, n in collections.Counter(self.ids).items() if n > 1]
         if dupes:
             raise ZephonConfigError(f"duplicate subject ids: {sorted(dupes)[:10]}")
-        self.keys = [cache_key_of(fn, s, sid) for s, sid in zip(self.subjects, self.ids)]
+        self.keys = [cache_key_of(fn, s, sid) for s, sid in zip(self.subjects, self.ids, strict=True)]
         self.backend_name = resolve_backend(policy)
         self.backend_reason = backend_reason(policy)
         self.workers = policy.workers if self.backend_name in ("process", "ray") else 1
@@ -288,133 +264,194 @@ class JobRun:
             return None
 
     def _run(self) -> Iterator[SubjectResult]:
+        """The run: replay what the store holds, run the rest in rounds (retrying failures),
+        then close the backend and the store and publish :attr:`summary`."""
         refuse_in_spawn_bootstrap(f"zephon.jobs.run({callable_name(self.fn)})")
-        policy, n = self.policy, len(self.subjects)
         log.info("starting %s", self.explain().replace("\n", ";"))
-        store = None
-        if self.store_dir is not None:
-            store = CheckpointStore(self.store_dir, self.fingerprint,
-                                    strict=policy.strict_checkpoint_hash,
-                                    allow_pickle=self.allow_pickle)
-        results: list[SubjectResult | None] = [None] * n
-        counts = collections.Counter()
-        progress = Progress(n, self.progress)
-        cursor = 0
+        store = self._open_store()
+        out = _Output(len(self.subjects), self.ordered)
+        counts: collections.Counter[str] = collections.Counter()
+        progress = Progress(len(self.subjects), self.progress)
         interrupted = False
         try:
-            force = set(policy.force_rerun_subjects)
-            todo = []
-            for i in range(n):
-                entry = None
-                if store is not None and policy.resume and self.ids[i] not in force:
-                    entry = self._load(store, i)
-                if isinstance(entry, CheckpointError):
-                    results[i] = SubjectResult(self.ids[i], None, entry, True, 0, 0.0)
-                    counts["failed"] += 1
-                elif entry is not None and entry.ok:
-                    results[i] = SubjectResult(self.ids[i], entry.value, None, True,
-                                               entry.attempts, entry.duration_s)
-                    counts["cached"] += 1
-                elif entry is not None and not policy.retry_failed_subjects:
-                    err = entry.error
-                    results[i] = SubjectResult(
-                        self.ids[i], None,
-                        RecordedFailure(f"{err['type']}: {err['message']} (recorded by an "
-                                        "earlier run)", error_type=err["type"],
-                                        traceback=err.get("traceback", "")),
-                        True, entry.attempts, entry.duration_s)
-                    counts["failed"] += 1
-                    counts["replayed_failures"] += 1
-                else:
-                    todo.append(i)
-                if results[i] is not None:
-                    progress.update(ok=results[i].ok, cached=True)
-            final = [r is not None for r in results]
-            if not self.ordered:
-                for i in range(n):
-                    if final[i]:
-                        yield results[i]
-            else:
-                while cursor < n and final[cursor]:
-                    yield results[cursor]
-                    cursor += 1
-
-            attempts = collections.Counter()
-            self.backend = backend = self._make_backend() if todo else None
-            rounds = 1 + policy.auto_retry_rounds
-            pending = todo
-            for round_no in range(rounds):
-                if not pending:
-                    break
-                last = round_no == rounds - 1
-                failed = []
-                for out in backend.run_round([(i, self.subjects[i]) for i in pending]):
-                    i = out.index
-                    attempts[i] += 1
-                    value, error = out.value, out.error
-                    if out.ok and store is not None:
-                        try:
-                            store.save_success(self.keys[i], self.ids[i], value, attempts[i],
-                                               out.duration_s)
-                        except SerializationError as exc:
-                            value, error = None, exc
-                    if error is not None:
-                        counts["timeouts"] += out.kind == "timeout"
-                        if store is not None:
-                            store.save_failure(self.keys[i], self.ids[i],
-                                               _error_record(error), attempts[i],
-                                               out.duration_s)
-                        if policy.on_subject_failure == "fail_fast":
-                            raise error
-                        failed.append(i)
-                    results[i] = SubjectResult(self.ids[i], value, error, False, attempts[i],
-                                               out.duration_s)
-                    if error is None or last:
-                        final[i] = True
-                        counts["done" if error is None else "failed"] += 1
-                        progress.update(ok=error is None, cached=False)
-                        if not self.ordered:
-                            yield results[i]
-                    if self.ordered:
-                        while cursor < n and final[cursor]:
-                            yield results[cursor]
-                            cursor += 1
-                pending = failed
-            for i in range(n):  # failures of the last round that ran
-                if not final[i]:
-                    final[i] = True
-                    counts["failed"] += 1
-                    progress.update(ok=False, cached=False)
-                    if not self.ordered:
-                        yield results[i]
-            if self.ordered:
-                while cursor < n:
-                    yield results[cursor]
-                    cursor += 1
-            counts["retried"] = sum(1 for a in attempts.values() if a > 1)
-            if policy.clear_checkpoint_on_success and store is not None and \
-                    all(r is not None and r.ok for r in results):
+            todo = self._resume(store, out, counts, progress)
+            yield from out.drain()
+            yield from self._rounds(todo, store, out, counts, progress)
+            if self.policy.clear_checkpoint_on_success and store is not None and \
+                    all(r is not None and r.ok for r in out.results):
                 store.clear()
                 log.info("every subject succeeded: removed checkpoint store %s", store.root)
         except KeyboardInterrupt:
             interrupted = True
             raise
         finally:
-            grace = policy.graceful_shutdown_sec
-            if self.backend is not None:
-                self.backend.shutdown(grace)
-                for key in ("oom_backoffs", "workers_started", "recycled", "restarts"):
-                    counts[key] += self.backend.stats[key]
+            self._close(store, counts, progress, interrupted)
+
+    def _open_store(self) -> CheckpointStore | None:
+        if self.store_dir is None:
+            return None
+        return CheckpointStore(self.store_dir, self.fingerprint,
+                               strict=self.policy.strict_checkpoint_hash,
+                               allow_pickle=self.allow_pickle)
+
+    def _resume(self, store: CheckpointStore | None, out: _Output,
+                counts: collections.Counter[str], progress: Progress) -> list[int]:
+        """Finish every subject the store already settles (a cached success, a replayed
+        failure, an entry that fails under ``on_bad_entry="fail"``); returns the indexes
+        still to run. Their results are released by the caller (``out.drain()``)."""
+        policy = self.policy
+        force = set(policy.force_rerun_subjects)
+        todo = []
+        for i in range(len(self.subjects)):
+            entry = None
+            if store is not None and policy.resume and self.ids[i] not in force:
+                entry = self._load(store, i)
+            result = self._stored_result(i, entry, counts)
+            if result is None:
+                todo.append(i)
+                continue
+            out.results[i] = result
+            progress.update(ok=result.ok, cached=True)
+        for i in range(len(self.subjects)):
+            if out.results[i] is not None:
+                out.finish(i)
+        return todo
+
+    def _stored_result(self, i: int, entry, counts: collections.Counter[str]
+                       ) -> SubjectResult | None:
+        """The result a store entry settles for subject ``i``, or None to run it."""
+        if isinstance(entry, CheckpointError):
+            counts["failed"] += 1
+            return SubjectResult(self.ids[i], None, entry, True, 0, 0.0)
+        if entry is None:
+            return None
+        if entry.ok:
+            counts["cached"] += 1
+            return SubjectResult(self.ids[i], entry.value, None, True, entry.attempts,
+                                 entry.duration_s)
+        if self.policy.retry_failed_subjects:
+            return None
+        err = entry.error
+        counts["failed"] += 1
+        counts["replayed_failures"] += 1
+        return SubjectResult(
+            self.ids[i], None,
+            RecordedFailure(f"{err['type']}: {err['message']} (recorded by an earlier run)",
+                            error_type=err["type"], traceback=err.get("traceback", "")),
+            True, entry.attempts, entry.duration_s)
+
+    def _rounds(self, todo: list[int], store: CheckpointStore | None, out: _Output,
+                counts: collections.Counter[str], progress: Progress
+                ) -> Iterator[SubjectResult]:
+        """Run ``todo`` on the backend, then its failures again for each retry round; a
+        failure of the last round that ran is final."""
+        attempts: collections.Counter[int] = collections.Counter()
+        self.backend = backend = self._make_backend() if todo else None
+        rounds = 1 + self.policy.auto_retry_rounds
+        pending = todo
+        for round_no in range(rounds):
+            if not pending or backend is None:
+                break
+            last = round_no == rounds - 1
+            failed = []
+            for outcome in backend.run_round([(i, self.subjects[i]) for i in pending]):
+                i = outcome.index
+                attempts[i] += 1
+                error = self._settle(outcome, attempts[i], store, out, counts)
+                if error is not None:
+                    failed.append(i)
+                if error is None or last:
+                    self._final(i, counts, progress, out, ok=error is None)
+                yield from out.drain()
+            pending = failed
+        for i in range(len(self.subjects)):  # failures of the last round that ran
+            if not out.final[i]:
+                self._final(i, counts, progress, out, ok=False)
+        yield from out.drain()
+        counts["retried"] = sum(1 for a in attempts.values() if a > 1)
+
+    def _settle(self, outcome, attempt: int, store: CheckpointStore | None, out: _Output,
+                counts: collections.Counter[str]) -> BaseException | None:
+        """Record one outcome (in the store, in ``out.results``); returns its error, or
+        raises it under ``on_subject_failure="fail_fast"``."""
+        i = outcome.index
+        value, error = outcome.value, outcome.error
+        if outcome.ok and store is not None:
+            try:
+                store.save_success(self.keys[i], self.ids[i], value, attempt,
+                                   outcome.duration_s)
+            except SerializationError as exc:
+                value, error = None, exc
+        if error is not None:
+            counts["timeouts"] += outcome.kind == "timeout"
             if store is not None:
-                store.close()
-            self.summary = {k: counts[k] for k in ("done", "cached", "failed", "retried",
-                                                   "timeouts", "oom_backoffs")}
-            self.summary["workers_started"] = counts["workers_started"]
-            self.summary.update({k: counts[k] for k in ("replayed_failures", "recycled",
-                                                        "restarts") if counts[k]})
-            if interrupted:
-                self.summary["interrupted"] = 1
-            progress.close(self.summary)
+                store.save_failure(self.keys[i], self.ids[i], _error_record(error), attempt,
+                                   outcome.duration_s)
+            if self.policy.on_subject_failure == "fail_fast":
+                raise error
+        out.results[i] = SubjectResult(self.ids[i], value, error, False, attempt,
+                                       outcome.duration_s)
+        return error
+
+    @staticmethod
+    def _final(i: int, counts: collections.Counter[str], progress: Progress, out: _Output,
+               *, ok: bool) -> None:
+        counts["done" if ok else "failed"] += 1
+        progress.update(ok=ok, cached=False)
+        out.finish(i)
+
+    def _close(self, store: CheckpointStore | None, counts: collections.Counter[str],
+               progress: Progress, interrupted: bool) -> None:
+        """Shut the backend down, close the store, publish :attr:`summary`."""
+        if self.backend is not None:
+            self.backend.shutdown(self.policy.graceful_shutdown_sec)
+            for key in ("oom_backoffs", "workers_started", "recycled", "restarts"):
+                counts[key] += self.backend.stats[key]
+        if store is not None:
+            store.close()
+        self.summary = {k: counts[k] for k in ("done", "cached", "failed", "retried",
+                                               "timeouts", "oom_backoffs")}
+        self.summary["workers_started"] = counts["workers_started"]
+        self.summary.update({k: counts[k] for k in ("replayed_failures", "recycled",
+                                                    "restarts") if counts[k]})
+        if interrupted:
+            self.summary["interrupted"] = 1
+        progress.close(self.summary)
+
+
+class _Output:
+    """The one output cursor of a run: results become final in any order; ``drain()``
+    releases them in completion order (unordered) or in subject order (ordered, each as
+    soon as every earlier subject is final)."""
+
+    def __init__(self, n: int, ordered: bool) -> None:
+        self.results: list[SubjectResult | None] = [None] * n
+        self.final = [False] * n
+        self.ordered = ordered
+        self._ready: list[int] = []  # unordered: final, not yet released
+        self._cursor = 0  # ordered: every subject before it has been released
+
+    def finish(self, i: int) -> None:
+        """Subject ``i``'s result in :attr:`results` is final."""
+        self.final[i] = True
+        if not self.ordered:
+            self._ready.append(i)
+
+    def drain(self) -> Iterator[SubjectResult]:
+        """The results that may be released now."""
+        if not self.ordered:
+            ready, self._ready = self._ready, []
+            for i in ready:
+                yield self._result(i)
+            return
+        while self._cursor < len(self.final) and self.final[self._cursor]:
+            self._cursor += 1
+            yield self._result(self._cursor - 1)
+
+    def _result(self, i: int) -> SubjectResult:
+        result = self.results[i]
+        assert result is not None, f"subject {i} released before its result was set"
+        return result
 
 
 def run(fn, subjects: Iterable[Any], policy: RunPolicy | None = None,

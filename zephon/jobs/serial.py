@@ -24,7 +24,7 @@ class SerialBackend:
         self.fn = fn
         self._set_up = False
         self.concurrency = 1
-        self.stats = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
 
     def run_round(self, items: list[tuple[int, Any]]) -> Iterator[Outcome]:
         if not self._set_up:

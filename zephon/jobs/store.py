@@ -68,7 +68,7 @@ import zstandard
 from zephon.errors import CheckpointError, SerializationError
 from zephon.kernels.types import dtype_from_token, dtype_token
 
-__all__ = ["CheckpointStore", "StoredEntry", "encode_value", "decode_value"]
+__all__ = ["CheckpointStore", "StoredEntry", "decode_value", "encode_value"]
 
 log = logging.getLogger("zephon.jobs")
 
@@ -137,7 +137,7 @@ def decode_value(data: bytes, *, allow_pickle: bool) -> Any:
 
 
 class StoredEntry:
-    __slots__ = ("ok", "value", "error", "attempts", "duration_s")
+    __slots__ = ("attempts", "duration_s", "error", "ok", "value")
 
     def __init__(self, ok: bool, value: Any, error: dict | None, attempts: int,
                  duration_s: float) -> None:
@@ -346,7 +346,7 @@ class CheckpointStore:
             blob = self._read_file(".", "FINGERPRINT", "fingerprint file")
             recorded = None if blob is None else json.loads(blob.decode())["fingerprint"]
             if recorded is not None and not isinstance(recorded, str):
-                raise ValueError(f"the fingerprint is a {type(recorded).__name__}")
+                raise CheckpointError(f"the fingerprint is a {type(recorded).__name__}")
         except (CheckpointError, ValueError, KeyError, TypeError) as exc:
             if strict:
                 raise CheckpointError(f"{path} is unreadable ({exc}) and "
@@ -403,10 +403,10 @@ class CheckpointStore:
                 view = view[os.write(fd, view):]
             os.fsync(fd)
             os.close(fd)
-            fd = None
+            fd = -1  # closed
             os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
         except BaseException:
-            if fd is not None:
+            if fd >= 0:
                 os.close(fd)
             try:
                 os.unlink(tmp, dir_fd=dfd)

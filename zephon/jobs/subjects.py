@@ -17,7 +17,7 @@ from typing import Any
 
 from zephon.errors import ZephonConfigError
 
-__all__ = ["subject_id_of", "callable_name", "cache_key_of"]
+__all__ = ["cache_key_of", "callable_name", "subject_id_of"]
 
 
 def subject_id_of(subject: Any, position: int) -> str:
@@ -43,9 +43,8 @@ def callable_name(fn: Any) -> str:
     ``cache_key``), else of the callable object's class."""
     if isinstance(fn, functools.partial):
         return callable_name(fn.func) + "[partial]"
-    if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
-        target = fn
-    else:
+    target: Any = fn
+    if not isinstance(fn, (types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
         target = type(fn)
     return f"{getattr(target, '__module__', None) or '?'}.{target.__qualname__}"
 

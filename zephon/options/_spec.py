@@ -43,11 +43,21 @@ import numbers
 import os
 import re
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, TypeVar
 
 from zephon.errors import ZephonConfigError
 
-__all__ = ["Check", "FrozenMap", "OptionsBase", "option", "option_class", "fail"]
+__all__ = [
+    "Check",
+    "FrozenMap",
+    "OptionsBase",
+    "fail",
+    "field_default",
+    "option",
+    "option_class",
+]
+
+_O = TypeVar("_O", bound="OptionsBase")
 
 
 def _show(value: Any) -> str:
@@ -88,6 +98,7 @@ class FrozenMap(Mapping):
     """
 
     __slots__ = ("_data",)
+    _data: dict[Any, Any]
 
     def __init__(self, data: Mapping | None = None) -> None:
         object.__setattr__(self, "_data", dict(data or {}))
@@ -272,7 +283,7 @@ class EnumOf(Check):
 class Nested(Check):
     """A nested option object; ``from_dict`` accepts its dict form."""
 
-    def __init__(self, cls: type, *, optional=False):
+    def __init__(self, cls: type[OptionsBase], *, optional=False):
         super().__init__(optional=optional)
         self.cls = cls
         self.allowed = f"a {cls.__name__} (or its dict form in from_dict)"
@@ -308,7 +319,7 @@ class IntKeyMap(Check):
         out = {}
         for key, item in value.items():
             if isinstance(key, bool) or not isinstance(key, numbers.Integral) \
-                    or not 0 <= key <= self.max_key:
+                    or not 0 <= int(key) <= self.max_key:
                 raise fail(owner, f"{name}[{_show(key).rsplit(' (', 1)[0]}]", key,
                            self.key_allowed)
             out[int(key)] = self.value_check.validate(owner, f"{name}[{int(key)}]", item)
@@ -406,13 +417,24 @@ def option(default: Any = dataclasses.MISSING, *, check: Check, doc: str,
     )
 
 
-def document(cls: type) -> type:
+def field_default(f: dataclasses.Field) -> Any:
+    """The default value of an option field (its ``default``, else a fresh value from its
+    ``default_factory``)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    factory = f.default_factory
+    if not callable(factory):
+        raise TypeError(f"option field {f.name!r} has no default")
+    return factory()
+
+
+def document(cls: type[_O]) -> type[_O]:
     """Append an ``Attributes`` section built from the field docs to ``cls.__doc__``."""
     # cleandoc: a multi-line class docstring keeps its indentation otherwise, and the
     # appended section (indented from column 0) would leave it indented in help().
     lines = [inspect.cleandoc(cls.__doc__ or ""), "", "Attributes:"]
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = field_default(f)
         check = f.metadata["check"]
         shown = check.dump(default) if default is not None else None
         lines.append(f"    {f.name} (default {shown!r}; {check.describe()}):")
@@ -421,7 +443,7 @@ def document(cls: type) -> type:
     return cls
 
 
-def option_class(cls: type) -> type:
+def option_class(cls: type[_O]) -> type[_O]:
     """Finish an option class (apply after ``@dataclass``): document its fields and make
     every constructor failure a :class:`~zephon.errors.ZephonConfigError`.
 
@@ -442,7 +464,7 @@ def option_class(cls: type) -> type:
         cls._reject_unknown(kwargs.keys(), "__init__")
         generated(self, **kwargs)
 
-    cls.__init__ = __init__
+    cls.__init__ = __init__  # type: ignore[method-assign]  # the wrapper is the point
     return document(cls)
 
 
@@ -450,6 +472,8 @@ class OptionsBase:
     """Validation, dict round trip, ``replace`` and pickling for option classes."""
 
     __slots__ = ()
+    if TYPE_CHECKING:  # set by @dataclass on every subclass
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def __post_init__(self) -> None:
         owner = type(self).__name__

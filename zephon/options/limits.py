@@ -43,10 +43,21 @@ the field's documentation and in its error message.
 from __future__ import annotations
 
 __all__ = [
-    "MAX_WORKERS", "MAX_SOCKET_BUFFER_BYTES", "MAX_SECONDS", "MAX_QUEUE_DEPTH",
-    "MAX_MTP_BUFFER", "MAX_CANONICAL_REPLICAS", "MAX_WORLD_SIZE", "MAX_STAGE_INDEX",
-    "MAX_BYTES", "MAX_CACHE_BYTES", "MAX_RETRIES", "MAX_JOB_WORKERS", "MAX_COUNT",
-    "MAX_RATIO", "MAX_SEED",
+    "MAX_BYTES",
+    "MAX_CACHE_BYTES",
+    "MAX_CANONICAL_REPLICAS",
+    "MAX_COUNT",
+    "MAX_JOB_WORKERS",
+    "MAX_MTP_BUFFER",
+    "MAX_QUEUE_DEPTH",
+    "MAX_RATIO",
+    "MAX_RETRIES",
+    "MAX_SECONDS",
+    "MAX_SEED",
+    "MAX_SOCKET_BUFFER_BYTES",
+    "MAX_STAGE_INDEX",
+    "MAX_WORKERS",
+    "MAX_WORLD_SIZE",
 ]
 
 MAX_WORKERS = 127

@@ -11,12 +11,20 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from zephon.options.limits import MAX_SECONDS
 from zephon.options._spec import (
-    Bool, FrozenMap, Float, Int, OptionsBase, Str, StrMap, option, option_class,
+    Bool,
+    Float,
+    FrozenMap,
+    Int,
+    OptionsBase,
+    Str,
+    StrMap,
+    option,
+    option_class,
 )
+from zephon.options.limits import MAX_SECONDS
 
-__all__ = ["ExecutionTrackingMode", "MetricsSinkConfig", "METRICS_SINK_MODES"]
+__all__ = ["METRICS_SINK_MODES", "ExecutionTrackingMode", "MetricsSinkConfig"]
 
 METRICS_SINK_MODES = ("log", "statsd", "both")
 # An IPv4 address or a DNS name (labels of 1-63 letters, digits and hyphens): anything

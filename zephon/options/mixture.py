@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zephon.options.limits import MAX_SEED
 from zephon.options._spec import Bool, Int, OptionsBase, Str, option, option_class
+from zephon.options.limits import MAX_SEED
 
-__all__ = ["MixtureReadConfig", "MIXTURE_MODES", "WITHIN_COMPONENT_MODES"]
+__all__ = ["MIXTURE_MODES", "WITHIN_COMPONENT_MODES", "MixtureReadConfig"]
 
 MIXTURE_MODES = ("weighted_round_robin", "weighted_random")
 WITHIN_COMPONENT_MODES = ("as_is", "shuffle")

@@ -14,12 +14,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zephon.options.limits import MAX_COUNT, MAX_JOB_WORKERS, MAX_RETRIES, MAX_SECONDS
 from zephon.options._spec import (
-    Bool, Float, Int, OptionsBase, PathStr, Str, StrTuple, option, option_class,
+    Bool,
+    Float,
+    Int,
+    OptionsBase,
+    PathStr,
+    Str,
+    StrTuple,
+    option,
+    option_class,
 )
+from zephon.options.limits import MAX_COUNT, MAX_JOB_WORKERS, MAX_RETRIES, MAX_SECONDS
 
-__all__ = ["RunPolicy", "BACKENDS", "FAILURE_POLICIES", "PARALLEL_MODES"]
+__all__ = ["BACKENDS", "FAILURE_POLICIES", "PARALLEL_MODES", "RunPolicy"]
 
 BACKENDS = ("serial", "process", "ray")
 FAILURE_POLICIES = ("continue", "fail_fast")

@@ -36,30 +36,31 @@ import re
 from typing import Any, NamedTuple, Sequence
 
 from zephon.errors import ZephonConfigError
+from zephon.options._spec import field_default
 from zephon.options.limits import MAX_MTP_BUFFER
 
 __all__ = [
-    "resolve_max_workers",
-    "resolve_prefetch_batches",
-    "resolve_op_queue_capacity",
-    "resolve_mtp_buffer",
-    "resolve_mtp_prefetch",
-    "resolve_default_stage_prefetch",
-    "resolve_stage_prefetch",
-    "resolve_flush_every_k_chunks",
-    "resolve_dp_degree",
-    "resolve_dp_group_id",
-    "resolve_canonical_replicas",
-    "resolve_mapping_strategy",
-    "resolve_aggregate_timeout_s",
-    "resolve_stage_workers",
-    "resolve_backend",
+    "CLOUD_AGGREGATE_MIN_TIMEOUT_S",
+    "STAGE_RUNNERS",
+    "ResolvedValue",
     "backend_reason",
     "is_cloud_path",
+    "resolve_aggregate_timeout_s",
     "resolve_all",
-    "ResolvedValue",
-    "STAGE_RUNNERS",
-    "CLOUD_AGGREGATE_MIN_TIMEOUT_S",
+    "resolve_backend",
+    "resolve_canonical_replicas",
+    "resolve_default_stage_prefetch",
+    "resolve_dp_degree",
+    "resolve_dp_group_id",
+    "resolve_flush_every_k_chunks",
+    "resolve_mapping_strategy",
+    "resolve_max_workers",
+    "resolve_mtp_buffer",
+    "resolve_mtp_prefetch",
+    "resolve_op_queue_capacity",
+    "resolve_prefetch_batches",
+    "resolve_stage_prefetch",
+    "resolve_stage_workers",
 ]
 
 STAGE_RUNNERS = ("inline", "threads", "process")
@@ -353,7 +354,7 @@ def is_cloud_path(path: str | None) -> bool:
     if not path:
         return False
     match = _URL_SCHEME.match(path)
-    return bool(match) and match.group(1).lower() != "file"
+    return match is not None and match.group(1).lower() != "file"
 
 
 def resolve_aggregate_timeout_s(opts) -> float:
@@ -546,7 +547,7 @@ def resolve_all(opts, cpu_count: int | None = None) -> dict[str, ResolvedValue]:
     out: dict[str, ResolvedValue] = {}
     for f in dataclasses.fields(opts):
         raw = getattr(opts, f.name)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = field_default(f)
         if f.name in _DERIVED and raw is None:
             out[f.name] = ResolvedValue(_DERIVED[f.name](opts, cpu_count), "derived")
         elif f.name == "aggregate_timeout_s" and resolve_aggregate_timeout_s(opts) != raw:

@@ -22,27 +22,46 @@ from dataclasses import dataclass
 from typing import Any
 
 from zephon.errors import ZephonConfigError
+from zephon.options import resolve as _r
 from zephon.options._spec import (
-    Bool, EnumOf, Float, FrozenMap, Int, IntKeyMap, MpContext, Nested, OptionsBase,
-    PathStr, Str, option, option_class,
+    Bool,
+    EnumOf,
+    Float,
+    FrozenMap,
+    Int,
+    IntKeyMap,
+    MpContext,
+    Nested,
+    OptionsBase,
+    PathStr,
+    Str,
+    option,
+    option_class,
+)
+from zephon.options.limits import (
+    MAX_BYTES,
+    MAX_CANONICAL_REPLICAS,
+    MAX_MTP_BUFFER,
+    MAX_QUEUE_DEPTH,
+    MAX_RATIO,
+    MAX_RETRIES,
+    MAX_SECONDS,
+    MAX_SOCKET_BUFFER_BYTES,
+    MAX_STAGE_INDEX,
+    MAX_WORKERS,
+    MAX_WORLD_SIZE,
 )
 from zephon.options.metrics import ExecutionTrackingMode, MetricsSinkConfig
 from zephon.options.mixture import MixtureReadConfig
-from zephon.options import resolve as _r
-from zephon.options.limits import (
-    MAX_BYTES, MAX_CANONICAL_REPLICAS, MAX_MTP_BUFFER, MAX_QUEUE_DEPTH, MAX_RATIO,
-    MAX_RETRIES, MAX_SECONDS, MAX_SOCKET_BUFFER_BYTES, MAX_STAGE_INDEX, MAX_WORKERS,
-    MAX_WORLD_SIZE,
-)
 from zephon.options.store import StoreOptions
 
 __all__ = [
-    "RuntimeOptions",
-    "DEFAULT_RUN_ID",
     "DEFAULT_IPC_BUFFER_BYTES",
     "DEFAULT_MTP_BUFFER_BYTES",
+    "DEFAULT_RUN_ID",
     "RUNNERS",
     "WORKER_ALLOCATIONS",
+    "RuntimeOptions",
 ]
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zephon.errors import ZephonConfigError
-from zephon.options.limits import MAX_CACHE_BYTES, MAX_RETRIES, MAX_SECONDS
 from zephon.options._spec import Bool, Float, Int, OptionsBase, PathStr, option, option_class
+from zephon.options.limits import MAX_CACHE_BYTES, MAX_RETRIES, MAX_SECONDS
 
 __all__ = ["StoreOptions"]
 

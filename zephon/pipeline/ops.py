@@ -35,17 +35,32 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from zephon.errors import ZephonConfigError, ZephonError
+from zephon.errors import OpError, ZephonConfigError
 
-__all__ = ["Record", "Boundary", "Batch", "OpContext", "OpError", "Op", "MapOp", "FilterOp",
-           "MapBatchOp", "ShuffleOp", "BatchOp", "PackTokensOp", "collate", "fn_name",
-           "make_batch", "collate_column"]
+__all__ = [
+    "Batch",
+    "BatchOp",
+    "Boundary",
+    "FilterOp",
+    "MapBatchOp",
+    "MapOp",
+    "Op",
+    "OpContext",
+    "OpError",
+    "PackTokensOp",
+    "Record",
+    "ShuffleOp",
+    "collate",
+    "collate_column",
+    "fn_name",
+    "make_batch",
+]
 
 
 class Record:
     """A value with the identities of its samples and the lane position it ends at."""
 
-    __slots__ = ("value", "ids", "pos")
+    __slots__ = ("ids", "pos", "value")
 
     def __init__(self, value: Any, ids: list, pos: tuple = (0, -1)) -> None:
         self.value, self.ids, self.pos = value, ids, pos
@@ -93,21 +108,6 @@ def _rebuild_batch(data, meta):
     return Batch(data, meta=meta)
 
 
-class OpError(ZephonError):
-    """A user op raised; ``op`` and ``sample_id`` say where, ``__cause__`` is the error."""
-
-    def __init__(self, message: str, *, op: str = "", sample_id: Any = None) -> None:
-        super().__init__(message)
-        self.op, self.sample_id = op, sample_id
-
-    def __reduce__(self):
-        return (_rebuild_op_error, (str(self), self.op, self.sample_id))
-
-
-def _rebuild_op_error(message, op, sample_id):
-    return OpError(message, op=op, sample_id=sample_id)
-
-
 def _stable_hash(text: str) -> int:
     return zlib.crc32(text.encode())
 
@@ -115,10 +115,11 @@ def _stable_hash(text: str) -> int:
 class OpContext:
     """What an op may know about the sample it runs on; ``rng`` is seeded from its identity."""
 
-    __slots__ = ("sample_id", "seed", "_rng")
+    __slots__ = ("_rng", "sample_id", "seed")
 
     def __init__(self, sample_id, seed: int) -> None:
-        self.sample_id, self.seed, self._rng = sample_id, seed, None
+        self.sample_id, self.seed = sample_id, seed
+        self._rng: np.random.Generator | None = None
 
     @property
     def rng(self) -> np.random.Generator:
@@ -191,7 +192,7 @@ def fn_identity(fn: Any, depth: int = 0) -> str:
 
 def _cell_ok(cell) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:  # an empty cell
         return False
     return True
@@ -248,7 +249,7 @@ class MapOp(Op):
         for r in records:
             try:
                 value = fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx else fn(r.value)
-            except Exception as exc:  # noqa: BLE001 - named and re-raised for the consumer
+            except Exception as exc:
                 raise _op_error(self, r, exc) from exc
             out.append(Record(value, r.ids, r.pos))
         return out
@@ -262,7 +263,7 @@ class FilterOp(MapOp):
         for r in records:
             try:
                 keep = fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx else fn(r.value)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 raise _op_error(self, r, exc) from exc
             if keep:
                 out.append(r)
@@ -278,7 +279,7 @@ class MapBatchOp(MapOp):
         for r in records:
             try:
                 value = self.fn(r.value)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 raise _op_error(self, r, exc) from exc
             if isinstance(r.value, Batch) and isinstance(value, dict) and \
                     not isinstance(value, Batch):
@@ -313,7 +314,8 @@ class ShuffleOp(Op):
 
 class _ShuffleState:
     def __init__(self, size: int, rng: np.random.Generator) -> None:
-        self.size, self.rng, self.buf = size, rng, []
+        self.size, self.rng = size, rng
+        self.buf: list = []
 
     def push(self, records: list) -> list:
         out, buf = [], self.buf
@@ -363,9 +365,9 @@ def collate(values: list) -> dict:
 def collate_column(column: list):
     """One column of a batch: a stacked array when every value is numeric with one shape
     and dtype, else the list itself (the rule :func:`collate` applies to non-tensors)."""
-    arrays = [np.asarray(c) if isinstance(c, (np.ndarray, np.generic, int, float, bool))
-              else None for c in column]
-    if all(a is not None for a in arrays) and len({(a.shape, a.dtype) for a in arrays}) == 1:
+    arrays = [np.asarray(c) for c in column
+              if isinstance(c, (np.ndarray, np.generic, int, float, bool))]
+    if len(arrays) == len(column) and len({(a.shape, a.dtype) for a in arrays}) == 1:
         return np.stack(arrays)
     return column
 
@@ -397,7 +399,8 @@ class BatchOp(Op):
 
 class _BatchState:
     def __init__(self, size: int, drop_last: bool) -> None:
-        self.size, self.drop_last, self.buf = size, drop_last, []
+        self.size, self.drop_last = size, drop_last
+        self.buf: list = []
 
     def _make(self, records: list) -> Record:
         return make_batch(records)

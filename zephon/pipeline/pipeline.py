@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
+
 from zephon.checkpoint import decode_state
 from zephon.errors import ZephonConfigError
 from zephon.options import RuntimeOptions
@@ -28,7 +29,7 @@ from zephon.pipeline import ops as O
 from zephon.pipeline.engine import Plan
 from zephon.pipeline.iterator import PipelineIterator, RunRecord
 from zephon.pipeline.sources import Source
-from zephon.pipeline.state import check_state
+from zephon.pipeline.state import check_state, local_state
 from zephon.pipeline.validate import validate
 from zephon.transport.spawn_guard import refuse_in_spawn_bootstrap
 
@@ -455,11 +456,20 @@ class Pipeline:
             True
         """
         if self._pending is not None:
-            return PipelineIterator.checkpoint(_Detached(self, RunRecord(self._pending)))
+            return self._checkpoint_of(self._pending)
         current = self._live()
         if current is not None:
             return current.checkpoint()
-        return PipelineIterator.checkpoint(_Detached(self, self._record))
+        return self._checkpoint_of(self._record.states)
+
+    def _checkpoint_of(self, states: dict[int, tuple]) -> bytes:
+        """Checkpoint bytes of lane ``states`` without a live run (a pending restore, or a
+        run that has ended), as :meth:`PipelineIterator.checkpoint` makes them."""
+        from zephon.checkpoint import exchange_state
+
+        plan = self.plan()
+        local = local_state(plan, self.fingerprint(), states)
+        return exchange_state(local, plan.opts, self._next_round())
 
     def restore(self, state: bytes) -> None:
         """Continue exactly after the last item delivered when ``state`` was taken.
@@ -493,11 +503,3 @@ class Pipeline:
             current.restore(state)
             return
         self._pending = check_state(decode_state(state), self.plan(), self.fingerprint())
-
-
-class _Detached:
-    """The parts of an iterator that ``checkpoint()`` needs, for a state without a live
-    run (a pending restore, or a run that has ended)."""
-
-    def __init__(self, pipeline: Pipeline, record: RunRecord) -> None:
-        self.pipeline, self.plan, self.record = pipeline, pipeline.plan(), record

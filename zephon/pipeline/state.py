@@ -27,7 +27,7 @@ from typing import Any
 
 from zephon.errors import CheckpointError
 
-__all__ = ["local_state", "check_state", "MAX_COUNT"]
+__all__ = ["MAX_COUNT", "check_state", "local_state"]
 
 #: No count in a state can be larger (items, positions, epochs): 2**48 items is far
 #: beyond any real run, and keeps every figure exact in JSON and msgpack alike.
@@ -57,6 +57,32 @@ def _int(value: Any, what: str, low: int = 0, high: int = MAX_COUNT) -> int:
 def check_state(decoded: Any, plan, fingerprint: str) -> dict[int, tuple]:
     """The lane states of a decoded checkpoint, checked against ``plan``; raises
     :class:`~zephon.errors.CheckpointError` naming the first field that is wrong."""
+    lanes, mode = _check_header(decoded, plan, fingerprint)
+    entries = decoded["lanes"]
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"corrupt checkpoint: lanes must be a mapping, got "
+                              f"{type(entries).__name__}")
+    if len(entries) > lanes:
+        raise CheckpointError(f"corrupt checkpoint: {len(entries)} lane entries for {lanes} "
+                              "lanes")
+    max_epoch = MAX_COUNT if plan.pipeline.num_epochs is None else plan.pipeline.num_epochs - 1
+    states: dict[int, tuple] = {}
+    for key, value in entries.items():
+        if not isinstance(key, str) or not _LANE_ID.fullmatch(key):
+            raise CheckpointError(f"corrupt checkpoint: lane id {key!r:.40} is not a lane "
+                                  "number in canonical form")
+        lane = _int(int(key), f"lane id {key}", 0, lanes - 1)
+        where = f"lane {lane}"
+        if not isinstance(value, list):
+            raise CheckpointError(f"corrupt checkpoint: {where} must be a list, got "
+                                  f"{type(value).__name__}")
+        check = _cursor_lane if mode == "cursor" else _replay_lane
+        states[lane] = check(value, where, plan, plan.lane_length(lane), max_epoch)
+    return states
+
+
+def _check_header(decoded: Any, plan, fingerprint: str) -> tuple[int, str]:
+    """Check the fields around the lane entries; returns (canonical lanes, resume mode)."""
     if not isinstance(decoded, dict):
         raise CheckpointError("corrupt checkpoint: the state is not a mapping")
     for key in _REQUIRED:
@@ -85,52 +111,40 @@ def check_state(decoded: Any, plan, fingerprint: str) -> dict[int, tuple]:
     if decoded["resume"] != mode:
         raise CheckpointError(f"checkpoint resumes by {decoded.get('resume')!r}, this pipeline "
                               f"by {mode!r}")
-    entries = decoded["lanes"]
-    if not isinstance(entries, dict):
-        raise CheckpointError(f"corrupt checkpoint: lanes must be a mapping, got "
-                              f"{type(entries).__name__}")
-    if len(entries) > lanes:
-        raise CheckpointError(f"corrupt checkpoint: {len(entries)} lane entries for {lanes} "
-                              "lanes")
-    p = plan.pipeline
-    max_epoch = MAX_COUNT if p.num_epochs is None else p.num_epochs - 1
-    states: dict[int, tuple] = {}
-    for key, value in entries.items():
-        if not isinstance(key, str) or not _LANE_ID.fullmatch(key):
-            raise CheckpointError(f"corrupt checkpoint: lane id {key!r:.40} is not a lane "
-                                  "number in canonical form")
-        lane = _int(int(key), f"lane id {key}", 0, lanes - 1)
-        where = f"lane {lane}"
-        if not isinstance(value, list):
-            raise CheckpointError(f"corrupt checkpoint: {where} must be a list, got "
-                                  f"{type(value).__name__}")
-        length = plan.lane_length(lane)
-        if mode == "cursor":
-            if len(value) != 3:
-                raise CheckpointError(f"corrupt checkpoint: {where} must be [epoch, pos, "
-                                      f"total], got {len(value)} value(s)")
-            epoch = _int(value[0], f"{where} epoch", 0, max_epoch)
-            pos = _int(value[1], f"{where} position", 0, length)
-            total = _int(value[2], f"{where} items delivered", 0,
-                         min(MAX_COUNT, (epoch + 1) * length))
-            states[lane] = (epoch, pos, total)
-        else:
-            if len(value) != 4:
-                raise CheckpointError(f"corrupt checkpoint: {where} must be [epoch, k, since, "
-                                      f"total], got {len(value)} value(s)")
-            epoch = _int(value[0], f"{where} epoch", 0, max_epoch)
-            chunks = -(-length // p.chunk_size)
-            k = _int(value[1], f"{where} lane chunk", 0, max(0, chunks - 1))
-            K = plan.flush_every
-            if (K and k % K) or (not K and k):
-                raise CheckpointError(f"corrupt checkpoint: {where} lane chunk {k} is not a "
-                                      f"flush boundary (every {K or 'epoch'} chunks)")
-            if plan.expands:  # a packer may cut many rows from one sample: no static bound
-                segment = total_bound = MAX_COUNT
-            else:  # every delivered item consumed at least one sample of the segment
-                segment = min(length - k * p.chunk_size, K * p.chunk_size) if K else length
-                total_bound = min(MAX_COUNT, (epoch + 1) * length)
-            total = _int(value[3], f"{where} items delivered", 1, total_bound)
-            since = _int(value[2], f"{where} items since its boundary", 1, min(total, segment))
-            states[lane] = (epoch, k, since, total)
-    return states
+    return lanes, mode
+
+
+def _cursor_lane(value: list, where: str, plan, length: int, max_epoch: int) -> tuple:
+    """A cursor-resume lane entry: ``[epoch, position, items delivered]``."""
+    if len(value) != 3:
+        raise CheckpointError(f"corrupt checkpoint: {where} must be [epoch, pos, "
+                              f"total], got {len(value)} value(s)")
+    epoch = _int(value[0], f"{where} epoch", 0, max_epoch)
+    pos = _int(value[1], f"{where} position", 0, length)
+    total = _int(value[2], f"{where} items delivered", 0,
+                 min(MAX_COUNT, (epoch + 1) * length))
+    return (epoch, pos, total)
+
+
+def _replay_lane(value: list, where: str, plan, length: int, max_epoch: int) -> tuple:
+    """A replay-resume lane entry: ``[epoch, lane chunk at a flush boundary, items since
+    that boundary, items delivered]``."""
+    if len(value) != 4:
+        raise CheckpointError(f"corrupt checkpoint: {where} must be [epoch, k, since, "
+                              f"total], got {len(value)} value(s)")
+    chunk_size = plan.pipeline.chunk_size
+    epoch = _int(value[0], f"{where} epoch", 0, max_epoch)
+    chunks = -(-length // chunk_size)
+    k = _int(value[1], f"{where} lane chunk", 0, max(0, chunks - 1))
+    K = plan.flush_every
+    if (K and k % K) or (not K and k):
+        raise CheckpointError(f"corrupt checkpoint: {where} lane chunk {k} is not a "
+                              f"flush boundary (every {K or 'epoch'} chunks)")
+    if plan.expands:  # a packer may cut many rows from one sample: no static bound
+        segment = total_bound = MAX_COUNT
+    else:  # every delivered item consumed at least one sample of the segment
+        segment = min(length - k * chunk_size, K * chunk_size) if K else length
+        total_bound = min(MAX_COUNT, (epoch + 1) * length)
+    total = _int(value[3], f"{where} items delivered", 1, total_bound)
+    since = _int(value[2], f"{where} items since its boundary", 1, min(total, segment))
+    return (epoch, k, since, total)

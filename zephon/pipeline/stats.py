@@ -33,11 +33,11 @@ log = logging.getLogger("zephon.metrics")
 
 
 class _Node:
-    __slots__ = ("counters", "latency", "inflight")
+    __slots__ = ("counters", "inflight", "latency")
 
     def __init__(self) -> None:
-        self.counters = collections.Counter()
-        self.latency = collections.deque(maxlen=1024)
+        self.counters: dict[str, float] = collections.defaultdict(int)  # "seconds" is a float
+        self.latency: collections.deque[float] = collections.deque(maxlen=1024)
         self.inflight = 0
 
 
@@ -47,7 +47,7 @@ class RunStats:
         self.nodes: dict[str, _Node] = collections.defaultdict(_Node)
         self.lock = threading.Lock()
         self._last_flush = time.monotonic()
-        self._socket = None
+        self._socket: socket.socket | None = None
 
     @property
     def nodes_enabled(self) -> bool:
@@ -124,10 +124,11 @@ class RunStats:
             lines = [f"{k}:{v:g}|g" + (f"|#{tags}" if tags else "") for k, v in gauges]
             if self._socket is None:
                 self._socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock = self._socket
             for i in range(0, len(lines), self.sink.max_batch_size):
                 packet = "\n".join(lines[i:i + self.sink.max_batch_size]).encode()
                 try:
-                    self._socket.sendto(packet, (self.sink.statsd_host, self.sink.statsd_port))
+                    sock.sendto(packet, (self.sink.statsd_host, self.sink.statsd_port))
                 except OSError as exc:  # metrics must never break the pipeline
                     log.warning("statsd send to %s:%s failed: %s", self.sink.statsd_host,
                                 self.sink.statsd_port, exc)

@@ -75,26 +75,41 @@ def _unimportable_main(obj) -> str | None:
 def find_issues(plan, checks: str = "all") -> list[ValidationIssue]:
     """``checks``: "pickle" (before workers start), "behaviour" (while they start), "all"."""
     pipeline, opts = plan.pipeline, plan.opts
-    issues = []
+    issues: list[ValidationIssue] = []
     needs_pickle = opts.mtp_mode or "process" in plan.runners
     if needs_pickle and checks in ("pickle", "all"):
-        for what, obj in [("source", pipeline.source)] + [(op.name, getattr(op, "fn", op))
-                                                            for op in pipeline.ops]:
-            try:
-                pickle.dumps(obj, protocol=5)
-            except Exception as exc:  # noqa: BLE001
-                issues.append(ValidationIssue(
-                    "Z001", what, f"cannot be pickled for process workers ({type(exc).__name__}: "
-                    f"{exc}); define it at module level or use runner='threads'"))
-                continue
-            where = _unimportable_main(obj)
-            if where:
-                issues.append(ValidationIssue(
-                    "Z001", what, f"{where} is defined in __main__ of a session without a script "
-                    "file (python -c, stdin or a notebook): spawn workers cannot import it; "
-                    "move it to a module file, or use runner='threads'"))
+        issues.extend(_pickle_issues(pipeline))
     if len(pipeline.source) == 0 or checks == "pickle":
         return issues
+    issues.extend(_behaviour_issues(pipeline))
+    return issues
+
+
+def _pickle_issues(pipeline) -> list[ValidationIssue]:
+    """Z001 for the source and every op that a spawn worker could not receive."""
+    issues = []
+    for what, obj in [("source", pipeline.source)] + [(op.name, getattr(op, "fn", op))
+                                                        for op in pipeline.ops]:
+        try:
+            pickle.dumps(obj, protocol=5)
+        except Exception as exc:  # noqa: BLE001 - pickling can fail with any type; report it
+            issues.append(ValidationIssue(
+                "Z001", what, f"cannot be pickled for process workers ({type(exc).__name__}: "
+                f"{exc}); define it at module level or use runner='threads'"))
+            continue
+        where = _unimportable_main(obj)
+        if where:
+            issues.append(ValidationIssue(
+                "Z001", what, f"{where} is defined in __main__ of a session without a script "
+                "file (python -c, stdin or a notebook): spawn workers cannot import it; "
+                "move it to a module file, or use runner='threads'"))
+    return issues
+
+
+def _behaviour_issues(pipeline) -> list[ValidationIssue]:
+    """Z002 (not deterministic) and Z003 (mutates its input) for the leading per-sample
+    ops, probed on the first sample."""
+    issues: list[ValidationIssue] = []
     try:
         sample = pipeline.source.get(0)
     except Exception:  # noqa: BLE001 - reading errors surface at run time, with the sample id

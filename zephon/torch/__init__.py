@@ -18,7 +18,12 @@ importing ``zephon`` itself; without torch they raise an ImportError naming
 
 from __future__ import annotations
 
-__all__ = ["TorchLoader", "loader", "dataset", "to_torch", "STATE_KEY"]
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported lazily at run time (it needs torch)
+    from zephon.torch._loader import TorchLoader
+
+__all__ = ["STATE_KEY", "TorchLoader", "dataset", "loader", "to_torch"]
 
 STATE_KEY = "zephon_checkpoint"
 

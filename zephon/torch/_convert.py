@@ -20,7 +20,7 @@ import numpy as np
 from zephon.pipeline.ops import Batch
 from zephon.torch import _require_torch
 
-__all__ = ["to_torch", "tensor_of"]
+__all__ = ["tensor_of", "to_torch"]
 
 _NUMERIC = frozenset("biufc")
 

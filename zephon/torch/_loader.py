@@ -29,10 +29,14 @@ import queue
 import threading
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 from zephon.errors import CheckpointError, ZephonConfigError
 from zephon.torch import STATE_KEY, _require_torch
 from zephon.torch._convert import to_torch
+
+if TYPE_CHECKING:
+    from zephon.pipeline.iterator import PipelineIterator
 
 __all__ = ["TorchLoader"]
 
@@ -132,12 +136,12 @@ class TorchLoader:
             raise ZephonConfigError(f"prefetch must be an int >= 1, got {prefetch!r}")
         self._torch = _require_torch()
         self.pipe, self.pin_memory, self.prefetch = pipe, pin_memory, prefetch
-        self._it = None
-        self._last_it = None  # the run that just ended or was closed (its state stays)
+        self._it: PipelineIterator | None = None
+        self._last_it: PipelineIterator | None = None  # the run that just ended or was closed
         self._pinned_run = False
-        self._thread = None
-        self._queue = None
-        self._stop = None
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue | None = None
+        self._stop: threading.Event | None = None
         self._delivered: dict = {}
         self._pin = None
 
@@ -146,31 +150,32 @@ class TorchLoader:
         if self._it is not None and not self._it.closed:
             return self  # a run in progress goes on (a loop left early continues here)
         self.close()
-        self._it = iter(self.pipe)
+        self._it = it = iter(self.pipe)
         self._pinned_run = self.pin_memory
         if self.pin_memory:
             if self._pin is None:
                 self._pin = _pin_fn(self._torch)
-            self._delivered = self._it.delivered()
+            self._delivered = it.delivered()
             self._queue = queue.Queue(maxsize=self.prefetch)
             self._stop = threading.Event()
-            self._thread = threading.Thread(
-                target=_prefetch, args=(self._it, self.pipe, self._pin, self._queue,
-                                        self._stop),
+            self._thread = thread = threading.Thread(
+                target=_prefetch, args=(it, self.pipe, self._pin, self._queue, self._stop),
                 name="zephon-pin-memory", daemon=True)
-            self._thread.start()
+            thread.start()
         return self
 
     def __next__(self):
         if self._it is None:
             self.__iter__()
-        if self._thread is None:
+        it, pinned = self._it, self._queue
+        assert it is not None, "__iter__ starts a run"
+        if self._thread is None or pinned is None:
             try:
-                return to_torch(next(self._it))
+                return to_torch(next(it))
             except StopIteration:
-                self._last_it, self._it = self._it, None
+                self._last_it, self._it = it, None
                 raise
-        item = self._queue.get()
+        item = pinned.get()
         if item is _END:
             self.close()
             raise StopIteration
@@ -194,16 +199,17 @@ class TorchLoader:
             >>> loader.close()
             >>> loader.close()
         """
-        if self._thread is not None:
-            self._stop.set()
+        thread, stop, pinned = self._thread, self._stop, self._queue
+        if thread is not None and stop is not None and pinned is not None:  # set together
+            stop.set()
             deadline = time.monotonic() + _JOIN_TIMEOUT_S  # a stalled op: give up, close
-            while self._thread.is_alive() and time.monotonic() < deadline:
+            while thread.is_alive() and time.monotonic() < deadline:
                 while True:  # unblock a thread waiting on a full queue
                     try:
-                        self._queue.get_nowait()
+                        pinned.get_nowait()
                     except queue.Empty:
                         break
-                self._thread.join(timeout=0.05)
+                thread.join(timeout=0.05)
             self._thread = None
         if self._it is not None:
             self._it.close()

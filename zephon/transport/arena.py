@@ -68,7 +68,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from zephon.errors import TransportError, ZephonConfigError
+from zephon.errors import ArenaFull, ShmSpaceError, TransportError, ZephonConfigError
 from zephon.transport.tokens import (
     SLAB_INDICES,
     check_owner,
@@ -219,10 +219,6 @@ class Slab:
 SHM_DIR = "/dev/shm"
 
 
-class ShmSpaceError(TransportError):
-    """No space left for a new shared segment (a small /dev/shm, or no memory for memfd)."""
-
-
 def shm_space_message(size: int, kind: str, shm_dir: str = SHM_DIR) -> str:
     """Why a ``size``-byte segment of ``kind`` could not be created, with the fix."""
     if kind == MEMFD:
@@ -321,16 +317,6 @@ def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
     if removed:
         log.info("removed %d stale shared-memory segment(s): %s", len(removed), removed)
     return removed
-
-
-class ArenaFull(TransportError):
-    """The arena has no space and none came back within the wait bound (or it is starved).
-
-    ``held_bytes``/``max_bytes``: what the consumer holds and the arena's bound."""
-
-    def __init__(self, message: str, held_bytes: int = 0, max_bytes: int = 0) -> None:
-        super().__init__(message)
-        self.held_bytes, self.max_bytes = held_bytes, max_bytes
 
 
 _SLAB_INDICES = 256  # per arena (and per worker generation)

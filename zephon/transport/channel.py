@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 import msgpack
 
-from zephon.errors import TransportError
+from zephon.errors import ChannelClosed, TransportError
 
 __all__ = ["Channel", "ChannelClosed", "channel_pair", "granted_buffer_bytes"]
 
@@ -66,10 +66,6 @@ DEFAULT_BUFFER_BYTES = 512 * 1024
 _PEER_GONE_ERRNOS = frozenset((errno.EPIPE, errno.ECONNRESET, errno.EBADF, errno.ENOTCONN))
 _warned_sizes: set[int] = set()
 _warn_lock = threading.Lock()
-
-
-class ChannelClosed(TransportError):
-    """The other end closed the channel or its process died (maybe mid-message)."""
 
 
 def _granted(sock: socket.socket, option: int) -> int:

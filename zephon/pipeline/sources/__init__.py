@@ -30,13 +30,15 @@ not load pyarrow.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Mapping, Sequence
 
 from zephon.io.config import DEFAULT_IO, IoConfig
 from zephon.pipeline.sources.base import (
-    DEFAULT_OPEN_RETRY, CallableSource, FileSource, SequenceSource, Source, SourceError, log,
-    open_with_retry,
+    CallableSource,
+    FileSource,
+    SequenceSource,
+    Source,
+    SourceError,
 )
 from zephon.pipeline.sources.hf import HfDatasetSource
 from zephon.pipeline.sources.jsonl import JsonlSource
@@ -45,8 +47,19 @@ from zephon.pipeline.sources.parquet import ParquetSource
 from zephon.pipeline.sources.tokens import TokenWindows
 from zephon.pipeline.sources.webdataset import WebDatasetSource
 
-__all__ = ["Source", "from_sequence", "from_callable", "token_windows", "jsonl", "parquet",
-           "webdataset", "hf_dataset", "mixture", "SourceError"]
+__all__ = [
+    "FileSource",
+    "Source",
+    "SourceError",
+    "from_callable",
+    "from_sequence",
+    "hf_dataset",
+    "jsonl",
+    "mixture",
+    "parquet",
+    "token_windows",
+    "webdataset",
+]
 
 
 def _io(io_options) -> IoConfig:

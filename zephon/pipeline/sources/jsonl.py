@@ -66,7 +66,7 @@ class JsonlSource(FileSource):
                                suffixes=(".jsonl", ".jsonl.gz", ".jsonl.zst")))
         self._fresh()
         offsets, ends, file_index, line_no = [], [], [], []
-        for k, path in enumerate(self.files):
+        for k in range(len(self.files)):
             data = self._data(k, "building the line index")
             pos = 0
             for n, line in enumerate(data.splitlines(keepends=True), 1):
@@ -95,7 +95,7 @@ class JsonlSource(FileSource):
             if reader.streamed:
                 raw = reader.pread(0, ref.size, context)
             else:
-                with open(reader.local_path(context), "rb") as fh:
+                with open(reader.local_file(context), "rb") as fh:
                     raw = fh.read()
         except OSError as exc:
             raise SourceError(f"jsonl: cannot read {self.files[k]}: {exc}") from None

@@ -42,8 +42,8 @@ class MixtureSource(Source):
         self.comp, self.comp_index = self._schedule()
 
     def configured(self, opts) -> "Source":
-        components = {n: c.configured(opts) for n, c in zip(self.names, self.components)}
-        changed = any(a is not b for a, b in zip(components.values(), self.components))
+        components = {n: c.configured(opts) for n, c in zip(self.names, self.components, strict=True)}
+        changed = any(a is not b for a, b in zip(components.values(), self.components, strict=True))
         if self.own_config or opts.mixture_config is None or \
                 opts.mixture_config == self.config:
             if not changed:
@@ -51,7 +51,7 @@ class MixtureSource(Source):
             clone = copy.copy(self)
             clone.components = list(components.values())
             return clone
-        weights = dict(zip(self.names, self.weights.tolist()))
+        weights = dict(zip(self.names, self.weights.tolist(), strict=True))
         return MixtureSource(components, weights, opts.mixture_config, self.name)
 
     def _schedule(self) -> tuple[np.ndarray, np.ndarray]:
@@ -92,7 +92,7 @@ class MixtureSource(Source):
 
     def describe(self) -> str:
         parts = ", ".join(f"{n}: {c.describe()} x{w:g}" for n, c, w in
-                          zip(self.names, self.components, self.weights))
+                          zip(self.names, self.components, self.weights, strict=True))
         return f"MixtureSource({parts}; {self.config.to_dict()})"
 
 

@@ -75,7 +75,7 @@ class TokenWindows(FileSource):
 
     def _fresh(self) -> None:
         super()._fresh()
-        self._tokens = None
+        self._tokens: np.memmap | None = None
 
     def __len__(self) -> int:
         return self.n_tokens // self.seq_len
@@ -89,7 +89,7 @@ class TokenWindows(FileSource):
                                 f"window {i}")
             return {"tokens": np.frombuffer(data, dtype=self.dtype).copy()}
         if self._tokens is None:
-            path = reader.local_path(f"window {i}")
+            path = reader.local_file(f"window {i}")
             try:
                 tokens = np.memmap(path, dtype=self.dtype, mode="r", offset=self.offset,
                                    shape=(self.n_tokens,))

@@ -23,7 +23,7 @@ import json
 import os
 import re
 import tarfile
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -106,7 +106,12 @@ class WebDatasetSource(FileSource):
         self.name, self.io, self.storage_options = name, io, storage_options
         self._set_files(expand(expanded, "webdataset", io, storage_options, suffixes=(".tar",)))
         self._fresh()
-        keys, counts, first, ext, offset, size = [], [], [], [], [], []
+        keys: list = []
+        counts: list[int] = []
+        first: list = []
+        ext: list = []
+        offset: list = []
+        size: list = []
         for k in range(len(self.files)):
             index = self._shard_index(k)
             counts.append(len(index["keys"]))
