@@ -35,7 +35,6 @@ from typing import Any, Callable, Mapping, Sequence
 from zephon.io.config import DEFAULT_IO, IoConfig
 from zephon.pipeline.sources.base import (
     CallableSource,
-    FileSource,
     SequenceSource,
     Source,
     SourceError,
@@ -48,7 +47,6 @@ from zephon.pipeline.sources.tokens import TokenWindows
 from zephon.pipeline.sources.webdataset import WebDatasetSource
 
 __all__ = [
-    "FileSource",
     "Source",
     "SourceError",
     "from_callable",
