@@ -21,6 +21,7 @@ from zephon import errors as ze
     (ze.ChannelClosed, (ze.TransportError,)),
     (ze.ShmSpaceError, (ze.TransportError,)),
     (ze.ArenaFull, (ze.TransportError,)),
+    (ze.ResultTimeoutError, (ze.TransportError, TimeoutError)),
     (ze.SourceError, (ze.ZephonError,)),
     (ze.OpError, (ze.ZephonError,)),
     (ze.JobSetupError, (ze.ZephonError,)),
@@ -69,6 +70,7 @@ EVERY_ERROR = {
     ze.JobSetupError: ze.JobSetupError("setup() failed"),
     ze.RecordedFailure: ze.RecordedFailure("KeyError: 'x'", error_type="KeyError",
                                            traceback="Traceback ..."),
+    ze.ResultTimeoutError: ze.ResultTimeoutError("no result", timeout_s=0.5),
     ze.RemoteTraceback: ze.RemoteTraceback("Traceback (most recent call last): ..."),
 }
 

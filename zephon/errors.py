@@ -29,6 +29,7 @@ __all__ = [
     "OpError",
     "RecordedFailure",
     "RemoteTraceback",
+    "ResultTimeoutError",
     "SerializationError",
     "ShmSpaceError",
     "SourceError",
@@ -171,6 +172,18 @@ class SubjectTimeoutError(ZephonError, TimeoutError):
 
 class TransportError(ZephonError):
     """A channel or shared-memory arena failed (peer gone, corrupt frame, no space)."""
+
+
+class ResultTimeoutError(TransportError, TimeoutError):
+    """No result came from a worker pool within the ``timeout`` the caller gave
+    (``timeout_s``); the pool and its workers are still usable."""
+
+    def __init__(self, message: str, *, timeout_s: float | None = None) -> None:
+        super().__init__(message)
+        self.timeout_s = timeout_s
+
+    def __reduce__(self):
+        return (_rebuild_kw, (ResultTimeoutError, str(self), {"timeout_s": self.timeout_s}))
 
 
 class SerializationError(ZephonError, TypeError):

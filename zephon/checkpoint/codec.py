@@ -44,7 +44,7 @@ from typing import Any
 import msgpack
 import zstandard
 
-from zephon.errors import CheckpointError
+from zephon.errors import CheckpointError, SerializationError
 
 __all__ = [
     "MAGIC",
@@ -83,7 +83,7 @@ def _default(obj):
         return msgpack.ExtType(_EXT_BIGINT, str(obj).encode())
     if isinstance(obj, tuple):
         return list(obj)
-    raise TypeError(f"cannot encode {type(obj).__name__} in a checkpoint")
+    raise SerializationError(f"cannot encode {type(obj).__name__} in a checkpoint")
 
 
 def _ext_hook(code, data):

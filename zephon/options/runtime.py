@@ -146,7 +146,9 @@ class RuntimeOptions(OptionsBase):
     )
     op_queue_capacity: int | None = option(
         None, check=Int(min=1, max=MAX_QUEUE_DEPTH, optional=True),
-        doc="In-flight items between ops inside a stage; None = max(8, prefetch_batches).",
+        doc="In-flight items between ops inside a stage; None = max(8, prefetch_batches) "
+            "for thread and inline stages, and no item bound for process stages (their "
+            "results in flight are bounded in bytes, a share of each worker's arena).",
     )
     ipc_transport: str = option(
         "socketpair", check=Str(choices=("socketpair", "pipe")),

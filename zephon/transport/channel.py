@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 import msgpack
 
-from zephon.errors import ChannelClosed, TransportError
+from zephon.errors import ChannelClosed, TransportError, ZephonConfigError
 
 __all__ = ["Channel", "ChannelClosed", "channel_pair", "granted_buffer_bytes"]
 
@@ -356,4 +356,5 @@ def channel_pair(transport: str = "socketpair",
         down_r, down_w = multiprocessing.Pipe(duplex=False)
         up_r, up_w = multiprocessing.Pipe(duplex=False)
         return PipeChannel(up_r, down_w), PipeChannel(down_r, up_w)
-    raise ValueError(f"unknown transport {transport!r}; expected 'socketpair' or 'pipe'")
+    raise ZephonConfigError(f"unknown transport {transport!r}; expected 'socketpair' or 'pipe'",
+                            field="transport")

@@ -86,9 +86,11 @@ import weakref
 from typing import Any, NamedTuple
 
 from zephon.errors import (
+    ResultTimeoutError,
     SerializationError,
     TransportError,
     WorkerCrashedError,
+    ZephonConfigError,
 )
 from zephon.transport.arena import (
     LeaseTable,
@@ -217,7 +219,9 @@ class WorkerPool:
         """``daemon=False`` lets workers start processes of their own (the MTP engine does);
         they are still stopped by ``close()`` and at interpreter exit."""
         if not 1 <= num_workers <= MAX_OWNER:  # a worker's owner field in region tokens
-            raise ValueError(f"num_workers must be in [1, {MAX_OWNER}], got {num_workers}")
+            raise ZephonConfigError(f"num_workers must be in [1, {MAX_OWNER}] (a worker's "
+                                    f"number is 7 bits of its region tokens), got {num_workers}",
+                                    field="num_workers")
         if options is None:
             from zephon.options import RuntimeOptions  # parent only: workers never need it
 
@@ -516,7 +520,8 @@ class WorkerPool:
                 raise TransportError(f"get() on pool {self.name!r} with no task in flight")
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                raise TimeoutError(f"no result from pool {self.name!r} within {timeout} s")
+                raise ResultTimeoutError(f"no result from pool {self.name!r} within {timeout} s",
+                                         timeout_s=timeout)
             try:
                 events = self._selector.select(timeout=remaining)
             except (OSError, ValueError, KeyError):
