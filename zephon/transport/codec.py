@@ -87,13 +87,14 @@ from zephon.transport.wire import (
     LeafFlag,
     LeafKind,
     Placement,
+    RawLeafDesc,
     RegionEntry,
     RegionMode,
     SlabEntry,
     SpaceFallback,
     StarvedFallback,
     WireHeader,
-    leaf_desc,
+    header_to_wire,
 )
 
 __all__ = ["Decoder", "Encoder", "PeerState", "ShmPolicy", "find_unpicklable"]
@@ -232,7 +233,7 @@ class _Message:
     def __init__(self, leaves: list, kinds: list[int], skeleton: memoryview,
                  requires_grad: list[int]) -> None:
         self.leaves, self.kinds, self.requires_grad = leaves, kinds, requires_grad
-        self.descs: list[LeafDesc | None] = [None] * len(leaves)
+        self.descs: list[RawLeafDesc | None] = [None] * len(leaves)
         self.regions: list[RegionEntry] = []
         self.slabs: list[SlabEntry] = []
         self.frames: list[Any] = [skeleton]
@@ -240,15 +241,18 @@ class _Message:
         self.pins: list[Any] = []
         self.fallback: Fallback | None = None
 
-    def header(self) -> WireHeader:
-        """The header of the placed message (every leaf must have a descriptor)."""
-        missing = [i for i, d in enumerate(self.descs) if d is None]
-        if missing:  # a bug, never a silent drop
+    def wire_header(self) -> dict[str, Any]:
+        """The wire form of the placed message's :class:`~zephon.transport.wire.WireHeader`
+        (every leaf must have a descriptor)."""
+        descs = self.descs
+        if None in descs:  # a bug, never a silent drop
+            missing = [i for i, d in enumerate(descs) if d is None]
             raise SerializationError(f"internal error: leaves {missing} were not placed")
-        descs = cast("list[LeafDesc]", self.descs)
         for i in self.requires_grad:
-            descs[i] = descs[i]._replace(flags=LeafFlag.REQUIRES_GRAD)
-        return WireHeader(descs, self.regions, self.slabs, self.fallback)
+            d = cast("RawLeafDesc", descs[i])
+            descs[i] = (*d[:7], int(LeafFlag.REQUIRES_GRAD))
+        return header_to_wire(cast("list[RawLeafDesc]", descs), self.regions, self.slabs,
+                              self.fallback)
 
 
 class _SharedLeaf(NamedTuple):
@@ -291,7 +295,7 @@ class Encoder:
                 private = self._to_regions(msg, compact, sorted(private), peer)
             if private:
                 self._to_frames(msg, private, one_per_leaf=False)
-        return msg.header().to_wire(), msg.frames, msg.fds, msg.pins
+        return msg.wire_header(), msg.frames, msg.fds, msg.pins
 
     # -- steps -----------------------------------------------------------------------
     def _pickle(self, payload: Any) -> _Message:
@@ -366,9 +370,9 @@ class Encoder:
             self._announce(info.slab, peer, msg)
         leaf = msg.leaves[s.leaf]
         strides = None if leaf.flags.c_contiguous else list(leaf.strides)
-        msg.descs[s.leaf] = leaf_desc((msg.kinds[s.leaf], _REGION, r, s.start,
+        msg.descs[s.leaf] = (msg.kinds[s.leaf], _REGION, r, s.start,
                                        dtype_token(leaf.dtype), list(leaf.shape), strides,
-                                       _NO_FLAGS))
+                                       _NO_FLAGS)
 
     # -- helpers ---------------------------------------------------------------------
     def _peer_can_map(self, slab: Slab, peer: PeerState) -> bool:
@@ -451,9 +455,9 @@ class Encoder:
                 if desc is None:
                     left.append(i)  # too small for a region (compacted views never are)
                     continue
-                msg.descs[i] = leaf_desc((msg.kinds[i], _REGION, first_region + desc.group,
+                msg.descs[i] = (msg.kinds[i], _REGION, first_region + desc.group,
                                           desc.offset, desc.dtype, list(desc.shape), None,
-                                          _NO_FLAGS))
+                                          _NO_FLAGS)
         return sorted(left)
 
     def _to_frames(self, msg: _Message, indices: list[int], one_per_leaf: bool) -> None:
@@ -467,23 +471,26 @@ class Encoder:
                 big.append(i)  # already contiguous bytes, or worth a frame of its own
             else:
                 small.append(i)
-        for i in big:
-            self._own_frame(msg, i)
+        if big:
+            self._own_frames(msg, big)
         if small:
             self._packed_frames(msg, small)
 
     @staticmethod
-    def _own_frame(msg: _Message, i: int) -> None:
-        leaf, kind = msg.leaves[i], msg.kinds[i]
-        if kind in _BYTES_KINDS:
-            msg.descs[i] = leaf_desc((kind, _FRAME, len(msg.frames), 0, _BYTE_DTYPE,
-                                      [len(leaf)], None, _NO_FLAGS))
-            msg.frames.append(leaf)
-            return
-        data = leaf if leaf.flags.c_contiguous else np.ascontiguousarray(leaf)
-        msg.descs[i] = leaf_desc((kind, _FRAME, len(msg.frames), 0, dtype_token(leaf.dtype),
-                                  list(leaf.shape), None, _NO_FLAGS))
-        msg.frames.append(data.reshape(-1).view(np.uint8) if data.size else b"")
+    def _own_frames(msg: _Message, big: list[int]) -> None:
+        """Each leaf of ``big`` as a frame of its own (one loop with local names: this runs
+        once per leaf of every message sent without shared memory)."""
+        leaves, kinds, descs, frames = msg.leaves, msg.kinds, msg.descs, msg.frames
+        for i in big:
+            leaf, kind = leaves[i], kinds[i]
+            if kind in _BYTES_KINDS:
+                descs[i] = (kind, _FRAME, len(frames), 0, _BYTE_DTYPE, [len(leaf)], None, _NO_FLAGS)
+                frames.append(leaf)
+                continue
+            data = leaf if leaf.flags.c_contiguous else np.ascontiguousarray(leaf)
+            descs[i] = (kind, _FRAME, len(frames), 0, dtype_token(leaf.dtype),
+                        list(leaf.shape), None, _NO_FLAGS)
+            frames.append(data.reshape(-1).view(np.uint8) if data.size else b"")
 
     @staticmethod
     def _packed_frames(msg: _Message, small: list[int]) -> None:
@@ -497,13 +504,13 @@ class Encoder:
             desc = plan.descriptors[k]
             if desc is None:  # only zero-itemsize dtypes: send the (empty) bytes
                 leaf = msg.leaves[i]
-                msg.descs[i] = leaf_desc((msg.kinds[i], _FRAME, len(msg.frames), 0,
+                msg.descs[i] = (msg.kinds[i], _FRAME, len(msg.frames), 0,
                                           dtype_token(leaf.dtype), list(leaf.shape), None,
-                                          _NO_FLAGS))
+                                          _NO_FLAGS)
                 msg.frames.append(b"")
                 continue
-            msg.descs[i] = leaf_desc((msg.kinds[i], _FRAME, base + desc.group, desc.offset,
-                                      desc.dtype, list(desc.shape), None, _NO_FLAGS))
+            msg.descs[i] = (msg.kinds[i], _FRAME, base + desc.group, desc.offset,
+                                      desc.dtype, list(desc.shape), None, _NO_FLAGS)
 
 
 class Decoder:

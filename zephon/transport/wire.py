@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Sequence, Union
 
 __all__ = [
     "NO_SPACE",
@@ -40,12 +40,14 @@ __all__ = [
     "LeafFlag",
     "LeafKind",
     "Placement",
+    "RawLeafDesc",
     "RegionEntry",
     "RegionMode",
     "SlabEntry",
     "SpaceFallback",
     "StarvedFallback",
     "WireHeader",
+    "header_to_wire",
     "leaf_desc",
 ]
 
@@ -97,8 +99,25 @@ class LeafDesc(NamedTuple):
 
 
 #: ``leaf_desc((kind, placement, buffer, offset, dtype, shape, strides, flags))``: a
-#: :class:`LeafDesc` from a tuple of all eight fields, at the cost of a plain tuple.
+#: :class:`LeafDesc` from a tuple of all eight fields (no per-field argument handling).
 leaf_desc: Callable[[tuple], LeafDesc] = functools.partial(tuple.__new__, LeafDesc)
+
+#: A leaf descriptor as the encoder builds it: :class:`LeafDesc`'s eight fields, in that
+#: order, as a plain tuple. The encoder makes one per leaf of every message, and a plain
+#: tuple costs a third of a named one (62 vs 185 ns); it is exactly what travels, and
+#: :meth:`WireHeader.from_wire` names it on the receiving side.
+RawLeafDesc = tuple[int, int, int, int, str, list, "list | None", int]
+
+
+def header_to_wire(leaves: Sequence[tuple], regions: Sequence[tuple],
+                   slabs: Sequence[tuple], fallback: tuple | None) -> dict[str, Any]:
+    """The msgpack-able dict of a header (one-letter keys, arrays inside): what
+    :meth:`WireHeader.to_wire` returns, also for leaves the encoder built as
+    :data:`RawLeafDesc` tuples."""
+    wire: dict[str, Any] = {"l": leaves, "r": regions, "s": slabs}
+    if fallback is not None:
+        wire["w"] = fallback
+    return wire
 
 
 class RegionEntry(NamedTuple):
@@ -161,10 +180,7 @@ class WireHeader(NamedTuple):
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack-able dict the channel sends (one-letter keys, arrays inside)."""
-        wire: dict[str, Any] = {"l": self.leaves, "r": self.regions, "s": self.slabs}
-        if self.fallback is not None:
-            wire["w"] = self.fallback
-        return wire
+        return header_to_wire(self.leaves, self.regions, self.slabs, self.fallback)
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> "WireHeader":
