@@ -50,7 +50,8 @@ regions = st.builds(RegionEntry, st.integers(1, (1 << 63) - 1), st.integers(1, 1
 slabs = st.builds(SlabEntry, st.integers(1, 1 << 23), st.integers(1, 1 << 40),
                   st.none() | st.text(max_size=20), st.integers(-1, 10), st.booleans())
 fallbacks = st.none() | st.builds(StarvedFallback, st.just(STARVED), st.integers(1, 127),
-                                  st.integers(0), st.integers(0), st.floats(0, 60)) \
+                                  st.integers(0, (1 << 63) - 1), st.integers(0, (1 << 63) - 1),
+                                  st.floats(0, 60)) \
     | st.builds(SpaceFallback, st.just(NO_SPACE), st.integers(1, 127), st.text())
 
 
@@ -153,3 +154,18 @@ def test_a_starved_arena_sends_in_band_and_the_header_says_why(endpoints):
     assert header.fallback.reason == STARVED and header.fallback.owner == 1
     assert header.fallback.max_bytes == 2 << 20 and header.fallback.held_bytes >= 3 << 19
     arena.free([held[2]])
+
+
+def test_the_encoder_header_names_its_leaves_on_the_receiving_side():
+    """The encoder writes leaf descriptors as plain tuples in LeafDesc's field order; what
+    arrives reads back as named LeafDesc fields with the values the encoder meant."""
+    leases, registry = LeaseTable(), SlabRegistry()
+    encoder = Encoder(ShmPolicy(), leases, registry)
+    payload = {"a": np.arange(4096, dtype=np.int64), "b": b"x" * 8192}
+    header, frames, fds, _ = encoder.encode(payload, PeerState(can_map_fds=False))
+    back = WireHeader.from_wire(_over_the_wire(header))
+    kinds = sorted(int(d.kind) for d in back.leaves)
+    assert kinds == sorted([int(LeafKind.ARRAY), int(LeafKind.BYTES)])
+    arr = next(d for d in back.leaves if d.kind == LeafKind.ARRAY)
+    assert arr.placement == Placement.FRAME and arr.shape == [4096] and arr.dtype == "<i8"
+    assert arr.flags == LeafFlag.NONE and arr.strides is None
