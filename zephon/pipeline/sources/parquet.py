@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 import os
 import threading
 from typing import Any, Sequence
@@ -300,11 +301,19 @@ class ParquetSource(FileSource):
     def _scattered_parts(self, idx: np.ndarray) -> list[tuple]:
         """:meth:`_parts` of any set of rows: one ``take`` per row group."""
         positions = np.searchsorted(self.starts, idx, side="right") - 1
+        # One stable sort groups the batch's rows by row group (in batch order within a
+        # group); each part is then a slice of it, not a scan of the whole batch per group.
+        order = np.argsort(positions, kind="stable")
+        grouped = positions[order]
+        cuts = np.flatnonzero(grouped[1:] != grouped[:-1]) + 1
+        bounds = [0, *cuts.tolist(), len(order)]
+        starts = self._starts_list()
         parts: list[tuple] = []
-        for p in np.unique(positions).tolist():
-            where = np.nonzero(positions == p)[0]
+        for a, b in itertools.pairwise(bounds):
+            where = order[a:b]
+            p = int(grouped[a])
             g = int(self.group_order[p])
-            rows = idx[where] - int(self.starts[p])
+            rows = idx[where] - starts[p]
             if self.shuffle:
                 rows = self._row_order(g)[0][rows]
             parts.append((self._row_group(g), rows, where))
