@@ -128,3 +128,33 @@ def test_validation_error_lists_every_issue_with_codes():
     assert "2 validation issue(s)" in text and "[Z001] map(f): not picklable" in text
     assert [i.code for i in err.issues] == ["Z001", "Z003"]
     assert pickle.loads(pickle.dumps(err)).issues == err.issues
+
+
+class _MyCrash(ze.WorkerCrashedError):
+    """A user's subclass of a zephon error."""
+
+
+@pytest.mark.parametrize("cls", [c for c in EVERY_ERROR if c is not ze.RemoteTraceback],
+                         ids=lambda c: c.__name__)
+def test_a_subclass_its_extra_attributes_and_notes_survive_pickle(cls):
+    base = EVERY_ERROR[cls]
+    sub = type(f"My{cls.__name__}", (cls,), {"__module__": __name__})
+    globals()[sub.__name__] = sub  # picklable by name
+    try:
+        error = sub.__new__(sub)
+        error.__dict__.update(vars(base))
+        error.args = base.args
+        error.extra = {"attempt": 2}
+        error.add_note("while loading shard 7")
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is sub and str(copy) == str(error)
+        assert copy.extra == {"attempt": 2}
+        assert copy.__notes__ == ["while loading shard 7"]
+    finally:
+        del globals()[sub.__name__]
+
+
+def test_a_subclass_with_its_own_constructor_survives_pickle():
+    error = _MyCrash("died", seq=3, signal=9, worker=1, pid=1234, tasks=[2])
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is _MyCrash and vars(copy) == vars(error)

@@ -59,11 +59,7 @@ class ZephonConfigError(ZephonError, ValueError):
         self.field = field
 
     def __reduce__(self):
-        return (_rebuild_config_error, (str(self), self.field))
-
-
-def _rebuild_config_error(message: str, field: str | None) -> "ZephonConfigError":
-    return ZephonConfigError(message, field=field)
+        return _with_state(self, (_rebuild_kw, (type(self), str(self), {"field": self.field})))
 
 
 class ValidationIssue(tuple):
@@ -100,7 +96,7 @@ class ValidationError(ZephonError):
         super().__init__(text)
 
     def __reduce__(self):
-        return (ValidationError, (self.issues if self.issues else str(self),))
+        return _with_state(self, (type(self), (self.issues if self.issues else str(self),)))
 
 
 class WorkerCrashedError(ZephonError):
@@ -131,12 +127,12 @@ class WorkerCrashedError(ZephonError):
         self.tasks: list[int] = list(tasks)
 
     def __reduce__(self):
-        return (
+        return _with_state(self, (
             _rebuild_kw,
-            (WorkerCrashedError, str(self),
+            (type(self), str(self),
              {"seq": self.seq, "signal": self.signal, "op": self.op, "worker": self.worker,
               "pid": self.pid, "tasks": self.tasks}),
-        )
+        ))
 
 
 class CheckpointError(ZephonError):
@@ -151,7 +147,7 @@ class AggregationTimeoutError(ZephonError, TimeoutError):
         self.missing = tuple(missing)
 
     def __reduce__(self):
-        return (_rebuild_kw, (AggregationTimeoutError, str(self), {"missing": self.missing}))
+        return _with_state(self, (_rebuild_kw, (type(self), str(self), {"missing": self.missing})))
 
 
 class SubjectTimeoutError(ZephonError, TimeoutError):
@@ -163,11 +159,11 @@ class SubjectTimeoutError(ZephonError, TimeoutError):
         self.subject_id, self.timeout_s = subject_id, timeout_s
 
     def __reduce__(self):
-        return (
+        return _with_state(self, (
             _rebuild_kw,
-            (SubjectTimeoutError, str(self),
+            (type(self), str(self),
              {"subject_id": self.subject_id, "timeout_s": self.timeout_s}),
-        )
+        ))
 
 
 class TransportError(ZephonError):
@@ -183,7 +179,7 @@ class ResultTimeoutError(TransportError, TimeoutError):
         self.timeout_s = timeout_s
 
     def __reduce__(self):
-        return (_rebuild_kw, (ResultTimeoutError, str(self), {"timeout_s": self.timeout_s}))
+        return _with_state(self, (_rebuild_kw, (type(self), str(self), {"timeout_s": self.timeout_s})))
 
 
 class SerializationError(ZephonError, TypeError):
@@ -195,7 +191,7 @@ class SerializationError(ZephonError, TypeError):
         self.path = path
 
     def __reduce__(self):
-        return (_rebuild_kw, (SerializationError, str(self), {"path": self.path}))
+        return _with_state(self, (_rebuild_kw, (type(self), str(self), {"path": self.path})))
 
 
 class ChannelClosed(TransportError):
@@ -217,8 +213,8 @@ class ArenaFull(TransportError):
         self.held_bytes, self.max_bytes = held_bytes, max_bytes
 
     def __reduce__(self):
-        return (_rebuild_kw, (ArenaFull, str(self),
-                              {"held_bytes": self.held_bytes, "max_bytes": self.max_bytes}))
+        return _with_state(self, (_rebuild_kw, (type(self), str(self),
+                              {"held_bytes": self.held_bytes, "max_bytes": self.max_bytes})))
 
 
 class SourceError(ZephonError):
@@ -234,7 +230,7 @@ class AttemptTimeout(ZephonError, TimeoutError):
         self.timeout_s = timeout_s
 
     def __reduce__(self):
-        return (_rebuild_kw, (AttemptTimeout, str(self), {"timeout_s": self.timeout_s}))
+        return _with_state(self, (_rebuild_kw, (type(self), str(self), {"timeout_s": self.timeout_s})))
 
 
 class OpError(ZephonError):
@@ -245,7 +241,7 @@ class OpError(ZephonError):
         self.op, self.sample_id = op, sample_id
 
     def __reduce__(self):
-        return (_rebuild_kw, (OpError, str(self), {"op": self.op, "sample_id": self.sample_id}))
+        return _with_state(self, (_rebuild_kw, (type(self), str(self), {"op": self.op, "sample_id": self.sample_id})))
 
 
 class JobSetupError(ZephonError):
@@ -276,8 +272,8 @@ class RecordedFailure(ZephonError):
         self.error_type, self.traceback = error_type, traceback
 
     def __reduce__(self):
-        return (_rebuild_kw, (RecordedFailure, str(self),
-                              {"error_type": self.error_type, "traceback": self.traceback}))
+        return _with_state(self, (_rebuild_kw, (type(self), str(self),
+                              {"error_type": self.error_type, "traceback": self.traceback})))
 
 
 class RemoteTraceback(Exception):
@@ -294,3 +290,10 @@ class RemoteTraceback(Exception):
 
 def _rebuild_kw(cls: type, message: str, kwargs: dict) -> ZephonError:
     return cls(message, **kwargs)
+
+
+def _with_state(error: BaseException, reduced: tuple) -> tuple:
+    """``reduced`` (a rebuild callable and its arguments, with the error's own class) plus
+    the error's ``__dict__`` as pickle state, so a subclass's extra attributes and the
+    notes of ``add_note()`` survive the trip between processes."""
+    return (*reduced, dict(error.__dict__))
