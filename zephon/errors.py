@@ -179,7 +179,8 @@ class ResultTimeoutError(TransportError, TimeoutError):
         self.timeout_s = timeout_s
 
     def __reduce__(self):
-        return _with_state(self, (_rebuild_kw, (type(self), str(self), {"timeout_s": self.timeout_s})))
+        kwargs = {"timeout_s": self.timeout_s}
+        return _with_state(self, (_rebuild_kw, (type(self), str(self), kwargs)))
 
 
 class SerializationError(ZephonError, TypeError):
@@ -230,7 +231,8 @@ class AttemptTimeout(ZephonError, TimeoutError):
         self.timeout_s = timeout_s
 
     def __reduce__(self):
-        return _with_state(self, (_rebuild_kw, (type(self), str(self), {"timeout_s": self.timeout_s})))
+        kwargs = {"timeout_s": self.timeout_s}
+        return _with_state(self, (_rebuild_kw, (type(self), str(self), kwargs)))
 
 
 class OpError(ZephonError):
@@ -241,7 +243,8 @@ class OpError(ZephonError):
         self.op, self.sample_id = op, sample_id
 
     def __reduce__(self):
-        return _with_state(self, (_rebuild_kw, (type(self), str(self), {"op": self.op, "sample_id": self.sample_id})))
+        kwargs = {"op": self.op, "sample_id": self.sample_id}
+        return _with_state(self, (_rebuild_kw, (type(self), str(self), kwargs)))
 
 
 class JobSetupError(ZephonError):
