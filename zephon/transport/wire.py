@@ -14,9 +14,10 @@ gives the dict the channel sends and :meth:`WireHeader.from_wire` reads one back
 
 The transport adds its own keys (``"k"``, ``"id"``, ...) to the same dict; the
 codec's keys are the one-letter ones above. Both ends run the same zephon, so the
-layout carries no version. A message can hold thousands of leaves, so leaf
-descriptors are made with :func:`leaf_desc` (``tuple.__new__``, no Python-level
-constructor call: the named fields cost the hot path almost nothing).
+layout carries no version. A message can hold thousands of leaves, so the
+encoder builds each leaf descriptor as a plain tuple in :class:`LeafDesc`'s field
+order (:data:`RawLeafDesc`, written out by :func:`header_to_wire`), and the receiver
+names them with :func:`leaf_desc` (``tuple.__new__``, no Python-level constructor).
 
 Example::
 
