@@ -160,8 +160,8 @@ def test_sample_ids_pickle_compactly_and_stay_a_list():
     ids = SampleIds("pq", np.arange(1000, 1256), 3)
     assert ids == [("pq", i, 3) for i in range(1000, 1256)]
     back = pickle.loads(pickle.dumps(ids))
-    assert type(back) is list and back == ids
-    _, args = ids.__reduce__()
+    assert isinstance(back, list) and back == ids and list(back) == list(ids)
+    _, args = SampleIds("pq", np.arange(3), 3).__reduce__()
     assert [type(a) for a in args] == [str, bytes, int]  # not one object per sample
     ids[0] = ("changed", 0, 0)  # a changed list travels as what it now holds
     assert pickle.loads(pickle.dumps(ids))[0] == ("changed", 0, 0)
@@ -181,3 +181,98 @@ def test_grouped_units_never_cross_a_boundary():
             for u in (x.units if isinstance(x, BatchGroup) else [x])]
     assert [u.start for u in flat] == [0, 1, 2, 3, 4, 0]
     assert list(grouped_units(iter(units), 1)) == units
+
+
+def test_grouped_units_ramp_up_to_the_group_size():
+    """The first groups of a lane are small (the first batches arrive early), then full."""
+    from zephon.pipeline.lanes import BatchGroup, ReadUnit, grouped_units
+
+    units = [ReadUnit(0, k, np.arange(k, k + 1)) for k in range(30)]
+    out = list(grouped_units(iter(units), 8, first=2))
+    assert [len(g.units) for g in out] == [2, 4, 8, 8, 8]
+    assert all(isinstance(g, BatchGroup) for g in out)
+    assert [u.start for g in out for u in g.units] == list(range(30))
+    assert [len(g.units) if isinstance(g, BatchGroup) else 1
+            for g in grouped_units(iter(units[:3]), 8, first=1)] == [1, 2]
+
+
+def test_sample_ids_behave_as_a_list_before_and_after_first_use():
+    """Sample ids are made on first use; every way of reading the list sees them, and a
+    mutation before any read applies to the made list."""
+    import copy
+    import json
+    import pickle
+
+    from zephon.pipeline.columnar import SampleIds
+
+    want = [("s", i, 1) for i in range(5, 9)]
+
+    def fresh():
+        return SampleIds("s", np.arange(5, 9), 1)
+
+    assert len(fresh()) == 4 and bool(fresh())
+    assert fresh()[0] == want[0] and fresh()[-1] == want[-1] and fresh()[1:3] == want[1:3]
+    assert list(fresh()) == want and list(reversed(fresh())) == want[::-1]
+    assert want[2] in fresh() and ("s", 99, 1) not in fresh()
+    assert fresh() == want and want == fresh() and not (fresh() != want)
+    assert fresh() + [1] == [*want, 1] and [1, *fresh()] == [1, *want]  # noqa: RUF005
+    assert tuple(fresh()) == tuple(want) and sorted(fresh()) == want
+    assert fresh().index(want[1]) == 1 and fresh().count(want[0]) == 1
+    assert repr(fresh()) == repr(want) and str(fresh()) == str(want)
+    assert json.loads(json.dumps(fresh())) == [list(t) for t in want]
+    assert np.asarray(fresh(), dtype=object).shape == (4, 3)
+    assert copy.copy(fresh()) == want and copy.deepcopy(fresh()) == want
+    ids = fresh()
+    ids.append(("x", 0, 0))  # a mutation first makes the list, then applies
+    assert ids == [*want, ("x", 0, 0)]
+    assert pickle.loads(pickle.dumps(ids)) == [*want, ("x", 0, 0)]
+    ids = fresh()
+    ids[1] = ("y", 1, 1)
+    assert ids[1] == ("y", 1, 1) and len(ids) == 4
+    assert pickle.loads(pickle.dumps(fresh())) == want
+    with pytest.raises(TypeError):
+        hash(fresh())
+
+
+def test_batch_run_ships_columns_without_making_its_records():
+    """A worker that only pickles a BatchRun never makes its records; the receiving side
+    gets the same batches as a run made in place."""
+    import pickle
+
+    from zephon.pipeline.columnar import BatchRun
+
+    run = BatchRun({"x": np.arange(10)}, "src", np.arange(100, 110), 0, [4, 4, 2], [0, 4, 8])
+    assert run._recipe is not None
+    back = pickle.loads(pickle.dumps(run))
+    assert run._recipe is not None  # pickling did not make the records
+    made = list(run)
+    assert [r.pos for r in back] == [r.pos for r in made] == [(0, 3), (0, 7), (0, 9)]
+    for a, b in zip(back, made, strict=True):
+        assert a.ids == b.ids == b.value.meta["sample_ids"]
+        assert (a.value["x"] == b.value["x"]).all()
+    assert back[2].ids == [("src", 108, 0), ("src", 109, 0)]
+
+
+def test_users_get_plain_sample_id_lists(tmp_path):
+    """``Batch.meta`` hands out plain lists (C code that reads a list's storage directly,
+    such as ``[] + ids`` or ``sum(lists, [])``, sees every id), made only when read."""
+    import pickle
+
+    from zephon.pipeline.columnar import SampleIds
+    from zephon.pipeline.ops import Batch
+
+    ids = SampleIds("s", np.arange(3), 0)
+    batch = Batch({"x": np.arange(3)}, meta={"sample_ids": ids, "lane": 0})
+    assert pickle.loads(pickle.dumps(batch))._meta["sample_ids"]._recipe is not None
+    assert type(batch.meta["sample_ids"]) is list
+    assert [] + batch.meta["sample_ids"] == [("s", 0, 0), ("s", 1, 0), ("s", 2, 0)]
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    pq.write_table(pa.table({"v": np.arange(1000)}), tmp_path / "a.parquet",
+                   row_group_size=300)
+    pipe = Pipeline(sources.parquet(str(tmp_path)), shuffle=False, chunk_size=100).batch(100)
+    opts = RuntimeOptions(runner="process", max_workers=2, worker_allocation="per_stage_fixed")
+    with iter(pipe.options(opts)) as it:
+        got = [b.meta["sample_ids"] for b in it]
+    assert all(type(g) is list for g in got)
+    assert sum(got, []) == [("parquet", i, 0) for i in range(1000)]  # noqa: RUF017

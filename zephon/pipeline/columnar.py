@@ -6,12 +6,14 @@ one vectorised read. This module owns what those batches look like on the way
 from a worker to the consumer, so that the consumer's process, which also
 trains, does almost nothing per batch:
 
-- :class:`SampleIds`: a batch's ``[(name, index, epoch), ...]``, pickled as the
-  name, the epoch and the indices packed as int64 bytes instead of one object
-  per sample.
+- :class:`SampleIds`: a batch's ``[(name, index, epoch), ...]``, held (and
+  pickled) as the name, the epoch and the indices packed as int64 bytes; the
+  tuples are made only when something reads the list. Making a tuple per sample
+  used to cost more than the rest of a batch's trip from a worker.
 - :class:`BatchRun`: the records of several consecutive micro-batches of one
   lane (a :class:`~zephon.pipeline.lanes.BatchGroup`) read with ONE columnar
-  read. It is a list of ordinary batch records; pickled, it is the group's
+  read. It is a list of ordinary batch records (made on first use, so a worker
+  that only ships the run never makes them); pickled, it is the group's
   columns (one array per column, so each column is one region of the worker's
   shared-memory arena) plus the batch lengths, and the receiving process cuts
   it back into batches whose arrays are views of those regions (no copy).
@@ -30,15 +32,17 @@ from itertools import pairwise, repeat
 
 import numpy as np
 
-from zephon.pipeline.ops import Batch, Record, collate_column
+from zephon.pipeline.ops import Batch, DeferredList, Record, collate_column
 
 __all__ = ["BatchRun", "SampleIds", "sample_ids"]
 
 
-class SampleIds(list):
+class SampleIds(DeferredList):
     """``[(name, index, epoch), ...]`` of a batch read column by column: a plain list of
-    tuples to whoever reads it, pickled compactly (see the module docstring); it arrives
-    as a plain list. A list changed after it was built is pickled as a list.
+    tuples to whoever reads it, made on first use and pickled compactly (see the module
+    docstring); it arrives as the same kind of list. A list changed after it was made is
+    pickled as a plain list. :attr:`Batch.meta <zephon.Batch.meta>` hands it to users
+    as a plain list.
 
     Example::
 
@@ -49,15 +53,20 @@ class SampleIds(list):
 
     __slots__ = ("_epoch", "_name", "_packed")
 
-    def __init__(self, name: str, indices: np.ndarray, epoch: int) -> None:
-        super().__init__(_unpack_ids(name, indices, epoch))
-        self._name, self._epoch = name, epoch
-        self._packed = np.ascontiguousarray(indices, dtype=np.int64).tobytes()
+    def __init__(self, name: str, indices, epoch: int) -> None:
+        super().__init__()
+        if not isinstance(indices, bytes):
+            indices = np.ascontiguousarray(indices, dtype=np.int64).tobytes()
+        self._name, self._epoch, self._packed = name, epoch, indices
+        self._recipe = True
+
+    def _make(self) -> list:
+        return _unpack_ids(self._name, self._packed, self._epoch)
 
     def __reduce__(self):
-        indices = np.frombuffer(self._packed, dtype=np.int64)
-        if list.__eq__(self, _unpack_ids(self._name, indices, self._epoch)):
-            return _unpack_ids, (self._name, self._packed, self._epoch)
+        if self._recipe is not None or \
+                list.__eq__(self, _unpack_ids(self._name, self._packed, self._epoch)):
+            return SampleIds, (self._name, self._packed, self._epoch)
         return list, (list(self),)
 
 
@@ -79,18 +88,20 @@ def sample_ids(source, indices: np.ndarray, epoch: int) -> list:
     return [(*source.identity(i), epoch) for i in indices.tolist()]
 
 
-class BatchRun(list):
+class BatchRun(DeferredList):
     """The batch records of consecutive micro-batches read with one columnar read.
 
     Arguments: ``columns`` (the group's collated columns, ``{name: array or list}``),
     ``name`` (the source's name: its identity is the default one), ``indices`` (the
     group's source indices, in order), ``epoch``, ``lengths`` (rows per micro-batch) and
-    ``starts`` (each micro-batch's first lane position)."""
+    ``starts`` (each micro-batch's first lane position). The records are made on first
+    use: a worker that only ships the run pickles its columns and never makes them."""
 
     __slots__ = ("_state",)
 
     def __init__(self, columns: dict, name: str, indices: np.ndarray, epoch: int,
                  lengths: list[int], starts: list[int]) -> None:
+        super().__init__()
         bounds = np.cumsum([0, *lengths]).tolist()
         arrays: dict = {}
         lists: dict = {}
@@ -102,7 +113,10 @@ class BatchRun(list):
                               for a, b in pairwise(bounds)]
         packed = np.ascontiguousarray(indices, dtype=np.int64).tobytes()
         self._state = (list(columns), arrays, lists, name, packed, epoch, lengths, starts)
-        super().__init__(_records(*self._state))
+        self._recipe = True
+
+    def _make(self) -> list:
+        return _records(*self._state)
 
     def __reduce__(self):
         return _records, self._state
@@ -110,14 +124,14 @@ class BatchRun(list):
 
 def _records(order: list, arrays: dict, lists: dict, name: str, packed: bytes, epoch: int,
              lengths: list[int], starts: list[int]) -> list:
-    """The batch records a :class:`BatchRun` stands for (arrays become views)."""
-    indices = np.frombuffer(packed, dtype=np.int64)
+    """The batch records a :class:`BatchRun` stands for (arrays become views, sample ids
+    are made on first use)."""
     out, a = [], 0
     for k, (n, start) in enumerate(zip(lengths, starts, strict=True)):
         b = a + n
         columns = {key: arrays[key][a:b] if key in arrays else lists[key][k]
                    for key in order}
-        ids = _unpack_ids(name, indices[a:b], epoch)
+        ids = SampleIds(name, packed[8 * a:8 * b], epoch)
         out.append(Record(Batch(columns, meta={"sample_ids": ids}), ids,
                           (epoch, start + n - 1)))
         a = b

@@ -432,9 +432,10 @@ class Engine:
                 return None
             produced[lane] += 1
             value = record.value
-            if isinstance(value, Batch):
-                value.meta["lane"] = lane
-                value.meta["lane_index"] = stamp[1][-1] - 1
+            if isinstance(value, Batch):  # its raw meta: reading .meta would make the ids
+                meta = value._meta
+                meta["lane"] = lane
+                meta["lane_index"] = stamp[1][-1] - 1
             return value, stamp
 
         # Catch-up: after a restore, lanes that delivered one item less than the others go

@@ -41,6 +41,7 @@ __all__ = [
     "Batch",
     "BatchOp",
     "Boundary",
+    "DeferredList",
     "FilterOp",
     "MapBatchOp",
     "MapOp",
@@ -74,6 +75,65 @@ class Boundary(NamedTuple):
     k: int  # lane-chunk index within the epoch where the segment starts
 
 
+class DeferredList(list):
+    """A list whose items are made on first use: building many small objects (a tuple per
+    sample, a record per micro-batch) can cost more than everything else a batch needs
+    on its way through a process, and most of them are never looked at.
+
+    Subclasses set ``_recipe`` (not None while the items are not made) and define
+    ``_make()``. Every list method makes the items first (of both operands, for
+    comparisons and ``+``), then behaves as on a plain list. C code that reads a list's
+    storage without calling its methods (a plain ``list + x`` with this list as ``x``,
+    some extensions after an ``isinstance(x, list)`` check) would see it empty, so such
+    lists stay inside zephon: :attr:`Batch.meta` hands users plain lists."""
+
+    __slots__ = ("_recipe",)
+    _recipe: object  # not None until the items are made
+
+    def _make(self) -> list:
+        raise NotImplementedError
+
+    def _fill(self) -> None:
+        if self._recipe is not None:
+            items = self._make()
+            self._recipe = None
+            list.extend(self, items)
+
+
+def _filling(name: str):
+    method = getattr(list, name)
+
+    def call(self, *args):
+        if self._recipe is not None:
+            self._fill()
+        for arg in args:
+            if isinstance(arg, DeferredList) and arg._recipe is not None:
+                arg._fill()
+        return method(self, *args)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = method.__doc__
+    return call
+
+
+for _name in ("__len__", "__getitem__", "__iter__", "__reversed__", "__contains__",
+              "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__add__",
+              "__mul__", "__rmul__", "__iadd__", "__imul__", "__setitem__", "__delitem__",
+              "__repr__", "__sizeof__", "append", "extend", "insert", "pop", "remove",
+              "index", "count", "copy", "reverse", "clear"):
+    setattr(DeferredList, _name, _filling(_name))
+
+
+def _sort(self, *, key=None, reverse=False):
+    if self._recipe is not None:
+        self._fill()
+    list.sort(self, key=key, reverse=reverse)
+
+
+DeferredList.sort = _sort  # type: ignore[method-assign]
+DeferredList.__hash__ = None
+
+
 class Batch(dict):
     """A batch: ``{column: array or list}`` plus ``meta``.
 
@@ -95,10 +155,29 @@ class Batch(dict):
 
     def __init__(self, *args, meta: dict | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.meta = meta if meta is not None else {}
+        self._meta = meta if meta is not None else {}
+
+    @property
+    def meta(self) -> dict:
+        """The batch's metadata, a dict (its lists are plain lists: ``sample_ids`` are
+        made when they are first read here, not for every batch that passes).
+
+        Example:
+            >>> zephon.Batch({"x": np.zeros(2)}, meta={"lane": 1}).meta
+            {'lane': 1}
+        """
+        meta = self._meta
+        for key, value in meta.items():
+            if isinstance(value, DeferredList):
+                meta[key] = list(value)
+        return meta
+
+    @meta.setter
+    def meta(self, value: dict) -> None:
+        self._meta = value
 
     def __reduce__(self):
-        return (_rebuild_batch, (dict(self), self.meta))
+        return (_rebuild_batch, (dict(self), self._meta))
 
     def __repr__(self) -> str:
         return f"Batch({dict.__repr__(self)}, meta={self.meta!r})"

@@ -28,8 +28,10 @@ __all__ = ["StageProgram", "batches_per_message"]
 #: Bytes of batches one message to or from a worker aims at when a stage reads whole batches
 #: column by column: large enough that the per-message cost vanishes next to the read.
 GROUP_TARGET_BYTES = 4 << 20
-#: ... and at most this many batches, so the first ones arrive early.
-GROUP_MAX_BATCHES = 64
+#: ... and at most this many batches (the records one message makes in the consumer). The
+#: first messages of a lane are smaller (see :func:`~zephon.pipeline.lanes.grouped_units`),
+#: so the first batches arrive early whatever the target.
+GROUP_MAX_BATCHES = 1024
 
 
 def batches_per_message(source, batch_size: int, stage) -> int:
@@ -89,7 +91,7 @@ class StageProgram:
             return None
         ids = sample_ids(source, unit.indices, epoch)
         batch = Batch(columns, meta={"sample_ids": ids})
-        return [Record(batch, ids, (epoch, unit.start + len(ids) - 1))]
+        return [Record(batch, ids, (epoch, unit.start + len(unit.indices) - 1))]
 
     def read_group(self, group: BatchGroup) -> list | None:
         """The micro-batches of ``group`` with ONE columnar read, as a

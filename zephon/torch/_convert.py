@@ -50,7 +50,7 @@ def tensor_of(value):
 def to_torch(batch):
     """See :func:`zephon.torch.to_torch`."""
     if isinstance(batch, dict):
-        out = Batch({k: tensor_of(v) for k, v in batch.items()},
-                    meta=getattr(batch, "meta", {}))
+        meta = batch._meta if isinstance(batch, Batch) else getattr(batch, "meta", {})
+        out = Batch({k: tensor_of(v) for k, v in batch.items()}, meta=meta)
         return out
     return tensor_of(batch)
