@@ -182,21 +182,25 @@ def batched_units(units: Iterator, size: int, drop_last: bool) -> Iterator:
         yield out
 
 
-def grouped_units(units: Iterator, per_group: int) -> Iterator:
-    """Pack the micro-batch units of :func:`batched_units` ``per_group`` at a time into
-    :class:`BatchGroup` s (never across a Boundary marker: what is held is sent before the
-    marker). A transport choice only: the batches, their order and the markers' places
-    are unchanged. ``per_group <= 1`` passes the units through."""
+def grouped_units(units: Iterator, per_group: int, first: int = 4) -> Iterator:
+    """Pack the micro-batch units of :func:`batched_units` into :class:`BatchGroup` s of
+    ``per_group`` units, never across a Boundary marker (what is held is sent before the
+    marker). The lane's first groups ramp up from ``first`` units, doubling, so that
+    the first batches arrive early while the steady state sends full groups. A
+    transport choice only: the batches, their order and the markers' places are
+    unchanged. ``per_group <= 1`` passes the units through."""
     if per_group <= 1:
         yield from units
         return
+    size = max(1, min(first, per_group))
     held: list = []
     for unit in units:
         if isinstance(unit, ReadUnit):
             held.append(unit)
-            if len(held) == per_group:
-                yield BatchGroup(held)
+            if len(held) >= size:
+                yield held[0] if len(held) == 1 else BatchGroup(held)
                 held = []
+                size = min(per_group, 2 * size)
             continue
         if held:
             yield held[0] if len(held) == 1 else BatchGroup(held)
