@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
+import multiprocessing
 import os
 import threading
 from typing import Any, Sequence
@@ -226,7 +227,8 @@ class ParquetSource(FileSource):
                         pf = self._files[k] = (pq.ParquetFile(source), threading.Lock())
             pfile, lock = pf
             with lock:
-                table = pfile.read_row_group(rg, columns=self.columns)
+                table = pfile.read_row_group(rg, columns=self.columns,
+                                             use_threads=_decode_threads())
         except SourceError as exc:
             raise SourceError(f"parquet: {path}, {context}: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - pyarrow raises several classes
@@ -344,6 +346,15 @@ class ParquetSource(FileSource):
         return (f"ParquetSource({self.name}, files={names}, rows={len(self)}, "
                 f"row_groups={len(self.group_rows)}, columns={self.columns}, "
                 f"shuffle={self.shuffle}, seed={self.seed})")
+
+
+def _decode_threads() -> bool:
+    """Whether pyarrow may decode a row group's columns on its thread pool: in the main
+    process yes; in a child process (a worker of a process stage) no, because its
+    sibling workers already use the cores and a pool per worker only adds contention
+    (2 workers read a 4M-row corpus in 0.65-0.75 s with one thread each, 0.77-0.94 s with
+    pyarrow's pool)."""
+    return multiprocessing.parent_process() is None
 
 
 def _numbers(arr) -> np.ndarray:
