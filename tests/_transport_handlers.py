@@ -129,3 +129,15 @@ def load_4mib(i: int) -> np.ndarray:
 
 def plus_one(x):
     return x + 1
+
+
+def refault_count(mib: int) -> int:
+    """Minor page faults of allocating ``mib`` MiB again right after freeing as much."""
+    import resource
+
+    a = np.ones((mib << 20) // 8)
+    del a
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    a = np.ones((mib << 20) // 8)
+    del a
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before

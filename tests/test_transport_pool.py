@@ -409,3 +409,17 @@ def test_restart_replaces_a_dead_worker_with_fresh_slab_ids(make_pool):
     assert pool.leases.locate(new["data"])[0].token != old_token
     with pytest.raises(TransportError, match="still alive"):
         pool.restart(0)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="glibc on Linux only")
+def test_workers_reuse_large_buffers_without_page_faults(make_pool, monkeypatch):
+    """A pool worker keeps freed 64 MiB arrays mapped (its malloc thresholds are raised), so
+    allocating one again does not fault its pages in again; with the tuning turned off
+    (``ZEPHON_WORKER_MALLOC_TUNING=0``) it does."""
+    tuned = make_pool(1, handler=H.refault_count)
+    tuned.submit(64)
+    monkeypatch.setenv("ZEPHON_WORKER_MALLOC_TUNING", "0")  # read by the worker at start
+    plain = make_pool(1, handler=H.refault_count)
+    plain.submit(64)
+    faults_tuned, faults_plain = tuned.get().value, plain.get().value
+    assert faults_tuned <= 4 < faults_plain, (faults_tuned, faults_plain)
