@@ -145,6 +145,27 @@ class WithSetup:
         return work(subject)
 
 
+class WithServer:
+    """setup() starts a helper process (its pid in ``<dir>/setup-<pid>.server``) that
+    every subject may use; a subject returns whether that helper is alive, after what
+    ``work`` does for it."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.server: int | None = None
+
+    def setup(self) -> None:
+        self.server = _start_helper({"dir": self.directory,
+                                     "subject_id": f"setup-{os.getpid()}"},
+                                    "server", ignore_term=False, daemon=True)
+
+    def __call__(self, subject):
+        value = work(subject)
+        with open(f"/proc/{self.server}/stat") as fh:
+            server_alive = fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return {"value": value, "server_alive": server_alive}
+
+
 class HangingSetup:
     def setup(self) -> None:
         time.sleep(600)

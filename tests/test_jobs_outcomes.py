@@ -30,7 +30,7 @@ def helpers(tmp_path):
     d = tmp_path / "log"
     d.mkdir()
     yield str(d)
-    for what in ("grandchild", "background", "daemon"):
+    for what in ("grandchild", "background", "daemon", "server"):
         for pid in J.helper_pids(str(d), what):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -151,6 +151,7 @@ def test_timeout_kills_a_grandchild_that_ignores_sigterm(helpers):
                                       resume=False), progress=False)
     out = list(job)
     assert isinstance(out[0].error, SubjectTimeoutError) and out[1].ok
+    assert out[0].error.subject_id == "G0" and "subject 'G0' (#0)" in str(out[0].error)
     grandchildren = J.helper_pids(helpers, "grandchild")
     assert len(grandchildren) == 1
     # The run has ended: nothing it started may still be alive (no waiting allowed here).
@@ -186,3 +187,40 @@ def test_processes_left_by_successful_subjects_are_gone_after_the_run(helpers, m
     assert len(left) == 3
     assert not any(alive(p) for p in left), "a process started by a subject outlived the run"
     assert "process group" in job.explain() and "subreaper" in job.explain()
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_left_by_a_subject_does_not_survive_a_later_subject_killing_the_worker(
+        helpers):
+    """Persistent worker: a subject leaves a daemon in its own session and succeeds, the
+    next subject on the same worker SIGKILLs it. The worker's own clean-up dies with it
+    and the daemon left its group, so it must be ended when its subject is done."""
+    subs = [{"subject_id": "D0", "dir": helpers, "action": "daemon"},
+            {"subject_id": "X0", "dir": helpers, "action": "kill_self"}]
+    job = run(J.work, subs, RunPolicy(workers=1, subject_timeout_sec=30.0,
+                                      graceful_shutdown_sec=1.0, parallel_mode="persistent",
+                                      auto_retry_rounds=0, resume=False), progress=False)
+    out = list(job)
+    assert out[0].ok and not out[1].ok
+    assert "running subject 'X0' (#1)" in str(out[1].error)
+    daemons = J.helper_pids(helpers, "daemon")
+    assert len(daemons) == 1
+    assert not alive(daemons[0]), "a subject's daemon outlived its worker's SIGKILL"
+
+
+@pytest.mark.timeout(120)
+def test_processes_started_by_setup_serve_every_subject_and_end_with_the_worker(helpers):
+    """What setup() starts is the worker's, not a subject's: it stays up across subjects
+    (while what each subject leaves is ended after it) and is ended when the run ends."""
+    subs = [{"subject_id": f"B{i}", "dir": helpers, "action": "background"} for i in range(3)]
+    job = run(J.WithServer(helpers), subs,
+              RunPolicy(workers=1, subject_timeout_sec=30.0, graceful_shutdown_sec=1.0,
+                        parallel_mode="persistent", auto_retry_rounds=0, resume=False),
+              progress=False)
+    out = list(job)
+    assert all(r.ok for r in out), [repr(r.error) for r in out]
+    assert all(r.value["server_alive"] for r in out)
+    servers = J.helper_pids(helpers, "server")
+    left = J.helper_pids(helpers, "background")
+    assert len(servers) == 1 and len(left) == 3
+    assert not any(alive(p) for p in servers + left)

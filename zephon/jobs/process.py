@@ -82,6 +82,7 @@ from zephon.errors import (
     SubjectTimeoutError,
     TransportError,
 )
+from zephon.jobs.subjects import subject_label
 from zephon.jobs.worker import job_worker_main, unpickle_value
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.remote_errors import decode_exception
@@ -108,9 +109,11 @@ TREE_POLICY = (
     "each worker leads its own process group (SIGTERM, then SIGKILL after the grace, to the "
     "whole group on a timeout, when a worker exits and at shutdown, whether or not the "
     "worker is still alive) and is a child subreaper on Linux (descendants that leave the "
-    "group are re-parented to it and ended when it stops or is terminated); a descendant "
-    "that left the group of a worker killed outright (SIGKILL, or a subject's own SIGTERM "
-    "handler) is not covered")
+    "group are re-parented to it and ended when it stops or is terminated); what a subject "
+    "leaves running is ended once it has been reported (what the callable's setup() "
+    "started is kept until the worker stops); a descendant that left the group of a worker "
+    "killed outright (SIGKILL, or a subject's own SIGTERM handler) while its subject runs "
+    "is not covered")
 
 _CENSUS_S: Final = 0.25  # how often every worker is checked for exit, EOF or not
 _IDLE_WAIT_S: Final = 0.5  # longest wait of the loop when no deadline is nearer
@@ -164,7 +167,9 @@ class _Slot:
 class ProcessBackend:
     name = "process"
 
-    def __init__(self, fn, policy, workers: int, *, gpu_slots: bool, mp_context) -> None:
+    def __init__(self, fn, policy, workers: int, *, gpu_slots: bool, mp_context,
+                 names=None) -> None:
+        self.names = names  # subject ids by position, to name subjects in errors
         try:
             self.fn_bytes = pickle.dumps(fn, protocol=5)
         except Exception as exc:
@@ -262,10 +267,14 @@ class ProcessBackend:
         """The subject index of a running attempt (-1 when it is not running)."""
         return -1 if task is None else self._running.get(task, -1)
 
+    def _label(self, index: int) -> str:
+        return subject_label(self.names, index)
+
     def _timeout_error(self, index: int) -> SubjectTimeoutError:
         return SubjectTimeoutError(
-            f"subject {index} ran past subject_timeout_sec={self.timeout} s; its worker's "
-            "process group was terminated", timeout_s=self.timeout)
+            f"{self._label(index)} ran past subject_timeout_sec={self.timeout} s; its worker's "
+            "process group was terminated", timeout_s=self.timeout,
+            subject_id=None if self.names is None else self.names[index])
 
     # -- one round -----------------------------------------------------------------------
     def run_round(self, items: list[tuple[int, Any]]) -> Iterator[Outcome]:
@@ -302,7 +311,7 @@ class ProcessBackend:
             payload = pickle.dumps(subject, protocol=5)
         except Exception as exc:  # noqa: BLE001
             out.append(self._settle(task, False, None, SerializationError(
-                f"subject {index} cannot be pickled: {exc}"), 0.0, "error"))
+                f"{self._label(index)} cannot be pickled: {exc}"), 0.0, "error"))
             return
         slot.task, slot.state = task, SlotState.BUSY
         # Until the worker says when it started, the deadline counts from the dispatch.
@@ -372,10 +381,10 @@ class ProcessBackend:
                 return True, unpickle_value(frames), None
             except Exception as exc:  # noqa: BLE001 - the value's class is not importable here
                 return False, None, SerializationError(
-                    f"the value of subject {index} cannot be unpickled in the parent: "
+                    f"the value of {self._label(index)} cannot be unpickled in the parent: "
                     f"{type(exc).__name__}: {exc}")
         return False, None, decode_exception(frames[0], header.get("tb", ""),
-                                             f"subject {index} on job worker pid {slot.pid}")
+                                             f"{self._label(index)} on job worker pid {slot.pid}")
 
     def _after_report(self, slot: _Slot, late: bool, ok: bool) -> None:
         """The slot's next state once its subject reported: idle, recycled, restarted after
@@ -476,11 +485,11 @@ class ProcessBackend:
         if code == -signal.SIGKILL:
             self._back_off()
             error = crash_error(
-                f"the worker running subject {index} was killed by SIGKILL (counted as out of "
+                f"the worker running {self._label(index)} was killed by SIGKILL (counted as out of "
                 "memory)", worker=slot.index, pid=slot.pid, exitcode=code, tasks=tasks)
             return self._settle(task, False, None, error, 0.0, "oom")
         error = crash_error(
-            f"the worker running subject {index} died by {exit_text(code)}",
+            f"the worker running {self._label(index)} died by {exit_text(code)}",
             worker=slot.index, pid=slot.pid, exitcode=code, tasks=tasks)
         return self._settle(task, False, None, error, 0.0, "crash")
 

@@ -7,7 +7,10 @@ own process group (so the parent can signal the op's children with it) and, on
 Linux, a child subreaper (so descendants that leave the group come back to it
 when orphaned), exports ``ZEPHON_GPU_SLOT`` when it has one, unpickles the
 callable (pickled once by the parent) and runs its ``setup()`` if it has one,
-then says READY. It runs one subject at a time and never decides to exit on
+then says READY. It runs one subject at a time; once a subject has been reported,
+the processes it started and left running are ended (SIGTERM, ``grace / 2``,
+SIGKILL) while those ``setup()`` started are kept, so a persistent worker's
+subjects leave nothing behind, as an isolated worker's do. It never decides to exit on
 its own: the parent stops it (recycling, failure restarts, shutdown) after it
 has read the last result, so a result is never lost to an exit. Told to stop,
 or sent SIGTERM (a timeout), it ends every descendant it has (SIGTERM,
@@ -45,7 +48,7 @@ import time
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.remote_errors import encode_exception
 from zephon.transport.supervisor import MsgKind, lead_process_tree
-from zephon.transport.tree import end_descendants
+from zephon.transport.tree import descendants, end_descendants
 
 __all__ = ["job_worker_main", "pickle_value", "unpickle_value"]
 
@@ -103,6 +106,7 @@ def job_worker_main(channel, boot: dict) -> None:
             tb, blob = encode_exception(exc)
             channel.send({"k": MsgKind.FAIL, "tb": tb}, [blob])
             return
+        kept = set(descendants(os.getpid()))  # started by setup(): they serve every subject
         channel.send({"k": MsgKind.READY, "pid": os.getpid()})
         while True:
             header, frames, _ = channel.recv()
@@ -117,8 +121,11 @@ def job_worker_main(channel, boot: dict) -> None:
                 value = fn(subject)
             except Exception as exc:  # noqa: BLE001 - the subject's failure, not ours
                 _report(channel, task_id, start, exc=exc)
-                continue
-            _report(channel, task_id, start, value=value)
+            else:
+                _report(channel, task_id, start, value=value)
+            # A subject's processes end with it: left running, one could outlive the run
+            # when a later subject kills this worker outright.
+            end_descendants(grace / 2, keep=kept)
     except ChannelClosed:
         pass
     finally:

@@ -10,8 +10,9 @@ What this module owns:
   descendants of its subtree instead of init, so a job worker still sees the
   double-forked daemon a subject left behind.
 - :func:`descendants` / :func:`end_descendants`: every live process below a pid
-  (read from ``/proc``), and ending them all: SIGTERM, a grace, SIGKILL, then
-  reaping what became this process's zombies.
+  (read from ``/proc``), and ending them all (or all but some subtrees kept):
+  SIGTERM, a grace, SIGKILL, then reaping the ended ones that became this
+  process's zombies.
 
 A process group id is not reused while any member of the group exists, so
 signalling the group of a worker that has already exited reaches exactly the
@@ -128,8 +129,9 @@ def _has_no_children(pid: int) -> bool:
         return False
 
 
-def descendants(pid: int) -> list[int]:
-    """Live (non-zombie) processes below ``pid``, read from /proc (empty without it)."""
+def descendants(pid: int, keep=()) -> list[int]:
+    """Live (non-zombie) processes below ``pid``, read from /proc (empty without it);
+    the pids in ``keep`` and everything below them are left out."""
     if not _HAS_PROC or _has_no_children(pid):
         return []
     table = _proc_table()
@@ -138,51 +140,55 @@ def descendants(pid: int) -> list[int]:
     for p, ppid, _, st in table:
         children.setdefault(ppid, []).append(p)
         state[p] = st
-    out, todo = [], list(children.get(pid, ()))
+    out, todo = [], [p for p in children.get(pid, ()) if p not in keep]
     while todo:
         p = todo.pop()
         if state.get(p) != "Z":
             out.append(p)
-        todo.extend(children.get(p, ()))
+        todo.extend(c for c in children.get(p, ()) if c not in keep)
     return out
 
 
-def _reap_zombie_children() -> None:
-    while True:
+def _reap(pids) -> None:
+    """Reap those of ``pids`` that are this process's exited children (orphans a
+    subreaper adopted included); a pid that is not our child is skipped."""
+    for pid in pids:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
-            return
-        if pid == 0:
-            return
+            pass
 
 
-def end_descendants(grace: float) -> None:
-    """End every descendant of this process: SIGTERM, up to ``grace`` seconds for them to
-    go, SIGKILL to what is left (and to what they started meanwhile); reap our zombies.
-    Call only when nothing else in this process waits for its children."""
+def end_descendants(grace: float, keep=()) -> None:
+    """End every descendant of this process except ``keep`` and their subtrees: SIGTERM,
+    up to ``grace`` seconds for them to go, SIGKILL to what is left (and to what they
+    started meanwhile); reap the ended processes that were our children. Reaping is by
+    pid, so a child the caller keeps (and may wait for) is never reaped here."""
     me = os.getpid()
-    pids = descendants(me)
+    pids = descendants(me, keep)
     if not pids:
         return
+    ended = set(pids)
     for pid in pids:
         _kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        _reap_zombie_children()
-        pids = descendants(me)
+        _reap(ended)
+        pids = descendants(me, keep)
         if not pids:
             return
+        ended.update(pids)
         time.sleep(0.01)
     for _ in range(3):
-        pids = descendants(me)
+        pids = descendants(me, keep)
         if not pids:
             break
+        ended.update(pids)
         for pid in pids:
             _kill(pid, signal.SIGKILL)
         time.sleep(0.01)
-        _reap_zombie_children()
-    _reap_zombie_children()
+        _reap(ended)
+    _reap(ended)
 
 
 def _kill(pid: int, sig: int) -> None:
