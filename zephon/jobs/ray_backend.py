@@ -85,6 +85,7 @@ from zephon.errors import (
     ZephonConfigError,
 )
 from zephon.jobs.process import JobSetupError, Outcome
+from zephon.jobs.subjects import subject_label
 from zephon.transport.remote_errors import decode_exception, encode_exception
 
 __all__ = [
@@ -271,7 +272,9 @@ class RayBackend:
 
     name = "ray"
 
-    def __init__(self, fn, policy, workers: int, *, batching: bool = True) -> None:
+    def __init__(self, fn, policy, workers: int, *, batching: bool = True,
+                 names=None) -> None:
+        self.names = names  # subject ids by position, to name subjects in errors
         self.ray = ray = import_ray()
         self.policy = policy
         self.stats: collections.Counter[str] = collections.Counter()
@@ -430,6 +433,9 @@ class RayBackend:
         timeout = self.policy.subject_timeout_sec
         return None if timeout is None else time.monotonic() + timeout
 
+    def _label(self, index: int) -> str:
+        return subject_label(self.names, index)
+
     def _submit(self, items: list, actor: _Actor | None, singles) -> Outcome | None:
         """Hand ``items`` to ``actor`` (or to a new task). A subject Ray cannot serialize
         is that subject's failure; a batch holding one is split into single calls."""
@@ -446,7 +452,7 @@ class RayBackend:
                 singles.extend(items)
                 return None
             return Outcome(items[0][0], False, None, SerializationError(
-                f"subject {items[0][0]} cannot be serialized for Ray: "
+                f"{self._label(items[0][0])} cannot be serialized for Ray: "
                 f"{type(exc).__name__}: {exc}"), 0.0, "error")
         if actor is not None:
             actor.state = "busy"
@@ -553,7 +559,7 @@ class RayBackend:
                     actor.failures = 0
                 yield Outcome(index, True, value, None, duration, "ok")
                 continue
-            error = decode_exception(blob, tb, f"subject {index} on {where}")
+            error = decode_exception(blob, tb, f"{self._label(index)} on {where}")
             if actor is not None:
                 actor.failures += 1
             if oom:
@@ -582,13 +588,13 @@ class RayBackend:
         if kind == "oom":
             self._back_off()
             error = WorkerCrashedError(
-                f"the Ray worker running subject {index} died without an exception while its "
+                f"the Ray worker running {self._label(index)} died without an exception while its "
                 "node stayed up (as when killed by SIGKILL, e.g. by the OOM killer, or by "
                 f"Ray's memory monitor; counted as out of memory): {_first_line(exc)}",
                 pid=None if call.actor is None else call.actor.pid)
         else:
             error = WorkerCrashedError(
-                f"the Ray worker running subject {index} was lost with its node: "
+                f"the Ray worker running {self._label(index)} was lost with its node: "
                 f"{_first_line(exc)}", pid=None if call.actor is None else call.actor.pid)
         yield Outcome(index, False, None, error, time.monotonic() - call.submitted, kind)
 
@@ -612,8 +618,10 @@ class RayBackend:
             (index, _), = call.items
             self.stats["timeouts"] += 1
             yield Outcome(index, False, None, SubjectTimeoutError(
-                f"subject {index} ran past subject_timeout_sec={timeout} s; its Ray worker "
-                "was killed", timeout_s=timeout), timeout, "timeout")
+                f"{self._label(index)} ran past subject_timeout_sec={timeout} s; its Ray worker "
+                "was killed", timeout_s=timeout,
+                subject_id=None if self.names is None else self.names[index]), timeout,
+                "timeout")
 
     def _back_off(self) -> None:
         if not self.policy.oom_backoff:

@@ -244,10 +244,10 @@ class JobRun:
             return SerialBackend(self.fn)
         if self.backend_name == "ray":
             from zephon.jobs.ray_backend import RayBackend
-            return RayBackend(self.fn, self.policy, self.workers)
+            return RayBackend(self.fn, self.policy, self.workers, names=self.ids)
         return ProcessBackend(self.fn, self.policy, self.workers,
                               gpu_slots=self.policy.cap_workers_to_gpu_pool,
-                              mp_context=self.mp_context)
+                              mp_context=self.mp_context, names=self.ids)
 
     def _load(self, store: CheckpointStore, i: int):
         """The stored entry of subject ``i``; a bad entry is reported once and becomes None

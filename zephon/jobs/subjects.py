@@ -17,7 +17,7 @@ from typing import Any
 
 from zephon.errors import ZephonConfigError
 
-__all__ = ["cache_key_of", "callable_name", "subject_id_of"]
+__all__ = ["cache_key_of", "callable_name", "subject_id_of", "subject_label"]
 
 
 def subject_id_of(subject: Any, position: int) -> str:
@@ -58,3 +58,17 @@ def cache_key_of(fn: Any, subject: Any, subject_id: str) -> str:
                                     "expected a non-empty string")
         return key
     return f"{callable_name(fn)}:{subject_id}"
+
+
+def subject_label(names, index: int) -> str:
+    """How an error made by a backend names a subject: by its id and its position
+    (``subject 'shard-7' (#7)``); by position alone when the ids are not known.
+
+    Example::
+
+        >>> subject_label(["a", "b"], 1)
+        "subject 'b' (#1)"
+    """
+    if names is None or not 0 <= index < len(names):
+        return f"subject #{index}"
+    return f"subject {names[index]!r} (#{index})"
