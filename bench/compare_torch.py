@@ -1,6 +1,6 @@
 """Side-by-side: zephon with its default options vs torch, torchdata, Grain and SPDL.
 
-    python bench/compare_torch.py            # every row, 3 repetitions (a few minutes)
+    python bench/compare_torch.py            # every row, 3 repetitions (10-15 minutes)
     python bench/compare_torch.py --quick    # 4 KiB / 4 MiB / 64 MiB, one repetition
     python bench/compare_torch.py --only 4mib --reps 5   # rows whose name matches
 
@@ -26,6 +26,11 @@ the main process touches one element of each item and drops it.
   ``SharedMemorySegmentPool`` arena (its zero-copy shared-memory path);
 - ``batch256``: 4 KiB samples ``.batch(256)`` (zephon, default options) against
   ``DataLoader(batch_size=256)`` collating the same samples; rate in samples/s.
+
+Each row moves about 3 GiB (1 GiB with ``--quick``; at least 48 items, at most
+20,000): every loader's rate still climbs over its first few hundred MiB (fresh
+pages in its heaps and shared memory), and the bars are about the steady state
+of an epoch, not its start.
 
 The table gives time to the first item (from building the loader: worker
 start-up included), steady GiB/s and items/s after a 10 % warm-up, and the
@@ -294,7 +299,7 @@ def _count(nbytes: int, budget: int) -> int:
 
 def plan(quick: bool, peers: list[str]) -> list[dict]:
     """Every row to run: ``{"name", "loader", "n", "elements", "kw"}``."""
-    budget = (256 if quick else 768) * MIB
+    budget = (1024 if quick else 3072) * MIB
     sizes = [4 * KIB, 4 * MIB, 64 * MIB] if quick else \
         [4 * KIB, 64 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
     chunk_rows = {4 * KIB: (16, 256, 1024), 4 * MIB: (2, 8, 256), 64 * MIB: (1, 2, 8)}
