@@ -276,3 +276,21 @@ def test_users_get_plain_sample_id_lists(tmp_path):
         got = [b.meta["sample_ids"] for b in it]
     assert all(type(g) is list for g in got)
     assert sum(got, []) == [("parquet", i, 0) for i in range(1000)]  # noqa: RUF017
+
+
+def test_explain_says_what_a_pipeline_shuffle_costs_over_parquet(tmp_path):
+    """The default Pipeline(shuffle=True) over Parquet gathers each batch from all over the
+    row groups; explain() says so and names the cheap alternative, and only then."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    pq.write_table(pa.table({"v": np.arange(1000)}), tmp_path / "a.parquet",
+                   row_group_size=100)
+    src = sources.parquet(str(tmp_path))
+    text = Pipeline(src).batch(10).explain()
+    assert "note: Pipeline(shuffle=True) draws each batch's rows from all over the 10 " \
+           "row groups" in text and "sources.parquet(..., shuffle=True)" in text
+    assert "exceed row_group_cache_bytes" not in text
+    small_cache = sources.parquet(str(tmp_path), row_group_cache_bytes=1000)
+    assert "exceed row_group_cache_bytes" in Pipeline(small_cache).batch(10).explain()
+    assert "note:" not in Pipeline(src, shuffle=False).batch(10).explain()
+    assert "note:" not in Pipeline(sources.from_sequence(list(range(9)))).explain()

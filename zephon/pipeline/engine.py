@@ -224,6 +224,9 @@ class Plan:
                            else "NON-DETERMINISTIC: completion order, checkpoints best effort")
             + "; tail: strict lane round robin",
         ]
+        note = p.source.permute_note() if p.permute else None
+        if note:
+            lines.insert(2, f"  note: {note}")
         if self.cursor_resume:
             resume = ("resume: from the source cursor (every op preserves cursor order: a "
                       "restore reads on after the last delivered sample)")

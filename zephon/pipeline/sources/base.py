@@ -142,6 +142,20 @@ class Source:
         """
         return None
 
+    def permute_note(self) -> str | None:
+        """What a pipeline-level shuffle (``Pipeline(shuffle=True)``) costs with this source,
+        when that is worth a line of ``explain()``.
+
+        Returns:
+            A sentence, or None (the default: random access costs about what reading in
+            order does).
+
+        Example:
+            >>> sources.from_sequence([1, 2]).permute_note() is None
+            True
+        """
+        return None
+
     def describe(self) -> str:
         """A stable description of the source (part of the pipeline fingerprint).
 
