@@ -166,6 +166,33 @@ class WithServer:
         return {"value": value, "server_alive": server_alive}
 
 
+def square(x: int) -> int:
+    return x * x
+
+
+class LazyPool:
+    """setup() makes a process pool whose workers start on first use (during the first
+    subject): they are the worker's, not that subject's, and serve every subject."""
+
+    def setup(self) -> None:
+        import concurrent.futures
+        import multiprocessing
+
+        self.pool = concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn"))
+
+    def __call__(self, subject):
+        return sum(self.pool.map(square, range(4)))
+
+
+def forkserver_pool(subject):
+    """A forkserver pool per subject (the forkserver itself outlives the subject)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("forkserver").Pool(1) as pool:
+        return pool.map(abs, [-1, -2])
+
+
 class HangingSetup:
     def setup(self) -> None:
         time.sleep(600)

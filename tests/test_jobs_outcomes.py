@@ -224,3 +224,32 @@ def test_processes_started_by_setup_serve_every_subject_and_end_with_the_worker(
     left = J.helper_pids(helpers, "background")
     assert len(servers) == 1 and len(left) == 3
     assert not any(alive(p) for p in servers + left)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fn", [J.LazyPool(), J.forkserver_pool], ids=["setup_pool", "forkserver"])
+def test_pools_started_during_a_subject_keep_serving_later_subjects(fn):
+    """Processes a pool starts on first use stay in the worker's process group: the end of
+    a subject leaves them alone (and never reaps them behind the pool's back)."""
+    subs = [{"subject_id": f"P{i}"} for i in range(4)]
+    job = run(fn, subs, RunPolicy(workers=1, subject_timeout_sec=60.0,
+                                  graceful_shutdown_sec=1.0, parallel_mode="persistent",
+                                  auto_retry_rounds=0, resume=False), progress=False)
+    out = list(job)
+    assert all(r.ok for r in out), [repr(r.error) for r in out]
+    assert {repr(r.value) for r in out} == {repr(out[0].value)}
+
+
+@pytest.mark.timeout(120)
+def test_a_stubborn_daemon_costs_its_own_subject_not_the_next(helpers):
+    """Ending what a subject left (a daemon that ignores SIGTERM: grace/2, then SIGKILL)
+    happens before its report: that time is its own; the next subject is not blamed."""
+    subs = [{"subject_id": "D0", "dir": helpers, "action": "daemon"},
+            {"subject_id": "K0", "dir": helpers, "action": "ok"}]
+    job = run(J.work, subs, RunPolicy(workers=1, subject_timeout_sec=30.0,
+                                      graceful_shutdown_sec=4.0, parallel_mode="persistent",
+                                      auto_retry_rounds=0, resume=False), progress=False)
+    out = list(job)
+    assert all(r.ok for r in out), [repr(r.error) for r in out]
+    assert out[0].duration_s >= 2.0 > out[1].duration_s  # grace/2 of waiting was D0's
+    assert not any(alive(p) for p in J.helper_pids(helpers, "daemon"))

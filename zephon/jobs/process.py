@@ -110,10 +110,10 @@ TREE_POLICY = (
     "whole group on a timeout, when a worker exits and at shutdown, whether or not the "
     "worker is still alive) and is a child subreaper on Linux (descendants that leave the "
     "group are re-parented to it and ended when it stops or is terminated); what a subject "
-    "leaves running is ended once it has been reported (what the callable's setup() "
-    "started is kept until the worker stops); a descendant that left the group of a worker "
-    "killed outright (SIGKILL, or a subject's own SIGTERM handler) while its subject runs "
-    "is not covered")
+    "leaves running outside the group is ended when it returns (what the callable's "
+    "setup() started is kept); a descendant that left the group of a worker killed "
+    "outright (SIGKILL, or a subject's own SIGTERM handler) while its subject runs is not "
+    "covered")
 
 _CENSUS_S: Final = 0.25  # how often every worker is checked for exit, EOF or not
 _IDLE_WAIT_S: Final = 0.5  # longest wait of the loop when no deadline is nearer

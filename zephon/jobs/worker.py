@@ -7,10 +7,12 @@ own process group (so the parent can signal the op's children with it) and, on
 Linux, a child subreaper (so descendants that leave the group come back to it
 when orphaned), exports ``ZEPHON_GPU_SLOT`` when it has one, unpickles the
 callable (pickled once by the parent) and runs its ``setup()`` if it has one,
-then says READY. It runs one subject at a time; once a subject has been reported,
-the processes it started and left running are ended (SIGTERM, ``grace / 2``,
-SIGKILL) while those ``setup()`` started are kept, so a persistent worker's
-subjects leave nothing behind, as an isolated worker's do. It never decides to exit on
+then says READY. It runs one subject at a time; when a subject returns, the
+processes it left running outside the worker's process group (a daemon in its own
+session) are ended (SIGTERM, ``grace / 2``, SIGKILL) before its report is sent,
+except what ``setup()`` started: a persistent worker killed outright by a later
+subject cannot leave them behind. Processes in the group are the group's, ended
+with the worker. It never decides to exit on
 its own: the parent stops it (recycling, failure restarts, shutdown) after it
 has read the last result, so a result is never lost to an exit. Told to stop,
 or sent SIGTERM (a timeout), it ends every descendant it has (SIGTERM,
@@ -85,6 +87,17 @@ def _report(channel, task_id: int, start: float, value=None, exc=None) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _TERM)
 
 
+def _end_escaped(grace: float, kept: set) -> None:
+    """End what the subject just run left outside this worker's process group (a daemon
+    in its own session): nothing else would end it if a later subject killed the worker
+    outright. Processes in the group are left alone (a pool or loader that an object
+    made in ``setup()`` starts on first use lives there; the group is ended with the
+    worker), and so is what ``setup()`` started (``kept``). Nothing is reaped: a
+    ``Popen`` of the subject's may still wait for its child. Runs before the report, so
+    the time it takes is the subject's own."""
+    end_descendants(grace / 2, keep=kept, outside_group=os.getpgrp(), reap=False)
+
+
 def job_worker_main(channel, boot: dict) -> None:
     """Process entry point of a job worker (module level so spawn can import it).
 
@@ -120,12 +133,11 @@ def job_worker_main(channel, boot: dict) -> None:
             try:
                 value = fn(subject)
             except Exception as exc:  # noqa: BLE001 - the subject's failure, not ours
+                _end_escaped(grace, kept)
                 _report(channel, task_id, start, exc=exc)
-            else:
-                _report(channel, task_id, start, value=value)
-            # A subject's processes end with it: left running, one could outlive the run
-            # when a later subject kills this worker outright.
-            end_descendants(grace / 2, keep=kept)
+                continue
+            _end_escaped(grace, kept)
+            _report(channel, task_id, start, value=value)
     except ChannelClosed:
         pass
     finally:

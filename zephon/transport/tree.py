@@ -129,24 +129,70 @@ def _has_no_children(pid: int) -> bool:
         return False
 
 
-def descendants(pid: int, keep=()) -> list[int]:
-    """Live (non-zombie) processes below ``pid``, read from /proc (empty without it);
-    the pids in ``keep`` and everything below them are left out."""
-    if not _HAS_PROC or _has_no_children(pid):
+def _stat(pid: int) -> tuple[int, int, str] | None:
+    """(ppid, pgid, state) of ``pid`` from /proc, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().decode(errors="replace").rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), int(fields[2]), fields[0]
+
+
+def _children(pid: int) -> list[int] | None:
+    """Direct children of ``pid`` from its threads' /proc ``children`` files (None when
+    the kernel has none: then the whole process table is read)."""
+    try:
+        out: list[int] = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
+                out.extend(int(c) for c in fh.read().split())
+        return out
+    except FileNotFoundError:
+        return None if not os.path.exists(f"/proc/{pid}") else []
+    except OSError:
         return []
-    table = _proc_table()
-    children: dict[int, list[int]] = {}
-    state = {}
-    for p, ppid, _, st in table:
-        children.setdefault(ppid, []).append(p)
-        state[p] = st
-    out, todo = [], [p for p in children.get(pid, ()) if p not in keep]
+
+
+def _subtree(pid: int, keep) -> list[tuple[int, int, str]] | None:
+    """(pid, pgid, state) of every process below ``pid`` except the subtrees of ``keep``,
+    walking only that subtree (its cost does not grow with the rest of the machine)."""
+    top = _children(pid)
+    if top is None:
+        return None
+    out, todo = [], [c for c in top if c not in keep]
     while todo:
         p = todo.pop()
-        if state.get(p) != "Z":
-            out.append(p)
-        todo.extend(c for c in children.get(p, ()) if c not in keep)
+        st = _stat(p)
+        if st is None:
+            continue
+        out.append((p, st[1], st[2]))
+        kids = _children(p) or []
+        todo.extend(c for c in kids if c not in keep)
     return out
+
+
+def descendants(pid: int, keep=(), *, outside_group: int | None = None) -> list[int]:
+    """Live (non-zombie) processes below ``pid``, read from /proc (empty without it);
+    the pids in ``keep`` and everything below them are left out, and with
+    ``outside_group`` only those whose process group is not that one are listed."""
+    if not _HAS_PROC or _has_no_children(pid):
+        return []
+    rows = _subtree(pid, keep)
+    if rows is None:  # no children files: the whole table
+        table = _proc_table()
+        children: dict[int, list[int]] = {}
+        info = {}
+        for p, ppid, pgid, st in table:
+            children.setdefault(ppid, []).append(p)
+            info[p] = (pgid, st)
+        rows, todo = [], [p for p in children.get(pid, ()) if p not in keep]
+        while todo:
+            p = todo.pop()
+            rows.append((p, *info[p]))
+            todo.extend(c for c in children.get(p, ()) if c not in keep)
+    return [p for p, pgid, st in rows
+            if st != "Z" and (outside_group is None or pgid != outside_group)]
 
 
 def _reap(pids) -> None:
@@ -159,13 +205,20 @@ def _reap(pids) -> None:
             pass
 
 
-def end_descendants(grace: float, keep=()) -> None:
-    """End every descendant of this process except ``keep`` and their subtrees: SIGTERM,
-    up to ``grace`` seconds for them to go, SIGKILL to what is left (and to what they
-    started meanwhile); reap the ended processes that were our children. Reaping is by
-    pid, so a child the caller keeps (and may wait for) is never reaped here."""
+def end_descendants(grace: float, keep=(), *, outside_group: int | None = None,
+                    reap: bool = True) -> None:
+    """End every descendant of this process except ``keep`` and their subtrees (with
+    ``outside_group``: only those that left that process group): SIGTERM, up to
+    ``grace`` seconds for them to go, SIGKILL to what is left (and to what they started
+    meanwhile). With ``reap``, the ended processes that were our children are reaped,
+    by pid; without it they stay zombies for whoever owns them (a ``Popen`` object of
+    the caller must still be able to wait for its child)."""
     me = os.getpid()
-    pids = descendants(me, keep)
+
+    def left() -> list[int]:
+        return descendants(me, keep, outside_group=outside_group)
+
+    pids = left()
     if not pids:
         return
     ended = set(pids)
@@ -173,22 +226,25 @@ def end_descendants(grace: float, keep=()) -> None:
         _kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        _reap(ended)
-        pids = descendants(me, keep)
+        if reap:
+            _reap(ended)
+        pids = left()
         if not pids:
             return
         ended.update(pids)
         time.sleep(0.01)
     for _ in range(3):
-        pids = descendants(me, keep)
+        pids = left()
         if not pids:
             break
         ended.update(pids)
         for pid in pids:
             _kill(pid, signal.SIGKILL)
         time.sleep(0.01)
+        if reap:
+            _reap(ended)
+    if reap:
         _reap(ended)
-    _reap(ended)
 
 
 def _kill(pid: int, sig: int) -> None:
