@@ -130,3 +130,7 @@ def keep_all(s):
 def identity(s):
     """A map that changes nothing (it still makes every sample go through an op)."""
     return s
+
+
+def fail_always(batch):
+    raise ValueError("this op always fails")

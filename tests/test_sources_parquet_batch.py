@@ -294,3 +294,57 @@ def test_explain_says_what_a_pipeline_shuffle_costs_over_parquet(tmp_path):
     assert "exceed row_group_cache_bytes" in Pipeline(small_cache).batch(10).explain()
     assert "note:" not in Pipeline(src, shuffle=False).batch(10).explain()
     assert "note:" not in Pipeline(sources.from_sequence(list(range(9)))).explain()
+
+
+def test_sample_ids_made_once_when_threads_read_them_at_once():
+    """Several threads reading a new list at the same moment make its items once."""
+    import threading
+
+    from zephon.pipeline.columnar import SampleIds
+
+    for _ in range(100):
+        ids = SampleIds("s", np.arange(5000), 0)
+        start = threading.Barrier(4)
+        lengths = []
+
+        def read(ids=ids, start=start, lengths=lengths):
+            start.wait()
+            lengths.append(len(ids))
+
+        threads = [threading.Thread(target=read) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert lengths == [5000] * 4 and len(ids) == 5000
+
+
+def test_batch_meta_may_be_replaced_by_anything():
+    from zephon.pipeline.ops import Batch
+
+    batch = Batch({"x": np.arange(2)}, meta={"lane": 0})
+    batch.meta = None
+    assert batch.meta is None and "meta=None" in repr(batch)
+    batch.meta = {"k": [1]}
+    assert batch.meta == {"k": [1]}
+
+
+def test_an_op_error_after_a_columnar_batch_names_its_samples_in_a_plain_list(tmp_path):
+    """The ids an OpError carries out of a worker are a plain list (a lazily made list
+    crossing a process must not come out empty to C code such as ``[] + ids``)."""
+    import pickle
+
+    from zephon import OpError
+
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    pq.write_table(pa.table({"v": np.arange(40)}), tmp_path / "a.parquet")
+    opts = RuntimeOptions(runner="process", max_workers=2, worker_allocation="per_stage_fixed")
+    pipe = Pipeline(sources.parquet(str(tmp_path)), shuffle=False).batch(8) \
+        .map_batch(F.fail_always).options(opts)
+    with pytest.raises(OpError) as info:
+        list(pipe)
+    for error in (info.value, pickle.loads(pickle.dumps(info.value))):
+        assert type(error.sample_id) is list
+        assert [] + error.sample_id == [("parquet", i, 0) for i in range(8)]
+    assert "(8 samples)" in str(info.value)

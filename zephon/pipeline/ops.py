@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import types
 import zlib
 from typing import Any, Callable, NamedTuple
@@ -75,6 +76,9 @@ class Boundary(NamedTuple):
     k: int  # lane-chunk index within the epoch where the segment starts
 
 
+_FILL_LOCK = threading.RLock()
+
+
 class DeferredList(list):
     """A list whose items are made on first use: building many small objects (a tuple per
     sample, a record per micro-batch) can cost more than everything else a batch needs
@@ -94,10 +98,10 @@ class DeferredList(list):
         raise NotImplementedError
 
     def _fill(self) -> None:
-        if self._recipe is not None:
-            items = self._make()
-            self._recipe = None
-            list.extend(self, items)
+        with _FILL_LOCK:  # two threads reading a new list at once make its items once
+            if self._recipe is not None:
+                list.extend(self, self._make())
+                self._recipe = None
 
 
 def _filling(name: str):
@@ -167,9 +171,10 @@ class Batch(dict):
             {'lane': 1}
         """
         meta = self._meta
-        for key, value in meta.items():
-            if isinstance(value, DeferredList):
-                meta[key] = list(value)
+        if isinstance(meta, dict):
+            for key, value in meta.items():
+                if isinstance(value, DeferredList):
+                    meta[key] = list(value)
         return meta
 
     @meta.setter
@@ -368,8 +373,10 @@ class MapBatchOp(MapOp):
 
 
 def _op_error(op: Op, record: Record, exc: BaseException) -> OpError:
-    sample = record.ids[0] if len(record.ids) == 1 else record.ids
-    return OpError(f"op {op.name} failed on sample {sample}: {type(exc).__name__}: {exc}",
+    sample = record.ids[0] if len(record.ids) == 1 else list(record.ids)  # a plain list
+    shown = sample if not isinstance(sample, list) or len(sample) <= 4 else \
+        f"[{sample[0]}, ..., {sample[-1]}] ({len(sample)} samples)"
+    return OpError(f"op {op.name} failed on sample {shown}: {type(exc).__name__}: {exc}",
                    op=op.name, sample_id=sample)
 
 
