@@ -35,6 +35,12 @@ def work(subject):
             return arg
         if action == "raise":
             raise ValueError(f"subject {subject['subject_id']} failed on purpose")
+        if action == "raise_once_started":  # fail once `arg` subjects have started
+            deadline = time.monotonic() + 60.0
+            while time.monotonic() < deadline and sum(
+                    f.endswith(".start") for f in os.listdir(subject["dir"])) < arg:
+                time.sleep(0.02)
+            raise ValueError(f"subject {subject['subject_id']} failed on purpose")
         if action == "memory_error":
             raise MemoryError("pretend allocation failure")
         if action == "kill_self":

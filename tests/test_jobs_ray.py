@@ -188,7 +188,7 @@ def test_a_sigkilled_worker_is_retried(tmp_path, backend):
 @pytest.mark.ci
 def test_fail_fast_stops_every_worker_and_raises(tmp_path, backend):
     subs = subjects(tmp_path, 2, "sleep", 600)
-    subs[1]["action"] = "raise"
+    subs[1].update(action="raise_once_started", arg=2)  # the sleeper is running by then
     job = run(J.work, subs, RunPolicy(backend=backend, workers=2, resume=False,
                                       on_subject_failure="fail_fast", **FAST),
               progress=False)
