@@ -85,10 +85,25 @@ class BatchGroup:
         return sum(len(u) for u in self.units)
 
     def __reduce__(self):
-        return (BatchGroup, (self.units,))
+        # One array of indices and three lists of ints, not one pickled unit (and one
+        # array leaf) per member: a group of hundreds of batches is one small message.
+        units = self.units
+        indices = np.concatenate([u.indices for u in units]) if units else \
+            np.empty(0, dtype=np.int64)
+        return (_unpack_group, ([u.epoch for u in units], [u.start for u in units],
+                                [len(u.indices) for u in units], indices))
 
     def __repr__(self) -> str:
         return f"BatchGroup({len(self.units)} units, n={len(self)})"
+
+
+def _unpack_group(epochs: list, starts: list, lengths: list,
+                  indices: np.ndarray) -> BatchGroup:
+    """The :class:`BatchGroup` a pickled group stands for (members are views of
+    ``indices``)."""
+    bounds = np.cumsum([0, *lengths]).tolist()
+    return BatchGroup([ReadUnit(e, s, indices[a:b]) for e, s, a, b in
+                       zip(epochs, starts, bounds[:-1], bounds[1:], strict=True)])
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
