@@ -134,3 +134,9 @@ def identity(s):
 
 def fail_always(batch):
     raise ValueError("this op always fails")
+
+
+def slow_identity(s):
+    """Sleep ``s`` seconds (the sample is a number), then return it."""
+    _time.sleep(s)
+    return s

@@ -14,16 +14,19 @@ Lifecycle
 - start: workers start booting at construction (``validate`` checks the ops
   while they do);
 - ``__next__``: where the engine runs inline, in the consumer's thread;
-  otherwise from a queue of ``prefetch_batches`` items filled by a pump thread
-  (MTP: a low-priority thread of ``mtp_prefetch`` items). With process stages
-  the queue is bounded in bytes as well (the plan's ``prefetch_bytes``, a share
-  of a worker's shared-memory arena; one item always fits), so that large
-  items waiting there can never fill the arena the workers write into. Each
+  otherwise from a :class:`Handoff` of ``prefetch_batches`` items filled by a
+  pump thread (MTP: a low-priority thread of ``mtp_prefetch`` items). With
+  process stages the hand-off is bounded in bytes as well (the plan's
+  ``prefetch_bytes``, a share of a worker's shared-memory arena; one item
+  always fits), so that large items waiting there can never fill the arena the
+  workers write into. The pump refills it half at a time, so the two threads
+  switch once per several items, not once per item. Each
   item carries the lane state a restore would continue from; only what ``__next__`` hands over
   is recorded as delivered, so prefetched items are produced again after a
   restore;
 - ``close()`` (idempotent): stops the pump, closes the executors' worker pools
-  or the MTP subprocess, reaps every process. It also runs when the iterator
+  or the MTP subprocess, reaps every process; a ``__next__`` waiting in another
+  thread then ends the iteration instead of waiting for ever. It also runs when the iterator
   is garbage-collected (a ``break`` out of a ``for`` loop drops it at once:
   nothing holds it but the loop), when the consumer's code raises out of the
   loop, at the end of the stream, and at interpreter exit before
@@ -31,13 +34,14 @@ Lifecycle
   interpreter wait).
 
 Nothing on the pump side refers to the iterator: the thread holds only the
-queue, the stop flag and the engine's item generator, so a dropped iterator is
+hand-off and the engine's item generator, so a dropped iterator is
 collected by reference counting, without waiting for the cycle collector.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import queue
 import threading
@@ -50,7 +54,7 @@ from zephon.pipeline.dispatch import approx_nbytes
 from zephon.pipeline.engine import Engine
 from zephon.pipeline.state import check_state, local_state
 
-__all__ = ["ByteGate", "PipelineIterator", "RunRecord", "offer"]
+__all__ = ["Handoff", "HandoffClosed", "PipelineIterator", "RunRecord", "offer"]
 
 _END = object()
 _live: "weakref.WeakSet[PipelineIterator]" = weakref.WeakSet()
@@ -104,40 +108,85 @@ def offer(out: queue.Queue, item, stop: threading.Event) -> bool:
     return False
 
 
-class ByteGate:
-    """A byte bound on what waits in a queue: ``acquire(n)`` waits while the bytes already
-    admitted plus ``n`` exceed ``limit`` (an empty queue admits any item, so nothing is
-    ever refused for its size); the consumer ``release(n)``-es what it takes.
+class Handoff:
+    """The bounded hand-off from the pump thread to the consumer: at most ``depth`` items
+    and, with ``byte_limit``, at most that many bytes of them (an empty hand-off admits
+    any item, so nothing is ever refused for its size).
+
+    One producer thread and one consumer thread. Each side takes one lock per item and
+    wakes the other only when it is waiting: at most one side ever waits (the producer
+    waits on a non-empty hand-off, the consumer on an empty one). ``close()`` wakes both
+    for good: ``put`` then answers False and ``get`` raises :class:`HandoffClosed`.
 
     Example::
 
-        gate = ByteGate(64 << 20)
-        gate.acquire(nbytes, stop)   # producer, before putting the item
-        gate.release(nbytes)         # consumer, after taking it
+        h = Handoff(depth=8, byte_limit=64 << 20)
+        h.put(item, nbytes)   # pump thread; False once closed
+        item = h.get()        # consumer
     """
 
-    def __init__(self, limit: int) -> None:
-        self.limit, self.used = limit, 0
-        self.cond = threading.Condition()
+    __slots__ = ("_cond", "_items", "_waiting", "closed", "depth", "limit", "used")
 
-    def acquire(self, nbytes: int, stop: threading.Event) -> bool:
-        """Admit ``nbytes``; False if ``stop`` was set while waiting."""
-        with self.cond:
-            while self.used and self.used + nbytes > self.limit:
-                if stop.is_set():
-                    return False
-                self.cond.wait(0.1)
+    def __init__(self, depth: int, byte_limit: int | None = None) -> None:
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition(threading.Lock())
+        self.depth, self.limit, self.used = max(1, int(depth)), byte_limit, 0
+        self._waiting = False  # one side is waiting on the condition
+        self.closed = False
+
+    def put(self, item, nbytes: int = 0) -> bool:
+        """Add ``item`` (of ``nbytes``), waiting while the hand-off is full; False if it
+        was closed (the consumer is gone)."""
+        with self._cond:
+            while not self.closed and (
+                    len(self._items) >= self.depth
+                    or (self.limit is not None and self.used
+                        and self.used + nbytes > self.limit)):
+                self._waiting = True
+                self._cond.wait()
+            if self.closed:
+                return False
+            self._items.append((item, nbytes))
             self.used += nbytes
-            return True
+            if self._waiting:
+                self._waiting = False
+                self._cond.notify()
+        return True
 
-    def release(self, nbytes: int) -> None:
-        with self.cond:
+    def get(self):
+        """The oldest item, waiting while there is none."""
+        with self._cond:
+            while not self._items:
+                if self.closed:
+                    raise HandoffClosed
+                self._waiting = True
+                self._cond.wait()
+            item, nbytes = self._items.popleft()
             self.used -= nbytes
-            self.cond.notify_all()
+            # The producer waits on a full hand-off: wake it once half of it is free, so
+            # that it refills several items per wake-up rather than one (each wake-up is
+            # a thread switch, and on few cores a context switch).
+            if self._waiting and (not self._items or (
+                    len(self._items) <= self.depth // 2
+                    and (self.limit is None or self.used <= self.limit // 2))):
+                self._waiting = False
+                self._cond.notify()
+        return item
+
+    def close(self) -> None:
+        """Drop what waits and wake both sides for good."""
+        with self._cond:
+            self.closed = True
+            self._items.clear()
+            self.used = 0
+            self._cond.notify_all()
 
 
-def _pump(source, out: queue.Queue, stop: threading.Event, nice: int = 0,
-          gate: ByteGate | None = None) -> None:
+class HandoffClosed(Exception):
+    """:meth:`Handoff.get` on a closed, empty hand-off."""
+
+
+def _pump(source, out: Handoff, nice: int = 0, sized: bool = False) -> None:
     if nice:
         # MTP's prefetch thread yields the CPU to the training loop: on Linux a thread has
         # its own nice value, set through its native id (raising it needs no privilege).
@@ -146,22 +195,13 @@ def _pump(source, out: queue.Queue, stop: threading.Event, nice: int = 0,
         except (AttributeError, OSError):
             pass
 
-    def put(item) -> bool:
-        return offer(out, item, stop)
-
     try:
         for value, stamp in source:
-            nbytes = 0
-            if gate is not None:
-                nbytes = approx_nbytes(value)
-                if not gate.acquire(nbytes, stop):
-                    return
-            if not put((value, stamp, nbytes)):
+            if not out.put((value, stamp), approx_nbytes(value) if sized else 0):
                 return
-        put(_END)
+        out.put(_END)
     except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-        if not stop.is_set():
-            put(_Failure(exc))
+        out.put(_Failure(exc))
 
 
 class _EngineFactory:
@@ -230,7 +270,7 @@ class PipelineIterator:
         self.engine: Engine | None = None
         self.remote: Any = None  # the MTP subprocess's end (MtpSource), in MTP mode
         self.thread: threading.Thread | None = None
-        self.gate: ByteGate | None = None
+        self.handoff: Handoff | None = None
         self._start()
 
     # -- running ---------------------------------------------------------------------------
@@ -251,13 +291,11 @@ class PipelineIterator:
             threaded = plan.runners != {"inline"}
             depth = plan.prefetch
         if threaded:
-            self.queue: queue.Queue = queue.Queue(maxsize=depth)
-            self.stop = threading.Event()
             limit = None if opts.mtp_mode else plan.prefetch_bytes
-            self.gate = ByteGate(limit) if limit else None
+            self.handoff = Handoff(depth, limit or None)
             self.thread = threading.Thread(
-                target=_pump, args=(self._source, self.queue, self.stop,
-                                    10 if opts.mtp_mode else 0, self.gate),
+                target=_pump, args=(self._source, self.handoff,
+                                    10 if opts.mtp_mode else 0, bool(limit)),
                 name="zephon-pump", daemon=True)
             self.thread.start()
         self.closed = False
@@ -273,14 +311,15 @@ class PipelineIterator:
             if self.thread is None:
                 value, (lane, state) = next(self._source)
             else:
-                item = self.queue.get()
+                try:
+                    item = self.handoff.get()  # type: ignore[union-attr]
+                except HandoffClosed:  # closed from another thread while waiting
+                    raise StopIteration from None
                 if item is _END:
                     raise StopIteration
                 if isinstance(item, _Failure):
                     raise item.error
-                value, (lane, state), nbytes = item
-                if nbytes:
-                    self.gate.release(nbytes)  # type: ignore[union-attr]
+                value, (lane, state) = item
         except StopIteration:
             self.close()
             self._finished()
@@ -419,18 +458,13 @@ class PipelineIterator:
             return
         self.closed = True
         _live.discard(self)
-        if self.thread is not None:
-            self.stop.set()
+        if self.handoff is not None:  # the pump's next put() answers False: it ends
+            self.handoff.close()
         if self.engine is not None:
             self.engine.close()
         if self.remote is not None:
             self.remote.close()
         if self.thread is not None:
-            while True:  # unblock a pump waiting on a full queue, then join it
-                try:
-                    self.queue.get_nowait()
-                except queue.Empty:
-                    break
             self.thread.join(timeout=30)
             self.thread = None
 
