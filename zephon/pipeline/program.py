@@ -26,8 +26,11 @@ from zephon.pipeline.sources.base import Source
 __all__ = ["StageProgram", "batches_per_message"]
 
 #: Bytes of batches one message to or from a worker aims at when a stage reads whole batches
-#: column by column: large enough that the per-message cost vanishes next to the read.
-GROUP_TARGET_BYTES = 4 << 20
+#: column by column: large enough that the per-message cost vanishes next to the read, and
+#: that few messages split a source block (a Parquet row group) between two workers, each
+#: of which then decodes it (4 MiB made a worker decode 1.28x its share of row groups).
+#: A batch the consumer keeps keeps its message's region (at most this much) alive.
+GROUP_TARGET_BYTES = 16 << 20
 #: ... and at most this many batches (the records one message makes in the consumer). The
 #: first messages of a lane are smaller (see :func:`~zephon.pipeline.lanes.grouped_units`),
 #: so the first batches arrive early whatever the target.
