@@ -92,3 +92,32 @@ def test_a_run_closed_from_another_thread_ends_the_consumer_waiting_in_it():
     assert not consumer.is_alive(), "next() still waits after close()"
     assert box == [("ok", "ended")]
     assert it.closed
+
+
+def test_two_consumers_share_the_items_without_losing_or_repeating_one():
+    h = Handoff(depth=4)
+    got: list = []
+    lock = threading.Lock()
+
+    def consume():
+        while True:
+            try:
+                item = h.get()
+            except HandoffClosed:
+                return
+            with lock:
+                got.append(item)
+
+    consumers = [threading.Thread(target=consume, daemon=True) for _ in range(2)]
+    for t in consumers:
+        t.start()
+    for k in range(2000):
+        assert h.put(k)
+    deadline = time.monotonic() + 30
+    while len(got) < 2000 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    h.close()
+    for t in consumers:
+        t.join(5)
+    assert not any(t.is_alive() for t in consumers)
+    assert sorted(got) == list(range(2000))

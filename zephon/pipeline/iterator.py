@@ -113,10 +113,12 @@ class Handoff:
     and, with ``byte_limit``, at most that many bytes of them (an empty hand-off admits
     any item, so nothing is ever refused for its size).
 
-    One producer thread and one consumer thread. Each side takes one lock per item and
-    wakes the other only when it is waiting: at most one side ever waits (the producer
-    waits on a non-empty hand-off, the consumer on an empty one). ``close()`` wakes both
-    for good: ``put`` then answers False and ``get`` raises :class:`HandoffClosed`.
+    Each side takes one lock per item and wakes the other only when it is waiting. A
+    producer waiting on a full hand-off is woken once half of it is free, so that it
+    refills several items per wake-up rather than one (each wake-up is a thread switch,
+    and on few cores a context switch). Any number of threads may call ``get`` (each
+    item goes to one of them). ``close()`` wakes every side for good: ``put`` then
+    answers False and ``get`` raises :class:`HandoffClosed`.
 
     Example::
 
@@ -125,61 +127,68 @@ class Handoff:
         item = h.get()        # consumer
     """
 
-    __slots__ = ("_cond", "_items", "_waiting", "closed", "depth", "limit", "used")
+    __slots__ = ("_getters", "_items", "_not_empty", "_not_full", "_putters", "closed",
+                 "depth", "limit", "used")
 
     def __init__(self, depth: int, byte_limit: int | None = None) -> None:
         self._items: collections.deque = collections.deque()
-        self._cond = threading.Condition(threading.Lock())
+        lock = threading.Lock()
+        self._not_empty = threading.Condition(lock)
+        self._not_full = threading.Condition(lock)
+        self._getters = self._putters = 0  # threads waiting on each condition
         self.depth, self.limit, self.used = max(1, int(depth)), byte_limit, 0
-        self._waiting = False  # one side is waiting on the condition
         self.closed = False
+
+    def _full(self, nbytes: int) -> bool:
+        return len(self._items) >= self.depth or (
+            self.limit is not None and self.used > 0 and self.used + nbytes > self.limit)
 
     def put(self, item, nbytes: int = 0) -> bool:
         """Add ``item`` (of ``nbytes``), waiting while the hand-off is full; False if it
         was closed (the consumer is gone)."""
-        with self._cond:
-            while not self.closed and (
-                    len(self._items) >= self.depth
-                    or (self.limit is not None and self.used
-                        and self.used + nbytes > self.limit)):
-                self._waiting = True
-                self._cond.wait()
+        with self._not_full:
+            while not self.closed and self._full(nbytes):
+                self._putters += 1
+                try:
+                    self._not_full.wait()
+                finally:
+                    self._putters -= 1
             if self.closed:
                 return False
             self._items.append((item, nbytes))
             self.used += nbytes
-            if self._waiting:
-                self._waiting = False
-                self._cond.notify()
+            if self._getters:
+                self._not_empty.notify()
         return True
 
     def get(self):
         """The oldest item, waiting while there is none."""
-        with self._cond:
+        with self._not_empty:
             while not self._items:
                 if self.closed:
                     raise HandoffClosed
-                self._waiting = True
-                self._cond.wait()
+                self._getters += 1
+                try:
+                    self._not_empty.wait()
+                finally:
+                    self._getters -= 1
             item, nbytes = self._items.popleft()
             self.used -= nbytes
-            # The producer waits on a full hand-off: wake it once half of it is free, so
-            # that it refills several items per wake-up rather than one (each wake-up is
-            # a thread switch, and on few cores a context switch).
-            if self._waiting and (not self._items or (
+            if self._putters and (not self._items or (
                     len(self._items) <= self.depth // 2
                     and (self.limit is None or self.used <= self.limit // 2))):
-                self._waiting = False
-                self._cond.notify()
+                self._not_full.notify()
         return item
 
     def close(self) -> None:
-        """Drop what waits and wake both sides for good."""
-        with self._cond:
+        """Drop what waits and wake every side for good."""
+        with self._not_empty:
             self.closed = True
-            self._items.clear()
+            dropped, self._items = self._items, collections.deque()
             self.used = 0
-            self._cond.notify_all()
+            self._not_empty.notify_all()
+            self._not_full.notify_all()
+        dropped.clear()  # outside the lock: an item's finalizers may run arbitrary code
 
 
 class HandoffClosed(Exception):
