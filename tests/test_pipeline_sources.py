@@ -102,3 +102,37 @@ def test_io_options_retry_opening_a_file_that_appears_late(tmp_path):
     impatient = RuntimeOptions(io_options=StoreOptions(open_retry_attempts=1))
     with pytest.raises(Exception, match="late.jsonl"):
         list(Pipeline(src, shuffle=False).options(impatient))
+
+
+@pytest.mark.parametrize("runner", ["inline", "process"])
+def test_a_columnar_read_may_work_on_its_indices_in_place(runner):
+    # Indices of a small unit travel inside the pickled task; they must arrive writable
+    # like any other array, or get_batch fails and every row is read one by one.
+    from _sources_fns import InPlaceIndices
+
+    pipe = Pipeline(InPlaceIndices(100), shuffle=False, chunk_size=8).batch(8) \
+        .options(RuntimeOptions(runner=runner, max_workers=1))
+    batches = list(pipe)
+    assert np.concatenate([b["i"] for b in batches]).tolist() == list(range(100))
+    assert all(b["batched"].all() for b in batches), "get_batch fell back to row reads"
+
+
+def test_a_columnar_read_that_fails_is_said_once_and_rows_are_read_instead():
+    class Broken(sources.Source):
+        name = "broken"
+
+        def __len__(self):
+            return 40
+
+        def get(self, i):
+            return {"i": np.int64(i)}
+
+        def get_batch(self, indices):
+            raise ValueError("no columnar read today")
+
+    pipe = Pipeline(Broken(), shuffle=False, chunk_size=8).batch(8) \
+        .options(RuntimeOptions(runner="inline"))
+    with pytest.warns(RuntimeWarning, match="Broken.get_batch raised ValueError") as seen:
+        out = list(pipe)
+    assert np.concatenate([b["i"] for b in out]).tolist() == list(range(40))
+    assert sum("get_batch raised" in str(w.message) for w in seen) == 1

@@ -108,7 +108,9 @@ _INLINE_INDEX_BYTES = 4096
 
 
 def _unit_from_bytes(epoch: int, start: int, dtype: str, raw: bytes) -> ReadUnit:
-    return ReadUnit(epoch, start, np.frombuffer(raw, dtype=dtype))
+    # A writable array, as the indices of a unit that travelled as an array leaf are: a
+    # source's get_batch may work on them in place.
+    return ReadUnit(epoch, start, np.frombuffer(bytearray(raw), dtype=dtype))
 
 
 def _unpack_group(epochs: list, starts: list, lengths: list,
