@@ -14,6 +14,7 @@ reading the source names the sample likewise.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,21 @@ def batches_per_message(source, batch_size: int, stage) -> int:
     return max(1, min(GROUP_MAX_BATCHES, per))
 
 
+_WARNED_ROW_READS: set[type] = set()
+
+
+def _row_reads_warning(source, exc: Exception) -> None:
+    """Say once per process and source class that a columnar read failed and its rows are
+    read one by one: right for a bad row (it then gets its own error), but a get_batch
+    that always fails would otherwise only make the run slower, silently."""
+    if type(source) in _WARNED_ROW_READS:
+        return
+    _WARNED_ROW_READS.add(type(source))
+    warnings.warn(f"zephon: {type(source).__name__}.get_batch raised "
+                  f"{type(exc).__name__}: {exc}; reading those rows one by one instead "
+                  "(much slower; said once per process)", RuntimeWarning, stacklevel=3)
+
+
 class StageProgram:
     """``(stage, unit) -> records``: read (stage 0), the stage's ops, and for a stage that
     collates (a fused ``batch``) one batch of the unit's records."""
@@ -88,7 +104,7 @@ class StageProgram:
         try:
             columns = source.get_batch(unit.indices)
         except Exception as exc:  # noqa: BLE001 - named per sample by the row-wise read
-            del exc
+            _row_reads_warning(source, exc)
             return None  # read row by row: the failing sample gets its own error
         if columns is None:
             return None
@@ -111,7 +127,7 @@ class StageProgram:
         try:
             columns = source.get_batch(indices)
         except Exception as exc:  # noqa: BLE001 - named per sample by the row-wise read
-            del exc
+            _row_reads_warning(source, exc)
             return None
         if columns is None:
             return None
