@@ -140,3 +140,13 @@ def slow_identity(s):
     """Sleep ``s`` seconds (the sample is a number), then return it."""
     _time.sleep(s)
     return s
+
+
+def fail_from_3_late_first(s):
+    """Samples 0-2 pass; 3 and later fail, 3 only after the later failures are done (so a
+    worker finishes a later failing sample first)."""
+    if s >= 3:
+        if s == 3:
+            _time.sleep(1.0)
+        raise ValueError(f"sample {s} fails")
+    return s

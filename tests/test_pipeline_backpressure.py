@@ -75,3 +75,48 @@ def test_plan_bounds_in_flight_bytes_by_the_arena():
     # lanes' share + the prefetch queue's share leave half of the arena to the consumer
     assert stage.budget_bytes * len(plan.owned) + plan.prefetch_bytes <= stage.arena_bytes // 2
     assert "MiB/lane" in plan.explain()
+
+
+def _lane_dispatch(workers: int = 2):
+    from types import SimpleNamespace
+
+    from zephon.pipeline.dispatch import _LaneDispatch
+
+    stage = SimpleNamespace(depth=4, item_cap=None, workers=workers, split=True, index=0,
+                            budget_bytes=256 << 20)
+    return _LaneDispatch(stage)
+
+
+def test_parts_grow_at_most_twofold_per_result():
+    # Fast first samples must not make the rest of the lane one part: a run of slow
+    # samples after them would then arrive all at once, and closing would wait for all.
+    d = _lane_dispatch()
+    assert d.target() == 1  # nothing known yet
+    for seq, cap in enumerate([2, 4, 8]):
+        d.sent(seq, 1)
+        d.done(seq, [], deterministic=False)
+        assert d.target() <= cap
+
+
+def test_samples_of_unseen_size_are_bounded_by_time():
+    from zephon.pipeline.dispatch import (
+        DISPATCH_TARGET_BYTES,
+        DISPATCH_TARGET_SECONDS,
+        MIN_SAMPLE_BYTES,
+    )
+
+    d = _lane_dispatch()
+    d.cap = 1 << 30
+    d.per_item = 0.0  # e.g. {"i": i}: no array the estimate can see
+    assert d.target() == DISPATCH_TARGET_BYTES // MIN_SAMPLE_BYTES
+    d.per_sample_s = 1.0  # one second per sample
+    assert d.target() == 1
+    d.per_sample_s = DISPATCH_TARGET_SECONDS / 10
+    assert d.target() == 10
+
+
+def test_the_size_estimate_sees_arrays_nested_in_containers():
+    from zephon.pipeline.dispatch import approx_nbytes
+
+    leaf = np.zeros(1 << 20, dtype=np.uint8)
+    assert approx_nbytes({"a": {"b": [{"c": (leaf,)}]}}) == leaf.nbytes

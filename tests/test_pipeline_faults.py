@@ -243,3 +243,17 @@ def test_closing_a_half_consumed_run_stops_its_pump(runner):
     pump = it.thread
     it.close()
     assert not pump.is_alive()  # not left blocked on work the close cancelled
+
+
+@pytest.mark.parametrize("runner", ["inline", "threads", "process"])
+def test_an_op_error_is_raised_in_stream_order_on_every_runner(runner):
+    # Sample 3 fails last in time; the error raised is still sample 3's, after samples
+    # 0-2, as the inline runner has it (not whichever worker reported first).
+    pipe = Pipeline(sources.from_sequence(list(range(12))), shuffle=False, chunk_size=1) \
+        .map(F.fail_from_3_late_first, parallelism=2) \
+        .options(RuntimeOptions(runner=runner, max_workers=2, shutdown_mode="hard"))
+    got = []
+    with pytest.raises(OpError, match="sample 3 fails"):
+        for x in pipe:
+            got.append(x)
+    assert got == [0, 1, 2]

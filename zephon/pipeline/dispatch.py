@@ -10,8 +10,13 @@ decides which samples form a lane (and so the stream); how many of them travel
 in one message decides only speed and memory. Cutting a unit never changes
 what comes out, because every stateless op works sample by sample and the
 serial accumulators downstream see the records in the same order either way.
-A part aims at :data:`DISPATCH_TARGET_BYTES` of output, estimated from the
-results seen so far (until the first result arrives, parts hold one sample);
+A part aims at :data:`DISPATCH_TARGET_BYTES` of output and at most
+:data:`DISPATCH_TARGET_SECONDS` of a worker's time, both estimated from the
+results seen so far (until the first result arrives, parts hold one sample; a
+sample counts for at least :data:`MIN_SAMPLE_BYTES`, so samples whose size the
+estimate cannot see are bounded by time; and a part is at most twice as large as
+the previous result allowed, so a run of slow samples after fast ones is not sent
+as one part);
 with several workers a large unit is cut into at least as many parts as there
 are workers, so that all of them get work. Units are not cut where the stage
 must see them whole: a batch-shape sensitive op (``map_batch``), a stage that
@@ -53,9 +58,11 @@ import numpy as np
 from zephon.kernels import ReorderBuffer
 from zephon.pipeline.lanes import BatchGroup
 from zephon.pipeline.ops import Boundary
+from zephon.runners.executors import TaskFailed
 
 __all__ = [
     "DISPATCH_TARGET_BYTES",
+    "DISPATCH_TARGET_SECONDS",
     "PIPELINE_ARENA_BYTES",
     "approx_nbytes",
     "lane_budget_bytes",
@@ -67,6 +74,13 @@ __all__ = [
 #: small enough that a part fits the worker's shared-memory arena many times over and the
 #: first result arrives early.
 DISPATCH_TARGET_BYTES = 4 << 20
+#: ... and at most this much of a worker's time (as measured from the results seen so
+#: far): a part of slow samples is small, so that results arrive steadily and closing
+#: the run waits for one slow op, not for a whole part of them.
+DISPATCH_TARGET_SECONDS = 0.05
+#: The least output bytes a sample is taken to have when sizing parts (a sample whose
+#: size the estimate cannot see, e.g. plain Python values, is not taken as free).
+MIN_SAMPLE_BYTES = 64
 
 #: Shared-memory arena bound per worker of a pipeline's process stage (at least what the
 #: transport would choose). Slabs are created only as results need them, so a high bound
@@ -108,7 +122,7 @@ def approx_nbytes(value: Any, depth: int = 0) -> int:
     nbytes = getattr(value, "nbytes", None)  # torch tensors and other array types
     if isinstance(nbytes, int):
         return nbytes
-    if depth >= 3:
+    if depth >= 6:
         return 0
     if isinstance(value, dict):
         return sum(approx_nbytes(v, depth + 1) for v in list(value.values())[:64])
@@ -138,10 +152,10 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
     eager = stage.runner != "inline"
     while True:
         if not eager:
-            yield from buffer.pop_ready()
+            yield from _in_order(buffer)
             state.release(buffer.cursor)
         feed.fill()
-        yield from buffer.pop_ready()
+        yield from _in_order(buffer)
         state.release(buffer.cursor)
         if feed.inflight == 0:
             if feed.exhausted and not feed.parts:
@@ -156,8 +170,19 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
         if deterministic:
             buffer.push(done_seq, result)
         else:
+            if isinstance(result, TaskFailed):
+                raise result.error
             yield result
             buffer.push(done_seq, None)  # keeps markers in place; None is skipped below
+
+
+def _in_order(buffer) -> Iterator:
+    """The buffer's ready results; a unit that failed raises its error here, in its place
+    in the stream (after every result before it), whatever order the workers finished."""
+    for result in buffer.pop_ready():
+        if isinstance(result, TaskFailed):
+            raise result.error
+        yield result
 
 
 class _Feeder:
@@ -229,6 +254,9 @@ class _LaneDispatch:
         self.merges = stage.split and stage.index == 0  # read units: merging reads nothing
         self.budget: int | None = getattr(stage, "budget_bytes", None)
         self.per_item: float | None = None  # output bytes per input sample, from results
+        self.per_sample_s: float | None = None  # seconds per input sample, from results
+        self.sent_at: dict[int, float] = {}  # seq -> when a part in flight was sent
+        self.cap = 1  # samples per part at most: doubles with each result (see target)
         self.items = 0  # input samples in flight
         self.held = 0.0  # estimated output bytes in flight or waiting in the reorder buffer
         self.sizes: dict[int, int] = {}  # seq -> samples of a part in flight
@@ -239,7 +267,12 @@ class _LaneDispatch:
         """Samples per part: ~DISPATCH_TARGET_BYTES of output (1 until a result says)."""
         if self.per_item is None:
             return 1
-        return max(1, int(DISPATCH_TARGET_BYTES // max(self.per_item, 1.0)))
+        size = DISPATCH_TARGET_BYTES // max(self.per_item, MIN_SAMPLE_BYTES)
+        if self.per_sample_s:
+            size = min(size, DISPATCH_TARGET_SECONDS / self.per_sample_s)
+        # Parts grow at most twofold per result: the estimates come from the samples seen
+        # so far, and a run of slow samples after fast ones must not go out as one part.
+        return max(1, int(min(size, self.cap)))
 
     def merge(self, unit, pull, lookahead: collections.deque):
         """``unit`` grown with the lane's next units while it is smaller than a part (the
@@ -284,6 +317,7 @@ class _LaneDispatch:
         return self.budget is None or self.held + samples * self.per_item <= self.budget
 
     def sent(self, seq: int, samples: int) -> None:
+        self.sent_at[seq] = time.perf_counter()
         self.sizes[seq] = samples
         self.items += samples
         guess = samples * (self.per_item or 0.0)
@@ -292,10 +326,17 @@ class _LaneDispatch:
 
     def done(self, seq: int, result: list, deterministic: bool) -> None:
         consumed = self.sizes.pop(seq)
+        elapsed = time.perf_counter() - self.sent_at.pop(seq)
         self.items -= consumed
         self.held -= self.estimate.pop(seq)
         if result and consumed:
             self.per_item = approx_nbytes(result[0].value) * len(result) / consumed
+        self.cap = min(2 * self.cap, 1 << 30)
+        if consumed:
+            # Send to result, queueing included: an over-estimate, so parts err small.
+            s = elapsed / consumed
+            self.per_sample_s = s if self.per_sample_s is None else \
+                0.5 * (self.per_sample_s + s)
         if deterministic:
             nbytes = (self.per_item or 0.0) * consumed
             self.buffered[seq] = nbytes

@@ -4,7 +4,10 @@ One interface for every runner: ``submit(lane, seq, payload)`` starts
 ``program(payload)``; ``get(lane)`` blocks for *some* finished unit of that
 lane and returns ``(seq, result)``. Results of other lanes that arrive while a
 lane waits are kept for them. Ordering is not the executor's job: the engine
-puts results back in sequence order (the ReorderBuffer kernel).
+puts results back in sequence order (the ReorderBuffer kernel). A unit whose
+program raised comes back as a :class:`TaskFailed` result in its place, so the
+engine raises the error where the unit sits in the stream, as the inline runner
+does, not when it happens to finish first.
 
 - :class:`InlineExecutor`: runs the unit on ``submit``, in the calling thread.
 - :class:`ThreadExecutor`: a thread pool of the stage's worker cap.
@@ -30,9 +33,24 @@ from typing import Any, Callable
 from zephon.errors import WorkerCrashedError
 from zephon.transport import WorkerPool
 
-__all__ = ["InlineExecutor", "ProcessExecutor", "ThreadExecutor"]
+__all__ = ["InlineExecutor", "ProcessExecutor", "TaskFailed", "ThreadExecutor"]
 
 log = logging.getLogger("zephon.runners")
+
+
+class TaskFailed:
+    """The result of a unit whose program raised ``error`` (empty: no records)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __len__(self) -> int:
+        return 0
+
+    def __iter__(self):
+        return iter(())
 
 
 class InlineExecutor:
@@ -69,7 +87,10 @@ class ThreadExecutor:
         done, _ = cf.wait(list(pending), return_when=cf.FIRST_COMPLETED)
         future = next(iter(done))
         seq = pending.pop(future)
-        return seq, future.result()
+        try:
+            return seq, future.result()
+        except Exception as exc:  # noqa: BLE001 - raised by the engine in stream order
+            return seq, TaskFailed(exc)
 
     def close(self) -> None:
         # No new work from here on; queued work is cancelled.
@@ -115,6 +136,13 @@ class ProcessExecutor:
                 result = self.pool.get()
             except WorkerCrashedError as crash:
                 self._recover(crash)
+                continue
+            except Exception as exc:
+                task = getattr(exc, "zephon_task_id", None)  # set by WorkerPool.get
+                if task not in self._task:
+                    raise
+                owner, seq, _ = self._task.pop(task)
+                self._done[owner].append((seq, TaskFailed(exc)))
                 continue
             owner, seq, _ = self._task.pop(result.task_id)
             self._done[owner].append((seq, result.value))

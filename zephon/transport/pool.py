@@ -25,7 +25,7 @@ whose last view died queues a FREE for its owner and writes to that pipe, so
 frees are delivered even while ``get()`` blocks (a worker waiting for arena
 space is never starved by its own consumer). ``get()`` returns
 :class:`TaskResult` or raises: the task's own exception (its worker traceback
-as ``__cause__``), a :class:`~zephon.errors.SerializationError`, or
+as ``__cause__``, the task's id as its ``zephon_task_id`` attribute), a :class:`~zephon.errors.SerializationError`, or
 :class:`~zephon.errors.WorkerCrashedError` naming the worker, its exit signal
 and the tasks it had in flight. A crashed worker's slabs are released (views
 the consumer still holds stay valid until dropped); the other workers go on.
@@ -565,8 +565,13 @@ class WorkerPool:
                 value = self.decoder.decode(header, frames, fds)
                 return TaskResult(task_id, handle.index, value)
             if kind == MsgKind.ERROR:
-                raise decode_exception(frames[0], header.get("tb", ""), f"task {task_id} on worker "
-                                                         f"{handle.index}")
+                error = decode_exception(frames[0], header.get("tb", ""),
+                                         f"task {task_id} on worker {handle.index}")
+                try:  # which task failed, for callers that place errors in order
+                    error.zephon_task_id = task_id  # type: ignore[attr-defined]
+                except AttributeError:  # an exception type that refuses attributes
+                    pass
+                raise error
             raise TransportError(f"unexpected message {kind!r} from worker {handle.index}")
         finally:
             del pins  # forwarded regions of the task input may be recycled from here on
