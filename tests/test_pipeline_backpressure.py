@@ -103,6 +103,7 @@ def test_samples_of_unseen_size_are_bounded_by_time():
         DISPATCH_TARGET_BYTES,
         DISPATCH_TARGET_SECONDS,
         MIN_SAMPLE_BYTES,
+        SLOW_SAMPLE_S,
     )
 
     d = _lane_dispatch()
@@ -111,8 +112,10 @@ def test_samples_of_unseen_size_are_bounded_by_time():
     assert d.target() == DISPATCH_TARGET_BYTES // MIN_SAMPLE_BYTES
     d.per_sample_s = 1.0  # one second per sample
     assert d.target() == 1
-    d.per_sample_s = DISPATCH_TARGET_SECONDS / 10
-    assert d.target() == 10
+    d.per_sample_s = SLOW_SAMPLE_S * 2
+    assert d.target() == int(DISPATCH_TARGET_SECONDS / (SLOW_SAMPLE_S * 2))
+    d.per_sample_s = SLOW_SAMPLE_S / 2  # fast: measured time overstates work; bytes rule
+    assert d.target() == DISPATCH_TARGET_BYTES // MIN_SAMPLE_BYTES
 
 
 def test_the_size_estimate_sees_arrays_nested_in_containers():

@@ -10,8 +10,8 @@ decides which samples form a lane (and so the stream); how many of them travel
 in one message decides only speed and memory. Cutting a unit never changes
 what comes out, because every stateless op works sample by sample and the
 serial accumulators downstream see the records in the same order either way.
-A part aims at :data:`DISPATCH_TARGET_BYTES` of output and at most
-:data:`DISPATCH_TARGET_SECONDS` of a worker's time, both estimated from the
+A part aims at :data:`DISPATCH_TARGET_BYTES` of output and, for slow samples, at
+most :data:`DISPATCH_TARGET_SECONDS` of a worker's time, both estimated from the
 results seen so far (until the first result arrives, parts hold one sample; a
 sample counts for at least :data:`MIN_SAMPLE_BYTES`, so samples whose size the
 estimate cannot see are bounded by time; and a part is at most twice as large as
@@ -74,10 +74,14 @@ __all__ = [
 #: small enough that a part fits the worker's shared-memory arena many times over and the
 #: first result arrives early.
 DISPATCH_TARGET_BYTES = 4 << 20
-#: ... and at most this much of a worker's time (as measured from the results seen so
-#: far): a part of slow samples is small, so that results arrive steadily and closing
-#: the run waits for one slow op, not for a whole part of them.
+#: ... and, for samples slower than :data:`SLOW_SAMPLE_S`, at most this much of a worker's
+#: time: a part of slow samples is small, so that results arrive steadily and closing the
+#: run waits for one slow op, not for a whole part of them.
 DISPATCH_TARGET_SECONDS = 0.05
+#: Seconds per sample from which the time bound applies. The time is measured from send
+#: to result, queueing included, so for fast samples it overstates the work many times
+#: over (bounding 4 KiB samples by it cost a third of their throughput).
+SLOW_SAMPLE_S = 1e-3
 #: The least output bytes a sample is taken to have when sizing parts (a sample whose
 #: size the estimate cannot see, e.g. plain Python values, is not taken as free).
 MIN_SAMPLE_BYTES = 64
@@ -268,7 +272,7 @@ class _LaneDispatch:
         if self.per_item is None:
             return 1
         size = DISPATCH_TARGET_BYTES // max(self.per_item, MIN_SAMPLE_BYTES)
-        if self.per_sample_s:
+        if self.per_sample_s is not None and self.per_sample_s > SLOW_SAMPLE_S:
             size = min(size, DISPATCH_TARGET_SECONDS / self.per_sample_s)
         # Parts grow at most twofold per result: the estimates come from the samples seen
         # so far, and a run of slow samples after fast ones must not go out as one part.
