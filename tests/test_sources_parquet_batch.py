@@ -48,6 +48,24 @@ def same(a, b):
     return type(a) is type(b) and a == b
 
 
+def test_a_shuffled_source_serves_each_row_once_where_locate_says(corpus):
+    # shuffle=True stores each decoded row group in its seeded order; get(i) must still be
+    # the file's row that locate(i) names, and every row must come out exactly once.
+    src = sources.parquet(str(corpus / "*.parquet"), columns=["id", "text"], shuffle=True,
+                          seed=5)
+    files = sorted(corpus.glob("*.parquet"))
+    seen = []
+    for i in range(len(src)):
+        f, g, j = src.locate(i)
+        direct = pq.ParquetFile(files[f]).read_row_group(g, columns=["id"]).column(0)
+        row = src.get(i)
+        assert int(row["id"]) == direct[j].as_py() and row["text"] == f"row {row['id']}"
+        seen.append(int(row["id"]))
+    assert sorted(seen) == sorted(int(k) for f in files
+                                  for k in pq.read_table(f, columns=["id"]).column(0).to_pylist())
+    assert seen != sorted(seen)  # it is shuffled
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), shuffle=st.booleans())
 def test_get_batch_equals_collating_rows(corpus, data, shuffle):

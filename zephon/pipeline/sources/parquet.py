@@ -166,7 +166,7 @@ class ParquetSource(FileSource):
         self._files: dict[int, Any] = {}
         self._decoded: collections.OrderedDict = collections.OrderedDict()
         self._cache_bytes = 0
-        self._orders: dict[int, tuple] = {}
+        self._orders: dict[int, np.ndarray] = {}
         self._last: tuple | None = None  # (first row, end row, group, decoded) of the last get
         self._starts: list | None = None
         self._decode_locks: dict[int, threading.Lock] = collections.defaultdict(threading.Lock)
@@ -182,7 +182,7 @@ class ParquetSource(FileSource):
         g = int(self.group_order[pos])
         j = i - int(self.starts[pos])
         if self.shuffle:
-            j = int(self._row_order(g)[1][j])
+            j = int(self._row_order(g)[j])
         return int(self.group_file[g]), int(self.group_index[g]), j
 
     def _row_group(self, g: int) -> _Decoded:
@@ -238,6 +238,8 @@ class ParquetSource(FileSource):
             raise SourceError(f"parquet: {path}, {context}: has {table.num_rows} rows, the "
                               f"footer said {int(self.group_rows[g])}")
         try:
+            if self.shuffle:  # the rows in their seeded order once: a batch is then a slice
+                table = table.take(self._row_order(g))
             return _Decoded(table)
         except Exception as exc:  # noqa: BLE001
             raise SourceError(f"parquet: {path}, {context}: cannot convert: "
@@ -248,8 +250,7 @@ class ParquetSource(FileSource):
         last = self._last
         if last is not None and last[0] <= i < last[1]:
             lo, _, g, decoded = last
-            j = i - lo
-            return decoded.row(self._row_order(g)[1][j] if self.shuffle else j)
+            return decoded.row(i - lo)
         if not 0 <= i < len(self):
             raise IndexError(f"parquet: row {i} out of range [0, {len(self)})")
         pos = bisect.bisect_right(self._starts_list(), i) - 1
@@ -257,8 +258,7 @@ class ParquetSource(FileSource):
         lo = int(self.starts[pos])
         decoded = self._row_group(g)
         self._last = (lo, int(self.starts[pos + 1]), g, decoded)
-        j = i - lo
-        return decoded.row(self._row_order(g)[1][j] if self.shuffle else j)
+        return decoded.row(i - lo)
 
     def get_batch(self, indices) -> dict | None:
         """Rows ``indices`` collated, read column by column (see :meth:`Source.get_batch`).
@@ -293,8 +293,6 @@ class ParquetSource(FileSource):
                 lo, end = starts[pos], min(starts[pos + 1], last + 1)
                 g = int(self.group_order[pos])
                 rows: Any = slice(i - lo, end - lo)
-                if self.shuffle:
-                    rows = self._row_order(g)[0][rows]
                 parts.append((self._row_group(g), rows, slice(i - first, end - first)))
                 i = end
             return parts
@@ -316,8 +314,6 @@ class ParquetSource(FileSource):
             p = int(grouped[a])
             g = int(self.group_order[p])
             rows = idx[where] - starts[p]
-            if self.shuffle:
-                rows = self._row_order(g)[0][rows]
             parts.append((self._row_group(g), rows, where))
         return parts
 
@@ -327,14 +323,13 @@ class ParquetSource(FileSource):
             starts = self._starts = self.starts.tolist()
         return starts
 
-    def _row_order(self, g: int) -> tuple[np.ndarray, list]:
-        """The seeded order of the rows of row group ``g`` (shuffle=True), as an array (for
-        batches) and a list (for single rows)."""
+    def _row_order(self, g: int) -> np.ndarray:
+        """The seeded order of the rows of row group ``g`` (shuffle=True): position ``j`` of
+        the group holds its row ``order[j]`` (a decoded group is stored in this order)."""
         order = self._orders.get(g)
         if order is None:
-            perm = np.random.default_rng([self.seed, 0x9B, g]).permutation(
+            order = self._orders[g] = np.random.default_rng([self.seed, 0x9B, g]).permutation(
                 int(self.group_rows[g]))
-            order = self._orders[g] = (perm, perm.tolist())
         return order
 
     def permute_note(self) -> str | None:
