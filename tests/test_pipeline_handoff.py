@@ -55,6 +55,19 @@ def test_bytes_bound_the_producer_but_one_item_always_fits():
     assert box == [("ok", True)] and h.get() == "small" and h.used == 0
 
 
+def test_the_stream_ends_after_the_items_before_its_end_or_error():
+    h = Handoff(depth=4)
+    assert h.put("a") and h.finish()
+    assert h.get() == "a"
+    with pytest.raises(StopIteration):
+        h.get()
+    h = Handoff(depth=4)
+    assert h.put("a") and h.fail(ValueError("boom"))
+    assert h.get() == "a"
+    with pytest.raises(ValueError, match="boom"):
+        h.get()
+
+
 def test_close_wakes_a_waiting_producer_and_consumer_for_good():
     full = Handoff(depth=1)
     full.put(0)

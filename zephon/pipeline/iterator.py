@@ -43,7 +43,6 @@ from __future__ import annotations
 import atexit
 import collections
 import os
-import queue
 import threading
 import weakref
 from typing import Any
@@ -54,7 +53,7 @@ from zephon.pipeline.dispatch import approx_nbytes
 from zephon.pipeline.engine import Engine
 from zephon.pipeline.state import check_state, local_state
 
-__all__ = ["Handoff", "HandoffClosed", "PipelineIterator", "RunRecord", "offer"]
+__all__ = ["Handoff", "HandoffClosed", "PipelineIterator", "RunRecord"]
 
 _END = object()
 _live: "weakref.WeakSet[PipelineIterator]" = weakref.WeakSet()
@@ -96,18 +95,6 @@ class _Failure:
         self.error = error
 
 
-def offer(out: queue.Queue, item, stop: threading.Event) -> bool:
-    """Put ``item`` on a bounded queue, waiting while it is full, until ``stop`` is set
-    (then False: the consumer is gone). What every prefetching thread uses."""
-    while not stop.is_set():
-        try:
-            out.put(item, timeout=0.1)
-            return True
-        except queue.Full:
-            continue
-    return False
-
-
 class Handoff:
     """The bounded hand-off from the pump thread to the consumer: at most ``depth`` items
     and, with ``byte_limit``, at most that many bytes of them (an empty hand-off admits
@@ -117,13 +104,17 @@ class Handoff:
     producer waiting on a full hand-off is woken once half of it is free, so that it
     refills several items per wake-up rather than one (each wake-up is a thread switch,
     and on few cores a context switch). Any number of threads may call ``get`` (each
-    item goes to one of them). ``close()`` wakes every side for good: ``put`` then
-    answers False and ``get`` raises :class:`HandoffClosed`.
+    item goes to one of them). The producer ends the stream with :meth:`finish` or
+    :meth:`fail`, after which ``get`` raises ``StopIteration`` or the error, in order.
+    ``close()`` wakes every side for good: ``put`` then answers False and ``get`` raises
+    :class:`HandoffClosed`. What every prefetching thread of zephon hands over through
+    (the pipeline's pump, the torch loader's pinning thread).
 
     Example::
 
         h = Handoff(depth=8, byte_limit=64 << 20)
-        h.put(item, nbytes)   # pump thread; False once closed
+        h.put(item, nbytes)   # producer thread; False once closed
+        h.finish()            # ... or h.fail(error)
         item = h.get()        # consumer
     """
 
@@ -161,8 +152,17 @@ class Handoff:
                 self._not_empty.notify()
         return True
 
+    def finish(self) -> bool:
+        """End the stream: ``get`` raises ``StopIteration`` after the items before."""
+        return self.put(_END)
+
+    def fail(self, error: BaseException) -> bool:
+        """End the stream with ``error``: ``get`` raises it after the items before."""
+        return self.put(_Failure(error))
+
     def get(self):
-        """The oldest item, waiting while there is none."""
+        """The oldest item, waiting while there is none (see :meth:`finish`, :meth:`fail`
+        and :meth:`close` for the ends)."""
         with self._not_empty:
             while not self._items:
                 if self.closed:
@@ -178,6 +178,10 @@ class Handoff:
                     len(self._items) <= self.depth // 2
                     and (self.limit is None or self.used <= self.limit // 2))):
                 self._not_full.notify()
+        if item is _END:
+            raise StopIteration
+        if type(item) is _Failure:
+            raise item.error
         return item
 
     def close(self) -> None:
@@ -208,9 +212,9 @@ def _pump(source, out: Handoff, nice: int = 0, sized: bool = False) -> None:
         for value, stamp in source:
             if not out.put((value, stamp), approx_nbytes(value) if sized else 0):
                 return
-        out.put(_END)
+        out.finish()
     except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-        out.put(_Failure(exc))
+        out.fail(exc)
 
 
 class _EngineFactory:
@@ -321,14 +325,9 @@ class PipelineIterator:
                 value, (lane, state) = next(self._source)
             else:
                 try:
-                    item = self.handoff.get()  # type: ignore[union-attr]
+                    value, (lane, state) = self.handoff.get()  # type: ignore[union-attr]
                 except HandoffClosed:  # closed from another thread while waiting
                     raise StopIteration from None
-                if item is _END:
-                    raise StopIteration
-                if isinstance(item, _Failure):
-                    raise item.error
-                value, (lane, state) = item
         except StopIteration:
             self.close()
             self._finished()

@@ -25,13 +25,12 @@ back), and ``torch.distributed.checkpoint`` stores it as a replicated object
 
 from __future__ import annotations
 
-import queue
 import threading
-import time
 import warnings
 from typing import TYPE_CHECKING
 
 from zephon.errors import CheckpointError, ZephonConfigError
+from zephon.pipeline.iterator import Handoff, HandoffClosed
 from zephon.torch import STATE_KEY, _require_torch
 from zephon.torch._convert import to_torch
 
@@ -40,15 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TorchLoader"]
 
-_END = object()
 _JOIN_TIMEOUT_S = 30.0
-
-
-class _Failure:
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
 
 
 # -- the seam to the pipeline's run state --------------------------------------------------
@@ -76,20 +67,14 @@ def _pin_fn(torch):
     return pin
 
 
-def _prefetch(items, pipe, pin, out: queue.Queue, stop: threading.Event) -> None:
-    from zephon.pipeline.iterator import offer
-
-    def put(item) -> bool:
-        return offer(out, item, stop)
-
+def _prefetch(items, pin, out: Handoff) -> None:
     try:
         for batch in items:
-            if not put((pin(to_torch(batch)), items.delivered())):
+            if not out.put((pin(to_torch(batch)), items.delivered())):
                 return
-        put(_END)
+        out.finish()
     except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-        if not stop.is_set():
-            put(_Failure(exc))
+        out.fail(exc)
 
 
 class TorchLoader:
@@ -140,8 +125,7 @@ class TorchLoader:
         self._last_it: PipelineIterator | None = None  # the run that just ended or was closed
         self._pinned_run = False
         self._thread: threading.Thread | None = None
-        self._queue: queue.Queue | None = None
-        self._stop: threading.Event | None = None
+        self._handoff: Handoff | None = None
         self._delivered: dict = {}
         self._pin = None
 
@@ -156,10 +140,9 @@ class TorchLoader:
             if self._pin is None:
                 self._pin = _pin_fn(self._torch)
             self._delivered = it.delivered()
-            self._queue = queue.Queue(maxsize=self.prefetch)
-            self._stop = threading.Event()
+            self._handoff = Handoff(self.prefetch)
             self._thread = thread = threading.Thread(
-                target=_prefetch, args=(it, self.pipe, self._pin, self._queue, self._stop),
+                target=_prefetch, args=(it, self._pin, self._handoff),
                 name="zephon-pin-memory", daemon=True)
             thread.start()
         return self
@@ -167,7 +150,7 @@ class TorchLoader:
     def __next__(self):
         if self._it is None:
             self.__iter__()
-        it, pinned = self._it, self._queue
+        it, pinned = self._it, self._handoff
         assert it is not None, "__iter__ starts a run"
         if self._thread is None or pinned is None:
             try:
@@ -175,21 +158,21 @@ class TorchLoader:
             except StopIteration:
                 self._last_it, self._it = it, None
                 raise
-        item = pinned.get()
-        if item is _END:
+        try:
+            batch, self._delivered = pinned.get()
+        except HandoffClosed:  # closed from another thread while waiting
             self.close()
-            raise StopIteration
-        if isinstance(item, _Failure):
+            raise StopIteration from None
+        except BaseException:  # the end of the run, or its error
             self.close()
-            raise item.error
-        batch, self._delivered = item
+            raise
         return batch
 
     def close(self) -> None:
         """Stop the pinning thread and close the pipeline's run (idempotent).
 
         The thread is stopped first, while the run still produces, so a thread waiting
-        for the pipeline's next batch gets it, sees the stop flag and ends; then the run
+        for the pipeline's next batch gets it, finds the hand-off closed and ends; then the run
         closes (its workers are reaped). :meth:`state_dict` still answers afterwards.
 
         Example:
@@ -199,17 +182,10 @@ class TorchLoader:
             >>> loader.close()
             >>> loader.close()
         """
-        thread, stop, pinned = self._thread, self._stop, self._queue
-        if thread is not None and stop is not None and pinned is not None:  # set together
-            stop.set()
-            deadline = time.monotonic() + _JOIN_TIMEOUT_S  # a stalled op: give up, close
-            while thread.is_alive() and time.monotonic() < deadline:
-                while True:  # unblock a thread waiting on a full queue
-                    try:
-                        pinned.get_nowait()
-                    except queue.Empty:
-                        break
-                thread.join(timeout=0.05)
+        thread, pinned = self._thread, self._handoff
+        if thread is not None and pinned is not None:  # set together
+            pinned.close()  # the thread's next put() answers False: it ends
+            thread.join(timeout=_JOIN_TIMEOUT_S)  # a stalled op: give up, close the run
             self._thread = None
         if self._it is not None:
             self._it.close()

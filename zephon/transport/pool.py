@@ -25,7 +25,8 @@ whose last view died queues a FREE for its owner and writes to that pipe, so
 frees are delivered even while ``get()`` blocks (a worker waiting for arena
 space is never starved by its own consumer). ``get()`` returns
 :class:`TaskResult` or raises: the task's own exception (its worker traceback
-as ``__cause__``, the task's id as its ``zephon_task_id`` attribute), a :class:`~zephon.errors.SerializationError`, or
+as ``__cause__``, the task's id as its ``zephon_task_id`` attribute), a
+:class:`~zephon.errors.SerializationError`, or
 :class:`~zephon.errors.WorkerCrashedError` naming the worker, its exit signal
 and the tasks it had in flight. A crashed worker's slabs are released (views
 the consumer still holds stay valid until dropped); the other workers go on.
