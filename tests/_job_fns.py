@@ -138,16 +138,25 @@ def sleep_for(subject):
 
 
 class WithSetup:
-    """A callable object with setup(): each setup writes a file named after the pid."""
+    """A callable object with setup(): each setup writes a file named after the pid.
 
-    def __init__(self, directory: str) -> None:
+    With ``wait_for=N`` a subject first waits (up to 60 s) until N workers have run
+    setup(), so a test that expects N workers to share the subjects does not depend
+    on how fast the others spawn."""
+
+    def __init__(self, directory: str, wait_for: int = 0) -> None:
         self.directory = directory
+        self.wait_for = wait_for
 
     def setup(self) -> None:
         with open(os.path.join(self.directory, f"setup.{os.getpid()}"), "a") as fh:
             fh.write("x")
 
     def __call__(self, subject):
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline and sum(
+                f.startswith("setup.") for f in os.listdir(self.directory)) < self.wait_for:
+            time.sleep(0.02)
         return work(subject)
 
 

@@ -175,7 +175,8 @@ def test_default_checkpoint_dir_is_under_the_working_directory(tmp_path, monkeyp
 def test_parallel_mode_persistent_reuses_isolated_renews(tmp_path):
     d = tmp_path / "p"
     d.mkdir()
-    r, out = go(J.WithSetup(str(d)), subjects(tmp_path / "p", 6), workers=2, resume=False)
+    r, out = go(J.WithSetup(str(d), wait_for=2), subjects(tmp_path / "p", 6), workers=2,
+                resume=False)
     pids = {x.value["pid"] for x in out}
     assert len(pids) == 2
     assert sorted(f for f in os.listdir(d) if f.startswith("setup.")) == sorted(
