@@ -23,7 +23,9 @@ extensions = [
         f"zephon._kernels.{os.path.splitext(os.path.basename(path))[0]}",
         [os.path.relpath(path, HERE)],
         include_dirs=[numpy.get_include(), "kernels"],
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
+                       # PyDataMem_SetHandler (heap.pyx) is NumPy 1.22 API
+                       ("NPY_TARGET_VERSION", "NPY_1_22_API_VERSION")],
         extra_compile_args=["-O3"] if os.name != "nt" else [],
     )
     for path in sorted(glob.glob(os.path.join(HERE, "kernels", "*.pyx")))

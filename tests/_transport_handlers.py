@@ -141,3 +141,66 @@ def refault_count(mib: int) -> int:
     a = np.ones((mib << 20) // 8)
     del a
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+class HeapOps:
+    """Ops that probe a worker's shared heap (zephon.transport.heap): fresh results, results
+    the op keeps (and writes to later), views, zeros from recycled regions, reallocations and
+    arrays made in an op's own thread."""
+
+    def __init__(self) -> None:
+        self.kept: np.ndarray | None = None
+
+    def __call__(self, msg):
+        from zephon.transport import heap
+
+        op, arg = msg
+        if op == "fresh":
+            n, v = arg
+            return {"data": np.full(n // 8, v, dtype=np.int64), "v": v}
+        if op == "fresh_view":  # a strided view of an array nothing else holds
+            n, v = arg
+            return {"data": np.full(n // 4, v, dtype=np.int64)[::2].reshape(-1, 8), "v": v}
+        if op == "keep":
+            n, v = arg
+            self.kept = np.full(n // 8, v, dtype=np.int64)
+            return {"data": self.kept}
+        if op == "keep_base":
+            n, v = arg
+            self.kept = np.full(n // 8 + 1, v, dtype=np.int64)
+            return {"data": self.kept[1:]}
+        if op == "scribble":
+            if self.kept is not None:
+                self.kept[:] = arg
+            return "scribbled"
+        if op == "small_view":  # a quarter of a fresh array: copied, not its whole region
+            n, v = arg
+            return {"data": np.full(n // 8, v, dtype=np.int64)[: n // 32]}
+        if op == "twice":
+            n, v = arg
+            a = np.full(n // 8, v, dtype=np.int64)
+            return {"a": a, "b": a}
+        if op == "zeros":
+            return {"data": np.zeros(arg // 8, dtype=np.int64)}
+        if op == "resized":
+            n, v = arg
+            a = np.full(n // 8, v, dtype=np.int64)
+            a.resize(n // 4, refcheck=False)  # realloc: the tail is zero-filled by NumPy
+            return {"data": a}
+        if op == "in_thread":
+            import threading
+
+            n, v = arg
+            out = {}
+            t = threading.Thread(target=lambda: out.update(data=np.full(n // 8, v,
+                                                                        dtype=np.int64)))
+            t.start()
+            t.join()
+            return out
+        if op == "stats":
+            h = heap.installed()
+            if h is None:
+                return None
+            return {"sent": h.sent, "slab_bytes": h.arena.total_bytes,
+                    "held": h.arena._held_bytes, "heap_regions": len(h.arena._heap)}
+        raise ValueError(op)

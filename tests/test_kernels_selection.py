@@ -67,7 +67,7 @@ def test_missing_extension_falls_back_with_one_warning():
     assert out.stdout.strip() == "reference"
 
 
-@pytest.mark.parametrize("name", ["pack", "compaction", "reorder"])
+@pytest.mark.parametrize("name", ["pack", "compaction", "reorder", "heap"])
 def test_each_compiled_module_imports_on_its_own(name):
     if os.environ.get("ZEPHON_PURE_PYTHON") == "1":
         pytest.skip("references forced")

@@ -37,6 +37,13 @@ Ownership and lifecycle
   to come back, then enters the **starved** state: :class:`ArenaFull` at once
   for every message (the codec sends it in-band: never a drop, never a long
   stall) until some region comes back. The pool turns that into one warning.
+- The worker's shared heap (:mod:`zephon.transport.heap`) **takes** regions for
+  NumPy arrays its ops make (:meth:`ShmArena.take`: never waits, never grows
+  past the bound, holds at most a given share of it in regions not sent) and
+  gives them back when NumPy frees them (:meth:`ShmArena.give`, from any
+  deallocation: only queued, drained under the lock). Such a region sent by
+  reference (:meth:`ShmArena.mark_sent`) is reused once both the worker has
+  given it and the consumer has freed it, in either order.
 - A **lease** is the object consumer views are built on: a ``ctypes`` array
   over the region's bytes (it exports the buffer and keeps the mapping open).
   NumPy keeps it as the ``base`` of every view, torch tensors from
@@ -53,6 +60,7 @@ deque and call the release callback.
 from __future__ import annotations
 
 import bisect
+import collections
 import ctypes
 import errno
 import importlib
@@ -320,6 +328,7 @@ def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
 
 
 _SLAB_INDICES = 256  # per arena (and per worker generation)
+_HELD, _SENT = 1, 2  # a shared-heap region's holders: the worker's NumPy, the consumer
 
 
 class ShmArena:
@@ -356,6 +365,10 @@ class ShmArena:
         self._live: dict[int, int] = {}  # token -> size (regions of recycled slabs)
         self._dedicated: dict[int, set[int]] = {}  # dedicated slab id -> its live tokens
         self.cond = threading.Condition()
+        # The shared heap's regions: token -> _HELD | _SENT (see take/give/mark_sent).
+        self._heap: dict[int, int] = {}
+        self._held_bytes = 0  # heap regions held by the worker and not sent
+        self._gives: collections.deque[int] = collections.deque()
         self.total_bytes = 0  # recycled slabs only
         self.dedicated_bytes = 0
         self.waits = 0
@@ -379,13 +392,16 @@ class ShmArena:
             if total > self.max_bytes:
                 return self._alloc_dedicated(needs)
             while True:
+                self._drain_gives()
                 got, missing = self._fit_all(needs)
                 if got is not None:
                     return got
                 if self.total_bytes + missing <= self.max_bytes:
                     self._grow(missing)
                     continue
-                if not self._live:  # nothing will come back: the bound is fragmented
+                if len(self._live) == self._held_only():
+                    # nothing the consumer holds will come back: the bound is fragmented
+                    # (or taken by arrays the worker keeps)
                     return self._alloc_dedicated(needs)
                 now = time.monotonic()
                 if deadline is None:
@@ -400,6 +416,71 @@ class ShmArena:
                     raise TransportError("the consumer is gone or the worker is stopping")
                 self.waits += 1
                 self.cond.wait(min(_WAIT_SLICE_S, max(0.0, deadline - now)))
+
+    # -- the shared heap (zephon.transport.heap) ------------------------------------------
+    def take(self, nbytes: int, held_limit: int) -> tuple[Slab, int, int] | None:
+        """A region for a NumPy array of the worker, or None (use malloc) when it would
+        mean waiting, growing past the bound, or holding more than ``held_limit`` bytes
+        in regions not sent."""
+        need = _align(max(int(nbytes), 1))
+        with self.cond:
+            self._drain_gives()
+            if self._held_bytes + need > held_limit:
+                return None
+            found = self._first_fit(need)
+            if found is None:
+                if self.total_bytes + need > self.max_bytes:
+                    return None
+                try:
+                    self._grow(need)
+                except (ArenaFull, ShmSpaceError):
+                    return None
+                found = self._first_fit(need)
+                if found is None:
+                    return None
+            self._heap[found[2]] = _HELD
+            self._held_bytes += need
+            return found
+
+    def give(self, token: int) -> None:
+        """The worker's NumPy freed the array of heap region ``token`` (queued only: this
+        runs inside deallocations; drained under the lock)."""
+        self._gives.append(token)
+
+    def mark_sent(self, token: int) -> bool:
+        """Heap region ``token`` goes to the consumer by reference; False if it is not a
+        heap region held by the worker or was sent already."""
+        with self.cond:
+            state = self._heap.get(token)
+            if state != _HELD:
+                return False
+            self._heap[token] = _HELD | _SENT
+            self._held_bytes -= self._live[token]
+            return True
+
+    def _drain_gives(self) -> None:
+        gives = self._gives
+        recycle = []
+        while gives:
+            token = gives.popleft()
+            state = self._heap.get(token)
+            if state is None:
+                continue
+            if state == _HELD:
+                self._held_bytes -= self._live[token]
+            if state & _SENT:
+                self._heap[token] = _SENT  # the consumer's until it frees it
+            else:
+                del self._heap[token]
+                recycle.append(token)
+        if recycle:
+            self._release(recycle)
+            self.starved = False
+            self.cond.notify_all()
+
+    def _held_only(self) -> int:
+        """Live regions that only the worker holds (heap regions not sent)."""
+        return sum(1 for state in self._heap.values() if state == _HELD)
 
     def _fit_all(self, needs: list[int]):
         """``(regions, 0)`` if every need fits the free holes, else ``(None, bytes that did
@@ -470,11 +551,21 @@ class ShmArena:
         """Regions back from the consumer: recycled, or (dedicated) unmapped with their
         slab once all of its regions are back. Any recycled region ends starvation."""
         with self.cond:
+            self._drain_gives()
             recycled, released = [], []
+            heap = self._heap
             for token in tokens:
                 slab_id = token_slab(token)
                 live = self._dedicated.get(slab_id)
                 if live is None:
+                    state = heap.get(token) if heap else None
+                    if state is not None:
+                        if state & _HELD:  # the worker still has the array: it gives it
+                            if state & _SENT:
+                                heap[token] = _HELD
+                                self._held_bytes += self._live[token]
+                            continue
+                        del heap[token]
                     recycled.append(token)
                     continue
                 live.discard(token)

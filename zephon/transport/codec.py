@@ -270,8 +270,9 @@ class Encoder:
     """Encodes payloads for one sending process (owns no channel)."""
 
     def __init__(self, policy: ShmPolicy, leases: LeaseTable, registry: SlabRegistry,
-                 arena: ShmArena | None = None) -> None:
+                 arena: ShmArena | None = None, heap: Any = None) -> None:
         self.policy, self.leases, self.registry, self.arena = policy, leases, registry, arena
+        self.heap = heap  # a worker's WorkerHeap (zephon.transport.heap), or None
 
     def encode(self, payload: Any, peer: PeerState) -> tuple[dict[str, Any], list, list[int],
                                                              list]:
@@ -288,6 +289,8 @@ class Encoder:
             self._to_frames(msg, list(range(len(msg.leaves))), one_per_leaf=True)
         else:
             private, compact = self._place_shared(msg, peer)
+            if self.heap is not None and private:
+                private = self._by_reference(msg, private, peer)
             if self.arena is None:
                 # No arena (the parent): compacted leaves travel in-band like private ones.
                 private = sorted(private + compact)
@@ -373,6 +376,33 @@ class Encoder:
         msg.descs[s.leaf] = (msg.kinds[s.leaf], _REGION, r, s.start,
                                        dtype_token(leaf.dtype), list(leaf.shape), strides,
                                        _NO_FLAGS)
+
+    def _by_reference(self, msg: _Message, private: list[int], peer: PeerState) -> list[int]:
+        """Send the private arrays that already live in a region of this worker's shared
+        heap as that region, without a copy (only arrays nothing else in the worker can
+        reach: :meth:`~zephon.transport.heap.WorkerHeap.claim`); returns the others."""
+        heap = self.heap
+        threshold = heap.threshold
+        leaves, kinds = msg.leaves, msg.kinds
+        left: list[int] = []
+        for i in private:
+            # no local name for the leaf before claim(): it counts references
+            if kinds[i] != _ARRAY or 2 * leaves[i].nbytes < threshold:
+                left.append(i)
+                continue
+            claimed = heap.claim(leaves, i)
+            if claimed is None:
+                left.append(i)
+                continue
+            leaf = leaves[i]
+            token, slab, offset, nbytes, start = claimed
+            r = len(msg.regions)
+            msg.regions.append(RegionEntry(token, slab.slab_id, offset, nbytes, RegionMode.NEW))
+            self._announce(slab, peer, msg)
+            strides = None if leaf.flags.c_contiguous else list(leaf.strides)
+            msg.descs[i] = (_ARRAY, _REGION, r, start, dtype_token(leaf.dtype),
+                            list(leaf.shape), strides, _NO_FLAGS)
+        return left
 
     # -- helpers ---------------------------------------------------------------------
     def _peer_can_map(self, slab: Slab, peer: PeerState) -> bool:

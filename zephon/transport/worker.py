@@ -29,6 +29,7 @@ from zephon.errors import TransportError
 from zephon.transport.arena import LeaseTable, ShmArena, SlabRegistry
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
+from zephon.transport.heap import WorkerHeap
 from zephon.transport.remote_errors import encode_exception
 from zephon.transport.supervisor import PARENT_POLL_S, MsgKind, ignore_sigint, parent_changed
 
@@ -122,8 +123,9 @@ class _Worker:
                               slab_base=boot.get("slab_base", 0),
                               on_release=self.peer.slabs.discard)
         self.leases, self.registry = LeaseTable(), SlabRegistry()
-        self.encoder = Encoder(ShmPolicy(*boot["policy"]), self.leases, self.registry,
-                               self.arena)
+        policy = ShmPolicy(*boot["policy"])
+        self.heap = WorkerHeap(self.arena) if policy.enabled else None
+        self.encoder = Encoder(policy, self.leases, self.registry, self.arena, self.heap)
         self.decoder = Decoder(self.leases, self.registry, lambda owner: None,
                                borrow_forwarded=True)
 
@@ -135,6 +137,8 @@ class _Worker:
                 tb, blob = encode_exception(exc)
                 self.channel.send({"k": MsgKind.FAIL, "tb": tb}, [blob])
                 return
+            if self.heap is not None:
+                self.heap.install()  # this thread runs the tasks
             self.channel.send({"k": MsgKind.READY, "pid": os.getpid()})
             threading.Thread(target=self._control, name="zephon-worker-control",
                              daemon=True).start()
@@ -155,6 +159,8 @@ class _Worker:
                     closer()
                 except Exception:
                     log.exception("worker %d: closing the handler failed", self.index)
+            if self.heap is not None:
+                self.heap.close()
             self.arena.close()
             self.channel.close()
 

@@ -1,0 +1,208 @@
+# cython: language_level=3
+"""A NumPy data allocator (NEP 49) that can place large arrays in shared memory.
+
+Caller: :mod:`zephon.transport.heap` (a pool worker's :class:`WorkerHeap`), which
+installs it in the thread that runs tasks. It has no pure-Python reference: without
+this module the worker copies results into its arena, as it always could.
+
+What it does, per NumPy data allocation in a thread where it is installed:
+
+- below ``threshold`` bytes, or while no ``take`` callback is set: the allocator
+  that was current when it was installed (NumPy's default, with its cache of
+  small buffers), called through that handler's own functions;
+- at or above ``threshold``: ``take(nbytes)`` (Python, called with the GIL) returns an
+  address inside one of the worker's arena slabs, or 0 for "use malloc". ``calloc``
+  then zeroes the region (recycled shared memory is not zero);
+- ``free`` of an address inside a registered slab range calls ``give(address)``
+  (the owner decides when the region is reused: not before the consumer has
+  released it too); every other address goes to the C library's ``free``;
+- ``realloc`` of a slab address moves the data to memory of the previous
+  allocator (``size(address)`` says how much to copy) and gives the region back.
+- when ``take`` answers 0 (no room without waiting), the previous allocator.
+
+Arrays remember the allocator that made them, so an array from the arena is freed
+through ``give`` whichever thread drops it. Slab ranges are only ever added: a slab of
+the worker's arena stays mapped until the worker exits. Callback errors are reported
+as unraisable and answered with malloc (never a failed allocation because of the
+arena).
+"""
+
+from cpython.exc cimport PyErr_WriteUnraisable
+from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_New
+from libc.stdint cimport uint8_t, uintptr_t
+from libc.string cimport memcpy, memset, strncpy
+
+cimport numpy as cnp
+
+cnp.import_array()
+
+cdef extern from "numpy/arrayobject.h":
+    ctypedef struct PyDataMemAllocator:
+        void *ctx
+        void *(*malloc)(void *ctx, size_t size) noexcept nogil
+        void *(*calloc)(void *ctx, size_t nelem, size_t elsize) noexcept nogil
+        void *(*realloc)(void *ctx, void *ptr, size_t new_size) noexcept nogil
+        void (*free)(void *ctx, void *ptr, size_t size) noexcept nogil
+
+    ctypedef struct PyDataMem_Handler:
+        char name[127]
+        uint8_t version
+        PyDataMemAllocator allocator
+
+    object PyDataMem_SetHandler(object handler)
+
+DEF MAX_RANGES = 512
+
+cdef uintptr_t _starts[MAX_RANGES]
+cdef uintptr_t _ends[MAX_RANGES]
+cdef int _n_ranges = 0
+cdef size_t _threshold = 1 << 20
+cdef object _take = None  # nbytes -> address (0: use malloc)
+cdef object _give = None  # address -> None
+cdef object _size = None  # address -> region bytes
+cdef PyDataMem_Handler _handler
+cdef object _capsule = None
+cdef PyDataMem_Handler *_prev = NULL  # the allocator everything else goes to
+cdef object _prev_capsule = None  # keeps it alive
+
+
+cdef inline bint _in_ranges(void *ptr) noexcept nogil:
+    cdef uintptr_t p = <uintptr_t>ptr
+    cdef int i
+    for i in range(_n_ranges):
+        if _starts[i] <= p < _ends[i]:
+            return True
+    return False
+
+
+cdef void *_take_region(size_t size) noexcept nogil:
+    """An arena address for ``size`` bytes, or NULL (then the caller uses malloc)."""
+    cdef void *out = NULL
+    with gil:
+        try:
+            if _take is not None:
+                out = <void *><uintptr_t>_take(size)
+        except BaseException:
+            PyErr_WriteUnraisable(_take)
+            out = NULL
+    return out
+
+
+cdef void _give_region(void *ptr) noexcept nogil:
+    with gil:
+        try:
+            if _give is not None:
+                _give(<uintptr_t>ptr)
+        except BaseException:
+            PyErr_WriteUnraisable(_give)
+
+
+cdef size_t _region_size(void *ptr) noexcept nogil:
+    cdef size_t n = 0
+    with gil:
+        try:
+            n = <size_t>_size(<uintptr_t>ptr)
+        except BaseException:
+            PyErr_WriteUnraisable(_size)
+            n = 0
+    return n
+
+
+cdef inline void *_p_malloc(size_t size) noexcept nogil:
+    return _prev.allocator.malloc(_prev.allocator.ctx, size)
+
+
+cdef void *_h_malloc(void *ctx, size_t size) noexcept nogil:
+    cdef void *p
+    if size >= _threshold:
+        p = _take_region(size)
+        if p != NULL:
+            return p
+    return _p_malloc(size)
+
+
+cdef void *_h_calloc(void *ctx, size_t nelem, size_t elsize) noexcept nogil:
+    cdef size_t size = nelem * elsize
+    cdef void *p
+    if elsize and size / elsize != nelem:
+        return NULL  # overflow
+    if size >= _threshold:
+        p = _take_region(size)
+        if p != NULL:
+            memset(p, 0, size)
+            return p
+    return _prev.allocator.calloc(_prev.allocator.ctx, nelem, elsize)
+
+
+cdef void *_h_realloc(void *ctx, void *ptr, size_t new_size) noexcept nogil:
+    cdef void *p
+    cdef size_t old
+    if ptr == NULL or not _in_ranges(ptr):
+        return _prev.allocator.realloc(_prev.allocator.ctx, ptr, new_size)
+    old = _region_size(ptr)
+    p = _p_malloc(new_size)
+    if p == NULL:
+        return NULL  # the old region stays valid, as realloc promises
+    memcpy(p, ptr, old if old < new_size else new_size)
+    _give_region(ptr)
+    return p
+
+
+cdef void _h_free(void *ctx, void *ptr, size_t size) noexcept nogil:
+    if ptr != NULL and _in_ranges(ptr):
+        _give_region(ptr)
+    else:
+        _prev.allocator.free(_prev.allocator.ctx, ptr, size)
+
+
+def add_range(uintptr_t start, size_t nbytes):
+    """Register ``[start, start + nbytes)`` (an arena slab) as memory ``give`` owns."""
+    global _n_ranges
+    cdef int i
+    for i in range(_n_ranges):
+        if _starts[i] == start and _ends[i] == start + nbytes:
+            return
+    if _n_ranges >= MAX_RANGES:
+        raise OverflowError(f"more than {MAX_RANGES} slab ranges")
+    _starts[_n_ranges] = start
+    _ends[_n_ranges] = start + nbytes
+    _n_ranges += 1
+
+
+def configure(take, give, size, size_t threshold):
+    """Set the callbacks and the threshold (``take=None``: every allocation is malloc's)."""
+    global _take, _give, _size, _threshold
+    _take, _give, _size, _threshold = take, give, size, threshold
+
+
+def install():
+    """Make this allocator the current thread's (context's) NumPy data allocator;
+    returns the previous handler (a capsule, for :func:`restore`). Everything this
+    allocator does not serve from the arena goes to that previous handler, so it can
+    be installed in one thread of a process only (a second thread: ``RuntimeError``)."""
+    global _capsule, _prev, _prev_capsule
+    cdef PyDataMem_Handler *prev
+    if _capsule is None:
+        strncpy(_handler.name, b"zephon_worker_heap", 126)
+        _handler.version = 1
+        _handler.allocator.ctx = NULL
+        _handler.allocator.malloc = _h_malloc
+        _handler.allocator.calloc = _h_calloc
+        _handler.allocator.realloc = _h_realloc
+        _handler.allocator.free = _h_free
+        _capsule = PyCapsule_New(<void *>&_handler, b"mem_handler", NULL)
+    previous = PyDataMem_SetHandler(_capsule)
+    prev = <PyDataMem_Handler *>PyCapsule_GetPointer(previous, b"mem_handler")
+    if prev == &_handler or (_prev != NULL and prev != _prev):
+        PyDataMem_SetHandler(previous)
+        raise RuntimeError("the zephon worker heap is installed already")
+    _prev, _prev_capsule = prev, previous
+    return previous
+
+
+def restore(previous):
+    """Put back the handler :func:`install` returned."""
+    PyDataMem_SetHandler(previous)
+
+
+HANDLER_NAME = "zephon_worker_heap"

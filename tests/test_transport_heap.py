@@ -1,0 +1,243 @@
+"""The worker's shared heap: large arrays an op makes live in the arena and go to the
+consumer by reference, never when the worker can still write to them, and a region is
+reused only once both sides are done with it. Real worker processes, plus the arena's
+bookkeeping in this process."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import warnings
+
+import _transport_handlers as H
+import numpy as np
+import pytest
+
+from zephon import RuntimeOptions
+from zephon.transport import WorkerPool
+from zephon.transport.arena import LeaseTable, ShmArena, SlabRegistry
+from zephon.transport.codec import Encoder, PeerState, ShmPolicy
+from zephon.transport.heap import WorkerHeap, exclusive_owner
+
+MIB = 1 << 20
+
+try:
+    from zephon._kernels import heap as _heap_kernel  # noqa: F401
+except ImportError:
+    pytest.skip("the compiled kernels are not built", allow_module_level=True)
+
+
+@pytest.fixture
+def make_pool():
+    pools = []
+
+    def make(workers=1, **kwargs):
+        opts = RuntimeOptions(**kwargs.pop("options", {}))
+        pool = WorkerPool(H.HeapOps(), workers, options=opts, **kwargs)
+        pools.append(pool)
+        return pool.start()
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+def call(pool, op, arg=None):
+    pool.submit((op, arg))
+    return pool.get(timeout=60).value
+
+
+def test_a_fresh_result_goes_by_reference_with_the_right_bytes(make_pool):
+    pool = make_pool()
+    assert call(pool, "stats")["sent"] == 0
+    held = [call(pool, "fresh", (4 * MIB, v)) for v in range(6)]
+    held.append(call(pool, "fresh_view", (4 * MIB, 6)))
+    for v, r in enumerate(held):
+        assert r["v"] == v and int(r["data"].min()) == v == int(r["data"].max())
+    assert held[-1]["data"].shape == (4 * MIB // 64, 8)  # every other of 1 Mi
+    assert call(pool, "stats")["sent"] == 7  # no copy for any of them
+
+
+def test_a_result_the_op_keeps_is_copied_so_its_later_writes_never_reach_the_consumer(
+        make_pool):
+    pool = make_pool()
+    kept = call(pool, "keep", (2 * MIB, 5))
+    assert call(pool, "scribble", 99) == "scribbled"
+    assert int(kept["data"].min()) == 5 == int(kept["data"].max())
+    view = call(pool, "keep_base", (2 * MIB, 6))  # a view of an array the op keeps
+    call(pool, "scribble", 98)
+    assert int(view["data"].min()) == 6 == int(view["data"].max())
+    twice = call(pool, "twice", (2 * MIB, 7))  # one array in two places of the payload
+    assert int(twice["a"].min()) == 7 and int(twice["b"].max()) == 7
+    small = call(pool, "small_view", (8 * MIB, 9))  # would pin 8 MiB for 2 MiB
+    assert small["data"].shape == (MIB // 4,) and int(small["data"].max()) == 9
+    assert call(pool, "stats")["sent"] == 0
+
+
+def test_a_region_the_consumer_holds_is_not_reused_and_one_it_drops_is(make_pool):
+    pool = make_pool()
+    first = call(pool, "fresh", (4 * MIB, 1))
+    for v in range(2, 40):  # each result dropped at once: its region comes back
+        r = call(pool, "fresh", (4 * MIB, v))
+        assert int(r["data"][0]) == v == int(r["data"][-1])
+        del r
+    assert int(first["data"].min()) == 1 == int(first["data"].max())
+    stats = call(pool, "stats")
+    assert stats["sent"] == 39
+    # recycled, not grown: the held result, one in flight, the op's temporaries
+    assert stats["slab_bytes"] <= 32 * MIB, stats
+    assert stats["heap_regions"] >= 1  # `first`'s region, still the consumer's
+    del first
+    gc.collect()
+    deadline = time.monotonic() + 30  # FREE messages travel on their own
+    while call(pool, "stats")["heap_regions"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert call(pool, "stats")["heap_regions"] == 0
+
+
+def test_zeros_from_a_recycled_region_are_zero(make_pool):
+    pool = make_pool()
+    for _ in range(3):
+        r = call(pool, "fresh", (4 * MIB, -1))
+        del r
+    for _ in range(4):
+        z = call(pool, "zeros", 4 * MIB)["data"]
+        assert not z.any()
+        del z
+
+
+def test_a_reallocated_array_keeps_its_data(make_pool):
+    pool = make_pool()
+    a = call(pool, "resized", (2 * MIB, 3))["data"]
+    half = 2 * MIB // 8
+    assert a.shape == (2 * half,)
+    assert int(a[:half].min()) == 3 == int(a[:half].max()) and not a[half:].any()
+
+
+def test_arrays_made_in_an_ops_own_thread_are_right(make_pool):
+    pool = make_pool()
+    r = call(pool, "in_thread", (4 * MIB, 8))
+    assert int(r["data"].min()) == 8 == int(r["data"].max())
+
+
+def test_a_consumer_that_keeps_every_result_neither_stalls_nor_corrupts(make_pool):
+    pool = make_pool(arena_max_bytes=16 * MIB)
+    kept = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the arena fills up: in-band, said once
+        for v in range(24):
+            kept.append(call(pool, "fresh", (2 * MIB, v)))
+    for v, r in enumerate(kept):
+        assert int(r["data"].min()) == v == int(r["data"].max())
+
+
+def test_the_environment_turns_the_heap_off(make_pool, monkeypatch):
+    monkeypatch.setenv("ZEPHON_WORKER_SHARED_HEAP", "0")
+    pool = make_pool()
+    r = call(pool, "fresh", (4 * MIB, 4))
+    assert int(r["data"].min()) == 4 == int(r["data"].max())
+    assert call(pool, "stats") is None
+
+
+# -- in this process: exclusivity and the two-party release ----------------------------
+
+@pytest.fixture
+def arena():
+    a = ShmArena(1, "memfd", 64 * MIB, parent_pid=os.getpid())
+    yield a
+    gc.collect()
+    a.close()
+
+
+def test_exclusive_owner_follows_references():
+    fresh = {"x": np.arange(10)}
+    assert exclusive_owner([fresh["x"]], 0) is not None
+    kept = np.arange(10)
+    payload = {"x": kept}
+    assert exclusive_owner([payload["x"]], 0) is None  # the op keeps it too
+    base = np.arange(20)
+    payload = {"x": base[2:]}
+    assert exclusive_owner([payload["x"]], 0) is None  # the op keeps its base
+    chain = {"x": np.arange(20)[::2].reshape(2, 5)}  # every base only held by its view
+    owner = exclusive_owner([chain["x"]], 0)
+    assert owner is not None and owner.base is None and owner.size == 20
+
+
+def test_a_heap_region_is_reused_after_both_sides_in_either_order(arena):
+    # the worker frees first, then the consumer
+    token = _sent_region(arena)
+    with arena.cond:
+        arena._drain_gives()
+    assert arena._heap == {token: 2} and arena.live_regions == 1
+    arena.free([token])
+    assert arena._heap == {} and arena.live_regions == 0
+    # the consumer frees first, then the worker
+    _, _, token = arena.take(MIB, 8 * MIB)
+    assert arena.mark_sent(token) and not arena.mark_sent(token)
+    arena.free([token])
+    assert arena.live_regions == 1 and arena._held_bytes == MIB
+    arena.give(token)
+    with arena.cond:
+        arena._drain_gives()
+    assert arena.live_regions == 0 and arena._held_bytes == 0 and arena._heap == {}
+
+
+def _sent_region(arena) -> int:
+    _, _, token = arena.take(MIB, 8 * MIB)
+    assert arena.mark_sent(token)
+    arena.give(token)
+    return token
+
+
+def test_the_heap_holds_at_most_its_share_and_never_waits(arena):
+    got = [arena.take(4 * MIB, 8 * MIB) for _ in range(3)]
+    assert got[0] is not None and got[1] is not None and got[2] is None  # share: 8 MiB
+    assert arena._held_bytes == 8 * MIB
+    # the transport still finds room: what the worker holds is not waited for
+    regions = arena.alloc_many([40 * MIB])
+    assert len(regions) == 1
+    for _, _, token in got[:2]:
+        arena.give(token)
+    arena.free([regions[0][2]])
+    with arena.cond:
+        arena._drain_gives()
+    assert arena.live_regions == 0
+
+
+def test_the_encoder_sends_a_heap_array_by_reference_and_copies_a_kept_one(arena):
+    heap = WorkerHeap(arena)
+    assert heap.install()
+    try:
+        enc = Encoder(ShmPolicy(), LeaseTable(), SlabRegistry(), arena, heap)
+        peer = PeerState(can_map_fds=True)
+        header, _, _, _ = enc.encode({"x": np.full(MIB // 8, 3, dtype=np.int64)}, peer)
+        assert heap.sent == 1 and len(header["r"]) == 1
+        kept = np.full(MIB // 8, 4, dtype=np.int64)
+        header, _, _, _ = enc.encode({"x": kept}, peer)
+        assert heap.sent == 1  # copied
+        del kept
+    finally:
+        heap.close()
+
+
+# -- through a pipeline ------------------------------------------------------------------
+
+def _stream(runner: str) -> list:
+    import _pipeline_fns as F
+
+    from zephon import Pipeline, sources
+
+    pipe = (Pipeline(sources.from_callable(24, F.big_sample), seed=3)
+            .map(F.add_one, parallelism=2).batch(3)
+            .options(RuntimeOptions(runner=runner, max_workers=2)))
+    out = []
+    for batch in pipe:
+        tokens = batch["tokens"]
+        out.append((tokens.shape, int(tokens[:, 0].sum()), int(tokens[:, -1].sum()),
+                    [int(s) for s in batch["seq"]]))
+    return out
+
+
+def test_a_pipeline_streams_the_same_batches_with_the_heap_as_with_threads():
+    assert _stream("process") == _stream("threads")
