@@ -8,6 +8,7 @@ concurrency that really happened.
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
@@ -41,6 +42,20 @@ def work(subject):
                     f.endswith(".start") for f in os.listdir(subject["dir"])) < arg:
                 time.sleep(0.02)
             raise ValueError(f"subject {subject['subject_id']} failed on purpose")
+        if action == "sleep_once_started":  # arg (n, seconds[, prefix]): barrier, then sleep
+            n, seconds, prefix = (*arg, "")[:3]
+            _wait_until(lambda: sum(f.startswith(prefix) and f.endswith(".start")
+                                    for f in os.listdir(subject["dir"])) >= n)
+            time.sleep(seconds)
+            return seconds
+        if action == "sleep_after_reaped":  # arg (subject id, seconds): wait until that
+            other, seconds = arg             # subject's first worker was reaped, then sleep
+            _wait_until(lambda: _reaped(subject["dir"], other))
+            time.sleep(seconds)
+            return seconds
+        if action == "wait_for_file":  # returns once a file matching the glob `arg` exists
+            _wait_until(lambda: glob.glob(arg))
+            return arg
         if action == "memory_error":
             raise MemoryError("pretend allocation failure")
         if action == "kill_self":
@@ -87,6 +102,22 @@ def work(subject):
         raise KeyError(action)
     finally:
         _log(subject, "end")
+
+
+def _wait_until(ready, seconds: float = 60.0) -> None:
+    """Poll ``ready()`` every 20 ms until true or ``seconds`` passed (then go on: the
+    test's own assertion reports what did not happen)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not ready():
+        time.sleep(0.02)
+
+
+def _reaped(directory: str, subject_id: str) -> bool:
+    """True once a worker has started ``subject_id`` and is gone from /proc: exited and
+    reaped by the parent, which has therefore handled its end (a crash, an OOM)."""
+    pids = [int(f.split(".")[1]) for f in os.listdir(directory)
+            if f.startswith(subject_id + ".") and f.endswith(".start")]
+    return any(not os.path.exists(f"/proc/{pid}") for pid in pids)
 
 
 HELPER = """

@@ -144,10 +144,14 @@ def test_ctrl_c_in_the_process_backend_stops_workers_and_keeps_the_store(tmp_pat
     try:
         assert proc.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 60
-        while len([f for f in os.listdir(log_dir) if f.endswith(".start")]) < 3:
-            assert time.monotonic() < deadline, proc.stderr.read()
+        ok_dir = os.path.join(store, "ok")
+        # all three started, and S0 (10 ms) has finished and been stored (waited for, not
+        # assumed after a fixed sleep: a loaded parent may store it later)
+        while len([f for f in os.listdir(log_dir) if f.endswith(".start")]) < 3 or not (
+                os.path.isdir(ok_dir)
+                and [f for f in os.listdir(ok_dir) if not f.startswith(".tmp")]):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
             time.sleep(0.05)
-        time.sleep(0.3)  # S0 (10 ms) has finished and been stored
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=2.0 + 1.0 + 10.0)  # grace + 1 s, with slack
     finally:

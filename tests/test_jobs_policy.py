@@ -37,7 +37,9 @@ def go(fn, subs, **policy):
 
 
 def test_workers_bounds_the_observed_concurrency(tmp_path):
-    subs = subjects(tmp_path, 6, "sleep", 0.4)
+    # each subject first waits until two have started: a second worker that spawns late
+    # cannot leave the first one to run all six alone
+    subs = subjects(tmp_path, 6, "sleep_once_started", (2, 0.4))
     r, out = go(J.work, subs, workers=2, resume=False)
     assert all(x.ok for x in out)
     assert J.interval_overlap(subs[0]["dir"]) == 2
@@ -110,7 +112,9 @@ def test_on_subject_failure_continue_and_fail_fast(tmp_path):
 @pytest.mark.parametrize("action", ["kill_self", "memory_error"])
 def test_oom_backoff_lowers_concurrency_for_the_rest_of_the_run(tmp_path, action):
     first = subjects(tmp_path, 1, action, prefix="A")
-    later = subjects(tmp_path, 8, "sleep", 0.3, prefix="B")
+    # the B subjects sleep only once A000's worker is reaped (its OOM handled): however
+    # late that worker runs, the other two cannot get through B003 before the back-off
+    later = subjects(tmp_path, 8, "sleep_after_reaped", ("A000", 0.3), prefix="B")
     r, out = go(J.work, first + later, workers=3, oom_reduce_workers_by=2,
                 auto_retry_rounds=1, resume=False)
     assert r.summary["oom_backoffs"] >= 1
@@ -122,7 +126,9 @@ def test_oom_backoff_lowers_concurrency_for_the_rest_of_the_run(tmp_path, action
 
 def test_without_oom_backoff_concurrency_stays(tmp_path):
     first = subjects(tmp_path, 1, "kill_self", prefix="A")
-    later = subjects(tmp_path, 6, "sleep", 0.5, prefix="B")
+    # each B waits until two B's have started: the other worker cannot take all six
+    # while the killed one's replacement is still spawning
+    later = subjects(tmp_path, 6, "sleep_once_started", (2, 0.5, "B"), prefix="B")
     r, out = go(J.work, first + later, workers=2, oom_backoff=False, auto_retry_rounds=0,
                 resume=False)
     assert r.summary["oom_backoffs"] == 0
@@ -277,9 +283,22 @@ def test_recycling_every_3_tasks_over_200_subjects_loses_nothing(tmp_path):
 
 
 def test_completion_order_option(tmp_path):
-    subs = subjects(tmp_path, 2, "sleep", 1.5)
-    subs[1]["arg"] = 0.01
-    r, out = go(J.work, subs, workers=2, resume=False, ordered=False)
+    # S000 ends only once the test has S001's result (not after a fixed sleep: a second
+    # worker spawning late would see S000 end first)
+    release = str(tmp_path / "release")
+    subs = subjects(tmp_path, 2, "sleep", 0.01)
+    subs[0].update(action="wait_for_file", arg=release)
+    job = run(J.work, subs, RunPolicy(workers=2, resume=False, **FAST), progress=False,
+              ordered=False)
+    it = iter(job)
+    try:
+        first = next(it)
+    finally:
+        open(release, "w").close()
+    out = [first, *it]
     assert [x.subject_id for x in out] == ["S001", "S000"]  # each once, as they finished
-    r, out = go(J.work, subs, workers=2, resume=False)
+    later = subjects(tmp_path / "ordered", 2, "sleep", 0.01)
+    later[0].update(action="wait_for_file",  # S000 ends after S001 has
+                    arg=os.path.join(later[1]["dir"], "S001.*.end"))
+    r, out = go(J.work, later, workers=2, resume=False)
     assert [x.subject_id for x in out] == ["S000", "S001"]

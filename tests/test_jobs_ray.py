@@ -13,6 +13,7 @@ cluster) are ``ci`` too.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -151,9 +152,19 @@ def test_results_in_input_order_or_completion_order(tmp_path, backend):
 
 @pytest.mark.ci
 def test_unordered_yields_a_slow_first_subject_last(tmp_path, backend):
+    # S000 ends only once the test has the other five results (not after a fixed 2 s: a
+    # second worker starting late would leave S000 to end first)
+    release = str(tmp_path / "release")
     subs = subjects(tmp_path, 6, "sleep", 0.01)
-    subs[0]["arg"] = 2.0
-    r, out = go(J.work, subs, backend, workers=2, resume=False, ordered=False)
+    subs[0].update(action="wait_for_file", arg=release)
+    job = run(J.work, subs, RunPolicy(backend=backend, workers=2, resume=False, **FAST),
+              progress=False, ordered=False)
+    it = iter(job)
+    try:
+        out = [next(it) for _ in range(5)]
+    finally:
+        open(release, "w").close()
+    out += list(it)
     assert out[-1].subject_id == "S000"
     assert sorted(x.subject_id for x in out) == [s["subject_id"] for s in subs]
 
@@ -281,8 +292,12 @@ def test_persistent_actors_set_up_once_and_recycle(tmp_path, on_ray):
     r, out = go(J.WithSetup(str(d)), subjects(d, 12), on_ray, workers=2, resume=False,
                 persistent_worker_recycle_after_tasks=3)
     assert all(x.ok for x in out)
-    pids = {x.value["pid"] for x in out}
-    assert len(pids) >= 4 and r.summary["recycled"] >= 4
+    per_pid = collections.Counter(x.value["pid"] for x in out)
+    pids = set(per_pid)
+    # how the 12 split between actors depends on which starts first (3+3+3+2+1 is
+    # possible): every actor that reached 3 was recycled, none ran more
+    assert len(pids) >= 4 and max(per_pid.values()) <= 3
+    assert r.summary["recycled"] == sum(n == 3 for n in per_pid.values()) >= 3
     assert sorted(f for f in os.listdir(d) if f.startswith("setup.")) == sorted(
         f"setup.{p}" for p in pids)  # setup() once per actor
     e = tmp_path / "i"
@@ -388,11 +403,14 @@ def test_ctrl_c_cancels_the_tasks_and_keeps_the_store(tmp_path):
     try:
         assert proc.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 120
-        while len([f for f in os.listdir(log_dir) if f.endswith(".start")]) < 2 or \
-                not [f for f in os.listdir(log_dir) if f.endswith(".end")]:
+        ok_dir = os.path.join(store, "ok")
+        # S0 (10 ms) has finished and been stored (waited for, not assumed after a fixed
+        # sleep: a loaded driver may store it later); S1 and S2 sleep
+        while len([f for f in os.listdir(log_dir) if f.endswith(".start")]) < 2 or not (
+                os.path.isdir(ok_dir)
+                and [f for f in os.listdir(ok_dir) if not f.startswith(".tmp")]):
             assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
             time.sleep(0.05)
-        time.sleep(0.5)  # S0 (10 ms) has finished and been stored; S1 and S2 sleep
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:

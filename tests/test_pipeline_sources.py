@@ -92,11 +92,15 @@ def test_io_options_retry_opening_a_file_that_appears_late(tmp_path):
     src = sources.jsonl(str(ready))
     late = tmp_path / "late.jsonl"
     src.files = [str(late)]  # the index was built; the file vanishes and comes back
-    patient = RuntimeOptions(io_options=StoreOptions(open_retry_attempts=8,
+    # attempts every 0.2 s for up to a minute: 8 of them (~1.15 s) could all miss a file
+    # the timer thread copies late on a loaded machine
+    patient = RuntimeOptions(io_options=StoreOptions(open_retry_attempts=300,
                                                      retry_backoff_initial_s=0.05,
                                                      retry_backoff_max_s=0.2))
-    threading.Timer(0.3, lambda: shutil.copy(ready, late)).start()
+    timer = threading.Timer(0.3, lambda: shutil.copy(ready, late))
+    timer.start()
     out = list(Pipeline(src, shuffle=False).options(patient))
+    timer.join()
     assert [s["i"] for s in out] == [0, 1]
     late.unlink()
     impatient = RuntimeOptions(io_options=StoreOptions(open_retry_attempts=1))
