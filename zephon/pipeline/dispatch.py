@@ -30,9 +30,13 @@ per-message cost is paid once per ~4 MiB whatever ``chunk_size`` is. A merged
 part's result goes downstream as one unit: the records and their order are the
 same.
 
-Bounds (per lane and stage): at most ``depth`` parts and ``op_queue_capacity``
-items in flight (always at least one part; a process stage with the default
-``op_queue_capacity=None`` has no item bound, only the byte bound below), and sequence numbers never further
+Bounds (per lane and stage): at most ``depth`` parts queued beyond one per
+worker (``depth + workers`` in flight; ``depth`` on an inline stage). With only
+``depth`` in flight, a lane of 16 workers at the default depth of 8 would leave
+half of them idle, and 2 workers at depth 4 waited a fifth of the time for
+their next part. At most ``op_queue_capacity`` items are in flight (always at
+least one part; a process stage with the default ``op_queue_capacity=None`` has
+no item bound, only the byte bound below), and sequence numbers never further
 ahead of the oldest unfinished part than the reorder window, so a slow
 head-of-line part stalls the lookahead instead of letting finished results
 pile up behind it. **Bytes** bound it too: the estimated output of the parts in
@@ -253,6 +257,10 @@ class _LaneDispatch:
     def __init__(self, stage) -> None:
         self.depth, self.item_cap = stage.depth, stage.item_cap
         self.workers = max(1, stage.workers)
+        # parts in flight: depth queued beyond one per worker (an inline stage runs a part
+        # when it is submitted: nothing to keep busy, and reading ahead delays the first)
+        self.limit = self.depth if getattr(stage, "runner", None) == "inline" \
+            else self.depth + self.workers
         self.window = 2 * self.depth * self.workers + 8
         self.split = stage.split
         self.merges = stage.split and stage.index == 0  # read units: merging reads nothing
@@ -314,7 +322,8 @@ class _LaneDispatch:
         """Whether a part of ``samples`` may go out now (one part always may)."""
         if inflight == 0:
             return True
-        if inflight >= self.depth or (self.item_cap is not None and self.items >= self.item_cap):
+        if inflight >= self.limit or (
+                self.item_cap is not None and self.items >= self.item_cap):
             return False
         if self.per_item is None:  # sizes unknown: one part per worker until a result
             return inflight < self.workers

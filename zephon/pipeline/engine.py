@@ -252,7 +252,8 @@ class Plan:
                 reads = "read" + (", " if ops else "") if s.index == 0 else ""
                 lines.append(
                     f"  stage {s.index}: {reads}{ops}: runner={s.runner}, "
-                    f"workers={s.workers} ({s.workers_why}), depth={s.depth} units/lane, "
+                    f"workers={s.workers} ({s.workers_why}), depth={s.depth} units/lane "
+                    f"(+1 per worker in flight), "
                     + (f"op_queue={s.item_cap} items/lane, " if s.item_cap is not None
                        else "op_queue=bounded by bytes, ")
                     + (f"in flight <= {s.budget_bytes >> 20} MiB/lane (arena "
