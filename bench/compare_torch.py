@@ -16,7 +16,9 @@ the main process touches one element of each item and drops it.
 
 - ``zephon``: ``Pipeline(from_callable(n, load)).map(add_one, parallelism=2)``,
   **default options** (what a user writes); ``chunk=K`` rows set ``chunk_size=K``
-  (to find the best hand-tuned one), ``1 worker`` rows a single process worker;
+  (to find the best hand-tuned one), ``1 worker`` rows a single process worker,
+  ``copy (no heap)`` rows run with ``ZEPHON_WORKER_SHARED_HEAP=0`` (results copied
+  into the arena, as before the shared heap);
 - ``pool``: zephon's bare ``WorkerPool`` (no pipeline), 4 tasks in flight per worker;
 - ``torch``: ``DataLoader(dataset, num_workers=2, batch_size=None,
   multiprocessing_context="spawn")`` over a map-style dataset doing load + map;
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -316,6 +319,9 @@ def plan(quick: bool, peers: list[str]) -> list[dict]:
         for chunk in chunk_rows.get(nbytes, ()):
             rows.append({"name": f"zephon {key} chunk={chunk}", "loader": "zephon", "n": n,
                          "elements": elements, "kw": {"chunk_size": chunk}})
+        if nbytes in (4 * MIB, 64 * MIB):  # before/after the shared heap, same run
+            rows.append({"name": f"zephon {key} copy (no heap)", "loader": "zephon", "n": n,
+                         "elements": elements, "env": {"ZEPHON_WORKER_SHARED_HEAP": "0"}})
         if nbytes == 4 * MIB:
             rows.append({"name": f"zephon {key} 1 worker", "loader": "zephon", "n": n,
                          "elements": elements, "kw": {"workers": 1}})
@@ -336,8 +342,10 @@ def plan(quick: bool, peers: list[str]) -> list[dict]:
 def run_fresh(spec: dict, timeout: float) -> dict | None:
     """One row in a fresh interpreter; None (and the reason on stderr) if it failed."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--row", json.dumps(spec)]
+    env = {**os.environ, **spec.get("env", {})}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
+                              env=env)
     except subprocess.TimeoutExpired:
         print(f"  {spec['name']}: timed out after {timeout:g} s", file=sys.stderr)
         return None
@@ -379,6 +387,8 @@ def ratios(table: dict[str, dict], peers: list[str]) -> list[tuple[str, float]]:
             out.append((f"{key}_default_vs_best_chunk",
                         (rate(f"zephon {key} defaults") or 0.0) / best))
     add("4mib_two_vs_one_worker", "zephon 4mib defaults", "zephon 4mib 1 worker")
+    add("4mib_heap_vs_copy", "zephon 4mib defaults", "zephon 4mib copy (no heap)")
+    add("64mib_heap_vs_copy", "zephon 64mib defaults", "zephon 64mib copy (no heap)")
     add("4mib_defaults_vs_pool", "zephon 4mib defaults", "pool 4mib")
     for peer in ("torch", "torchdata"):
         add(f"batch256_vs_{peer}", "zephon 4kib batch256 defaults", f"{peer} 4kib batch256")
