@@ -20,6 +20,10 @@ What it does, per NumPy data allocation in a thread where it is installed:
   allocator (``size(address)`` says how much to copy) and gives the region back.
 - when ``take`` answers 0 (no room without waiting), the previous allocator.
 
+``configure(None, None, size, t)`` turns it off (a forked child): an arena address
+is then never taken, and freeing one does nothing. A realloc of an arena address
+whose size is unknown copies up to the end of its slab (never less than the data).
+
 Arrays remember the allocator that made them, so an array from the arena is freed
 through ``give`` whichever thread drops it. Slab ranges are only ever added: a slab of
 the worker's arena stays mapped until the worker exits. Callback errors are reported
@@ -66,13 +70,18 @@ cdef PyDataMem_Handler *_prev = NULL  # the allocator everything else goes to
 cdef object _prev_capsule = None  # keeps it alive
 
 
-cdef inline bint _in_ranges(void *ptr) noexcept nogil:
+cdef inline uintptr_t _range_end(void *ptr) noexcept nogil:
+    """The end of the registered slab range ``ptr`` is in, or 0."""
     cdef uintptr_t p = <uintptr_t>ptr
     cdef int i
     for i in range(_n_ranges):
         if _starts[i] <= p < _ends[i]:
-            return True
-    return False
+            return _ends[i]
+    return 0
+
+
+cdef inline bint _in_ranges(void *ptr) noexcept nogil:
+    return _range_end(ptr) != 0
 
 
 cdef void *_take_region(size_t size) noexcept nogil:
@@ -101,7 +110,8 @@ cdef size_t _region_size(void *ptr) noexcept nogil:
     cdef size_t n = 0
     with gil:
         try:
-            n = <size_t>_size(<uintptr_t>ptr)
+            if _size is not None:
+                n = <size_t>_size(<uintptr_t>ptr)
         except BaseException:
             PyErr_WriteUnraisable(_size)
             n = 0
@@ -137,9 +147,12 @@ cdef void *_h_calloc(void *ctx, size_t nelem, size_t elsize) noexcept nogil:
 cdef void *_h_realloc(void *ctx, void *ptr, size_t new_size) noexcept nogil:
     cdef void *p
     cdef size_t old
-    if ptr == NULL or not _in_ranges(ptr):
+    cdef uintptr_t end = _range_end(ptr) if ptr != NULL else 0
+    if end == 0:
         return _prev.allocator.realloc(_prev.allocator.ctx, ptr, new_size)
     old = _region_size(ptr)
+    if old == 0:  # unknown: all the slab holds after it (the data cannot be longer)
+        old = end - <uintptr_t>ptr
     p = _p_malloc(new_size)
     if p == NULL:
         return NULL  # the old region stays valid, as realloc promises

@@ -197,6 +197,35 @@ class HeapOps:
             t.start()
             t.join()
             return out
+        if op == "fork_and_scribble":  # a forked child makes (and fills) large arrays
+            n, v = arg
+            out = np.full(n // 8, v, dtype=np.int64)  # the result, made before the fork
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    junk = [np.full(n // 8, -7, dtype=np.int64) for _ in range(8)]
+                    del junk
+                finally:
+                    os._exit(0)
+            os.waitpid(pid, 0)
+            after = np.full(n // 8, v + 1, dtype=np.int64)  # made after the child's
+            return {"before": out, "after": after}
+        if op == "fork_background":  # a forked child keeps making large arrays for a while
+            n, seconds = arg
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    end = time.monotonic() + seconds
+                    while time.monotonic() < end:
+                        junk = np.full(n // 8, -7, dtype=np.int64)
+                        del junk
+                finally:
+                    os._exit(0)
+            self.child = pid
+            return pid
+        if op == "reap":
+            os.waitpid(self.child, 0)
+            return "reaped"
         if op == "stats":
             h = heap.installed()
             if h is None:

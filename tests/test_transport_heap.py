@@ -132,6 +132,23 @@ def test_a_consumer_that_keeps_every_result_neither_stalls_nor_corrupts(make_poo
         assert int(r["data"].min()) == v == int(r["data"].max())
 
 
+def test_a_child_an_op_forks_never_allocates_from_the_arena(make_pool):
+    pool = make_pool()
+    held = call(pool, "fresh", (4 * MIB, 1))  # a region the consumer holds
+    for v in range(10, 13):
+        r = call(pool, "fork_and_scribble", (4 * MIB, v))
+        assert int(r["before"].min()) == v == int(r["before"].max())
+        assert int(r["after"].min()) == v + 1 == int(r["after"].max())
+    assert int(held["data"].min()) == 1 == int(held["data"].max())
+    call(pool, "fork_background", (4 * MIB, 1.0))  # a child writing while results are made
+    try:
+        results = [call(pool, "fresh", (4 * MIB, v)) for v in range(20)]
+    finally:
+        call(pool, "reap")
+    for v, r in enumerate(results):
+        assert int(r["data"].min()) == v == int(r["data"].max())
+
+
 def test_the_environment_turns_the_heap_off(make_pool, monkeypatch):
     monkeypatch.setenv("ZEPHON_WORKER_SHARED_HEAP", "0")
     pool = make_pool()

@@ -29,6 +29,14 @@ Invariants
 - **Bounded to one thread.** The allocator is installed in the worker's task
   thread only (NumPy keeps the current allocator per context); arrays made in
   threads an op starts come from ``malloc`` and are copied.
+- **Not in a forked child.** A process an op forks inherits the allocator and a
+  copy of the arena's bookkeeping, and the arena mapping is shared: if it took
+  regions it would write into results the worker hands out at the same time.
+  An at-fork hook turns the heap off in the child (its arrays come from
+  ``malloc``; freeing an inherited arena array there does nothing). Arrays the
+  child inherits still live in shared memory: a forked child must not write
+  to arrays of its parent's task (with ``malloc`` memory such writes would be
+  copy-on-write and invisible).
 
 Lifecycle: :meth:`WorkerHeap.install` when the worker is ready, :meth:`close`
 before the arena closes (NumPy then gets ``malloc`` for everything; arrays still
@@ -80,6 +88,13 @@ def _compiled() -> Any:
 
 
 _installed: "WorkerHeap | None" = None
+_fork_hook_registered = False
+
+
+def _off_in_forked_child() -> None:
+    heap = _installed
+    if heap is not None and heap.kernel is not None:
+        heap.kernel.configure(None, None, heap._size, heap.threshold)
 
 
 def installed() -> "WorkerHeap | None":
@@ -153,7 +168,10 @@ class WorkerHeap:
         heap is off or not built."""
         if self.kernel is None or self.active:
             return False
-        global _installed
+        global _installed, _fork_hook_registered
+        if not _fork_hook_registered and hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_off_in_forked_child)
+            _fork_hook_registered = True
         self.kernel.configure(self._take, self._give, self._size, self.threshold)
         self._previous = self.kernel.install()
         _installed = self
