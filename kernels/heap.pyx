@@ -35,6 +35,9 @@ from cpython.exc cimport PyErr_WriteUnraisable
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_New
 from libc.stdint cimport uint8_t, uintptr_t
 from libc.string cimport memcpy, memset, strncpy
+from posix.mman cimport (
+    MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED, MAP_PRIVATE, PROT_READ, PROT_WRITE, mmap, munmap,
+)
 
 cimport numpy as cnp
 
@@ -180,6 +183,30 @@ def add_range(uintptr_t start, size_t nbytes):
     _starts[_n_ranges] = start
     _ends[_n_ranges] = start + nbytes
     _n_ranges += 1
+
+
+def privatize():
+    """In a forked child: make every registered slab range a private copy of itself
+    (anonymous memory at the same addresses), as fork gives for malloc memory. Without
+    it the child's writes to arrays it inherited would land in the shared slabs, in
+    memory the worker may have handed to the consumer."""
+    cdef int i
+    cdef size_t n
+    cdef void *tmp
+    cdef void *p
+    for i in range(_n_ranges):
+        n = _ends[i] - _starts[i]
+        tmp = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        if tmp == MAP_FAILED:
+            raise MemoryError(f"no memory for a private copy of a {n}-byte slab")
+        memcpy(tmp, <void *>_starts[i], n)
+        p = mmap(<void *>_starts[i], n, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0)
+        if p == MAP_FAILED:
+            munmap(tmp, n)
+            raise MemoryError(f"cannot remap a {n}-byte slab privately")
+        memcpy(p, tmp, n)
+        munmap(tmp, n)
 
 
 def configure(take, give, size, size_t threshold):

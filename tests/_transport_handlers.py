@@ -143,6 +143,24 @@ def refault_count(mib: int) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
+KEPT_CONTAINERS: list = []
+KEPT_ARRAYS: dict = {}
+
+
+class ArrayRef:
+    """Pickles as the module-level array it names (its ``__reduce__`` reaches it)."""
+
+    def __init__(self, key) -> None:
+        self.key = key
+
+    def __reduce__(self):
+        return (_array_copy, (KEPT_ARRAYS[self.key],))
+
+
+def _array_copy(a):
+    return a
+
+
 class HeapOps:
     """Ops that probe a worker's shared heap (zephon.transport.heap): fresh results, results
     the op keeps (and writes to later), views, zeros from recycled regions, reallocations and
@@ -197,6 +215,50 @@ class HeapOps:
             t.start()
             t.join()
             return out
+        if op == "keep_container":  # the op keeps the dict it returns
+            n, v = arg
+            out = {"data": np.full(n // 8, v, dtype=np.int64)}
+            KEPT_CONTAINERS.append(out)
+            return out
+        if op == "scribble_containers":
+            for d in KEPT_CONTAINERS:
+                d["data"][:] = arg
+            return "scribbled"
+        if op == "via_reduce":  # reached only through an object's __reduce__
+            n, v = arg
+            KEPT_ARRAYS[v] = np.full(n // 8, v, dtype=np.int64)
+            return {"ref": ArrayRef(v)}
+        if op == "scribble_arrays":
+            for a in KEPT_ARRAYS.values():
+                a[:] = arg
+            return "scribbled"
+        if op == "fork_writes":  # a forked child writes to an array the op made before
+            n, v = arg
+            a = np.full(n // 8, v, dtype=np.int64)
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    a += 100
+                finally:
+                    os._exit(0)
+            os.waitpid(pid, 0)
+            return {"data": a}
+        if op == "daemon_reader":  # a daemon thread reads a kept array until the end
+            import threading
+
+            n, v = arg
+            a = np.full(n // 8, v, dtype=np.int64)
+            KEPT_ARRAYS[-1] = a
+
+            def read():
+                while True:
+                    assert int(a.sum()) == v * a.size
+
+            threading.Thread(target=read, daemon=True).start()
+            return os.getpid()
+        if op == "keep_table":  # a lookup table the op keeps for good
+            self.table = np.full(arg // 8, 1, dtype=np.int64)
+            return "kept"
         if op == "fork_and_scribble":  # a forked child makes (and fills) large arrays
             n, v = arg
             out = np.full(n // 8, v, dtype=np.int64)  # the result, made before the fork

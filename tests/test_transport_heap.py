@@ -6,9 +6,11 @@ bookkeeping in this process."""
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import time
 import warnings
+from typing import ClassVar
 
 import _transport_handlers as H
 import numpy as np
@@ -73,6 +75,46 @@ def test_a_result_the_op_keeps_is_copied_so_its_later_writes_never_reach_the_con
     small = call(pool, "small_view", (8 * MIB, 9))  # would pin 8 MiB for 2 MiB
     assert small["data"].shape == (MIB // 4,) and int(small["data"].max()) == 9
     assert call(pool, "stats")["sent"] == 0
+
+
+def test_a_result_reachable_from_what_the_op_keeps_is_copied(make_pool):
+    pool = make_pool()
+    kept = [call(pool, "keep_container", (2 * MIB, v)) for v in range(3)]  # keeps the dict
+    via = [call(pool, "via_reduce", (2 * MIB, v)) for v in range(3, 6)]  # via __reduce__
+    call(pool, "scribble_containers", -1)
+    call(pool, "scribble_arrays", -2)
+    for v, r in enumerate(kept):
+        assert int(r["data"].min()) == v == int(r["data"].max())
+    for v, r in enumerate(via, start=3):
+        assert int(r["ref"].min()) == v == int(r["ref"].max())
+    assert call(pool, "stats")["sent"] == 0
+
+
+def test_a_forked_childs_writes_stay_in_the_child(make_pool):
+    pool = make_pool()
+    for v in range(3):
+        r = call(pool, "fork_writes", (4 * MIB, v))
+        assert int(r["data"].min()) == v == int(r["data"].max())
+
+
+def test_a_worker_exits_cleanly_while_its_thread_still_reads_a_heap_array(make_pool):
+    pool = make_pool()
+    assert call(pool, "daemon_reader", (4 * MIB, 3)) > 0
+    time.sleep(0.2)  # the reader is running
+    procs = [h.process for h in pool.workers]
+    pool.close()
+    assert [p.exitcode for p in procs] == [0]  # not -11: its slabs stay mapped to the end
+
+
+def test_arrays_the_op_keeps_do_not_shrink_what_the_consumer_can_hold(make_pool):
+    pool = make_pool(arena_max_bytes=64 * MIB)
+    assert call(pool, "keep_table", 16 * MIB) == "kept"  # in the heap, for good
+    held: list = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "the consumer holds ... of the arena" would fail
+        for v in range(30):  # the consumer holds the last 13 results: 52 of 64 MiB
+            held = [*held[-12:], call(pool, "fresh", (4 * MIB, v))]
+            assert int(held[-1]["data"].min()) == v == int(held[-1]["data"].max())
 
 
 def test_a_region_the_consumer_holds_is_not_reused_and_one_it_drops_is(make_pool):
@@ -228,13 +270,61 @@ def test_the_encoder_sends_a_heap_array_by_reference_and_copies_a_kept_one(arena
     try:
         enc = Encoder(ShmPolicy(), LeaseTable(), SlabRegistry(), arena, heap)
         peer = PeerState(can_map_fds=True)
-        header, _, _, _ = enc.encode({"x": np.full(MIB // 8, 3, dtype=np.int64)}, peer)
+        box = [{"x": np.full(MIB // 8, 3, dtype=np.int64)}]
+        header, _, _, _ = enc.encode_owned(box, peer)
         assert heap.sent == 1 and len(header["r"]) == 1
+        del box
         kept = np.full(MIB // 8, 4, dtype=np.int64)
-        header, _, _, _ = enc.encode({"x": kept}, peer)
-        assert heap.sent == 1  # copied
-        del kept
+        enc.encode_owned([{"x": kept}], peer)
+        inner = {"x": np.full(MIB // 8, 5, dtype=np.int64)}
+        enc.encode_owned([[inner]], peer)  # the array's dict is held here too
+        enc.encode({"x": np.full(MIB // 8, 6, dtype=np.int64)}, peer)  # not handed over
+        assert heap.sent == 1  # all three copied
+        del kept, inner
     finally:
+        heap.close()
+
+
+class _Bomb:
+    """Cyclic garbage whose finalizer makes a heap-sized array: the collector may run it
+    inside an arena method (its lock held), where the allocation must not touch the
+    free lists."""
+
+    made: ClassVar[list] = []
+
+    def __init__(self, v: int) -> None:
+        self.me, self.v = self, v
+
+    def __del__(self) -> None:
+        _Bomb.made.append(np.full(MIB // 8, self.v, dtype=np.int64))
+
+
+def test_garbage_collection_inside_the_arena_never_hands_out_a_region_twice(arena):
+    import random
+
+    heap = WorkerHeap(arena)
+    assert heap.install()
+    rng = random.Random(0)
+    threshold = gc.get_threshold()
+    live: list = []
+    try:
+        bad = 0
+        for i in range(3000):
+            gc.set_threshold(rng.randint(1, 12), 1000, 1000)  # collections fall anywhere
+            _Bomb(-(i + 1))
+            live.append(np.full(MIB // 8, i, dtype=np.int64))
+            del live[:-2], _Bomb.made[:-2]
+            arrays = live + _Bomb.made
+            spans = sorted((a.__array_interface__["data"][0], a.nbytes) for a in arrays)
+            bad += sum(p0 + n0 > p1 for (p0, n0), (p1, _) in itertools.pairwise(spans))
+            bad += sum(int(a.min()) != int(a.max()) for a in arrays)
+            del arrays
+        assert bad == 0
+    finally:
+        gc.set_threshold(*threshold)
+        live.clear()
+        _Bomb.made.clear()
+        gc.collect()
         heap.close()
 
 
@@ -258,3 +348,27 @@ def _stream(runner: str) -> list:
 
 def test_a_pipeline_streams_the_same_batches_with_the_heap_as_with_threads():
     assert _stream("process") == _stream("threads")
+
+
+def test_the_workers_own_temporaries_do_not_end_starvation():
+    # Starved (the consumer holds the bound), every message goes in-band at once; a
+    # heap temporary freed by the worker used to end that state, so each following
+    # message waited the full timeout again (300 kept results: 2 s -> 119 s).
+    from zephon.errors import ArenaFull
+
+    a = ShmArena(1, "memfd", 16 * MIB, parent_pid=os.getpid(), wait_timeout_s=0.05)
+    try:
+        held = a.alloc_many([16 * MIB])  # the consumer's
+        with pytest.raises(ArenaFull):
+            a.alloc_many([MIB])
+        assert a.starved
+        _, _, token = a.take(MIB, 4 * MIB)  # a temporary of the next task
+        a.give(token)
+        waits = a.waits
+        with pytest.raises(ArenaFull):
+            a.alloc_many([MIB])
+        assert a.starved and a.waits == waits  # raised at once, without a new wait
+        a.free([held[0][2]])  # the consumer's free ends it
+        assert not a.starved
+    finally:
+        a.close()

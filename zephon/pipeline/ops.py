@@ -63,6 +63,9 @@ class Record:
     """A value with the identities of its samples and the lane position it ends at."""
 
     __slots__ = ("ids", "pos", "value")
+    #: a worker's shared heap may send arrays under ``value`` by reference when nothing
+    #: else holds them (zephon.transport.heap.exclusive_arrays): ids and pos hold none
+    __heap_walk__ = True
 
     def __init__(self, value: Any, ids: list, pos: tuple = (0, -1)) -> None:
         self.value, self.ids, self.pos = value, ids, pos

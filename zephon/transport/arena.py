@@ -150,6 +150,7 @@ class Slab:
         "address",
         "dedicated",
         "fd",
+        "keep_mapped",
         "mapping",
         "name",
         "size",
@@ -161,6 +162,9 @@ class Slab:
         self.slab_id, self.size, self.mapping, self.fd, self.name = slab_id, size, mapping, fd, name
         self.address = _address(mapping)
         self.dedicated = dedicated  # one message's slab: never forwarded, unmapped after use
+        # NumPy arrays of the worker's shared heap point into it without holding the
+        # mapping: it stays mapped until the process exits (close() only drops the fd)
+        self.keep_mapped = False
 
     @classmethod
     def create(cls, slab_id: int, size: int, kind: str, name: str,
@@ -211,13 +215,16 @@ class Slab:
         return cls(slab_id, size, mapping, None, None)
 
     def close(self) -> None:
-        """Drop the descriptor and, if no view still exports it, the mapping."""
+        """Drop the descriptor and, if no view still exports it (and no heap array may
+        still point into it: ``keep_mapped``), the mapping."""
         if self.fd is not None:
             try:
                 os.close(self.fd)
             except OSError:
                 pass
             self.fd = None
+        if self.keep_mapped:
+            return
         try:
             self.mapping.close()
         except BufferError:
@@ -393,12 +400,15 @@ class ShmArena:
                 return self._alloc_dedicated(needs)
             while True:
                 self._drain_gives()
-                got, missing = self._fit_all(needs)
-                if got is not None:
-                    return got
-                if self.total_bytes + missing <= self.max_bytes:
-                    self._grow(missing)
-                    continue
+                # The bound is on what messages hold (the heap's unsent arrays do not
+                # count: see take), whatever the slabs' free space.
+                if self.consumer_bytes + total <= self.max_bytes:
+                    got, missing = self._fit_all(needs)
+                    if got is not None:
+                        return got
+                    if self.total_bytes + missing <= self.max_bytes + self._held_bytes:
+                        self._grow(missing)
+                        continue
                 if len(self._live) == self._held_only():
                     # nothing the consumer holds will come back: the bound is fragmented
                     # (or taken by arrays the worker keeps)
@@ -410,8 +420,8 @@ class ShmArena:
                     self.starved = True
                     raise ArenaFull(
                         f"arena {self.owner}: no space for {total} bytes; {self.live_regions} "
-                        f"region(s), {self.live_bytes} bytes held by the consumer (bound "
-                        f"{self.max_bytes} bytes)", self.live_bytes, self.max_bytes)
+                        f"region(s), {self.consumer_bytes} bytes held by the consumer (bound "
+                        f"{self.max_bytes} bytes)", self.consumer_bytes, self.max_bytes)
                 if not self.alive():
                     raise TransportError("the consumer is gone or the worker is stopping")
                 self.waits += 1
@@ -423,13 +433,19 @@ class ShmArena:
         mean waiting, growing past the bound, or holding more than ``held_limit`` bytes
         in regions not sent."""
         need = _align(max(int(nbytes), 1))
+        if self.cond._is_owned():  # type: ignore[attr-defined]
+            # A deallocation (garbage collection) inside one of this arena's own methods
+            # on this thread allocated: the free lists are mid-update. NumPy gets malloc.
+            return None
         with self.cond:
             self._drain_gives()
             if self._held_bytes + need > held_limit:
                 return None
             found = self._first_fit(need)
             if found is None:
-                if self.total_bytes + need > self.max_bytes:
+                # what the heap holds is not the transport's: the slabs may exceed the
+                # bound by it (at most held_limit)
+                if self.total_bytes + need > self.max_bytes + held_limit:
                     return None
                 try:
                     self._grow(need)
@@ -449,11 +465,14 @@ class ShmArena:
 
     def mark_sent(self, token: int) -> bool:
         """Heap region ``token`` goes to the consumer by reference; False if it is not a
-        heap region held by the worker or was sent already."""
+        heap region held by the worker, was sent already, or would take what messages
+        hold past the bound."""
         with self.cond:
             state = self._heap.get(token)
             if state != _HELD:
                 return False
+            if self.consumer_bytes + self._live[token] > self.max_bytes:
+                return False  # the consumer holds the bound already: copied (or in-band)
             self._heap[token] = _HELD | _SENT
             self._held_bytes -= self._live[token]
             return True
@@ -474,8 +493,9 @@ class ShmArena:
                 del self._heap[token]
                 recycle.append(token)
         if recycle:
+            # (starvation is about what the consumer holds: only its frees end it; the
+            # worker's own temporaries come and go with every task)
             self._release(recycle)
-            self.starved = False
             self.cond.notify_all()
 
     def _held_only(self) -> int:
@@ -608,6 +628,11 @@ class ShmArena:
     @property
     def live_bytes(self) -> int:
         return sum(self._live.values())
+
+    @property
+    def consumer_bytes(self) -> int:
+        """Bytes of live regions the consumer holds (not the heap's unsent arrays)."""
+        return self.live_bytes - self._held_bytes
 
     def close(self) -> None:
         for slab in list(self.slabs.values()):

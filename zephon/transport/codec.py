@@ -78,6 +78,7 @@ from zephon.transport.arena import (
     Slab,
     SlabRegistry,
 )
+from zephon.transport.heap import exclusive_arrays
 from zephon.transport.tokens import slab_owner
 from zephon.transport.wire import (
     NO_SPACE,
@@ -284,13 +285,28 @@ class Encoder:
         outlive the send until the peer is done with forwarded regions. An unpicklable
         payload is a :class:`~zephon.errors.SerializationError` naming its path.
         """
-        msg = self._pickle(payload)
+        return self._place(self._pickle(payload), peer, None)
+
+    def encode_owned(self, box: list, peer: PeerState) -> tuple[dict[str, Any], list,
+                                                                list[int], list]:
+        """:meth:`encode` of ``box[0]`` for a caller that holds the payload only through
+        ``box`` (a one-item list): arrays of the worker's shared heap that nothing but the
+        payload reaches go by reference (:func:`~zephon.transport.heap.exclusive_arrays`)."""
+        msg = self._pickle(box[0])
+        exclusive = None
+        heap = self.heap
+        if heap is not None and heap.has_live() and self.policy.enabled:
+            exclusive = exclusive_arrays(box)
+        return self._place(msg, peer, exclusive)
+
+    def _place(self, msg: _Message, peer: PeerState,
+               exclusive: set[int] | None) -> tuple[dict[str, Any], list, list[int], list]:
         if not self.policy.enabled:
             self._to_frames(msg, list(range(len(msg.leaves))), one_per_leaf=True)
         else:
             private, compact = self._place_shared(msg, peer)
-            if self.heap is not None and private:
-                private = self._by_reference(msg, private, peer)
+            if exclusive and private:
+                private = self._by_reference(msg, private, peer, exclusive)
             if self.arena is None:
                 # No arena (the parent): compacted leaves travel in-band like private ones.
                 private = sorted(private + compact)
@@ -377,17 +393,20 @@ class Encoder:
                                        dtype_token(leaf.dtype), list(leaf.shape), strides,
                                        _NO_FLAGS)
 
-    def _by_reference(self, msg: _Message, private: list[int], peer: PeerState) -> list[int]:
+    def _by_reference(self, msg: _Message, private: list[int], peer: PeerState,
+                      exclusive: set[int]) -> list[int]:
         """Send the private arrays that already live in a region of this worker's shared
         heap as that region, without a copy (only arrays nothing else in the worker can
-        reach: :meth:`~zephon.transport.heap.WorkerHeap.claim`); returns the others."""
+        reach: in ``exclusive``, and :meth:`~zephon.transport.heap.WorkerHeap.claim`);
+        returns the others."""
         heap = self.heap
         threshold = heap.threshold
         leaves, kinds = msg.leaves, msg.kinds
         left: list[int] = []
         for i in private:
             # no local name for the leaf before claim(): it counts references
-            if kinds[i] != _ARRAY or 2 * leaves[i].nbytes < threshold:
+            if kinds[i] != _ARRAY or id(leaves[i]) not in exclusive or \
+                    2 * leaves[i].nbytes < threshold:
                 left.append(i)
                 continue
             claimed = heap.claim(leaves, i)

@@ -11,10 +11,13 @@ becomes the message's region, with no copy.
 Invariants
 ----------
 - **Exclusive or copied.** A region is sent by reference only when nothing in
-  the worker but the message itself can still reach the array: the leaf and
-  every array on its ``base`` chain are referenced only by the payload and the
-  encoder (:func:`exclusive_owner` compares reference counts with a
-  calibration made on the same code path). An op that keeps its output (a
+  the worker but the message itself can still reach the array: every container
+  on its path from the payload's root (dicts, lists, tuples, the pipeline's
+  records) is referenced by its parent alone, the array by its container and
+  the encoder, and every array on its ``base`` chain by its child alone
+  (:func:`exclusive_arrays`, :func:`exclusive_owner`: reference counts compared
+  with calibrations made on the same code paths). An array under any other
+  object (whose ``__reduce__`` could reach anything) is copied. An op that keeps its output (a
   cache, a reused buffer, an attribute) keeps a reference, so its array is
   copied as before and a later write in the worker can never reach the
   consumer's view.
@@ -22,21 +25,30 @@ Invariants
   sides are done with it: the worker's NumPy frees it (``give``) and, if it was
   sent, the consumer releases it (the FREE message). Either may come first
   (:meth:`ShmArena.take` / ``give`` / ``mark_sent`` / ``free``).
-- **Never at the transport's expense.** The heap takes at most a quarter of the
-  arena bound for regions it holds that are not (yet) sent; beyond that, and
-  whenever the arena has no room without waiting, NumPy gets ``malloc`` memory.
-  An allocation never waits and never fails because of the arena.
+- **Never at the transport's expense.** The heap holds at most a quarter of the
+  arena bound in regions not (yet) sent, and those do not count against the
+  bound: the transport may still fill the whole bound with messages (so the
+  slabs may exceed it by up to that quarter). Beyond the quarter, and whenever
+  the arena has no room without waiting, NumPy gets ``malloc`` memory. An
+  allocation never waits and never fails because of the arena; one made while
+  this thread is inside an arena method (a deallocation run by the garbage
+  collector there) gets ``malloc`` memory too, as the free lists are mid-update.
 - **Bounded to one thread.** The allocator is installed in the worker's task
   thread only (NumPy keeps the current allocator per context); arrays made in
   threads an op starts come from ``malloc`` and are copied.
 - **Not in a forked child.** A process an op forks inherits the allocator and a
   copy of the arena's bookkeeping, and the arena mapping is shared: if it took
-  regions it would write into results the worker hands out at the same time.
-  An at-fork hook turns the heap off in the child (its arrays come from
-  ``malloc``; freeing an inherited arena array there does nothing). Arrays the
-  child inherits still live in shared memory: a forked child must not write
-  to arrays of its parent's task (with ``malloc`` memory such writes would be
-  copy-on-write and invisible).
+  regions it would write into results the worker hands out at the same time,
+  and its writes to arrays it inherited would reach the worker's. An at-fork
+  hook turns the heap off in the child (its arrays come from ``malloc``;
+  freeing an inherited arena array there does nothing) and replaces the heap's
+  slabs in the child by private copies, as fork does for ``malloc`` memory
+  (the price: a copy of those slabs per fork; ``subprocess`` does not run
+  the hook and needs none, it executes a new program at once).
+- **Mapped until exit.** Heap arrays point into the slabs without holding the
+  mapping (an op's daemon thread or exit handler may still read one): a slab
+  the heap used is never unmapped, only its descriptor closed, when the arena
+  closes.
 
 Lifecycle: :meth:`WorkerHeap.install` when the worker is ready, :meth:`close`
 before the arena closes (NumPy then gets ``malloc`` for everything; arrays still
@@ -95,6 +107,7 @@ def _off_in_forked_child() -> None:
     heap = _installed
     if heap is not None and heap.kernel is not None:
         heap.kernel.configure(None, None, heap._size, heap.threshold)
+        heap.kernel.privatize()
 
 
 def installed() -> "WorkerHeap | None":
@@ -103,6 +116,24 @@ def installed() -> "WorkerHeap | None":
 
 
 # -- exclusivity -------------------------------------------------------------------------
+#
+# Reference counts are compared with calibrations made on the very code paths below (a
+# name bound to an object, a temporary argument: each adds one), so none of these
+# helpers may bind the object it counts to a local name before counting it.
+
+def _held_once(parent: Any, key: Any) -> int:
+    return sys.getrefcount(parent[key])
+
+
+def _value_refs(record: Any) -> int:
+    return sys.getrefcount(record.value)
+
+
+#: A class attribute that lets the walk into an object: ``__heap_walk__ = True`` on a class
+#: with a ``value`` slot whose instances pickle as ``(cls, (value, ...))`` and whose other
+#: fields hold no arrays (the pipeline's ``Record``).
+WALK_MARKER = "__heap_walk__"
+
 
 def _leaf_refs(leaves: list, i: int) -> int:
     leaf = leaves[i]
@@ -110,23 +141,75 @@ def _leaf_refs(leaves: list, i: int) -> int:
 
 
 def _base_refs(array: np.ndarray) -> int:
-    base = array.base
-    return sys.getrefcount(base)
+    return sys.getrefcount(array.base)
 
 
-def _calibrate() -> tuple[int, int]:
-    """Reference counts of an exclusive leaf (held by one container and the encoder's
-    leaf list) and of an exclusive base (held by one view), on the code paths
-    :func:`exclusive_owner` uses."""
+class _Slot:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _calibrate() -> tuple[int, int, int, int]:
+    """Reference counts of an object held by one container (``parent[key]``), by one
+    ``.value`` slot, of an exclusive leaf (one container plus the encoder's leaf list),
+    and of an exclusive base (held by one view)."""
+    once = _held_once([np.empty(2)], 0)
+    slot = _value_refs(_Slot(np.empty(2)))
     container = [np.empty(2)]
     leaves = [container[0]]
     leaf = _leaf_refs(leaves, 0)
-    container2 = [np.empty(4)[1:]]
-    base = _base_refs(container2[0])
-    return leaf, base
+    base = _base_refs([np.empty(4)[1:]][0])
+    return once, slot, leaf, base
 
 
-_LEAF_REFS, _BASE_REFS = _calibrate()
+_ONCE, _SLOT, _LEAF_REFS, _BASE_REFS = _calibrate()
+#: Nodes :func:`exclusive_arrays` visits at most (beyond: nothing goes by reference).
+MAX_WALK_NODES = 4096
+
+
+def exclusive_arrays(box: list) -> set[int]:
+    """``id()`` of every array reachable from ``box[0]`` only through the payload:
+    through dicts, lists and tuples (exact types) and objects of classes marked with
+    :data:`WALK_MARKER` (their ``.value``), each referenced by its parent alone, the array itself by its parent
+    and the encoder's leaf list. An array under any other object (its own
+    ``__reduce__`` could reach anything), or under a container the worker keeps, is
+    not in the set. ``box`` is a one-item list the caller holds the payload by, and
+    nothing else."""
+    out: set[int] = set()
+    stack: list = []
+    # (each count is taken before the object is an argument: that would add one)
+    extra = _held_once(box, 0) - _ONCE
+    _consider(box[0], extra, stack, out)
+    visited = 0
+    while stack:
+        node = stack.pop()
+        visited += 1
+        if visited > MAX_WALK_NODES:
+            return set()
+        t = type(node)
+        if t is dict or t is list or t is tuple:
+            for k in (list(node) if t is dict else range(len(node))):
+                extra = _held_once(node, k) - _ONCE
+                _consider(node[k], extra, stack, out)
+        else:  # a marked object
+            extra = _value_refs(node) - _SLOT
+            _consider(node.value, extra, stack, out)
+    return out
+
+
+def _consider(child: Any, extra: int, stack: list, out: set[int]) -> None:
+    """``child`` was counted with ``extra`` references beyond its parent's: an array with
+    exactly one more (the encoder's leaf list) is exclusive; a container with none is
+    walked."""
+    t = type(child)
+    if t is np.ndarray:
+        if extra == 1:
+            out.add(id(child))
+    elif extra == 0 and (t is dict or t is list or t is tuple
+                         or getattr(t, WALK_MARKER, False) is True):
+        stack.append(child)
 
 
 def exclusive_owner(leaves: list, i: int) -> np.ndarray | None:
@@ -199,6 +282,7 @@ class WorkerHeap:
         if slab.slab_id not in self._ranges:
             self.kernel.add_range(slab.address, slab.size)
             self._ranges.add(slab.slab_id)
+            slab.keep_mapped = True
         address = slab.address + offset
         self._by_address[address] = (token, slab, offset, nbytes)
         return address
@@ -213,13 +297,15 @@ class WorkerHeap:
         return entry[3] if entry is not None else 0
 
     # -- the encoder's side --------------------------------------------------------------
+    def has_live(self) -> bool:
+        """Whether any array of the heap is alive (else nothing can go by reference)."""
+        return bool(self._by_address)
+
     def claim(self, leaves: list, i: int) -> tuple[int, Any, int, int, int] | None:
         """``(token, slab, offset, nbytes, start)`` of the region ``leaves[i]`` lives in,
         marked as sent, when the leaf may go by reference (see the module docstring);
         ``start`` is the leaf's first byte in the region. Else None. The caller must not
         hold ``leaves[i]`` in a local name (see :func:`exclusive_owner`)."""
-        if not self._by_address:
-            return None
         owner = exclusive_owner(leaves, i)
         if owner is None:
             return None

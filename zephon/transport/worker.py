@@ -167,9 +167,10 @@ class _Worker:
     def _run_one(self, handler, task_id: int, header, frames, fds) -> None:
         try:
             payload = self.decoder.decode(header, frames, fds)
-            value = handler(payload)
+            box = [handler(payload)]  # held by nothing else: see Encoder.encode_owned
             del payload
-            out, out_frames, out_fds, _ = self.encoder.encode(value, self.peer)
+            out, out_frames, out_fds, _ = self.encoder.encode_owned(box, self.peer)
+            del box
         except ChannelClosed:
             raise
         except BaseException as exc:
