@@ -31,7 +31,8 @@ as unraisable and answered with malloc (never a failed allocation because of the
 arena).
 """
 
-from cpython.exc cimport PyErr_WriteUnraisable
+from cpython.exc cimport PyErr_Fetch, PyErr_Restore, PyErr_WriteUnraisable
+from cpython.ref cimport PyObject
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_New
 from libc.stdint cimport uint8_t, uintptr_t
 from libc.string cimport memcpy, memset, strncpy
@@ -87,37 +88,56 @@ cdef inline bint _in_ranges(void *ptr) noexcept nogil:
     return _range_end(ptr) != 0
 
 
+# Each callback runs with an exception possibly in flight (NumPy frees a temporary while
+# the stack unwinds, or a result on its own error path): it is put aside and restored, or
+# the call would fail and the exception be lost.
+
 cdef void *_take_region(size_t size) noexcept nogil:
     """An arena address for ``size`` bytes, or NULL (then the caller uses malloc)."""
     cdef void *out = NULL
+    cdef PyObject *et
+    cdef PyObject *ev
+    cdef PyObject *tb
     with gil:
+        PyErr_Fetch(&et, &ev, &tb)
         try:
             if _take is not None:
                 out = <void *><uintptr_t>_take(size)
         except BaseException:
             PyErr_WriteUnraisable(_take)
             out = NULL
+        PyErr_Restore(et, ev, tb)
     return out
 
 
 cdef void _give_region(void *ptr) noexcept nogil:
+    cdef PyObject *et
+    cdef PyObject *ev
+    cdef PyObject *tb
     with gil:
+        PyErr_Fetch(&et, &ev, &tb)
         try:
             if _give is not None:
                 _give(<uintptr_t>ptr)
         except BaseException:
             PyErr_WriteUnraisable(_give)
+        PyErr_Restore(et, ev, tb)
 
 
 cdef size_t _region_size(void *ptr) noexcept nogil:
     cdef size_t n = 0
+    cdef PyObject *et
+    cdef PyObject *ev
+    cdef PyObject *tb
     with gil:
+        PyErr_Fetch(&et, &ev, &tb)
         try:
             if _size is not None:
                 n = <size_t>_size(<uintptr_t>ptr)
         except BaseException:
             PyErr_WriteUnraisable(_size)
             n = 0
+        PyErr_Restore(et, ev, tb)
     return n
 
 

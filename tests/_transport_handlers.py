@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 import signal
 import time
 
@@ -143,7 +144,27 @@ def refault_count(mib: int) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
+MIB_ELEMENTS = (1 << 20) // 8 * 8  # 8 MiB of float64
 KEPT_CONTAINERS: list = []
+WEAK: dict = {}
+RECYCLED: list = []
+
+
+class Recycler:
+    """Beside a result: when the result is torn down (after it was encoded) it takes the
+    array back through a weak reference, as a buffer pool would."""
+
+    def __init__(self, key) -> None:
+        self.key = key
+
+    def __reduce__(self):
+        return (int, (self.key,))
+
+    def __del__(self) -> None:
+        ref = WEAK.pop(self.key, None)
+        a = ref() if ref is not None else None
+        if a is not None:
+            RECYCLED.append(a)
 KEPT_ARRAYS: dict = {}
 
 
@@ -215,6 +236,17 @@ class HeapOps:
             t.start()
             t.join()
             return out
+        if op == "raise_over_temp":  # a heap temporary is freed while the error unwinds
+            return np.ones(MIB_ELEMENTS // 4) + {}["missing"]
+        if op == "weakly_tracked":  # a buffer pool that recycles on release (weakly)
+            n, v = arg
+            out = np.full(n // 8, v, dtype=np.int64)
+            WEAK[v] = weakref.ref(out)
+            return {"tag": Recycler(v), "data": out}
+        if op == "scribble_weak":
+            for a in RECYCLED:
+                a[:] = arg
+            return "scribbled"
         if op == "keep_container":  # the op keeps the dict it returns
             n, v = arg
             out = {"data": np.full(n // 8, v, dtype=np.int64)}

@@ -90,6 +90,23 @@ def test_a_result_reachable_from_what_the_op_keeps_is_copied(make_pool):
     assert call(pool, "stats")["sent"] == 0
 
 
+def test_an_error_raised_while_a_heap_array_is_freed_reaches_the_consumer(make_pool):
+    pool = make_pool()
+    pool.submit(("raise_over_temp", None))
+    with pytest.raises(KeyError, match="missing"):  # not a SystemError, not a crash
+        pool.get(timeout=60)
+    assert int(call(pool, "fresh", (4 * MIB, 2))["data"].max()) == 2
+
+
+def test_a_result_the_op_tracks_weakly_is_copied(make_pool):
+    pool = make_pool()
+    held = [call(pool, "weakly_tracked", (2 * MIB, v)) for v in range(3)]
+    # the op regained each array (a finaliser, after the encoder's check) and reuses it
+    call(pool, "scribble_weak", -1)
+    for v, r in enumerate(held):
+        assert int(r["data"].min()) == v == int(r["data"].max())
+
+
 def test_a_forked_childs_writes_stay_in_the_child(make_pool):
     pool = make_pool()
     for v in range(3):

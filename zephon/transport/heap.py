@@ -17,7 +17,11 @@ Invariants
   the encoder, and every array on its ``base`` chain by its child alone
   (:func:`exclusive_arrays`, :func:`exclusive_owner`: reference counts compared
   with calibrations made on the same code paths). An array under any other
-  object (whose ``__reduce__`` could reach anything) is copied. An op that keeps its output (a
+  object (whose ``__reduce__`` could reach anything), or one with a weak
+  reference to it or to an array on its base chain (a finaliser, a
+  ``WeakValueDictionary`` or another thread could turn it into a strong one
+  after the check), is copied. A strong reference obtained after the check in
+  any other way (``gc.get_referrers``) is not detected. An op that keeps its output (a
   cache, a reused buffer, an attribute) keeps a reference, so its array is
   copied as before and a later write in the worker can never reach the
   consumer's view.
@@ -67,6 +71,7 @@ import importlib
 import logging
 import os
 import sys
+import weakref
 from typing import Any
 
 import numpy as np
@@ -125,6 +130,12 @@ def _held_once(parent: Any, key: Any) -> int:
     return sys.getrefcount(parent[key])
 
 
+def _held_once_listed(values: list, i: int) -> int:
+    """Of a dict's value, counted in ``list(d.values())`` (no key lookup: that would
+    call the keys' ``__hash__``, which pickling never does)."""
+    return sys.getrefcount(values[i])
+
+
 def _value_refs(record: Any) -> int:
     return sys.getrefcount(record.value)
 
@@ -156,6 +167,11 @@ def _calibrate() -> tuple[int, int, int, int]:
     ``.value`` slot, of an exclusive leaf (one container plus the encoder's leaf list),
     and of an exclusive base (held by one view)."""
     once = _held_once([np.empty(2)], 0)
+    d = {"k": np.empty(2)}
+    values = list(d.values())
+    once_listed = _held_once_listed(values, 0)
+    del values
+    assert once_listed == once + 1, "calibration"
     slot = _value_refs(_Slot(np.empty(2)))
     container = [np.empty(2)]
     leaves = [container[0]]
@@ -189,8 +205,14 @@ def exclusive_arrays(box: list) -> set[int]:
         if visited > MAX_WALK_NODES:
             return set()
         t = type(node)
-        if t is dict or t is list or t is tuple:
-            for k in (list(node) if t is dict else range(len(node))):
+        if t is dict:
+            values = list(node.values())
+            for k in range(len(values)):
+                extra = _held_once_listed(values, k) - _ONCE - 1
+                _consider(values[k], extra, stack, out)
+            del values
+        elif t is list or t is tuple:
+            for k in range(len(node)):
                 extra = _held_once(node, k) - _ONCE
                 _consider(node[k], extra, stack, out)
         else:  # a marked object
@@ -222,6 +244,8 @@ def exclusive_owner(leaves: list, i: int) -> np.ndarray | None:
         return None
     array = leaves[i]
     while True:
+        if weakref.getweakrefcount(array):
+            return None  # a weak reference could give the op a strong one again
         if array.base is None:
             return array
         if type(array.base) is not np.ndarray or _base_refs(array) != _BASE_REFS:
