@@ -92,53 +92,45 @@ cdef inline bint _in_ranges(void *ptr) noexcept nogil:
 # the stack unwinds, or a result on its own error path): it is put aside and restored, or
 # the call would fail and the exception be lost.
 
-cdef void *_take_region(size_t size) noexcept nogil:
-    """An arena address for ``size`` bytes, or NULL (then the caller uses malloc)."""
-    cdef void *out = NULL
+cdef enum:
+    TAKE = 0
+    GIVE = 1
+    SIZE = 2
+
+
+cdef uintptr_t _call(int which, uintptr_t arg) noexcept nogil:
+    """``take(arg)``, ``give(arg)`` or ``size(arg)`` with the GIL and the pending
+    exception put aside; 0 when the callback is unset or fails (reported as
+    unraisable)."""
+    cdef uintptr_t out = 0
     cdef PyObject *et
     cdef PyObject *ev
     cdef PyObject *tb
     with gil:
         PyErr_Fetch(&et, &ev, &tb)
+        fn = (_take, _give, _size)[which]
         try:
-            if _take is not None:
-                out = <void *><uintptr_t>_take(size)
+            if fn is not None:
+                result = fn(arg)
+                out = <uintptr_t>result if result is not None else 0
         except BaseException:
-            PyErr_WriteUnraisable(_take)
-            out = NULL
+            PyErr_WriteUnraisable(fn)
+            out = 0
         PyErr_Restore(et, ev, tb)
     return out
 
 
-cdef void _give_region(void *ptr) noexcept nogil:
-    cdef PyObject *et
-    cdef PyObject *ev
-    cdef PyObject *tb
-    with gil:
-        PyErr_Fetch(&et, &ev, &tb)
-        try:
-            if _give is not None:
-                _give(<uintptr_t>ptr)
-        except BaseException:
-            PyErr_WriteUnraisable(_give)
-        PyErr_Restore(et, ev, tb)
+cdef inline void *_take_region(size_t size) noexcept nogil:
+    """An arena address for ``size`` bytes, or NULL (then the caller uses malloc)."""
+    return <void *>_call(TAKE, size)
 
 
-cdef size_t _region_size(void *ptr) noexcept nogil:
-    cdef size_t n = 0
-    cdef PyObject *et
-    cdef PyObject *ev
-    cdef PyObject *tb
-    with gil:
-        PyErr_Fetch(&et, &ev, &tb)
-        try:
-            if _size is not None:
-                n = <size_t>_size(<uintptr_t>ptr)
-        except BaseException:
-            PyErr_WriteUnraisable(_size)
-            n = 0
-        PyErr_Restore(et, ev, tb)
-    return n
+cdef inline void _give_region(void *ptr) noexcept nogil:
+    _call(GIVE, <uintptr_t>ptr)
+
+
+cdef inline size_t _region_size(void *ptr) noexcept nogil:
+    return <size_t>_call(SIZE, <uintptr_t>ptr)
 
 
 cdef inline void *_p_malloc(size_t size) noexcept nogil:
