@@ -389,3 +389,22 @@ def test_the_workers_own_temporaries_do_not_end_starvation():
         assert not a.starved
     finally:
         a.close()
+
+
+def test_leaving_a_pipeline_early_keeps_the_batches_held_intact():
+    import _pipeline_fns as F
+
+    from zephon import Pipeline, sources
+
+    pipe = (Pipeline(sources.from_callable(64, F.big_sample), seed=5)
+            .map(F.add_one, parallelism=2)
+            .options(RuntimeOptions(runner="process", max_workers=2)))
+    held = []
+    it = iter(pipe)
+    for item in it:
+        held.append(item)
+        if len(held) == 5:
+            break  # workers still have results in flight and in their heaps
+    it.close()
+    for item in held:  # views of regions the workers made, still whole after close()
+        assert int(item["tokens"].min()) == int(item["seq"]) + 1 == int(item["tokens"].max())
