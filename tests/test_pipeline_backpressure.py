@@ -123,6 +123,34 @@ def test_samples_of_unseen_size_are_bounded_by_time():
     assert d.target() == DISPATCH_TARGET_BYTES // MIN_SAMPLE_BYTES
 
 
+def test_large_samples_travel_several_per_part_up_to_the_byte_ceiling():
+    # One message per 4 MiB sample spent about two thirds of the consumer's process on
+    # messages: a part holds MIN_PART_SAMPLES of them, as long as that stays within
+    # DISPATCH_MAX_BYTES; above it, the part is one sample (memory matters more there).
+    from zephon.pipeline.dispatch import (
+        DISPATCH_MAX_BYTES,
+        DISPATCH_TARGET_BYTES,
+        MIN_PART_SAMPLES,
+    )
+
+    d = _lane_dispatch()
+    d.cap = 1 << 30
+    mib = 1 << 20
+    expected = {
+        64 << 10: DISPATCH_TARGET_BYTES // (64 << 10),  # small: the byte target rules
+        1 * mib: DISPATCH_TARGET_BYTES // mib,
+        4 * mib: MIN_PART_SAMPLES,
+        DISPATCH_MAX_BYTES // 2: 2,
+        DISPATCH_MAX_BYTES: 1,
+        64 * mib: 1,
+    }
+    for per_item, samples in expected.items():
+        d.per_item = float(per_item)
+        assert d.target() == samples, per_item
+        assert samples == 1 or d.target() * per_item <= max(DISPATCH_MAX_BYTES,
+                                                            DISPATCH_TARGET_BYTES)
+
+
 def test_the_size_estimate_sees_arrays_nested_in_containers():
     from zephon.pipeline.dispatch import approx_nbytes
 

@@ -10,7 +10,8 @@ decides which samples form a lane (and so the stream); how many of them travel
 in one message decides only speed and memory. Cutting a unit never changes
 what comes out, because every stateless op works sample by sample and the
 serial accumulators downstream see the records in the same order either way.
-A part aims at :data:`DISPATCH_TARGET_BYTES` of output and, for slow samples, at
+A part aims at :data:`DISPATCH_TARGET_BYTES` of output, or :data:`MIN_PART_SAMPLES`
+samples when those are larger (up to :data:`DISPATCH_MAX_BYTES`), and, for slow samples, at
 most :data:`DISPATCH_TARGET_SECONDS` of a worker's time, both estimated from the
 results seen so far (until the first result arrives, parts hold one sample; a
 sample counts for at least :data:`MIN_SAMPLE_BYTES`, so samples whose size the
@@ -65,8 +66,10 @@ from zephon.pipeline.ops import Boundary
 from zephon.runners.executors import TaskFailed
 
 __all__ = [
+    "DISPATCH_MAX_BYTES",
     "DISPATCH_TARGET_BYTES",
     "DISPATCH_TARGET_SECONDS",
+    "MIN_PART_SAMPLES",
     "PIPELINE_ARENA_BYTES",
     "approx_nbytes",
     "lane_budget_bytes",
@@ -78,6 +81,14 @@ __all__ = [
 #: small enough that a part fits the worker's shared-memory arena many times over and the
 #: first result arrives early.
 DISPATCH_TARGET_BYTES = 4 << 20
+#: ... but a part holds at least this many samples while that stays within
+#: :data:`DISPATCH_MAX_BYTES`: a message costs the consumer's process about three times
+#: what one more sample in it does, so one 4 MiB sample per message spent two thirds of
+#: that process on messages (and left the workers less of the two cores).
+MIN_PART_SAMPLES = 4
+#: The ceiling of a part's output when it grows past DISPATCH_TARGET_BYTES to hold
+#: MIN_PART_SAMPLES samples (beyond it the parts' memory costs more than it saves).
+DISPATCH_MAX_BYTES = 16 << 20
 #: ... and, for samples slower than :data:`SLOW_SAMPLE_S`, at most this much of a worker's
 #: time: a part of slow samples is small, so that results arrive steadily and closing the
 #: run waits for one slow op, not for a whole part of them.
@@ -279,7 +290,9 @@ class _LaneDispatch:
         """Samples per part: ~DISPATCH_TARGET_BYTES of output (1 until a result says)."""
         if self.per_item is None:
             return 1
-        size = DISPATCH_TARGET_BYTES // max(self.per_item, MIN_SAMPLE_BYTES)
+        per_item = max(self.per_item, MIN_SAMPLE_BYTES)
+        want = min(max(DISPATCH_TARGET_BYTES, MIN_PART_SAMPLES * per_item), DISPATCH_MAX_BYTES)
+        size = want // per_item
         if self.per_sample_s is not None and self.per_sample_s > SLOW_SAMPLE_S:
             size = min(size, DISPATCH_TARGET_SECONDS / self.per_sample_s)
         # Parts grow at most twofold per result: the estimates come from the samples seen
