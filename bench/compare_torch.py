@@ -35,8 +35,9 @@ pages in its heaps and shared memory), and the bars are about the steady state
 of an epoch, not its start.
 
 The table gives time to the first item (from building the loader: worker
-start-up included), steady GiB/s and items/s after a 10 % warm-up, and the
-ratios the performance bars are stated in. The last line is machine-readable
+start-up included), steady GiB/s and items/s from a 10 % warm-up to the last
+item, the time from the last item until the loader is exhausted and closed
+(``end``: worker shutdown), and the ratios the performance bars are stated in. The last line is machine-readable
 ``key=value`` pairs. Optional peers (``pip install "zephon[bench]"``) get rows when
 importable; a missing one is named in the output.
 """
@@ -246,28 +247,38 @@ def check_item(item) -> None:
 
 
 def run_row(spec: dict) -> dict:
-    """Run one row in this process: ``{"first_s", "bytes_per_s", "items_per_s"}``."""
+    """Run one row in this process: ``{"first_s", "bytes_per_s", "items_per_s", "end_s"}``.
+
+    The steady rate runs from the end of the warm-up to the **last item**: what a loader
+    does after it (shutting its workers down when the iterator is exhausted, then
+    ``close()``) is not part of an epoch's steady state, and loaders differ in whether
+    they do it before or after their ``StopIteration`` (zephon, torch and SPDL before it;
+    the bare pool loop not at all). That time is reported as ``end_s`` instead.
+    """
     n, elements = spec["n"], spec["elements"]
     batch = spec.get("kw", {}).get("batch") or 1
     t0 = time.perf_counter()
     items, close = LOADERS[spec["loader"]](n, elements, **spec.get("kw", {}))
     warmup = max(1, (n // batch) // 10)
-    got, first, t_steady = 0, float("nan"), t0
+    got, first, t_steady, t_last = 0, float("nan"), t0, t0
     try:
         for item in items:
             check_item(item)
             got += 1
+            t_last = time.perf_counter()
             if got == 1:
-                first = time.perf_counter() - t0
+                first = t_last - t0
             if got == warmup:
-                t_steady = time.perf_counter()
+                t_steady = t_last
             del item
     finally:
         close()
-    elapsed = time.perf_counter() - t_steady
+    end = time.perf_counter() - t_last
+    elapsed = t_last - t_steady
     steady = (got - warmup) * batch
     return {"first_s": first, "items_per_s": steady / elapsed,
-            "bytes_per_s": steady * elements * 8 / elapsed, "items": got * batch}
+            "bytes_per_s": steady * elements * 8 / elapsed, "items": got * batch,
+            "end_s": end}
 
 
 def copy_bandwidth() -> float:
@@ -361,7 +372,7 @@ def run_fresh(spec: dict, timeout: float) -> dict | None:
 
 def median_row(results: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in results)
-            for k in ("first_s", "bytes_per_s", "items_per_s")}
+            for k in ("first_s", "bytes_per_s", "items_per_s", "end_s")}
 
 
 def ratios(table: dict[str, dict], peers: list[str]) -> list[tuple[str, float]]:
@@ -426,7 +437,7 @@ def main(argv=None) -> int:
 
     gib = float(1 << 30)
     print(f"medians of {reps} run(s), each in a fresh process")
-    print(f"{'row':<34} {'first item':>11} {'GiB/s':>8} {'items/s':>11}")
+    print(f"{'row':<34} {'first item':>11} {'GiB/s':>8} {'items/s':>11} {'end':>9}")
     print(f"{'np.copyto 256 MiB (DRAM)':<34} {'':>11} {copy_bps / gib:>8.2f}")
     for spec in rows:
         row = table.get(spec["name"])
@@ -434,7 +445,7 @@ def main(argv=None) -> int:
             print(f"{spec['name']:<34} {'failed':>11}")
             continue
         print(f"{spec['name']:<34} {row['first_s']:>9.3f} s {row['bytes_per_s'] / gib:>8.2f} "
-              f"{row['items_per_s']:>11.0f}")
+              f"{row['items_per_s']:>11.0f} {row['end_s']:>7.3f} s")
     for peer in PEER_MODULES:
         if peer not in available:
             print(f"{peer} is not installed (pip install 'zephon[bench]'): no {peer} rows")
