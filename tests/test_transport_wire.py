@@ -169,3 +169,28 @@ def test_the_encoder_header_names_its_leaves_on_the_receiving_side():
     arr = next(d for d in back.leaves if d.kind == LeafKind.ARRAY)
     assert arr.placement == Placement.FRAME and arr.shape == [4096] and arr.dtype == "<i8"
     assert arr.flags == LeafFlag.NONE and arr.strides is None
+
+
+def test_the_arena_grows_by_bounded_steps_and_never_past_what_is_needed_plus_a_step():
+    # A new slab's pages are zeroed when it is created, a stall of the op that needed
+    # the space: doubling to a 128 MiB slab for a working set of 130 MiB paid for 126 MiB
+    # that were never used. Growth doubles while small, then by at most 32 MiB a step.
+    from zephon.transport.arena import _GROW_STEP_BYTES
+
+    mib = 1 << 20
+    arena = ShmArena(1, "memfd" if MEMFD else "named", 1 << 30, parent_pid=os.getpid(),
+                     min_slab_bytes=8 * mib, wait_timeout_s=0.01)
+    try:
+        tokens = []
+        for _ in range(33):  # 132 MiB of 4 MiB regions, all held
+            token = arena.alloc(4 * mib)[2]
+            tokens.append(token)
+        sizes = sorted(slab.size for slab in arena.slabs.values())
+        assert max(sizes) <= _GROW_STEP_BYTES
+        assert arena.total_bytes < 132 * mib + _GROW_STEP_BYTES
+        arena.free(tokens)
+        big, _, token = arena.alloc(96 * mib)  # a need larger than a step still fits at once
+        assert big.size >= 96 * mib
+        arena.free([token])
+    finally:
+        arena.close()

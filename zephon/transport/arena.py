@@ -118,6 +118,7 @@ DEFAULT_WAIT_TIMEOUT_S = 1.0  # the one wait for a region to come back before st
 _WAIT_SLICE_S = 0.25  # re-check the consumer's liveness at least this often while waiting
 DEFAULT_MIN_SLAB_BYTES = 8 << 20
 _GROW_GRANULE_BYTES = 1 << 20  # a recycled slab's size is rounded up to this
+_GROW_STEP_BYTES = 32 << 20  # the most a recycled slab grows the arena by (unless needed)
 # posix_fallocate errors that mean "no space" (an answer: in-band) and those that mean
 # "this filesystem cannot preallocate" (space is then reserved by the first write).
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
@@ -549,8 +550,12 @@ class ShmArena:
 
     def _grow(self, need: int) -> None:
         room = self.max_bytes - self.total_bytes
+        # doubling, but by at most _GROW_STEP_BYTES at a time: a new slab's pages are
+        # zeroed when it is created (about 1 ms per MiB here, all of it a stall of the op
+        # that needed the space), so a 128 MiB step for a working set of 130 MiB paid
+        # for 126 MiB that were never used, at start-up and again when they are freed
         size = max(self.min_slab_bytes, _align(need, _GROW_GRANULE_BYTES),
-                   min(self.total_bytes, room))
+                   min(self.total_bytes, room, _GROW_STEP_BYTES))
         size = max(need, min(size, room))
         slab = self._new_slab(size, dedicated=False)
         self._free[slab.slab_id] = [[0, size]]
