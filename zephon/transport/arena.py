@@ -25,7 +25,8 @@ Ownership and lifecycle
   it by sending that message in-band (and the pool warns once).
 - The :class:`ShmArena` lives in the worker that owns it: it creates slabs on
   demand (pre-faulted with ``MAP_POPULATE``; each at least ``min_slab_bytes``,
-  growing geometrically) until ``max_bytes``. All the regions of one message
+  doubling the arena while it is small, then adding at most 32 MiB a slab unless
+  one request needs more) until ``max_bytes``. All the regions of one message
   are allocated at once or not at all (:meth:`ShmArena.alloc_many`), so a
   message never waits for space it holds itself.
 - A message larger than ``max_bytes`` (or one that does not fit an arena with
