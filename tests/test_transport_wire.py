@@ -194,3 +194,25 @@ def test_the_arena_grows_by_bounded_steps_and_never_past_what_is_needed_plus_a_s
         arena.free([token])
     finally:
         arena.close()
+
+
+@pytest.mark.parametrize("region", [17 << 20, (16 << 20) + 1, 12 << 20, 9 << 20])
+def test_bounded_growth_steps_leave_most_of_the_bound_usable(region):
+    # With 32 MiB steps a 17 MiB region took a slab of its own (one per 32 MiB slab):
+    # the arena ran out of room with half of its bound unused. A step holds at least
+    # four regions of the size that asks for it.
+    from zephon.errors import ArenaFull
+
+    bound = 512 << 20
+    arena = ShmArena(1, "memfd" if MEMFD else "named", bound, parent_pid=os.getpid(),
+                     min_slab_bytes=8 << 20, wait_timeout_s=0.01)
+    try:
+        held = 0
+        with pytest.raises(ArenaFull):
+            for _ in range(bound // region + 1):
+                arena.alloc(region)
+                held += region
+        assert held >= 0.75 * bound
+        assert arena.total_bytes <= bound
+    finally:
+        arena.close()

@@ -551,12 +551,16 @@ class ShmArena:
 
     def _grow(self, need: int) -> None:
         room = self.max_bytes - self.total_bytes
-        # doubling, but by at most _GROW_STEP_BYTES at a time: a new slab's pages are
-        # zeroed when it is created (about 1 ms per MiB here, all of it a stall of the op
-        # that needed the space), so a 128 MiB step for a working set of 130 MiB paid
-        # for 126 MiB that were never used, at start-up and again when they are freed
+        # doubling, but by at most _GROW_STEP_BYTES (or 4 regions of this size) at a
+        # time: a new slab's pages are zeroed when it is created (about 1 ms per MiB
+        # here, all of it a stall of the op that needed the space), so a 128 MiB step for
+        # a working set of 130 MiB paid for 126 MiB that were never used, at start-up and
+        # again when they are freed. (A step of room for 4 regions keeps what a slab
+        # cannot use below a quarter of it: one 17 MiB region per 32 MiB slab left half
+        # of the bound unusable.)
+        step = max(_GROW_STEP_BYTES, 4 * need)
         size = max(self.min_slab_bytes, _align(need, _GROW_GRANULE_BYTES),
-                   min(self.total_bytes, room, _GROW_STEP_BYTES))
+                   min(self.total_bytes, room, step))
         size = max(need, min(size, room))
         slab = self._new_slab(size, dedicated=False)
         self._free[slab.slab_id] = [[0, size]]
