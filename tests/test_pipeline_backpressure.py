@@ -151,6 +151,28 @@ def test_large_samples_travel_several_per_part_up_to_the_byte_ceiling():
                                                             DISPATCH_TARGET_BYTES)
 
 
+def test_parts_are_cut_when_sent_with_the_estimates_of_that_moment():
+    # A unit read while its 4 MiB samples were fast would go out in parts of 4; if the
+    # samples turn slow before those parts are sent, each part must hold one sample
+    # (closing then waits for one slow op, not four). Likewise for samples that grow.
+    d = _lane_dispatch(workers=2)
+    d.cap = 1 << 30
+    d.per_item = float(4 << 20)
+    entry = d.pending(list(range(64)))
+    part, rest = d.split_off(entry)
+    assert len(part) == 4 and len(rest) == 60
+    entry[0] = rest
+    d.per_sample_s = 1.0  # a result just said: one second per sample
+    part, rest = d.split_off(entry)
+    assert part == [4] and len(rest) == 59
+    entry[0] = rest
+    d.per_sample_s = None
+    d.per_item = float(64 << 10)  # small again: the byte target takes half the unit
+    part, rest = d.split_off(entry)
+    assert part == list(range(5, 37)) and rest == list(range(37, 64))
+    assert d.cut(list(range(10))) == [list(range(10))[i:i + 5] for i in (0, 5)]
+
+
 def test_the_size_estimate_sees_arrays_nested_in_containers():
     from zephon.pipeline.dispatch import approx_nbytes
 
@@ -172,3 +194,4 @@ def test_a_lane_queues_depth_parts_beyond_one_per_worker():
     inline = _LaneDispatch(SimpleNamespace(depth=1, item_cap=None, workers=1, split=False,
                                            index=0, runner="inline"))
     assert not inline.room(1, 1)  # an inline stage does not read ahead
+

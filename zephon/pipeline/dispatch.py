@@ -214,7 +214,9 @@ class _Feeder:
         self.state = _LaneDispatch(stage)
         self.buffer = ReorderBuffer(self.state.window)
         self.lookahead: collections.deque = collections.deque()  # read ahead by merging
-        self.parts: collections.deque = collections.deque()  # cut and not yet sent
+        # units read and not yet sent in full, as [unit, spread] (see _LaneDispatch.split_off):
+        # a part is cut from the head when it is sent, with the estimates of that moment
+        self.parts: collections.deque = collections.deque()
         self.sent: dict[int, float] = {}
         self.seq = self.inflight = 0
         self.exhausted = False
@@ -237,7 +239,7 @@ class _Feeder:
             self.seq += 1
             return
         unit = self.state.merge(unit, self.pull, self.lookahead)
-        self.parts.extend(self.state.cut(unit))
+        self.parts.append(self.state.pending(unit))
 
     def fill(self) -> None:
         """Submit parts while the window, the depth and the byte budget allow."""
@@ -248,10 +250,15 @@ class _Feeder:
                     return
                 self.take()
                 continue
-            items = _items_in(self.parts[0], self.stage)
+            head = self.parts[0]
+            part, rest = state.split_off(head)
+            items = _items_in(part, self.stage)
             if not state.room(self.inflight, items):
                 return
-            part = self.parts.popleft()
+            if rest is None:
+                self.parts.popleft()
+            else:
+                head[0] = rest
             if self.stats is not None:
                 self.stats.submitted(self.node, len(part))
                 self.sent[self.seq] = time.perf_counter()
@@ -318,18 +325,43 @@ class _LaneDispatch:
             unit = merged
         return unit
 
-    def cut(self, unit) -> list:
-        """``unit`` as dispatch parts (itself when it must stay whole)."""
+    def pending(self, unit) -> list:
+        """``[unit, spread]``: a unit waiting to be sent, in parts of at most ``spread``
+        samples (so that several workers share a large unit), or whole (``spread`` None)."""
         n = len(unit)
         if not self.split or n <= 1:
-            return [unit]
+            return [unit, None]
+        return [unit, math.ceil(n / self.workers) if self.workers > 1 else n]
+
+    def split_off(self, entry: list):
+        """``(part, rest)``: the next part of a pending unit, sized with the estimates of
+        now, and what is left of the unit (None once it is all in ``part``).
+
+        Parts are cut when they are sent, not when their unit is read: a unit read while
+        its samples were fast and small must not go out in parts sized for that if the
+        samples turned slow or large meanwhile (only the parts already in flight were
+        sized before the change)."""
+        unit, spread = entry
+        n = len(unit)
+        if spread is None or n <= 1:
+            return unit, None
         size = self.target()
-        if self.per_item is not None and self.workers > 1:
-            size = min(size, math.ceil(n / self.workers))
-        size = min(size, n)
+        if self.per_item is not None:
+            size = min(size, spread)
         if size >= n:
-            return [unit]
-        return [unit[i:i + size] for i in range(0, n, size)]
+            return unit, None
+        return unit[:size], unit[size:]
+
+    def cut(self, unit) -> list:
+        """``unit`` as dispatch parts with the estimates of now (itself when it must stay
+        whole)."""
+        entry, parts = self.pending(unit), []
+        while True:
+            part, rest = self.split_off(entry)
+            parts.append(part)
+            if rest is None:
+                return parts
+            entry[0] = rest
 
     def room(self, inflight: int, samples: int) -> bool:
         """Whether a part of ``samples`` may go out now (one part always may)."""
