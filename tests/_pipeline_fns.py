@@ -150,3 +150,17 @@ def fail_from_3_late_first(s):
             _time.sleep(1.0)
         raise ValueError(f"sample {s} fails")
     return s
+
+
+class SlowFrom:
+    """``add_one`` that, from sample ``slow_from`` on, marks the sample as started (a file
+    in ``folder``) and then takes ``sleep`` seconds."""
+
+    def __init__(self, folder, slow_from, sleep):
+        self.folder, self.slow_from, self.sleep = str(folder), slow_from, sleep
+
+    def __call__(self, s):
+        if s["seq"] >= self.slow_from:
+            open(os.path.join(self.folder, f"started-{s['seq']}"), "w").close()
+            _time.sleep(self.sleep)
+        return add_one(s)

@@ -37,6 +37,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from zephon.errors import OpError, ZephonConfigError
+from zephon.transport.stopping import STOPPING, TaskAbandoned
 
 __all__ = [
     "Batch",
@@ -332,8 +333,10 @@ class MapOp(Op):
         return f"{self.kind}({fn_identity(self.fn)})"
 
     def apply(self, records: list, seed: int) -> list:
-        fn, out = self.fn, []
+        fn, out, stopping = self.fn, [], STOPPING.is_set
         for r in records:
+            if stopping():  # a worker told to stop: give up between samples
+                raise TaskAbandoned("the worker is stopping")
             try:
                 value = fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx else fn(r.value)
             except Exception as exc:
@@ -346,8 +349,10 @@ class FilterOp(MapOp):
     kind = "filter"
 
     def apply(self, records: list, seed: int) -> list:
-        fn, out = self.fn, []
+        fn, out, stopping = self.fn, [], STOPPING.is_set
         for r in records:
+            if stopping():
+                raise TaskAbandoned("the worker is stopping")
             try:
                 keep = fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx else fn(r.value)
             except Exception as exc:

@@ -31,6 +31,7 @@ from zephon.transport.channel import ChannelClosed
 from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
 from zephon.transport.heap import WorkerHeap
 from zephon.transport.remote_errors import encode_exception
+from zephon.transport.stopping import STOPPING, TaskAbandoned
 from zephon.transport.supervisor import PARENT_POLL_S, MsgKind, ignore_sigint, parent_changed
 
 __all__ = ["worker_entry"]
@@ -173,6 +174,8 @@ class _Worker:
             del box
         except ChannelClosed:
             raise
+        except TaskAbandoned:
+            return  # STOP arrived mid-task: nobody waits for its result
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -209,6 +212,7 @@ class _Worker:
                 elif kind == MsgKind.FREE:
                     self.arena.free(header["t"])
                 elif kind == MsgKind.STOP:
+                    STOPPING.set()  # a task checking between samples gives up (stopping.py)
                     with self.task_ready:
                         self.stopping = True
                         self.task_ready.notify()
