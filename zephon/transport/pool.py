@@ -55,7 +55,8 @@ so not even their start-up prints a traceback.
 
 ``close()`` (idempotent; also from ``__del__`` and at interpreter exit):
 STOP to every worker at once; what they still send is read and dropped while
-they finish their current task, within a shared deadline (``shutdown_mode``
+they finish their current task (a pipeline stage's task stops at the next sample:
+:mod:`zephon.transport.stopping`), within a shared deadline (``shutdown_mode``
 graceful: 10 s, hard: 0.5 s, at most 2 s at interpreter exit), then terminate,
 then kill; every child is reaped, channels closed, and the segment names of
 this pool's workers swept. Workers stopped this way are never reported as
