@@ -408,3 +408,28 @@ def test_leaving_a_pipeline_early_keeps_the_batches_held_intact():
     it.close()
     for item in held:  # views of regions the workers made, still whole after close()
         assert int(item["tokens"].min()) == int(item["seq"]) + 1 == int(item["tokens"].max())
+
+
+def test_an_mtp_worker_can_fork_the_workers_of_its_stages():
+    # The MTP subprocess is a pool worker: its heap is installed in the thread that runs
+    # the engine, and that thread starts the stage's own workers. With fork, the child
+    # inherited the installed heap and could not install its own ("installed already"):
+    # every stage worker died while starting.
+    import multiprocessing
+
+    import _pipeline_fns
+
+    from zephon import Pipeline, sources
+
+    opts = RuntimeOptions(runner="process", mtp_mode=True,
+                          mp_context=multiprocessing.get_context("fork"))
+    pipe = (Pipeline(sources.from_sequence([{"x": np.full(1 << 18, i)} for i in range(12)]),
+                     seed=0, chunk_size=2)
+            .map(_pipeline_fns.double).options(opts))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a clamped socket buffer
+            got = sorted(int(item["x"][0]) for item in pipe)
+    finally:
+        pipe.close()
+    assert got == [2 * i for i in range(12)]

@@ -108,11 +108,24 @@ _installed: "WorkerHeap | None" = None
 _fork_hook_registered = False
 
 
+#: The mappings of every slab registered with the allocator in this process (see _take).
+_KEPT_MAPPINGS: list = []
+
+
 def _off_in_forked_child() -> None:
+    global _installed
     heap = _installed
     if heap is not None and heap.kernel is not None:
         heap.kernel.configure(None, None, heap._size, heap.threshold)
         heap.kernel.privatize()
+        # The forking thread may be the one the heap was installed in (an MTP worker's
+        # engine starting its stage's workers with fork): its NumPy allocations go back
+        # to the previous handler, and the child is free to install a heap of its own
+        # (a forked pool worker does). Arrays the child inherited keep their handler.
+        if heap._previous is not None:
+            heap.kernel.restore(heap._previous)
+            heap._previous = None
+        _installed = None
 
 
 def installed() -> "WorkerHeap | None":
@@ -307,6 +320,10 @@ class WorkerHeap:
             self.kernel.add_range(slab.address, slab.size)
             self._ranges.add(slab.slab_id)
             slab.keep_mapped = True
+            # The allocator's range table lives as long as the process: so does the
+            # mapping (dropping the last Slab would unmap it, and a fork's privatize()
+            # would then read unmapped memory; malloc could reuse the addresses).
+            _KEPT_MAPPINGS.append(slab.mapping)
         address = slab.address + offset
         self._by_address[address] = (token, slab, offset, nbytes)
         return address
