@@ -170,7 +170,30 @@ def test_parts_are_cut_when_sent_with_the_estimates_of_that_moment():
     d.per_item = float(64 << 10)  # small again: the byte target takes half the unit
     part, rest = d.split_off(entry)
     assert part == list(range(5, 37)) and rest == list(range(37, 64))
-    assert d.cut(list(range(10))) == [list(range(10))[i:i + 5] for i in (0, 5)]
+    # a unit is shared by the workers: at most ceil(n / workers) samples a part
+    assert d.split_off(d.pending(list(range(10)))) == (list(range(5)), list(range(5, 10)))
+
+
+def test_the_feeder_sizes_each_part_when_it_sends_it():
+    # The lane's feeder itself (not only the sizing rule): a unit read while 4 MiB samples
+    # were fast goes out four to a part; once a result says they are slow, the next part
+    # sent from the same unit holds one sample.
+    from types import SimpleNamespace
+
+    from zephon.pipeline.dispatch import _Feeder
+
+    sent = []
+    executor = SimpleNamespace(submit=lambda lane, seq, payload: sent.append(payload[1]))
+    stage = SimpleNamespace(depth=4, item_cap=None, workers=2, split=True, index=1,
+                            budget_bytes=256 << 20, runner="process", collates=False)
+    feed = _Feeder(executor, stage, iter([list(range(64))]), 0, None)
+    feed.state.cap, feed.state.per_item = 1 << 30, float(4 << 20)
+    feed.fill()
+    assert [len(p) for p in sent] == [4] * feed.state.limit
+    feed.state.per_sample_s = 1.0  # a result: one second per sample
+    feed.inflight -= 1
+    feed.fill()
+    assert len(sent[-1]) == 1 and sent[-1][0] == 4 * feed.state.limit
 
 
 def test_the_size_estimate_sees_arrays_nested_in_containers():

@@ -329,9 +329,7 @@ class _LaneDispatch:
         """``[unit, spread]``: a unit waiting to be sent, in parts of at most ``spread``
         samples (so that several workers share a large unit), or whole (``spread`` None)."""
         n = len(unit)
-        if not self.split or n <= 1:
-            return [unit, None]
-        return [unit, math.ceil(n / self.workers) if self.workers > 1 else n]
+        return [unit, None if not self.split or n <= 1 else math.ceil(n / self.workers)]
 
     def split_off(self, entry: list):
         """``(part, rest)``: the next part of a pending unit, sized with the estimates of
@@ -345,23 +343,10 @@ class _LaneDispatch:
         n = len(unit)
         if spread is None or n <= 1:
             return unit, None
-        size = self.target()
-        if self.per_item is not None:
-            size = min(size, spread)
+        size = min(self.target(), spread)
         if size >= n:
             return unit, None
         return unit[:size], unit[size:]
-
-    def cut(self, unit) -> list:
-        """``unit`` as dispatch parts with the estimates of now (itself when it must stay
-        whole)."""
-        entry, parts = self.pending(unit), []
-        while True:
-            part, rest = self.split_off(entry)
-            parts.append(part)
-            if rest is None:
-                return parts
-            entry[0] = rest
 
     def room(self, inflight: int, samples: int) -> bool:
         """Whether a part of ``samples`` may go out now (one part always may)."""

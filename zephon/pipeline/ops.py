@@ -37,7 +37,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from zephon.errors import OpError, ZephonConfigError
-from zephon.transport.stopping import STOPPING, TaskAbandoned
+from zephon.transport.stopping import check as check_stop
 
 __all__ = [
     "Batch",
@@ -333,10 +333,9 @@ class MapOp(Op):
         return f"{self.kind}({fn_identity(self.fn)})"
 
     def apply(self, records: list, seed: int) -> list:
-        fn, out, stopping = self.fn, [], STOPPING.is_set
+        fn, out = self.fn, []
         for r in records:
-            if stopping():  # a worker told to stop: give up between samples
-                raise TaskAbandoned("the worker is stopping")
+            check_stop()  # a worker told to stop gives up between samples
             try:
                 value = fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx else fn(r.value)
             except Exception as exc:
@@ -349,10 +348,9 @@ class FilterOp(MapOp):
     kind = "filter"
 
     def apply(self, records: list, seed: int) -> list:
-        fn, out, stopping = self.fn, [], STOPPING.is_set
+        fn, out = self.fn, []
         for r in records:
-            if stopping():
-                raise TaskAbandoned("the worker is stopping")
+            check_stop()  # a worker told to stop gives up between samples
             try:
                 keep = fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx else fn(r.value)
             except Exception as exc:

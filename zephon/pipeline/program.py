@@ -23,7 +23,7 @@ from zephon.pipeline.columnar import BatchRun, sample_ids
 from zephon.pipeline.lanes import BatchGroup
 from zephon.pipeline.ops import Batch, OpError, Record, make_batch
 from zephon.pipeline.sources.base import Source
-from zephon.transport.stopping import STOPPING, TaskAbandoned
+from zephon.transport.stopping import check as check_stop
 
 __all__ = ["StageProgram", "batches_per_message"]
 
@@ -84,11 +84,10 @@ class StageProgram:
         self.collates = collates or [False] * len(stages)
 
     def read(self, unit) -> list:
-        source, out, stopping = self.source, [], STOPPING.is_set
+        source, out = self.source, []
         epoch, pos = unit.epoch, unit.start
         for index in unit.indices.tolist():
-            if stopping():  # a worker told to stop: give up between samples
-                raise TaskAbandoned("the worker is stopping")
+            check_stop()  # a worker told to stop gives up between samples
             name, idx = source.identity(index)
             sid = (name, idx, epoch)
             try:
