@@ -164,3 +164,23 @@ class SlowFrom:
             open(os.path.join(self.folder, f"started-{s['seq']}"), "w").close()
             _time.sleep(self.sleep)
         return add_one(s)
+
+
+def unreadable_from_5(i):
+    """A source function: sample ``i`` is ``i``, and reading sample 5 or later fails."""
+    if i >= 5:
+        raise OSError(f"sample {i} is unreadable")
+    return i
+
+
+def map_fails_at_4(s):
+    if s == 4:
+        raise ValueError("sample 4 fails in the map")
+    return s
+
+
+def input_address(s):
+    """``add_one``, also giving the address of the input array (where the worker's heap
+    put the sample that ``load`` made)."""
+    return {"tokens": s["tokens"] + 1, "seq": s["seq"], "pid": os.getpid(),
+            "input_at": s["tokens"].__array_interface__["data"][0]}

@@ -257,3 +257,23 @@ def test_an_op_error_is_raised_in_stream_order_on_every_runner(runner):
         for x in pipe:
             got.append(x)
     assert got == [0, 1, 2]
+
+
+@pytest.mark.parametrize("runner", ["inline", "process"])
+@pytest.mark.parametrize("chunk_size", [1, 3, 8])
+def test_the_first_failure_in_sample_order_is_raised_whatever_the_unit_size(runner,
+                                                                            chunk_size):
+    # Sample 4 fails in the map and sample 5 cannot be read. A stage runs each sample
+    # through its ops before it reads the next, so the map's failure on sample 4 is the
+    # error whatever the chunk and the parts the dispatch cuts. (Reading a whole unit
+    # first raised sample 5's read error whenever 4 and 5 shared a unit or a part.)
+    # (What comes before the error is the samples before the failing part: a prefix.)
+    pipe = Pipeline(sources.from_callable(12, F.unreadable_from_5), shuffle=False,
+                    chunk_size=chunk_size) \
+        .map(F.map_fails_at_4, parallelism=2) \
+        .options(RuntimeOptions(runner=runner, max_workers=2))
+    got = []
+    with pytest.raises(OpError, match="sample 4 fails in the map"):
+        for x in pipe:
+            got.append(x)
+    assert got == [0, 1, 2, 3][:len(got)]

@@ -37,7 +37,6 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from zephon.errors import OpError, ZephonConfigError
-from zephon.transport.stopping import check as check_stop
 
 __all__ = [
     "Batch",
@@ -332,50 +331,48 @@ class MapOp(Op):
     def describe(self) -> str:
         return f"{self.kind}({fn_identity(self.fn)})"
 
+    def apply_one(self, r: Record, seed: int) -> Record | None:
+        """This op on one record: its output record, or None when the sample is dropped.
+        A stage runs each sample through all of its ops before the next sample
+        (:class:`~zephon.pipeline.program.StageProgram`)."""
+        try:
+            value = self.fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx \
+                else self.fn(r.value)
+        except Exception as exc:
+            raise _op_error(self, r, exc) from exc
+        return Record(value, r.ids, r.pos)
+
     def apply(self, records: list, seed: int) -> list:
-        fn, out = self.fn, []
-        for r in records:
-            check_stop()  # a worker told to stop gives up between samples
-            try:
-                value = fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx else fn(r.value)
-            except Exception as exc:
-                raise _op_error(self, r, exc) from exc
-            out.append(Record(value, r.ids, r.pos))
-        return out
+        """:meth:`apply_one` over ``records``, dropped samples left out."""
+        return [out for out in map(self.apply_one, records, [seed] * len(records))
+                if out is not None]
 
 
 class FilterOp(MapOp):
     kind = "filter"
 
-    def apply(self, records: list, seed: int) -> list:
-        fn, out = self.fn, []
-        for r in records:
-            check_stop()  # a worker told to stop gives up between samples
-            try:
-                keep = fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx else fn(r.value)
-            except Exception as exc:
-                raise _op_error(self, r, exc) from exc
-            if keep:
-                out.append(r)
-        return out
+    def apply_one(self, r: Record, seed: int) -> Record | None:
+        try:
+            keep = self.fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx \
+                else self.fn(r.value)
+        except Exception as exc:
+            raise _op_error(self, r, exc) from exc
+        return r if keep else None
 
 
 class MapBatchOp(MapOp):
     kind = "map_batch"
     batch_shape_sensitive = True
 
-    def apply(self, records: list, seed: int) -> list:
-        out = []
-        for r in records:
-            try:
-                value = self.fn(r.value)
-            except Exception as exc:
-                raise _op_error(self, r, exc) from exc
-            if isinstance(r.value, Batch) and isinstance(value, dict) and \
-                    not isinstance(value, Batch):
-                value = Batch(value, meta=r.value.meta)
-            out.append(Record(value, r.ids, r.pos))
-        return out
+    def apply_one(self, r: Record, seed: int) -> Record | None:
+        try:
+            value = self.fn(r.value)
+        except Exception as exc:
+            raise _op_error(self, r, exc) from exc
+        if isinstance(r.value, Batch) and isinstance(value, dict) and \
+                not isinstance(value, Batch):
+            value = Batch(value, meta=r.value.meta)
+        return Record(value, r.ids, r.pos)
 
 
 def _op_error(op: Op, record: Record, exc: BaseException) -> OpError:

@@ -83,21 +83,42 @@ class StageProgram:
         self.source, self.stages, self.seed = source, stages, seed
         self.collates = collates or [False] * len(stages)
 
-    def read(self, unit) -> list:
-        source, out = self.source, []
-        epoch, pos = unit.epoch, unit.start
-        for index in unit.indices.tolist():
+    def read(self, unit):
+        """The unit's records, read one at a time as they are asked for (each goes
+        through the stage's ops before the next is read; the iterator keeps no
+        reference to a record it has handed out)."""
+        n = len(unit.indices)
+        return map(self._read_one, unit.indices.tolist(), [unit.epoch] * n,
+                   range(unit.start, unit.start + n))
+
+    def _read_one(self, index: int, epoch: int, pos: int) -> Record:
+        name, idx = self.source.identity(index)
+        sid = (name, idx, epoch)
+        try:
+            value = self.source.get(index)
+        except Exception as exc:
+            raise OpError(f"reading sample {sid} failed: {type(exc).__name__}: {exc}",
+                          op="read", sample_id=sid) from exc
+        return Record(value, [sid], (epoch, pos))
+
+    def run_ops(self, records, ops: list) -> list:
+        """Each record through every op of the stage, **one sample at a time**: a sample
+        is read, mapped and filtered before the next is read. So the first failure in
+        sample order is the one raised, whatever the dispatch made the unit's parts, and
+        a sample's temporaries are freed before the next sample's are made (a worker's
+        shared heap reuses them while they are still in the cache)."""
+        seed, out, records = self.seed, [], iter(records)
+        while True:
             check_stop()  # a worker told to stop gives up between samples
-            name, idx = source.identity(index)
-            sid = (name, idx, epoch)
-            try:
-                value = source.get(index)
-            except Exception as exc:
-                raise OpError(f"reading sample {sid} failed: {type(exc).__name__}: {exc}",
-                              op="read", sample_id=sid) from exc
-            out.append(Record(value, [sid], (epoch, pos)))
-            pos += 1
-        return out
+            r = next(records, None)
+            if r is None:
+                return out
+            for op in ops:
+                r = op.apply_one(r, seed)
+                if r is None:
+                    break
+            else:
+                out.append(r)
 
     def read_batch(self, unit) -> list | None:
         """A whole micro-batch in one columnar read (a fused ``read -> batch`` stage over a
@@ -147,9 +168,7 @@ class StageProgram:
             fast = self.read_batch(unit)
             if fast is not None:
                 return fast
-        records = self.read(unit) if stage == 0 else unit
-        for op in self.stages[stage]:
-            records = op.apply(records, self.seed)
+        records = self.run_ops(self.read(unit) if stage == 0 else unit, self.stages[stage])
         if self.collates[stage] and records:
             return [make_batch(records)]
         return records
