@@ -107,7 +107,8 @@ class StageProgram:
         sample order is the one raised, whatever the dispatch made the unit's parts, and
         a sample's temporaries are freed before the next sample's are made (a worker's
         shared heap reuses them while they are still in the cache)."""
-        seed, out, records = self.seed, [], iter(records)
+        seed, records = self.seed, iter(records)
+        out: list[Record] = []
         while True:
             check_stop()  # a worker told to stop gives up between samples
             r = next(records, None)
