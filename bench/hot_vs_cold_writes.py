@@ -1,5 +1,5 @@
-"""Why a worker's heap reuses the region freed last: two NumPy adds into memory
-that is in the CPU cache vs out of it.
+"""Why a stage runs one sample at a time: two NumPy adds into memory that is in
+the CPU cache vs out of it.
 
     python bench/hot_vs_cold_writes.py            # 4 MiB arrays, 1 and 2 processes
     python bench/hot_vs_cold_writes.py --mib 16
@@ -7,9 +7,10 @@ that is in the CPU cache vs out of it.
 Each process does what the 4 MiB row of ``bench/compare_torch.py`` does per sample,
 ``tmp = base + i`` then ``out = tmp + 1``, with ``tmp`` and ``out`` taken in turn
 from rings of shared-memory buffers (``/dev/shm``, as the arena's slabs). A ring of 1
-reuses the same buffer every sample (what the heap does for a sample's temporary:
-it is freed just before the next sample's is made); a ring of 16 goes round 64 MiB
-(what first fit did: a temporary landed in whatever the consumer returned long ago).
+reuses the same buffer every sample (what a worker's heap does now that a sample's
+temporary is freed just before the next sample's is made: first fit puts it where
+the last one was); a ring of 16 goes round 64 MiB (what running each op over a whole
+part did: a temporary per sample of the part, each written out of the cache).
 ``out`` always comes from a ring of 16, as a result does (the consumer holds it for a
 while). Prints the microseconds per sample, for one process alone and for two at once
 (two workers on a two-core machine share the cache and the memory bus).

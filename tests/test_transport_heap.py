@@ -435,31 +435,13 @@ def test_an_mtp_worker_can_fork_the_workers_of_its_stages():
     assert got == [2 * i for i in range(12)]
 
 
-def test_a_heap_take_starts_at_the_region_the_worker_freed_last(arena):
-    # The worker's last freed region is where its next array goes (still in the CPU
-    # cache), not the lowest hole.
-    regions = [arena.take(MIB, 16 * MIB) for _ in range(4)]
-    offsets = [offset for _, offset, _ in regions]
-    arena.give(regions[0][2])
-    arena.give(regions[2][2])  # freed last
-    _, offset, token = arena.take(MIB, 16 * MIB)
-    assert offset == offsets[2]
-    _, offset, _ = arena.take(MIB, 16 * MIB)
-    assert offset == offsets[0]  # then the lowest hole again
-    # a freed region too small for the next array: first fit, the region stays free
-    arena.give(token)
-    _, offset, _ = arena.take(2 * MIB, 16 * MIB)
-    assert offset not in (offsets[2], offsets[0])
-    with arena.cond:
-        assert [offsets[2], MIB] in arena._free[regions[2][0].slab_id]
-
-
 def test_a_workers_sample_temporaries_reuse_one_region():
     # load makes a 4 MiB array, the map makes the output from it and drops it. Each
-    # sample goes through the map before the next is read and the heap reuses the
-    # region freed last, so a worker writes every sample's temporary into the same
-    # region (hot in the cache: a cold one made the two NumPy ops of a sample take
-    # ~1.6x as long). Reading a whole part first kept a region per sample of the part.
+    # sample goes through the map before the next is read, so its temporary is freed
+    # before the next sample's is made and the heap's first fit puts that one in the
+    # same region: still in the CPU cache (bench/hot_vs_cold_writes.py: a cold one made
+    # the two NumPy ops of a sample take ~1.6x as long with two workers). Reading a
+    # whole part first kept a region per sample of the part.
     import collections
 
     import _pipeline_fns as F

@@ -120,8 +120,6 @@ _WAIT_SLICE_S = 0.25  # re-check the consumer's liveness at least this often whi
 DEFAULT_MIN_SLAB_BYTES = 8 << 20
 _GROW_GRANULE_BYTES = 1 << 20  # a recycled slab's size is rounded up to this
 _GROW_STEP_BYTES = 32 << 20  # the most a recycled slab grows the arena by (unless needed)
-#: larger than any hole's size: ``[offset, _NO_SIZE]`` sorts after every hole at ``offset``
-_NO_SIZE = 1 << 62
 # posix_fallocate errors that mean "no space" (an answer: in-band) and those that mean
 # "this filesystem cannot preallocate" (space is then reserved by the first write).
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
@@ -380,9 +378,6 @@ class ShmArena:
         self._heap: dict[int, int] = {}
         self._held_bytes = 0  # heap regions held by the worker and not sent
         self._gives: collections.deque[int] = collections.deque()
-        # the region the worker's NumPy freed last (a temporary of the sample it is
-        # working on, still in the CPU cache): the next heap take starts there
-        self._hot: int | None = None
         self.total_bytes = 0  # recycled slabs only
         self.dedicated_bytes = 0
         self.waits = 0
@@ -448,9 +443,7 @@ class ShmArena:
             self._drain_gives()
             if self._held_bytes + need > held_limit:
                 return None
-            found = self._take_hot(need)
-            if found is None:
-                found = self._first_fit(need)
+            found = self._first_fit(need)
             if found is None:
                 # what the heap holds is not the transport's: the slabs may exceed the
                 # bound by it (at most held_limit)
@@ -502,7 +495,6 @@ class ShmArena:
                 del self._heap[token]
                 recycle.append(token)
         if recycle:
-            self._hot = recycle[-1]
             # (starvation is about what the consumer holds: only its frees end it; the
             # worker's own temporaries come and go with every task)
             self._release(recycle)
@@ -526,37 +518,6 @@ class ShmArena:
             self._release([token for _, _, token in got])
             return None, missing
         return got, 0
-
-    def _take_hot(self, need: int):
-        """The region the worker freed last, if the hole it went back to still has
-        ``need`` bytes from its start on, else None. Writing into memory that was just
-        read or written costs about half of writing into memory out of the cache: with
-        one temporary per sample (``load`` then ``map``), taking the lowest hole instead
-        made every temporary cold (two workers: 0.9 vs 0.57 ms per 4 MiB sample for
-        two NumPy adds)."""
-        hot, self._hot = self._hot, None
-        if hot is None:
-            return None
-        slab_id, offset = token_slab(hot), token_offset(hot)
-        holes = self._free.get(slab_id)
-        if not holes:
-            return None
-        k = bisect.bisect_right(holes, [offset, _NO_SIZE]) - 1
-        if k < 0:
-            return None
-        start, size = holes[k]
-        end = start + size
-        if offset + need > end:
-            return None
-        pieces = []
-        if offset > start:
-            pieces.append([start, offset - start])
-        if end > offset + need:
-            pieces.append([offset + need, end - offset - need])
-        holes[k:k + 1] = pieces
-        token = region_token(slab_id, offset)
-        self._live[token] = need
-        return self.slabs[slab_id], offset, token
 
     def _first_fit(self, need: int):
         for slab_id, holes in self._free.items():

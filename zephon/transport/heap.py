@@ -29,9 +29,6 @@ Invariants
   sides are done with it: the worker's NumPy frees it (``give``) and, if it was
   sent, the consumer releases it (the FREE message). Either may come first
   (:meth:`ShmArena.take` / ``give`` / ``mark_sent`` / ``free``).
-- **Hot first.** A take starts at the region the worker's NumPy freed last, if
-  the array fits there (a temporary of the previous sample, still in the CPU
-  cache), and only then takes the lowest hole.
 - **Never at the transport's expense.** The heap holds at most a quarter of the
   arena bound in regions not (yet) sent, and those do not count against the
   bound: the transport may still fill the whole bound with messages (so the
