@@ -184,3 +184,30 @@ def input_address(s):
     put the sample that ``load`` made)."""
     return {"tokens": s["tokens"] + 1, "seq": s["seq"], "pid": os.getpid(),
             "input_at": s["tokens"].__array_interface__["data"][0]}
+
+
+def _sharded_source():
+    from zephon.pipeline.sources import Source
+
+    class Sharded(Source):
+        """A source whose ``identity`` finds the sample's shard with ``next(...)``: index
+        5 is in no shard, so it raises ``StopIteration`` (a bug in the user's table)."""
+
+        name = "sharded"
+        shards = ((0, 5), (6, 12))
+
+        def __len__(self):
+            return 12
+
+        def identity(self, i):
+            start, _ = next(s for s in self.shards if s[0] <= i < s[1])
+            return (f"shard{start}", i)
+
+        def get(self, i):
+            return i
+
+    return Sharded
+
+
+Sharded = _sharded_source()
+Sharded.__module__, Sharded.__qualname__ = __name__, "Sharded"

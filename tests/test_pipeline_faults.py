@@ -277,3 +277,16 @@ def test_the_first_failure_in_sample_order_is_raised_whatever_the_unit_size(runn
         for x in pipe:
             got.append(x)
     assert got == [0, 1, 2, 3][:len(got)]
+
+
+@pytest.mark.parametrize("runner", ["inline", "threads", "process"])
+def test_a_stop_iteration_from_the_source_is_an_error_not_the_end_of_a_unit(runner):
+    # Read one sample at a time, a StopIteration escaping the source's identity() must
+    # not read as "no more samples in this unit" (samples 5-7 silently dropped).
+    pipe = Pipeline(F.Sharded(), shuffle=False, chunk_size=4).map(abs, parallelism=2) \
+        .options(RuntimeOptions(runner=runner, max_workers=2))
+    got = []
+    with pytest.raises(RuntimeError, match="StopIteration"):
+        for x in pipe:
+            got.append(x)
+    assert got == [0, 1, 2, 3]

@@ -85,11 +85,13 @@ class StageProgram:
 
     def read(self, unit):
         """The unit's records, read one at a time as they are asked for (each goes
-        through the stage's ops before the next is read; the iterator keeps no
-        reference to a record it has handed out)."""
-        n = len(unit.indices)
-        return map(self._read_one, unit.indices.tolist(), [unit.epoch] * n,
-                   range(unit.start, unit.start + n))
+        through the stage's ops before the next is read). A generator, so a
+        ``StopIteration`` escaping the source (from ``identity``, say) is an error, not
+        the end of the unit; and it keeps no reference to a record it has handed out."""
+        epoch, pos = unit.epoch, unit.start
+        for index in unit.indices.tolist():
+            yield self._read_one(index, epoch, pos)
+            pos += 1
 
     def _read_one(self, index: int, epoch: int, pos: int) -> Record:
         name, idx = self.source.identity(index)
@@ -115,6 +117,7 @@ class StageProgram:
             if r is None:
                 return out
             for op in ops:
+                check_stop()  # ... and between the ops of a sample
                 r = op.apply_one(r, seed)
                 if r is None:
                     break
