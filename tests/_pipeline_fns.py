@@ -211,3 +211,15 @@ def _sharded_source():
 
 Sharded = _sharded_source()
 Sharded.__module__, Sharded.__qualname__ = __name__, "Sharded"
+
+
+def unreadable_from_9(i):
+    if i >= 9:
+        raise OSError(f"sample {i} is unreadable")
+    return {"id": i}
+
+
+def batch_fails_at_4(batch):
+    if 4 in np.asarray(batch["id"]).tolist():
+        raise ValueError("the batch with sample 4 fails")
+    return batch

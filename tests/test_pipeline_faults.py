@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 
+import numpy as np
 import pytest
 
 import _pipeline_fns as F
@@ -267,7 +268,8 @@ def test_the_first_failure_in_sample_order_is_raised_whatever_the_unit_size(runn
     # through its ops before it reads the next, so the map's failure on sample 4 is the
     # error whatever the chunk and the parts the dispatch cuts. (Reading a whole unit
     # first raised sample 5's read error whenever 4 and 5 shared a unit or a part.)
-    # (What comes before the error is the samples before the failing part: a prefix.)
+    # What comes before the error does not depend on the parts either: the samples of a
+    # failing part before its failing sample go on first.
     pipe = Pipeline(sources.from_callable(12, F.unreadable_from_5), shuffle=False,
                     chunk_size=chunk_size) \
         .map(F.map_fails_at_4, parallelism=2) \
@@ -276,17 +278,38 @@ def test_the_first_failure_in_sample_order_is_raised_whatever_the_unit_size(runn
     with pytest.raises(OpError, match="sample 4 fails in the map"):
         for x in pipe:
             got.append(x)
-    assert got == [0, 1, 2, 3][:len(got)]
+    assert got == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("runner", ["inline", "threads", "process"])
 def test_a_stop_iteration_from_the_source_is_an_error_not_the_end_of_a_unit(runner):
     # Read one sample at a time, a StopIteration escaping the source's identity() must
-    # not read as "no more samples in this unit" (samples 5-7 silently dropped).
+    # not read as "no more samples in this unit" (samples 5-7 silently dropped). The
+    # samples before it go on first, whatever the part.
     pipe = Pipeline(F.Sharded(), shuffle=False, chunk_size=4).map(abs, parallelism=2) \
         .options(RuntimeOptions(runner=runner, max_workers=2))
     got = []
     with pytest.raises(RuntimeError, match="StopIteration"):
         for x in pipe:
             got.append(x)
-    assert got == [0, 1, 2, 3]
+    assert got == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("runner", ["inline", "threads", "process"])
+@pytest.mark.parametrize("chunk_size", [1, 4, 64])
+def test_an_earlier_stage_error_never_overtakes_a_later_stages_results(runner, chunk_size):
+    # Stage 0 cannot read sample 9; stage 1 (after batch(2)) fails on the batch [4, 5].
+    # Stage 0 runs ahead of stage 1, but its error waits for its place in the stream:
+    # the batches before [4, 5] arrive, then stage 1's error, on every runner and chunk.
+    # (Raised as soon as stage 1 read it, it dropped the batches stage 1 still had in
+    # flight and hid stage 1's earlier error.)
+    pipe = Pipeline(sources.from_callable(12, F.unreadable_from_9), shuffle=False,
+                    chunk_size=chunk_size) \
+        .map(F.identity, parallelism=2).batch(2).map_batch(F.batch_fails_at_4) \
+        .options(RuntimeOptions(runner=runner, max_workers=2,
+                                worker_allocation="per_stage_fixed"))
+    got = []
+    with pytest.raises(OpError, match="the batch with sample 4 fails"):
+        for b in pipe:
+            got.append(np.asarray(b["id"]).tolist())
+    assert got == [[0, 1], [2, 3]]

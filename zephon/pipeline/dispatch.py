@@ -190,16 +190,21 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
             buffer.push(done_seq, result)
         else:
             if isinstance(result, TaskFailed):
+                if result.done:
+                    yield result.done
                 raise result.error
             yield result
             buffer.push(done_seq, None)  # keeps markers in place; None is skipped below
 
 
 def _in_order(buffer) -> Iterator:
-    """The buffer's ready results; a unit that failed raises its error here, in its place
-    in the stream (after every result before it), whatever order the workers finished."""
+    """The buffer's ready results; a unit that failed hands on what it made before its
+    failing sample and raises its error here, in its place in the stream (after every
+    result before it), whatever order the workers finished."""
     for result in buffer.pop_ready():
         if isinstance(result, TaskFailed):
+            if result.done:
+                yield result.done
             raise result.error
         yield result
 
@@ -222,7 +227,17 @@ class _Feeder:
         self.exhausted = False
 
     def pull(self):
-        return self.lookahead.popleft() if self.lookahead else next(self.upstream)
+        """The next unit or marker; a failure upstream comes as a :class:`TaskFailed`
+        (raised in its place, after this stage's results before it: an earlier
+        stage's error must not overtake the samples and errors ahead of it here)."""
+        if self.lookahead:
+            return self.lookahead.popleft()
+        try:
+            return next(self.upstream)
+        except StopIteration:
+            raise
+        except Exception as exc:  # noqa: BLE001 - raised in stream order by _in_order
+            return TaskFailed(exc)
 
     def take(self) -> None:
         """Take one item from upstream: a unit is cut into parts, a marker goes to the
@@ -234,9 +249,11 @@ class _Feeder:
             return
         if unit is None:  # a placeholder of an earlier non-deterministic stage
             return
-        if isinstance(unit, Boundary):
+        if isinstance(unit, (Boundary, TaskFailed)):
             self.buffer.push(self.seq, unit)
             self.seq += 1
+            if isinstance(unit, TaskFailed):
+                self.exhausted = True  # nothing upstream follows its error
             return
         unit = self.state.merge(unit, self.pull, self.lookahead)
         self.parts.append(self.state.pending(unit))
@@ -317,7 +334,7 @@ class _LaneDispatch:
                 nxt = pull()
             except StopIteration:
                 break
-            merged = None if nxt is None or isinstance(nxt, Boundary) else \
+            merged = None if nxt is None or isinstance(nxt, (Boundary, TaskFailed)) else \
                 merge_units(unit, nxt)
             if merged is None:
                 lookahead.appendleft(nxt)

@@ -10,6 +10,12 @@ carries its sample identity and its lane position). A stage that collates
 micro-batch. A failure in a user op is an
 :class:`~zephon.pipeline.ops.OpError` naming the op and the sample; a failure
 reading the source names the sample likewise.
+
+Each sample goes through all of the stage's ops before the next is read
+(:meth:`StageProgram.run_ops`): the first failing sample of a unit is the one
+that fails it, whatever the dispatch made the unit's parts. The error carries
+the records made before that sample (:data:`~zephon.runners.executors.DONE_ATTR`;
+none for a unit that is one batch), which go on before it is raised.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from zephon.pipeline.columnar import BatchRun, sample_ids
 from zephon.pipeline.lanes import BatchGroup
 from zephon.pipeline.ops import Batch, OpError, Record, make_batch
 from zephon.pipeline.sources.base import Source
+from zephon.runners.executors import DONE_ATTR
 from zephon.transport.stopping import check as check_stop
 
 __all__ = ["StageProgram", "batches_per_message"]
@@ -74,6 +81,16 @@ def _row_reads_warning(source, exc: Exception) -> None:
                   "(much slower; said once per process)", RuntimeWarning, stacklevel=3)
 
 
+def _attach_done(exc: BaseException, records: list) -> None:
+    """Attach to ``exc`` the records made before the failing sample (replacing what an
+    inner call attached): they go on before the error is raised (see
+    :class:`~zephon.runners.executors.TaskFailed`)."""
+    try:
+        setattr(exc, DONE_ATTR, records)
+    except (AttributeError, TypeError):  # an exception that takes no attributes
+        pass
+
+
 class StageProgram:
     """``(stage, unit) -> records``: read (stage 0), the stage's ops, and for a stage that
     collates (a fused ``batch``) one batch of the unit's records."""
@@ -111,18 +128,22 @@ class StageProgram:
         shared heap reuses them while they are still in the cache)."""
         seed, records = self.seed, iter(records)
         out: list[Record] = []
-        while True:
-            check_stop()  # a worker told to stop gives up between samples
-            r = next(records, None)
-            if r is None:
-                return out
-            for op in ops:
-                check_stop()  # ... and between the ops of a sample
-                r = op.apply_one(r, seed)
+        try:
+            while True:
+                check_stop()  # a worker told to stop gives up between samples
+                r = next(records, None)
                 if r is None:
-                    break
-            else:
-                out.append(r)
+                    return out
+                for op in ops:
+                    check_stop()  # ... and between the ops of a sample
+                    r = op.apply_one(r, seed)
+                    if r is None:
+                        break
+                else:
+                    out.append(r)
+        except Exception as exc:
+            _attach_done(exc, out)
+            raise
 
     def read_batch(self, unit) -> list | None:
         """A whole micro-batch in one columnar read (a fused ``read -> batch`` stage over a
@@ -167,12 +188,25 @@ class StageProgram:
             fast = self.read_group(unit) if stage == 0 else None
             if fast is not None:
                 return fast
-            return [r for member in unit.units for r in self((stage, member))]
+            out: list = []
+            try:
+                for member in unit.units:
+                    out.extend(self((stage, member)))
+            except Exception as exc:
+                _attach_done(exc, out)  # the whole batches before the failing one
+                raise
+            return out
         if stage == 0 and self.collates[0] and not self.stages[0]:
             fast = self.read_batch(unit)
             if fast is not None:
                 return fast
-        records = self.run_ops(self.read(unit) if stage == 0 else unit, self.stages[stage])
+        try:
+            records = self.run_ops(self.read(unit) if stage == 0 else unit,
+                                   self.stages[stage])
+        except Exception as exc:
+            if self.collates[stage]:  # the unit is one batch: no part of it goes on
+                _attach_done(exc, [])
+            raise
         if self.collates[stage] and records:
             return [make_batch(records)]
         return records

@@ -38,13 +38,28 @@ __all__ = ["InlineExecutor", "ProcessExecutor", "TaskFailed", "ThreadExecutor"]
 log = logging.getLogger("zephon.runners")
 
 
-class TaskFailed:
-    """The result of a unit whose program raised ``error`` (empty: no records)."""
+#: the attribute under which a stage program attaches, to the error it raises, the
+#: records the unit made before the failing sample (see :class:`TaskFailed`)
+DONE_ATTR = "zephon_done"
 
-    __slots__ = ("error",)
+
+class TaskFailed:
+    """The result of a unit whose program raised ``error`` (empty: no records of its own).
+
+    ``done`` holds the records the unit made before its failing sample, which the
+    program attached to the error (:data:`DONE_ATTR`, taken off it here): they are
+    handed on before the error is raised, so what comes before an error does not
+    depend on how the dispatch cut the stream into parts. An upstream failure a stage
+    reads as its next unit is a TaskFailed too, with nothing done."""
+
+    __slots__ = ("done", "error")
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
+        try:
+            self.done = vars(error).pop(DONE_ATTR, None) or []
+        except TypeError:  # an exception without a __dict__
+            self.done = []
 
     def __len__(self) -> int:
         return 0
@@ -61,7 +76,11 @@ class InlineExecutor:
         self._done: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
 
     def submit(self, lane, seq: int, payload) -> None:
-        self._done[lane].append((seq, self.program(payload)))
+        try:
+            result = self.program(payload)
+        except Exception as exc:  # noqa: BLE001 - raised by the engine in stream order
+            result = TaskFailed(exc)
+        self._done[lane].append((seq, result))
 
     def get(self, lane):
         return self._done[lane].popleft()
