@@ -320,6 +320,13 @@ class HeapOps:
         if op == "reap":
             os.waitpid(self.child, 0)
             return "reaped"
+        if op == "fail_after":  # fails, carrying what it made before (a stage does)
+            n, count, unpicklable = arg
+            made = [np.full(n // 8, v, dtype=np.int64) for v in range(count)]
+            error = TwoArgError("lost", 2) if unpicklable else ValueError("failed late")
+            error.zephon_done = made
+            del made
+            raise error
         if op == "stats":
             h = heap.installed()
             if h is None:
@@ -327,3 +334,12 @@ class HeapOps:
             return {"sent": h.sent, "slab_bytes": h.arena.total_bytes,
                     "held": h.arena._held_bytes, "heap_regions": len(h.arena._heap)}
         raise ValueError(op)
+
+
+class TwoArgError(Exception):
+    """An exception that does not survive a pickle round trip (its __init__ takes two
+    arguments, its args hold one)."""
+
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code

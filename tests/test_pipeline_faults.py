@@ -289,7 +289,7 @@ def test_a_stop_iteration_from_the_source_is_an_error_not_the_end_of_a_unit(runn
     pipe = Pipeline(F.Sharded(), shuffle=False, chunk_size=4).map(abs, parallelism=2) \
         .options(RuntimeOptions(runner=runner, max_workers=2))
     got = []
-    with pytest.raises(RuntimeError, match="StopIteration"):
+    with pytest.raises(OpError, match=r"identity\(\) raised StopIteration"):
         for x in pipe:
             got.append(x)
     assert got == [0, 1, 2, 3, 4]

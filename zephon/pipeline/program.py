@@ -14,7 +14,7 @@ reading the source names the sample likewise.
 Each sample goes through all of the stage's ops before the next is read
 (:meth:`StageProgram.run_ops`): the first failing sample of a unit is the one
 that fails it, whatever the dispatch made the unit's parts. The error carries
-the records made before that sample (:data:`~zephon.runners.executors.DONE_ATTR`;
+the records made before that sample (:data:`~zephon.transport.remote_errors.DONE_ATTR`;
 none for a unit that is one batch), which go on before it is raised.
 """
 
@@ -29,7 +29,7 @@ from zephon.pipeline.columnar import BatchRun, sample_ids
 from zephon.pipeline.lanes import BatchGroup
 from zephon.pipeline.ops import Batch, OpError, Record, make_batch
 from zephon.pipeline.sources.base import Source
-from zephon.runners.executors import DONE_ATTR
+from zephon.transport.remote_errors import put_done
 from zephon.transport.stopping import check as check_stop
 
 __all__ = ["StageProgram", "batches_per_message"]
@@ -81,16 +81,6 @@ def _row_reads_warning(source, exc: Exception) -> None:
                   "(much slower; said once per process)", RuntimeWarning, stacklevel=3)
 
 
-def _attach_done(exc: BaseException, records: list) -> None:
-    """Attach to ``exc`` the records made before the failing sample (replacing what an
-    inner call attached): they go on before the error is raised (see
-    :class:`~zephon.runners.executors.TaskFailed`)."""
-    try:
-        setattr(exc, DONE_ATTR, records)
-    except (AttributeError, TypeError):  # an exception that takes no attributes
-        pass
-
-
 class StageProgram:
     """``(stage, unit) -> records``: read (stage 0), the stage's ops, and for a stage that
     collates (a fused ``batch``) one batch of the unit's records."""
@@ -111,7 +101,12 @@ class StageProgram:
             pos += 1
 
     def _read_one(self, index: int, epoch: int, pos: int) -> Record:
-        name, idx = self.source.identity(index)
+        try:
+            name, idx = self.source.identity(index)
+        except Exception as exc:
+            sid = (getattr(self.source, "name", type(self.source).__name__), index, epoch)
+            raise OpError(f"reading sample {sid} failed: its identity() raised "
+                          f"{type(exc).__name__}: {exc}", op="read", sample_id=sid) from exc
         sid = (name, idx, epoch)
         try:
             value = self.source.get(index)
@@ -142,7 +137,7 @@ class StageProgram:
                 else:
                     out.append(r)
         except Exception as exc:
-            _attach_done(exc, out)
+            put_done(exc, out)
             raise
 
     def read_batch(self, unit) -> list | None:
@@ -193,7 +188,7 @@ class StageProgram:
                 for member in unit.units:
                     out.extend(self((stage, member)))
             except Exception as exc:
-                _attach_done(exc, out)  # the whole batches before the failing one
+                put_done(exc, out)  # the whole batches before the failing one
                 raise
             return out
         if stage == 0 and self.collates[0] and not self.stages[0]:
@@ -205,7 +200,7 @@ class StageProgram:
                                    self.stages[stage])
         except Exception as exc:
             if self.collates[stage]:  # the unit is one batch: no part of it goes on
-                _attach_done(exc, [])
+                put_done(exc, [])
             raise
         if self.collates[stage] and records:
             return [make_batch(records)]

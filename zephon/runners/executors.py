@@ -32,22 +32,19 @@ from typing import Any, Callable
 
 from zephon.errors import WorkerCrashedError
 from zephon.transport import WorkerPool
+from zephon.transport.remote_errors import take_done
 
 __all__ = ["InlineExecutor", "ProcessExecutor", "TaskFailed", "ThreadExecutor"]
 
 log = logging.getLogger("zephon.runners")
 
 
-#: the attribute under which a stage program attaches, to the error it raises, the
-#: records the unit made before the failing sample (see :class:`TaskFailed`)
-DONE_ATTR = "zephon_done"
-
-
 class TaskFailed:
     """The result of a unit whose program raised ``error`` (empty: no records of its own).
 
     ``done`` holds the records the unit made before its failing sample, which the
-    program attached to the error (:data:`DONE_ATTR`, taken off it here): they are
+    program attached to the error
+    (:data:`~zephon.transport.remote_errors.DONE_ATTR`, taken off it here): they are
     handed on before the error is raised, so what comes before an error does not
     depend on how the dispatch cut the stream into parts. An upstream failure a stage
     reads as its next unit is a TaskFailed too, with nothing done."""
@@ -56,10 +53,7 @@ class TaskFailed:
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
-        try:
-            self.done = vars(error).pop(DONE_ATTR, None) or []
-        except TypeError:  # an exception without a __dict__
-            self.done = []
+        self.done = take_done(error) or []
 
     def __len__(self) -> int:
         return 0
@@ -183,8 +177,11 @@ class ProcessExecutor:
                                       stacklevel=2)
                         self._done[lane].append((seq, []))
                         continue
-                    raise WorkerCrashedError(message, seq=seq, signal=crash.signal,
-                                             op=self.name, worker=crash.worker)
+                    # raised in its place in the stream, after the results before it
+                    error = WorkerCrashedError(message, seq=seq, signal=crash.signal,
+                                               op=self.name, worker=crash.worker)
+                    self._done[lane].append((seq, TaskFailed(error)))
+                    continue
             log.warning("stage %s: re-dispatching sequence %d of lane %s after a worker crash",
                         self.name, seq, lane)
             self.submit(lane, seq, payload)

@@ -103,7 +103,7 @@ from zephon.transport.arena import (
 )
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
-from zephon.transport.remote_errors import decode_exception
+from zephon.transport.remote_errors import decode_exception, put_done
 from zephon.transport.spawn_guard import refuse_in_spawn_bootstrap
 from zephon.transport.supervisor import (
     REAP_JOIN_S,
@@ -569,6 +569,8 @@ class WorkerPool:
             if kind == MsgKind.ERROR:
                 error = decode_exception(frames[0], header.get("tb", ""),
                                          f"task {task_id} on worker {handle.index}")
+                if "done" in header:  # what the task made before it failed
+                    put_done(error, self.decoder.decode(header["done"], frames[1:], fds))
                 try:  # which task failed, for callers that place errors in order
                     error.zephon_task_id = task_id  # type: ignore[attr-defined]
                 except AttributeError:  # an exception type that refuses attributes

@@ -24,13 +24,14 @@ import os
 import pickle
 import selectors
 import threading
+import traceback
 
 from zephon.errors import TransportError
 from zephon.transport.arena import LeaseTable, ShmArena, SlabRegistry
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
 from zephon.transport.heap import WorkerHeap
-from zephon.transport.remote_errors import encode_exception
+from zephon.transport.remote_errors import encode_exception, take_done
 from zephon.transport.stopping import STOPPING, TaskAbandoned
 from zephon.transport.supervisor import PARENT_POLL_S, MsgKind, ignore_sigint, parent_changed
 
@@ -179,8 +180,7 @@ class _Worker:
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            tb, blob = encode_exception(exc)
-            self.channel.send({"k": MsgKind.ERROR, "id": task_id, "tb": tb}, [blob])
+            self._send_error(task_id, exc)
             return
         out["k"], out["id"] = MsgKind.RESULT, task_id
         try:
@@ -191,8 +191,32 @@ class _Worker:
             error = TransportError(
                 f"worker {self.index} could not send the result of task {task_id}: "
                 f"{type(exc).__name__}: {exc}")
-            tb, blob = encode_exception(error)
-            self.channel.send({"k": MsgKind.ERROR, "id": task_id, "tb": tb}, [blob])
+            self._send_error(task_id, error)
+
+    def _send_error(self, task_id: int, exc: BaseException) -> None:
+        """An ERROR for ``task_id``; what the task made before it failed (see
+        :func:`~zephon.transport.remote_errors.take_done`) goes with it as a result
+        would (the header's ``done``, its frames after the exception's)."""
+        box = [take_done(exc)]
+        tb, blob = encode_exception(exc)
+        header: dict = {"k": MsgKind.ERROR, "id": task_id, "tb": tb}
+        frames: list = [blob]
+        fds: list[int] = []
+        if box[0]:
+            # the traceback's frames hold the records too: without them the records'
+            # fresh arrays go by reference (the traceback text is made already)
+            traceback.clear_frames(exc.__traceback__)
+            try:
+                done, done_frames, fds, _ = self.encoder.encode_owned(box, self.peer)
+            except Exception as err:  # noqa: BLE001 - the error itself must still go
+                log.warning("worker %d: the results made before the error of task %d "
+                            "could not be sent (%s: %s)", self.index, task_id,
+                            type(err).__name__, err)
+            else:
+                header["done"] = done
+                frames += done_frames
+        del box
+        self.channel.send(header, frames, fds)
 
     def _control(self) -> None:
         selector = selectors.DefaultSelector()
