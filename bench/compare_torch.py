@@ -30,9 +30,10 @@ the main process touches one element of each item and drops it.
   ``DataLoader(batch_size=256)`` collating the same samples; rate in samples/s.
 
 Each row moves about 3 GiB (1 GiB with ``--quick``; at least 48 items, at most
-20,000): every loader's rate still climbs over its first few hundred MiB (fresh
-pages in its heaps and shared memory), and the bars are about the steady state
-of an epoch, not its start.
+20,000 for a peer and 200,000 for zephon, whose 20,000 small items took 0.4 s:
+too short a window on a shared machine): every loader's rate still climbs over
+its first few hundred MiB (fresh pages in its heaps and shared memory), and the
+bars are about the steady state of an epoch, not its start.
 
 The table gives time to the first item (from building the loader: worker
 start-up included), steady GiB/s and items/s from a 10 % warm-up to the last
@@ -304,11 +305,18 @@ def _key(nbytes: int) -> str:
     return _size(nbytes).replace(" ", "").lower()
 
 
-def _count(nbytes: int, budget: int) -> int:
+def _count(nbytes: int, budget: int, cap: int = 20_000) -> int:
     """Items per row: about ``budget`` bytes, at least 48 items (the steady rate is taken
     after a 10 % warm-up: with a dozen items, what two workers computed while the first
-    item was on its way would pass for the steady rate), at most 20,000."""
-    return int(min(20_000, max(48, budget // nbytes)))
+    item was on its way would pass for the steady rate), at most ``cap``: 20,000 for the
+    peers (about 1,000 small items per second: 20 s a row), :data:`ZEPHON_CAP` for
+    zephon's own rows (20,000 4 KiB items took it 0.4 s, too short a window to tell its
+    rows apart on a shared machine)."""
+    return int(min(cap, max(48, budget // nbytes)))
+
+
+#: the most items one of zephon's rows (or the bare pool's) moves
+ZEPHON_CAP = 200_000
 
 
 def plan(quick: bool, peers: list[str]) -> list[dict]:
@@ -319,7 +327,8 @@ def plan(quick: bool, peers: list[str]) -> list[dict]:
     chunk_rows = {4 * KIB: (16, 256, 1024), 4 * MIB: (2, 8, 256), 64 * MIB: (1, 2, 8)}
     rows = []
     for nbytes in sizes:
-        n, elements, key = _count(nbytes, budget), nbytes // 8, _key(nbytes)
+        n, elements, key = _count(nbytes, budget, ZEPHON_CAP), nbytes // 8, _key(nbytes)
+        n_peer = _count(nbytes, budget)
         if nbytes == 256 * MIB:
             n = 8 if not quick else 4  # no stall check, zephon only (2 GiB per repetition)
             rows.append({"name": f"zephon {key} defaults", "loader": "zephon", "n": n,
@@ -339,7 +348,8 @@ def plan(quick: bool, peers: list[str]) -> list[dict]:
             rows.append({"name": f"pool {key}", "loader": "pool", "n": n,
                          "elements": elements})
         for peer in peers:
-            rows.append({"name": f"{peer} {key}", "loader": peer, "n": n, "elements": elements})
+            rows.append({"name": f"{peer} {key}", "loader": peer, "n": n_peer,
+                         "elements": elements})
     n_batched = 12_800 if quick else 51_200
     rows.append({"name": "zephon 4kib batch256 defaults", "loader": "zephon", "n": n_batched,
                  "elements": SMALL, "kw": {"batch": 256}})
