@@ -223,3 +223,12 @@ def batch_fails_at_4(batch):
     if 4 in np.asarray(batch["id"]).tolist():
         raise ValueError("the batch with sample 4 fails")
     return batch
+
+
+def slow_0_kill_1(s):
+    """Sample 0 takes 4 s; sample 1 kills its worker (SIGKILL) every time it is run."""
+    if s == 0:
+        _time.sleep(4.0)
+    elif s == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return s

@@ -313,3 +313,18 @@ def test_an_earlier_stage_error_never_overtakes_a_later_stages_results(runner, c
         for b in pipe:
             got.append(np.asarray(b["id"]).tolist())
     assert got == [[0, 1], [2, 3]]
+
+
+def test_a_crash_past_its_retries_is_raised_after_the_results_before_it():
+    # Sample 1 kills its worker on every try while sample 0 is still running on the
+    # other worker. The crash error waits for its place: sample 0 arrives first. (Raised
+    # from the executor at once, it dropped sample 0.)
+    pipe = Pipeline(sources.from_sequence(list(range(6))), shuffle=False, chunk_size=1) \
+        .map(F.slow_0_kill_1, parallelism=2) \
+        .options(RuntimeOptions(runner="process", max_workers=2, max_worker_retries=1))
+    got = []
+    with pytest.raises(WorkerCrashedError,
+                       match=r"sequence \d+ of lane 0 killed its worker 2 times"):
+        for x in pipe:
+            got.append(x)
+    assert got == [0]

@@ -190,9 +190,7 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
             buffer.push(done_seq, result)
         else:
             if isinstance(result, TaskFailed):
-                if result.done:
-                    yield result.done
-                raise result.error
+                yield from _failed(result)
             yield result
             buffer.push(done_seq, None)  # keeps markers in place; None is skipped below
 
@@ -203,10 +201,15 @@ def _in_order(buffer) -> Iterator:
     result before it), whatever order the workers finished."""
     for result in buffer.pop_ready():
         if isinstance(result, TaskFailed):
-            if result.done:
-                yield result.done
-            raise result.error
+            yield from _failed(result)
         yield result
+
+
+def _failed(result: TaskFailed) -> Iterator:
+    """What a failed unit made before its failing sample, then its error."""
+    if result.done:
+        yield result.done
+    raise result.error
 
 
 class _Feeder:

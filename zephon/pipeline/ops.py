@@ -342,11 +342,6 @@ class MapOp(Op):
             raise _op_error(self, r, exc) from exc
         return Record(value, r.ids, r.pos)
 
-    def apply(self, records: list, seed: int) -> list:
-        """:meth:`apply_one` over ``records``, dropped samples left out."""
-        return [out for out in map(self.apply_one, records, [seed] * len(records))
-                if out is not None]
-
 
 class FilterOp(MapOp):
     kind = "filter"
