@@ -27,6 +27,7 @@ same lanes.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import numpy as np
@@ -38,6 +39,7 @@ __all__ = [
     "ReadUnit",
     "batched_units",
     "epoch_order",
+    "epoch_slice",
     "grouped_units",
     "lane_chunk_count",
     "lane_length",
@@ -128,6 +130,21 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     return np.random.default_rng([seed, 0xE9, epoch]).permutation(n).astype(np.int64)
 
 
+def epoch_slice(n: int, seed: int, epoch: int, shuffle: bool, start: int,
+                stop: int) -> np.ndarray:
+    """Positions ``[start, stop)`` of epoch ``epoch``'s visiting order of ``n`` samples,
+    as int64 source indices (``epoch_order(...)[start:stop]``)."""
+    stop = min(stop, n)
+    if not shuffle:
+        return np.arange(start, max(start, stop), dtype=np.int64)
+    return _cached_order(n, seed, epoch)[start:stop]
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    return epoch_order(n, seed, epoch, True)
+
+
 def lane_chunk_count(n: int, chunk_size: int, lanes: int, lane: int) -> int:
     chunks = -(-n // chunk_size)
     return 0 if lane >= chunks else -(-(chunks - lane) // lanes)
@@ -161,12 +178,12 @@ def lane_units(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int, la
         count = lane_chunk_count(n, chunk_size, lanes, lane)
         if count == 0 and num_epochs is None:
             return  # an empty lane stays empty: never spin through endless epochs
-        order = epoch_order(n, seed, epoch, shuffle) if count else np.empty(0, np.int64)
         for k in range(k0, count):
             if k == k0 or (flush_every and k % flush_every == 0):
                 yield Boundary(epoch, k)
             j = lane + k * lanes
-            indices = order[j * chunk_size + offset:(j + 1) * chunk_size]
+            indices = epoch_slice(n, seed, epoch, shuffle, j * chunk_size + offset,
+                                  (j + 1) * chunk_size)
             yield ReadUnit(epoch, k * chunk_size + offset, indices)
             offset = 0
         epoch, k0, offset = epoch + 1, 0, 0
