@@ -23,7 +23,7 @@ import zstandard
 import _pipeline_fns
 from zephon import CheckpointError, Pipeline, RuntimeOptions, sources
 from zephon.checkpoint.codec import (
-    MAX_DECODED_BYTES, MAX_DEPTH, MAX_ITEMS, decode_state, encode_state,
+    MAX_DECODED_BYTES, MAX_DEPTH, MAX_ITEMS, VERSION, decode_state, encode_state,
 )
 
 PAIRS = [(s, c) for s in ("msgpack", "json") for c in ("none", "zstd")]
@@ -32,8 +32,9 @@ COMP = {"none": 0, "zstd": 1}
 
 
 def envelope(payload: bytes, serializer: int, compressor: int, raw_len: int, *,
-             version: int = 2) -> bytes:
-    """A version-2 envelope with a correct BLAKE2b-128 over magic+header+payload."""
+             version: int = VERSION) -> bytes:
+    """An envelope (this format version unless told) with a correct BLAKE2b-128 over
+    magic+header+payload."""
     body = struct.pack(">8sBBBBQQ", b"ZEPHONCK", version, serializer, compressor, 0,
                        len(payload), raw_len) + payload
     return body + hashlib.blake2b(body, digest_size=16).digest()
@@ -98,7 +99,7 @@ def test_version_one_checkpoint_is_named():
     # The version-1 layout: magic, version, serializer, compressor, payload; no checksum.
     old = b"ZEPHONCK" + bytes([1, 0, 1]) + zstandard.ZstdCompressor().compress(
         msgpack.packb({"lanes": {}}))
-    with pytest.raises(CheckpointError, match=r"version 1 .*reads version 2"):
+    with pytest.raises(CheckpointError, match=r"version 1 .*reads version 3"):
         decode_state(old)
     with pytest.raises(CheckpointError, match="version 9"):
         decode_state(b"ZEPHONCK\x09" + bytes(60))
@@ -133,7 +134,7 @@ def test_crafted_envelopes_with_valid_checksums_are_refused(serializer):
         decode_state(envelope(ok, SER[serializer], 0, MAX_DECODED_BYTES + 1))
     with pytest.raises(CheckpointError, match="unknown serializer"):
         decode_state(envelope(ok, 7, 0, len(ok)))
-    body = struct.pack(">8sBBBBQQ", b"ZEPHONCK", 2, SER[serializer], 0, 0, 2**40,
+    body = struct.pack(">8sBBBBQQ", b"ZEPHONCK", VERSION, SER[serializer], 0, 0, 2**40,
                        len(ok)) + ok
     with pytest.raises(CheckpointError, match="payload length"):
         decode_state(body + hashlib.blake2b(body, digest_size=16).digest())

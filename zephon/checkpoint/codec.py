@@ -1,10 +1,10 @@
 """Checkpoint bytes: a self-describing, versioned, checksummed envelope around a state dict.
 
-Format version 2 (all integers big-endian)::
+Format version 3 (all integers big-endian)::
 
     offset  size  field
     0       8     magic b"ZEPHONCK"
-    8       1     format version (2)
+    8       1     format version (3)
     9       1     serializer (0 msgpack, 1 json)
     10      1     compressor (0 none, 1 zstd)
     11      1     reserved, 0
@@ -25,8 +25,11 @@ costs more memory than the bounds below.
   to gigabytes is refused after at most the bound is produced). The decoded value has
   at most :data:`MAX_ITEMS` elements in all and nests at most :data:`MAX_DEPTH` deep.
 - Every failure is a :class:`~zephon.errors.CheckpointError` saying what is wrong;
-  nothing is partially decoded. A checkpoint of format version 1 (no checksum) is
-  refused with its version named.
+  nothing is partially decoded. A checkpoint of an older format version is refused
+  with its version named: version 1 had no checksum; version 2 has the same envelope
+  but holds a state of the previous stream definition (partial batches at every flush
+  boundary, no carry across boundaries, every run from epoch 0), which no restore
+  could continue as the same stream.
 
 msgpack integers wider than 64 bits (a NumPy PCG64 state has them) travel as an
 extension type; JSON carries them natively. The schema of the pipeline state inside
@@ -57,7 +60,15 @@ __all__ = [
 ]
 
 MAGIC = b"ZEPHONCK"
-VERSION = 2
+VERSION = 3
+#: why an older format version cannot be read
+_OLDER = {
+    1: " (written by an earlier zephon, without a checksum); re-create the checkpoint "
+       "with this version",
+    2: ": the state is from the previous stream definition (partial batches at every "
+       "flush boundary, each run from epoch 0) and cannot be restored as the same stream; "
+       "start the run again from the beginning",
+}
 #: Largest serialized state accepted (and written). A pipeline state of 4096 lanes is
 #: about 40 KB serialized; 16 MiB leaves room for any real state.
 MAX_DECODED_BYTES = 16 << 20
@@ -97,7 +108,7 @@ def _ext_hook(code, data):
 
 
 def encode_state(state: dict, serializer: str = "msgpack", compressor: str = "zstd") -> bytes:
-    """Encode a state dict into checkpoint bytes (format version 2).
+    """Encode a state dict into checkpoint bytes (format version 3).
 
     Args:
         state: a dict of str/int/float/bool/None, lists, tuples (stored as lists) and
@@ -173,8 +184,7 @@ def decode_state(data: Any) -> dict:
                               f"{len(data)} bytes)")
     version = data[len(MAGIC)]
     if version != VERSION:
-        hint = (" (written by an earlier zephon, without a checksum); re-create the "
-                "checkpoint with this version") if version == 1 else ""
+        hint = _OLDER.get(version, "")
         raise CheckpointError(f"checkpoint format version {version}{hint}; this zephon "
                               f"reads version {VERSION}")
     if len(data) < _HEADER.size + _CHECKSUM_BYTES:

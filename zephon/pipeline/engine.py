@@ -9,7 +9,8 @@ parallel stage gets a runner (``per_stage_runner`` > ``runner`` > auto:
 cap (``worker_allocation``), and a lookahead depth in units per lane
 (``per_stage_prefetch`` > ``default_stage_prefetch``). The flush cadence K
 comes from :func:`~zephon.options.resolve_flush_every_k_chunks` and is part of
-the pipeline's identity (it decides where partial batches fall).
+the pipeline's identity (it decides where a replay can start; batches stay full
+across it).
 
 Engine
 ------
@@ -28,13 +29,16 @@ Every delivered item carries the lane state a restore would continue from
   again, so the cost of a resume does not depend on where in the epoch it was
   taken.
 - **replay** (a shuffle buffer or a packer carries history across samples):
-  ``(epoch, k, since, total)``, the segment (boundary) the item belongs to and
-  how many items the lane produced since it. A restore replays the lane from
-  that boundary (at most ``flush_every_k_chunks`` lane chunks back) and drops
-  ``since`` items.
+  ``(epoch, k, since, total, *carry)``, the segment (boundary) the item belongs
+  to, how many items the lane produced since it, and what the accumulators held
+  at the boundary (:mod:`zephon.pipeline.carry`). A restore rebuilds those held
+  records, replays the lane from that boundary (at most
+  ``flush_every_k_chunks`` lane chunks back) and drops ``since`` items.
 
-``total`` counts the lane's items since the start of the run; it gives
-``meta["lane_index"]`` and the tail's order. The tail is strict lane round
+``total`` counts the lane's items since the start of the run (its pass, see
+:class:`~zephon.pipeline.Pipeline`); it gives ``meta["lane_index"]`` and the
+tail's order. A run covers the epochs ``[start_epoch, pass end)``: lanes
+without a state start at ``start_epoch``'s beginning. The tail is strict lane round
 robin: the lane that has produced the fewest items goes next, lowest id first.
 After a restore the lanes behind are first brought level (at most one item
 each, since every rank emits in round robin), then the ``LaneRoundRobin``
@@ -73,7 +77,10 @@ from zephon.pipeline.lanes import (
     lane_units,
     owned_lanes,
 )
-from zephon.pipeline.ops import Batch, BatchOp, Boundary, MapOp, PackTokensOp
+from zephon.pipeline.carry import Rebuilder, carry_bounds, carry_layout, decode_carry, \
+    encode_carry, held_units
+from zephon.pipeline.ops import Batch, BatchOp, Boundary, MapOp, PackTokensOp, \
+    _made_lineage, _pos_lineage
 from zephon.pipeline.program import StageProgram, batches_per_message
 from zephon.pipeline.stats import RunStats
 from zephon.runners import InlineExecutor, ProcessExecutor, ThreadExecutor
@@ -82,7 +89,16 @@ from zephon.transport.pool import default_arena_bytes
 #: tasks a process stage's pool keeps in flight per worker
 INFLIGHT_PER_WORKER = 4
 
-__all__ = ["Engine", "Plan", "accumulate", "cursor_state", "ordered_map", "replay_state"]
+
+def _held_records(rebuild, step: int, held: list, pieces: bool):
+    """A callable rebuilding what the accumulator at ``step`` held (records, or a packer's
+    ``(record, a, b)`` pieces), called when the replay reaches it."""
+    if pieces:
+        return lambda: [rebuild.piece(step, m) for m in held]
+    return lambda: [rebuild.record(step, m) for m in held]
+
+__all__ = ["Engine", "Plan", "accumulate", "cursor_state", "ordered_map",
+           "replay_state"]
 
 
 def cursor_state(epoch: int, pos: int, total: int) -> tuple[int, int, int]:
@@ -91,10 +107,11 @@ def cursor_state(epoch: int, pos: int, total: int) -> tuple[int, int, int]:
     return (epoch, pos, total)
 
 
-def replay_state(epoch: int, k: int, since: int, total: int) -> tuple[int, int, int, int]:
-    """Lane state under replay: replay from boundary ``(epoch, k)`` and drop the ``since``
-    items already delivered from it; ``total`` items were delivered from the lane so far."""
-    return (epoch, k, since, total)
+def replay_state(epoch: int, k: int, since: int, total: int, carry: tuple = ()) -> tuple:
+    """Lane state under replay: replay from boundary ``(epoch, k)`` with the accumulators
+    holding ``carry`` (encoded, :mod:`zephon.pipeline.carry`) and drop the ``since`` items
+    already delivered from it; ``total`` items were delivered from the lane so far."""
+    return (epoch, k, since, total, *carry)
 
 
 class Stage:
@@ -163,6 +180,9 @@ class Plan:
         #: preserves cursor order; replay from flush boundaries otherwise
         self.cursor_resume = preserves
         self.flush_every = resolve_flush_every_k_chunks(opts, preserves)
+        #: replay states record what the accumulators hold at their boundary (cursor
+        #: states need nothing: a batch is empty right after it emits)
+        self.carry_layout = [] if preserves else carry_layout(self)
         self.lanes = resolve_canonical_replicas(opts)
         self.dp = resolve_dp_degree(opts)
         self.group = resolve_dp_group_id(opts)
@@ -203,6 +223,13 @@ class Plan:
     def runners(self) -> set[str]:
         return {s.runner for s in self.stages}
 
+    def pass_end(self, start_epoch: int) -> int | None:
+        """The end (exclusive) of the pass that epoch ``start_epoch`` belongs to: a pass
+        is ``num_epochs`` epochs, pass ``q`` covers ``[q * k, (q + 1) * k)``; None for
+        ``num_epochs=None`` (for ever)."""
+        k = self.pipeline.num_epochs
+        return None if k is None else (start_epoch // k + 1) * k
+
     def lane_length(self, lane: int) -> int:
         """Samples one epoch deals to ``lane``."""
         p = self.pipeline
@@ -234,10 +261,11 @@ class Plan:
             resume = ("resume: replay from the last flush boundary (an op carries history "
                       "across samples)")
         if self.flush_every:
-            flush = (f"flush: every {self.flush_every} chunks of a lane "
-                     "(accumulators drain; replay boundaries)")
+            flush = (f"flush: every {self.flush_every} chunks of a lane and at each "
+                     "epoch start (resume points: batches stay full across them)")
         else:
-            flush = "flush: at each epoch start (accumulators drain)"
+            flush = ("flush: at each epoch start (resume points: batches stay full across "
+                     "them)")
         lines += [f"  {resume}", f"  {flush}",
                   f"  tail prefetch: {self.prefetch} item(s)"
                   + (f"; MTP subprocess, buffer {resolve_mtp_buffer(o)}" if o.mtp_mode else "")]
@@ -291,9 +319,17 @@ def _workers_why(opts, runner: str, parallelism: int, workers: int) -> str:
 
 
 def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
-               node: str = "") -> Iterator:
-    """The serial accumulator of ``op`` over one lane: restarted (seeded from the lane and
-    the boundary) at every Boundary, after draining what it held."""
+               node: str = "", *, capture: bool = False, tracks: bool = False,
+               made_input: bool = False, held=None) -> Iterator:
+    """The serial accumulator of ``op`` over one lane, started (seeded from the lane and the
+    boundary) at the lane's first Boundary. At every later Boundary it hands on what it
+    gives up there (a shuffle drains; a batch or a packer keeps what it holds), and with
+    ``capture`` adds the lineage of what it holds to the marker's carry.
+
+    ``tracks``: the records it makes record their lineage (a later accumulator may hold
+    them); ``made_input``: its input records were made by an accumulator (their lineage
+    is ``lin``, else ``pos``); ``held``: a callable giving what a restore puts back into
+    it at the first Boundary (rebuilt records or pieces)."""
     timer = time.perf_counter if stats is not None else None
     state: Any = None  # the op's accumulator, from the lane's first Boundary on
     out: list
@@ -302,13 +338,20 @@ def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
             continue
         t = timer() if timer else 0.0
         if isinstance(unit, Boundary):
-            out = state.drain() if state is not None else []
-            state = op.start(seed, lane, unit)
+            if state is None:
+                state, out = op.start(seed, lane, unit), []
+                if state.carries:
+                    state.lineage = _made_lineage if made_input else _pos_lineage
+                    state.tracks = tracks
+                    if held is not None:
+                        state.load(held())
+            else:
+                out = state.boundary(unit)
             if timer:
                 stats.serial(node, 0, len(out), timer() - t)
             if out:
                 yield out
-            yield unit
+            yield unit._replace(carry=unit.carry + (state.carry(),)) if capture else unit
             continue
         out = state.push(unit)
         if timer:
@@ -326,13 +369,16 @@ def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
 class Engine:
     """Runs a plan for this rank's lanes from the given delivered lane states."""
 
-    def __init__(self, plan: Plan, states: dict[int, tuple]) -> None:
+    def __init__(self, plan: Plan, states: dict[int, tuple], start_epoch: int = 0) -> None:
         self.plan, self.states = plan, dict(states)
+        #: the run covers epochs [start_epoch, end_epoch): lanes without a state start at
+        #: start_epoch's beginning
+        self.start_epoch, self.end_epoch = start_epoch, plan.pass_end(start_epoch)
         p, o = plan.pipeline, plan.opts
         mode = str(o.execution_tracking)
         self.stats = None if mode == "off" else RunStats(mode, o.metrics_sink_config)
-        program = StageProgram(p.source, [s.ops for s in plan.stages], p.seed,
-                               [s.collates for s in plan.stages])
+        self.program = program = StageProgram(p.source, [s.ops for s in plan.stages], p.seed,
+                                              [s.collates for s in plan.stages])
         self.executors = {}
         try:
             for stage in plan.stages:
@@ -357,16 +403,22 @@ class Engine:
         """``(record, lane state after it)`` for every item of ``lane`` from its state."""
         plan, p = self.plan, self.plan.pipeline
         state = self.states.get(lane)
-        n = len(p.source)
+        n, end = len(p.source), self.end_epoch
         if plan.cursor_resume:
-            epoch, pos, total = state if state else (0, 0, 0)
+            epoch, pos, total = state if state else (self.start_epoch, 0, 0)
             it = lane_units(n, p.seed, p.permute, p.chunk_size, plan.lanes, lane,
-                            plan.flush_every, p.num_epochs, Boundary(epoch, 0), pos)
-            return self._cursor_stream(self._chain(it, lane), lane, total)
-        replay = state if state else (0, 0, 0, 0)
+                            plan.flush_every, end, Boundary(epoch, 0), pos)
+            return self._cursor_stream(self._chain(it, lane, None), lane, total)
+        replay = tuple(state) if state else (self.start_epoch, 0, 0, 0)
+        held = None
+        if len(replay) > 4:
+            held = decode_carry(plan.carry_layout, list(replay[4:]), f"lane {lane}",
+                                carry_bounds(plan, lane, replay[0], replay[1],
+                                             self.start_epoch))
         it = lane_units(n, p.seed, p.permute, p.chunk_size, plan.lanes, lane,
-                        plan.flush_every, p.num_epochs, Boundary(replay[0], replay[1]))
-        return self._replay_stream(self._chain(it, lane), lane, replay)
+                        plan.flush_every, end, Boundary(replay[0], replay[1]))
+        return self._replay_stream(self._chain(it, lane, held, Boundary(replay[0], replay[1])),
+                                   lane, replay, plan.carry_layout)
 
     @staticmethod
     def _cursor_stream(it: Iterator, lane: int, total: int) -> Iterator:
@@ -379,17 +431,18 @@ class Engine:
                 yield record, (lane, (epoch, pos + 1, total))
 
     @staticmethod
-    def _replay_stream(it: Iterator, lane: int, state: tuple) -> Iterator:
-        epoch, k, skip, total = state
+    def _replay_stream(it: Iterator, lane: int, state: tuple, layout: list) -> Iterator:
+        epoch, k, skip, total = state[:4]
         total -= skip
-        boundary, since, opened = Boundary(epoch, k), 0, False
+        boundary, since, opened = (epoch, k, *state[4:]), 0, False
         for unit in it:
             if unit is None:
                 continue
             if isinstance(unit, Boundary):
                 if skip and opened:
                     break  # the segment ended before what the state says was delivered
-                boundary, since, opened = unit, 0, True
+                carry = encode_carry(layout, unit.carry) if layout else ()
+                boundary, since, opened = (unit.epoch, unit.k, *carry), 0, True
                 continue
             for record in unit:
                 since += 1
@@ -397,7 +450,7 @@ class Engine:
                 if skip:
                     skip -= 1
                     continue
-                yield record, (lane, (boundary.epoch, boundary.k, since, total))
+                yield record, (lane, (*boundary[:2], since, total, *boundary[2:]))
         if skip:
             raise CheckpointError(
                 f"lane {lane}: the restored state says {state[2]} item(s) of the segment at "
@@ -405,25 +458,47 @@ class Engine:
                 f"produced only {state[2] - skip}: the state does not belong to this pipeline "
                 "and data")
 
-    def _chain(self, it: Iterator, lane: int) -> Iterator:
+    def _chain(self, it: Iterator, lane: int, held: list | None,
+               start: Boundary | None = None) -> Iterator:
+        """The lane's generator chain; ``held``: the decoded carry of the boundary
+        ``start`` a replay starts at (what each carrying accumulator held there)."""
         plan, stats = self.plan, self.stats
+        capture = bool(plan.carry_layout)
+        slots = list(held) if held is not None else None
+        rebuild = Rebuilder(plan, self.program, lane) if slots else None
         if plan.fused_batch is not None:
-            it = batched_units(it, plan.fused_batch.size, plan.fused_batch.drop_last)
+            units = None
+            if slots:
+                count = slots.pop(0)
+                assert start is not None
+                units = held_units(plan, lane, start.epoch, start.k, count)
+            it = batched_units(it, plan.fused_batch.size, plan.fused_batch.drop_last,
+                               units, capture)
             it = grouped_units(it, batches_per_message(
                 plan.pipeline.source, plan.fused_batch.size, plan.stages[0]))
+        carriers = [i for i, (kind, what) in enumerate(plan.steps)
+                    if kind == "serial" and isinstance(what, (BatchOp, PackTokensOp))]
         for step_no, (kind, what) in enumerate(plan.steps):
             if kind == "stage":
                 it = ordered_map(self.executors[what], plan.stages[what], it, lane,
                                  plan.opts.deterministic, stats)
-            else:
-                node_stats = stats if stats is not None and stats.nodes_enabled else None
-                it = accumulate(what, it, plan.pipeline.seed, lane, node_stats,
-                                f"serial{step_no}_{what.kind}")
+                continue
+            node_stats = stats if stats is not None and stats.nodes_enabled else None
+            carries = step_no in carriers
+            restore = None
+            if carries and slots:
+                restore = _held_records(rebuild, step_no, slots.pop(0),
+                                        isinstance(what, PackTokensOp))
+            it = accumulate(what, it, plan.pipeline.seed, lane, node_stats,
+                            f"serial{step_no}_{what.kind}", capture=capture and carries,
+                            tracks=capture and any(c > step_no for c in carriers),
+                            made_input=any(c < step_no for c in carriers), held=restore)
         return it
 
     def items(self) -> Iterator:
         """``(value, (lane, lane state))`` in the rank's round-robin order."""
         owned = self.plan.owned
+        total_at = self._total_at
         streams = {lane: self.lane_stream(lane) for lane in owned}
         produced = {lane: self._total(lane) for lane in owned}
         live = set(owned)
@@ -439,7 +514,7 @@ class Engine:
             if isinstance(value, Batch):  # its raw meta: reading .meta would make the ids
                 meta = value._meta
                 meta["lane"] = lane
-                meta["lane_index"] = stamp[1][-1] - 1
+                meta["lane_index"] = stamp[1][total_at] - 1
             return value, stamp
 
         # Catch-up: after a restore, lanes that delivered one item less than the others go
@@ -463,9 +538,14 @@ class Engine:
             for _, ready in rotation.pop_ready():
                 yield ready
 
+    @property
+    def _total_at(self) -> int:
+        """Where a lane state holds the lane's item count (``total``)."""
+        return 2 if self.plan.cursor_resume else 3
+
     def _total(self, lane: int) -> int:
         state = self.states.get(lane)
-        return state[-1] if state else 0
+        return state[self._total_at] if state else 0
 
     def close(self) -> None:
         if self.stats is not None:

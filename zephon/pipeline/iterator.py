@@ -33,6 +33,15 @@ Lifecycle
   ``multiprocessing`` joins its children (so no zephon process can make the
   interpreter wait).
 
+Where a run starts and ends (its :class:`RunRecord`): a run covers one *pass*
+of the pipeline (``num_epochs`` epochs from ``start_epoch``, see
+:class:`~zephon.pipeline.Pipeline`), from the lane states it was given. When it
+reaches the end of its stream its record says ``finished`` (the pipeline's next
+run is then the next pass). A run that starts from lane states and finds
+nothing left (the previous run delivered the pass's last item without being
+asked for one more) goes on with the next pass at once, so a new run always
+continues after the last item delivered.
+
 Nothing on the pump side refers to the iterator: the thread holds only the
 hand-off and the engine's item generator, so a dropped iterator is
 collected by reference counting, without waiting for the cycle collector.
@@ -51,7 +60,7 @@ from zephon.checkpoint import decode_state
 from zephon.options import resolve_mtp_prefetch
 from zephon.pipeline.dispatch import approx_nbytes
 from zephon.pipeline.engine import Engine
-from zephon.pipeline.state import check_state, local_state
+from zephon.pipeline.state import RunStart, check_run, local_state
 
 __all__ = ["Handoff", "HandoffClosed", "PipelineIterator", "RunRecord"]
 
@@ -77,15 +86,22 @@ atexit.register(_close_live_iterators)
 
 
 class RunRecord:
-    """What a pipeline remembers of a run: delivered lane states, the statistics and the
-    MTP final state."""
+    """What a pipeline remembers of a run: delivered lane states, the epoch the run
+    started at, whether it reached the end of its pass, the statistics and the MTP final
+    state."""
 
-    __slots__ = ("final_state", "states", "stats")
+    __slots__ = ("final_state", "finished", "start_epoch", "states", "stats")
 
-    def __init__(self, states: dict | None = None) -> None:
+    def __init__(self, states: dict | None = None, start_epoch: int = 0) -> None:
         self.states: dict[int, tuple] = dict(states or {})
+        self.start_epoch = start_epoch
+        self.finished = False  # the run reached the end of its pass
         self.final_state: bytes | None = None
         self.stats: Any = None  # the run's RunStats while it runs with tracking on
+
+    def start(self) -> RunStart:
+        """Where the run's states say a run goes on."""
+        return RunStart(dict(self.states), self.start_epoch)
 
 
 class _Failure:
@@ -220,12 +236,13 @@ def _pump(source, out: Handoff, nice: int = 0, sized: bool = False) -> None:
 class _EngineFactory:
     """What the MTP subprocess runs: the same pipeline, its engine in-process there."""
 
-    def __init__(self, spec) -> None:
-        self.spec = spec
+    def __init__(self, spec, start_epoch: int = 0) -> None:
+        self.spec, self.start_epoch = spec, start_epoch
 
     def __call__(self, states: dict):
         spec = self.spec._with(runtime=self.spec.runtime.replace(mtp_mode=False))
-        engine = Engine(spec.plan(), {int(k): tuple(v) for k, v in states.items()})
+        engine = Engine(spec.plan(), {int(k): tuple(v) for k, v in states.items()},
+                        self.start_epoch)
         return _ClosingItems(engine)
 
 
@@ -284,21 +301,24 @@ class PipelineIterator:
         self.remote: Any = None  # the MTP subprocess's end (MtpSource), in MTP mode
         self.thread: threading.Thread | None = None
         self.handoff: Handoff | None = None
+        self._fresh = True  # nothing delivered since the run (re)started
         self._start()
 
     # -- running ---------------------------------------------------------------------------
     def _start(self) -> None:
         plan, opts = self.plan, self.plan.opts
         states = dict(self.record.states)
+        self._fresh = True
         if opts.mtp_mode:
             from zephon.runners.mtp import MtpSource
 
-            self.remote = MtpSource(_EngineFactory(self.pipeline._spec()), states, opts)
+            self.remote = MtpSource(_EngineFactory(self.pipeline._spec(),
+                                                   self.record.start_epoch), states, opts)
             self._source = self.remote.items()
             depth = resolve_mtp_prefetch(opts)
             threaded = depth > 0
         else:
-            self.engine = Engine(plan, states)
+            self.engine = Engine(plan, states, self.record.start_epoch)
             self.record.stats = self.engine.stats
             self._source = self.engine.items()
             threaded = plan.runners != {"inline"}
@@ -330,16 +350,58 @@ class PipelineIterator:
                     raise StopIteration from None
         except StopIteration:
             self.close()
+            if self._next_pass():
+                return self.__next__()
+            self.record.finished = True
             self._finished()
             raise
         except BaseException:
             self.close()
             raise
         self.record.states[lane] = state
+        self._fresh = False
         engine = self.engine
         if engine is not None and engine.stats is not None and engine.stats.nodes_enabled:
             engine.stats.delivered()
         return value
+
+    def _next_pass(self) -> bool:
+        """A run that started from lane states and found nothing left goes on with the
+        next pass (True: restarted there)."""
+        record = self.record
+        end = self.plan.pass_end(record.start_epoch)
+        if not self._fresh or not record.states or end is None:
+            return False
+        self._restart(RunStart({}, end))
+        return True
+
+    def _restart(self, start: RunStart) -> None:
+        """Stop the current run and start one from ``start``."""
+        self.close()
+        record = self.record
+        record.states, record.start_epoch = dict(start.states), start.start_epoch
+        record.finished = False
+        self._start()
+
+    def rewind(self, delivered: dict[int, tuple]) -> None:
+        """Record ``delivered`` (from :meth:`delivered`) as what this run delivered: a
+        wrapper that took items ahead of its consumer (a prefetching thread) and is
+        closing says where its consumer really is, so that the pipeline's next run
+        continues there (and not after the items the wrapper dropped).
+
+        Args:
+            delivered: positions from :meth:`delivered`.
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence(list(range(5))), shuffle=False)
+            >>> it = iter(pipe)
+            >>> seen = it.delivered(); _ = next(it), next(it)   # taken ahead, not used
+            >>> it.rewind(seen); it.close()
+            >>> list(pipe)
+            [0, 1, 2, 3, 4]
+        """
+        self.record.states = dict(delivered)
+        self.record.finished = False
 
     def _finished(self) -> None:
         opts = self.plan.opts
@@ -400,7 +462,8 @@ class PipelineIterator:
         from zephon.checkpoint import exchange_state
 
         states = self.record.states if delivered is None else delivered
-        local = local_state(self.plan, self.pipeline.fingerprint(), states)
+        local = local_state(self.plan, self.pipeline.fingerprint(), states,
+                            self.record.start_epoch)
         return exchange_state(local, self.plan.opts, self.pipeline._next_round())
 
     def restore(self, state: bytes) -> None:
@@ -426,10 +489,7 @@ class PipelineIterator:
             >>> list(it)
             [0, 1, 2, 3, 4]
         """
-        states = check_state(decode_state(state), self.plan, self.pipeline.fingerprint())
-        self.close()
-        self.record.states = states
-        self._start()
+        self._restart(check_run(decode_state(state), self.plan, self.pipeline.fingerprint()))
 
     def stats(self) -> dict:
         """Execution statistics of this run.

@@ -12,12 +12,20 @@ it). A lane's unit stream is ``Boundary(e, k)`` markers and :class:`ReadUnit`
 s (source indices of one epoch with the lane position of the first one). A
 Boundary opens every ``K``-th lane chunk of an epoch (``K =
 flush_every_k_chunks``; ``K = 0``: only at the start of each epoch) and
-wherever the stream starts.
+wherever the stream starts. A boundary is a resume point, not a cut: nothing
+downstream forms a short batch there.
 
-:func:`lane_units` starts at a boundary (replay: every op sees a segment from
-its start) or at any lane position (cursor resume: for lanes whose ops all
-preserve cursor order, reading resumes right after the last delivered sample;
-nothing before it is read again).
+:func:`lane_units` runs the epochs ``[start epoch, end_epoch)`` of one run (a
+*pass*, see :class:`~zephon.pipeline.Pipeline`); it starts at a boundary
+(replay: every op sees a segment from its start) or at any lane position
+(cursor resume: for lanes whose ops all preserve cursor order, reading resumes
+right after the last delivered sample; nothing before it is read again).
+
+:func:`batched_units` (the fused ``read -> map* -> batch``) cuts the lane into
+units of exactly one micro-batch, across boundaries and epoch starts: a batch
+of two epochs is a :class:`ReadParts`. At a boundary it holds fewer than
+``size`` samples, always the lane positions just before the boundary, so its
+carry is their count (:func:`positions_before` reads them back on a restore).
 
 Ownership: the dp group ``g`` of ``G`` owns the lanes of ``g``'s contiguous block
 (``mapping_strategy="contiguous"``, blocks as equal as possible) or the lanes
@@ -36,6 +44,7 @@ from zephon.pipeline.ops import Boundary
 
 __all__ = [
     "BatchGroup",
+    "ReadParts",
     "ReadUnit",
     "batched_units",
     "epoch_order",
@@ -43,8 +52,10 @@ __all__ = [
     "grouped_units",
     "lane_chunk_count",
     "lane_length",
+    "lane_source_index",
     "lane_units",
     "owned_lanes",
+    "positions_before",
 ]
 
 
@@ -75,6 +86,33 @@ class ReadUnit:
 
     def __repr__(self) -> str:
         return f"ReadUnit(epoch={self.epoch}, start={self.start}, n={len(self.indices)})"
+
+
+class ReadParts:
+    """One micro-batch whose samples belong to several epochs (it straddles an epoch
+    start): its :class:`ReadUnit` parts, in lane order, read one after the other."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+
+    @property
+    def epoch(self) -> int:
+        return self.parts[0].epoch
+
+    @property
+    def start(self) -> int:
+        return self.parts[0].start
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    def __reduce__(self):
+        return (ReadParts, (self.parts,))
+
+    def __repr__(self) -> str:
+        return f"ReadParts({self.parts!r})"
 
 
 class BatchGroup:
@@ -159,24 +197,63 @@ def lane_length(n: int, chunk_size: int, lanes: int, lane: int) -> int:
     return (count - 1) * chunk_size + min(chunk_size, n - last * chunk_size)
 
 
+def lane_source_index(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int,
+                      lane: int, epoch: int, pos: int) -> int:
+    """The source index at lane position ``pos`` of ``epoch`` on ``lane``."""
+    k, offset = divmod(pos, chunk_size)
+    first = (lane + k * lanes) * chunk_size + offset
+    return int(epoch_slice(n, seed, epoch, shuffle, first, first + 1)[0])
+
+
+def _lane_reads(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int, lane: int,
+                epoch: int, start: int, stop: int) -> list:
+    """Read units of lane positions ``[start, stop)`` of ``epoch`` (one per lane chunk)."""
+    out = []
+    while start < stop:
+        k, offset = divmod(start, chunk_size)
+        take = min(stop - start, chunk_size - offset)
+        first = (lane + k * lanes) * chunk_size + offset
+        out.append(ReadUnit(epoch, start, epoch_slice(n, seed, epoch, shuffle, first,
+                                                      first + take)))
+        start += take
+    return out
+
+
+def positions_before(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int,
+                     lane: int, epoch: int, pos: int, count: int) -> list:
+    """Read units of the ``count`` lane positions just before position ``pos`` of
+    ``epoch``, in lane order (back across epoch starts when needed); fewer when the lane
+    has fewer before epoch 0."""
+    length = lane_length(n, chunk_size, lanes, lane)
+    out: list = []
+    while count > 0 and epoch >= 0 and length:
+        take = min(count, pos)
+        out[:0] = _lane_reads(n, seed, shuffle, chunk_size, lanes, lane, epoch, pos - take,
+                              pos)
+        count -= take
+        epoch, pos = epoch - 1, length
+    return out
+
+
 _START = Boundary(0, 0)  # the stream of a lane from its very beginning
 
 
 def lane_units(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int, lane: int,
-               flush_every: int, num_epochs: int | None,
+               flush_every: int, end_epoch: int | None,
                start: Boundary = _START, start_pos: int | None = None) -> Iterator:
-    """The lane's units from ``start`` (a boundary), or from lane position ``start_pos``
-    of epoch ``start.epoch`` when it is given (positions past the epoch's end move on
-    to the next epoch)."""
-    epoch, k0 = start
+    """The lane's units from ``start`` (a boundary) up to the end of epoch
+    ``end_epoch - 1`` (None: for ever), or from lane position ``start_pos`` of epoch
+    ``start.epoch`` when it is given (positions past the epoch's end move on to the next
+    epoch)."""
+    epoch, k0 = start.epoch, start.k
     offset = 0
     if start_pos is not None:
         k0, offset = divmod(start_pos, chunk_size)
         if start_pos >= lane_length(n, chunk_size, lanes, lane):
             epoch, k0, offset = epoch + 1, 0, 0
-    while num_epochs is None or epoch < num_epochs:
+    while end_epoch is None or epoch < end_epoch:
         count = lane_chunk_count(n, chunk_size, lanes, lane)
-        if count == 0 and num_epochs is None:
+        if count == 0 and end_epoch is None:
             return  # an empty lane stays empty: never spin through endless epochs
         for k in range(k0, count):
             if k == k0 or (flush_every and k % flush_every == 0):
@@ -189,45 +266,51 @@ def lane_units(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int, la
         epoch, k0, offset = epoch + 1, 0, 0
 
 
-def batched_units(units: Iterator, size: int, drop_last: bool) -> Iterator:
+def _joined(parts: list):
+    """One unit of consecutive read parts: a ReadUnit when they are of one epoch."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if all(p.epoch == first.epoch for p in parts):
+        return ReadUnit(first.epoch, first.start, np.concatenate([p.indices for p in parts]))
+    runs: list = []
+    for p in parts:
+        if runs and runs[-1][-1].epoch == p.epoch:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return ReadParts([_joined(run) for run in runs])
+
+
+def batched_units(units: Iterator, size: int, drop_last: bool, held: list | None = None,
+                  track: bool = False) -> Iterator:
     """Regroup a lane's read units into units of exactly ``size`` samples, each one
-    micro-batch: within a segment (between Boundary markers) consecutive samples fill
-    batches in order; the remainder before a marker, or at the end, is a partial batch
+    micro-batch: consecutive samples fill batches in lane order, across Boundary markers
+    and epoch starts; only the remainder at the end of the stream is a partial batch
     (dropped with ``drop_last``). Exactly the batches a ``batch(size, drop_last)``
     accumulator forms from a 1:1 stream, cut before the samples are read, so that a
-    worker can read, map and collate a whole batch."""
-    parts: list = []
-    held = 0
+    worker can read, map and collate a whole batch.
 
-    def flush():
-        nonlocal parts, held
-        unit = None
-        if parts and not (drop_last and held < size):
-            first = parts[0]
-            indices = first.indices if len(parts) == 1 else \
-                np.concatenate([p.indices for p in parts])
-            unit = ReadUnit(first.epoch, first.start, indices)
-        parts, held = [], 0
-        return unit
-
+    A marker passes on before the batch it falls in; with ``track`` it records the count
+    of samples held there in its carry. ``held`` (read units) is what a restore puts
+    back: the samples the boundary it starts at held."""
+    parts: list = list(held or [])
+    count = sum(len(p) for p in parts)
     for unit in units:
         if isinstance(unit, Boundary):
-            out = flush()
-            if out is not None:
-                yield out
-            yield unit
+            yield unit._replace(carry=unit.carry + (count,)) if track else unit
             continue
         offset = 0
         while offset < len(unit):
-            take = min(size - held, len(unit) - offset)
+            take = min(size - count, len(unit) - offset)
             parts.append(unit[offset:offset + take])
-            held += take
+            count += take
             offset += take
-            if held == size:
-                yield flush()
-    out = flush()
-    if out is not None:
-        yield out
+            if count == size:
+                yield _joined(parts)
+                parts, count = [], 0
+    if parts and not (drop_last and count < size):
+        yield _joined(parts)
 
 
 def grouped_units(units: Iterator, per_group: int, first: int = 4) -> Iterator:
@@ -243,7 +326,7 @@ def grouped_units(units: Iterator, per_group: int, first: int = 4) -> Iterator:
     size = max(1, min(first, per_group))
     held: list = []
     for unit in units:
-        if isinstance(unit, ReadUnit):
+        if isinstance(unit, ReadUnit):  # a ReadParts (two epochs) travels on its own
             held.append(unit)
             if len(held) >= size:
                 yield held[0] if len(held) == 1 else BatchGroup(held)

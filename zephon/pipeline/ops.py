@@ -2,21 +2,41 @@
 
 A lane's stream is a sequence of **units** (lists of :class:`Record`) and
 :class:`Boundary` markers. A record is a value plus the identities of the
-samples it came from ``(source, index, epoch)`` and ``pos``, the lane position
+samples it came from ``(source, index, epoch)``, ``pos``, the lane position
 ``(epoch, p)`` of the last sample it consumed (what cursor resume restarts
-after). A Boundary ``(epoch, k)``
-opens a replay segment: every accumulator drains what it holds, then restarts
-with state seeded from ``(seed, lane, epoch, k)``, so a lane replayed from a
+after), and ``lin``, its *lineage* when an accumulator made it (see below).
+
+A Boundary ``(epoch, k, carry)`` opens a replay segment. It is a resume point
+only and never shows in the output: a ``shuffle`` buffer drains there and
+restarts with state seeded from ``(seed, lane, epoch, k)`` (that only orders
+samples), while ``batch`` and ``pack_tokens`` keep what they hold across it
+(and across an epoch start inside one run), so every batch is full and every
+packed row has ``seq_len`` tokens except the very last of the stream. As the
+marker passes an accumulator it collects the lineage of what that accumulator
+holds (``carry``, one entry per carrying accumulator in chain order): a batch
+remainder is at most ``size - 1`` records, a packer's the pieces of fewer than
+``seq_len`` tokens. A record's lineage is its ``pos`` for a sample (for a fused
+batch: the ``size`` lane positions ending at ``pos``), the members' lineages
+for a batch, and ``(lineage, first token, end token)`` per piece for a packed
+row. :mod:`zephon.pipeline.carry` encodes it into the checkpoint and rebuilds
+the held records from it on a restore (sources are random access, per-sample
+ops deterministic, ``ctx.rng`` seeded by identity), so a lane replayed from a
 boundary reproduces its stream exactly.
 
 Stateless ops (``map``, ``filter``, ``map_batch``) run inside a stage program,
 possibly in another process, on one unit at a time. Stateful ops run serially
 per lane in the engine: ``shuffle(buffer_size)`` (a seeded shuffle buffer),
 ``batch(microbatch_size, drop_last)`` (collates dict samples into a
-:class:`Batch`; a partial batch is emitted at a boundary, or dropped with
-``drop_last``) and ``pack_tokens(seq_len, field)`` (concatenates token arrays
-and cuts fixed-length rows, carrying the remainder; the remainder left at a
-boundary is dropped).
+:class:`Batch`; only the stream's last batch can be partial, and ``drop_last``
+drops it) and ``pack_tokens(seq_len, field, drop_remainder)`` (concatenates
+token arrays and cuts rows of ``seq_len`` tokens, carrying the remainder; the
+stream's final remainder is a last short row, dropped with
+``drop_remainder=True``).
+
+An accumulator state has ``push(records) -> emitted``, ``boundary(marker) ->
+emitted`` (what it gives up at a boundary: a shuffle's buffer), ``carry()``
+(the lineage of what it holds), ``load(held)`` (put rebuilt held records back)
+and ``drain() -> emitted`` (the end of the stream).
 
 Traits per op: ``parallelism`` (workers it asks for), ``preserves_cursor_order``
 (False for shuffle and pack_tokens: they need flush boundaries), and
@@ -61,23 +81,31 @@ __all__ = [
 
 
 class Record:
-    """A value with the identities of its samples and the lane position it ends at."""
+    """A value with the identities of its samples, the lane position it ends at and, for
+    a record an accumulator made while a later accumulator may hold it, its lineage."""
 
-    __slots__ = ("ids", "pos", "value")
+    __slots__ = ("ids", "lin", "pos", "value")
     #: a worker's shared heap may send arrays under ``value`` by reference when nothing
-    #: else holds them (zephon.transport.heap.exclusive_arrays): ids and pos hold none
+    #: else holds them (zephon.transport.heap.exclusive_arrays): ids, pos and lin hold none
     __heap_walk__ = True
 
-    def __init__(self, value: Any, ids: list, pos: tuple = (0, -1)) -> None:
-        self.value, self.ids, self.pos = value, ids, pos
+    def __init__(self, value: Any, ids: list, pos: tuple = (0, -1), lin: Any = None) -> None:
+        self.value, self.ids, self.pos, self.lin = value, ids, pos, lin
 
     def __reduce__(self):
-        return (Record, (self.value, self.ids, self.pos))
+        if self.lin is None:
+            return (Record, (self.value, self.ids, self.pos))
+        return (Record, (self.value, self.ids, self.pos, self.lin))
 
 
 class Boundary(NamedTuple):
+    """A resume point of a lane: lane chunk ``k`` of ``epoch``. ``carry`` is what the
+    accumulators it passed held there (one lineage entry per carrying accumulator,
+    appended as the marker flows down the lane)."""
+
     epoch: int
     k: int  # lane-chunk index within the epoch where the segment starts
+    carry: tuple = ()
 
 
 _FILL_LOCK = threading.RLock()
@@ -341,7 +369,7 @@ class MapOp(Op):
                 else self.fn(r.value)
         except Exception as exc:
             raise _op_error(self, r, exc) from exc
-        return Record(value, r.ids, r.pos)
+        return Record(value, r.ids, r.pos, r.lin)
 
 
 class FilterOp(MapOp):
@@ -368,7 +396,7 @@ class MapBatchOp(MapOp):
         if isinstance(r.value, Batch) and isinstance(value, dict) and \
                 not isinstance(value, Batch):
             value = Batch(value, meta=r.value.meta)
-        return Record(value, r.ids, r.pos)
+        return Record(value, r.ids, r.pos, r.lin)
 
 
 def _op_error(op: Op, record: Record, exc: BaseException) -> OpError:
@@ -380,6 +408,17 @@ def _op_error(op: Op, record: Record, exc: BaseException) -> OpError:
 
 
 # -- accumulators ----------------------------------------------------------------------------
+
+def _pos_lineage(record: Record) -> Any:
+    """The lineage of a sample record (or of a fused batch: the lane positions up to its
+    ``pos``): its lane position."""
+    return record.pos
+
+
+def _made_lineage(record: Record) -> Any:
+    """The lineage of a record an accumulator made: what it recorded on ``lin``."""
+    return record.lin
+
 
 class ShuffleOp(Op):
     kind = "shuffle"
@@ -393,14 +432,22 @@ class ShuffleOp(Op):
         return f"shuffle({self.buffer_size})"
 
     def start(self, seed: int, lane: int, boundary: Boundary) -> "_ShuffleState":
-        return _ShuffleState(self.buffer_size, np.random.default_rng(
-            [seed, 0x5F, lane, boundary.epoch, boundary.k]))
+        return _ShuffleState(self.buffer_size, seed, lane, boundary)
 
 
 class _ShuffleState:
-    def __init__(self, size: int, rng: np.random.Generator) -> None:
-        self.size, self.rng = size, rng
+    """A seeded shuffle buffer: drains at every boundary and restarts with a generator
+    seeded from it, so it never holds anything across one (no carry)."""
+
+    carries = False
+
+    def __init__(self, size: int, seed: int, lane: int, boundary: Boundary) -> None:
+        self.size, self.seed, self.lane = size, seed, lane
+        self.rng = self._rng(boundary)
         self.buf: list = []
+
+    def _rng(self, boundary: Boundary) -> np.random.Generator:
+        return np.random.default_rng([self.seed, 0x5F, self.lane, boundary.epoch, boundary.k])
 
     def push(self, records: list) -> list:
         out, buf = [], self.buf
@@ -411,6 +458,11 @@ class _ShuffleState:
             j = int(self.rng.integers(self.size))
             out.append(buf[j])
             buf[j] = r
+        return out
+
+    def boundary(self, marker: Boundary) -> list:
+        out = self.drain()
+        self.rng = self._rng(marker)
         return out
 
     def drain(self) -> list:
@@ -442,16 +494,32 @@ class BatchOp(Op):
         return f"batch({self.size}, drop_last={self.drop_last})"
 
     def start(self, seed: int, lane: int, boundary: Boundary) -> "_BatchState":
-        return _BatchState(self.size, self.drop_last)
+        return _BatchState(self.size, self.drop_last, self)
+
+    def make(self, records: list) -> Record:
+        """The batch record of ``records`` (what a full batch, or the last one, is)."""
+        return make_batch(records)
 
 
 class _BatchState:
-    def __init__(self, size: int, drop_last: bool) -> None:
-        self.size, self.drop_last = size, drop_last
+    """Fills batches of exactly ``size`` records; what it holds at a boundary stays (it is
+    the boundary's carry), so only the stream's last batch can be short."""
+
+    carries = True
+
+    def __init__(self, size: int, drop_last: bool, op: BatchOp) -> None:
+        self.size, self.drop_last, self.op = size, drop_last, op
         self.buf: list = []
+        #: lineage of an input record (set by the engine), and whether a batch it makes must
+        #: record its members' lineage (a later accumulator may hold it at a boundary)
+        self.lineage: Callable[[Record], Any] = _pos_lineage
+        self.tracks = False
 
     def _make(self, records: list) -> Record:
-        return make_batch(records)
+        out = self.op.make(records)
+        if self.tracks:
+            out.lin = [self.lineage(r) for r in records]
+        return out
 
     def push(self, records: list) -> list:
         out = []
@@ -461,6 +529,15 @@ class _BatchState:
                 out.append(self._make(self.buf))
                 self.buf = []
         return out
+
+    def boundary(self, marker: Boundary) -> list:
+        return []
+
+    def carry(self) -> list:
+        return [self.lineage(r) for r in self.buf]
+
+    def load(self, records: list) -> None:
+        self.buf = list(records)
 
     def drain(self) -> list:
         buf, self.buf = self.buf, []
@@ -474,50 +551,95 @@ class PackTokensOp(Op):
     stateless = False
     preserves_cursor_order = False
 
-    def __init__(self, seq_len: int, field: str = "tokens") -> None:
+    def __init__(self, seq_len: int, field: str = "tokens", drop_remainder: bool = False) -> None:
         self.seq_len = _check_int("pack_tokens", "seq_len", seq_len, 1)
         if not isinstance(field, str) or not field:
             raise ZephonConfigError(f"pack_tokens: field must be a non-empty string, got {field!r}")
-        self.field = field
+        if not isinstance(drop_remainder, bool):
+            raise ZephonConfigError(f"pack_tokens: drop_remainder must be True or False, got "
+                                    f"{drop_remainder!r}")
+        self.field, self.drop_remainder = field, drop_remainder
 
     def describe(self) -> str:
-        return f"pack_tokens({self.seq_len}, {self.field!r})"
+        tail = ", drop_remainder=True" if self.drop_remainder else ""
+        return f"pack_tokens({self.seq_len}, {self.field!r}{tail})"
 
     def start(self, seed: int, lane: int, boundary: Boundary) -> "_PackState":
-        return _PackState(self.seq_len, self.field)
+        return _PackState(self)
+
+    def tokens(self, record: Record) -> np.ndarray:
+        """The flat token array of an input record (an OpError naming the sample if it has
+        no such field)."""
+        try:
+            return np.asarray(record.value[self.field]).reshape(-1)
+        except (KeyError, TypeError, IndexError) as exc:
+            raise OpError(f"op pack_tokens failed on sample {record.ids[0]}: no token field "
+                          f"{self.field!r} ({exc})", op="pack_tokens",
+                          sample_id=record.ids[0]) from exc
+
+
+class _Piece(NamedTuple):
+    """Tokens ``[a, b)`` of one input record, waiting for a row."""
+
+    tokens: np.ndarray
+    record: Record
+    a: int
+    b: int
 
 
 class _PackState:
-    def __init__(self, seq_len: int, field: str) -> None:
-        self.seq_len, self.field = seq_len, field
-        self.parts: list[np.ndarray] = []
+    """Cuts rows of exactly ``seq_len`` tokens from the concatenated inputs; the pieces of
+    an unfinished row stay across boundaries (they are the boundary's carry)."""
+
+    carries = True
+
+    def __init__(self, op: PackTokensOp) -> None:
+        self.op, self.seq_len, self.field = op, op.seq_len, op.field
+        self.pieces: list[_Piece] = []
         self.count = 0
-        self.ids: list = []
+        self.lineage: Callable[[Record], Any] = _pos_lineage
+        self.tracks = False
+
+    def _row(self, pieces: list) -> Record:
+        if len(pieces) == 1:
+            row = pieces[0].tokens  # a view of the sample's tokens: no copy
+        else:
+            row = np.concatenate([p.tokens for p in pieces])
+        ids = [i for p in pieces for i in p.record.ids]
+        out = Record({self.field: row}, ids, pieces[-1].record.pos)
+        if self.tracks:
+            out.lin = [(self.lineage(p.record), p.a, p.b) for p in pieces]
+        return out
 
     def push(self, records: list) -> list:
         out = []
+        seq_len = self.seq_len
         for r in records:
-            try:
-                tokens = np.asarray(r.value[self.field]).reshape(-1)
-            except (KeyError, TypeError, IndexError) as exc:
-                raise OpError(f"op pack_tokens failed on sample {r.ids[0]}: no token field "
-                              f"{self.field!r} ({exc})", op="pack_tokens",
-                              sample_id=r.ids[0]) from exc
-            self.parts.append(tokens)
-            self.count += tokens.size
-            self.ids.extend(r.ids)
-            if self.count >= self.seq_len:
-                flat = np.concatenate(self.parts)
-                rows = flat.size // self.seq_len
-                for j in range(rows):
-                    row = flat[j * self.seq_len:(j + 1) * self.seq_len]
-                    out.append(Record({self.field: row}, list(self.ids), r.pos))
-                rest = flat[rows * self.seq_len:]
-                self.parts = [rest] if rest.size else []
-                self.count = rest.size
-                self.ids = list(r.ids) if rest.size else []
+            tokens = self.op.tokens(r)
+            a, n = 0, tokens.size
+            while n - a >= seq_len - self.count:  # this record completes a row
+                b = a + seq_len - self.count
+                self.pieces.append(_Piece(tokens[a:b], r, a, b))
+                out.append(self._row(self.pieces))
+                self.pieces, self.count, a = [], 0, b
+            if a < n:
+                self.pieces.append(_Piece(tokens[a:], r, a, n))
+                self.count += n - a
         return out
 
-    def drain(self) -> list:
-        self.parts, self.count, self.ids = [], 0, []
+    def boundary(self, marker: Boundary) -> list:
         return []
+
+    def carry(self) -> list:
+        return [(self.lineage(p.record), p.a, p.b) for p in self.pieces]
+
+    def load(self, pieces: list) -> None:
+        """Put back rebuilt pieces: ``(record, a, b)`` each."""
+        self.pieces = [_Piece(self.op.tokens(r)[a:b], r, a, b) for r, a, b in pieces]
+        self.count = sum(b - a for _, a, b in pieces)
+
+    def drain(self) -> list:
+        pieces, self.pieces, self.count = self.pieces, [], 0
+        if not pieces or self.op.drop_remainder:
+            return []
+        return [self._row(pieces)]

@@ -7,14 +7,25 @@ definition can run with several option sets. ``iter(pipe)`` starts a run and
 returns a :class:`~zephon.pipeline.iterator.PipelineIterator`, which owns it:
 its checkpoint, restore and close.
 
-Every ``iter(pipe)`` starts an independent run from the beginning of the
-stream, unless ``pipe.restore(state)`` was called since the last one: then it
-starts from ``state``. ``pipe.checkpoint()`` and ``pipe.restore(state)`` are
-shortcuts: ``checkpoint()`` gives a pending restored state, else the delivered
-position of the latest run still going, else of the latest run;
-``restore(state)`` restores the latest run still going, or, when none is, the
-next one. The pipeline holds its iterators weakly: dropping one (leaving a
-``for`` loop with ``break``) closes its run at once.
+Epochs advance, one rule: a new ``iter(pipe)`` continues after the last item
+the previous run of this pipeline delivered. A run is one *pass*: with
+``num_epochs=k`` pass ``q`` covers the epochs ``[q * k, (q + 1) * k)`` (with
+None, one endless pass). So after a complete pass the next run is the next
+pass (new permutations, new ``ctx.rng`` draws: the epoch is in every sample's
+identity); after a ``break`` it is the rest of the pass. ``pipe.restore(state)``
+sets where the next run starts (the state's position), ``pipe.set_epoch(e)``
+makes it start at the beginning of epoch ``e`` (to run an epoch again, or to
+skip ahead; the run then ends with ``e``'s pass). Each run is a stream of its
+own: its batches are full except its very last, and ``lane_index`` counts from
+0 in it. ``zephon.torch.loader`` follows the same rule.
+
+``pipe.checkpoint()`` and ``pipe.restore(state)`` are shortcuts:
+``checkpoint()`` gives a pending start (``restore``/``set_epoch``), else the
+delivered position of the latest run still going, else of the latest run;
+``restore(state)`` and ``set_epoch(e)`` restart the latest run still going, or,
+when none is, set where the next one starts. The pipeline holds its iterators
+weakly: dropping one (leaving a ``for`` loop with ``break``) closes its run at
+once.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from zephon.pipeline import ops as O
 from zephon.pipeline.engine import Plan
 from zephon.pipeline.iterator import PipelineIterator, RunRecord
 from zephon.pipeline.sources import Source
-from zephon.pipeline.state import check_state, local_state
+from zephon.pipeline.state import MAX_COUNT, RunStart, check_run, local_state
 from zephon.pipeline.validate import validate
 from zephon.transport.spawn_guard import refuse_in_spawn_bootstrap
 
@@ -42,6 +53,14 @@ class Pipeline:
     The stream a pipeline produces is a pure function of its definition (source, ops,
     seed, chunking, epochs) and of the number of canonical lanes: runners, worker counts
     and prefetch depths never change it. Every builder method returns a new pipeline.
+
+    Epochs advance: each ``iter(pipe)`` continues after the last item the previous run
+    of this pipeline delivered. A run is a *pass* of ``num_epochs`` epochs (pass ``q``:
+    epochs ``[q * num_epochs, (q + 1) * num_epochs)``), so three ``for b in pipe`` loops
+    over a ``num_epochs=1`` pipeline see epochs 0, 1 and 2 (new permutations and
+    ``ctx.rng`` draws), and a loop left with ``break`` is continued by the next one.
+    :meth:`restore` and :meth:`set_epoch` say where the next run starts instead; a new
+    pipeline (any builder method) starts at epoch 0.
 
     Args:
         source: a zephon source (``zephon.sources.*``).
@@ -62,6 +81,13 @@ class Pipeline:
         True
         >>> list(Pipeline(sources.from_sequence([1, 2, 3]), shuffle=False))
         [1, 2, 3]
+        >>> pipe = Pipeline(sources.from_sequence(list(range(6))), seed=1)
+        >>> first, second = list(pipe), list(pipe)   # epochs 0 and 1
+        >>> first != second and sorted(first) == sorted(second)
+        True
+        >>> pipe.set_epoch(0)                        # epoch 0 again
+        >>> list(pipe) == first
+        True
     """
 
     def __init__(self, source: Source, *, seed: int = 0, shuffle: bool = True,
@@ -85,7 +111,7 @@ class Pipeline:
         self.ops: list[O.Op] = []
         self.runtime = RuntimeOptions()
         self._record = RunRecord()  # the latest run's delivered positions
-        self._pending: dict[int, tuple] | None = None  # restore() before the next iter()
+        self._pending: RunStart | None = None  # restore()/set_epoch() before the next iter()
         self._runs: list[weakref.ref] = []  # this pipeline's iterators, oldest first
         self._rounds = 0  # multi-rank checkpoint exchanges, across runs
         self._plan: Plan | None = None
@@ -186,14 +212,15 @@ class Pipeline:
         """Collate samples into :class:`~zephon.Batch` objects of ``microbatch_size``.
 
         Dict samples are collated per key: arrays and numbers whose shapes agree are
-        stacked, anything else becomes a list. A batch never mixes lanes; a lane's partial
-        batch is emitted at a flush boundary and at the end of the stream. Each batch's
+        stacked, anything else becomes a list. A batch never mixes lanes. Every batch has
+        exactly ``microbatch_size`` samples, across flush boundaries and epochs, except a
+        lane's last batch of the run (its pass). Each batch's
         ``meta`` holds ``sample_ids`` (``(source, index, epoch)`` per sample), ``lane`` and
         ``lane_index``.
 
         Args:
             microbatch_size: samples per batch (an int >= 1).
-            drop_last: drop a lane's partial batches instead of emitting them.
+            drop_last: drop a lane's partial last batch instead of emitting it.
 
         Returns:
             A new pipeline with the op appended.
@@ -208,16 +235,19 @@ class Pipeline:
         """
         return self._with(O.BatchOp(microbatch_size, drop_last))
 
-    def pack_tokens(self, seq_len: int, field: str = "tokens") -> "Pipeline":
+    def pack_tokens(self, seq_len: int, field: str = "tokens",
+                    drop_remainder: bool = False) -> "Pipeline":
         """Concatenate token arrays of consecutive samples and cut rows of ``seq_len``.
 
-        Each output sample is ``{field: ndarray[seq_len]}``; the tokens left over at a
-        flush boundary (and at the end) are dropped. Like :meth:`shuffle` it carries history,
-        so the pipeline resumes by replay.
+        Each output sample is ``{field: ndarray[seq_len]}``, across flush boundaries and
+        epochs: no token is dropped. Only the lane's last row of the run (its pass) can be
+        shorter: the tokens left at the end, or nothing with ``drop_remainder=True``. Like
+        :meth:`shuffle` it carries history, so the pipeline resumes by replay.
 
         Args:
             seq_len: tokens per output row (an int >= 1).
             field: the key of the token array in each input sample.
+            drop_remainder: drop the lane's final short row instead of emitting it.
 
         Returns:
             A new pipeline with the op appended.
@@ -226,9 +256,11 @@ class Pipeline:
             >>> src = sources.from_callable(3, lambda i: {"tokens": np.arange(5) + 10 * i})
             >>> rows = list(Pipeline(src, shuffle=False).pack_tokens(4))
             >>> [r["tokens"].tolist() for r in rows]
-            [[0, 1, 2, 3], [4, 10, 11, 12], [13, 14, 20, 21]]
+            [[0, 1, 2, 3], [4, 10, 11, 12], [13, 14, 20, 21], [22, 23, 24]]
+            >>> len(list(Pipeline(src, shuffle=False).pack_tokens(4, drop_remainder=True)))
+            3
         """
-        return self._with(O.PackTokensOp(seq_len, field))
+        return self._with(O.PackTokensOp(seq_len, field, drop_remainder))
 
     def options(self, opts: RuntimeOptions) -> "Pipeline":
         """The same pipeline, run with ``opts``.
@@ -237,7 +269,8 @@ class Pipeline:
         checkpoint exchange), not what it is: the same definition gives the same batches
         under any runner, worker count or queue depth. Three options do define the
         stream: ``canonical_replicas`` (the number of lanes), ``flush_every_k_chunks``
-        (where partial batches fall) and ``deterministic=False`` (completion order).
+        (where a shuffle buffer drains and a replay can start) and ``deterministic=False``
+        (completion order).
 
         Args:
             opts: a :class:`~zephon.RuntimeOptions`.
@@ -331,9 +364,10 @@ class Pipeline:
     def __iter__(self) -> PipelineIterator:
         """Start a run and return its iterator.
 
-        The run starts at the beginning of the stream, or from the state given to
-        :meth:`restore` since the last ``iter()``. Runs are independent: an earlier
-        iterator goes on (and is closed when it is dropped or exhausted). Worker processes
+        The run continues after the last item the latest run of this pipeline delivered
+        (after a complete pass: the next pass), or starts where :meth:`restore` or
+        :meth:`set_epoch` said since the last ``iter()``. An earlier iterator still going
+        goes on on its own (and is closed when it is dropped or exhausted). Worker processes
         start booting here while the ops are checked on the first sample
         (``RuntimeOptions.auto_validation``).
 
@@ -354,7 +388,8 @@ class Pipeline:
         refuse_in_spawn_bootstrap("iterating a zephon Pipeline")
         plan = self.plan()
         validate(plan, "pickle")  # before any worker process exists
-        record = RunRecord(self._pending)
+        start = self._pending if self._pending is not None else self._continuation()
+        record = RunRecord(start.states, start.start_epoch)
         it = PipelineIterator(self, record)  # workers start booting here...
         try:
             validate(plan, "behaviour")  # ...while the ops are checked on the first sample
@@ -365,6 +400,45 @@ class Pipeline:
         self._record = record
         self._runs = [ref for ref in self._runs if ref() is not None] + [weakref.ref(it)]
         return it
+
+    def _continuation(self) -> RunStart:
+        """Where a new run goes on from the latest one: the next pass after a complete
+        pass, else after the last item it delivered (the start for the first run)."""
+        latest = self._record
+        if latest.finished:
+            end = self.plan().pass_end(latest.start_epoch)
+            return RunStart({}, latest.start_epoch if end is None else end)
+        return latest.start()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next run at the beginning of ``epoch``.
+
+        The run then covers the rest of ``epoch``'s pass (with ``num_epochs=k``, up to
+        the end of epoch ``(epoch // k + 1) * k - 1``), exactly as the first time it ran:
+        use it to run an epoch again (validation on a fixed epoch, a re-run) or to skip
+        ahead. A run of this pipeline still going restarts there at once.
+
+        Args:
+            epoch: an int >= 0.
+
+        Raises:
+            ZephonConfigError: ``epoch`` is not an int >= 0.
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence(list(range(4))), seed=0)
+            >>> epoch0, epoch1 = list(pipe), list(pipe)
+            >>> pipe.set_epoch(1)
+            >>> list(pipe) == epoch1
+            True
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < MAX_COUNT:
+            raise ZephonConfigError(f"set_epoch: epoch must be an int >= 0, got {epoch!r}")
+        start = RunStart({}, epoch)
+        current = self._live()
+        if current is not None:
+            current._restart(start)
+            return
+        self._pending = start
 
     def _live(self) -> PipelineIterator | None:
         """The most recently started run that is still going, if any."""
@@ -452,23 +526,24 @@ class Pipeline:
             >>> state = pipe.checkpoint()
             >>> again = Pipeline(sources.from_sequence(list(range(10))), seed=3, chunk_size=2)
             >>> again.restore(state)
-            >>> list(again) == list(pipe)[4:]
-            True
+            >>> rest = list(again)
+            >>> len(rest), rest == list(pipe)   # pipe's next run continues there too
+            (6, True)
         """
         if self._pending is not None:
             return self._checkpoint_of(self._pending)
         current = self._live()
         if current is not None:
             return current.checkpoint()
-        return self._checkpoint_of(self._record.states)
+        return self._checkpoint_of(self._record.start())
 
-    def _checkpoint_of(self, states: dict[int, tuple]) -> bytes:
-        """Checkpoint bytes of lane ``states`` without a live run (a pending restore, or a
+    def _checkpoint_of(self, start: RunStart) -> bytes:
+        """Checkpoint bytes of a run position without a live run (a pending restore, or a
         run that has ended), as :meth:`PipelineIterator.checkpoint` makes them."""
         from zephon.checkpoint import exchange_state
 
         plan = self.plan()
-        local = local_state(plan, self.fingerprint(), states)
+        local = local_state(plan, self.fingerprint(), start.states, start.start_epoch)
         return exchange_state(local, plan.opts, self._next_round())
 
     def restore(self, state: bytes) -> None:
@@ -502,4 +577,4 @@ class Pipeline:
         if current is not None:
             current.restore(state)
             return
-        self._pending = check_state(decode_state(state), self.plan(), self.fingerprint())
+        self._pending = check_run(decode_state(state), self.plan(), self.fingerprint())

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from zephon.pipeline.columnar import BatchRun, sample_ids
-from zephon.pipeline.lanes import BatchGroup
+from zephon.pipeline.lanes import BatchGroup, ReadParts
 from zephon.pipeline.ops import Batch, OpError, Record, make_batch
 from zephon.pipeline.sources.base import Source
 from zephon.transport.remote_errors import put_done
@@ -94,7 +94,13 @@ class StageProgram:
         """The unit's records, read one at a time as they are asked for (each goes
         through the stage's ops before the next is read). A generator, so a
         ``StopIteration`` escaping the source (from ``identity``, say) is an error, not
-        the end of the unit; and it keeps no reference to a record it has handed out."""
+        the end of the unit; and it keeps no reference to a record it has handed out.
+        A :class:`~zephon.pipeline.lanes.ReadParts` (a batch of two epochs) is read part
+        by part."""
+        if isinstance(unit, ReadParts):
+            for part in unit.parts:
+                yield from self.read(part)
+            return
         epoch, pos = unit.epoch, unit.start
         for index in unit.indices.tolist():
             yield self._read_one(index, epoch, pos)
@@ -143,6 +149,8 @@ class StageProgram:
     def read_batch(self, unit) -> list | None:
         """A whole micro-batch in one columnar read (a fused ``read -> batch`` stage over a
         source with :meth:`~zephon.pipeline.sources.Source.get_batch`), or None."""
+        if isinstance(unit, ReadParts):  # samples of two epochs: read row by row
+            return None
         source, epoch = self.source, unit.epoch
         try:
             columns = source.get_batch(unit.indices)

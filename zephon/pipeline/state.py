@@ -3,45 +3,60 @@
 A run's local state is a dict::
 
     {"fingerprint": str, "lanes_total": C, "resume": "cursor" | "replay",
+     "start_epoch": the run's first epoch (lanes without an entry start there),
      "group": dp group (one rank's state) | "world": ranks (a merged state),
-     "lanes": {"<lane>": [epoch, pos, total]          (cursor resume)
-                         [epoch, k, since, total]}}    (replay)
+     "lanes": {"<lane>": [epoch, pos, total]                 (cursor resume)
+                         [epoch, k, since, total, *carry]}}  (replay)
 
 holding the delivered position of every owned lane that delivered something
-(see :mod:`zephon.pipeline.engine` for what the numbers mean). The bytes
-around it (magic, version, checksum, compression) belong to
-:mod:`zephon.checkpoint`.
+(see :mod:`zephon.pipeline.engine` for what the numbers mean, and
+:mod:`zephon.pipeline.carry` for the carry: what the accumulators held at the
+boundary, as flat non-negative ints). A run covers the epochs of one pass,
+``[start_epoch, pass end)`` (``Plan.pass_end``). The bytes around it (magic,
+version, checksum, compression) belong to :mod:`zephon.checkpoint`; a state of
+the previous stream definition (format version 2: partial batches at every
+boundary, no carry, every run from epoch 0) is refused by name there.
 
 :func:`check_state` trusts nothing: every field must have the exact type and a
 value this pipeline can have produced (lane ids within ``[0, C)``, epochs within
-``num_epochs``, positions within the lane's epoch, counts that cannot exceed
-what the lane holds), or a :class:`~zephon.errors.CheckpointError` says which
-field is wrong. A restore is all or nothing: nothing is applied until the whole
-state has been checked.
+the run's pass, positions within the lane's epoch, counts that cannot exceed
+what the lane holds, a carry that decodes exactly against the plan), or a
+:class:`~zephon.errors.CheckpointError` says which field is wrong. A restore is
+all or nothing: nothing is applied until the whole state has been checked.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 from zephon.errors import CheckpointError
+from zephon.pipeline.carry import carry_bounds, decode_carry
 
-__all__ = ["MAX_COUNT", "check_state", "local_state"]
+__all__ = ["MAX_COUNT", "RunStart", "check_run", "check_state", "local_state"]
 
 #: No count in a state can be larger (items, positions, epochs): 2**48 items is far
 #: beyond any real run, and keeps every figure exact in JSON and msgpack alike.
 MAX_COUNT = 1 << 48
-_REQUIRED = ("fingerprint", "lanes_total", "lanes", "resume")
+_REQUIRED = ("fingerprint", "lanes_total", "lanes", "resume", "start_epoch")
 _OPTIONAL = ("group", "world")
 _LANE_ID = re.compile(r"0|[1-9][0-9]{0,5}")  # canonical decimal, ASCII only
 
 
-def local_state(plan, fingerprint: str, states: dict[int, tuple]) -> dict:
-    """The state dict of this rank's owned lanes."""
+class RunStart(NamedTuple):
+    """Where a run starts: the lane states and the epoch lanes without one start at."""
+
+    states: dict
+    start_epoch: int
+
+
+def local_state(plan, fingerprint: str, states: dict[int, tuple], start_epoch: int = 0) -> dict:
+    """The state dict of this rank's owned lanes, in a run that started at
+    ``start_epoch``."""
     lanes = {str(lane): list(states[lane]) for lane in plan.owned if lane in states}
     return {"fingerprint": fingerprint, "lanes_total": plan.lanes, "lanes": lanes,
-            "group": plan.group, "resume": "cursor" if plan.cursor_resume else "replay"}
+            "group": plan.group, "resume": "cursor" if plan.cursor_resume else "replay",
+            "start_epoch": start_epoch}
 
 
 def _int(value: Any, what: str, low: int = 0, high: int = MAX_COUNT) -> int:
@@ -55,9 +70,18 @@ def _int(value: Any, what: str, low: int = 0, high: int = MAX_COUNT) -> int:
 
 
 def check_state(decoded: Any, plan, fingerprint: str) -> dict[int, tuple]:
-    """The lane states of a decoded checkpoint, checked against ``plan``; raises
-    :class:`~zephon.errors.CheckpointError` naming the first field that is wrong."""
+    """The lane states of a decoded checkpoint, checked against ``plan`` (see
+    :func:`check_run`)."""
+    return check_run(decoded, plan, fingerprint).states
+
+
+def check_run(decoded: Any, plan, fingerprint: str) -> RunStart:
+    """Where the run of a decoded checkpoint goes on: its lane states and first epoch,
+    checked against ``plan``; raises :class:`~zephon.errors.CheckpointError` naming the
+    first field that is wrong."""
     lanes, mode = _check_header(decoded, plan, fingerprint)
+    start = _int(decoded["start_epoch"], "start_epoch", 0, MAX_COUNT - 1)
+    end = plan.pass_end(start)
     entries = decoded["lanes"]
     if not isinstance(entries, dict):
         raise CheckpointError(f"corrupt checkpoint: lanes must be a mapping, got "
@@ -65,7 +89,7 @@ def check_state(decoded: Any, plan, fingerprint: str) -> dict[int, tuple]:
     if len(entries) > lanes:
         raise CheckpointError(f"corrupt checkpoint: {len(entries)} lane entries for {lanes} "
                               "lanes")
-    max_epoch = MAX_COUNT if plan.pipeline.num_epochs is None else plan.pipeline.num_epochs - 1
+    epochs = (start, MAX_COUNT if end is None else end - 1)
     states: dict[int, tuple] = {}
     for key, value in entries.items():
         if not isinstance(key, str) or not _LANE_ID.fullmatch(key):
@@ -76,9 +100,11 @@ def check_state(decoded: Any, plan, fingerprint: str) -> dict[int, tuple]:
         if not isinstance(value, list):
             raise CheckpointError(f"corrupt checkpoint: {where} must be a list, got "
                                   f"{type(value).__name__}")
-        check = _cursor_lane if mode == "cursor" else _replay_lane
-        states[lane] = check(value, where, plan, plan.lane_length(lane), max_epoch)
-    return states
+        if mode == "cursor":
+            states[lane] = _cursor_lane(value, where, plan.lane_length(lane), epochs)
+        else:
+            states[lane] = _replay_lane(value, where, plan, lane, epochs)
+    return RunStart(states, start)
 
 
 def _check_header(decoded: Any, plan, fingerprint: str) -> tuple[int, str]:
@@ -114,26 +140,27 @@ def _check_header(decoded: Any, plan, fingerprint: str) -> tuple[int, str]:
     return lanes, mode
 
 
-def _cursor_lane(value: list, where: str, plan, length: int, max_epoch: int) -> tuple:
+def _cursor_lane(value: list, where: str, length: int, epochs: tuple) -> tuple:
     """A cursor-resume lane entry: ``[epoch, position, items delivered]``."""
     if len(value) != 3:
         raise CheckpointError(f"corrupt checkpoint: {where} must be [epoch, pos, "
                               f"total], got {len(value)} value(s)")
-    epoch = _int(value[0], f"{where} epoch", 0, max_epoch)
+    epoch = _int(value[0], f"{where} epoch", *epochs)
     pos = _int(value[1], f"{where} position", 0, length)
     total = _int(value[2], f"{where} items delivered", 0,
-                 min(MAX_COUNT, (epoch + 1) * length))
+                 min(MAX_COUNT, (epoch - epochs[0] + 1) * length))
     return (epoch, pos, total)
 
 
-def _replay_lane(value: list, where: str, plan, length: int, max_epoch: int) -> tuple:
+def _replay_lane(value: list, where: str, plan, lane: int, epochs: tuple) -> tuple:
     """A replay-resume lane entry: ``[epoch, lane chunk at a flush boundary, items since
-    that boundary, items delivered]``."""
-    if len(value) != 4:
+    that boundary, items delivered, *carry]``."""
+    if len(value) < 4:
         raise CheckpointError(f"corrupt checkpoint: {where} must be [epoch, k, since, "
-                              f"total], got {len(value)} value(s)")
+                              f"total, *carry], got {len(value)} value(s)")
+    length = plan.lane_length(lane)
     chunk_size = plan.pipeline.chunk_size
-    epoch = _int(value[0], f"{where} epoch", 0, max_epoch)
+    epoch = _int(value[0], f"{where} epoch", *epochs)
     chunks = -(-length // chunk_size)
     k = _int(value[1], f"{where} lane chunk", 0, max(0, chunks - 1))
     K = plan.flush_every
@@ -144,7 +171,10 @@ def _replay_lane(value: list, where: str, plan, length: int, max_epoch: int) -> 
         segment = total_bound = MAX_COUNT
     else:  # every delivered item consumed at least one sample of the segment
         segment = min(length - k * chunk_size, K * chunk_size) if K else length
-        total_bound = min(MAX_COUNT, (epoch + 1) * length)
+        total_bound = min(MAX_COUNT, (epoch - epochs[0] + 1) * length)
     total = _int(value[3], f"{where} items delivered", 1, total_bound)
     since = _int(value[2], f"{where} items since its boundary", 1, min(total, segment))
-    return (epoch, k, since, total)
+    carry = value[4:]
+    decode_carry(plan.carry_layout, carry, where, carry_bounds(plan, lane, epoch, k,
+                                                               epochs[0]))
+    return (epoch, k, since, total, *carry)

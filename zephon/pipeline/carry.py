@@ -1,0 +1,267 @@
+"""What the accumulators hold at a boundary: its lineage, its encoding, its rebuilding.
+
+A flush boundary is a resume point (a replay starts there), but ``batch`` and
+``pack_tokens`` keep what they hold across it (see :mod:`zephon.pipeline.ops`).
+So a replay state records, with its boundary, the *carry*: for each carrying
+accumulator of the lane, in chain order, the lineage of what it held when the
+boundary marker passed it. A restore rebuilds those records from their lineage
+(re-reading the samples through the ops upstream of the accumulator: sources
+are random access, stateless ops deterministic, ``ctx.rng`` seeded by the
+sample's identity) and puts them back before the segment replays.
+
+Layout (:func:`carry_layout`) is a pure function of the plan: one slot per
+carrying accumulator, each with the *shape* of the records entering it:
+
+- ``("sample",)``: a sample through the stateless ops; lineage ``(epoch, p)``;
+- ``("run", size)``: a fused micro-batch (``read -> map* -> batch``): the
+  ``size`` lane positions ending at ``(epoch, p)``; lineage ``(epoch, p)``;
+- ``("batch", size, inner)``: a batch a serial ``batch`` made: its members'
+  lineages;
+- ``("pack", seq_len, inner)``: a packed row: ``(lineage, a, b)`` per piece
+  (tokens ``[a, b)`` of that input record).
+
+A fused batch's slot holds the count of samples held (always the lane positions
+just before the boundary); a ``batch`` slot the lineages of fewer than ``size``
+records; a ``pack_tokens`` slot the pieces of fewer than ``seq_len`` tokens. A
+``shuffle`` drains at a boundary and has no slot.
+
+Encoding (:func:`encode_carry`) is a flat list of non-negative ints appended to
+the lane's replay entry (``[epoch, k, since, total, *carry]``): a record is
+``epoch, p`` or ``m`` followed by its ``m`` members (pieces: member, ``a``,
+``b``). :func:`decode_carry` reads it back strictly against the plan: every
+count exact (a held batch record has exactly ``size`` members, a packed row
+exactly ``seq_len`` tokens), every position inside the lane, at or after the
+run's first epoch and before the boundary, nothing left over; anything else is
+a :class:`~zephon.errors.CheckpointError`. :class:`Rebuilder` turns decoded
+lineage into records; a rebuilt record a filter now drops, or a piece beyond
+its record's tokens, is a CheckpointError too (the state is not this
+pipeline's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from zephon.errors import CheckpointError
+from zephon.pipeline.lanes import ReadUnit, _joined, lane_source_index, positions_before
+from zephon.pipeline.ops import BatchOp, PackTokensOp, Record
+
+__all__ = ["Rebuilder", "carry_bounds", "carry_layout", "decode_carry", "encode_carry", "held_units",
+           "input_shape"]
+
+#: Records or pieces one entry of a carry may list (far above any real batch or row).
+MAX_ITEMS = 1 << 20
+
+
+def input_shape(plan, i: int) -> tuple:
+    """The shape of the records entering ``plan.steps[i]`` (see the module docstring)."""
+    for j in range(i - 1, -1, -1):
+        kind, what = plan.steps[j]
+        if kind == "serial" and isinstance(what, BatchOp):
+            return ("batch", what.size, input_shape(plan, j))
+        if kind == "serial" and isinstance(what, PackTokensOp):
+            return ("pack", what.seq_len, input_shape(plan, j))
+    if plan.fused_batch is not None:
+        return ("run", plan.fused_batch.size)
+    return ("sample",)
+
+
+def carry_layout(plan) -> list:
+    """The carry slots of a plan, in chain order: ``("count", size)`` for a fused batch,
+    ``(step, shape)`` for a serial ``batch`` (shape ``("batch", size, input)``) or
+    ``pack_tokens`` (``("pack", seq_len, input)``)."""
+    slots: list = []
+    if plan.fused_batch is not None:
+        slots.append(("count", plan.fused_batch.size))
+    for i, (kind, what) in enumerate(plan.steps):
+        if kind == "serial" and isinstance(what, BatchOp):
+            slots.append((i, ("batch", what.size, input_shape(plan, i))))
+        elif kind == "serial" and isinstance(what, PackTokensOp):
+            slots.append((i, ("pack", what.seq_len, input_shape(plan, i))))
+    return slots
+
+
+def _encode(shape: tuple, lin: Any, out: list) -> None:
+    kind = shape[0]
+    if kind in ("sample", "run"):
+        out.extend((int(lin[0]), int(lin[1])))
+    elif kind == "batch":
+        out.append(len(lin))
+        for member in lin:
+            _encode(shape[2], member, out)
+    else:
+        out.append(len(lin))
+        for member, a, b in lin:
+            _encode(shape[2], member, out)
+            out.extend((int(a), int(b)))
+
+
+def encode_carry(layout: list, carry: tuple) -> tuple:
+    """The flat ints of a boundary's carry (one entry per slot of ``layout``)."""
+    out: list = []
+    for (where, shape), held in zip(layout, carry, strict=True):
+        if where == "count":
+            out.append(int(held))
+        else:
+            _encode(shape, held, out)
+    return tuple(out)
+
+
+class _Reader:
+    """Reads a flat carry strictly: every value an int within its bounds, in order."""
+
+    def __init__(self, ints: list, where: str, bounds: dict) -> None:
+        self.ints, self.i, self.where, self.bounds = ints, 0, where, bounds
+
+    def fail(self, what: str):
+        raise CheckpointError(f"corrupt checkpoint: {self.where} carry: {what}")
+
+    def int(self, what: str, low: int, high: int) -> int:
+        if self.i >= len(self.ints):
+            self.fail(f"ends before its {what}")
+        value = self.ints[self.i]
+        if type(value) is not int or not low <= value <= high:
+            self.fail(f"{what} = {value!r:.40} is outside [{low}, {high}]")
+        self.i += 1
+        return value
+
+    def position(self, shape: tuple) -> tuple:
+        b = self.bounds
+        epoch = self.int("epoch", b["first_epoch"], b["epoch"])
+        p = self.int("lane position", 0, max(0, b["length"] - 1))
+        if (epoch, p) >= (b["epoch"], b["pos"]):
+            self.fail(f"position ({epoch}, {p}) is not before its boundary "
+                      f"({b['epoch']}, {b['pos']})")
+        if shape[0] == "run" and (epoch - b["first_epoch"]) * b["length"] + p + 1 < shape[1]:
+            self.fail(f"a batch of {shape[1]} ending at ({epoch}, {p}) starts before the run")
+        return (epoch, p)
+
+    def record(self, shape: tuple, held: bool = False) -> Any:
+        """The lineage of one record of ``shape`` (``held``: an accumulator's remainder,
+        which is short, instead of one of its full outputs)."""
+        kind = shape[0]
+        if kind in ("sample", "run"):
+            return self.position(shape)
+        size = shape[1]
+        if kind == "batch":
+            m = self.int("batch members", 0, size - 1) if held else \
+                self.int("batch members", size, size)
+            return [self.record(shape[2]) for _ in range(m)]
+        m = self.int("packed pieces", 0, min(size, MAX_ITEMS))
+        pieces, tokens = [], 0
+        for _ in range(m):
+            member = self.record(shape[2])
+            a = self.int("piece start", 0, MAX_ITEMS * 1024)
+            b = self.int("piece end", a + 1, MAX_ITEMS * 1024)
+            tokens += b - a
+            pieces.append((member, a, b))
+        if (held and tokens >= size) or (not held and tokens != size) or (not held and not m):
+            self.fail(f"a packed {'remainder' if held else 'row'} of {tokens} token(s) with "
+                      f"seq_len={size}")
+        return pieces
+
+
+def carry_bounds(plan, lane: int, epoch: int, k: int, first_epoch: int) -> dict:
+    """What a carry held at boundary ``(epoch, k)`` of ``lane`` may refer to, for
+    :func:`decode_carry` (``first_epoch``: the run's first epoch)."""
+    return {"epoch": epoch, "pos": k * plan.pipeline.chunk_size, "first_epoch": first_epoch,
+            "length": plan.lane_length(lane)}
+
+
+def decode_carry(layout: list, ints: list, where: str, bounds: dict) -> list:
+    """The carry slots encoded in ``ints``, checked (see the module docstring).
+
+    ``bounds``: ``epoch``/``pos`` (the boundary: epoch and lane position), ``first_epoch``
+    (the run's first epoch) and ``length`` (the lane's samples per epoch)."""
+    reader = _Reader(ints, where, bounds)
+    slots: list = []
+    for slot, shape in layout:
+        if slot == "count":
+            b = bounds
+            before = (b["epoch"] - b["first_epoch"]) * b["length"] + b["pos"]
+            slots.append(reader.int("held samples", 0, min(shape - 1, before)))
+        else:
+            slots.append(reader.record(shape, held=True))
+    if reader.i != len(ints):
+        reader.fail(f"{len(ints) - reader.i} value(s) left over")
+    return slots
+
+
+class Rebuilder:
+    """Records of one lane rebuilt from their lineage, through the plan's ops, in the
+    engine's process (``program``: the plan's :class:`StageProgram`)."""
+
+    def __init__(self, plan, program, lane: int) -> None:
+        self.plan, self.program, self.lane = plan, program, lane
+        p = plan.pipeline
+        self.where = (len(p.source), p.seed, p.permute, p.chunk_size, plan.lanes, lane)
+
+    def fail(self, what: str):
+        raise CheckpointError(f"lane {self.lane}: restoring the carry failed: {what}: the "
+                              "state does not belong to this pipeline and data")
+
+    def _stage(self, stage: int, unit) -> Record:
+        out = self.program((stage, unit))
+        if len(out) != 1:
+            self.fail(f"stage {stage} gave {len(out)} record(s) for one carried record")
+        return out[0]
+
+    def _base(self, pos: tuple) -> Record:
+        epoch, p = pos
+        fused = self.plan.fused_batch
+        if fused is not None:
+            parts = positions_before(*self.where, epoch, p + 1, fused.size)
+            if sum(len(u) for u in parts) != fused.size:
+                self.fail(f"no batch of {fused.size} ends at {pos}")
+            return self._stage(0, _joined(parts))
+        index = lane_source_index(*self.where, epoch, p)
+        return self._stage(0, ReadUnit(epoch, p, np.array([index], dtype=np.int64)))
+
+    def record(self, i: int, lin: Any) -> Record:
+        """The record entering ``plan.steps[i]`` whose lineage is ``lin``."""
+        steps = self.plan.steps
+        j, stages = i - 1, []
+        while j >= 0:
+            kind, what = steps[j]
+            if kind == "stage":
+                stages.append(what)
+            elif isinstance(what, (BatchOp, PackTokensOp)):
+                break
+            j -= 1
+        stages.reverse()
+        if j < 0:
+            rec = self._base(lin)
+            stages = stages[1:]  # stage 0 read it
+        elif isinstance(steps[j][1], BatchOp):
+            rec = steps[j][1].make([self.record(j, m) for m in lin])
+            rec.lin = lin
+        else:
+            rec = self._row(steps[j][1], [self.piece(j, m) for m in lin], lin)
+        for stage in stages:
+            rec = self._stage(stage, [rec])  # a map keeps the lineage (``lin``)
+        return rec
+
+    def piece(self, i: int, lin: tuple) -> tuple:
+        """``(record, a, b)``: a packer's piece rebuilt (its record enters step ``i``)."""
+        member, a, b = lin
+        rec = self.record(i, member)
+        op = self.plan.steps[i][1]
+        n = op.tokens(rec).size
+        if b > n:
+            self.fail(f"a piece of tokens [{a}, {b}) of a record of {n} token(s)")
+        return rec, a, b
+
+    def _row(self, op: PackTokensOp, pieces: list, lin: Any) -> Record:
+        row = np.concatenate([op.tokens(r)[a:b] for r, a, b in pieces])
+        ids = [i for r, _, _ in pieces for i in r.ids]
+        return Record({op.field: row}, ids, pieces[-1][0].pos, lin)
+
+
+def held_units(plan, lane: int, epoch: int, k: int, count: int) -> list:
+    """Read units of the ``count`` samples a fused batch held at boundary ``(epoch, k)``."""
+    p = plan.pipeline
+    return positions_before(len(p.source), p.seed, p.permute, p.chunk_size, plan.lanes, lane,
+                            epoch, k * p.chunk_size, count) if count else []
+
