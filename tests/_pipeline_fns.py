@@ -232,3 +232,31 @@ def slow_0_kill_1(s):
     elif s == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     return s
+
+
+def ragged_tokens(i):
+    """A sample of 1..9 tokens (a pure function of ``i``), for packing."""
+    n = 1 + (i * 7) % 9
+    return {"id": i, "tokens": np.arange(n, dtype=np.int64) + 1000 * i}
+
+
+def keep_not_seven(s):
+    return s["id"] % 7 != 3
+
+
+def jitter(s, ctx):
+    """Adds a draw of ``ctx.rng`` (seeded by the sample's identity, epoch included)."""
+    return {**s, "draw": int(ctx.rng.integers(0, 1 << 30))}
+
+
+def readme_load(i):
+    return {"tokens": np.arange(64, dtype=np.int64) + i, "label": i % 10}
+
+
+def readme_augment(sample, ctx):
+    noise = ctx.rng.integers(0, 2, size=sample["tokens"].shape)
+    return {"tokens": sample["tokens"] + noise, "label": sample["label"]}
+
+
+def readme_keep(sample):
+    return sample["label"] != 3

@@ -163,16 +163,16 @@ def test_break_releases_the_workers_without_the_cycle_collector():
 
 def test_iterator_owns_the_run_and_the_pipeline_stays_a_definition():
     pipe = base(30)
-    reference = ids(pipe)
+    reference = ids(base(30))
     it = iter(pipe)
     head = [next(it)["id"].tolist() for _ in range(3)]
     state = it.checkpoint()
     assert pipe.checkpoint() == state  # the shortcut reads the live run
     it.close()
     assert pipe.checkpoint() == state  # and still answers once the run is over
-    second = iter(pipe)  # a fresh iteration starts again from the start...
-    assert next(second)["id"].tolist() == reference[0]
-    second.restore(state)  # ...until its state is restored
+    second = iter(pipe)  # a new run continues after the last item delivered...
+    assert [next(second)["id"].tolist() for _ in range(2)] == reference[3:5]
+    second.restore(state)  # ...and restarts from a restored state
     assert head + [b["id"].tolist() for b in second] == reference
 
 

@@ -29,8 +29,10 @@ def test_token_windows_memmap(tmp_path):
     assert len(src) == 15  # the 40-token tail is not a full window
     assert np.array_equal(src.get(2)["tokens"], np.arange(128, 192, dtype=np.uint16))
     rows = list(Pipeline(src, shuffle=False, chunk_size=4).pack_tokens(100).batch(2))
-    flat = np.concatenate([b["tokens"].reshape(-1) for b in rows])
-    assert flat.dtype == np.uint16 and np.array_equal(flat, np.arange(len(flat)))
+    flat = np.concatenate([np.asarray(r) for b in rows for r in b["tokens"]])
+    # every token of the 15 windows, in full rows but the last (960 = 9 * 100 + 60)
+    assert flat.dtype == np.uint16 and np.array_equal(flat, np.arange(960))
+    assert [len(r) for b in rows for r in b["tokens"]] == [100] * 9 + [60]
     with pytest.raises(SourceError, match="cannot read"):
         sources.token_windows(str(tmp_path / "missing.bin"), 8)
 

@@ -1,8 +1,9 @@
 """``TorchLoader``: a pipeline as an iterable of tensor batches with the Stateful protocol.
 
 Lifecycle: ``iter(loader)`` goes on with the run in progress, if any; else it
-starts a new run of the pipeline (from the start of the stream, or after a
-loaded state);
+starts a new run of the pipeline, which continues after the last batch this
+loader handed out, as ``iter(pipe)`` does (after a complete pass: the next
+epoch; see :class:`~zephon.pipeline.Pipeline`), or after a loaded state;
 ``next`` hands out the next batch as tensors; ``close()`` (also at the end of
 the stream, on ``load_state_dict`` and at garbage collection) stops the
 pinning thread and closes the pipeline's run.
@@ -14,7 +15,10 @@ caller asks, and ``state_dict()`` is ``pipe.checkpoint()``. With
 ahead and pins them; each carries the lane position the pipeline recorded for
 it, the loader records that position when it hands the batch out, and
 ``state_dict()`` exchanges exactly those positions: prefetched batches are
-produced again after a restore.
+produced again after a restore, and when the loader closes a run its
+consumer left early it rewinds the run to them (``PipelineIterator.rewind``),
+so the pipeline's next run continues after the last batch handed out, not
+after the prefetched ones.
 
 ``state_dict()`` is collective across ranks, like ``pipe.checkpoint()``: every
 rank calls it at the same step. Its value is ``{"zephon_checkpoint": bytes}``:
@@ -83,9 +87,10 @@ class TorchLoader:
     Build it with :func:`zephon.torch.loader`. Iterating yields zephon Batches
     (dicts with ``.meta``) whose numeric columns are tensors sharing the arena's
     memory. ``iter(loader)`` goes on with the run in progress, if any (a loop left
-    early continues where it stopped), else starts a new run of the pipeline (from the
-    start, or after a loaded state). Only batches handed to the caller count for
-    :meth:`state_dict`.
+    early continues where it stopped), else starts a new run of the pipeline: after a
+    complete pass the next epoch, after a loaded state where it says (the pipeline's
+    rule, :class:`~zephon.pipeline.Pipeline`). Only batches handed to the caller count
+    for :meth:`state_dict`.
 
     Args:
         pipe: the zephon Pipeline, options included.
@@ -127,6 +132,7 @@ class TorchLoader:
         self._thread: threading.Thread | None = None
         self._handoff: Handoff | None = None
         self._delivered: dict = {}
+        self._ended = False  # the caller got the end of the pinned run
         self._pin = None
 
     # -- iteration -----------------------------------------------------------------------
@@ -136,6 +142,7 @@ class TorchLoader:
         self.close()
         self._it = it = iter(self.pipe)
         self._pinned_run = self.pin_memory
+        self._ended = False
         if self.pin_memory:
             if self._pin is None:
                 self._pin = _pin_fn(self._torch)
@@ -163,7 +170,11 @@ class TorchLoader:
         except HandoffClosed:  # closed from another thread while waiting
             self.close()
             raise StopIteration from None
-        except BaseException:  # the end of the run, or its error
+        except StopIteration:  # the end of the run: every batch was handed out
+            self._ended = True
+            self.close()
+            raise
+        except BaseException:  # the run's error
             self.close()
             raise
         return batch
@@ -189,6 +200,10 @@ class TorchLoader:
             self._thread = None
         if self._it is not None:
             self._it.close()
+            if self._pinned_run and not self._ended:
+                # the thread took batches the caller never got: the next run goes on after
+                # the last one handed out
+                self._it.rewind(self._delivered)
             self._last_it = self._it
         self._it = None
 
