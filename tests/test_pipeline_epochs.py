@@ -4,9 +4,9 @@ delivered (a complete pass: the next epoch), ``set_epoch`` re-runs an epoch exac
 
 from __future__ import annotations
 
+import _pipeline_fns as F
 import pytest
 
-import _pipeline_fns as F
 from zephon import CheckpointError, Pipeline, RuntimeOptions, ZephonConfigError, sources
 from zephon.checkpoint import decode_state, encode_state
 
@@ -143,6 +143,7 @@ def test_torch_loader_follows_the_same_rule():
         got = [[key(b) for b in loader] for _ in range(3)]
     finally:
         loader.close()
+    assert [epochs_of(p) for p in got] == [{0}, {1}, {2}]
     assert [[k[:3] for k in p] for p in got] == [[k[:3] for k in p] for p in passes]
 
 

@@ -8,10 +8,10 @@ import collections
 import random
 import threading
 
+import _pipeline_fns as F
 import numpy as np
 import pytest
 
-import _pipeline_fns as F
 from zephon import CheckpointError, Pipeline, RuntimeOptions, sources
 from zephon.checkpoint import decode_state, encode_state
 
@@ -173,7 +173,7 @@ def run(pipe, take: int | None = None):
     """``take`` items (all: None) of a run, the iterator's checkpoint after them."""
     it = iter(pipe)
     try:
-        out = [b for _, b in zip(range(take), it)] if take is not None else list(it)
+        out = [b for _, b in zip(range(take), it, strict=False)] if take is not None else list(it)
         return out, it.checkpoint()
     finally:
         it.close()
@@ -354,7 +354,7 @@ def _ranks_checkpoint(case: Case, world: int, take: int, agg: str) -> list:
             pipe = case.make(world_size=world, global_rank=r, aggregate_dir=agg,
                              aggregate_timeout_s=60)
             it = iter(pipe)
-            items = [key(b) for _, b in zip(range(take), it)]
+            items = [key(b) for _, b in zip(range(take), it, strict=False)]
             out[r] = (items, it.checkpoint())
             it.close()
         except BaseException as exc:  # noqa: BLE001 - reported below

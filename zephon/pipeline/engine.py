@@ -69,6 +69,14 @@ from zephon.options import (
     resolve_stage_prefetch,
     resolve_stage_workers,
 )
+from zephon.pipeline.carry import (
+    Rebuilder,
+    carry_bounds,
+    carry_layout,
+    decode_carry,
+    encode_carry,
+    held_units,
+)
 from zephon.pipeline.dispatch import PIPELINE_ARENA_BYTES, lane_budget_bytes, ordered_map
 from zephon.pipeline.lanes import (
     batched_units,
@@ -77,10 +85,15 @@ from zephon.pipeline.lanes import (
     lane_units,
     owned_lanes,
 )
-from zephon.pipeline.carry import Rebuilder, carry_bounds, carry_layout, decode_carry, \
-    encode_carry, held_units
-from zephon.pipeline.ops import Batch, BatchOp, Boundary, MapOp, PackTokensOp, \
-    _made_lineage, _pos_lineage
+from zephon.pipeline.ops import (
+    Batch,
+    BatchOp,
+    Boundary,
+    MapOp,
+    PackTokensOp,
+    _made_lineage,
+    _pos_lineage,
+)
 from zephon.pipeline.program import StageProgram, batches_per_message
 from zephon.pipeline.stats import RunStats
 from zephon.runners import InlineExecutor, ProcessExecutor, ThreadExecutor
@@ -339,19 +352,14 @@ def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
         t = timer() if timer else 0.0
         if isinstance(unit, Boundary):
             if state is None:
-                state, out = op.start(seed, lane, unit), []
-                if state.carries:
-                    state.lineage = _made_lineage if made_input else _pos_lineage
-                    state.tracks = tracks
-                    if held is not None:
-                        state.load(held())
+                state, out = _open(op, seed, lane, unit, tracks, made_input, held), []
             else:
                 out = state.boundary(unit)
             if timer:
                 stats.serial(node, 0, len(out), timer() - t)
             if out:
                 yield out
-            yield unit._replace(carry=unit.carry + (state.carry(),)) if capture else unit
+            yield unit._replace(carry=(*unit.carry, state.carry())) if capture else unit
             continue
         out = state.push(unit)
         if timer:
@@ -364,6 +372,18 @@ def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
             stats.serial(node, 0, len(out), 0.0)
         if out:
             yield out
+
+
+def _open(op, seed: int, lane: int, marker: Boundary, tracks: bool, made_input: bool, held):
+    """The accumulator of ``op`` started at the lane's first boundary ``marker`` (with what
+    a restore puts back into it, see :func:`accumulate`)."""
+    state = op.start(seed, lane, marker)
+    if state.carries:
+        state.lineage = _made_lineage if made_input else _pos_lineage
+        state.tracks = tracks
+        if held is not None:
+            state.load(held())
+    return state
 
 
 class Engine:

@@ -298,7 +298,7 @@ def batched_units(units: Iterator, size: int, drop_last: bool, held: list | None
     count = sum(len(p) for p in parts)
     for unit in units:
         if isinstance(unit, Boundary):
-            yield unit._replace(carry=unit.carry + (count,)) if track else unit
+            yield unit._replace(carry=(*unit.carry, count)) if track else unit
             continue
         offset = 0
         while offset < len(unit):
