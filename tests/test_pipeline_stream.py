@@ -178,6 +178,7 @@ def test_explain_reports_the_resolved_plan():
         "(per_stage_fixed: max_workers=5), depth=7 units/lane" in text
     assert "latency_flush=off" in text and "flush: every 8 chunks of a lane" in text
     assert "resume: replay from the last flush boundary" in text
+    assert "resume points: batches stay full across them" in text
     assert "serial 1: shuffle(4)" in text and "serial 2: batch(2, drop_last=False)" in text
     assert "  " not in text.replace("\n  ", "\n")  # no double spaces inside a line
 

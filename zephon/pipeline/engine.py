@@ -272,7 +272,8 @@ class Plan:
                       "restore reads on after the last delivered sample)")
         else:
             resume = ("resume: replay from the last flush boundary (an op carries history "
-                      "across samples)")
+                      "across samples; what batch and pack_tokens held there is rebuilt "
+                      "from its lineage)")
         if self.flush_every:
             flush = (f"flush: every {self.flush_every} chunks of a lane and at each "
                      "epoch start (resume points: batches stay full across them)")
