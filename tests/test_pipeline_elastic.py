@@ -15,18 +15,27 @@ from zephon import Pipeline, RuntimeOptions, sources
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 C = 4
+#: the flush cadence each chain runs with
+FLUSH = {"replay": None, "cursor": None, "pack": 1}
 
 
 def pipeline(chain: str = "replay"):
     """``replay``: a shuffle buffer (restore replays from a flush boundary); ``cursor``:
-    only cursor-preserving ops (restore reads on from the source cursor)."""
+    only cursor-preserving ops (restore reads on from the source cursor); ``pack``: a
+    packer then a batch, both carrying what they hold across flush boundaries."""
     base = Pipeline(sources.from_callable(70, F.make_sample), seed=11, chunk_size=3)
     if chain == "cursor":
         return base.map(F.double).filter(F.keep_most).batch(2)
+    if chain == "pack":  # run with flush_every_k_chunks=1 (FLUSH): boundaries with a carry
+        return base.map(F.double).pack_tokens(5).batch(2)
     return base.map(F.double).shuffle(5).batch(2)
 
 
 def key(batch):
+    if "id" not in batch:  # packed rows: their tokens and samples
+        return (batch.meta["lane"], batch.meta["lane_index"],
+                tuple(map(tuple, batch.meta["sample_ids"])),
+                tuple(t for row in batch["tokens"] for t in row.tolist()))
     return (batch.meta["lane"], batch.meta["lane_index"], tuple(batch["id"].tolist()))
 
 
@@ -72,6 +81,7 @@ RANK = textwrap.dedent("""
         rank, world, take = {rank}, {world}, {take}
         pipe = pipeline({chain!r}).options(RuntimeOptions(
             world_size=world, global_rank=rank, canonical_replicas={lanes},
+            flush_every_k_chunks={flush},
             aggregate_dir={agg!r}, aggregate_timeout_s={timeout}))
         it = iter(pipe)
         for _ in range(take):
@@ -89,7 +99,7 @@ def run_ranks(tmp_path, world, takes, timeout=60.0, only=None, chain="replay"):
         if only is not None and rank not in only:
             continue
         code = RANK.format(tests=TESTS, rank=rank, world=world, take=takes[rank], lanes=C,
-                           chain=chain,
+                           chain=chain, flush=FLUSH[chain],
                            agg=str(tmp_path / "agg"), timeout=timeout,
                            out=str(tmp_path / f"state-{rank}"))
         procs.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
@@ -98,29 +108,36 @@ def run_ranks(tmp_path, world, takes, timeout=60.0, only=None, chain="replay"):
     return results
 
 
-@pytest.mark.parametrize("chain", ["replay", "cursor"])
+@pytest.mark.parametrize("chain", ["replay", "cursor", "pack"])
 def test_checkpoint_from_2_ranks_restores_on_1_and_on_4(tmp_path, chain):
     results = run_ranks(tmp_path, 2, takes=[6, 6], chain=chain)
     assert all(code == 0 for _, _, code in results), [err for _, err, _ in results]
     states = [(tmp_path / f"state-{r}").read_bytes() for r in range(2)]
     assert states[0] == states[1]  # every rank returns the same merged bytes
     state = states[0]
+    if chain == "pack":  # the packer and the batch held something at their boundaries
+        from zephon.checkpoint import decode_state
 
-    single = [key(b) for b in pipeline(chain).options(RuntimeOptions(canonical_replicas=C))]
+        assert any(len(v) > 4 for v in decode_state(state)["lanes"].values())
+
+    single = [key(b) for b in pipeline(chain).options(RuntimeOptions(
+        canonical_replicas=C, flush_every_k_chunks=FLUSH[chain]))]
     by_lane = {}
     for item in single:
         by_lane.setdefault(item[0], []).append(item)
     delivered = {lane: 3 for lane in range(C)}  # 6 batches per rank over 2 lanes each
     expected = interleave({lane: items[3:] for lane, items in by_lane.items()}, delivered)
 
-    one = pipeline(chain).options(RuntimeOptions(canonical_replicas=C))
+    one = pipeline(chain).options(RuntimeOptions(canonical_replicas=C,
+                                                 flush_every_k_chunks=FLUSH[chain]))
     one.restore(state)
     assert [key(b) for b in one] == expected
 
     rest = {}
     for rank in range(4):
         pipe = pipeline(chain).options(RuntimeOptions(world_size=4, global_rank=rank,
-                                                      canonical_replicas=C))
+                                                      canonical_replicas=C,
+                                                      flush_every_k_chunks=FLUSH[chain]))
         pipe.restore(state)
         for item in pipe:
             rest.setdefault(item.meta["lane"], []).append(key(item))
