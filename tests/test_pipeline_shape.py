@@ -133,8 +133,11 @@ def check_shape(case: Case, batches: list) -> None:
         by_lane[b.meta["lane"]].append(b)
     for lane, items in by_lane.items():
         sizes = [_sizes(b) for b in items]
-        assert all(s == size for s in sizes[:-1]), (case, lane, sizes)
-        assert 0 < sizes[-1] <= size and (not drop_last or sizes[-1] == size), (case, sizes)
+        if ops[-1].kind == "shuffle":  # it may move the lane's last batch: one short at most
+            assert sum(s != size for s in sizes) <= 1, (case, sizes)
+        else:
+            assert all(s == size for s in sizes[:-1]), (case, lane, sizes)
+        assert 0 < min(sizes) and (not drop_last or min(sizes) == size), (case, sizes)
         assert [b.meta["lane_index"] for b in items] == list(range(len(items)))
         _check_rows(case, ops, items)
     if drop_last:
