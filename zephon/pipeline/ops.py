@@ -578,68 +578,83 @@ class PackTokensOp(Op):
                           sample_id=record.ids[0]) from exc
 
 
-class _Piece(NamedTuple):
-    """Tokens ``[a, b)`` of one input record, waiting for a row."""
-
-    tokens: np.ndarray
-    record: Record
-    a: int
-    b: int
-
-
 class _PackState:
     """Cuts rows of exactly ``seq_len`` tokens from the concatenated inputs; the pieces of
-    an unfinished row stay across boundaries (they are the boundary's carry)."""
+    an unfinished row stay across boundaries (they are the boundary's carry). A piece is
+    tokens ``[a, a + len)`` of one input record: ``arrays[i]`` (a view), ``recs[i]``,
+    ``starts[i]`` (parallel lists: a tuple per piece cost more than the rest of a push)."""
 
     carries = True
 
     def __init__(self, op: PackTokensOp) -> None:
         self.op, self.seq_len, self.field = op, op.seq_len, op.field
-        self.pieces: list[_Piece] = []
+        self.arrays: list[np.ndarray] = []
+        self.recs: list[Record] = []
+        self.starts: list[int] = []
         self.count = 0
         self.lineage: Callable[[Record], Any] = _pos_lineage
         self.tracks = False
 
-    def _row(self, pieces: list) -> Record:
-        if len(pieces) == 1:
-            row = pieces[0].tokens  # a view of the sample's tokens: no copy
-        else:
-            row = np.concatenate([p.tokens for p in pieces])
-        ids = [i for p in pieces for i in p.record.ids]
-        out = Record({self.field: row}, ids, pieces[-1].record.pos)
+    def _row(self) -> Record:
+        arrays, recs = self.arrays, self.recs
+        row = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)  # one piece: a view
+        ids = recs[0].ids if len(recs) == 1 else [i for r in recs for i in r.ids]
+        out = Record({self.field: row}, ids, recs[-1].pos)
         if self.tracks:
-            out.lin = [(self.lineage(p.record), p.a, p.b) for p in pieces]
+            out.lin = self._pieces()
+        self.arrays, self.recs, self.starts, self.count = [], [], [], 0
         return out
+
+    def _pieces(self) -> list:
+        return [(self.lineage(r), a, a + t.size)
+                for t, r, a in zip(self.arrays, self.recs, self.starts, strict=True)]
 
     def push(self, records: list) -> list:
         out = []
-        seq_len = self.seq_len
+        seq_len, field = self.seq_len, self.field
         for r in records:
-            tokens = self.op.tokens(r)
-            a, n = 0, tokens.size
-            while n - a >= seq_len - self.count:  # this record completes a row
-                b = a + seq_len - self.count
-                self.pieces.append(_Piece(tokens[a:b], r, a, b))
-                out.append(self._row(self.pieces))
-                self.pieces, self.count, a = [], 0, b
+            try:
+                tokens = np.asarray(r.value[field]).reshape(-1)
+            except (KeyError, TypeError, IndexError):
+                tokens = self.op.tokens(r)  # raises the OpError naming the sample
+            n = tokens.size
+            need = seq_len - self.count
+            if n < need:  # the common case: the row is not full yet
+                self.arrays.append(tokens)
+                self.recs.append(r)
+                self.starts.append(0)
+                self.count += n
+                continue
+            a = 0
+            while n - a >= need:  # this record completes a row
+                b = a + need
+                self.arrays.append(tokens if a == 0 and b == n else tokens[a:b])
+                self.recs.append(r)
+                self.starts.append(a)
+                out.append(self._row())
+                a, need = b, seq_len
             if a < n:
-                self.pieces.append(_Piece(tokens[a:], r, a, n))
-                self.count += n - a
+                self.arrays.append(tokens[a:])
+                self.recs.append(r)
+                self.starts.append(a)
+                self.count = n - a
         return out
 
     def boundary(self, marker: Boundary) -> list:
         return []
 
     def carry(self) -> list:
-        return [(self.lineage(p.record), p.a, p.b) for p in self.pieces]
+        return self._pieces()
 
     def load(self, pieces: list) -> None:
         """Put back rebuilt pieces: ``(record, a, b)`` each."""
-        self.pieces = [_Piece(self.op.tokens(r)[a:b], r, a, b) for r, a, b in pieces]
+        self.arrays = [self.op.tokens(r)[a:b] for r, a, b in pieces]
+        self.recs = [r for r, _, _ in pieces]
+        self.starts = [a for _, a, _ in pieces]
         self.count = sum(b - a for _, a, b in pieces)
 
     def drain(self) -> list:
-        pieces, self.pieces, self.count = self.pieces, [], 0
-        if not pieces or self.op.drop_remainder:
+        if not self.arrays or self.op.drop_remainder:
+            self.arrays, self.recs, self.starts, self.count = [], [], [], 0
             return []
-        return [self._row(pieces)]
+        return [self._row()]
