@@ -30,7 +30,7 @@ store_options = st.builds(
 )
 mixture = st.builds(
     MixtureReadConfig, mode=st.sampled_from(["weighted_round_robin", "weighted_random"]),
-    seed=st.integers(0, 2**63), precompute=st.booleans(),
+    seed=st.integers(0, 2**63),
     within_component=st.sampled_from(["as_is", "shuffle"]),
 )
 metrics = st.builds(

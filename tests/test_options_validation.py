@@ -109,7 +109,6 @@ BAD = {
     MixtureReadConfig: {
         "mode": ["random", None],
         "seed": [-1, True, 1.5, None, 2**64],
-        "precompute": [1, None],
         "within_component": ["sorted", None],
     },
     MetricsSinkConfig: {

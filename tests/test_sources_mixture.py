@@ -36,8 +36,11 @@ def test_mixture_same_stream_under_every_runner(tmp_path, mode):
     pipe = pipeline(tmp_path, mode)
     ref = ids(pipe.options(RuntimeOptions(runner="inline", canonical_replicas=C)))
     flat = [s for b in ref for s in b]
-    assert sorted(flat) == sorted([(0, i) for i in range(180)] + [(1, 1000 + i)
-                                                                  for i in range(60)])
+    # 0.7 / 0.3 of 180 Parquet rows and 60 tar samples: the epoch reads every row once
+    # (180 / 0.7 = 257 positions) and the tar shard's 60 samples 77 times (a repeat)
+    pq, wds = [s for s in flat if s[0] == 0], [s for s in flat if s[0] == 1]
+    assert sorted(pq) == [(0, i) for i in range(180)] and len(wds) == 77
+    assert set(wds) == {(1, 1000 + i) for i in range(60)}
     for runner in ("threads", "process"):
         got = ids(pipe.options(RuntimeOptions(runner=runner, max_workers=2,
                                               canonical_replicas=C)))

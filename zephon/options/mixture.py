@@ -1,16 +1,19 @@
-"""MixtureReadConfig: how a mixture source interleaves its components.
+"""MixtureReadConfig: how a mixture source lays its components out in an epoch.
 
-Both modes are deterministic functions of ``seed`` and the weights: the
-weighted round-robin is a smooth (credit-based) schedule, the weighted random
-mode draws components from a seeded generator. ``within_component`` says
-whether each component is read in its own order or shuffled (seeded too).
+The shares themselves are the mixture's weights (``sources.mixture``): an epoch
+holds exactly each component's rounded share whatever the mode. The mode decides
+where those positions fall: the smooth round robin spreads each component evenly
+over the epoch, the weighted random mode places them by a seeded bijection (a new
+one per epoch). ``within_component`` says whether a component's first pass is read
+in its own order or a seeded one (every later pass has a seeded order of its own).
+Both are deterministic functions of ``seed``, the weights and the sizes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zephon.options._spec import Bool, Int, OptionsBase, Str, option, option_class
+from zephon.options._spec import Int, OptionsBase, Str, option, option_class
 from zephon.options.limits import MAX_SEED
 
 __all__ = ["MIXTURE_MODES", "WITHIN_COMPONENT_MODES", "MixtureReadConfig"]
@@ -37,18 +40,18 @@ class MixtureReadConfig(OptionsBase):
 
     mode: str = option(
         "weighted_round_robin", check=Str(choices=MIXTURE_MODES),
-        doc="weighted_round_robin: smooth deterministic schedule; weighted_random: seeded draws.",
+        doc="weighted_round_robin: each component spread evenly over the epoch (a search of "
+            "O(K log L) per position for K components); weighted_random: positions placed "
+            "by a seeded bijection per epoch (O(1) per position: the choice for many "
+            "components).",
     )
     seed: int = option(
         0, check=Int(min=0, max=MAX_SEED),
         doc="Seed of the component schedule and of within-component shuffles (an unsigned "
             "64-bit int: it travels in checkpoints).",
     )
-    precompute: bool = option(
-        True, check=Bool(),
-        doc="Compute the component schedule of an epoch up front (NumPy) instead of lazily.",
-    )
     within_component: str = option(
         "as_is", check=Str(choices=WITHIN_COMPONENT_MODES),
-        doc="as_is: each component in its own order; shuffle: a seeded permutation per epoch.",
+        doc="as_is: a component's first pass in its own order; shuffle: in a seeded order. "
+            "Every later pass (a repeat) has a seeded order of its own.",
     )

@@ -102,20 +102,27 @@ class StageProgram:
                 yield from self.read(part)
             return
         epoch, pos = unit.epoch, unit.start
-        for index in unit.indices.tolist():
-            yield self._read_one(index, epoch, pos)
+        try:
+            view = self.source.view(unit.indices, epoch)
+        except Exception as exc:
+            sid = (getattr(self.source, "name", type(self.source).__name__),
+                   int(unit.indices[0]) if len(unit.indices) else -1, epoch)
+            raise OpError(f"reading sample {sid} failed: the source's view() raised "
+                          f"{type(exc).__name__}: {exc}", op="read", sample_id=sid) from exc
+        for n, index in enumerate(unit.indices.tolist()):
+            yield self._read_one(view, n, index, epoch, pos)
             pos += 1
 
-    def _read_one(self, index: int, epoch: int, pos: int) -> Record:
+    def _read_one(self, view, n: int, index: int, epoch: int, pos: int) -> Record:
         try:
-            name, idx = self.source.identity(index)
+            name, idx = view.identity(n)
         except Exception as exc:
             sid = (getattr(self.source, "name", type(self.source).__name__), index, epoch)
             raise OpError(f"reading sample {sid} failed: its identity() raised "
                           f"{type(exc).__name__}: {exc}", op="read", sample_id=sid) from exc
         sid = (name, idx, epoch)
         try:
-            value = self.source.get(index)
+            value = view.get(n)
         except Exception as exc:
             raise OpError(f"reading sample {sid} failed: {type(exc).__name__}: {exc}",
                           op="read", sample_id=sid) from exc

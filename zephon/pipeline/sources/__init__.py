@@ -21,7 +21,7 @@ and retry policy of ``RuntimeOptions.io_options`` (:class:`~zephon.StoreOptions`
   footers and a per-process cache of decoded row groups (``parquet`` extra).
 - :func:`webdataset` — tar shards; one dict ``{extension: bytes}`` per key.
 - :func:`hf_dataset` — a Hugging Face ``datasets.Dataset`` (loaded or saved to disk).
-- :func:`mixture` — components interleaved by a deterministic schedule.
+- :func:`mixture` — components sampled at their weights (sampling rates).
 
 Submodules import their format library (pyarrow, fsspec, datasets) only when a
 source that needs it is built or read: unpickling a jsonl source in a worker does
@@ -301,38 +301,58 @@ def hf_dataset(ds, *, name: str = "hf", columns: Sequence[str] | None = None) ->
 
 
 def mixture(components: Mapping[str, Source], weights: Mapping[str, float] | None = None, *,
-            config=None, name: str = "mixture") -> Source:
-    """Components interleaved by a deterministic schedule.
+            config=None, name: str = "mixture", exhausted: str | Mapping[str, str] = "repeat",
+            max_repeats: float | Mapping[str, float] | None = None, by: str = "samples",
+            tokens_per_sample: Mapping[str, float] | None = None,
+            token_count: Callable[[Any], int] | None = None) -> Source:
+    """Components sampled at their weights: each weight is the component's expected share
+    of the output, under every shuffle setting, runner, worker count and world size.
 
-    Every component sample appears once per epoch; the schedule decides which
-    component comes next: a smooth weighted round robin (default) or seeded weighted
-    draws (:class:`~zephon.MixtureReadConfig`). It is a pure function of the component
-    lengths, the weights and the config, so a mixture checkpoints and restores like
-    any source. A sample's identity is its component's name and the component's own
-    index.
+    An epoch holds exactly its rounded share of each component (its length follows from
+    the exhaustion policies: see :mod:`zephon.pipeline.sources.mixture`). A component
+    that runs out repeats in a new seeded order (``"repeat"``, the default), ends the
+    epoch (``"stop"``), or gives its unfilled share to the others
+    (``"redistribute"``); a component read only in part continues in the next epoch.
+    Everything is computed per position: nothing of the epoch's size is built. A
+    sample's identity is its component's name and the component's own index (a
+    repeat within one epoch is named ``"<component>#<r>"``).
 
     Args:
         components: component name -> source.
         weights: component name -> positive weight (every component, no other name);
-            None: equal weights.
-        config: a :class:`~zephon.MixtureReadConfig`; None: the pipeline's
+            None: equal weights. Shares of samples, or of tokens with ``by="tokens"``.
+        config: a :class:`~zephon.MixtureReadConfig` (the interleave and the
+            within-component order); None: the pipeline's
             ``RuntimeOptions.mixture_config`` if set, else the defaults.
         name: the mixture's name.
+        exhausted: ``"repeat"``, ``"stop"`` or ``"redistribute"``, for every component
+            or as a mapping per component name (unnamed ones repeat).
+        max_repeats: at most this many passes over a ``repeat`` component per epoch
+            (one number or a mapping per component); None: no cap.
+        by: ``"samples"`` or ``"tokens"`` (weights are shares of tokens).
+        tokens_per_sample: with ``by="tokens"``, the mean tokens per sample of every
+            component; None: measured on a seeded sample of each component.
+        token_count: with ``by="tokens"`` and no ``tokens_per_sample``, tokens of one
+            sample (default: the size of its ``"tokens"`` field, else the words of its
+            ``"text"`` field).
 
     Returns:
-        A :class:`Source` whose length is the sum of the components'.
+        A :class:`Source` whose length is one epoch of the mixture.
 
     Raises:
-        ZephonConfigError: no component, weights that do not name exactly the
-            components, or a weight that is not a positive finite number.
+        ZephonConfigError: no component, an empty component, weights that do not name
+            exactly the components, a weight that is not a positive finite number, or an
+            unknown policy.
 
     Example:
         >>> a = sources.from_sequence(["a0", "a1", "a2", "a3"], name="a")
         >>> b = sources.from_sequence(["b0", "b1"], name="b")
-        >>> mix = sources.mixture({"a": a, "b": b}, {"a": 2.0, "b": 1.0})
+        >>> mix = sources.mixture({"a": a, "b": b}, {"a": 0.5, "b": 0.5})
         >>> [mix.get(i) for i in range(len(mix))]
-        ['a0', 'b0', 'a1', 'a2', 'b1', 'a3']
-        >>> mix.identity(1)
-        ('b', 0)
+        ['a0', 'b0', 'a1', 'b1', 'a2', 'b1', 'a3', 'b0']
+        >>> mix.identity(5)
+        ('b#1', 1)
     """
-    return MixtureSource(components, weights, config, name)
+    return MixtureSource(components, weights, config, name, exhausted=exhausted,
+                         max_repeats=max_repeats, by=by, tokens_per_sample=tokens_per_sample,
+                         token_count=token_count)

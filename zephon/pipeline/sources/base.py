@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -34,6 +34,8 @@ __all__ = [
     "DEFAULT_OPEN_RETRY",
     "CallableSource",
     "FileSource",
+    "IndexView",
+    "SampleView",
     "SequenceSource",
     "Source",
     "SourceError",
@@ -106,6 +108,26 @@ class Source:
             ('nums', 1)
         """
         return self.name, i
+
+    def view(self, indices, epoch: int) -> "SampleView":
+        """The samples at ``indices`` of ``epoch``, as the stage program reads them.
+
+        A source whose samples depend on the epoch (a mixture: which component sample a
+        position holds changes from epoch to epoch) overrides it; the default reads
+        :meth:`identity` and :meth:`get` of each index.
+
+        Args:
+            indices: the source indices of one read unit (int64 array).
+            epoch: the epoch they belong to.
+
+        Returns:
+            An object with ``identity(n)`` and ``get(n)`` for the ``n``-th index.
+
+        Example:
+            >>> sources.from_sequence([10, 20]).view(np.array([1]), 0).get(0)
+            20
+        """
+        return IndexView(self, indices)
 
     def get_batch(self, indices) -> dict | None:
         """The samples at ``indices``, already collated, if this source has a columnar read.
@@ -194,6 +216,30 @@ class Source:
         clone = copy.copy(self)
         clone.open_retry = retry
         return clone
+
+
+class SampleView(Protocol):
+    """What :meth:`Source.view` returns: the ``n``-th sample of a read unit."""
+
+    def identity(self, n: int) -> tuple[str, int]: ...
+
+    def get(self, n: int) -> Any: ...
+
+
+class IndexView:
+    """:meth:`Source.view` of a source whose samples do not depend on the epoch."""
+
+    __slots__ = ("indices", "source")
+
+    def __init__(self, source: Source, indices) -> None:
+        self.source = source
+        self.indices = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
+
+    def identity(self, n: int) -> tuple[str, int]:
+        return self.source.identity(self.indices[n])
+
+    def get(self, n: int) -> Any:
+        return self.source.get(self.indices[n])
 
 
 class FileSource(Source):

@@ -1,28 +1,149 @@
-"""mixture: components interleaved by a deterministic schedule.
+"""mixture: components sampled at given rates, in O(1) per position.
 
-The schedule (:class:`~zephon.options.MixtureReadConfig`) is smooth weighted
-round-robin or seeded weighted random; every component sample appears once per
-epoch. A mixture of file sources (Parquet, WebDataset, ...) checkpoints and
-restores like any source: the schedule is a pure function of the component
-lengths, weights and config.
+What it owns
+------------
+A mixture's weights are **sampling rates**: the expected share of each component
+in the output. An epoch of the mixture is ``L`` positions, of which exactly
+``c_k`` (the largest-remainder rounding of ``w_k * L``) belong to component
+``k``; whatever order the pipeline visits the positions in (its seeded epoch
+permutation or source order), every epoch holds each component at its share, and
+every stretch of the stream holds it up to sampling noise.
+
+The epoch length comes from the per-component exhaustion policy
+(``exhausted``):
+
+- ``"repeat"`` (default): a component that runs out is read again, each new
+  pass in a new seeded order, to hold its share; ``max_repeats`` (per
+  component or one for all) caps how many passes an epoch may take of it;
+- ``"stop"``: the epoch ends when this component has been read once;
+- ``"redistribute"``: the component is read at most once per epoch; the share
+  it cannot fill goes to the other components in proportion to their weights.
+
+With only ``repeat`` components, the epoch ends when the component that needs
+the most positions to be read once (largest ``size / weight``) has been read
+once; a ``stop`` component, or a cap, ends it sooner. Components are never cut
+short across epochs: a component read only in part in one epoch continues where
+it stopped in the next (its occurrence count runs on, ``J = epoch * c_k + j``),
+so every sample is read before any is read again.
+
+Weights by tokens (``by="tokens"``): the weights are shares of tokens; each
+component's sample rate is its token weight over its mean tokens per sample,
+given (``tokens_per_sample``) or measured on a seeded sample of up to
+:data:`TOKEN_PROBE` samples per component (``token_count``, default: the length
+of the ``"tokens"`` field).
+
+Where a position lands (:class:`~zephon.options.MixtureReadConfig` ``mode``):
+
+- ``weighted_random``: a seeded bijection of ``[0, L)`` per epoch takes
+  position ``p`` to a place in the concatenation of the components' counts, so
+  the interleave is random with exact counts;
+- ``weighted_round_robin``: the smooth deterministic schedule in which
+  component ``k`` has had ``floor((x * c_k + L // 2) / L)`` of the first
+  ``P(x)`` positions; a position is found by a binary search over ``x``
+  (``O(K log L)`` per position: prefer ``weighted_random`` for hundreds of
+  components).
+
+Every quantity is computed per position, vectorised over the positions of a read
+unit (:meth:`MixtureSource.view`): nothing of size ``L`` is built, at start-up or
+in a worker, and the source pickles as its components, weights and counts.
+
+The component-local index of occurrence ``J`` is pass ``J // size`` at place
+``J % size``: the first pass in the component's own order
+(``within_component="as_is"``) or a seeded order (``"shuffle"``), every later
+pass in a seeded order of its own. A sample read a second time within one epoch
+is named ``"<component>#<r>"`` (``r``: the repeat within the epoch), so that its
+identity, and hence its ``ctx.rng``, differ from the first read's.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+import math
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from zephon.errors import ZephonConfigError
 from zephon.pipeline.sources.base import Source
 
-__all__ = ["MixtureSource"]
+__all__ = ["EXHAUSTION_POLICIES", "TOKEN_PROBE", "MixtureSource"]
+
+EXHAUSTION_POLICIES = ("repeat", "stop", "redistribute")
+#: samples per component read at construction to estimate tokens per sample
+TOKEN_PROBE = 64
+#: products ``x * c_k`` stay exact in int64 below this epoch length
+_EXACT_L = 3_037_000_499
+
+_MASK = (1 << 64) - 1
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser, elementwise on uint64 (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def _mix_int(x: int) -> int:
+    """:func:`_mix64` of one Python int."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def _key(*parts: int) -> int:
+    """A 64-bit key from non-negative ints (stable across processes)."""
+    h = 0x9E3779B97F4A7C15
+    for part in parts:
+        h = _mix_int(h ^ (int(part) & _MASK))
+    return h
+
+
+def permute(n, key, positions: np.ndarray) -> np.ndarray:
+    """A seeded bijection of ``[0, n)`` at ``positions`` (int64 in, int64 out): a
+    balanced Feistel network over the smallest even-bit power of two >= n, with cycle
+    walking back into ``[0, n)``. ``n`` and ``key`` are ints, or arrays of one per
+    position (each position then permuted in its own domain with its own key)."""
+    positions = np.asarray(positions, dtype=np.uint64)
+    size = np.broadcast_to(np.asarray(n, dtype=np.uint64), positions.shape)
+    keys = np.broadcast_to(np.asarray(key, dtype=np.uint64), positions.shape)
+    bits = np.maximum(2, _bit_length(np.maximum(size, np.uint64(1)) - np.uint64(1)) + 1)
+    half = (bits // 2).astype(np.uint64)
+    low = (np.uint64(1) << half) - np.uint64(1)
+    rounds = [_mix64(keys ^ np.uint64(_mix_int(0xA5A5 + r))) for r in range(4)]
+    out = positions.copy()
+    todo = size > np.uint64(1)
+    while todo.any():
+        x, h, m = out[todo], half[todo], low[todo]
+        left, right = x >> h, x & m
+        for k in rounds:
+            left, right = right, left ^ (_mix64(right ^ k[todo]) & m)
+        x = (left << h) | right
+        out[todo] = x
+        todo[todo] = x >= size[todo]
+    return out.astype(np.int64)
+
+
+def _bit_length(x: np.ndarray) -> np.ndarray:
+    """Bits needed for each uint64 (0 for 0)."""
+    bits = np.zeros(x.shape, dtype=np.int64)
+    x = x.copy()
+    for shift in (32, 16, 8, 4, 2, 1):
+        big = x >= (np.uint64(1) << np.uint64(shift))
+        bits[big] += shift
+        x[big] >>= np.uint64(shift)
+    return bits + (x > 0)
 
 
 class MixtureSource(Source):
+    """Components sampled at their weights (see the module docstring)."""
+
     def __init__(self, components: Mapping[str, Source], weights: Mapping[str, float] | None,
-                 config, name: str) -> None:
+                 config, name: str, *, exhausted: str | Mapping[str, str] = "repeat",
+                 max_repeats: float | Mapping[str, float] | None = None,
+                 by: str = "samples", tokens_per_sample: Mapping[str, float] | None = None,
+                 token_count: Callable[[Any], int] | None = None) -> None:
         from zephon.options import MixtureReadConfig
 
         if not components:
@@ -34,16 +155,57 @@ class MixtureSource(Source):
         if unknown or set(self.names) - set(weights):
             raise ZephonConfigError(f"mixture: weights must name exactly the components "
                                     f"{self.names}, got {sorted(weights)}")
-        self.weights = np.array([float(weights[k]) for k in self.names])
-        if not np.all(np.isfinite(self.weights)) or np.any(self.weights <= 0):
-            raise ZephonConfigError(f"mixture: weights must be positive, got {dict(weights)}")
+        self.weights = np.array([_positive(weights[k], f"weight of {k!r}") for k in self.names])
+        self.policies = _per_component(self.names, exhausted, "exhausted", _policy)
+        self.max_repeats = np.array(_per_component(self.names, max_repeats, "max_repeats",
+                                                   _repeats))
+        if by not in ("samples", "tokens"):
+            raise ZephonConfigError(f"mixture: by must be 'samples' or 'tokens', got {by!r}")
+        self.by, self.token_count = by, token_count
+        self.tokens_per_sample = self._tokens(tokens_per_sample) if by == "tokens" else None
         self.own_config = config is not None  # else RuntimeOptions.mixture_config applies
         self.config, self.name = config or MixtureReadConfig(), name
-        self.comp, self.comp_index = self._schedule()
+        self.sizes = np.array([len(c) for c in self.components], dtype=np.int64)
+        if np.any(self.sizes == 0):
+            empty = [n for n, s in zip(self.names, self.sizes.tolist(), strict=True) if not s]
+            raise ZephonConfigError(f"mixture: component(s) {empty} have no samples")
+        self.counts = epoch_counts(self.sizes, self.rates(), self.policies, self.max_repeats)
+        self.length = int(self.counts.sum())
+        self.cum = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+
+    # -- what the epoch holds -------------------------------------------------------------
+
+    def rates(self) -> np.ndarray:
+        """Each component's share of the output's samples (sums to 1)."""
+        w = self.weights / self.weights.sum()
+        if self.tokens_per_sample is not None:
+            w = w / self.tokens_per_sample
+            w = w / w.sum()
+        return w
+
+    def _tokens(self, given: Mapping[str, float] | None) -> np.ndarray:
+        if given is not None:
+            if set(given) != set(self.names):
+                raise ZephonConfigError(f"mixture: tokens_per_sample must name exactly the "
+                                        f"components {self.names}, got {sorted(given)}")
+            return np.array([_positive(given[k], f"tokens_per_sample of {k!r}")
+                             for k in self.names])
+        count = self.token_count or _token_field_length
+        means = []
+        for k, comp in enumerate(self.components):
+            n = len(comp)
+            probe = permute(n, _key(0x70, k), np.arange(min(n, TOKEN_PROBE)))
+            lengths = [count(comp.get(int(i))) for i in probe.tolist()]
+            means.append(max(1.0, float(np.mean(lengths))) if lengths else 1.0)
+        return np.array(means)
+
+    # -- the Source contract --------------------------------------------------------------
 
     def configured(self, opts) -> "Source":
-        components = {n: c.configured(opts) for n, c in zip(self.names, self.components, strict=True)}
-        changed = any(a is not b for a, b in zip(components.values(), self.components, strict=True))
+        components = {n: c.configured(opts) for n, c in zip(self.names, self.components,
+                                                             strict=True)}
+        changed = any(a is not b for a, b in zip(components.values(), self.components,
+                                                 strict=True))
         if self.own_config or opts.mixture_config is None or \
                 opts.mixture_config == self.config:
             if not changed:
@@ -51,48 +213,230 @@ class MixtureSource(Source):
             clone = copy.copy(self)
             clone.components = list(components.values())
             return clone
-        weights = dict(zip(self.names, self.weights.tolist(), strict=True))
-        return MixtureSource(components, weights, opts.mixture_config, self.name)
-
-    def _schedule(self) -> tuple[np.ndarray, np.ndarray]:
-        sizes = np.array([len(c) for c in self.components], dtype=np.int64)
-        total = int(sizes.sum())
-        comp = np.empty(total, dtype=np.int32)
-        left = sizes.copy()
-        w = self.weights / self.weights.sum()
-        rng = np.random.default_rng(self.config.seed)
-        credit = np.zeros(len(sizes))
-        for i in range(total):
-            live = left > 0
-            if self.config.mode == "weighted_random":
-                p = np.where(live, w, 0.0)
-                k = int(rng.choice(len(sizes), p=p / p.sum()))
-            else:  # smooth weighted round robin over the components that have samples left
-                credit[live] += w[live]
-                k = int(np.argmax(np.where(live, credit, -np.inf)))
-                credit[k] -= w[live].sum()
-            comp[i] = k
-            left[k] -= 1
-        index = np.empty(total, dtype=np.int64)
-        for k, size in enumerate(sizes):
-            order = np.arange(size)
-            if self.config.within_component == "shuffle":
-                order = np.random.default_rng([self.config.seed, k]).permutation(size)
-            index[comp == k] = order
-        return comp, index
+        clone = copy.copy(self)
+        clone.components, clone.config = list(components.values()), opts.mixture_config
+        return clone
 
     def __len__(self) -> int:
-        return len(self.comp)
+        return self.length
+
+    def view(self, indices: np.ndarray, epoch: int) -> "_MixtureView":
+        return _MixtureView(self, np.asarray(indices, dtype=np.int64), epoch)
 
     def get(self, i: int) -> Any:
-        return self.components[self.comp[i]].get(int(self.comp_index[i]))
+        return self.view(np.array([i]), 0).get(0)
 
     def identity(self, i: int) -> tuple[str, int]:
-        return self.names[self.comp[i]], int(self.comp_index[i])
+        return self.view(np.array([i]), 0).identity(0)
 
     def describe(self) -> str:
-        parts = ", ".join(f"{n}: {c.describe()} x{w:g}" for n, c, w in
-                          zip(self.names, self.components, self.weights, strict=True))
-        return f"MixtureSource({parts}; {self.config.to_dict()})"
+        parts = ", ".join(
+            f"{n}: {c.describe()} x{w:g} ({p}"
+            + (f", max_repeats={m:g}" if math.isfinite(m) else "") + f"; {c_k}/epoch)"
+            for n, c, w, p, m, c_k in zip(self.names, self.components, self.weights,
+                                          self.policies, self.max_repeats,
+                                          self.counts.tolist(), strict=True))
+        tokens = self.tokens_per_sample
+        by = "" if tokens is None else f"; by tokens {np.round(tokens, 3).tolist()}"
+        return f"MixtureSource({parts}; {self.config.to_dict()}{by})"
+
+    # -- positions -> (component, occurrence) ---------------------------------------------
+
+    def locate(self, positions: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(component, occurrence within the epoch)`` of each position of ``epoch``."""
+        if self.config.mode == "weighted_random":
+            place = permute(self.length, _key(self.config.seed, 0x3D, epoch), positions)
+            comp = np.searchsorted(self.cum, place, side="right") - 1
+            return comp, place - self.cum[comp]
+        return _round_robin(self.counts, self.length, positions)
+
+    def local(self, comp: np.ndarray, occurrence: np.ndarray,
+              epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(component index, pass, repeat within the epoch)`` of each occurrence."""
+        sizes, counts = self.sizes[comp], self.counts[comp]
+        run = epoch * counts + occurrence  # occurrences run on across epochs
+        passes, place = run // sizes, run % sizes
+        first_pass = (epoch * counts) // sizes
+        index = place.copy()
+        shuffled = passes > 0 if self.config.within_component == "as_is" else \
+            np.ones(len(place), dtype=bool)
+        if shuffled.any():  # each (component, pass) in a seeded order of its own
+            where = np.flatnonzero(shuffled)
+            keys = _pass_keys(self.config.seed, comp[where], passes[where])
+            index[where] = permute(sizes[where], keys, place[where])
+        return index, passes, passes - first_pass
 
 
+def _pass_keys(seed: int, comp: np.ndarray, passes: np.ndarray) -> np.ndarray:
+    """The key of each (component, pass): ``_key(seed, 0x51, k, p)``, vectorised."""
+    h = np.uint64(_mix_int(_mix_int(0x9E3779B97F4A7C15 ^ (seed & _MASK)) ^ 0x51))
+    h = _mix64(h ^ comp.astype(np.uint64))
+    return _mix64(h ^ passes.astype(np.uint64))
+
+
+class _MixtureView:
+    """The samples of one read unit: their components and indices, computed at once."""
+
+    __slots__ = ("comp", "index", "mix", "nested", "passes", "repeat")
+
+    def __init__(self, mix: MixtureSource, positions: np.ndarray, epoch: int) -> None:
+        if len(positions) and (positions.min() < 0 or positions.max() >= mix.length):
+            raise IndexError(f"mixture {mix.name!r}: position out of range [0, {mix.length})")
+        self.mix = mix
+        self.comp, occurrence = mix.locate(positions, epoch)
+        self.index, self.passes, self.repeat = mix.local(self.comp, occurrence, epoch)
+        self.nested = self._nest() if any(isinstance(c, MixtureSource)
+                                          for c in mix.components) else None
+        # per-sample reads index Python lists: a NumPy scalar per field costs more
+        self.comp, self.index = self.comp.tolist(), self.index.tolist()
+        self.repeat = self.repeat.tolist()
+
+    def identity(self, n: int) -> tuple[str, int]:
+        if self.nested is not None and n in self.nested:  # names its own components
+            view, m = self.nested[n]
+            return view.identity(m)
+        k, r = self.comp[n], self.repeat[n]
+        return (self.mix.names[k] if r == 0 else f"{self.mix.names[k]}#{r}"), self.index[n]
+
+    def get(self, n: int) -> Any:
+        if self.nested is not None and n in self.nested:
+            view, m = self.nested[n]
+            return view.get(m)
+        return self.mix.components[self.comp[n]].get(self.index[n])
+
+    def _nest(self) -> dict | None:
+        """``n -> (view, place in it)`` for the samples of nested mixtures: one view per
+        nested component and pass the unit touches."""
+        nested: dict = {}
+        for k, component in enumerate(self.mix.components):
+            if not isinstance(component, MixtureSource):
+                continue
+            members = np.flatnonzero(self.comp == k)
+            for p in np.unique(self.passes[members]).tolist():
+                group = members[self.passes[members] == p]
+                view = component.view(self.index[group], int(p))
+                nested.update({int(n): (view, m) for m, n in enumerate(group.tolist())})
+        return nested or None
+
+
+def epoch_counts(sizes: np.ndarray, rates: np.ndarray, policies: list[str],
+                 max_repeats) -> np.ndarray:
+    """Positions per epoch of each component (see the module docstring): integers
+    summing to the epoch length.
+
+    A ``redistribute`` component that its rate would read more than once is
+    *saturated*: it takes exactly its size, and the other components share the rest of
+    the epoch in proportion to their rates. The epoch's other part ``L'`` is the
+    tightest bound among the unsaturated components (``stop``: one pass; a
+    ``max_repeats`` cap: that many passes), or with no bound the positions that read
+    each of them at least once."""
+    sizes = sizes.astype(np.float64)
+    caps = np.array([1.0 if p == "stop" else float(m)
+                     for p, m in zip(policies, max_repeats, strict=True)])
+    spread = np.array([p == "redistribute" for p in policies])
+    saturated = np.zeros(len(sizes), dtype=bool)
+    for _ in range(len(sizes) + 1):  # each round saturates one more component, or ends
+        live = ~saturated
+        if not live.any():
+            rest, rho = 0.0, np.zeros(len(sizes))
+            break
+        rho = np.where(live, rates, 0.0) / rates[live].sum()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            once = np.where(live, sizes / rho, 0.0)
+            bound = np.where(live & np.isfinite(caps) & ~spread, caps * once, np.inf)
+        rest = float(bound.min()) if np.isfinite(bound).any() else float(once.max())
+        over = live & spread & (rho * rest > sizes * (1 + 1e-12))
+        if not over.any():
+            break
+        saturated |= over
+    quota = np.where(saturated, sizes, rho * rest)
+    total = max(1, round(float(quota.sum())))
+    counts = np.floor(quota * total / max(quota.sum(), 1e-300)).astype(np.int64)
+    frac = np.where(saturated, -1.0, quota * total / max(quota.sum(), 1e-300) - counts)
+    short = total - int(counts.sum())
+    if short > 0:
+        counts[np.argsort(-frac, kind="stable")[:short]] += 1
+    limit = np.where(saturated, sizes, np.where(np.isfinite(caps) & ~spread,
+                                               np.floor(caps * sizes), np.inf))
+    counts = np.minimum(counts, limit).astype(np.int64)
+    if counts.sum() == 0:
+        counts[int(np.argmax(rates))] = 1
+    return counts
+
+
+def _round_robin(counts: np.ndarray, length: int, positions: np.ndarray):
+    """Component and occurrence of each position in the smooth schedule: component ``k``
+    has had ``A_k(x) = floor((x c_k + L // 2) / L)`` of the first ``P(x) = sum_k A_k(x)``
+    positions; position ``p`` is the ``(p - P(x))``-th (by component) of the components
+    that step between ``x`` and ``x + 1``, for the ``x`` with ``P(x) <= p < P(x + 1)``."""
+    positions = np.asarray(positions, dtype=np.int64)
+    c = counts.astype(object) if length > _EXACT_L else counts
+    half = length // 2
+
+    def filled(x):  # (m, K): A_k(x) per position
+        return (x[:, None] * c[None, :] + half) // length
+
+    lo = np.zeros(len(positions), dtype=np.int64)
+    hi = np.full(len(positions), length, dtype=np.int64)
+    while True:  # smallest x with P(x + 1) > p
+        todo = lo < hi
+        if not todo.any():
+            break
+        mid = (lo + hi) // 2
+        ahead = filled(mid + 1).sum(axis=1) > positions
+        hi = np.where(todo & ahead, mid, hi)
+        lo = np.where(todo & ~ahead, mid + 1, lo)
+    before, after = filled(lo), filled(lo + 1)
+    steps = (after > before).astype(np.int64)
+    rank = positions - before.sum(axis=1).astype(np.int64)
+    comp = (np.cumsum(steps, axis=1) > rank[:, None]).argmax(axis=1)
+    occurrence = before[np.arange(len(positions)), comp].astype(np.int64)
+    return comp.astype(np.int64), occurrence
+
+
+def _positive(value, what: str) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = float("nan")
+    if isinstance(value, bool) or not math.isfinite(v) or v <= 0:
+        raise ZephonConfigError(f"mixture: {what} must be a positive finite number, "
+                                f"got {value!r}")
+    return v
+
+
+def _policy(value, what: str) -> str:
+    if value not in EXHAUSTION_POLICIES:
+        raise ZephonConfigError(f"mixture: {what} must be one of {EXHAUSTION_POLICIES}, "
+                                f"got {value!r}")
+    return value
+
+
+def _repeats(value, what: str) -> float:
+    if value is None:
+        return math.inf
+    return _positive(value, what)
+
+
+def _per_component(names: list[str], value, what: str, check) -> list:
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ZephonConfigError(f"mixture: {what} names unknown component(s) {unknown}; "
+                                    f"the components are {names}")
+        default = "repeat" if check is _policy else None
+        return [check(value.get(n, default), f"{what}[{n!r}]") for n in names]
+    return [check(value, what) for _ in names]
+
+
+def _token_field_length(sample) -> int:
+    """Tokens of a sample for ``by="tokens"`` without a ``token_count``: the length of
+    its ``"tokens"`` field (an array or a sequence), else of its ``"text"`` field
+    split on white space."""
+    if isinstance(sample, Mapping):
+        if "tokens" in sample:
+            return int(np.asarray(sample["tokens"]).size)
+        if "text" in sample:
+            return len(str(sample["text"]).split())
+    raise ZephonConfigError("mixture(by='tokens'): a sample has no 'tokens' or 'text' "
+                            "field; give token_count= or tokens_per_sample=")
