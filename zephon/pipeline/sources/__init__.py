@@ -40,7 +40,7 @@ from zephon.pipeline.sources.base import (
     SourceError,
 )
 from zephon.pipeline.sources.hf import HfDatasetSource
-from zephon.pipeline.sources.jsonl import JsonlSource
+from zephon.pipeline.sources.jsonl import DEFAULT_MAX_DECOMPRESSED, JsonlSource
 from zephon.pipeline.sources.mixture import MixtureSource
 from zephon.pipeline.sources.parquet import ParquetSource
 from zephon.pipeline.sources.tokens import TokenWindows
@@ -152,29 +152,37 @@ def token_windows(path: str, seq_len: int, dtype: str | None = "uint16", *,
 
 
 def jsonl(paths: str | Sequence[str], *, name: str = "jsonl", io_options=None,
-          storage_options: dict | None = None) -> Source:
+          storage_options: dict | None = None,
+          max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED) -> Source:
     """One dict per non-blank JSON line over one or more files.
 
-    The files are read once when the source is built, to index their lines: sample
-    ``i`` is the ``i``-th non-blank line over all files, its identity the file and line.
-    Compressed files (``.jsonl.gz``, ``.jsonl.zst``) are held decompressed in memory by
-    each reading process.
+    The files are streamed once when the source is built, to index their lines (in
+    bounded memory: the index holds 28 bytes per line): sample ``i`` is the ``i``-th
+    non-blank line over all files, its identity the file and line. Compressed files
+    (``.jsonl.gz``, ``.jsonl.zst``) are held decompressed in memory by each reading
+    process, at most ``max_decompressed_bytes`` of them at a time.
 
     Args:
         paths: a path, glob (sorted), directory (its ``*.jsonl*`` files) or fsspec URL,
-            or a list of them.
+            or a list of them; a local path must be a file (or a directory to list).
         name: the source's name, the first part of every sample identity.
         io_options: a :class:`~zephon.StoreOptions` (caching, retries, timeouts) for the
             reads made while building the source; while iterating, the pipeline's
             ``RuntimeOptions.io_options`` govern. None: the defaults.
         storage_options: fsspec options for remote paths (endpoint, credentials).
+        max_decompressed_bytes: the most bytes one compressed file may decompress to
+            (default 1 GiB), and the most decompressed bytes a reading process holds.
 
     Returns:
         A :class:`Source` whose sample ``i`` is the parsed line.
 
     Raises:
-        SourceError: no file matches, or a file cannot be read; a bad line raises it
-            when read, naming the file and the line.
+        SourceError: no file matches, a local path is not a regular file, a file cannot
+            be read or decompressed, or decompresses to more than
+            ``max_decompressed_bytes``; a bad line (invalid JSON, not an object, nested
+            too deeply) raises it when read, naming the file, the line and its byte
+            offset.
+        ZephonConfigError: ``max_decompressed_bytes`` is not an int >= 1.
 
     Example:
         >>> with open("part-0.jsonl", "w") as f:
@@ -185,7 +193,7 @@ def jsonl(paths: str | Sequence[str], *, name: str = "jsonl", io_options=None,
         >>> len(src), src.get(1)
         (2, {'stars': 5})
     """
-    return JsonlSource(paths, name, _io(io_options), storage_options)
+    return JsonlSource(paths, name, _io(io_options), storage_options, max_decompressed_bytes)
 
 
 def parquet(paths: str | Sequence[str], columns: Sequence[str] | None = None, *,
