@@ -56,7 +56,8 @@ from zephon.pipeline.sources.files import require_regular_files, sniff_codec
 __all__ = ["WebDatasetSource", "brace_expand"]
 
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
-_INDEX_TAG = "wdsidx2"  # the index layout with stored sizes and sparse maps
+_INDEX_TAG = "wdsidx"
+_INDEX_LAYOUT = 2  # members [ext, offset, stored size, sparse]; a cached older index is rebuilt
 # a sample's members are read in one span unless the span holds this much more than them
 _SPAN_SLACK = 64 << 10
 
@@ -208,7 +209,7 @@ def index_tar(fileobj, shard: str, size: int) -> dict:
     except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
         raise SourceError(f"webdataset: {shard}: corrupt or truncated tar after member "
                           f"{index.last!r}: {type(exc).__name__}: {exc}") from None
-    return {"keys": index.keys, "members": index.members}
+    return {"layout": _INDEX_LAYOUT, "keys": index.keys, "members": index.members}
 
 
 class WebDatasetSource(FileSource):
@@ -272,7 +273,9 @@ class WebDatasetSource(FileSource):
             cache = FileCache(self.io, self.storage_options)
             stored = cache.get_derived(ref, _INDEX_TAG)
             if stored is not None:
-                return json.loads(stored)
+                index = json.loads(stored)
+                if index.get("layout") == _INDEX_LAYOUT:
+                    return index
         with reader.file_object("building the index") as fh:
             index = index_tar(fh, self.files[k], ref.size)
         if cache is not None:
