@@ -332,3 +332,47 @@ def test_jsonl_glob_matching_a_directory_is_refused(tmp_path):
     (tmp_path / "b.jsonl").mkdir()
     with pytest.raises(SourceError, match=r"jsonl: .*b\.jsonl is a directory; a file is needed"):
         sources.jsonl(str(tmp_path / "*.jsonl"))
+
+
+# -- hugging face datasets -----------------------------------------------------------------------
+_HF_LIVE = textwrap.dedent("""
+    import os, sys
+    from zephon import sources
+
+    src = sources.hf_dataset(sys.argv[1])
+    assert src.get(3)["text"] == "row 3"
+    (arrow,) = [os.path.join(sys.argv[1], f) for f in os.listdir(sys.argv[1])
+                if f.endswith(".arrow")]
+    os.truncate(arrow, 1024)
+    try:
+        src.get(len(src) - 1)
+    except Exception as exc:
+        print("ERROR", type(exc).__name__, exc)
+    else:
+        print("NO ERROR")
+    """)
+
+
+def test_hf_dataset_arrow_file_truncated_after_building_is_named(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": [f"row {i}" for i in range(20_000)]}).save_to_disk(
+        str(tmp_path / "saved"))
+    script = tmp_path / "hf_live.py"
+    script.write_text(_HF_LIVE)
+    run = subprocess.run([sys.executable, str(script), str(tmp_path / "saved")],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])  # no SIGBUS
+    assert "ERROR SourceError" in run.stdout, run.stdout
+    assert ".arrow, row 19999: the file changed after the source was built: its size " \
+           "changed" in run.stdout, run.stdout
+
+
+def test_hf_dataset_path_of_the_wrong_kind_is_named(tmp_path):
+    pytest.importorskip("datasets")
+    (tmp_path / "file.arrow").write_bytes(b"x")
+    with pytest.raises(SourceError, match=r"file\.arrow is a file; load_from_disk needs the "
+                                          r"directory written by Dataset\.save_to_disk"):
+        sources.hf_dataset(str(tmp_path / "file.arrow"))
+    with pytest.raises(SourceError, match=r"nowhere does not exist; load_from_disk"):
+        sources.hf_dataset(str(tmp_path / "nowhere"))
