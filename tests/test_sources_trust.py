@@ -109,6 +109,13 @@ def test_webdataset_reads_links_to_earlier_files_as_their_bytes(tmp_path):
                    "d/000001": {"txt": b"caption 1", "jpg": b"jpeg bytes 0"},
                    "d/000002": {"jpg": b"jpeg bytes 0", "txt": b"caption 2" * 20_000}}
     assert got == _tarfile_samples(shard)
+    dotted = tmp_path / "dotted.tar"  # what `tar -cf x.tar .` writes: names under ./
+    with tarfile.open(dotted, "w") as tar:
+        _add(tar, "./d/000000.jpg", b"jpeg")
+        _link(tar, "./d/000001.jpg", "./d/000000.jpg", tarfile.LNKTYPE)
+        _link(tar, "./d/000002.jpg", "../d/000000.jpg", tarfile.SYMTYPE)
+    assert [s["jpg"] for s in _samples(sources.webdataset(str(dotted))).values()] == \
+        [b"jpeg"] * 3
 
 
 @pytest.mark.parametrize("name, target, kind, said", [

@@ -113,7 +113,7 @@ class _ShardIndex:
         self.shard, self.size = shard, size
         self.keys: list[str] = []
         self.members: list[list] = []
-        self.files: dict[str, list] = {}  # member name -> [offset, stored, sparse]
+        self.files: dict[str, list] = {}  # normalised name -> [offset, stored, sparse]
         self.exts: set[str] = set()       # the extensions of the current sample
         self.last = "(start of the shard)"
 
@@ -141,7 +141,8 @@ class _ShardIndex:
             if target.startswith("/"):
                 raise self.fail(info, f"is a symbolic link to the absolute path {target!r}, "
                                       f"which is not in the shard")
-            target = posixpath.normpath(posixpath.join(posixpath.dirname(info.name), target))
+            target = posixpath.join(posixpath.dirname(info.name), target)
+        target = posixpath.normpath(target)
         entry = self.files.get(target)
         if entry is None:
             kind = "symbolic" if info.issym() else "hard"
@@ -159,7 +160,7 @@ class _ShardIndex:
             entry = self.linked(info)
         else:
             raise self.fail(info, f"is {_kind(info)}, not a file")
-        self.files[info.name] = entry
+        self.files[posixpath.normpath(info.name)] = entry
         parts = split_name(info.name)
         if parts is None:
             return
