@@ -56,6 +56,7 @@ from zephon.pipeline.sources.files import require_regular_files, sniff_codec
 __all__ = ["WebDatasetSource", "brace_expand"]
 
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+_PLAIN = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
 _INDEX_TAG = "wdsidx"
 _INDEX_LAYOUT = 2  # members [ext, offset, stored size, sparse]; a cached older index is rebuilt
 # a sample's members are read in one span unless the span holds this much more than them
@@ -152,15 +153,21 @@ class _ShardIndex:
         return entry
 
     def add(self, info: tarfile.TarInfo) -> None:
-        if info.isdir():
+        name = info.name
+        if info.type in _PLAIN and info.sparse is None:  # the common case, kept short
+            entry = [info.offset_data, info.size, None]
+            if info.offset_data + info.size > self.size:
+                entry = self.stored(info)  # raises: truncated
+        elif info.isdir():
             return
-        if info.isreg():  # regular, contiguous and sparse files
+        elif info.isreg():  # sparse files
             entry = self.stored(info)
         elif info.islnk() or info.issym():
             entry = self.linked(info)
         else:
             raise self.fail(info, f"is {_kind(info)}, not a file")
-        self.files[posixpath.normpath(info.name)] = entry
+        odd = "./" in name or "//" in name or name.endswith(".")  # normpath may change it
+        self.files[posixpath.normpath(name) if odd else name] = entry
         parts = split_name(info.name)
         if parts is None:
             return
