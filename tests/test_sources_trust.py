@@ -383,3 +383,52 @@ def test_hf_dataset_path_of_the_wrong_kind_is_named(tmp_path):
         sources.hf_dataset(str(tmp_path / "file.arrow"))
     with pytest.raises(SourceError, match=r"nowhere does not exist; load_from_disk"):
         sources.hf_dataset(str(tmp_path / "nowhere"))
+
+
+def test_jsonl_readers_hold_at_most_max_decompressed_bytes(tmp_path):
+    import zstandard
+
+    for name in ("a", "b", "c"):
+        body = "".join(json.dumps({"f": name, "i": i, "pad": "p" * 900}) + "\n"
+                       for i in range(100)).encode()  # about 92 KB each
+        (tmp_path / f"{name}.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(body))
+    src = sources.jsonl(str(tmp_path / "*.jsonl.zst"), max_decompressed_bytes=200_000)
+    assert [src.get(i)["f"] for i in (0, 100, 200, 5, 150)] == ["a", "b", "c", "a", "b"]
+    held = src._plain
+    assert list(held) == [0, 1] and sum(len(v) for v in held.values()) <= 200_000
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b'{"x": 1}\n'))
+    with pytest.raises(SourceError, match=r"c\.jsonl\.zst, line 1: the file changed after the "
+                                          r"source was built"):
+        src.get(200)
+
+
+def test_webdataset_cached_index_of_an_older_layout_is_rebuilt(tmp_path):
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _s3_server import BUCKET, MotoServer, storage_options
+
+    from zephon import StoreOptions
+    from zephon.io import FileCache, IoConfig
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        _add(tar, "000000.txt", b"zero")
+        _add(tar, "000001.txt", b"one")
+    server = MotoServer()
+    try:
+        server.put("old/shard.tar", buf.getvalue())
+        opts = StoreOptions(cache_enabled=True, cache_root=str(tmp_path / "cache"))
+        url, so = f"s3://{BUCKET}/old/shard.tar", storage_options(server.endpoint)
+        src = sources.webdataset(url, storage_options=so, io_options=opts)
+        cache = FileCache(IoConfig.from_store_options(opts), so)
+        stored = json.loads(cache.get_derived(src.refs[0], "wdsidx"))
+        assert stored["layout"] == 2
+        older = {"keys": stored["keys"],  # what the 3-field layout wrote: [ext, offset, size]
+                 "members": [[m[:3] for m in group] for group in stored["members"]]}
+        cache.put_derived(src.refs[0], "wdsidx", json.dumps(older).encode())
+        again = sources.webdataset(url, storage_options=so, io_options=opts)
+        assert [again.get(i)["txt"] for i in range(2)] == [b"zero", b"one"]
+        assert json.loads(cache.get_derived(src.refs[0], "wdsidx"))["layout"] == 2
+    finally:
+        server.stop()
