@@ -40,7 +40,7 @@ from zephon.pipeline.sources.base import (
     SourceError,
 )
 from zephon.pipeline.sources.hf import HfDatasetSource
-from zephon.pipeline.sources.jsonl import JsonlSource
+from zephon.pipeline.sources.jsonl import DEFAULT_MAX_DECOMPRESSED, JsonlSource
 from zephon.pipeline.sources.mixture import MixtureSource
 from zephon.pipeline.sources.parquet import ParquetSource
 from zephon.pipeline.sources.tokens import TokenWindows
@@ -119,8 +119,10 @@ def token_windows(path: str, seq_len: int, dtype: str | None = "uint16", *,
     """Windows of ``seq_len`` tokens over one flat token file.
 
     Sample ``i`` is ``{"tokens": tokens[i * seq_len:(i + 1) * seq_len]}``; a trailing
-    partial window is not a sample. Each reading process maps or reads the file
-    lazily.
+    partial window is not a sample. Each reading process opens the file lazily and
+    reads each window with one positional read (no memory mapping); a file truncated
+    or rewritten after the source was built is a SourceError naming it, never a crash
+    (a file replaced under its path is caught when a process opens it).
 
     Args:
         path: a ``.bin`` file of raw tokens or a ``.npy`` 1-D array; local, ``file://``
@@ -138,9 +140,13 @@ def token_windows(path: str, seq_len: int, dtype: str | None = "uint16", *,
         A :class:`Source` whose sample ``i`` is ``{"tokens": ndarray[seq_len]}``.
 
     Raises:
-        SourceError: the file is missing or unreadable, the path matches several
-            files, a ``.npy`` file is not a 1-D C-order array or holds another dtype
-            than ``dtype``.
+        SourceError: the file is missing, unreadable or not a regular file (a
+            directory), the path matches several files, the data is not a whole number
+            of ``dtype`` tokens, a ``.npy`` header does not parse, is not a 1-D C-order
+            array, holds another dtype than ``dtype`` or another length than the file;
+            when read, a file changed since the source was built.
+        ZephonConfigError: ``seq_len`` is not an int >= 1 or ``dtype`` is not a token
+            dtype.
 
     Example:
         >>> np.arange(10, dtype=np.uint16).tofile("train.bin")
@@ -152,29 +158,37 @@ def token_windows(path: str, seq_len: int, dtype: str | None = "uint16", *,
 
 
 def jsonl(paths: str | Sequence[str], *, name: str = "jsonl", io_options=None,
-          storage_options: dict | None = None) -> Source:
+          storage_options: dict | None = None,
+          max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED) -> Source:
     """One dict per non-blank JSON line over one or more files.
 
-    The files are read once when the source is built, to index their lines: sample
-    ``i`` is the ``i``-th non-blank line over all files, its identity the file and line.
-    Compressed files (``.jsonl.gz``, ``.jsonl.zst``) are held decompressed in memory by
-    each reading process.
+    The files are streamed once when the source is built, to index their lines (in
+    bounded memory: the index holds 28 bytes per line): sample ``i`` is the ``i``-th
+    non-blank line over all files, its identity the file and line. Compressed files
+    (``.jsonl.gz``, ``.jsonl.zst``) are held decompressed in memory by each reading
+    process, at most ``max_decompressed_bytes`` of them at a time.
 
     Args:
         paths: a path, glob (sorted), directory (its ``*.jsonl*`` files) or fsspec URL,
-            or a list of them.
+            or a list of them; a local path must be a file (or a directory to list).
         name: the source's name, the first part of every sample identity.
         io_options: a :class:`~zephon.StoreOptions` (caching, retries, timeouts) for the
             reads made while building the source; while iterating, the pipeline's
             ``RuntimeOptions.io_options`` govern. None: the defaults.
         storage_options: fsspec options for remote paths (endpoint, credentials).
+        max_decompressed_bytes: the most bytes one compressed file may decompress to
+            (default 1 GiB), and the most decompressed bytes a reading process holds.
 
     Returns:
         A :class:`Source` whose sample ``i`` is the parsed line.
 
     Raises:
-        SourceError: no file matches, or a file cannot be read; a bad line raises it
-            when read, naming the file and the line.
+        SourceError: no file matches, a local path is not a regular file, a file cannot
+            be read or decompressed, or decompresses to more than
+            ``max_decompressed_bytes``; a bad line (invalid JSON, not an object, nested
+            too deeply) raises it when read, naming the file, the line and its byte
+            offset.
+        ZephonConfigError: ``max_decompressed_bytes`` is not an int >= 1.
 
     Example:
         >>> with open("part-0.jsonl", "w") as f:
@@ -185,7 +199,7 @@ def jsonl(paths: str | Sequence[str], *, name: str = "jsonl", io_options=None,
         >>> len(src), src.get(1)
         (2, {'stars': 5})
     """
-    return JsonlSource(paths, name, _io(io_options), storage_options)
+    return JsonlSource(paths, name, _io(io_options), storage_options, max_decompressed_bytes)
 
 
 def parquet(paths: str | Sequence[str], columns: Sequence[str] | None = None, *,
@@ -240,11 +254,13 @@ def webdataset(shards: str | Sequence[str], *, name: str = "webdataset", io_opti
     ``{"__key__": key, "jpg": bytes, "json": bytes}`` (the field is the extension after
     the first dot; decode with ``.map``). Each shard's headers are scanned once when
     the source is built (with the cache enabled, the index is kept beside a cached
-    remote shard), so reading any sample is one positional read.
+    remote shard), so reading any sample is one positional read. Sparse members
+    (``tar --sparse``) read as ``tarfile`` extracts them, and a hard or symbolic link to
+    a file stored earlier in the shard reads that file's bytes.
 
     Args:
         shards: a path, glob, brace pattern (``train-{000..009}.tar``), directory (its
-            ``*.tar``) or fsspec URL, or a list of them.
+            ``*.tar``) or fsspec URL, or a list of them. Shards are plain tar files.
         name: the source's name, the first part of every sample identity.
         io_options: a :class:`~zephon.StoreOptions` (caching, retries, timeouts) for the
             reads made while building the source; while iterating, the pipeline's
@@ -255,8 +271,11 @@ def webdataset(shards: str | Sequence[str], *, name: str = "webdataset", io_opti
         A :class:`Source` of one sample per key.
 
     Raises:
-        SourceError: no shard matches or a tar header is corrupt (naming the shard and
-            member); a shard truncated after building raises it when read.
+        SourceError: no shard matches, a local shard is not a regular file, a shard is
+            compressed (``.tar.gz``: decompress it first), a tar header is corrupt, a
+            member is a link to nothing stored earlier in the shard, a fifo or a device,
+            or a sample has two members with the same extension (naming the shard and
+            the member); a shard truncated after building raises it when read.
 
     Example:
         >>> import io, tarfile
@@ -277,7 +296,9 @@ def hf_dataset(ds, *, name: str = "hf", columns: Sequence[str] | None = None) ->
 
     Given a loaded ``Dataset`` the source keeps it (one backed by Arrow cache files
     pickles as its paths). Given the directory of a dataset saved with
-    ``save_to_disk``, each reading process opens it memory-mapped on first use.
+    ``save_to_disk``, each reading process opens it memory-mapped on first use. The
+    Arrow files are checked before each row is read: one changed since the source was
+    built is a SourceError naming it.
 
     Args:
         ds: a ``datasets.Dataset``, or the path of one saved with ``save_to_disk``
@@ -291,8 +312,10 @@ def hf_dataset(ds, *, name: str = "hf", columns: Sequence[str] | None = None) ->
 
     Raises:
         SourceError: ``datasets`` is missing (the message names ``pip install
-            "zephon[hf]"``), the directory cannot be loaded, holds a ``DatasetDict``, or lacks
-            a requested column.
+            "zephon[hf]"``), the path is missing or a file, the directory cannot be
+            loaded, holds a ``DatasetDict``, or lacks a requested column; when read, an
+            Arrow file changed since the source was built, or a row cannot be read
+            (naming the row).
 
     Example:
         >>> src = sources.hf_dataset("saved_dataset_dir", columns=["text"])  # doctest: +SKIP

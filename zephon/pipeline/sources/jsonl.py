@@ -1,32 +1,54 @@
 """jsonl: one JSON object per line, over local or remote files, plain or compressed.
 
-The files (paths, globs or fsspec URLs; each glob sorted) are read once when the
-source is built to index the non-blank lines: sample ``i`` is the ``i``-th such
-line over all files, its identity the file and line. A bad line raises a
-:class:`SourceError` naming the file and the line when it is read.
+The files (paths, globs or fsspec URLs; each glob sorted; a local path must be a
+regular file) are read once when the source is built to index the non-blank
+lines: sample ``i`` is the ``i``-th such line over all files, its identity the
+file and line. Lines end at ``\\n`` (a ``\\r`` before it is JSON whitespace); a
+line of only whitespace is blank.
 
-``.jsonl.gz`` and ``.jsonl.zst`` files are indexed on their decompressed bytes.
-A compressed file cannot be read at an offset, so each reading process keeps the
-decompressed file in memory, decompressed once on first use (cheap for the shard
-sizes jsonl is used with; split big corpora into shards).
+Index: built by streaming each file in blocks of ``_BLOCK`` bytes through a
+vectorised newline scan; only the index itself (28 bytes per line: start, end,
+file, line number) grows with the file, never a copy of it.
+
+Parse errors: a line that is not valid JSON (also not UTF-8, or nested deeper
+than Python's recursion limit), or holds something other than an object, raises
+a :class:`SourceError` when it is read, naming the file, the line and the byte
+offset where the line starts (in the decompressed stream for a compressed file).
+
+``.jsonl.gz`` and ``.jsonl.zst`` files are indexed on their decompressed bytes,
+streamed; a file that decompresses to more than ``max_decompressed_bytes``
+(default :data:`DEFAULT_MAX_DECOMPRESSED`, 1 GiB) is a SourceError naming it when
+the source is built, so a small compressed file cannot expand without bound. A
+compressed file cannot be read at an offset, so a reading process decompresses a
+file once on first use and keeps it in memory; it keeps at most
+``max_decompressed_bytes`` of decompressed files in all (least recently used
+first out; split big corpora into shards).
 """
 
 from __future__ import annotations
 
 import gzip
-import io as _io
 import json
 import os
 import threading
-from typing import Any, Sequence
+from collections import OrderedDict
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from zephon.errors import ZephonConfigError
 from zephon.io.config import DEFAULT_IO, IoConfig
 from zephon.io.remote import expand, is_remote
 from zephon.pipeline.sources.base import FileSource, SourceError
+from zephon.pipeline.sources.files import require_regular_files
 
-__all__ = ["JsonlSource"]
+__all__ = ["DEFAULT_MAX_DECOMPRESSED", "JsonlSource"]
+
+DEFAULT_MAX_DECOMPRESSED = 1 << 30
+_BLOCK = 2 << 20
+# bytes.strip()'s whitespace: a line of only these is blank
+_TEXT = np.ones(256, dtype=bool)
+_TEXT[list(b" \t\n\r\x0b\x0c")] = False
 
 
 def _codec(path: str) -> str | None:
@@ -37,99 +59,200 @@ def _codec(path: str) -> str | None:
     return None
 
 
-def _decompress(data: bytes, codec: str, path: str) -> bytes:
-    try:
-        if codec == "gzip":
-            return gzip.decompress(data)
-        import zstandard
+def _decompressing(fh, codec: str):
+    if codec == "gzip":
+        return gzip.GzipFile(fileobj=fh, mode="rb")
+    import zstandard
 
-        out = _io.BytesIO()
-        with zstandard.ZstdDecompressor().stream_reader(_io.BytesIO(data)) as reader:
-            while True:
-                block = reader.read(1 << 20)
-                if not block:
-                    break
-                out.write(block)
-        return out.getvalue()
-    except Exception as exc:  # noqa: BLE001 - gzip/zstd raise many classes
-        raise SourceError(f"jsonl: {path}: cannot decompress ({codec}): "
-                          f"{type(exc).__name__}: {exc}") from None
+    return zstandard.ZstdDecompressor().stream_reader(fh, read_across_frames=True)
+
+
+def _blocks(fh, codec: str | None, path: str, limit: int) -> Iterator[bytes]:
+    """The (decompressed) bytes of ``fh`` in blocks; a compressed stream longer than
+    ``limit`` bytes, or corrupt, is a SourceError naming ``path``."""
+    stream = _decompressing(fh, codec) if codec else fh
+    total = 0
+    while True:
+        try:
+            block = stream.read(_BLOCK)
+        except Exception as exc:  # noqa: BLE001 - gzip/zstd/io raise many classes
+            what = f"cannot decompress ({codec})" if codec else "cannot read"
+            raise SourceError(f"jsonl: {path}: {what} after {total} bytes: "
+                              f"{type(exc).__name__}: {exc}") from None
+        if not block:
+            return
+        total += len(block)
+        if codec and total > limit:
+            raise SourceError(f"jsonl: {path} decompresses to more than "
+                              f"max_decompressed_bytes={limit} bytes; pass a larger "
+                              f"max_decompressed_bytes= or split the file")
+        yield block
+
+
+class _LineIndex:
+    """Start, end and line number of the non-blank lines of one stream, fed block by
+    block; a line may span blocks (only whether it holds text so far is carried)."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.pos = 0              # stream offset of the next block
+        self.open_start = 0       # where the unfinished line began
+        self.open_text = False    # whether it holds a non-whitespace byte
+        self.lines = 0            # lines finished so far
+
+    def feed(self, block: bytes) -> None:
+        arr = np.frombuffer(block, dtype=np.uint8)
+        nl = np.flatnonzero(arr == 10)
+        if not len(nl):
+            self.open_text = self.open_text or bool(block.strip())
+            self.pos += len(arr)
+            return
+        starts = np.empty(len(nl), dtype=np.int64)
+        starts[0], starts[1:] = 0, nl[:-1] + 1
+        ends = nl + 1
+        # a line whose first byte is text holds text; the others (rare) are looked at whole
+        keep = _TEXT[arr[starts]]
+        for j in np.flatnonzero(~keep).tolist():
+            keep[j] = bool(block[starts[j]:ends[j]].strip())
+        keep[0] = self.open_text or bool(block[:int(ends[0])].strip())
+        starts += self.pos
+        starts[0] = self.open_start
+        numbers = np.arange(self.lines + 1, self.lines + 1 + len(nl), dtype=np.int64)
+        self.parts.append((starts[keep], (ends + self.pos)[keep], numbers[keep]))
+        self.lines += len(nl)
+        self.open_start = self.pos + int(nl[-1]) + 1
+        self.open_text = bool(block[int(nl[-1]) + 1:].strip())
+        self.pos += len(arr)
+
+    def finish(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self.open_text:  # a last line without a newline
+            one = np.ones(1, dtype=np.int64)
+            self.parts.append((one * self.open_start, one * self.pos, one * (self.lines + 1)))
+        if not self.parts:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty, empty
+        return tuple(np.concatenate(col) for col in zip(*self.parts, strict=True))  # type: ignore[return-value]
 
 
 class JsonlSource(FileSource):
     _per_process = ("_plain", "_plain_lock")
 
     def __init__(self, paths: str | Sequence[str], name: str, io: IoConfig = DEFAULT_IO,
-                 storage_options: dict | None = None) -> None:
+                 storage_options: dict | None = None,
+                 max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED) -> None:
+        if (isinstance(max_decompressed_bytes, bool)
+                or not isinstance(max_decompressed_bytes, (int, np.integer))
+                or max_decompressed_bytes < 1):
+            raise ZephonConfigError(f"jsonl: max_decompressed_bytes must be an int >= 1, got "
+                                    f"{max_decompressed_bytes!r}")
         self.name, self.io, self.storage_options = name, io, storage_options
+        self.max_decompressed_bytes = int(max_decompressed_bytes)
         self._set_files(expand(paths, "jsonl", io, storage_options,
                                suffixes=(".jsonl", ".jsonl.gz", ".jsonl.zst")))
+        require_regular_files(self.refs, "jsonl")
         self._fresh()
-        offsets, ends, file_index, line_no = [], [], [], []
+        columns: list[tuple] = []
+        self.plain_size: list[int] = []
         for k in range(len(self.files)):
-            data = self._data(k, "building the line index")
-            pos = 0
-            for n, line in enumerate(data.splitlines(keepends=True), 1):
-                if line.strip():
-                    offsets.append(pos)
-                    ends.append(pos + len(line))
-                    file_index.append(k)
-                    line_no.append(n)
-                pos += len(line)
-            self._plain.pop(k, None)  # the builder does not keep the data around
-        self.offsets = np.asarray(offsets, dtype=np.int64)
-        self.ends = np.asarray(ends, dtype=np.int64)
-        self.file_index = np.asarray(file_index, dtype=np.int32)
-        self.line_no = np.asarray(line_no, dtype=np.int64)
+            index = _LineIndex()
+            with self._stream(k, "building the line index") as blocks:
+                for block in blocks:
+                    index.feed(block)
+            starts, ends, numbers = index.finish()
+            self.plain_size.append(index.pos)
+            columns.append((starts, ends, np.full(len(starts), k, dtype=np.int32), numbers))
+            self._readers.pop(k, None)  # the builder keeps no open file
+        if columns:
+            self.offsets, self.ends, self.file_index, self.line_no = (
+                np.concatenate(col) for col in zip(*columns, strict=True))
+        else:
+            self.offsets = self.ends = self.line_no = np.zeros(0, dtype=np.int64)
+            self.file_index = np.zeros(0, dtype=np.int32)
 
     def _fresh(self) -> None:
         super()._fresh()
-        self._plain: dict[int, bytes] = {}
+        self._plain: OrderedDict[int, bytearray] = OrderedDict()
         self._plain_lock = threading.Lock()
 
-    def _data(self, k: int, context: str) -> bytes:
-        """All (decompressed) bytes of file ``k``."""
-        ref = self.refs[k]
-        reader = self.reader(k)
+    class _Stream:
+        def __init__(self, fh, blocks) -> None:
+            self.fh, self.blocks = fh, blocks
+
+        def __enter__(self):
+            return self.blocks
+
+        def __exit__(self, *exc) -> None:
+            self.fh.close()
+
+    def _stream(self, k: int, context: str) -> "_Stream":
+        """The (decompressed) blocks of file ``k``, in a context that closes it."""
         try:
-            if reader.streamed:
-                raw = reader.pread(0, ref.size, context)
-            else:
-                with open(reader.local_file(context), "rb") as fh:
-                    raw = fh.read()
+            fh = self.reader(k).file_object(context)
         except OSError as exc:
             raise SourceError(f"jsonl: cannot read {self.files[k]}: {exc}") from None
-        codec = _codec(self.files[k])
-        return _decompress(raw, codec, self.files[k]) if codec else raw
+        path = self.files[k]
+        return self._Stream(fh, _blocks(fh, _codec(path), path, self.max_decompressed_bytes))
+
+    def _decompressed(self, k: int, context: str) -> bytearray:
+        """All decompressed bytes of file ``k``, as indexed."""
+        out = bytearray(self.plain_size[k])
+        at = 0
+        with self._stream(k, context) as blocks:
+            for block in blocks:
+                if at + len(block) > len(out):
+                    at += len(block)
+                    break
+                out[at:at + len(block)] = block
+                at += len(block)
+        if at != len(out):
+            raise SourceError(f"jsonl: {self.files[k]}, {context}: the file changed after the "
+                              f"source was built: it decompresses to "
+                              f"{'more than ' if at > len(out) else ''}{at} bytes, "
+                              f"{len(out)} when indexed")
+        return out
 
     def __len__(self) -> int:
         return len(self.offsets)
 
-    def _line(self, i: int) -> bytes:
+    def _held(self, k: int, context: str) -> bytearray:
+        """File ``k`` decompressed, from this process's bounded set."""
+        with self._plain_lock:
+            data = self._plain.get(k)
+            if data is not None:
+                self._plain.move_to_end(k)
+                return data
+            data = self._decompressed(k, context)
+            held = sum(len(v) for v in self._plain.values())
+            while self._plain and held + len(data) > self.max_decompressed_bytes:
+                held -= len(self._plain.popitem(last=False)[1])
+            self._plain[k] = data
+            return data
+
+    def _line(self, i: int) -> bytes | bytearray:
         k = int(self.file_index[i])
         start, end = int(self.offsets[i]), int(self.ends[i])
         context = f"line {int(self.line_no[i])}"
         if _codec(self.files[k]):
-            data = self._plain.get(k)
-            if data is None:
-                with self._plain_lock:
-                    data = self._plain.get(k)
-                    if data is None:
-                        data = self._plain[k] = self._data(k, context)
-            return data[start:end]
+            return self._held(k, context)[start:end]
         return self.reader(k).pread(start, end - start, context)
 
     def get(self, i: int) -> Any:
+        if not 0 <= i < len(self):
+            raise IndexError(f"jsonl: sample {i} out of range [0, {len(self)})")
         path = self.files[self.file_index[i]]
         line = self._line(i)
+        where = f"jsonl: {path}, line {int(self.line_no[i])}"
+        at = f"the line starts at byte {int(self.offsets[i])}"
         try:
             value = json.loads(line)
         except ValueError as exc:
-            raise SourceError(f"jsonl: {path}, line {int(self.line_no[i])}: invalid JSON "
-                              f"({exc})") from None
+            raise SourceError(f"{where}: invalid JSON ({exc}); {at}") from None
+        except RecursionError:
+            raise SourceError(f"{where}: nested too deeply to parse (beyond Python's "
+                              f"recursion limit); {at}") from None
         if not isinstance(value, dict):
-            raise SourceError(f"jsonl: {path}, line {int(self.line_no[i])}: expected an "
-                              f"object, got {type(value).__name__}")
+            raise SourceError(f"{where}: expected an object, got {type(value).__name__}; "
+                              f"{at}")
         return value
 
     def describe(self) -> str:

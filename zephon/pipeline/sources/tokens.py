@@ -5,9 +5,23 @@ The file is a raw array of ``uint16`` or ``uint32`` tokens (``.bin``), or a
 if one is given). Sample ``i`` is ``{"tokens": tokens[i*seq_len:(i+1)*seq_len]}``;
 the tail shorter than ``seq_len`` is not a sample.
 
-Local files (and remote ones with the cache enabled, once downloaded) are
-memory-mapped; a remote file with the cache disabled is read window by window
-with ranged requests.
+Checked when the source is built (a SourceError naming the path): the path is
+one existing regular file (not a directory), its data is a whole number of
+tokens (a ``.bin`` whose size is not a multiple of the dtype's size is the wrong
+dtype or a damaged file), a ``.npy`` header parses and its shape matches the
+bytes that follow it.
+
+Reads: each reading process opens the file once and reads each window with one
+``os.preadv`` into a fresh NumPy array (no memory mapping: a file that shrinks
+under a mapping kills the process with SIGBUS; here a shrink is a short read).
+Every read also checks the open file's size and mtime (``fstat``) against those
+seen when the source was built, and opening checks the device and inode too: a
+file truncated, grown, rewritten or replaced after building is a SourceError
+naming the file and what changed, on every runner. (A process that already has
+the file open keeps reading the file it indexed when another one is renamed over
+its path.) A remote file with the cache enabled is read the same way from its
+cached copy (checked against the copy's identity when first opened); with the
+cache disabled it is read window by window with exact ranged requests.
 """
 
 from __future__ import annotations
@@ -22,30 +36,38 @@ from zephon.errors import ZephonConfigError
 from zephon.io.config import DEFAULT_IO, IoConfig
 from zephon.io.remote import expand, is_remote
 from zephon.pipeline.sources.base import FileSource, SourceError
+from zephon.pipeline.sources.files import changed, identity, require_regular_files
 
 __all__ = ["TokenWindows"]
 
 _DTYPES = ("uint16", "uint32", "int32", "int64", "uint8")
 
 
-def _npy_header(head: bytes, path: str) -> tuple[np.dtype, int]:
-    """(dtype, data offset) of a .npy file from its first bytes."""
+def _npy_header(head: bytes, path: str) -> tuple[np.dtype, int, int]:
+    """(dtype, data offset, number of elements) of a .npy file from its first bytes."""
     if head[:6] != b"\x93NUMPY":
         raise SourceError(f"token_windows: {path} is not a .npy file (bad magic)")
-    major = head[6]
+    major = head[6] if len(head) > 6 else 0
     if major == 1:
         hlen, start = int.from_bytes(head[8:10], "little"), 10
     else:
         hlen, start = int.from_bytes(head[8:12], "little"), 12
-    header = ast.literal_eval(head[start:start + hlen].decode("latin1"))
-    if header.get("fortran_order") or len(header.get("shape", ())) != 1:
+    try:
+        header = ast.literal_eval(head[start:start + hlen].decode("latin1"))
+        shape, dtype = header["shape"], np.dtype(header["descr"])
+        fortran = header.get("fortran_order")
+    except (ValueError, SyntaxError, TypeError, KeyError, AttributeError,
+            MemoryError, RecursionError) as exc:
+        raise SourceError(f"token_windows: {path}: unreadable .npy header (bytes 0-"
+                          f"{start + hlen}): {type(exc).__name__}: {exc}") from None
+    if fortran or not isinstance(shape, tuple) or len(shape) != 1:
         raise SourceError(f"token_windows: {path} must hold a 1-D C-order array, got "
                           f"{header}")
-    return np.dtype(header["descr"]), start + hlen
+    return dtype, start + hlen, int(shape[0])
 
 
 class TokenWindows(FileSource):
-    _per_process = ("_tokens",)
+    _per_process = ("_fh", "_fd")
 
     def __init__(self, path: str, seq_len: int, dtype: str | None, name: str,
                  io: IoConfig = DEFAULT_IO, storage_options: dict | None = None) -> None:
@@ -60,43 +82,89 @@ class TokenWindows(FileSource):
         refs = expand(path, "token_windows", io, storage_options)
         if len(refs) != 1:
             raise SourceError(f"token_windows: {path!r} must name one file, matches {len(refs)}")
+        require_regular_files(refs, "token_windows")
         self._set_files(refs)
         self._fresh()
+        # the identity the reads are checked against (local files; None: see _open)
+        self.stat = None if refs[0].remote else identity(os.stat(refs[0].url))
+        size = refs[0].size if self.stat is None else self.stat[2]
         self.offset = 0
         if path.endswith(".npy"):
-            head = self.reader(0).pread(0, min(refs[0].size, 4096), "header")
-            found, self.offset = _npy_header(head, path)
+            head = self.reader(0).pread(0, min(size, 4096), "header")
+            found, self.offset, count = _npy_header(head, path)
             if dtype is not None and np.dtype(dtype) != found:
                 raise SourceError(f"token_windows: {path} holds {found}, dtype={dtype!r} given")
+            if str(found) not in _DTYPES:
+                raise SourceError(f"token_windows: {path} holds {found}; token files hold "
+                                  f"one of {_DTYPES}")
+            if count * found.itemsize != size - self.offset:
+                raise SourceError(f"token_windows: {path}: the .npy header says {count} "
+                                  f"tokens of {found}, the file holds {size - self.offset} "
+                                  f"bytes of data")
             self.dtype = found
         else:
             self.dtype = np.dtype(dtype or "uint16")
-        self.n_tokens = (refs[0].size - self.offset) // self.dtype.itemsize
+        data = size - self.offset
+        if data % self.dtype.itemsize:
+            raise SourceError(f"token_windows: {path}: {data} bytes of tokens is not a multiple "
+                              f"of {self.dtype.itemsize} ({self.dtype}): a wrong dtype= or a "
+                              f"damaged file")
+        self.n_tokens = data // self.dtype.itemsize
+        self.nbytes = self.seq_len * self.dtype.itemsize
 
     def _fresh(self) -> None:
         super()._fresh()
-        self._tokens: np.memmap | None = None
+        self._fh: Any = None
+        self._fd = -1
 
     def __len__(self) -> int:
         return self.n_tokens // self.seq_len
 
+    def _open(self, i: int) -> int:
+        """This process's descriptor of the (local or cached) file, checked against the
+        identity seen when the source was built."""
+        with self._lock:
+            if self._fh is None:
+                path = self.reader(0).local_file(f"window {i}")
+                try:
+                    fh = open(path, "rb", buffering=0)
+                except OSError as exc:
+                    raise SourceError(f"token_windows: cannot open {self.path}: {exc}") from None
+                now = identity(os.fstat(fh.fileno()))
+                if self.stat is None:  # a cached remote file: its copy as first opened
+                    self.stat = now
+                self._fh = fh
+                self._fd = fh.fileno()
+                self._check(now, i)
+        return self._fd
+
+    def _check(self, now: tuple, i: int) -> None:
+        assert self.stat is not None
+        what = changed(self.stat, now)
+        if what is not None:
+            raise SourceError(f"token_windows: {self.path}, window {i}: the file changed "
+                              f"after the source was built: {what}")
+
     def get(self, i: int) -> Any:
-        start = i * self.seq_len
-        reader = self.reader(0)
-        if reader.streamed:
-            size = self.dtype.itemsize
-            data = reader.pread(self.offset + start * size, self.seq_len * size,
-                                f"window {i}")
-            return {"tokens": np.frombuffer(data, dtype=self.dtype).copy()}
-        if self._tokens is None:
-            path = reader.local_file(f"window {i}")
-            try:
-                tokens = np.memmap(path, dtype=self.dtype, mode="r", offset=self.offset,
-                                   shape=(self.n_tokens,))
-            except (OSError, ValueError) as exc:
-                raise SourceError(f"token_windows: cannot map {self.path}: {exc}") from None
-            self._tokens = tokens
-        return {"tokens": np.array(self._tokens[start:start + self.seq_len])}
+        if not 0 <= i < self.n_tokens // self.seq_len:
+            raise IndexError(f"token_windows: window {i} out of range [0, {len(self)})")
+        at = self.offset + i * self.nbytes
+        fd = self._fd
+        if fd < 0:
+            reader = self.reader(0)
+            if reader.streamed:
+                data = reader.pread(at, self.nbytes, f"window {i}")
+                return {"tokens": np.frombuffer(data, dtype=self.dtype).copy()}
+            fd = self._open(i)
+        st = os.fstat(fd)
+        if st.st_size != self.stat[2] or st.st_mtime_ns != self.stat[3]:  # type: ignore[index]
+            self._check(identity(st), i)
+        out = np.empty(self.seq_len, dtype=self.dtype)
+        got = os.preadv(fd, [out.data], at)
+        if got != self.nbytes:
+            raise SourceError(f"token_windows: {self.path}, window {i}: truncated: expected "
+                              f"{self.nbytes} bytes at offset {at}, read {got}")
+        return {"tokens": out}
 
     def describe(self) -> str:
         where = self.path if is_remote(self.path) else os.path.basename(self.path)

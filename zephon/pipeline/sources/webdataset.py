@@ -4,13 +4,33 @@ A sample is the run of consecutive tar members sharing a key (the member path up
 to the first dot of its file name: ``a/000123.jpg`` and ``a/000123.json`` are the
 sample ``a/000123``); it comes out as ``{"__key__": key, "jpg": bytes, "json":
 bytes}`` (the extension after the first dot is the field; decoding is the user's
-``map``). Directories, links and names without an extension are skipped.
+``map``). Names without an extension are skipped.
+
+Member kinds (every other case is a SourceError naming the shard and the member,
+raised when the source is built):
+
+- regular files are read as stored;
+- GNU and PAX sparse files (``tar --sparse``) are read as ``tarfile`` extracts
+  them: their stored segments placed by the sparse map, the holes as zero bytes;
+- a hard link, or a symbolic link whose target (relative to the link's
+  directory) names a file stored *earlier in the same shard*, is read as that
+  file's bytes; a link to anything else (an absolute path, a later member, a
+  path outside the shard) cannot be read from the shard and is refused;
+- directories are skipped; fifos, devices and unknown member types are refused.
+
+Two members with the same key and extension in one sample are refused (naming the
+shard, the key and the extension): which one is meant cannot be told. Shards
+must be plain tar: a compressed shard (gzip, bzip2, xz or zstd, recognised by its
+first bytes whatever its name) is refused with a message saying to decompress it,
+because a sample is read at a byte offset of the shard and a compressed stream
+cannot be entered at an offset without decompressing everything before it.
 
 Index: building the source scans every shard's tar headers once (seeking over the
-member data) and records, per sample, its members' offsets and sizes; reading a
-sample is then one positional read of the byte span holding its members. With the
-cache enabled, a remote shard's index is stored beside the cached shard, so a new
-run over the same shards neither re-downloads nor re-scans them.
+member data) and records, per sample, its members' offsets, stored sizes and
+sparse maps; reading a sample is then one positional read of the byte span
+holding its members (members far apart, through links, are read one by one).
+With the cache enabled, a remote shard's index is stored beside the cached shard,
+so a new run over the same shards neither re-downloads nor re-scans them.
 
 Shard names may use brace ranges: ``train-{000..009}.tar``.
 Failures name the shard and the member: a corrupt header when building, a shard
@@ -21,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import re
 import tarfile
 from typing import Any
@@ -30,11 +51,16 @@ import numpy as np
 from zephon.io.config import DEFAULT_IO, IoConfig
 from zephon.io.remote import expand, is_remote
 from zephon.pipeline.sources.base import FileSource, SourceError
+from zephon.pipeline.sources.files import require_regular_files, sniff_codec
 
 __all__ = ["WebDatasetSource", "brace_expand"]
 
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+_PLAIN = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
 _INDEX_TAG = "wdsidx"
+_INDEX_LAYOUT = 2  # members [ext, offset, stored size, sparse]; a cached older index is rebuilt
+# a sample's members are read in one span unless the span holds this much more than them
+_SPAN_SLACK = 64 << 10
 
 
 def brace_expand(pattern: str) -> list[str]:
@@ -60,42 +86,138 @@ def split_name(name: str) -> tuple[str, str] | None:
     return (f"{directory}/{stem}" if directory else stem), ext
 
 
+def unsparse(stored: bytes, entry: list) -> bytes:
+    """The bytes of a sparse member from its stored segments: ``entry`` is ``[real
+    size, [offset, length, offset, length, ...]]`` (tarfile's sparse map, flattened)."""
+    real, flat = entry
+    out = bytearray(real)
+    pos = 0
+    for k in range(0, len(flat), 2):
+        at, n = flat[k], flat[k + 1]
+        out[at:at + n] = stored[pos:pos + n]
+        pos += n
+    return bytes(out)
+
+
+def _kind(info: tarfile.TarInfo) -> str:
+    for test, word in ((info.ischr, "a character device"), (info.isblk, "a block device"),
+                       (info.isfifo, "a fifo")):
+        if test():
+            return word
+    return f"of unknown type {info.type!r}"
+
+
+class _ShardIndex:
+    """The index of one shard as its headers are scanned (see :func:`index_tar`)."""
+
+    def __init__(self, shard: str, size: int) -> None:
+        self.shard, self.size = shard, size
+        self.keys: list[str] = []
+        self.members: list[list] = []
+        self.files: dict[str, list] = {}  # normalised name -> [offset, stored, sparse]
+        self.exts: set[str] = set()       # the extensions of the current sample
+        self.last = "(start of the shard)"
+
+    def fail(self, info: tarfile.TarInfo, what: str) -> SourceError:
+        return SourceError(f"webdataset: {self.shard}: member {info.name!r} {what}")
+
+    def stored(self, info: tarfile.TarInfo) -> list:
+        """[offset, stored size, sparse entry or None] of a regular or sparse member."""
+        stored = info.size
+        sparse = None
+        pairs: Any = info.sparse  # [(offset, length), ...] in the real file
+        if pairs is not None:
+            flat = [int(x) for pair in pairs for x in pair]
+            stored, sparse = sum(flat[1::2]), [info.size, flat]
+        end = info.offset_data + stored
+        if end > self.size:
+            raise SourceError(f"webdataset: {self.shard}: truncated: member {info.name!r} "
+                              f"ends at byte {end}, the shard has {self.size}")
+        return [info.offset_data, stored, sparse]
+
+    def linked(self, info: tarfile.TarInfo) -> list:
+        """The entry of the earlier file a hard or symbolic link names."""
+        target = info.linkname
+        if info.issym():
+            if target.startswith("/"):
+                raise self.fail(info, f"is a symbolic link to the absolute path {target!r}, "
+                                      f"which is not in the shard")
+            target = posixpath.join(posixpath.dirname(info.name), target)
+        target = posixpath.normpath(target)
+        entry = self.files.get(target)
+        if entry is None:
+            kind = "symbolic" if info.issym() else "hard"
+            raise self.fail(info, f"is a {kind} link to {target!r}, which is not a file "
+                                  f"stored earlier in this shard (a shard must hold its "
+                                  f"samples' bytes)")
+        return entry
+
+    def add(self, info: tarfile.TarInfo) -> None:
+        name = info.name
+        if info.type in _PLAIN and info.sparse is None:  # the common case, kept short
+            entry = [info.offset_data, info.size, None]
+            if info.offset_data + info.size > self.size:
+                entry = self.stored(info)  # raises: truncated
+        elif info.isdir():
+            return
+        elif info.isreg():  # sparse files
+            entry = self.stored(info)
+        elif info.islnk() or info.issym():
+            entry = self.linked(info)
+        else:
+            raise self.fail(info, f"is {_kind(info)}, not a file")
+        odd = "./" in name or "//" in name or name.endswith(".")  # normpath may change it
+        self.files[posixpath.normpath(name) if odd else name] = entry
+        parts = split_name(info.name)
+        if parts is None:
+            return
+        key, ext = parts
+        if not self.keys or self.keys[-1] != key:
+            self.keys.append(key)
+            self.members.append([])
+            self.exts = set()
+        if ext in self.exts:
+            raise SourceError(f"webdataset: {self.shard}: sample {key!r} has two members "
+                              f"with extension {ext!r} (the second is {info.name!r}): "
+                              f"which one is meant cannot be told")
+        self.exts.add(ext)
+        self.members[-1].append([ext, *entry])
+
+
+def _refuse_compressed(fileobj, shard: str) -> None:
+    head = fileobj.read(8)
+    fileobj.seek(0)
+    codec = sniff_codec(head)
+    if codec is not None:
+        raise SourceError(f"webdataset: {shard} is {codec}-compressed: shards are read at "
+                          f"byte offsets, which a compressed stream does not allow; "
+                          f"decompress it to a plain .tar (e.g. `gzip -dk` / `zstd -d`) "
+                          f"and point the source at that")
+
+
 def index_tar(fileobj, shard: str, size: int) -> dict:
     """The sample index of one tar of ``size`` bytes: keys, per sample its members
-    (ext, offset, size). tarfile stops quietly at a corrupt header after the first;
-    this checks that the scan ended at the end-of-archive marker (or the end of the
-    file) and that every member lies inside the file."""
-    keys: list[str] = []
-    members: list[list] = []
-    last = "(start of the shard)"
+    ``[ext, offset, stored size, sparse entry or None]``. tarfile stops quietly at a
+    corrupt header after the first; this checks that the scan ended at the
+    end-of-archive marker (or the end of the file) and that every member lies inside
+    the file. Member kinds and duplicates: see the module docstring."""
+    _refuse_compressed(fileobj, shard)
+    index = _ShardIndex(shard, size)
     try:
         with tarfile.open(fileobj=fileobj, mode="r:") as tar:
             for info in tar:
-                if info.offset_data + info.size > size:
-                    raise SourceError(f"webdataset: {shard}: truncated: member {info.name!r} "
-                                      f"ends at byte {info.offset_data + info.size}, the shard "
-                                      f"has {size}")
-                last = info.name
-                if not info.isfile():
-                    continue
-                parts = split_name(info.name)
-                if parts is None:
-                    continue
-                key, ext = parts
-                if not keys or keys[-1] != key:
-                    keys.append(key)
-                    members.append([])
-                members[-1].append([ext, info.offset_data, info.size])
+                index.add(info)
+                index.last = info.name
             stop = tar.offset
         fileobj.seek(stop)
         block = fileobj.read(512)
         if block.strip(b"\0"):
             raise SourceError(f"webdataset: {shard}: corrupt or truncated tar after member "
-                              f"{last!r}: unreadable header at byte {stop}")
-    except (tarfile.TarError, OSError, EOFError) as exc:
+                              f"{index.last!r}: unreadable header at byte {stop}")
+    except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
         raise SourceError(f"webdataset: {shard}: corrupt or truncated tar after member "
-                          f"{last!r}: {type(exc).__name__}: {exc}") from None
-    return {"keys": keys, "members": members}
+                          f"{index.last!r}: {type(exc).__name__}: {exc}") from None
+    return {"layout": _INDEX_LAYOUT, "keys": index.keys, "members": index.members}
 
 
 class WebDatasetSource(FileSource):
@@ -105,6 +227,7 @@ class WebDatasetSource(FileSource):
         expanded = [p for pattern in patterns for p in brace_expand(os.fspath(pattern))]
         self.name, self.io, self.storage_options = name, io, storage_options
         self._set_files(expand(expanded, "webdataset", io, storage_options, suffixes=(".tar",)))
+        require_regular_files(self.refs, "webdataset")
         self._fresh()
         keys: list = []
         counts: list[int] = []
@@ -112,13 +235,16 @@ class WebDatasetSource(FileSource):
         ext: list = []
         offset: list = []
         size: list = []
+        self.member_sparse: dict[int, list] = {}
         for k in range(len(self.files)):
             index = self._shard_index(k)
             counts.append(len(index["keys"]))
             keys.extend(index["keys"])
             for group in index["members"]:
                 first.append(len(ext))
-                for e, o, s in group:
+                for e, o, s, sparse in group:
+                    if sparse is not None:
+                        self.member_sparse[len(ext)] = sparse
                     ext.append(e)
                     offset.append(o)
                     size.append(s)
@@ -130,6 +256,21 @@ class WebDatasetSource(FileSource):
         self.member_ext = ext
         self.member_offset = np.asarray(offset, dtype=np.int64)
         self.member_size = np.asarray(size, dtype=np.int64)
+        self._spans()
+
+    def _spans(self) -> None:
+        """Per sample the byte span read at once: ``[span_start, span_end)``, or
+        ``span_end == -1`` when its members lie far apart (read one by one). Every
+        sample has at least one member."""
+        if not self.keys:
+            self.span_start = self.span_end = np.zeros(0, dtype=np.int64)
+            return
+        groups = self.first_member[:-1]
+        ends = self.member_offset + self.member_size
+        self.span_start = np.minimum.reduceat(self.member_offset, groups)
+        self.span_end = np.maximum.reduceat(ends, groups)
+        stored = np.add.reduceat(self.member_size, groups)
+        self.span_end[self.span_end - self.span_start > stored + _SPAN_SLACK] = -1
 
     def _shard_index(self, k: int) -> dict:
         ref, reader = self.refs[k], self.reader(k)
@@ -140,7 +281,9 @@ class WebDatasetSource(FileSource):
             cache = FileCache(self.io, self.storage_options)
             stored = cache.get_derived(ref, _INDEX_TAG)
             if stored is not None:
-                return json.loads(stored)
+                index = json.loads(stored)
+                if index.get("layout") == _INDEX_LAYOUT:
+                    return index
         with reader.file_object("building the index") as fh:
             index = index_tar(fh, self.files[k], ref.size)
         if cache is not None:
@@ -149,6 +292,12 @@ class WebDatasetSource(FileSource):
 
     def __len__(self) -> int:
         return int(self.shard_starts[-1])
+
+    def _read(self, k: int, start: int, size: int, context: str) -> bytes:
+        try:
+            return self.reader(k).pread(start, size, context)
+        except SourceError as exc:
+            raise SourceError(f"webdataset: {exc}") from None
 
     def get(self, i: int) -> Any:
         if not 0 <= i < len(self):
@@ -159,17 +308,18 @@ class WebDatasetSource(FileSource):
         sample: dict[str, Any] = {"__key__": key}
         if hi == lo:
             return sample
-        start = int(self.member_offset[lo])
-        end = int(self.member_offset[hi - 1] + self.member_size[hi - 1])
+        start, end = int(self.span_start[i]), int(self.span_end[i])
         context = f"member {key}.{self.member_ext[lo]}" if hi - lo == 1 else \
             f"members {key}.{{{','.join(self.member_ext[lo:hi])}}}"
-        try:
-            span = self.reader(k).pread(start, end - start, context)
-        except SourceError as exc:
-            raise SourceError(f"webdataset: {exc}") from None
+        span = self._read(k, start, end - start, context) if end >= 0 else None
         for m in range(lo, hi):
-            a = int(self.member_offset[m]) - start
-            sample[self.member_ext[m]] = span[a:a + int(self.member_size[m])]
+            at, n = int(self.member_offset[m]), int(self.member_size[m])
+            if span is not None:
+                data = span[at - start:at - start + n]
+            else:
+                data = self._read(k, at, n, f"member {key}.{self.member_ext[m]}")
+            sparse = self.member_sparse.get(m)
+            sample[self.member_ext[m]] = data if sparse is None else unsparse(data, sparse)
         return sample
 
     def describe(self) -> str:
