@@ -15,9 +15,9 @@ What it owns: one writer per example file or directory, and the table of them
 
 Invariants:
 - Deterministic: the contents depend on nothing but this module (fixed seeds, tar
-  members with fixed metadata), so two runs write the same samples.
-- Small: a few hundred kilobytes, written in well under a second plus the import of
-  the format libraries.
+  members with fixed metadata), so two runs write the same bytes (given the same
+  versions of pyarrow and datasets).
+- Small: under a megabyte in all.
 - A format whose library is missing is skipped, not an error: its entry comes back
   with ``written=False`` and the install line of its extra, and the other files are
   still written.
