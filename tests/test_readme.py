@@ -146,3 +146,21 @@ def test_the_install_check_catches_an_index_install():
     assert not zephon_install_problems(shlex.split('-e ".[parquet]"'))
     assert not zephon_install_problems(["torch==2.13.0"])
     assert install_commands("run `pip install\n  -e \".[bench]\"` first") == [["-e", ".[bench]"]]
+
+
+def test_the_ray_block_after_the_jobs_block_finds_its_results_in_the_store(tmp_path):
+    # Top to bottom in one directory, as the README says: the Ray study reads the three
+    # results the process study stored in `ckpt` (the README says it prints them cached).
+    pytest.importorskip("ray", reason="the Ray block needs ray (its extra is not installed)")
+    (local,) = [c for c in blocks() if "checkpoint_dir=" in c and 'backend="ray"' not in c]
+    (ray_block,) = [c for c in blocks() if 'backend="ray"' in c]
+    outputs = []
+    for name, code in (("jobs.py", local), ("ray_jobs.py", ray_block)):
+        (tmp_path / name).write_text(code, encoding="utf-8")
+        proc = subprocess.run([sys.executable, name], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=300, env=clean_env())
+        assert proc.returncode == 0, proc.stderr
+        outputs.append(proc.stdout)
+    assert "(cached)" not in outputs[0]
+    cached = [line for line in outputs[1].splitlines() if line.endswith("(cached)")]
+    assert len(cached) == 3, outputs[1]
