@@ -1,11 +1,14 @@
-"""``python -m zephon options`` as a user runs it (a real subprocess)."""
+"""``python -m zephon options``, ``demo`` and ``example-data`` as a user runs them (real
+subprocesses, real files)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 
@@ -141,3 +144,97 @@ def test_demo_resumes_identically(tmp_path):
     assert ("run 2: resumed from the checkpoint on the threads runner, 3 workers per stage"
             in out.stdout)
     assert (tmp_path / "demo-tokens-v1.u16").stat().st_size == (8 << 20) * 2
+
+
+# ``python -m zephon example-data DIR``: the files the README's examples read.
+
+def _files(root):
+    """{relative path: bytes} of every file under ``root``."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def _read_all(src):
+    from zephon import Pipeline
+
+    return [b for b in Pipeline(src, shuffle=False).batch(1_000)]
+
+
+def test_example_data_writes_what_the_sources_read(tmp_path):
+    from zephon import example_data, sources
+
+    out = run_cli("example-data", "data", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    data = tmp_path / "data"  # created by the command
+    lines = out.stdout.splitlines()
+    assert len(lines) == len(example_data.EXAMPLES)
+    for line, ex in zip(lines, example_data.EXAMPLES, strict=True):
+        assert line.startswith(("wrote ", "skipped ")) and f"{ex.path}:" in line, line
+
+    (tokens,) = _read_all(sources.token_windows(str(data / "train.bin"), seq_len=1024,
+                                                dtype="uint16"))
+    assert tokens["tokens"].shape == (64, 1024) and tokens["tokens"].dtype == np.uint16
+    assert 0 <= int(tokens["tokens"].min()) and int(tokens["tokens"].max()) < 50257
+    assert len(np.unique(tokens["tokens"])) > 1000  # ids spread over the vocabulary
+
+    (shards,) = _read_all(sources.webdataset(str(data / "shards/train-{000..001}.tar")))
+    assert len(shards["__key__"]) == 100 and len(set(shards["__key__"])) == 100
+    assert {json.loads(j)["label"] for j in shards["json"]} == set(range(10))
+    assert all(t.decode().startswith("caption ") for t in shards["txt"])
+
+    (notes,) = _read_all(sources.jsonl(str(data / "notes.jsonl.zst")))
+    assert sorted(set(notes["stars"].tolist())) == [0, 1, 2, 3, 4]
+    assert len(notes["text"]) == 200
+
+    if "wrote   " + os.path.join("data", "corpus/") in out.stdout:
+        (rows,) = _read_all(sources.parquet(str(data / "corpus/*.parquet"),
+                                            columns=["text", "score"]))
+        assert len(rows["text"]) == 200 and rows["score"].dtype == np.float32
+        assert all(isinstance(t, str) and t for t in rows["text"])
+    if "wrote   " + os.path.join("data", "hf_saved/") in out.stdout:
+        (hf,) = _read_all(sources.hf_dataset(str(data / "hf_saved"),
+                                             columns=["text", "label"]))
+        assert len(hf["text"]) == 64 and sorted(set(hf["label"].tolist())) == [0, 1]
+
+
+def test_example_data_is_deterministic_and_rewritable(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "mine.txt").write_text("not the command's")
+    for _ in range(2):  # the second run replaces its own files in place
+        out = run_cli("example-data", "a", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+    assert run_cli("example-data", str(tmp_path / "b")).returncode == 0
+    a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
+    assert a.pop("mine.txt") == b"not the command's"  # nothing else is touched
+    assert a == b and len(a) >= 5
+    assert sum(map(len, a.values())) < 1 << 20  # small
+
+
+def test_example_data_skips_a_format_whose_library_is_missing(tmp_path):
+    # An interpreter where pyarrow (and so datasets) cannot be imported.
+    shadow = tmp_path / "shadow"
+    for name in ("pyarrow", "datasets"):
+        (shadow / name).mkdir(parents=True)
+        (shadow / name / "__init__.py").write_text(f"raise ImportError('no {name} here')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(shadow), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    out = run_cli("example-data", str(tmp_path / "data"), env=env)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    skipped = [line for line in out.stdout.splitlines() if line.startswith("skipped")]
+    assert len(skipped) == 2, out.stdout
+    assert 'corpus/: needs its extra: python -m pip install -e ".[parquet]"' in skipped[0]
+    assert 'hf_saved/: needs its extra: python -m pip install -e ".[hf]"' in skipped[1]
+    written = _files(tmp_path / "data")
+    assert set(written) == {"shards/train-000.tar", "shards/train-001.tar", "train.bin",
+                            "notes.jsonl.zst"}
+
+
+def test_example_data_into_a_file_is_a_usage_error(tmp_path):
+    target = tmp_path / "taken"
+    target.write_text("a file, not a directory")
+    assert_usage_error(run_cli("example-data", str(target)), "cannot write the example data",
+                       "taken")
+    assert target.read_text() == "a file, not a directory"
+    out = run_cli("example-data")
+    assert out.returncode == 2 and "DIR" in out.stderr

@@ -9,6 +9,10 @@ Commands:
             (repeatable; v parsed as JSON when it parses, else a string) and
             ``--config FILE`` (JSON, or YAML with the ``yaml`` extra) supply
             explicit values; ``--json`` prints machine-readable output.
+  example-data DIR
+            write the small data files the README's examples read into DIR
+            (see zephon.example_data); prints one line per file written, and for a
+            format whose library is missing the line that installs its extra
 
 The CLI is the only part of zephon that prints. A mistake of the user (a missing or
 malformed config file, a config that is not a mapping, ``--set`` without ``=``, an
@@ -55,8 +59,8 @@ def _load_config(path: str) -> dict[str, Any]:
         try:
             import yaml
         except ImportError:  # pragma: no cover - depends on the extra
-            raise UsageError(f"reading {path!r} needs PyYAML: pip install "
-                             "'zephon[yaml]'") from None
+            raise UsageError(f"reading {path!r} needs PyYAML: python -m pip install "
+                             "-e '.[yaml]' (from the zephon checkout)") from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -128,6 +132,23 @@ def cmd_options(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_example_data(args: argparse.Namespace) -> int:
+    from zephon.example_data import write_examples
+
+    try:
+        entries = write_examples(args.directory)
+    except OSError as exc:
+        raise UsageError(f"cannot write the example data to {args.directory!r}: "
+                         f"{exc.strerror or exc}") from None
+    for entry in entries:
+        path = os.path.join(args.directory, entry.path)
+        if entry.written:
+            print(f"wrote   {path}: {entry.what}")
+        else:
+            print(f"skipped {path}: needs its extra: {entry.install}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zephon")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
@@ -153,6 +174,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "worker count; it checks that the resumed stream is identical batch for "
                     "batch and exits 0 if so, 1 if not.")
     p_demo.set_defaults(func=lambda args: __import__("zephon.demo", fromlist=["main"]).main())
+    p_data = sub.add_parser(
+        "example-data", help="write the data files the README's examples read",
+        description="Write the small, deterministic data files the README's examples "
+                    "read (Parquet, WebDataset tar shards, a uint16 token file, zstd "
+                    "JSON lines, a saved Hugging Face dataset) into DIR. A format whose "
+                    "library is missing is skipped with the line that installs it.")
+    p_data.add_argument("directory", metavar="DIR", help="where to write (created if missing)")
+    p_data.set_defaults(func=cmd_example_data)
     args = parser.parse_args(argv)
     if args.version:
         from zephon import __version__
