@@ -2,7 +2,7 @@
 
 Every field here is a performance or operations knob: none of them may change
 the batch stream, except ``canonical_replicas`` (the number of lanes, recorded in
-every checkpoint), ``flush_every_k_chunks`` (where partial batches fall, part of
+every checkpoint), ``flush_every_k_chunks`` (where a shuffle buffer drains and a replay can start, part of
 the pipeline's fingerprint) and ``deterministic=False``, which trades order for
 throughput and says so in ``explain()``.
 
@@ -81,7 +81,7 @@ class RuntimeOptions(OptionsBase):
     Keyword arguments only; each is validated at construction (a
     :class:`~zephon.errors.ZephonConfigError` names the field, the value and what is
     allowed). None of them changes the batch stream except ``canonical_replicas`` (the
-    number of lanes C), ``flush_every_k_chunks`` (where partial batches fall) and
+    number of lanes C), ``flush_every_k_chunks`` (where a shuffle buffer drains and a replay can start) and
     ``deterministic=False`` (completion order). Numeric knobs left at None are
     derived (see :meth:`resolved`).
 
