@@ -241,6 +241,10 @@ class Plan:
         lines += [f"  {resume}", f"  {flush}",
                   f"  tail prefetch: {self.prefetch} item(s)"
                   + (f"; MTP subprocess, buffer {resolve_mtp_buffer(o)}" if o.mtp_mode else "")]
+        lines.append(f"  compute threads: {o.worker_compute_threads} per process worker (torch, "
+                     "BLAS/OpenMP; threads stages share the consumer's)" if
+                     o.worker_compute_threads else "  compute threads: process workers keep "
+                     "the libraries' defaults (worker_compute_threads=0)")
         serial_no = 0
         for kind, what in self.steps:
             if kind == "stage":
@@ -332,7 +336,8 @@ class Engine:
         mode = str(o.execution_tracking)
         self.stats = None if mode == "off" else RunStats(mode, o.metrics_sink_config)
         program = StageProgram(p.source, [s.ops for s in plan.stages], p.seed,
-                               [s.collates for s in plan.stages])
+                               [s.collates for s in plan.stages],
+                               worker_compute_threads=o.worker_compute_threads)
         self.executors = {}
         try:
             for stage in plan.stages:

@@ -16,6 +16,11 @@ Each sample goes through all of the stage's ops before the next is read
 that fails it, whatever the dispatch made the unit's parts. The error carries
 the records made before that sample (:data:`~zephon.transport.remote_errors.DONE_ATTR`;
 none for a unit that is one batch), which go on before it is raised.
+
+``worker_compute_threads`` is the :class:`~zephon.options.RuntimeOptions` field of
+that name, for the process worker that unpickles the program: it limits the
+worker's numerical thread pools (:mod:`zephon.transport.threads`) before the
+first task.
 """
 
 from __future__ import annotations
@@ -86,9 +91,11 @@ class StageProgram:
     collates (a fused ``batch``) one batch of the unit's records."""
 
     def __init__(self, source, stages: list[list], seed: int,
-                 collates: list[bool] | None = None) -> None:
+                 collates: list[bool] | None = None,
+                 worker_compute_threads: int = 0) -> None:
         self.source, self.stages, self.seed = source, stages, seed
         self.collates = collates or [False] * len(stages)
+        self.worker_compute_threads = worker_compute_threads
 
     def read(self, unit):
         """The unit's records, read one at a time as they are asked for (each goes
