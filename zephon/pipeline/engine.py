@@ -337,6 +337,7 @@ class Engine:
         self.stats = None if mode == "off" else RunStats(mode, o.metrics_sink_config)
         program = StageProgram(p.source, [s.ops for s in plan.stages], p.seed,
                                [s.collates for s in plan.stages],
+                               collate_fn=plan.fused_batch and plan.fused_batch.collate_fn,
                                worker_compute_threads=o.worker_compute_threads)
         self.executors = {}
         try:

@@ -6,8 +6,8 @@ unit))`` returns the unit's output records: stage 0 reads a
 :class:`~zephon.pipeline.lanes.ReadUnit` from the source first (each record
 carries its sample identity and its lane position). A stage that collates
 (a ``batch`` fused into the stage that reads and maps its samples) returns one
-:class:`~zephon.pipeline.ops.Batch` record per unit: the unit is exactly one
-micro-batch. A failure in a user op is an
+batch record per unit (collated by the batch's ``collate_fn``, if it has one):
+the unit is exactly one micro-batch. A failure in a user op is an
 :class:`~zephon.pipeline.ops.OpError` naming the op and the sample; a failure
 reading the source names the sample likewise.
 
@@ -91,10 +91,11 @@ class StageProgram:
     collates (a fused ``batch``) one batch of the unit's records."""
 
     def __init__(self, source, stages: list[list], seed: int,
-                 collates: list[bool] | None = None,
+                 collates: list[bool] | None = None, collate_fn=None,
                  worker_compute_threads: int = 0) -> None:
         self.source, self.stages, self.seed = source, stages, seed
         self.collates = collates or [False] * len(stages)
+        self.collate_fn = collate_fn  # of the fused batch (None: the default collation)
         self.worker_compute_threads = worker_compute_threads
 
     def read(self, unit):
@@ -210,5 +211,5 @@ class StageProgram:
                 put_done(exc, [])
             raise
         if self.collates[stage] and records:
-            return [make_batch(records)]
+            return [make_batch(records, self.collate_fn)]
         return records
