@@ -63,3 +63,8 @@ def job_thread_report(subject):
 
     return {"torch": torch.get_num_threads(),
             "pools": sorted(compute_threads_report()["pools"].items())}
+
+
+def double_images(batch):
+    """A map_batch over a tuple batch that returns a plain list."""
+    return [batch[0] * 2, batch[1]]

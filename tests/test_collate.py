@@ -222,6 +222,15 @@ def test_batch_list_meta_has_lane_and_lane_index():
     assert got == [(0, 0), (0, 1)]
 
 
+def test_map_batch_of_a_batch_list_keeps_its_meta():
+    pipe = Pipeline(sources.from_callable(4, F.image_label), shuffle=False).batch(2) \
+        .map_batch(F.double_images)
+    got = list(pipe)
+    assert [type(b) for b in got] == [BatchList, BatchList]
+    assert got[1][0][0, 0, 0] == 4.0 and got[1][1].tolist() == [2, 3]
+    assert [i for _, i, _ in got[1].meta["sample_ids"]] == [2, 3]
+
+
 @pytest.mark.parametrize("runner", ["inline", "process"])
 def test_namedtuple_samples_give_a_namedtuple_batch(runner):
     pipe = Pipeline(sources.from_callable(6, F.pair), shuffle=False).batch(3).options(
