@@ -68,3 +68,7 @@ def job_thread_report(subject):
 def double_images(batch):
     """A map_batch over a tuple batch that returns a plain list."""
     return [batch[0] * 2, batch[1]]
+
+
+def ragged_tuple(i):
+    return tuple(range(i % 3 + 1))

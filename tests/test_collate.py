@@ -159,11 +159,19 @@ def test_ragged_arrays_stay_lists_inside_tuples_too():
 
 
 def test_sequences_of_unequal_length_raise_naming_where():
-    with pytest.raises(ZephonConfigError, match=r"\['ids'\].*sample 0 has 2 items, sample 1 "
-                                                "has 1"):
-        collate([{"ids": [1, 2]}, {"ids": [3]}])
+    with pytest.raises(ZephonConfigError, match=r"sample 0 has 2 items, sample 1 has 1"):
+        collate([(1, 2), (3,)])
+    with pytest.raises(ZephonConfigError, match=r"the samples\[1\]: .*sample 0 has 2 items"):
+        collate([(np.zeros(1), [1, 2]), (np.zeros(1), [3])])
     with pytest.raises(ZephonConfigError, match="sample 0 has a dict there, sample 1 a tuple"):
         collate([{"a": 1}, (1,)])
+
+
+def test_lists_of_unequal_length_in_dict_columns_stay_lists():
+    out = collate([{"ids": [1, 2], "tags": ["a"]}, {"ids": [3], "tags": None}])
+    assert out["ids"] == [[1, 2], [3]] and out["tags"] == [["a"], None]
+    even = collate([{"ids": [1, 2]}, {"ids": [3, 4]}])  # equal lengths: transposed, as torch
+    assert [a.tolist() for a in even["ids"]] == [[1, 3], [2, 4]]
 
 
 def test_collate_never_imports_torch():
@@ -252,11 +260,16 @@ def test_dict_batches_are_still_batches_with_lane_meta():
 
 @pytest.mark.parametrize("runner", ["inline", "process"])
 def test_unequal_sequences_are_an_op_error_of_the_batch(runner):
-    pipe = Pipeline(sources.from_callable(6, F.ragged_list), shuffle=False).batch(3).options(
+    pipe = Pipeline(sources.from_callable(6, F.ragged_tuple), shuffle=False).batch(3).options(
         RuntimeOptions(runner=runner, max_workers=2))
     with pytest.raises(OpError, match=r"op batch failed on samples.*same length") as info:
         list(pipe)
     assert info.value.op == "batch"
+
+
+def test_variable_length_list_fields_batch_as_lists():
+    got = list(Pipeline(sources.from_callable(6, F.ragged_list), shuffle=False).batch(3))
+    assert [b["ids"] for b in got] == [[[0], [0, 1], [0, 1, 2]]] * 2
 
 
 # -- collate_fn ----------------------------------------------------------------------

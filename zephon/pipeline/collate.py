@@ -21,9 +21,10 @@ Dispatch is on the type of the first sample's value, as in torch:
 - a mapping: the mapping of each key's values collated (keys of the first
   sample; a key another sample lacks reads as None there); a namedtuple: the
   namedtuple of each field collated; a tuple: the *list* of each position
-  collated; another sequence (a list): one of the same type. Sequences of
-  unequal length are an error (:class:`~zephon.errors.ZephonConfigError` naming
-  the place), as in torch.
+  collated; another sequence (a list): one of the same type. Samples that are
+  sequences of unequal length, or hold them in a tuple or list position, are an
+  error (:class:`~zephon.errors.ZephonConfigError` naming the place), as in
+  torch.
 
 At the top level a batch of mapping samples is a plain ``dict`` (``batch()``
 makes it a :class:`~zephon.Batch`); other samples give what the rules say (a
@@ -31,9 +32,13 @@ list for tuples or lists, a namedtuple, an array).
 
 Where torch refuses (and raises), zephon keeps the values as a list: arrays of
 unequal shapes (ragged), ``None`` or other objects, integers beyond ``int64``,
-tensors that do not stack. This is what dict columns always did, so pipelines
-whose samples carry ragged arrays or optional values keep working; the
-difference from torch is only that these raise there.
+tensors that do not stack, and, as the values of a mapping key (a dict column),
+sequences of unequal length (variable-length JSON arrays or Parquet lists). This
+is what dict columns always did, so pipelines whose samples carry ragged arrays,
+variable-length lists or optional values keep working; the difference from
+torch is only that these raise there. A dict column of lists of *equal* length
+is transposed, as torch does (``[[1, 2], [3, 4]]`` gives ``[array([1, 3]),
+array([2, 4])]``), where it used to stay the list of lists.
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ def collate(values) -> object:
     first = values[0]
     if type(first) is dict or isinstance(first, collections.abc.Mapping):
         _check_mappings(values, ())
-        return {key: _collate([v.get(key) for v in values], (key,)) for key in first}
+        return {key: _collate([v.get(key) for v in values], (key,), True) for key in first}
     return _collate(values, ())
 
 
@@ -94,7 +99,8 @@ def collate_column(column: list):
     return _collate(column, ()) if len(column) else column
 
 
-def _collate(column, path: tuple):
+def _collate(column, path: tuple, keyed: bool = False):
+    """``keyed``: the column holds the values of one mapping key (a dict column)."""
     first = column[0]
     t = type(first)
     if t is np.ndarray:
@@ -105,10 +111,10 @@ def _collate(column, path: tuple):
         return _python_floats(column)
     if t is str or t is bytes:
         return column
-    return _collate_other(column, path, first)
+    return _collate_other(column, path, first, keyed)
 
 
-def _collate_other(column, path: tuple, first):
+def _collate_other(column, path: tuple, first, keyed: bool):
     """:func:`_collate` past the exact types: subclasses, tensors, containers, the rest."""
     if isinstance(first, np.ndarray):  # a subclass: np.memmap, ...
         return _arrays(column)
@@ -130,7 +136,7 @@ def _collate_other(column, path: tuple, first):
         fields = zip(*column, strict=False)
         return type(first)(*(_collate(s, (*path, i)) for i, s in enumerate(fields)))
     if isinstance(first, collections.abc.Sequence):
-        return _sequence(column, path)
+        return _sequence(column, path, keyed)
     return _as_list(column)
 
 
@@ -238,7 +244,7 @@ def _mapping(column, path: tuple):
     dict when its type cannot be copied or rebuilt)."""
     _check_mappings(column, path)
     first = column[0]
-    values = {key: _collate([d.get(key) for d in column], (*path, key)) for key in first}
+    values = {key: _collate([d.get(key) for d in column], (*path, key), True) for key in first}
     try:
         if isinstance(first, collections.abc.MutableMapping):
             clone = copy.copy(first)
@@ -249,12 +255,17 @@ def _mapping(column, path: tuple):
         return values
 
 
-def _sequence(column, path: tuple):
+def _sequence(column, path: tuple, keyed: bool):
     """As torch: equal lengths, transposed, each position collated; a tuple gives a list,
-    a list (another mutable sequence) one of its type."""
+    a list (another mutable sequence) one of its type. Unequal lengths (or a value that
+    is not a sequence) raise, except in a dict column (``keyed``): there the values stay
+    a list, as variable-length fields (JSON arrays, Parquet lists) always did."""
     first = column[0]
     size = len(first)
     for i, v in enumerate(column):
+        if keyed and (isinstance(v, (str, bytes)) or
+                      not isinstance(v, collections.abc.Sequence) or len(v) != size):
+            return _as_list(column)
         if isinstance(v, (str, bytes)) or not isinstance(v, collections.abc.Sequence):
             raise ZephonConfigError(
                 f"batch: cannot collate {_where(path)}: sample 0 has a "

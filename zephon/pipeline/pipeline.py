@@ -192,8 +192,9 @@ class Pipeline:
         samples give a :class:`~zephon.pipeline.ops.BatchList`, the list of their
         positions collated (``images, labels = batch``); a namedtuple, an array or a
         number gives a namedtuple, an array. Where torch would raise on values that do
-        not stack (ragged arrays, None) they stay a list; sequences of unequal length
-        raise an :class:`~zephon.errors.OpError` of the batch op. A batch never mixes
+        not stack (ragged arrays, None, lists of unequal length in a dict column) they
+        stay a list; tuple or list samples of unequal length raise an
+        :class:`~zephon.errors.OpError` of the batch op. A batch never mixes
         lanes; a lane's partial batch is emitted at a flush boundary and at the end of
         the stream. The ``meta`` of a Batch or BatchList holds ``sample_ids``
         (``(source, index, epoch)`` per sample), ``lane`` and ``lane_index``.
