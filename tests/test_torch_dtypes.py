@@ -44,3 +44,13 @@ def test_to_torch_converts_tuple_batches_and_keeps_uint8_and_meta():
     assert out[0].dtype == torch.float32 and out[1].dtype == torch.int64
     images = zt.to_torch((np.zeros((2, 2), np.uint8), np.arange(2, dtype=np.uint32)))
     assert images[0].dtype == torch.uint8 and images[1].dtype == torch.int64
+
+
+def test_map_leaves_walks_tuple_batches_keeping_meta():
+    from zephon.torch._convert import map_leaves
+
+    batch = BatchList([torch.ones(2), {"a": (torch.zeros(1), "s")}], meta={"lane": 3})
+    out = map_leaves(batch, lambda v: v * 2 if isinstance(v, torch.Tensor) else v)
+    assert type(out) is BatchList and out.meta == {"lane": 3}
+    assert out[0].tolist() == [2.0, 2.0] and out[1]["a"][1] == "s"
+    assert out[1]["a"][0].tolist() == [0.0]

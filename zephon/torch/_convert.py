@@ -29,7 +29,7 @@ import numpy as np
 from zephon.pipeline.ops import Batch, BatchList
 from zephon.torch import _require_torch
 
-__all__ = ["TRAINING_DTYPES", "tensor_of", "to_torch"]
+__all__ = ["TRAINING_DTYPES", "map_leaves", "tensor_of", "to_torch"]
 
 _NUMERIC = frozenset("biufc")
 #: stored dtype -> the dtype its tensor gets unless keep_dtypes (widening, lossless)
@@ -64,19 +64,24 @@ def tensor_of(value, keep_dtypes: bool = False):
         return torch.from_numpy(fixed)
 
 
-def _convert(value, keep: bool):
-    if isinstance(value, np.ndarray):
-        return tensor_of(value, keep)
+def map_leaves(value, fn):
+    """``value`` with ``fn`` applied to every leaf through its structure (dict values, list
+    and tuple items, namedtuple fields, recursively); a Batch or BatchList keeps its type
+    and ``meta``."""
     if isinstance(value, dict):
-        out = {k: _convert(v, keep) for k, v in value.items()}
+        out = {k: map_leaves(v, fn) for k, v in value.items()}
         return Batch(out, meta=value._meta) if isinstance(value, Batch) else out
     if isinstance(value, list):
-        items = [_convert(v, keep) for v in value]
+        items = [map_leaves(v, fn) for v in value]
         return BatchList(items, meta=value._meta) if isinstance(value, BatchList) else items
     if isinstance(value, tuple):
-        items = [_convert(v, keep) for v in value]
+        items = [map_leaves(v, fn) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    return value
+    return fn(value)
+
+
+def _convert(value, keep: bool):
+    return map_leaves(value, lambda leaf: tensor_of(leaf, keep))
 
 
 def to_torch(batch, *, keep_dtypes: bool = False):

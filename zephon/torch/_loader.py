@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from zephon.errors import CheckpointError, ZephonConfigError
 from zephon.pipeline.iterator import Handoff, HandoffClosed
 from zephon.torch import STATE_KEY, _require_torch
-from zephon.torch._convert import to_torch
+from zephon.torch._convert import map_leaves, to_torch
 
 if TYPE_CHECKING:
     from zephon.pipeline.iterator import PipelineIterator
@@ -58,11 +58,9 @@ def _pin_fn(torch):
                       RuntimeWarning, stacklevel=4)
         return lambda batch: batch
 
-    def pin(batch):
-        for key, value in batch.items():
-            if isinstance(value, torch.Tensor):
-                batch[key] = value.pin_memory()
-        return batch
+    def pin(batch):  # every tensor of the batch, through its structure (tuple batches too)
+        return map_leaves(batch, lambda v: v.pin_memory() if isinstance(v, torch.Tensor)
+                          else v)
 
     return pin
 
