@@ -61,6 +61,7 @@ def runtime_options(draw):
         worker_allocation=draw(st.sampled_from(["fit_to_ops", "per_stage_fixed", "global",
                                                 "autotune"])),
         max_workers=draw(maybe(st.integers(1, 64))), deterministic=draw(st.booleans()),
+        worker_compute_threads=draw(st.integers(0, 64)),
         prefetch_batches=draw(maybe(st.integers(1, 256))),
         default_stage_prefetch=draw(maybe(st.integers(1, 64))),
         per_stage_prefetch=draw(st.dictionaries(st.integers(0, 9), st.integers(1, 64),

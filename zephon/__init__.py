@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 # Everything but the errors loads on first use: a spawned worker that only needs
 # zephon.transport must not pay for the options (dataclasses) or the pipeline layer.
 _LAZY = {"Pipeline": "zephon.pipeline", "Batch": "zephon.pipeline",
+         "BatchList": "zephon.pipeline",
          "OpError": "zephon.pipeline", "sources": "zephon.pipeline",
          "ExecutionTrackingMode": "zephon.options", "MetricsSinkConfig": "zephon.options",
          "MixtureReadConfig": "zephon.options", "RunPolicy": "zephon.options",
@@ -45,6 +46,7 @@ def __getattr__(name: str):
 __all__ = [
     "AggregationTimeoutError",
     "Batch",
+    "BatchList",
     "CheckpointError",
     "ExecutionTrackingMode",
     "MetricsSinkConfig",

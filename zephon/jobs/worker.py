@@ -6,8 +6,12 @@ A worker is a spawn-context child started by the supervisor
 own process group (so the parent can signal the op's children with it) and, on
 Linux, a child subreaper (so descendants that leave the group come back to it
 when orphaned), exports ``ZEPHON_GPU_SLOT`` when it has one, unpickles the
-callable (pickled once by the parent) and runs its ``setup()`` if it has one,
-then says READY. It runs one subject at a time; when a subject returns, the
+callable (pickled once by the parent), limits its numerical libraries to one
+compute thread as a pipeline's process workers do (``boot["compute_threads"]``,
+1 unless the parent says otherwise; :mod:`zephon.transport.threads`: N workers
+then run N threads, not N pools as large as the machine; a ``setup()`` that wants
+more raises it, e.g. ``torch.set_num_threads``), runs its ``setup()`` if it has
+one, then says READY. It runs one subject at a time; when a subject returns, the
 processes it left running outside the worker's process group (a daemon in its own
 session) are ended (SIGTERM, ``grace / 2``, SIGKILL) before its report is sent,
 except what ``setup()`` started: a persistent worker killed outright by a later
@@ -50,6 +54,7 @@ import time
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.remote_errors import encode_exception
 from zephon.transport.supervisor import MsgKind, lead_process_tree
+from zephon.transport.threads import ComputeThreads
 from zephon.transport.tree import descendants, end_descendants
 
 __all__ = ["job_worker_main", "pickle_value", "unpickle_value"]
@@ -112,6 +117,7 @@ def job_worker_main(channel, boot: dict) -> None:
     try:
         try:
             fn = pickle.loads(boot["fn"])
+            threads = ComputeThreads(boot.get("compute_threads", 1))
             setup = getattr(fn, "setup", None)
             if callable(setup):
                 setup()
@@ -128,6 +134,7 @@ def job_worker_main(channel, boot: dict) -> None:
                 return
             task_id = header["id"]
             subject = pickle.loads(frames[0])
+            threads.before_task()
             start = time.monotonic()
             channel.send({"k": MsgKind.STARTED, "id": task_id, "t": start})
             try:

@@ -65,6 +65,9 @@ __all__ = [
 ]
 
 KiB, MiB = 1 << 10, 1 << 20
+#: bound of worker_compute_threads: torch.set_num_threads takes a C int, and a thread pool
+#: larger than any machine's cores is a mistake, not a setting
+MAX_COMPUTE_THREADS = 4096
 DEFAULT_RUN_ID = "default_run_id"
 DEFAULT_IPC_BUFFER_BYTES = 512 * KiB
 DEFAULT_MTP_BUFFER_BYTES = 8 * MiB
@@ -124,6 +127,14 @@ class RuntimeOptions(OptionsBase):
         doc="Workers per stage or in total (see worker_allocation); None = cpu_count "
             "clamped to [4, 16]. At most 127: a shared-memory region token has 7 bits "
             "for its owning worker.",
+    )
+    worker_compute_threads: int = option(
+        1, check=Int(min=0, max=MAX_COMPUTE_THREADS),
+        doc="Compute threads of each process worker of a pipeline stage: torch's intra-op "
+            "threads, the BLAS/OpenMP pools already loaded (threadpoolctl) and "
+            "OMP/OPENBLAS/MKL_NUM_THREADS for libraries loaded later and subprocesses, as "
+            "torch's DataLoader sets one thread per worker; 0 = leave the libraries alone. "
+            "Threads-runner stages share the consumer's pools and are not limited.",
     )
     deterministic: bool = option(
         True, check=Bool(),

@@ -6,6 +6,7 @@ checkpoint code.
 """
 
 _LAZY = {"Pipeline": "zephon.pipeline.pipeline", "Batch": "zephon.pipeline.ops",
+         "BatchList": "zephon.pipeline.ops",
          "OpError": "zephon.pipeline.ops", "sources": "zephon.pipeline.sources"}
 
 __all__ = sorted(_LAZY)

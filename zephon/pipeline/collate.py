@@ -1,11 +1,51 @@
-"""Collation: the samples of a micro-batch into one batch value.
+"""Collation: the samples of a micro-batch into one batch value, as torch collates.
 
-What ``Pipeline.batch()`` makes of its samples' values. Pure functions of the
-values; never imports torch (a column of torch tensors is stacked with the torch
-already imported by whoever made them).
+What ``Pipeline.batch()`` makes of its samples' values when no ``collate_fn`` is
+given. The rules are those of ``torch.utils.data.default_collate``, with a NumPy
+array wherever torch makes a tensor (``zephon.torch`` turns them into tensors
+later), and without importing torch: a column of tensors is stacked with the
+torch already imported by whoever made them.
+
+Dispatch is on the type of the first sample's value, as in torch:
+
+- a NumPy array: the arrays stacked on a new first axis (``np.array``); mixed
+  dtypes promote as torch promotes (an integer or bool array stacked with a float
+  one takes the float dtype);
+- a NumPy number or bool scalar: an array of the scalars, in their dtype;
+- a Python ``bool``, ``int`` (a column of only bools gives ``bool``, else
+  ``int64``; an int-first column holding floats gives ``float32``, torch's
+  default dtype) or ``float`` (``float64``);
+- ``str`` and ``bytes`` (NumPy's too): the values as they came (a list, or a
+  tuple inside a sequence, as torch hands them on);
+- a torch tensor: ``torch.stack``;
+- a mapping: the mapping of each key's values collated (keys of the first
+  sample; a key another sample lacks reads as None there); a namedtuple: the
+  namedtuple of each field collated; a tuple: the *list* of each position
+  collated; another sequence (a list): one of the same type. Samples that are
+  sequences of unequal length, or hold them in a tuple or list position, are an
+  error (:class:`~zephon.errors.ZephonConfigError` naming the place), as in
+  torch.
+
+At the top level a batch of mapping samples is a plain ``dict`` (``batch()``
+makes it a :class:`~zephon.Batch`); other samples give what the rules say (a
+list for tuples or lists, a namedtuple, an array).
+
+Where torch refuses (and raises), zephon keeps the values as a list: arrays of
+unequal shapes (ragged), ``None`` or other objects, integers beyond ``int64``,
+tensors that do not stack, and, as the values of a mapping key (a dict column),
+sequences of unequal length (variable-length JSON arrays or Parquet lists). This
+is what dict columns always did, so pipelines whose samples carry ragged arrays,
+variable-length lists or optional values keep working; the difference from
+torch is only that these raise there. A dict column of lists of *equal* length
+is transposed, as torch does (``[[1, 2], [3, 4]]`` gives ``[array([1, 3]),
+array([2, 4])]``), where it used to stay the list of lists.
 """
 
 from __future__ import annotations
+
+import collections.abc
+import copy
+import sys
 
 import numpy as np
 
@@ -13,39 +53,238 @@ from zephon.errors import ZephonConfigError
 
 __all__ = ["collate", "collate_column"]
 
+_INT64 = np.dtype(np.int64)
+_FLOAT32 = np.dtype(np.float32)
+_FLOAT64 = np.dtype(np.float64)
+_PY_DTYPES = {bool: np.dtype(np.bool_), int: _INT64, float: _FLOAT32,
+              complex: np.dtype(np.complex64)}  # torch.tensor / as_tensor of Python numbers
+_NUMERIC_KINDS = frozenset("biufc")
 
-def collate(values: list) -> dict:
-    """Dict samples -> dict of stacked arrays (lists where values are ragged or not numeric).
 
-    A column of torch tensors of one shape, dtype and device is stacked with
-    ``torch.stack`` as a column of arrays is with ``np.stack``."""
+def collate(values) -> object:
+    """The samples of one batch as one value (see the module docstring for the rules).
+
+    Args:
+        values: the samples' values, a non-empty list (empty: ``{}``).
+
+    Returns:
+        A dict of columns for mapping samples; else the collated value (a list for tuple
+        or list samples, a namedtuple, an array, ...).
+
+    Raises:
+        ZephonConfigError: samples of unequal structure (sequences of unequal length, a
+            mapping where the first sample has a sequence, ...), naming where.
+
+    Example:
+        >>> out = collate([(np.zeros(2), 1), (np.ones(2), 2)])
+        >>> type(out).__name__, out[0].shape, out[1].dtype
+        ('list', (2, 2), dtype('int64'))
+    """
     if not values:
         return {}
-    if not all(isinstance(v, dict) for v in values):
-        raise ZephonConfigError("batch: samples must be dicts to be collated, got "
-                                f"{type(next(v for v in values if not isinstance(v, dict))).__name__}")
-    import sys
-
-    keys = list(values[0])
-    out = {}
-    tensor = getattr(sys.modules.get("torch"), "Tensor", None)  # never imports torch
-    for key in keys:
-        column = [v.get(key) for v in values]
-        if tensor is not None and all(isinstance(c, tensor) for c in column):
-            if len({(c.shape, c.dtype, c.device) for c in column}) == 1:
-                out[key] = sys.modules["torch"].stack(column)
-            else:
-                out[key] = column
-            continue
-        out[key] = collate_column(column)
-    return out
+    first = values[0]
+    if type(first) is dict or isinstance(first, collections.abc.Mapping):
+        _check_mappings(values, ())
+        return {key: _collate([v.get(key) for v in values], (key,), True) for key in first}
+    return _collate(values, ())
 
 
 def collate_column(column: list):
-    """One column of a batch: a stacked array when every value is numeric with one shape
-    and dtype, else the list itself (the rule :func:`collate` applies to non-tensors)."""
-    arrays = [np.asarray(c) for c in column
-              if isinstance(c, (np.ndarray, np.generic, int, float, bool))]
-    if len(arrays) == len(column) and len({(a.shape, a.dtype) for a in arrays}) == 1:
-        return np.stack(arrays)
-    return column
+    """One column of a dict batch: ``collate`` applied to the column's values.
+
+    Example:
+        >>> collate_column([np.arange(2), np.arange(2)]).shape
+        (2, 2)
+    """
+    return _collate(column, ()) if len(column) else column
+
+
+def _collate(column, path: tuple, keyed: bool = False):
+    """``keyed``: the column holds the values of one mapping key (a dict column)."""
+    first = column[0]
+    t = type(first)
+    if t is np.ndarray:
+        return _arrays(column)
+    if t is bool or t is int:
+        return _python_ints(column)
+    if t is float:
+        return _python_floats(column)
+    if t is str or t is bytes:
+        return column
+    return _collate_other(column, path, first, keyed)
+
+
+def _collate_other(column, path: tuple, first, keyed: bool):
+    """:func:`_collate` past the exact types: subclasses, tensors, containers, the rest."""
+    if isinstance(first, np.ndarray):  # a subclass: np.memmap, ...
+        return _arrays(column)
+    if isinstance(first, (np.bool_, np.number)):
+        return _scalars(column)
+    if isinstance(first, float):
+        return _python_floats(column)
+    if isinstance(first, int):
+        return _python_ints(column)
+    if isinstance(first, (str, bytes)):
+        return column
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)  # never imports torch
+    if tensor is not None and isinstance(first, tensor):
+        return _tensors(column)
+    if isinstance(first, collections.abc.Mapping):
+        return _mapping(column, path)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):  # a namedtuple
+        # torch zips without a length check (namedtuples of one type have one length)
+        fields = zip(*column, strict=False)
+        return type(first)(*(_collate(s, (*path, i)) for i, s in enumerate(fields)))
+    if isinstance(first, collections.abc.Sequence):
+        return _sequence(column, path, keyed)
+    return _as_list(column)
+
+
+def _as_list(column) -> list:
+    return column if type(column) is list else list(column)
+
+
+def _promote(dtypes) -> np.dtype:
+    """The dtype torch gives a stack of these dtypes: floating (or complex) wins over
+    integer and bool whatever its width (numpy would widen an int64 + float32 mix to
+    float64, torch keeps float32); within a category as numpy promotes."""
+    dtypes = set(dtypes)
+    high = [d for d in dtypes if d.kind in "fc"]
+    if high and len(high) < len(dtypes):
+        return np.result_type(*high)
+    return np.result_type(*dtypes)
+
+
+def _arrays(column):
+    first = column[0]
+    try:
+        out = np.array(column)  # stacks on a new axis; refuses ragged shapes
+    except (ValueError, TypeError):
+        return _as_list(column)
+    if out.shape[1:] != first.shape:  # object arrays of arrays: numpy looked inside them
+        return _as_list(column)
+    if out.dtype != first.dtype and out.dtype.kind in _NUMERIC_KINDS:
+        dtypes = [np.asarray(a).dtype for a in column]
+        if all(d.kind in _NUMERIC_KINDS for d in dtypes):
+            want = _promote(dtypes)
+            if want != out.dtype:
+                out = out.astype(want)
+    return out
+
+
+def _scalars(column):
+    first = column[0]
+    dtype = first.dtype
+    if any(type(v) is not type(first) for v in column):
+        dtypes = []
+        for v in column:
+            d = v.dtype if isinstance(v, (np.bool_, np.number)) else _PY_DTYPES.get(type(v))
+            if d is None:
+                return _as_list(column)
+            dtypes.append(d)
+        dtype = _promote(dtypes)
+    try:
+        return np.array(column, dtype=dtype)
+    except (ValueError, TypeError, OverflowError):
+        return _as_list(column)
+
+
+def _python_ints(column):
+    """``torch.tensor`` of an int-first column: bool if all are bools, int64, or float32
+    (torch's default dtype) when floats are among them; anything else stays a list."""
+    try:
+        out = np.array(column)
+    except (ValueError, TypeError, OverflowError):
+        return _as_list(column)
+    kind = out.dtype.kind
+    if kind == "b" or out.dtype == _INT64:
+        return out
+    if kind == "f":
+        return out.astype(_FLOAT32)
+    if kind == "c":
+        return out.astype(np.complex64)
+    if kind == "i":  # a narrower int from NumPy scalars among Python ints
+        return out.astype(_INT64)
+    return _as_list(column)  # beyond int64, or not numbers at all
+
+
+def _python_floats(column):
+    """``torch.tensor(column, dtype=float64)``: floats, ints and bools as float64."""
+    try:
+        out = np.array(column)
+    except (ValueError, TypeError, OverflowError):
+        return _as_list(column)
+    if out.dtype.kind not in "biuf" or out.ndim != 1:
+        return _as_list(column)
+    return out.astype(_FLOAT64, copy=out.dtype != _FLOAT64)
+
+
+def _tensors(column):
+    torch = sys.modules["torch"]
+    try:
+        return torch.stack(list(column))
+    except (RuntimeError, TypeError):  # unequal shapes, devices, ...
+        return _as_list(column)
+
+
+def _where(path: tuple) -> str:
+    return "the samples" + "".join(f"[{p!r}]" for p in path)
+
+
+def _check_mappings(column, path: tuple) -> None:
+    for i, v in enumerate(column):
+        if type(v) is not dict and not isinstance(v, collections.abc.Mapping):
+            raise ZephonConfigError(
+                f"batch: cannot collate {_where(path)}: sample 0 has a "
+                f"{type(column[0]).__name__} there, sample {i} a {type(v).__name__}")
+
+
+def _mapping(column, path: tuple):
+    """As torch: a copy of the first mapping updated with the collated values (a plain
+    dict when its type cannot be copied or rebuilt)."""
+    _check_mappings(column, path)
+    first = column[0]
+    values = {key: _collate([d.get(key) for d in column], (*path, key), True) for key in first}
+    try:
+        if isinstance(first, collections.abc.MutableMapping):
+            clone = copy.copy(first)
+            clone.update(values)
+            return clone
+        return type(first)(values)
+    except TypeError:
+        return values
+
+
+def _sequence(column, path: tuple, keyed: bool):
+    """As torch: equal lengths, transposed, each position collated; a tuple gives a list,
+    a list (another mutable sequence) one of its type. Unequal lengths (or a value that
+    is not a sequence) raise, except in a dict column (``keyed``): there the values stay
+    a list, as variable-length fields (JSON arrays, Parquet lists) always did."""
+    first = column[0]
+    size = len(first)
+    for i, v in enumerate(column):
+        if keyed and (isinstance(v, (str, bytes)) or
+                      not isinstance(v, collections.abc.Sequence) or len(v) != size):
+            return _as_list(column)
+        if isinstance(v, (str, bytes)) or not isinstance(v, collections.abc.Sequence):
+            raise ZephonConfigError(
+                f"batch: cannot collate {_where(path)}: sample 0 has a "
+                f"{type(first).__name__} there, sample {i} a {type(v).__name__}")
+        if len(v) != size:
+            raise ZephonConfigError(
+                f"batch: cannot collate {_where(path)}: each sample must have a sequence of "
+                f"the same length there (sample 0 has {size} items, sample {i} has {len(v)}; "
+                "torch's default_collate refuses this too); make them arrays (ragged "
+                "arrays are kept as a list) or pass batch(collate_fn=...)")
+    columns = [_collate(s, (*path, j)) for j, s in enumerate(zip(*column, strict=True))]
+    if isinstance(first, tuple):
+        return columns
+    try:
+        if isinstance(first, collections.abc.MutableSequence):
+            clone = copy.copy(first)
+            for j, value in enumerate(columns):
+                clone[j] = value
+            return clone
+        return type(first)(columns)
+    except TypeError:
+        return columns

@@ -87,6 +87,7 @@ from zephon.pipeline.lanes import (
 )
 from zephon.pipeline.ops import (
     Batch,
+    BatchList,
     BatchOp,
     Boundary,
     MapOp,
@@ -283,6 +284,10 @@ class Plan:
         lines += [f"  {resume}", f"  {flush}",
                   f"  tail prefetch: {self.prefetch} item(s)"
                   + (f"; MTP subprocess, buffer {resolve_mtp_buffer(o)}" if o.mtp_mode else "")]
+        lines.append(f"  compute threads: {o.worker_compute_threads} per process worker (torch, "
+                     "BLAS/OpenMP; threads stages share the consumer's)" if
+                     o.worker_compute_threads else "  compute threads: process workers keep "
+                     "the libraries' defaults (worker_compute_threads=0)")
         serial_no = 0
         for kind, what in self.steps:
             if kind == "stage":
@@ -398,8 +403,10 @@ class Engine:
         p, o = plan.pipeline, plan.opts
         mode = str(o.execution_tracking)
         self.stats = None if mode == "off" else RunStats(mode, o.metrics_sink_config)
-        self.program = program = StageProgram(p.source, [s.ops for s in plan.stages], p.seed,
-                                              [s.collates for s in plan.stages])
+        self.program = program = StageProgram(
+            p.source, [s.ops for s in plan.stages], p.seed, [s.collates for s in plan.stages],
+            collate_fn=plan.fused_batch and plan.fused_batch.collate_fn,
+            worker_compute_threads=o.worker_compute_threads)
         self.executors = {}
         try:
             for stage in plan.stages:
@@ -532,7 +539,7 @@ class Engine:
                 return None
             produced[lane] += 1
             value = record.value
-            if isinstance(value, Batch):  # its raw meta: reading .meta would make the ids
+            if isinstance(value, (Batch, BatchList)):  # raw meta: .meta would make the ids
                 meta = value._meta
                 meta["lane"] = lane
                 meta["lane_index"] = stamp[1][total_at] - 1

@@ -26,11 +26,13 @@ boundary reproduces its stream exactly.
 Stateless ops (``map``, ``filter``, ``map_batch``) run inside a stage program,
 possibly in another process, on one unit at a time. Stateful ops run serially
 per lane in the engine: ``shuffle(buffer_size)`` (a seeded shuffle buffer),
-``batch(microbatch_size, drop_last)`` (collates dict samples into a
-:class:`Batch`; only the stream's last batch can be partial, and ``drop_last``
-drops it) and ``pack_tokens(seq_len, field, drop_remainder)`` (concatenates
-token arrays and cuts rows of ``seq_len`` tokens, carrying the remainder; the
-stream's final remainder is a last short row, dropped with
+``batch(microbatch_size, drop_last, collate_fn)`` (collates samples as
+torch's ``default_collate`` does, see :mod:`zephon.pipeline.collate`, or with
+``collate_fn``: dict samples into a :class:`Batch`, tuples and lists into a
+:class:`BatchList`; only the stream's last batch can be partial, and
+``drop_last`` drops it) and ``pack_tokens(seq_len, field, drop_remainder)``
+(concatenates token arrays and cuts rows of ``seq_len`` tokens, carrying the
+remainder; the stream's final remainder is a last short row, dropped with
 ``drop_remainder=True``).
 
 An accumulator state has ``push(records) -> emitted``, ``boundary(marker) ->
@@ -61,6 +63,7 @@ from zephon.pipeline.collate import collate, collate_column
 
 __all__ = [
     "Batch",
+    "BatchList",
     "BatchOp",
     "Boundary",
     "DeferredList",
@@ -202,12 +205,7 @@ class Batch(dict):
             >>> zephon.Batch({"x": np.zeros(2)}, meta={"lane": 1}).meta
             {'lane': 1}
         """
-        meta = self._meta
-        if isinstance(meta, dict):
-            for key, value in meta.items():
-                if isinstance(value, DeferredList):
-                    meta[key] = list(value)
-        return meta
+        return _plain_meta(self._meta)
 
     @meta.setter
     def meta(self, value: dict) -> None:
@@ -222,6 +220,62 @@ class Batch(dict):
 
 def _rebuild_batch(data, meta):
     return Batch(data, meta=meta)
+
+
+def _plain_meta(meta):
+    if isinstance(meta, dict):
+        for key, value in meta.items():
+            if isinstance(value, DeferredList):
+                meta[key] = list(value)
+    return meta
+
+
+class BatchList(list):
+    """A batch of tuple or list samples: the list of its collated positions, plus ``meta``.
+
+    What ``Pipeline.batch()`` produces for ``(image, label)`` samples, as torch's
+    ``default_collate`` gives a list: ``images, labels = batch`` works, and ``meta``
+    says where the batch came from, as :attr:`Batch.meta` does. It pickles with its
+    ``meta``.
+
+    Args:
+        items: the batch's positions (an iterable).
+        meta: the batch's metadata (None: empty).
+
+    Example:
+        >>> b = zephon.pipeline.ops.BatchList([np.zeros((2, 3)), np.arange(2)], meta={"lane": 0})
+        >>> x, y = b
+        >>> x.shape, b.meta["lane"]
+        ((2, 3), 0)
+    """
+
+    def __init__(self, items=(), meta: dict | None = None) -> None:
+        super().__init__(items)
+        self._meta = meta if meta is not None else {}
+
+    @property
+    def meta(self) -> dict:
+        """The batch's metadata, a dict, as :attr:`Batch.meta`.
+
+        Example:
+            >>> zephon.pipeline.ops.BatchList([1], meta={"lane": 1}).meta
+            {'lane': 1}
+        """
+        return _plain_meta(self._meta)
+
+    @meta.setter
+    def meta(self, value: dict) -> None:
+        self._meta = value
+
+    def __reduce__(self):
+        return (_rebuild_batch_list, (list(self), self._meta))
+
+    def __repr__(self) -> str:
+        return f"BatchList({list.__repr__(self)}, meta={self.meta!r})"
+
+
+def _rebuild_batch_list(items, meta):
+    return BatchList(items, meta=meta)
 
 
 def _stable_hash(text: str) -> int:
@@ -396,6 +450,8 @@ class MapBatchOp(MapOp):
         if isinstance(r.value, Batch) and isinstance(value, dict) and \
                 not isinstance(value, Batch):
             value = Batch(value, meta=r.value.meta)
+        elif isinstance(r.value, BatchList) and type(value) is list:
+            value = BatchList(value, meta=r.value.meta)
         return Record(value, r.ids, r.pos, r.lin)
 
 
@@ -472,33 +528,55 @@ class _ShuffleState:
         return out
 
 
-def make_batch(records: list) -> Record:
-    """One :class:`Batch` record of ``records`` (their values collated, their sample ids in
-    ``meta["sample_ids"]``); it ends where the last record ends."""
+def make_batch(records: list, collate_fn: Callable | None = None) -> Record:
+    """One batch record of ``records``: their values collated (by ``collate_fn``, else
+    :func:`~zephon.pipeline.collate.collate`), their sample ids in ``meta["sample_ids"]``;
+    it ends where the last record ends. A plain dict becomes a :class:`Batch`, a plain list
+    a :class:`BatchList`; any other value (a namedtuple, an array) is the batch as it is,
+    without ``meta``. A failure is an :class:`OpError` of the ``batch`` op naming the
+    batch's samples."""
     ids = [i for r in records for i in r.ids]
-    return Record(Batch(collate([r.value for r in records]), meta={"sample_ids": ids}), ids,
-                  records[-1].pos)
+    try:
+        value = (collate_fn or collate)([r.value for r in records])
+    except Exception as exc:
+        shown = ids if len(ids) <= 4 else f"[{ids[0]}, ..., {ids[-1]}] ({len(ids)} samples)"
+        name = "batch" if collate_fn is None else f"batch(collate_fn={fn_name(collate_fn)})"
+        raise OpError(f"op {name} failed on samples {shown}: {type(exc).__name__}: {exc}",
+                      op="batch", sample_id=ids) from exc
+    kind = type(value)
+    if kind is dict:
+        value = Batch(value, meta={"sample_ids": ids})
+    elif kind is list:
+        value = BatchList(value, meta={"sample_ids": ids})
+    elif isinstance(value, (Batch, BatchList)):
+        value._meta["sample_ids"] = ids
+    return Record(value, ids, records[-1].pos)
 
 
 class BatchOp(Op):
     kind = "batch"
     stateless = False
 
-    def __init__(self, microbatch_size: int, drop_last: bool = False) -> None:
+    def __init__(self, microbatch_size: int, drop_last: bool = False,
+                 collate_fn: Callable | None = None) -> None:
         self.size = _check_int("batch", "microbatch_size", microbatch_size, 1)
         if not isinstance(drop_last, bool):
             raise ZephonConfigError(f"batch: drop_last must be True or False, got {drop_last!r}")
-        self.drop_last = drop_last
+        if collate_fn is not None and not callable(collate_fn):
+            raise ZephonConfigError(f"batch: collate_fn must be callable or None, got "
+                                    f"{collate_fn!r}")
+        self.drop_last, self.collate_fn = drop_last, collate_fn
 
     def describe(self) -> str:
-        return f"batch({self.size}, drop_last={self.drop_last})"
+        fn = "" if self.collate_fn is None else f", collate_fn={fn_identity(self.collate_fn)}"
+        return f"batch({self.size}, drop_last={self.drop_last}{fn})"
 
     def start(self, seed: int, lane: int, boundary: Boundary) -> "_BatchState":
         return _BatchState(self.size, self.drop_last, self)
 
     def make(self, records: list) -> Record:
         """The batch record of ``records`` (what a full batch, or the last one, is)."""
-        return make_batch(records)
+        return make_batch(records, self.collate_fn)
 
 
 class _BatchState:

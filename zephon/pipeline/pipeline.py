@@ -208,19 +208,33 @@ class Pipeline:
         """
         return self._with(O.ShuffleOp(buffer_size))
 
-    def batch(self, microbatch_size: int, drop_last: bool = False) -> "Pipeline":
-        """Collate samples into :class:`~zephon.Batch` objects of ``microbatch_size``.
+    def batch(self, microbatch_size: int, drop_last: bool = False,
+              collate_fn=None) -> "Pipeline":
+        """Collate samples into batches of ``microbatch_size``, as torch's ``default_collate``.
 
-        Dict samples are collated per key: arrays and numbers whose shapes agree are
-        stacked, anything else becomes a list. A batch never mixes lanes. Every batch has
-        exactly ``microbatch_size`` samples, across flush boundaries and epochs, except a
-        lane's last batch of the run (its pass). Each batch's
-        ``meta`` holds ``sample_ids`` (``(source, index, epoch)`` per sample), ``lane`` and
-        ``lane_index``.
+        The rules are torch's with NumPy arrays in place of tensors
+        (:mod:`zephon.pipeline.collate`): dict samples give a :class:`~zephon.Batch` of
+        their keys, each stacked (arrays, numbers) or listed (strings); tuple or list
+        samples give a :class:`~zephon.pipeline.ops.BatchList`, the list of their
+        positions collated (``images, labels = batch``); a namedtuple, an array or a
+        number gives a namedtuple, an array. Where torch would raise on values that do
+        not stack (ragged arrays, None, lists of unequal length in a dict column) they
+        stay a list; tuple or list samples of unequal length raise an
+        :class:`~zephon.errors.OpError` of the batch op. A batch never mixes lanes.
+        Every batch has exactly ``microbatch_size`` samples, across flush boundaries and
+        epochs, except a lane's last batch of the run (its pass). The ``meta`` of a Batch
+        or BatchList holds ``sample_ids`` (``(source, index, epoch)`` per sample),
+        ``lane`` and ``lane_index``.
 
         Args:
             microbatch_size: samples per batch (an int >= 1).
             drop_last: drop a lane's partial last batch instead of emitting it.
+            collate_fn: ``collate_fn(values) -> batch`` in place of the default
+                collation, called with the list of the batch's sample values (as a
+                DataLoader's ``collate_fn``), in the worker that read the samples when
+                the batch is formed there; a plain dict it returns becomes a Batch, a
+                plain list a BatchList. Part of the pipeline's fingerprint; it must
+                pickle for the process runner (module level, as ops).
 
         Returns:
             A new pipeline with the op appended.
@@ -233,7 +247,7 @@ class Pipeline:
             >>> len(list(Pipeline(src, shuffle=False).batch(2, drop_last=True)))
             2
         """
-        return self._with(O.BatchOp(microbatch_size, drop_last))
+        return self._with(O.BatchOp(microbatch_size, drop_last, collate_fn))
 
     def pack_tokens(self, seq_len: int, field: str = "tokens",
                     drop_remainder: bool = False) -> "Pipeline":

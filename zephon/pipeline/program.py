@@ -6,8 +6,8 @@ unit))`` returns the unit's output records: stage 0 reads a
 :class:`~zephon.pipeline.lanes.ReadUnit` from the source first (each record
 carries its sample identity and its lane position). A stage that collates
 (a ``batch`` fused into the stage that reads and maps its samples) returns one
-:class:`~zephon.pipeline.ops.Batch` record per unit: the unit is exactly one
-micro-batch. A failure in a user op is an
+batch record per unit (collated by the batch's ``collate_fn``, if it has one):
+the unit is exactly one micro-batch. A failure in a user op is an
 :class:`~zephon.pipeline.ops.OpError` naming the op and the sample; a failure
 reading the source names the sample likewise.
 
@@ -16,6 +16,11 @@ Each sample goes through all of the stage's ops before the next is read
 that fails it, whatever the dispatch made the unit's parts. The error carries
 the records made before that sample (:data:`~zephon.transport.remote_errors.DONE_ATTR`;
 none for a unit that is one batch), which go on before it is raised.
+
+``worker_compute_threads`` is the :class:`~zephon.options.RuntimeOptions` field of
+that name, for the process worker that unpickles the program: it limits the
+worker's numerical thread pools (:mod:`zephon.transport.threads`) before the
+first task.
 """
 
 from __future__ import annotations
@@ -86,9 +91,12 @@ class StageProgram:
     collates (a fused ``batch``) one batch of the unit's records."""
 
     def __init__(self, source, stages: list[list], seed: int,
-                 collates: list[bool] | None = None) -> None:
+                 collates: list[bool] | None = None, collate_fn=None,
+                 worker_compute_threads: int = 0) -> None:
         self.source, self.stages, self.seed = source, stages, seed
         self.collates = collates or [False] * len(stages)
+        self.collate_fn = collate_fn  # of the fused batch (None: the default collation)
+        self.worker_compute_threads = worker_compute_threads
 
     def read(self, unit):
         """The unit's records, read one at a time as they are asked for (each goes
@@ -218,5 +226,5 @@ class StageProgram:
                 put_done(exc, [])
             raise
         if self.collates[stage] and records:
-            return [make_batch(records)]
+            return [make_batch(records, self.collate_fn)]
         return records

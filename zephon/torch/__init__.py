@@ -8,7 +8,10 @@
     loader.load_state_dict(ckpt["data"])        # continues after the last delivered batch
     ds = zt.dataset(pipe)                        # for DataLoader(ds, batch_size=None, num_workers=0)
 
-What it owns: turning zephon batches into tensors (:func:`to_torch`), the
+What it owns: turning zephon batches into tensors (:func:`to_torch`: through
+the batch's structure, dict, list, tuple or namedtuple; ``uint16`` and
+``uint32`` arrays, token ids, become ``int64`` as ``nn.Embedding`` and
+``cross_entropy`` need, unless ``keep_dtypes=True``), the
 loader wrapper (:class:`TorchLoader`: optional pinning on a background thread,
 ``state_dict()`` / ``load_state_dict()``) and the ``IterableDataset`` adapter
 (:func:`dataset`). torch is imported when one of these is used, never by
@@ -36,7 +39,8 @@ def _require_torch():
     return torch
 
 
-def loader(pipe, *, pin_memory: bool = False, prefetch: int = 2) -> "TorchLoader":
+def loader(pipe, *, pin_memory: bool = False, prefetch: int = 2,
+           keep_dtypes: bool = False) -> "TorchLoader":
     """Wrap ``pipe`` (a zephon Pipeline) so that it yields batches of torch tensors.
 
     Args:
@@ -46,14 +50,16 @@ def loader(pipe, *, pin_memory: bool = False, prefetch: int = 2) -> "TorchLoader
             batches are returned unpinned).
         prefetch: batches the pinning thread may prepare ahead (an int >= 1;
             ``pin_memory`` only).
+        keep_dtypes: keep ``uint16``/``uint32`` arrays in their dtype instead of
+            ``int64`` (see :func:`to_torch`).
 
     Returns:
         A :class:`TorchLoader`; iterate it, and checkpoint it with ``state_dict()``.
 
     Raises:
         ImportError: torch is missing (``pip install "zephon[torch]"``).
-        ZephonConfigError: ``pipe`` is not a Pipeline, or a bad ``pin_memory`` or
-            ``prefetch``.
+        ZephonConfigError: ``pipe`` is not a Pipeline, or a bad ``pin_memory``,
+            ``prefetch`` or ``keep_dtypes``.
 
     Example:
         >>> src = sources.from_callable(6, lambda i: {"x": np.full(3, i, dtype=np.float32)})
@@ -63,10 +69,11 @@ def loader(pipe, *, pin_memory: bool = False, prefetch: int = 2) -> "TorchLoader
     """
     from zephon.torch._loader import TorchLoader
 
-    return TorchLoader(pipe, pin_memory=pin_memory, prefetch=prefetch)
+    return TorchLoader(pipe, pin_memory=pin_memory, prefetch=prefetch,
+                       keep_dtypes=keep_dtypes)
 
 
-def dataset(pipe, *, pin_memory: bool = False):
+def dataset(pipe, *, pin_memory: bool = False, keep_dtypes: bool = False):
     """A ``torch.utils.data.IterableDataset`` over ``pipe`` for code that needs a Dataset.
 
     Use it with ``DataLoader(ds, batch_size=None, num_workers=0)``: zephon batches
@@ -78,6 +85,7 @@ def dataset(pipe, *, pin_memory: bool = False):
     Args:
         pipe: the pipeline, options included.
         pin_memory: as in :func:`loader`.
+        keep_dtypes: as in :func:`loader`.
 
     Returns:
         A ``PipelineDataset`` (an ``IterableDataset``).
@@ -95,23 +103,31 @@ def dataset(pipe, *, pin_memory: bool = False):
     """
     from zephon.torch._dataset import PipelineDataset
 
-    return PipelineDataset(pipe, pin_memory=pin_memory)
+    return PipelineDataset(pipe, pin_memory=pin_memory, keep_dtypes=keep_dtypes)
 
 
-def to_torch(batch):
-    """A zephon Batch with every numeric NumPy column as a tensor sharing its memory.
+def to_torch(batch, *, keep_dtypes: bool = False):
+    """A zephon batch with every numeric NumPy array in it as a tensor sharing its memory.
 
     ``torch.from_numpy`` makes the tensor, so a shared-memory region stays leased
-    while a tensor over it lives. Other columns (lists, strings, object arrays) are
-    left as they are; ``.meta`` is kept. An array torch cannot view (negative
-    strides, a non-native byte order) becomes a tensor of a copy.
+    while a tensor over it lives. The batch is converted through its structure
+    (dict values, list and tuple items, namedtuple fields, recursively); other values
+    (strings, object arrays) are left as they are; ``.meta`` is kept. An array torch
+    cannot view (negative strides, a non-native byte order) becomes a tensor of a
+    copy. ``uint16`` and ``uint32`` arrays (token ids) become ``int64`` tensors (a
+    copy), which ``nn.Embedding`` and ``cross_entropy`` take; ``uint8`` (images) and
+    the other dtypes stay as stored.
 
     Args:
-        batch: a :class:`~zephon.Batch` or dict of columns, or a single array.
+        batch: a :class:`~zephon.Batch` or dict of columns, a
+            :class:`~zephon.pipeline.ops.BatchList`, list, tuple or namedtuple, or a
+            single array.
+        keep_dtypes: keep every dtype as stored (``uint16`` stays ``uint16``).
 
     Returns:
-        A :class:`~zephon.Batch` (for a dict) or a tensor (for a numeric array), else
-        ``batch`` unchanged.
+        A :class:`~zephon.Batch` (for a dict), a BatchList, list, tuple or namedtuple
+        of the converted items, or a tensor (for a numeric array), else ``batch``
+        unchanged.
 
     Raises:
         ImportError: torch is missing (``pip install "zephon[torch]"``).
@@ -120,10 +136,12 @@ def to_torch(batch):
         >>> out = zephon.torch.to_torch({"x": np.arange(3), "name": ["a", "b", "c"]})
         >>> type(out["x"]).__name__, out["name"]
         ('Tensor', ['a', 'b', 'c'])
+        >>> zephon.torch.to_torch(np.arange(3, dtype=np.uint16)).dtype
+        torch.int64
     """
     from zephon.torch._convert import to_torch as convert
 
-    return convert(batch)
+    return convert(batch, keep_dtypes=keep_dtypes)
 
 
 def __getattr__(name):

@@ -27,6 +27,7 @@ class PipelineDataset(torch.utils.data.IterableDataset):
     Args:
         pipe: the zephon Pipeline, options included.
         pin_memory: pin numeric columns on a background thread.
+        keep_dtypes: as in :func:`zephon.torch.loader`.
 
     Example:
         >>> ds = zephon.torch.dataset(Pipeline(sources.from_sequence([1, 2]), shuffle=False))
@@ -34,9 +35,9 @@ class PipelineDataset(torch.utils.data.IterableDataset):
         [1, 2]
     """
 
-    def __init__(self, pipe, *, pin_memory: bool = False) -> None:
+    def __init__(self, pipe, *, pin_memory: bool = False, keep_dtypes: bool = False) -> None:
         super().__init__()
-        self.loader = TorchLoader(pipe, pin_memory=pin_memory)
+        self.loader = TorchLoader(pipe, pin_memory=pin_memory, keep_dtypes=keep_dtypes)
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()

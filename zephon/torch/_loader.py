@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from zephon.errors import CheckpointError, ZephonConfigError
 from zephon.pipeline.iterator import Handoff, HandoffClosed
 from zephon.torch import STATE_KEY, _require_torch
-from zephon.torch._convert import to_torch
+from zephon.torch._convert import map_leaves, to_torch
 
 if TYPE_CHECKING:
     from zephon.pipeline.iterator import PipelineIterator
@@ -62,19 +62,17 @@ def _pin_fn(torch):
                       RuntimeWarning, stacklevel=4)
         return lambda batch: batch
 
-    def pin(batch):
-        for key, value in batch.items():
-            if isinstance(value, torch.Tensor):
-                batch[key] = value.pin_memory()
-        return batch
+    def pin(batch):  # every tensor of the batch, through its structure (tuple batches too)
+        return map_leaves(batch, lambda v: v.pin_memory() if isinstance(v, torch.Tensor)
+                          else v)
 
     return pin
 
 
-def _prefetch(items, pin, out: Handoff) -> None:
+def _prefetch(items, pin, out: Handoff, keep_dtypes: bool = False) -> None:
     try:
         for batch in items:
-            if not out.put((pin(to_torch(batch)), items.delivered())):
+            if not out.put((pin(to_torch(batch, keep_dtypes=keep_dtypes)), items.delivered())):
                 return
         out.finish()
     except BaseException as exc:  # noqa: BLE001 - handed to the consumer
@@ -97,6 +95,8 @@ class TorchLoader:
         pin_memory: pin numeric columns on a background thread (see
             :func:`zephon.torch.loader`).
         prefetch: batches the pinning thread may prepare ahead (an int >= 1).
+        keep_dtypes: keep unsigned integer arrays in their dtype (see
+            :func:`zephon.torch.to_torch`).
 
     Raises:
         ImportError: torch is missing.
@@ -114,7 +114,8 @@ class TorchLoader:
         True
     """
 
-    def __init__(self, pipe, *, pin_memory: bool = False, prefetch: int = 2) -> None:
+    def __init__(self, pipe, *, pin_memory: bool = False, prefetch: int = 2,
+                 keep_dtypes: bool = False) -> None:
         from zephon.pipeline import Pipeline
 
         if not isinstance(pipe, Pipeline):
@@ -124,6 +125,9 @@ class TorchLoader:
             raise ZephonConfigError(f"pin_memory must be True or False, got {pin_memory!r}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ZephonConfigError(f"prefetch must be an int >= 1, got {prefetch!r}")
+        if not isinstance(keep_dtypes, bool):
+            raise ZephonConfigError(f"keep_dtypes must be True or False, got {keep_dtypes!r}")
+        self.keep_dtypes = keep_dtypes
         self._torch = _require_torch()
         self.pipe, self.pin_memory, self.prefetch = pipe, pin_memory, prefetch
         self._it: PipelineIterator | None = None
@@ -149,7 +153,7 @@ class TorchLoader:
             self._delivered = it.delivered()
             self._handoff = Handoff(self.prefetch)
             self._thread = thread = threading.Thread(
-                target=_prefetch, args=(it, self._pin, self._handoff),
+                target=_prefetch, args=(it, self._pin, self._handoff, self.keep_dtypes),
                 name="zephon-pin-memory", daemon=True)
             thread.start()
         return self
@@ -161,7 +165,7 @@ class TorchLoader:
         assert it is not None, "__iter__ starts a run"
         if self._thread is None or pinned is None:
             try:
-                return to_torch(next(it))
+                return to_torch(next(it), keep_dtypes=self.keep_dtypes)
             except StopIteration:
                 self._last_it, self._it = it, None
                 raise

@@ -3,7 +3,9 @@
 Entry point :func:`worker_entry` (module level: spawn imports it). The worker
 ignores SIGINT (Ctrl-C to the process group is the parent's to handle; the
 parent starts it with SIGINT blocked so that even its start-up cannot print a
-traceback), marks inherited descriptors close-on-exec, tunes malloc, then:
+traceback), marks inherited descriptors close-on-exec, tunes malloc, unpickles the handler
+and limits its compute threads to the handler's ``worker_compute_threads`` (a
+stage program's; none for other handlers: :mod:`zephon.transport.threads`), then:
 
 - a control thread receives TASK (queued), FREE (regions back to the arena)
   and STOP; if the parent dies (EOF, or the parent pid changes) it unlinks the
@@ -34,6 +36,7 @@ from zephon.transport.heap import WorkerHeap
 from zephon.transport.remote_errors import encode_exception, take_done
 from zephon.transport.stopping import STOPPING, TaskAbandoned
 from zephon.transport.supervisor import PARENT_POLL_S, MsgKind, ignore_sigint, parent_changed
+from zephon.transport.threads import ComputeThreads
 
 __all__ = ["worker_entry"]
 
@@ -135,6 +138,7 @@ class _Worker:
         try:
             try:
                 handler = pickle.loads(self.boot["handler"])
+                threads = ComputeThreads(getattr(handler, "worker_compute_threads", 0))
             except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
                 tb, blob = encode_exception(exc)
                 self.channel.send({"k": MsgKind.FAIL, "tb": tb}, [blob])
@@ -151,6 +155,7 @@ class _Worker:
                     if self.stopping:
                         return
                     task_id, header, frames, fds = self.tasks.popleft()
+                threads.before_task()
                 self._run_one(handler, task_id, header, frames, fds)
         except ChannelClosed:
             pass
