@@ -202,3 +202,46 @@ def test_other_epochs_seeds_and_lengths_give_unrelated_orders(other):
     assert int((a == b).sum()) < 20  # Poisson(1) agreements: P(>= 20) ~ 1e-19
     assert abs(corr(compiled.inverse_positions(n, K, np.arange(n)),
                     compiled.inverse_positions(n2, key2, np.arange(n)))) < Z / math.sqrt(n)
+
+
+# -- the epoch order ------------------------------------------------------------------------
+
+def test_epoch_slice_is_the_slice_of_the_epoch_order():
+    from zephon.pipeline.lanes import epoch_order, epoch_slice
+
+    for n, shuffle in ((1000, True), (1000, False), (65, True), (1, True), (0, True)):
+        full = epoch_order(n, 7, 2, shuffle)
+        assert np.array_equal(np.sort(full), np.arange(n))
+        for start, stop in ((0, n), (0, 10), (n // 3, n // 2), (n - 5, n + 40), (n, n + 3)):
+            part = epoch_slice(n, 7, 2, shuffle, max(0, start), stop)
+            assert part.dtype == np.int64
+            assert np.array_equal(part, full[max(0, start):stop])
+    assert not np.array_equal(epoch_order(1000, 7, 2, True), epoch_order(1000, 7, 3, True))
+    assert not np.array_equal(epoch_order(1000, 7, 2, True), epoch_order(1000, 8, 2, True))
+
+
+def _sample(i):
+    return {"x": i}
+
+
+def test_first_batch_of_a_huge_source_allocates_nothing_of_its_size():
+    # Before the index shuffle the first chunk built the whole epoch permutation: 8 TB here.
+    from zephon import Pipeline, RuntimeOptions, sources
+
+    n = 10**12
+    pipe = Pipeline(sources.from_callable(n, _sample), seed=3, chunk_size=64).batch(8) \
+        .options(RuntimeOptions(runner="inline", canonical_replicas=4))
+    tracemalloc.start()
+    try:
+        it = iter(pipe)
+        try:
+            batches = [next(it) for _ in range(12)]  # the first chunk of lanes 0-3, and more
+        finally:
+            it.close()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak
+    xs = np.concatenate([b["x"] for b in batches])
+    assert len(np.unique(xs)) == len(xs) and xs.min() >= 0 and xs.max() < n
+
