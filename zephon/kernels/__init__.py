@@ -11,6 +11,10 @@ specification the compiled version must match):
   :mod:`zephon.pipeline.dispatch` to restore sequence order inside a stage)
 - ``LaneRoundRobin``                    (:mod:`zephon.kernels.reorder_ref`; called by
   :mod:`zephon.pipeline.engine` for the ordered merge of a rank's lanes)
+- ``permute_range``, ``permute_positions``, ``inverse_positions``, ``order_key``
+                                        (:mod:`zephon.kernels.shuffle_ref`; the seeded
+  index bijection called by :func:`zephon.pipeline.lanes.epoch_slice` for an epoch's
+  visiting order and by the Parquet source for its row orders)
 - result types and helpers              (:mod:`zephon.kernels.types`)
 
 Leaves are rebuilt on the receiving side by the codec's decoder with one
@@ -59,14 +63,20 @@ __all__ = [
     "byte_extent",
     "compaction_plan",
     "compiled_module",
+    "inverse_positions",
+    "order_key",
     "pack_copy",
     "pack_plan",
+    "permute_positions",
+    "permute_range",
 ]
 
 _EXPORTS = {
     "pack_plan": "pack", "pack_copy": "pack",
     "compaction_plan": "compaction",
     "ReorderBuffer": "reorder", "LaneRoundRobin": "reorder",
+    "permute_range": "shuffle", "permute_positions": "shuffle",
+    "inverse_positions": "shuffle", "order_key": "shuffle",
 }
 _selection: tuple[dict, str] | None = None
 
@@ -84,7 +94,7 @@ def _select() -> tuple[dict, str]:
     global _selection
     if _selection is not None:
         return _selection
-    names = ("pack", "compaction", "reorder")
+    names = ("pack", "compaction", "reorder", "shuffle")
     if os.environ.get("ZEPHON_PURE_PYTHON") == "1":
         _selection = ({name: _reference(name) for name in names}, "reference")
         return _selection

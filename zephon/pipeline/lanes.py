@@ -1,7 +1,11 @@
 """The work source: epochs, chunks, canonical lanes and which rank owns which lane.
 
 Epoch ``e`` visits the source in a seeded permutation (``shuffle=True``, the
-default of ``Pipeline``) or in order. Its positions are cut into chunks of
+default of ``Pipeline``) or in order. The permutation is an index bijection
+(:func:`zephon.kernels.permute_range`, keyed by ``(seed, e)``) evaluated only at
+the positions a chunk reads: nothing of the source's size is ever allocated, so
+the first batch, an epoch boundary and a lane's start cost the same for 10^3 or
+10^10 samples. Its positions are cut into chunks of
 ``chunk_size``; chunk ``j`` goes to canonical lane ``j mod C``. A lane's input
 is therefore a pure function of (seed, epoch, lane, C, source length): that is
 what makes every lane replayable on its own, on any rank.
@@ -40,6 +44,7 @@ from typing import Iterator
 
 import numpy as np
 
+from zephon.kernels import order_key, permute_range
 from zephon.pipeline.ops import Boundary
 
 __all__ = [
@@ -163,24 +168,33 @@ def _unpack_group(epochs: list, starts: list, lengths: list,
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    if not shuffle:
-        return np.arange(n, dtype=np.int64)
-    return np.random.default_rng([seed, 0xE9, epoch]).permutation(n).astype(np.int64)
+    """The whole visiting order of epoch ``epoch`` (``n`` int64 source indices): for
+    tests and tools only; the pipeline reads it chunk by chunk with :func:`epoch_slice`
+    and never holds it."""
+    return epoch_slice(n, seed, epoch, shuffle, 0, n)
 
 
 def epoch_slice(n: int, seed: int, epoch: int, shuffle: bool, start: int,
                 stop: int) -> np.ndarray:
     """Positions ``[start, stop)`` of epoch ``epoch``'s visiting order of ``n`` samples,
-    as int64 source indices (``epoch_order(...)[start:stop]``)."""
+    as int64 source indices (``epoch_order(...)[start:stop]``).
+
+    With ``shuffle`` the order is the seeded bijection of
+    :func:`zephon.kernels.permute_range` keyed by ``(seed, epoch)``: only the requested
+    positions are computed, in O(stop - start) time and memory whatever ``n``."""
     stop = min(stop, n)
     if not shuffle:
         return np.arange(start, max(start, stop), dtype=np.int64)
-    return _cached_order(n, seed, epoch)[start:stop]
+    return permute_range(n, _epoch_key(seed, epoch), start, max(start, stop))
 
 
-@functools.lru_cache(maxsize=2)
-def _cached_order(n: int, seed: int, epoch: int) -> np.ndarray:
-    return epoch_order(n, seed, epoch, True)
+@functools.lru_cache(maxsize=64)
+def _epoch_key(seed: int, epoch: int) -> int:
+    return order_key(seed, _ORDER_TAG, epoch)
+
+
+#: tags the epoch order's key, so that it differs from other orders keyed by the seed
+_ORDER_TAG = 0xE9
 
 
 def lane_chunk_count(n: int, chunk_size: int, lanes: int, lane: int) -> int:

@@ -193,7 +193,7 @@ class TorchLoader:
         Example:
             >>> loader = zephon.torch.loader(Pipeline(sources.from_sequence([1, 2])))
             >>> next(iter(loader))
-            1
+            2
             >>> loader.close()
             >>> loader.close()
         """

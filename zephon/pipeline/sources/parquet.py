@@ -7,7 +7,11 @@ with pyarrow and keeps it in a per-process LRU of decoded row groups bounded by
 ``row_group_cache_bytes``, so a chunk of neighbouring rows costs one read.
 
 ``shuffle=True`` visits the row groups in a seeded order and the rows of each
-group in a seeded order: a shuffled stream at the cost of sequential reads.
+group in a seeded order: a shuffled stream at the cost of sequential reads. The
+group order is an array of one entry per row group; a group's row order is the
+index bijection of :func:`zephon.kernels.permute_range`, computed when the group
+is decoded (and per row by :meth:`ParquetSource.locate`) and never kept, so
+nothing of the source's row count is held.
 
 Failures name the file and the row group: a file whose footer cannot be read is
 a :class:`SourceError` when the source is built; a row group that cannot be
@@ -29,9 +33,14 @@ import numpy as np
 
 from zephon.io.config import DEFAULT_IO, IoConfig
 from zephon.io.remote import expand, is_remote, require
+from zephon.kernels import order_key, permute_range
 from zephon.pipeline.sources.base import FileSource, SourceError
 
 __all__ = ["ParquetSource"]
+
+#: tags the key of a row group's row order (the group order keeps its NumPy permutation:
+#: one entry per row group)
+_ROW_ORDER_TAG = 0x9B
 
 
 def _pyarrow():
@@ -107,8 +116,7 @@ def _column(col) -> tuple[str, Any]:
 
 
 class ParquetSource(FileSource):
-    _per_process = ("_files", "_decoded", "_cache_bytes", "_decode_locks", "_orders", "_last",
-                    "_starts")
+    _per_process = ("_files", "_decoded", "_cache_bytes", "_decode_locks", "_last", "_starts")
 
     def __init__(self, paths, columns: Sequence[str] | None, name: str, shuffle: bool,
                  seed: int, row_group_cache_bytes: int, io: IoConfig = DEFAULT_IO,
@@ -166,7 +174,6 @@ class ParquetSource(FileSource):
         self._files: dict[int, Any] = {}
         self._decoded: collections.OrderedDict = collections.OrderedDict()
         self._cache_bytes = 0
-        self._orders: dict[int, np.ndarray] = {}
         self._last: tuple | None = None  # (first row, end row, group, decoded) of the last get
         self._starts: list | None = None
         self._decode_locks: dict[int, threading.Lock] = collections.defaultdict(threading.Lock)
@@ -182,7 +189,7 @@ class ParquetSource(FileSource):
         g = int(self.group_order[pos])
         j = i - int(self.starts[pos])
         if self.shuffle:
-            j = int(self._row_order(g)[j])
+            j = int(permute_range(int(self.group_rows[g]), self._row_key(g), j, j + 1)[0])
         return int(self.group_file[g]), int(self.group_index[g]), j
 
     def _row_group(self, g: int) -> _Decoded:
@@ -325,12 +332,15 @@ class ParquetSource(FileSource):
 
     def _row_order(self, g: int) -> np.ndarray:
         """The seeded order of the rows of row group ``g`` (shuffle=True): position ``j`` of
-        the group holds its row ``order[j]`` (a decoded group is stored in this order)."""
-        order = self._orders.get(g)
-        if order is None:
-            order = self._orders[g] = np.random.default_rng([self.seed, 0x9B, g]).permutation(
-                int(self.group_rows[g]))
-        return order
+        the group holds its row ``order[j]`` (a decoded group is stored in this order).
+        Computed when the group is decoded and not kept: a bijection evaluated per
+        position (:func:`zephon.kernels.permute_range`), so that no process ever holds an
+        order per row of the source."""
+        return permute_range(int(self.group_rows[g]), self._row_key(g), 0,
+                             int(self.group_rows[g]))
+
+    def _row_key(self, g: int) -> int:
+        return order_key(self.seed, _ROW_ORDER_TAG, g)
 
     def permute_note(self) -> str | None:
         """Pipeline(shuffle=True) draws each batch's rows from all over the files."""
