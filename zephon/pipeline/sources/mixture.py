@@ -64,6 +64,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from zephon.errors import ZephonConfigError
+from zephon.kernels import order_key as _key
+from zephon.kernels import permute_positions
 from zephon.pipeline.sources.base import Source
 
 __all__ = ["EXHAUSTION_POLICIES", "TOKEN_PROBE", "MixtureSource"]
@@ -74,66 +76,12 @@ TOKEN_PROBE = 64
 #: products ``x * c_k`` stay exact in int64 below this epoch length
 _EXACT_L = 3_037_000_499
 
-_MASK = (1 << 64) - 1
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser, elementwise on uint64 (wrapping arithmetic)."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
-
-def _mix_int(x: int) -> int:
-    """:func:`_mix64` of one Python int."""
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
-
-
-def _key(*parts: int) -> int:
-    """A 64-bit key from non-negative ints (stable across processes)."""
-    h = 0x9E3779B97F4A7C15
-    for part in parts:
-        h = _mix_int(h ^ (int(part) & _MASK))
-    return h
-
-
-def permute(n, key, positions: np.ndarray) -> np.ndarray:
-    """A seeded bijection of ``[0, n)`` at ``positions`` (int64 in, int64 out): a
-    balanced Feistel network over the smallest even-bit power of two >= n, with cycle
-    walking back into ``[0, n)``. ``n`` and ``key`` are ints, or arrays of one per
-    position (each position then permuted in its own domain with its own key)."""
-    positions = np.asarray(positions, dtype=np.uint64)
-    size = np.broadcast_to(np.asarray(n, dtype=np.uint64), positions.shape)
-    keys = np.broadcast_to(np.asarray(key, dtype=np.uint64), positions.shape)
-    bits = np.maximum(2, _bit_length(np.maximum(size, np.uint64(1)) - np.uint64(1)) + 1)
-    half = (bits // 2).astype(np.uint64)
-    low = (np.uint64(1) << half) - np.uint64(1)
-    rounds = [_mix64(keys ^ np.uint64(_mix_int(0xA5A5 + r))) for r in range(4)]
-    out = positions.copy()
-    todo = size > np.uint64(1)
-    while todo.any():
-        x, h, m = out[todo], half[todo], low[todo]
-        left, right = x >> h, x & m
-        for k in rounds:
-            left, right = right, left ^ (_mix64(right ^ k[todo]) & m)
-        x = (left << h) | right
-        out[todo] = x
-        todo[todo] = x >= size[todo]
-    return out.astype(np.int64)
-
-
-def _bit_length(x: np.ndarray) -> np.ndarray:
-    """Bits needed for each uint64 (0 for 0)."""
-    bits = np.zeros(x.shape, dtype=np.int64)
-    x = x.copy()
-    for shift in (32, 16, 8, 4, 2, 1):
-        big = x >= (np.uint64(1) << np.uint64(shift))
-        bits[big] += shift
-        x[big] >>= np.uint64(shift)
-    return bits + (x > 0)
+def permute(n: int, key: int, positions: np.ndarray) -> np.ndarray:
+    """The seeded bijection of ``[0, n)`` (the index-shuffle kernel) at ``positions``."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if n <= 1:
+        return np.zeros(len(positions), dtype=np.int64)
+    return permute_positions(int(n), key, positions)
 
 
 class MixtureSource(Source):
@@ -262,16 +210,14 @@ class MixtureSource(Source):
             np.ones(len(place), dtype=bool)
         if shuffled.any():  # each (component, pass) in a seeded order of its own
             where = np.flatnonzero(shuffled)
-            keys = _pass_keys(self.config.seed, comp[where], passes[where])
-            index[where] = permute(sizes[where], keys, place[where])
+            pairs, inverse = np.unique(np.stack([comp[where], passes[where]], axis=1),
+                                       axis=0, return_inverse=True)
+            inverse = inverse.reshape(-1)
+            for g, (k, p) in enumerate(pairs.tolist()):
+                members = where[inverse == g]
+                index[members] = permute(int(self.sizes[k]),
+                                         _key(self.config.seed, 0x51, k, p), place[members])
         return index, passes, passes - first_pass
-
-
-def _pass_keys(seed: int, comp: np.ndarray, passes: np.ndarray) -> np.ndarray:
-    """The key of each (component, pass): ``_key(seed, 0x51, k, p)``, vectorised."""
-    h = np.uint64(_mix_int(_mix_int(0x9E3779B97F4A7C15 ^ (seed & _MASK)) ^ 0x51))
-    h = _mix64(h ^ comp.astype(np.uint64))
-    return _mix64(h ^ passes.astype(np.uint64))
 
 
 class _MixtureView:
