@@ -156,7 +156,7 @@ def test_replicas_that_disagree_are_reported(tmp_path):
     procs = []
     for rank, take in ((0, 2), (1, 3)):
         text = code.format(tests=TESTS, rank=rank, world=2, take=take, lanes=C, chain="replay",
-                           agg=str(tmp_path / "agg"), timeout=5.0,
+                           flush=FLUSH["replay"], agg=str(tmp_path / "agg"), timeout=5.0,
                            out=str(tmp_path / f"state-{rank}"))
         procs.append(subprocess.Popen([sys.executable, "-c", text], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))

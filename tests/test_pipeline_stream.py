@@ -234,16 +234,16 @@ def test_plan_is_resolved_once_per_definition(monkeypatch):
     pipe = Pipeline(sources.mixture({"a": a, "b": b}), shuffle=False).options(
         RuntimeOptions(mixture_config=MixtureReadConfig(mode="weighted_random", seed=4)))
     schedules = []
-    original = MixtureSource._schedule
-    monkeypatch.setattr(MixtureSource, "_schedule",
-                        lambda self: schedules.append(1) or original(self))
+    original = MixtureSource.configured
+    monkeypatch.setattr(MixtureSource, "configured",
+                        lambda self, opts: schedules.append(1) or original(self, opts))
     it = iter(pipe)
     head = [next(it) for _ in range(5)]
     state = pipe.checkpoint()
     pipe.close()
     pipe.explain()
     pipe.fingerprint()
-    assert len(schedules) == 1  # the configured mixture was scheduled once, not per call
+    assert len(schedules) == 1  # the mixture was configured once, not per call
     assert pipe.plan() is pipe.plan()
     assert pipe.batch(2).plan() is not pipe.plan()  # a new definition gets its own plan
     again = pipe.options(pipe.runtime)
