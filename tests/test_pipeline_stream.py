@@ -235,8 +235,14 @@ def test_plan_is_resolved_once_per_definition(monkeypatch):
         RuntimeOptions(mixture_config=MixtureReadConfig(mode="weighted_random", seed=4)))
     schedules = []
     original = MixtureSource.configured
-    monkeypatch.setattr(MixtureSource, "configured",
-                        lambda self, opts: schedules.append(1) or original(self, opts))
+
+    def configured(self, opts):  # counts the configurations that made a new source
+        out = original(self, opts)
+        if out is not self:
+            schedules.append(1)
+        return out
+
+    monkeypatch.setattr(MixtureSource, "configured", configured)
     it = iter(pipe)
     head = [next(it) for _ in range(5)]
     state = pipe.checkpoint()
