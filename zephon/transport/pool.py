@@ -115,8 +115,10 @@ from zephon.transport.supervisor import (
     crash_error,
     exit_text,
     stop_children,
+    sweep_groups,
 )
 from zephon.transport.tokens import MAX_OWNER, SLAB_INDICES, slab_index, token_slab
+from zephon.transport.tree import signal_group
 from zephon.transport.worker import worker_entry
 
 __all__ = ["TaskResult", "WorkerPool", "default_arena_bytes"]
@@ -170,8 +172,11 @@ def default_arena_bytes(opts, inflight_per_worker: int) -> int:
 
 def _watch(pool_ref, handles) -> None:
     """Notice a worker's death when it happens, even if nobody is in get(): log it with its
-    exit status and record it in ``pool.exited`` (get() still drains what the worker sent
-    before dying, then reports the crash with its in-flight tasks)."""
+    exit status, record it in ``pool.exited`` and wake ``get()``, which drains what the
+    worker sent before dying, then reports the crash with its in-flight tasks (even when
+    a process the worker's op forked still holds the channel open, so no EOF comes). The
+    wait is on the sentinels, and every ``WATCHDOG_POLL_S`` on the exit status itself: a
+    forked process holds the sentinel's pipe open as well."""
     from multiprocessing.connection import wait
 
     pending = {h.process.sentinel: h for h in handles}
@@ -180,14 +185,19 @@ def _watch(pool_ref, handles) -> None:
         pool = pool_ref()
         if pool is None or pool._closed:
             return
+        if not ready:  # a process the worker forked may hold its sentinel: ask the kernel
+            with pool._reap_lock:
+                ready = [s for s, h in pending.items() if h.process.exitcode is not None]
         for sentinel in ready:
             handle = pending.pop(sentinel)
             with pool._reap_lock:  # one reaper at a time, or the other sees ECHILD
                 code = handle.child.reap(REAP_JOIN_S)
             if pool._closed or handle.child.stopped:
                 return  # stopped by zephon itself: not a crash
+            handle.exited = True  # get() drains what it sent, then reports the crash
             pool.exited[handle.index] = code
             pool._worker_exited.set()
+            pool._wake()
             log.error("worker %d (pid %s) of pool %r exited by %s", handle.index, handle.pid,
                       pool.name, exit_text(code))
         del pool
@@ -200,14 +210,15 @@ class _WorkerHandle:
     """Slot ``index`` of a pool: its supervised child (``child.stopped``: zephon stopped
     it, its exit is not a crash) and the tasks it has in flight."""
 
-    __slots__ = ("alive", "channel", "child", "generation", "index", "inflight", "peer", "pid",
-                 "process")
+    __slots__ = ("alive", "channel", "child", "exited", "generation", "index", "inflight",
+                 "peer", "pid", "process")
 
     def __init__(self, index: int, child: Child, peer) -> None:
         self.index, self.child, self.peer = index, child, peer
         self.process, self.channel, self.pid = child.process, child.channel, child.pid
         self.inflight: dict[int, list] = {}  # task id -> pinned leases
         self.alive = True
+        self.exited = False  # the watchdog saw the process die (get() has not reported it)
         self.generation = 0
 
 
@@ -217,9 +228,11 @@ class WorkerPool:
     def __init__(self, handler, num_workers: int, *, options=None,
                  name: str = "pool", arena_max_bytes: int | None = None,
                  spawn_timeout_s: float = 60.0, arena_wait_timeout_s: float = 1.0,
-                 inflight_per_worker: int = 4, daemon: bool = True) -> None:
-        """``daemon=False`` lets workers start processes of their own (the MTP engine does);
-        they are still stopped by ``close()`` and at interpreter exit."""
+                 inflight_per_worker: int = 4, daemon: bool = False) -> None:
+        """Workers are not daemons by default, so an op may start processes of its own
+        (``multiprocessing.Pool`` included; the MTP engine starts worker pools): the pool
+        stops and reaps them itself, in ``close()`` and from a ``threading`` exit hook
+        before ``multiprocessing`` would join them (see "Exit")."""
         if not 1 <= num_workers <= MAX_OWNER:  # a worker's owner field in region tokens
             raise ZephonConfigError(f"num_workers must be in [1, {MAX_OWNER}] (a worker's "
                                     f"number is 7 bits of its region tokens), got {num_workers}",
@@ -313,7 +326,7 @@ class WorkerPool:
         child = Child.spawn(self.options.mp_context, worker_entry, (k, boot),
                             transport=self.transport,
                             buffer_bytes=self.options.ipc_buffer_bytes,
-                            name=f"zephon-{self.name}-{k}", daemon=self.daemon)
+                            name=f"zephon-{self.name}-{k}", daemon=self.daemon, group=True)
         self._worker_pids.add(child.pid)
         handle = _WorkerHandle(k, child, PeerState(can_map_fds=self.transport == "socketpair"))
         handle.generation = generation
@@ -382,23 +395,27 @@ class WorkerPool:
             return
         self._closed = True
         _live_pools.discard(self)
-        try:
-            os.write(self._wake_w, b"\0")  # a get() blocked in another thread returns now
-        except OSError:
-            pass
+        self._wake()  # a get() blocked in another thread returns now
         policy = ShutdownPolicy.for_shutdown_mode(self.options.shutdown_mode, exiting=exiting)
-        alive = {id(h.child) for h in self.workers if h.alive}
+        # STOP to the workers that can read it; under a policy that abandons, a worker
+        # with a task in flight is killed at once (its result is not wanted)
+        idle = {id(h.child) for h in self.workers
+                if h.alive and not (policy.abandon and h.inflight)}
         self._drained: set[int] = set()
-        stop_children([h.child for h in self.workers], policy,
-                      graceful=lambda child: id(child) in alive, drain=self._drain,
-                      lock=self._reap_lock)
+        deadline = stop_children([h.child for h in self.workers], policy,
+                                 graceful=lambda child: id(child) in idle, drain=self._drain,
+                                 lock=self._reap_lock)
+        # what the ops left in the workers' process groups goes with them
+        sweep_groups([h.pid for h in self.workers if h.child.group],
+                     time.monotonic() if policy.abandon else deadline, policy)
         for handle in self.workers:
             handle.alive = False
             handle.channel.close()
         try:
             self._selector.close()
         finally:
-            for fd in (self._wake_r, self._wake_w):
+            fds, self._wake_w = (self._wake_r, self._wake_w), -1  # _wake() writes no more
+            for fd in fds:
                 try:
                     os.close(fd)
                 except OSError:
@@ -407,6 +424,15 @@ class WorkerPool:
         if self.arena_kind == "named" and self._started:
             sweep_segments_of(os.getpid(), self._worker_pids)
             sweep_stale_segments()
+
+    def _wake(self) -> None:
+        """Wake a ``get()`` blocked in another thread (the wake-up pipe)."""
+        if self._wake_w < 0:
+            return
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:
+            pass  # already awake (the pipe is full), or the pool is closed
 
     def _drain(self, children: list[Child], deadline: float) -> None:
         """One wait of ``close()`` for the workers to exit, reading and dropping what they
@@ -516,6 +542,9 @@ class WorkerPool:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._flush_frees()
+            dead = next((h for h in self.workers if h.exited and h.alive), None)
+            if dead is not None:
+                return self._receive_from_dead(dead)
             if not any(h.alive for h in self.workers):
                 raise TransportError(f"pool {self.name!r} has no live worker")
             if not self.inflight:
@@ -552,6 +581,21 @@ class WorkerPool:
                 raise self._closed_error() from None
             raise self._worker_died(handle) from None
         return self._handle_message(handle, header, frames, fds)
+
+    def _receive_from_dead(self, handle: _WorkerHandle) -> TaskResult:
+        """One message a worker the watchdog saw die had sent, or its crash report.
+
+        Everything it sent is in the channel already, so the channel is read without
+        blocking: a whole message is returned (or its error raised); nothing left, or a
+        message cut short, is the crash. EOF is not waited for: a process the worker's op
+        forked may hold the worker's end open for ever."""
+        try:
+            os.set_blocking(handle.channel.fileno(), False)
+        except OSError:
+            pass  # closed already: recv says so
+        result = self._receive(handle)
+        assert result is not None  # a worker's channel, not the wake-up pipe
+        return result
 
     def _closed_error(self) -> TransportError:
         return TransportError(f"pool {self.name!r} was closed")
@@ -616,6 +660,8 @@ class WorkerPool:
         handle.channel.close()
         with self._reap_lock:
             code = handle.child.reap(REAP_JOIN_S)
+        if handle.child.group:  # what its ops left in its process group is orphaned
+            signal_group(handle.pid, signal.SIGKILL)
         tasks = sorted(handle.inflight)
         handle.inflight.clear()
         released = self.registry.drop_owner(handle.index + 1)

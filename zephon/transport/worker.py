@@ -3,11 +3,14 @@
 Entry point :func:`worker_entry` (module level: spawn imports it). The worker
 ignores SIGINT (Ctrl-C to the process group is the parent's to handle; the
 parent starts it with SIGINT blocked so that even its start-up cannot print a
-traceback), marks inherited descriptors close-on-exec, tunes malloc, then:
+traceback), leads a process group of its own (the processes its ops start are
+in it: the pool stops them with the worker), marks inherited descriptors
+close-on-exec, tunes malloc, then:
 
 - a control thread receives TASK (queued), FREE (regions back to the arena)
   and STOP; if the parent dies (EOF, or the parent pid changes) it unlinks the
-  segment names the worker owns and exits at once;
+  segment names the worker owns and kills its process group (itself and what its
+  ops started) at once;
 - the main thread runs tasks in order and sends each result or error. A send
   that fails before any byte left (an ``OSError`` of the socket) is reported to
   the parent as a :class:`~zephon.errors.TransportError` for that task, naming
@@ -23,6 +26,7 @@ import logging
 import os
 import pickle
 import selectors
+import signal
 import threading
 import traceback
 
@@ -34,6 +38,7 @@ from zephon.transport.heap import WorkerHeap
 from zephon.transport.remote_errors import encode_exception, take_done
 from zephon.transport.stopping import STOPPING, TaskAbandoned
 from zephon.transport.supervisor import PARENT_POLL_S, MsgKind, ignore_sigint, parent_changed
+from zephon.transport.tree import become_group_leader
 
 __all__ = ["worker_entry"]
 
@@ -101,6 +106,7 @@ def worker_entry(channel, index: int, boot: dict) -> None:
         boot: the pool's start-up settings (handler bytes, arena, policy).
     """
     ignore_sigint()
+    become_group_leader()  # the processes its ops start are stopped with it (pool.close)
     _close_on_exec_all()
     _tune_malloc()
     if boot.get("log_level") is not None and not logging.getLogger().handlers:
@@ -242,7 +248,10 @@ class _Worker:
                         self.task_ready.notify()
                     return
         except (ChannelClosed, OSError):
-            # The parent is gone: nothing will read our results. Leave no names behind.
+            # The parent is gone: nothing will read our results. Leave no names behind,
+            # and take the processes our ops started (our process group) with us.
             self.parent_gone = True
             self.arena.close()
+            if os.getpgid(0) == os.getpid():
+                os.killpg(0, signal.SIGKILL)
             os._exit(0)

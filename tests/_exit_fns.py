@@ -1,0 +1,57 @@
+"""Ops for the exit tests (module level: process workers import them).
+
+``stall`` passes every sample through except sample 2: there it records the pids of the
+process running it (and, in a process other than the test script's, of a ``sleep``
+child it starts, in that process's group) in ``$ZEPHON_TEST_DIR/stall.json`` (a file
+barrier the script waits on), sleeps ``$ZEPHON_STALL_S`` seconds (30 by default) and then
+writes ``stall.done``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+STALL_ID = 2
+
+
+def _dir() -> str:
+    return os.environ["ZEPHON_TEST_DIR"]
+
+
+def stall(s):
+    if s["id"] != STALL_ID:
+        return s
+    pids = [os.getpid()]
+    children = []
+    if os.getpid() != int(os.environ.get("ZEPHON_MAIN_PID", "0")):
+        children.append(subprocess.Popen(["sleep", "30"]))
+        pids.append(children[-1].pid)
+    tmp = os.path.join(_dir(), f"stall.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(pids, fh)
+    os.replace(tmp, os.path.join(_dir(), "stall.json"))
+    time.sleep(float(os.environ.get("ZEPHON_STALL_S", "30")))
+    for child in children:
+        child.kill()
+        child.wait()
+    open(os.path.join(_dir(), "stall.done"), "w").close()
+    return s
+
+
+def wait_for_stall(timeout: float = 120.0) -> list[int]:
+    """Block until ``stall`` is in its sleep; the pids it recorded."""
+    path = os.path.join(_dir(), "stall.json")
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the stalling op never started")
+        time.sleep(0.01)
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def stall_finished() -> bool:
+    return os.path.exists(os.path.join(_dir(), "stall.done"))
