@@ -55,3 +55,20 @@ def wait_for_stall(timeout: float = 120.0) -> list[int]:
 
 def stall_finished() -> bool:
     return os.path.exists(os.path.join(_dir(), "stall.done"))
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+def with_mp_pool(s):
+    """An op that runs a ``multiprocessing.Pool(2)`` of its own (the pool's pids go to
+    ``$ZEPHON_TEST_DIR/mp-<id>.json``)."""
+    import multiprocessing
+
+    with multiprocessing.Pool(2) as workers:
+        pids = [p.pid for p in workers._pool]
+        squares = workers.map(_square, range(s["id"] + 1))
+    with open(os.path.join(_dir(), f"mp-{s['id']}.json"), "w") as fh:
+        json.dump(pids, fh)
+    return {"id": s["id"], "squares": squares}

@@ -288,3 +288,18 @@ def test_the_graceful_mode_still_waits_for_the_op_in_flight(tmp_path, runner):
                                stall_s=2.0)
     assert report["finished"], (report, err)  # close() let the op finish
     assert report["left"] == [], report
+
+
+@pytest.mark.parametrize("runner", ["inline", "threads", "process"])
+def test_an_op_may_run_a_multiprocessing_pool_on_every_runner(runner, tmp_path, monkeypatch):
+    import _exit_fns as X
+    from zephon import Pipeline, RuntimeOptions, sources
+    import _pipeline_fns as F
+
+    monkeypatch.setenv("ZEPHON_TEST_DIR", str(tmp_path))  # before the workers start
+    pipe = (Pipeline(sources.from_callable(3, F.make_sample), shuffle=False)
+            .map(X.with_mp_pool).options(RuntimeOptions(runner=runner, max_workers=1)))
+    out = list(pipe)
+    assert [o["squares"] for o in out] == [[0], [0, 1], [0, 1, 4]]
+    pids = [p for i in range(3) for p in json.loads((tmp_path / f"mp-{i}.json").read_text())]
+    assert len(pids) == 6 and not [p for p in pids if alive(p)]
