@@ -31,9 +31,12 @@ as ``__cause__``, the task's id as its ``zephon_task_id`` attribute), a
 and the tasks it had in flight. A crashed worker's slabs are released (views
 the consumer still holds stay valid until dropped); the other workers go on.
 
-A watchdog thread waits on the worker processes' sentinels and logs a death
-with its exit status when it happens (``exited``, ``wait_for_exit()``), even
-while nobody is in ``get()``.
+A watchdog thread waits on the worker processes' sentinels (and every 0.5 s on
+their exit status: a process an op forked may hold a sentinel open) and logs a
+death with its exit status when it happens (``exited``, ``wait_for_exit()``),
+even while nobody is in ``get()``; it wakes ``get()``, which reads what the dead
+worker had sent without waiting for an EOF that such a process may hold back,
+then reports the crash.
 
 Back-pressure: a result's regions come from the worker's arena, all at once
 (see :mod:`zephon.transport.arena`). When the consumer holds the whole arena
@@ -53,22 +56,34 @@ group, and it is the parent's to handle (one ``KeyboardInterrupt`` in the main
 process; then its exit closes the pool). They are started with SIGINT blocked,
 so not even their start-up prints a traceback.
 
-``close()`` (idempotent; also from ``__del__`` and at interpreter exit):
-STOP to every worker at once; what they still send is read and dropped while
-they finish their current task (a pipeline stage's task stops at the next sample:
-:mod:`zephon.transport.stopping`), within a shared deadline (``shutdown_mode``
-graceful: 10 s, hard: 0.5 s, at most 2 s at interpreter exit), then terminate,
-then kill; every child is reaped, channels closed, and the segment names of
-this pool's workers swept. Workers stopped this way are never reported as
-crashes: ``get()`` (in any thread) raises ``TransportError("... was closed")``
-and the watchdog stays silent, so runners never re-dispatch their tasks.
+``close()`` (idempotent; also from ``__del__`` and at interpreter exit), by
+``shutdown_mode``:
 
-Exit: interpreter exit never waits on a worker. Live pools are closed from a
-``threading`` exit hook, which runs before non-daemon threads are joined and
-before every ``atexit`` callback, in particular before multiprocessing's own,
-which would join non-daemon workers (the MTP subprocess) forever, or terminate
-daemon ones under a ``get()`` in flight (read as crashes). A plain ``atexit``
-callback remains as a fallback.
+- ``"immediate"`` (the default): a worker with a task in flight is killed at once
+  with its process group and every descendant (its result is not wanted: the op
+  is abandoned, whatever it is doing); idle workers get STOP and 0.3 s to exit,
+  then are killed the same way. Back in well under a second.
+- ``"hard"``: STOP to every worker, 0.5 s, then terminate, then kill.
+- ``"graceful"``: STOP to every worker; what they still send is read and dropped
+  while they finish their current task (a pipeline stage's task stops at the next
+  sample: :mod:`zephon.transport.stopping`) for up to 10 s (2 s at interpreter
+  exit), then terminate, then kill.
+
+Each worker leads a process group of its own, so the processes its ops started
+go with it: after the workers, what is left in their groups is ended too. Every
+child is reaped, channels closed, the arenas' memfds closed, and the segment
+names of this pool's workers swept. Workers stopped this way are never
+reported as crashes: ``get()`` (in any thread) raises ``TransportError("...
+was closed")`` and the watchdog stays silent, so runners never re-dispatch
+their tasks. A worker that dies by itself has the rest of its process group
+killed when its crash is reported.
+
+Exit: interpreter exit never waits on a worker. Workers are not daemons (an op
+may start processes of its own, a ``multiprocessing.Pool`` included; daemons
+may not), so live pools are closed from a ``threading`` exit hook, which runs
+before non-daemon threads are joined and before every ``atexit`` callback, in
+particular before multiprocessing's own, which would join non-daemon workers
+forever. A plain ``atexit`` callback remains as a fallback.
 """
 
 from __future__ import annotations
@@ -379,14 +394,16 @@ class WorkerPool:
     def close(self, *, exiting: bool = False) -> None:
         """Stop every worker and release everything (idempotent).
 
-        STOP goes to every worker at once; while they finish their current task, whatever
-        they still send is read and dropped (a worker blocked sending a result can always
-        finish). Past a shared deadline (``shutdown_mode`` graceful: 10 s, hard: 0.5 s; at
-        interpreter exit at most 2 s) stragglers are terminated, then killed. Every child
-        is reaped, channels closed and the named segments of this run swept. Workers stopped
-        here are never reported as crashes and their tasks are never re-dispatched: from
-        the first line on, ``get()`` raises :class:`~zephon.errors.TransportError`
-        ("closed") and the watchdog stays silent.
+        Under ``shutdown_mode="immediate"`` (the default) a worker with a task in flight
+        is killed at once with its process tree and idle ones get STOP and 0.3 s; under
+        ``"hard"``/``"graceful"`` every worker gets STOP and whatever they still send is
+        read and dropped (a worker blocked sending a result can always finish) until a
+        shared deadline (0.5 s / 10 s; at interpreter exit at most 2 s), then stragglers
+        are terminated, then killed. The rest of the workers' process groups is ended,
+        every child reaped, channels closed and the named segments of this run swept.
+        Workers stopped here are never reported as crashes and their tasks are never
+        re-dispatched: from the first line on, ``get()`` raises
+        :class:`~zephon.errors.TransportError` ("closed") and the watchdog stays silent.
 
         Args:
             exiting: called at interpreter exit (shorter deadline).
