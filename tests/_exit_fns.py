@@ -72,3 +72,13 @@ def with_mp_pool(s):
     with open(os.path.join(_dir(), f"mp-{s['id']}.json"), "w") as fh:
         json.dump(pids, fh)
     return {"id": s["id"], "squares": squares}
+
+
+def lock_at_57(s):
+    """A map whose result for sample 57 holds a lock (it cannot be pickled)."""
+    import threading
+
+    out = {"id": s["id"], "x": s["x"] * 2}
+    if s["id"] == 57:
+        out["meta"] = {"lock": threading.Lock()}
+    return out

@@ -11,7 +11,10 @@ close-on-exec, tunes malloc, then:
   and STOP; if the parent dies (EOF, or the parent pid changes) it unlinks the
   segment names the worker owns and kills its process group (itself and what its
   ops started) at once;
-- the main thread runs tasks in order and sends each result or error. A send
+- the main thread runs tasks in order and sends each result or error. A result
+  the encoder refuses (it cannot be pickled) becomes the error the handler's
+  ``unencodable(result, error)`` makes of it, if it has that method (a pipeline
+  stage: the op, the sample, the path, and the records before it). A send
   that fails before any byte left (an ``OSError`` of the socket) is reported to
   the parent as a :class:`~zephon.errors.TransportError` for that task, naming
   the worker; the worker goes on.
@@ -30,7 +33,7 @@ import signal
 import threading
 import traceback
 
-from zephon.errors import TransportError
+from zephon.errors import SerializationError, TransportError
 from zephon.transport.arena import LeaseTable, ShmArena, SlabRegistry
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
@@ -115,6 +118,21 @@ def worker_entry(channel, index: int, boot: dict) -> None:
     _Worker(index, channel, boot).run()
 
 
+def _unencodable(handler, result, error: SerializationError) -> BaseException:
+    """The error to send for a ``result`` the encoder refused: what the handler's
+    ``unencodable(result, error)`` makes of it (a pipeline stage names the op, the sample
+    and the path, and attaches the records before it, which travel with the error), else
+    ``error`` itself."""
+    explain = getattr(handler, "unencodable", None)
+    if not callable(explain):
+        return error
+    try:
+        return explain(result, error) or error
+    except Exception:  # the original error must still go
+        log.exception("explaining an unencodable result failed")
+        return error
+
+
 class _Worker:
     def __init__(self, index: int, channel, boot: dict) -> None:
         self.index, self.channel, self.boot = index, channel, boot
@@ -173,12 +191,13 @@ class _Worker:
             self.channel.close()
 
     def _run_one(self, handler, task_id: int, header, frames, fds) -> None:
+        box: list = []
         try:
             payload = self.decoder.decode(header, frames, fds)
-            box = [handler(payload)]  # held by nothing else: see Encoder.encode_owned
+            box.append(handler(payload))  # held by nothing else: see Encoder.encode_owned
             del payload
             out, out_frames, out_fds, _ = self.encoder.encode_owned(box, self.peer)
-            del box
+            box.clear()
         except ChannelClosed:
             raise
         except TaskAbandoned:
@@ -186,6 +205,8 @@ class _Worker:
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
+            if box and isinstance(exc, SerializationError):  # the result cannot travel
+                exc = _unencodable(handler, box.pop(), exc)
             self._send_error(task_id, exc)
             return
         out["k"], out["id"] = MsgKind.RESULT, task_id
