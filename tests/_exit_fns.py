@@ -82,3 +82,27 @@ def lock_at_57(s):
     if s["id"] == 57:
         out["meta"] = {"lock": threading.Lock()}
     return out
+
+
+def lock_always(s):
+    import threading
+
+    return {"id": s["id"], "lock": threading.Lock()}
+
+
+def generator_out(s):
+    return (v for v in s["x"])
+
+
+_BUF = None
+
+
+def into_buffer(s):
+    """Writes every output into one buffer it keeps (``out=``)."""
+    global _BUF
+    import numpy as np
+
+    if _BUF is None:
+        _BUF = np.empty_like(s["x"])
+    np.multiply(s["x"], 2, out=_BUF)
+    return {"id": s["id"], "x": _BUF}
