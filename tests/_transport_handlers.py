@@ -303,11 +303,15 @@ class HeapOps:
             a = np.full(n // 8, v, dtype=np.int64)
             KEPT_ARRAYS[-1] = a
 
+            started = threading.Event()
+
             def read():
+                started.set()
                 while True:
                     assert int(a.sum()) == v * a.size
 
             threading.Thread(target=read, daemon=True).start()
+            started.wait()  # the reader runs before the result goes
             return os.getpid()
         if op == "keep_table":  # a lookup table the op keeps for good
             self.table = np.full(arg // 8, 1, dtype=np.int64)

@@ -257,8 +257,7 @@ def test_sigkill_of_a_busy_worker_names_worker_and_tasks(make_pool, transport):
     a = pool.submit(("sleep", 30), worker=0)
     b = pool.submit(("sleep", 30), worker=0)
     pool.submit(("sleep", 0.5), worker=1)
-    time.sleep(0.5)
-    os.kill(pids[0], signal.SIGKILL)
+    os.kill(pids[0], signal.SIGKILL)  # wherever worker 0 is, both its tasks are lost
     outcomes = []
     for _ in range(2):
         try:

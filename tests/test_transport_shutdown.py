@@ -50,7 +50,7 @@ def run_script(body: str, *, signal_after_ready: int | None = None):
         if first:
             pids = json.loads(first)
         if signal_after_ready is not None and first:
-            time.sleep(0.5)  # the main process is inside get() by now
+            wait_until_polling(proc.pid)  # the main process waits inside get()
             os.killpg(proc.pid, signal_after_ready)
         out, err = proc.communicate(timeout=HANG_S)
         return proc.returncode, out, err, pids
@@ -62,6 +62,22 @@ def run_script(body: str, *, signal_after_ready: int | None = None):
         for pid in pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def wait_until_polling(pid: int, timeout: float = HANG_S) -> None:
+    """Wait until the main thread of ``pid`` sleeps in the kernel's poll (what
+    ``selectors`` waits in): where it really is, not a sleep."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/wchan") as fh:
+                where = fh.read()
+        except OSError:
+            return  # no /proc: signal right away
+        if "poll" in where or "select" in where:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} never waited in poll")
 
 
 def gone_within(pids, seconds: float) -> list[int]:
