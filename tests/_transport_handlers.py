@@ -74,6 +74,23 @@ def handle(msg):
             except OSError:
                 pass
         return out
+    if op == "text":  # a large str: pickled into the skeleton, so it always travels in-band
+        return "x" * arg
+    if op == "fork_holder":  # a grandchild outside the worker's group keeps its channel open
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setsid()
+                time.sleep(arg)
+            finally:
+                os._exit(0)
+        return pid
+    if op == "mp_pool":  # an op that runs a multiprocessing pool of its own
+        import multiprocessing
+
+        with multiprocessing.Pool(2) as workers:
+            pids = [p.pid for p in workers._pool]
+            return {"squares": workers.map(_square, range(arg)), "pids": pids}
     if op == "kill_self":
         os.kill(os.getpid(), signal.SIGKILL)
     if op == "tensor":
@@ -114,6 +131,10 @@ def handle(msg):
         return {"w": torch.ones(arg, requires_grad=True), "x": torch.ones(arg),
                 "i": torch.arange(arg)}
     raise KeyError(op)
+
+
+def _square(x: int) -> int:
+    return x * x
 
 
 # -- pipeline functions (module level: spawn workers import them) ------------------------
@@ -282,11 +303,15 @@ class HeapOps:
             a = np.full(n // 8, v, dtype=np.int64)
             KEPT_ARRAYS[-1] = a
 
+            started = threading.Event()
+
             def read():
+                started.set()
                 while True:
                     assert int(a.sum()) == v * a.size
 
             threading.Thread(target=read, daemon=True).start()
+            started.wait()  # the reader runs before the result goes
             return os.getpid()
         if op == "keep_table":  # a lookup table the op keeps for good
             self.table = np.full(arg // 8, 1, dtype=np.int64)

@@ -116,8 +116,7 @@ def test_a_forked_childs_writes_stay_in_the_child(make_pool):
 
 def test_a_worker_exits_cleanly_while_its_thread_still_reads_a_heap_array(make_pool):
     pool = make_pool()
-    assert call(pool, "daemon_reader", (4 * MIB, 3)) > 0
-    time.sleep(0.2)  # the reader is running
+    assert call(pool, "daemon_reader", (4 * MIB, 3)) > 0  # its reader thread is running
     procs = [h.process for h in pool.workers]
     pool.close()
     assert [p.exitcode for p in procs] == [0]  # not -11: its slabs stay mapped to the end

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import time
 import warnings
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 import _transport_handlers as H
+from _procs import alive
 from zephon import RuntimeOptions, SerializationError, WorkerCrashedError
 from zephon.errors import RemoteTraceback, TransportError
 from zephon.transport.tokens import slab_owner
@@ -255,8 +257,7 @@ def test_sigkill_of_a_busy_worker_names_worker_and_tasks(make_pool, transport):
     a = pool.submit(("sleep", 30), worker=0)
     b = pool.submit(("sleep", 30), worker=0)
     pool.submit(("sleep", 0.5), worker=1)
-    time.sleep(0.5)
-    os.kill(pids[0], signal.SIGKILL)
+    os.kill(pids[0], signal.SIGKILL)  # wherever worker 0 is, both its tasks are lost
     outcomes = []
     for _ in range(2):
         try:
@@ -277,11 +278,12 @@ def test_sigkill_mid_message_releases_the_dead_workers_arena(make_pool):
     slab_ids = set(pool.registry._slabs)
     pool.submit(("pid", None))
     pid = pool.get(timeout=60).value
-    # A 64 MiB result with shared memory disabled for it: it must stream through the
-    # socket, so the worker is mid-message when it is killed.
-    pool.submit(("echo", np.ones(8 << 20)), worker=0)
+    # A 64 MiB str result: never shared memory (it is no array), so it streams through the
+    # 64 KiB socket and the worker cannot finish sending it while nobody reads. Its first
+    # bytes arriving is the barrier: from then on the worker is mid-message.
+    pool.submit(("text", 64 << 20), worker=0)
     pool.submit(("nested", 3))
-    time.sleep(1.0)
+    assert select.select([pool.workers[0].channel.fileno()], [], [], 60)[0]
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(WorkerCrashedError, match="worker 0"):
         while True:
@@ -423,3 +425,54 @@ def test_workers_reuse_large_buffers_without_page_faults(make_pool, monkeypatch)
     plain.submit(64)
     faults_tuned, faults_plain = tuned.get().value, plain.get().value
     assert faults_tuned <= 4 < faults_plain, (faults_tuned, faults_plain)
+
+
+def test_a_dead_worker_wakes_get_even_while_its_channel_stays_open(make_pool):
+    # The op forked a process (in a session of its own, so outside the worker's process
+    # group) that inherited the worker's channel: when the worker is killed no EOF comes.
+    # The watchdog's sight of the death must wake get() and report the crash.
+    pool = make_pool(workers=1)
+    pool.submit(("pid", None))
+    pid = pool.get(timeout=60).value
+    pool.submit(("fork_holder", 120))
+    holder = pool.get(timeout=60).value
+    try:
+        task = pool.submit(("sleep", 120))
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerCrashedError) as info:
+            pool.get(timeout=60)
+        assert info.value.worker == 0 and info.value.signal == signal.SIGKILL
+        assert info.value.tasks == [task]
+        assert alive(holder)  # the channel was still open: no EOF told get()
+        assert pool.live_workers() == []
+    finally:
+        os.kill(holder, signal.SIGKILL)
+
+
+def test_results_sent_before_a_death_still_arrive_when_no_eof_comes(make_pool):
+    pool = make_pool(workers=1)
+    pool.submit(("pid", None))
+    pid = pool.get(timeout=60).value
+    pool.submit(("fork_holder", 120))
+    holder = pool.get(timeout=60).value
+    try:
+        pool.submit(("echo", "sent before the death"))
+        # the result is in the channel (readable) before the worker dies
+        assert select.select([pool.workers[0].channel.fileno()], [], [], 60)[0]
+        os.kill(pid, signal.SIGKILL)
+        pool.wait_for_exit(timeout=60)
+        assert pool.get(timeout=60).value == "sent before the death"
+        with pytest.raises(WorkerCrashedError) as info:  # then the death, with no task lost
+            pool.get(timeout=60)
+        assert info.value.tasks == [] and info.value.signal == signal.SIGKILL
+    finally:
+        os.kill(holder, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_op_may_run_a_multiprocessing_pool(make_pool, transport):
+    pool = make_pool(workers=1, transport=transport)
+    pool.submit(("mp_pool", 5))
+    got = pool.get(timeout=120).value
+    assert got["squares"] == [0, 1, 4, 9, 16]
+    assert len(got["pids"]) == 2 and not [p for p in got["pids"] if alive(p)]

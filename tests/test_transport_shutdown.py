@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -49,7 +50,7 @@ def run_script(body: str, *, signal_after_ready: int | None = None):
         if first:
             pids = json.loads(first)
         if signal_after_ready is not None and first:
-            time.sleep(0.5)  # the main process is inside get() by now
+            wait_until_polling(proc.pid)  # the main process waits inside get()
             os.killpg(proc.pid, signal_after_ready)
         out, err = proc.communicate(timeout=HANG_S)
         return proc.returncode, out, err, pids
@@ -61,6 +62,22 @@ def run_script(body: str, *, signal_after_ready: int | None = None):
         for pid in pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def wait_until_polling(pid: int, timeout: float = HANG_S) -> None:
+    """Wait until the main thread of ``pid`` sleeps in the kernel's poll (what
+    ``selectors`` waits in): where it really is, not a sleep."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/wchan") as fh:
+                where = fh.read()
+        except OSError:
+            return  # no /proc: signal right away
+        if "poll" in where or "select" in where:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} never waited in poll")
 
 
 def gone_within(pids, seconds: float) -> list[int]:
@@ -155,11 +172,26 @@ def pool():
         p.close()
 
 
-@pytest.mark.parametrize("mode", ["hard", "graceful"])
+def wait_until_blocked_in(thread: threading.Thread, function: str,
+                          timeout: float = HANG_S) -> None:
+    """Wait until ``thread`` is inside ``function`` (its Python stack says so): a barrier
+    on where the thread really is, not a sleep."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(thread.ident)
+        while frame is not None:
+            if frame.f_code.co_name == function:
+                return
+            frame = frame.f_back
+        time.sleep(0.005)
+    raise AssertionError(f"{thread.name} never reached {function}()")
+
+
+@pytest.mark.parametrize("mode", ["immediate", "hard", "graceful"])
 def test_close_under_a_blocked_get_is_not_a_crash(pool, caplog, mode):
     p = pool(H.handle, 2, options=RuntimeOptions(shutdown_mode=mode))
     for k in range(2):
-        p.submit(("sleep", 30 if mode == "hard" else 2.0), worker=k)
+        p.submit(("sleep", 2.0 if mode == "graceful" else 30), worker=k)
     outcome = []
 
     def consumer():
@@ -172,11 +204,11 @@ def test_close_under_a_blocked_get_is_not_a_crash(pool, caplog, mode):
     thread = threading.Thread(target=consumer)
     with caplog.at_level(logging.DEBUG, logger="zephon"):
         thread.start()
-        time.sleep(0.5)
+        wait_until_blocked_in(thread, "select")  # the consumer waits inside get()
         p.close()
         thread.join(HANG_S)
-        time.sleep(1.0)  # the watchdog wakes every 0.5 s: give it the chance to speak
-    assert not thread.is_alive()
+        p._watchdog.join(HANG_S)  # whatever the watchdog would say, it has said
+    assert not thread.is_alive() and not p._watchdog.is_alive()
     assert len(outcome) == 1 and type(outcome[0]) is TransportError, outcome
     assert "closed" in str(outcome[0])
     errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -186,12 +218,14 @@ def test_close_under_a_blocked_get_is_not_a_crash(pool, caplog, mode):
 
 def test_close_drains_a_worker_blocked_sending_its_result(pool, caplog):
     # A result larger than the socket buffers, with shared memory off: the worker is
-    # blocked in send when STOP arrives; close() reads it away and the worker exits by
-    # itself (exit code 0), without terminate.
-    p = pool(H.handle, 1, options=RuntimeOptions(shm_enabled=False,
+    # blocked in send when STOP arrives; the graceful close() reads it away and the worker
+    # exits by itself (exit code 0), without terminate.
+    p = pool(H.handle, 1, options=RuntimeOptions(shm_enabled=False, shutdown_mode="graceful",
                                                  ipc_buffer_bytes=64 << 10))
     p.submit(("ones", 32 << 20))
-    time.sleep(1.0)
+    # the first bytes of the 32 MiB result are here: the worker is blocked sending the rest
+    readable, _, _ = select.select([p.workers[0].channel.fileno()], [], [], HANG_S)
+    assert readable
     proc = p.workers[0].process
     with caplog.at_level(logging.WARNING, logger="zephon"):
         p.close()

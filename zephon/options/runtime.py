@@ -191,9 +191,14 @@ class RuntimeOptions(OptionsBase):
             "error. At most 65536: a restore replays up to K lane chunks.",
     )
     shutdown_mode: str = option(
-        "graceful", check=Str(choices=("graceful", "hard")),
-        doc="graceful: generous join timeouts; hard: short ones. Every child is reaped "
-            "either way.",
+        "immediate", check=Str(choices=("immediate", "hard", "graceful")),
+        doc="What closing a run (break, an exception, close(), Ctrl-C, exit) does to a "
+            "process worker busy in an op. immediate: the op is abandoned, its worker "
+            "killed at once with its process group and descendants (idle workers get "
+            "0.3 s to exit); hard: every worker gets 0.5 s, then SIGTERM; graceful: the op "
+            "in flight may finish, up to 10 s (2 s at interpreter exit), then SIGTERM. "
+            "Every child is reaped either way. A thread-runner op cannot be stopped: "
+            "close() never waits for it.",
     )
     auto_validation: str = option(
         "strict", check=Str(choices=("strict", "warn", "off")),

@@ -15,7 +15,9 @@ Each sample goes through all of the stage's ops before the next is read
 (:meth:`StageProgram.run_ops`): the first failing sample of a unit is the one
 that fails it, whatever the dispatch made the unit's parts. The error carries
 the records made before that sample (:data:`~zephon.transport.remote_errors.DONE_ATTR`;
-none for a unit that is one batch), which go on before it is raised.
+none for a unit that is one batch), which go on before it is raised. A result a
+process worker cannot send (a record whose value does not pickle) fails the same
+way, at its first such record (:meth:`StageProgram.unencodable`).
 
 ``worker_compute_threads`` is the :class:`~zephon.options.RuntimeOptions` field of
 that name, for the process worker that unpickles the program: it limits the
@@ -32,8 +34,9 @@ import numpy as np
 
 from zephon.pipeline.columnar import BatchRun, sample_ids
 from zephon.pipeline.lanes import BatchGroup, ReadParts
-from zephon.pipeline.ops import Batch, OpError, Record, make_batch
+from zephon.pipeline.ops import Batch, FilterOp, OpError, Record, make_batch
 from zephon.pipeline.sources.base import Source
+from zephon.transport.codec import find_unpicklable
 from zephon.transport.remote_errors import put_done
 from zephon.transport.stopping import check as check_stop
 
@@ -97,6 +100,36 @@ class StageProgram:
         self.collates = collates or [False] * len(stages)
         self.collate_fn = collate_fn  # of the fused batch (None: the default collation)
         self.worker_compute_threads = worker_compute_threads
+        self._stage = 0  # the stage of the unit run last (unencodable names its op)
+
+    def unencodable(self, result, error: BaseException) -> OpError | None:
+        """The error for a unit's ``result`` that a process worker cannot send (its
+        encoder raised ``error``): an :class:`~zephon.pipeline.ops.OpError` naming the op
+        that made the first record that cannot be pickled (the stage's last map, or the
+        read), the record's sample, and the offending object's type and path inside the
+        value; the records before it ride on it, so they are delivered first. None when
+        ``result`` is not a list of records (the error stays as it is). The inline and
+        threads runners never pickle results: there the same op just works."""
+        if not isinstance(result, list):
+            return None
+        for i, record in enumerate(result):
+            if not isinstance(record, Record):
+                return None
+            found = find_unpicklable(record.value, "value")
+            if found is None:
+                continue
+            makers = [op for op in self.stages[self._stage] if not isinstance(op, FilterOp)]
+            op = makers[-1].name if makers else "read"
+            sample = record.ids[0] if len(record.ids) == 1 else list(record.ids)
+            failure = OpError(
+                f"op {op} made a value for sample {sample} that cannot be sent from a process "
+                f"worker: {found[0]} cannot be pickled ({found[1]}); return plain data "
+                "(arrays, numbers, strings, containers of them), or run the stage on "
+                "runner='threads' or 'inline', which never pickle", op=op, sample_id=sample)
+            failure.__cause__ = error
+            put_done(failure, result[:i])
+            return failure
+        return None
 
     def read(self, unit):
         """The unit's records, read one at a time as they are asked for (each goes
@@ -202,6 +235,7 @@ class StageProgram:
 
     def __call__(self, payload: tuple[int, Any]) -> list:
         stage, unit = payload
+        self._stage = stage
         if isinstance(unit, BatchGroup):  # several micro-batches, each collated on its own
             fast = self.read_group(unit) if stage == 0 else None
             if fast is not None:

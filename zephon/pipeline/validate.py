@@ -6,10 +6,19 @@ Checks, each with an error code, run on the first sample of the source:
         process runner (or in MTP mode);
 - Z002  a map/filter op is not deterministic: the same input twice gives
         different outputs (use ``ctx.rng``, seeded from the sample identity);
-- Z003  a map/filter op mutates its input in place.
+- Z003  a map/filter op mutates its input in place;
+- Z004  a map/filter op's output cannot be pickled (a lock, a generator, an open
+        file) while a stage runs on the process runner (or in MTP mode); checked
+        before Z002, which is not judged for such an output on any runner (its
+        objects compare by identity; inline and threads never pickle, so there
+        the op just works);
+- Z005  a map's outputs for two calls share memory (it writes into a buffer it
+        keeps, ``np.multiply(x, 2, out=BUF)``): legal, each output is copied at
+        return. Advisory: always a warning, never raised, even under ``strict``.
 
-``strict`` raises :class:`~zephon.errors.ValidationError` listing every issue;
-``warn`` reports them with ``warnings.warn``; ``off`` skips all of this.
+``strict`` raises :class:`~zephon.errors.ValidationError` listing every issue
+but the advisory ones (those are warned about, alone, when nothing else is
+wrong); ``warn`` reports them all with ``warnings.warn``; ``off`` skips all of this.
 """
 
 from __future__ import annotations
@@ -24,8 +33,13 @@ import numpy as np
 
 from zephon.errors import ValidationError, ValidationIssue
 from zephon.pipeline.ops import FilterOp, MapOp, OpContext
+from zephon.transport.codec import find_unpicklable
 
-__all__ = ["validate"]
+__all__ = ["ADVISORY", "validate"]
+
+#: Codes that are only ever warned about, even under ``strict``: the run is correct,
+#: only slower.
+ADVISORY = frozenset({"Z005"})
 
 
 def _same(a, b) -> bool:
@@ -81,7 +95,7 @@ def find_issues(plan, checks: str = "all") -> list[ValidationIssue]:
         issues.extend(_pickle_issues(pipeline))
     if len(pipeline.source) == 0 or checks == "pickle":
         return issues
-    issues.extend(_behaviour_issues(pipeline))
+    issues.extend(_behaviour_issues(pipeline, needs_pickle))
     return issues
 
 
@@ -106,9 +120,10 @@ def _pickle_issues(pipeline) -> list[ValidationIssue]:
     return issues
 
 
-def _behaviour_issues(pipeline) -> list[ValidationIssue]:
-    """Z002 (not deterministic) and Z003 (mutates its input) for the leading per-sample
-    ops, probed on the first sample."""
+def _behaviour_issues(pipeline, needs_pickle: bool = False) -> list[ValidationIssue]:
+    """Z004 (output cannot be pickled, process runners), Z002 (not deterministic), Z005
+    (outputs share a buffer) and Z003 (mutates its input) for the leading per-sample ops,
+    probed on the first sample."""
     issues: list[ValidationIssue] = []
     try:
         sample = pipeline.source.get(0)
@@ -128,10 +143,15 @@ def _behaviour_issues(pipeline) -> list[ValidationIssue]:
             second = op.fn(*args(probe))
         except Exception:  # noqa: BLE001 - op errors surface at run time, with the sample id
             break
-        if not _same(first, second):
-            issues.append(ValidationIssue(
-                "Z002", op.name, "not deterministic: the same sample gave two different "
-                "outputs; draw randomness from ctx.rng (seeded by the sample identity)"))
+        unpicklable = find_unpicklable(first, "output")
+        if unpicklable is not None:
+            if needs_pickle:
+                issues.append(ValidationIssue(
+                    "Z004", op.name, f"its output cannot be pickled for process workers: "
+                    f"{unpicklable[0]} ({unpicklable[1]}); return plain data (arrays, "
+                    "numbers, strings, containers of them), or use runner='threads'"))
+            break  # objects that do not pickle compare by identity: nothing more to judge
+        issues.extend(_output_issues(op, first, second))
         if not _same(probe, before):
             issues.append(ValidationIssue(
                 "Z003", op.name, "mutates its input in place; return a new value instead"))
@@ -143,13 +163,48 @@ def _behaviour_issues(pipeline) -> list[ValidationIssue]:
     return issues
 
 
+def _arrays(value, depth: int = 0, limit: int = 64) -> list[np.ndarray]:
+    """The NumPy arrays in ``value`` (dicts, lists, tuples; at most ``limit``)."""
+    if isinstance(value, np.ndarray):
+        return [value] if value.size else []
+    if depth > 8:
+        return []
+    items = value.values() if isinstance(value, dict) else \
+        value if isinstance(value, (list, tuple)) else ()
+    out: list[np.ndarray] = []
+    for item in items:
+        out.extend(_arrays(item, depth + 1, limit - len(out)))
+        if len(out) >= limit:
+            break
+    return out
+
+
+def _output_issues(op, first, second) -> list[ValidationIssue]:
+    """Z002 and Z005 from two outputs of ``op`` for the same sample (each call got its
+    own copy of the sample, so memory the outputs share is the op's own)."""
+    issues = []
+    if not _same(first, second):
+        issues.append(ValidationIssue(
+            "Z002", op.name, "not deterministic: the same sample gave two different "
+            "outputs; draw randomness from ctx.rng (seeded by the sample identity)"))
+    if any(np.may_share_memory(a, b) for a in _arrays(first) for b in _arrays(second)):
+        issues.append(ValidationIssue(
+            "Z005", op.name, "returns arrays that share memory between outputs (a buffer "
+            "it keeps and writes again, e.g. np.multiply(x, 2, out=BUF)): legal, but each "
+            "such output is copied when the op returns, once per sample; return a fresh "
+            "array instead (advisory: a warning, never raised)"))
+    return issues
+
+
 def validate(plan, checks: str = "all") -> None:
     mode = plan.opts.auto_validation
     if mode == "off":
         return
     issues = find_issues(plan, checks)
-    if not issues:
-        return
+    errors = [i for i in issues if i.code not in ADVISORY]
+    if mode == "strict" and errors:
+        raise ValidationError(errors)
     if mode == "strict":
-        raise ValidationError(issues)
-    warnings.warn(str(ValidationError(issues)), RuntimeWarning, stacklevel=4)
+        issues = [i for i in issues if i.code in ADVISORY]
+    if issues:
+        warnings.warn(str(ValidationError(issues)), RuntimeWarning, stacklevel=4)

@@ -10,7 +10,10 @@ engine raises the error where the unit sits in the stream, as the inline runner
 does, not when it happens to finish first.
 
 - :class:`InlineExecutor`: runs the unit on ``submit``, in the calling thread.
-- :class:`ThreadExecutor`: a thread pool of the stage's worker cap.
+- :class:`ThreadExecutor`: daemon threads, as many as the stage's worker cap.
+  ``close()`` never waits for an op: a thread cannot be stopped, so one busy in
+  an op finishes it in the background (its result dropped) and then ends, and
+  at interpreter exit it is abandoned.
 - :class:`ProcessExecutor`: a :class:`~zephon.transport.WorkerPool` (spawn
   workers, shared-memory results). When a worker dies by a signal every unit it
   had in flight is re-dispatched to a restarted worker; only the unit it was
@@ -27,10 +30,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import logging
+import queue
+import threading
 import warnings
 from typing import Any, Callable
 
-from zephon.errors import WorkerCrashedError
+from zephon.errors import TransportError, WorkerCrashedError
 from zephon.transport import WorkerPool
 from zephon.transport.remote_errors import take_done
 
@@ -83,21 +88,86 @@ class InlineExecutor:
         self._done.clear()
 
 
+class _DaemonThreads:
+    """A fixed set of daemon threads running submitted calls into futures.
+
+    Not ``concurrent.futures.ThreadPoolExecutor``: its threads are joined at interpreter
+    exit (and by ``shutdown(wait=True)``), so an op stuck for minutes would hold the exit
+    for as long. These are daemons and nothing joins them: ``close()`` cancels what has
+    not started and returns; a thread in an op finishes that op in the background (its
+    result is dropped), then ends; at interpreter exit it is abandoned."""
+
+    def __init__(self, workers: int, prefix: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers, self._prefix = workers, prefix
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def submit(self, fn: Callable, arg) -> cf.Future:
+        future: cf.Future = cf.Future()
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("submit after close")
+            if len(self._threads) < self._workers:
+                thread = threading.Thread(target=self._run, daemon=True,
+                                          name=f"{self._prefix}_{len(self._threads)}")
+                self._threads.append(thread)
+                thread.start()
+        self._queue.put((future, fn, arg))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None or self.closed:
+                return
+            future, fn, arg = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(arg))
+            except BaseException as exc:  # noqa: BLE001 - the future carries it
+                future.set_exception(exc)
+            del job, future, arg  # hold nothing of the unit between units
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+        while True:  # what has not started never will
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        for _ in self._threads:
+            self._queue.put(None)
+
+
 class ThreadExecutor:
+    """A stage on daemon threads (see :class:`_DaemonThreads`). ``close()`` returns at
+    once: a ``get()`` blocked in another thread raises
+    :class:`~zephon.errors.TransportError` ("closed"), queued units are cancelled, and
+    a thread busy in an op is not waited for (a Python thread cannot be stopped; it
+    finishes the op in the background and its result is dropped)."""
+
     runner = "threads"
 
     def __init__(self, program: Callable, workers: int, name: str = "stage") -> None:
         self.program, self.name = program, name
-        self.pool = cf.ThreadPoolExecutor(max_workers=workers,
-                                          thread_name_prefix=f"zephon-{name}")
+        self.pool = _DaemonThreads(workers, f"zephon-{name}")
         self._pending: dict[Any, dict] = collections.defaultdict(dict)
+        self._closed: cf.Future = cf.Future()  # done once close() ran: wakes get()
 
     def submit(self, lane, seq: int, payload) -> None:
         self._pending[lane][self.pool.submit(self.program, payload)] = seq
 
     def get(self, lane):
         pending = self._pending[lane]
-        done, _ = cf.wait(list(pending), return_when=cf.FIRST_COMPLETED)
+        done, _ = cf.wait([*pending, self._closed], return_when=cf.FIRST_COMPLETED)
+        if self._closed.done():
+            raise TransportError(f"stage {self.name!r} was closed")
         future = next(iter(done))
         seq = pending.pop(future)
         try:
@@ -106,19 +176,9 @@ class ThreadExecutor:
             return seq, TaskFailed(exc)
 
     def close(self) -> None:
-        # No new work from here on; queued work is cancelled.
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        for pending in list(self._pending.values()):
-            for future in list(pending):
-                # A cancelled future does not wake a get() blocked in concurrent.futures.wait
-                # on it (from the pump thread) until the cancellation is announced.
-                future.cancel()
-                if future.cancelled():
-                    try:
-                        future.set_running_or_notify_cancel()
-                    except RuntimeError:
-                        pass  # already announced
-        self.pool.shutdown(wait=True)
+        self.pool.close()
+        if not self._closed.done():
+            self._closed.set_result(True)
 
 
 class ProcessExecutor:

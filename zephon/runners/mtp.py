@@ -8,7 +8,10 @@ request per item, with up to ``mtp_buffer`` requests in flight on a channel of
 arena as zero-copy views. The subprocess may start worker pools of its own
 (that is why it is not a daemon). Positions travel with the items, so the
 consumer side alone decides what was delivered: prefetched items are replayed
-after a restore. ``close()`` stops the subprocess, which closes its engine.
+after a restore. ``close()`` stops the subprocess: under ``shutdown_mode=
+"immediate"`` (the default) it has requests in flight, so it is killed at once with
+every descendant (its stage workers and what their ops started); under ``"hard"`` and
+``"graceful"`` it gets STOP and closes its engine, whose pools stop their workers.
 """
 
 from __future__ import annotations

@@ -31,9 +31,12 @@ as ``__cause__``, the task's id as its ``zephon_task_id`` attribute), a
 and the tasks it had in flight. A crashed worker's slabs are released (views
 the consumer still holds stay valid until dropped); the other workers go on.
 
-A watchdog thread waits on the worker processes' sentinels and logs a death
-with its exit status when it happens (``exited``, ``wait_for_exit()``), even
-while nobody is in ``get()``.
+A watchdog thread waits on the worker processes' sentinels (and every 0.5 s on
+their exit status: a process an op forked may hold a sentinel open) and logs a
+death with its exit status when it happens (``exited``, ``wait_for_exit()``),
+even while nobody is in ``get()``; it wakes ``get()``, which reads what the dead
+worker had sent without waiting for an EOF that such a process may hold back,
+then reports the crash.
 
 Back-pressure: a result's regions come from the worker's arena, all at once
 (see :mod:`zephon.transport.arena`). When the consumer holds the whole arena
@@ -53,22 +56,34 @@ group, and it is the parent's to handle (one ``KeyboardInterrupt`` in the main
 process; then its exit closes the pool). They are started with SIGINT blocked,
 so not even their start-up prints a traceback.
 
-``close()`` (idempotent; also from ``__del__`` and at interpreter exit):
-STOP to every worker at once; what they still send is read and dropped while
-they finish their current task (a pipeline stage's task stops at the next sample:
-:mod:`zephon.transport.stopping`), within a shared deadline (``shutdown_mode``
-graceful: 10 s, hard: 0.5 s, at most 2 s at interpreter exit), then terminate,
-then kill; every child is reaped, channels closed, and the segment names of
-this pool's workers swept. Workers stopped this way are never reported as
-crashes: ``get()`` (in any thread) raises ``TransportError("... was closed")``
-and the watchdog stays silent, so runners never re-dispatch their tasks.
+``close()`` (idempotent; also from ``__del__`` and at interpreter exit), by
+``shutdown_mode``:
 
-Exit: interpreter exit never waits on a worker. Live pools are closed from a
-``threading`` exit hook, which runs before non-daemon threads are joined and
-before every ``atexit`` callback, in particular before multiprocessing's own,
-which would join non-daemon workers (the MTP subprocess) forever, or terminate
-daemon ones under a ``get()`` in flight (read as crashes). A plain ``atexit``
-callback remains as a fallback.
+- ``"immediate"`` (the default): a worker with a task in flight is killed at once
+  with its process group and every descendant (its result is not wanted: the op
+  is abandoned, whatever it is doing); idle workers get STOP and 0.3 s to exit,
+  then are killed the same way. Back in well under a second.
+- ``"hard"``: STOP to every worker, 0.5 s, then terminate, then kill.
+- ``"graceful"``: STOP to every worker; what they still send is read and dropped
+  while they finish their current task (a pipeline stage's task stops at the next
+  sample: :mod:`zephon.transport.stopping`) for up to 10 s (2 s at interpreter
+  exit), then terminate, then kill.
+
+Each worker leads a process group of its own, so the processes its ops started
+go with it: after the workers, what is left in their groups is ended too. Every
+child is reaped, channels closed, the arenas' memfds closed, and the segment
+names of this pool's workers swept. Workers stopped this way are never
+reported as crashes: ``get()`` (in any thread) raises ``TransportError("...
+was closed")`` and the watchdog stays silent, so runners never re-dispatch
+their tasks. A worker that dies by itself has the rest of its process group
+killed when its crash is reported.
+
+Exit: interpreter exit never waits on a worker. Workers are not daemons (an op
+may start processes of its own, a ``multiprocessing.Pool`` included; daemons
+may not), so live pools are closed from a ``threading`` exit hook, which runs
+before non-daemon threads are joined and before every ``atexit`` callback, in
+particular before multiprocessing's own, which would join non-daemon workers
+forever. A plain ``atexit`` callback remains as a fallback.
 """
 
 from __future__ import annotations
@@ -115,8 +130,10 @@ from zephon.transport.supervisor import (
     crash_error,
     exit_text,
     stop_children,
+    sweep_groups,
 )
 from zephon.transport.tokens import MAX_OWNER, SLAB_INDICES, slab_index, token_slab
+from zephon.transport.tree import signal_group
 from zephon.transport.worker import worker_entry
 
 __all__ = ["TaskResult", "WorkerPool", "default_arena_bytes"]
@@ -170,8 +187,11 @@ def default_arena_bytes(opts, inflight_per_worker: int) -> int:
 
 def _watch(pool_ref, handles) -> None:
     """Notice a worker's death when it happens, even if nobody is in get(): log it with its
-    exit status and record it in ``pool.exited`` (get() still drains what the worker sent
-    before dying, then reports the crash with its in-flight tasks)."""
+    exit status, record it in ``pool.exited`` and wake ``get()``, which drains what the
+    worker sent before dying, then reports the crash with its in-flight tasks (even when
+    a process the worker's op forked still holds the channel open, so no EOF comes). The
+    wait is on the sentinels, and every ``WATCHDOG_POLL_S`` on the exit status itself: a
+    forked process holds the sentinel's pipe open as well."""
     from multiprocessing.connection import wait
 
     pending = {h.process.sentinel: h for h in handles}
@@ -180,14 +200,19 @@ def _watch(pool_ref, handles) -> None:
         pool = pool_ref()
         if pool is None or pool._closed:
             return
+        if not ready:  # a process the worker forked may hold its sentinel: ask the kernel
+            with pool._reap_lock:
+                ready = [s for s, h in pending.items() if h.process.exitcode is not None]
         for sentinel in ready:
             handle = pending.pop(sentinel)
             with pool._reap_lock:  # one reaper at a time, or the other sees ECHILD
                 code = handle.child.reap(REAP_JOIN_S)
             if pool._closed or handle.child.stopped:
                 return  # stopped by zephon itself: not a crash
+            handle.exited = True  # get() drains what it sent, then reports the crash
             pool.exited[handle.index] = code
             pool._worker_exited.set()
+            pool._wake()
             log.error("worker %d (pid %s) of pool %r exited by %s", handle.index, handle.pid,
                       pool.name, exit_text(code))
         del pool
@@ -200,14 +225,15 @@ class _WorkerHandle:
     """Slot ``index`` of a pool: its supervised child (``child.stopped``: zephon stopped
     it, its exit is not a crash) and the tasks it has in flight."""
 
-    __slots__ = ("alive", "channel", "child", "generation", "index", "inflight", "peer", "pid",
-                 "process")
+    __slots__ = ("alive", "channel", "child", "exited", "generation", "index", "inflight",
+                 "peer", "pid", "process")
 
     def __init__(self, index: int, child: Child, peer) -> None:
         self.index, self.child, self.peer = index, child, peer
         self.process, self.channel, self.pid = child.process, child.channel, child.pid
         self.inflight: dict[int, list] = {}  # task id -> pinned leases
         self.alive = True
+        self.exited = False  # the watchdog saw the process die (get() has not reported it)
         self.generation = 0
 
 
@@ -217,9 +243,11 @@ class WorkerPool:
     def __init__(self, handler, num_workers: int, *, options=None,
                  name: str = "pool", arena_max_bytes: int | None = None,
                  spawn_timeout_s: float = 60.0, arena_wait_timeout_s: float = 1.0,
-                 inflight_per_worker: int = 4, daemon: bool = True) -> None:
-        """``daemon=False`` lets workers start processes of their own (the MTP engine does);
-        they are still stopped by ``close()`` and at interpreter exit."""
+                 inflight_per_worker: int = 4, daemon: bool = False) -> None:
+        """Workers are not daemons by default, so an op may start processes of its own
+        (``multiprocessing.Pool`` included; the MTP engine starts worker pools): the pool
+        stops and reaps them itself, in ``close()`` and from a ``threading`` exit hook
+        before ``multiprocessing`` would join them (see "Exit")."""
         if not 1 <= num_workers <= MAX_OWNER:  # a worker's owner field in region tokens
             raise ZephonConfigError(f"num_workers must be in [1, {MAX_OWNER}] (a worker's "
                                     f"number is 7 bits of its region tokens), got {num_workers}",
@@ -313,7 +341,7 @@ class WorkerPool:
         child = Child.spawn(self.options.mp_context, worker_entry, (k, boot),
                             transport=self.transport,
                             buffer_bytes=self.options.ipc_buffer_bytes,
-                            name=f"zephon-{self.name}-{k}", daemon=self.daemon)
+                            name=f"zephon-{self.name}-{k}", daemon=self.daemon, group=True)
         self._worker_pids.add(child.pid)
         handle = _WorkerHandle(k, child, PeerState(can_map_fds=self.transport == "socketpair"))
         handle.generation = generation
@@ -366,14 +394,16 @@ class WorkerPool:
     def close(self, *, exiting: bool = False) -> None:
         """Stop every worker and release everything (idempotent).
 
-        STOP goes to every worker at once; while they finish their current task, whatever
-        they still send is read and dropped (a worker blocked sending a result can always
-        finish). Past a shared deadline (``shutdown_mode`` graceful: 10 s, hard: 0.5 s; at
-        interpreter exit at most 2 s) stragglers are terminated, then killed. Every child
-        is reaped, channels closed and the named segments of this run swept. Workers stopped
-        here are never reported as crashes and their tasks are never re-dispatched: from
-        the first line on, ``get()`` raises :class:`~zephon.errors.TransportError`
-        ("closed") and the watchdog stays silent.
+        Under ``shutdown_mode="immediate"`` (the default) a worker with a task in flight
+        is killed at once with its process tree and idle ones get STOP and 0.3 s; under
+        ``"hard"``/``"graceful"`` every worker gets STOP and whatever they still send is
+        read and dropped (a worker blocked sending a result can always finish) until a
+        shared deadline (0.5 s / 10 s; at interpreter exit at most 2 s), then stragglers
+        are terminated, then killed. The rest of the workers' process groups is ended,
+        every child reaped, channels closed and the named segments of this run swept.
+        Workers stopped here are never reported as crashes and their tasks are never
+        re-dispatched: from the first line on, ``get()`` raises
+        :class:`~zephon.errors.TransportError` ("closed") and the watchdog stays silent.
 
         Args:
             exiting: called at interpreter exit (shorter deadline).
@@ -382,23 +412,27 @@ class WorkerPool:
             return
         self._closed = True
         _live_pools.discard(self)
-        try:
-            os.write(self._wake_w, b"\0")  # a get() blocked in another thread returns now
-        except OSError:
-            pass
+        self._wake()  # a get() blocked in another thread returns now
         policy = ShutdownPolicy.for_shutdown_mode(self.options.shutdown_mode, exiting=exiting)
-        alive = {id(h.child) for h in self.workers if h.alive}
+        # STOP to the workers that can read it; under a policy that abandons, a worker
+        # with a task in flight is killed at once (its result is not wanted)
+        idle = {id(h.child) for h in self.workers
+                if h.alive and not (policy.abandon and h.inflight)}
         self._drained: set[int] = set()
-        stop_children([h.child for h in self.workers], policy,
-                      graceful=lambda child: id(child) in alive, drain=self._drain,
-                      lock=self._reap_lock)
+        deadline = stop_children([h.child for h in self.workers], policy,
+                                 graceful=lambda child: id(child) in idle, drain=self._drain,
+                                 lock=self._reap_lock)
+        # what the ops left in the workers' process groups goes with them
+        sweep_groups([h.pid for h in self.workers if h.child.group],
+                     time.monotonic() if policy.abandon else deadline, policy)
         for handle in self.workers:
             handle.alive = False
             handle.channel.close()
         try:
             self._selector.close()
         finally:
-            for fd in (self._wake_r, self._wake_w):
+            fds, self._wake_w = (self._wake_r, self._wake_w), -1  # _wake() writes no more
+            for fd in fds:
                 try:
                     os.close(fd)
                 except OSError:
@@ -407,6 +441,15 @@ class WorkerPool:
         if self.arena_kind == "named" and self._started:
             sweep_segments_of(os.getpid(), self._worker_pids)
             sweep_stale_segments()
+
+    def _wake(self) -> None:
+        """Wake a ``get()`` blocked in another thread (the wake-up pipe)."""
+        if self._wake_w < 0:
+            return
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:
+            pass  # already awake (the pipe is full), or the pool is closed
 
     def _drain(self, children: list[Child], deadline: float) -> None:
         """One wait of ``close()`` for the workers to exit, reading and dropping what they
@@ -516,6 +559,9 @@ class WorkerPool:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._flush_frees()
+            dead = next((h for h in self.workers if h.exited and h.alive), None)
+            if dead is not None:
+                return self._receive_from_dead(dead)
             if not any(h.alive for h in self.workers):
                 raise TransportError(f"pool {self.name!r} has no live worker")
             if not self.inflight:
@@ -552,6 +598,21 @@ class WorkerPool:
                 raise self._closed_error() from None
             raise self._worker_died(handle) from None
         return self._handle_message(handle, header, frames, fds)
+
+    def _receive_from_dead(self, handle: _WorkerHandle) -> TaskResult:
+        """One message a worker the watchdog saw die had sent, or its crash report.
+
+        Everything it sent is in the channel already, so the channel is read without
+        blocking: a whole message is returned (or its error raised); nothing left, or a
+        message cut short, is the crash. EOF is not waited for: a process the worker's op
+        forked may hold the worker's end open for ever."""
+        try:
+            os.set_blocking(handle.channel.fileno(), False)
+        except OSError:
+            pass  # closed already: recv says so
+        result = self._receive(handle)
+        assert result is not None  # a worker's channel, not the wake-up pipe
+        return result
 
     def _closed_error(self) -> TransportError:
         return TransportError(f"pool {self.name!r} was closed")
@@ -616,6 +677,8 @@ class WorkerPool:
         handle.channel.close()
         with self._reap_lock:
             code = handle.child.reap(REAP_JOIN_S)
+        if handle.child.group:  # what its ops left in its process group is orphaned
+            signal_group(handle.pid, signal.SIGKILL)
         tasks = sorted(handle.inflight)
         handle.inflight.clear()
         released = self.registry.drop_owner(handle.index + 1)

@@ -35,6 +35,10 @@ Lifecycle of a :class:`Child`
    (SIGTERM, the rest of the grace, SIGKILL) and waits until none of their
    members is alive; the child side ends descendants that left its group via
    :func:`~zephon.transport.tree.end_descendants` (it is a child subreaper).
+   A policy that *abandons* (``shutdown_mode="immediate"``) skips the wait for a
+   busy child: it is killed at once with its group and every descendant
+   (:func:`kill_tree`), and so is an idle one that has not exited when the
+   short grace ends.
 5. **Crash reports** (:func:`crash_error`): a child that died by itself becomes a
    :class:`~zephon.errors.WorkerCrashedError` with the worker's slot index
    (``worker``), its ``pid``, its exit signal and the ``tasks`` it had in flight,
@@ -45,7 +49,7 @@ Shutdown policy
 ---------------
 One object, :class:`ShutdownPolicy`, says how long each step of 4 may take.
 The public options map onto it: ``RuntimeOptions.shutdown_mode`` (pipelines,
-:meth:`ShutdownPolicy.for_shutdown_mode`) and ``RunPolicy.graceful_shutdown_sec``
+:meth:`ShutdownPolicy.for_shutdown_mode`: immediate, hard or graceful) and ``RunPolicy.graceful_shutdown_sec``
 (jobs, :meth:`ShutdownPolicy.for_grace`).
 
 Message kinds (the ``"k"`` of every header) are the constants of
@@ -71,6 +75,7 @@ from zephon.transport.spawn_guard import EXIT_UNGUARDED_MAIN, unguarded_main_err
 from zephon.transport.tree import (
     become_group_leader,
     become_subreaper,
+    descendants,
     end_descendants,
     live_groups,
     signal_group,
@@ -83,6 +88,7 @@ __all__ = [
     "HANDSHAKE_POLL_S",
     "HARD_S",
     "HARD_TERMINATE_WAIT_S",
+    "IMMEDIATE_S",
     "KILL_WAIT_S",
     "PARENT_POLL_S",
     "REAP_JOIN_S",
@@ -96,11 +102,13 @@ __all__ = [
     "exit_text",
     "handshake",
     "ignore_sigint",
+    "kill_tree",
     "lead_process_tree",
     "parent_changed",
     "startup_death_error",
     "stop_children",
     "sweep_groups",
+    "wait_gone",
     "watch_parent",
 ]
 
@@ -136,6 +144,10 @@ REAP_JOIN_S: Final = 2.0
 KILL_WAIT_S: Final = 5.0
 
 
+#: ``shutdown_mode="immediate"`` (the default): how long an idle child told to STOP may
+#: take to exit before it is killed (a busy one is killed at once, see
+#: :attr:`ShutdownPolicy.abandon`).
+IMMEDIATE_S: Final = 0.3
 #: ``shutdown_mode="graceful"``: workers finish their current task.
 GRACEFUL_S: Final = 10.0
 #: ``shutdown_mode="hard"``: workers get half a second.
@@ -156,10 +168,15 @@ class ShutdownPolicy:
         grace_s: from STOP (or SIGTERM) until stragglers are terminated.
         terminate_wait_s: from SIGTERM to stragglers until SIGKILL.
         kill_wait_s: after SIGKILL, how long to wait for them to disappear.
+        abandon: a child that is busy (cannot read STOP), or still alive at the end of
+            the grace, is killed at once with its process tree (:func:`kill_tree`): what
+            it is doing is not waited for.
 
     Example:
         >>> ShutdownPolicy.for_shutdown_mode("hard").grace_s
         0.5
+        >>> ShutdownPolicy.for_shutdown_mode("immediate").abandon
+        True
         >>> ShutdownPolicy.for_grace(3.0).terminate_wait_s
         3.0
     """
@@ -167,15 +184,20 @@ class ShutdownPolicy:
     grace_s: float
     terminate_wait_s: float
     kill_wait_s: float = KILL_WAIT_S
+    abandon: bool = False
 
     @classmethod
     def for_shutdown_mode(cls, mode: str, *, exiting: bool = False) -> "ShutdownPolicy":
         """The policy of a pipeline's ``RuntimeOptions.shutdown_mode``.
 
         Args:
-            mode: ``"graceful"`` or ``"hard"``.
+            mode: ``"immediate"`` (busy children are killed at once with their process
+                trees, idle ones get :data:`IMMEDIATE_S` to exit), ``"hard"`` or
+                ``"graceful"``.
             exiting: at interpreter exit (shorter deadlines).
         """
+        if mode == "immediate":
+            return cls(IMMEDIATE_S, 0.0, abandon=True)
         if mode == "hard":
             return cls(HARD_S, HARD_TERMINATE_WAIT_S)
         if exiting:
@@ -451,11 +473,76 @@ def _wait_exit(children: list[Child], deadline: float,
             wait([c.process.sentinel for c in live], timeout=remaining)
 
 
+def kill_tree(child: Child) -> list[int]:
+    """SIGKILL ``child`` with its process group and every live descendant of it, those
+    that left its group included (read from /proc first: once the child is dead they are
+    re-parented and no longer found below it).
+
+    Returns:
+        The descendants' pids (to wait for with :func:`wait_gone`).
+    """
+    below = descendants(child.pid) if child.exitcode is None else []
+    child.signal(signal.SIGKILL)
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return below
+
+
+def _pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+
+def wait_gone(pids: Iterable[int], until: float) -> list[int]:
+    """Wait until none of ``pids`` is alive (zombies are dead), or the monotonic time
+    ``until``; returns those still alive."""
+    live = list(pids)
+    while live:
+        live = [p for p in live if _pid_alive(p)]
+        if not live or time.monotonic() >= until:
+            break
+        time.sleep(EXIT_POLL_S / 4)
+    return live
+
+
+def _stop_one(child: Child, policy: ShutdownPolicy, graceful: Callable[[Child], bool]
+              ) -> list[int]:
+    """The first step of :func:`stop_children` for one child: STOP, SIGTERM, or (policy
+    ``abandon``, a busy child) :func:`kill_tree`; returns the descendants killed."""
+    if child.stopped or child.exitcode is not None:
+        child.stopped = True  # already exited, or already being stopped: let it go on
+        return []
+    if graceful(child) and child.send_stop():
+        return []
+    child.stopped = True
+    if policy.abandon:
+        return kill_tree(child)
+    child.signal(signal.SIGTERM)
+    return []
+
+
 def stop_children(children: Iterable[Child], policy: ShutdownPolicy, *,
                   graceful: Callable[[Child], bool] = lambda child: True,
                   drain: Callable[[list[Child], float], None] | None = None,
                   lock: threading.Lock | None = None) -> float:
     """Stop -> terminate -> kill -> reap every child, all at once, within ``policy``.
+
+    With ``policy.abandon`` a child that is not ``graceful`` is killed at once with its
+    process tree, and so is every child still alive when the grace runs out (no
+    SIGTERM step); the descendants killed are waited for as the children are.
 
     Args:
         children: the children to stop (each is marked ``stopped``: never a crash). One
@@ -474,15 +561,15 @@ def stop_children(children: Iterable[Child], policy: ShutdownPolicy, *,
     """
     children = list(children)
     deadline = time.monotonic() + policy.grace_s
+    orphans: list[int] = []
     for child in children:
-        if child.stopped or child.exitcode is not None:
-            child.stopped = True  # already exited, or already being stopped: let it go on
-            continue
-        if not (graceful(child) and child.send_stop()):
-            child.stopped = True
-            child.signal(signal.SIGTERM)
+        orphans += _stop_one(child, policy, graceful)
     _wait_exit(children, deadline, drain)
     stragglers = [c for c in children if c.exitcode is None]
+    if policy.abandon:
+        for child in stragglers:
+            orphans += kill_tree(child)
+        stragglers = []
     for child in stragglers:
         child.signal(signal.SIGTERM)
     kill_at = time.monotonic() + policy.terminate_wait_s
@@ -496,6 +583,7 @@ def stop_children(children: Iterable[Child], policy: ShutdownPolicy, *,
                 child.reap(policy.kill_wait_s)
         else:
             child.reap(policy.kill_wait_s)
+    wait_gone(orphans, time.monotonic() + policy.kill_wait_s)
     return deadline
 
 

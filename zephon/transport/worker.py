@@ -3,14 +3,20 @@
 Entry point :func:`worker_entry` (module level: spawn imports it). The worker
 ignores SIGINT (Ctrl-C to the process group is the parent's to handle; the
 parent starts it with SIGINT blocked so that even its start-up cannot print a
-traceback), marks inherited descriptors close-on-exec, tunes malloc, unpickles the handler
-and limits its compute threads to the handler's ``worker_compute_threads`` (a
-stage program's; none for other handlers: :mod:`zephon.transport.threads`), then:
+traceback), leads a process group of its own (the processes its ops start are
+in it: the pool stops them with the worker), marks inherited descriptors
+close-on-exec, tunes malloc, unpickles the handler and limits its compute threads
+to the handler's ``worker_compute_threads`` (a stage program's; none for other
+handlers: :mod:`zephon.transport.threads`), then:
 
 - a control thread receives TASK (queued), FREE (regions back to the arena)
   and STOP; if the parent dies (EOF, or the parent pid changes) it unlinks the
-  segment names the worker owns and exits at once;
-- the main thread runs tasks in order and sends each result or error. A send
+  segment names the worker owns and kills its process group (itself and what its
+  ops started) at once;
+- the main thread runs tasks in order and sends each result or error. A result
+  the encoder refuses (it cannot be pickled) becomes the error the handler's
+  ``unencodable(result, error)`` makes of it, if it has that method (a pipeline
+  stage: the op, the sample, the path, and the records before it). A send
   that fails before any byte left (an ``OSError`` of the socket) is reported to
   the parent as a :class:`~zephon.errors.TransportError` for that task, naming
   the worker; the worker goes on.
@@ -25,10 +31,11 @@ import logging
 import os
 import pickle
 import selectors
+import signal
 import threading
 import traceback
 
-from zephon.errors import TransportError
+from zephon.errors import SerializationError, TransportError
 from zephon.transport.arena import LeaseTable, ShmArena, SlabRegistry
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
@@ -37,6 +44,7 @@ from zephon.transport.remote_errors import encode_exception, take_done
 from zephon.transport.stopping import STOPPING, TaskAbandoned
 from zephon.transport.supervisor import PARENT_POLL_S, MsgKind, ignore_sigint, parent_changed
 from zephon.transport.threads import ComputeThreads
+from zephon.transport.tree import become_group_leader
 
 __all__ = ["worker_entry"]
 
@@ -104,12 +112,28 @@ def worker_entry(channel, index: int, boot: dict) -> None:
         boot: the pool's start-up settings (handler bytes, arena, policy).
     """
     ignore_sigint()
+    become_group_leader()  # the processes its ops start are stopped with it (pool.close)
     _close_on_exec_all()
     _tune_malloc()
     if boot.get("log_level") is not None and not logging.getLogger().handlers:
         logging.basicConfig(level=boot["log_level"],
                             format=f"%(asctime)s zephon-worker-{index} %(levelname)s %(message)s")
     _Worker(index, channel, boot).run()
+
+
+def _unencodable(handler, result, error: SerializationError) -> BaseException:
+    """The error to send for a ``result`` the encoder refused: what the handler's
+    ``unencodable(result, error)`` makes of it (a pipeline stage names the op, the sample
+    and the path, and attaches the records before it, which travel with the error), else
+    ``error`` itself."""
+    explain = getattr(handler, "unencodable", None)
+    if not callable(explain):
+        return error
+    try:
+        return explain(result, error) or error
+    except Exception:  # the original error must still go
+        log.exception("explaining an unencodable result failed")
+        return error
 
 
 class _Worker:
@@ -172,12 +196,13 @@ class _Worker:
             self.channel.close()
 
     def _run_one(self, handler, task_id: int, header, frames, fds) -> None:
+        box: list = []
         try:
             payload = self.decoder.decode(header, frames, fds)
-            box = [handler(payload)]  # held by nothing else: see Encoder.encode_owned
+            box.append(handler(payload))  # held by nothing else: see Encoder.encode_owned
             del payload
             out, out_frames, out_fds, _ = self.encoder.encode_owned(box, self.peer)
-            del box
+            box.clear()
         except ChannelClosed:
             raise
         except TaskAbandoned:
@@ -185,6 +210,8 @@ class _Worker:
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
+            if box and isinstance(exc, SerializationError):  # the result cannot travel
+                exc = _unencodable(handler, box.pop(), exc)
             self._send_error(task_id, exc)
             return
         out["k"], out["id"] = MsgKind.RESULT, task_id
@@ -247,7 +274,10 @@ class _Worker:
                         self.task_ready.notify()
                     return
         except (ChannelClosed, OSError):
-            # The parent is gone: nothing will read our results. Leave no names behind.
+            # The parent is gone: nothing will read our results. Leave no names behind,
+            # and take the processes our ops started (our process group) with us.
             self.parent_gone = True
             self.arena.close()
+            if os.getpgid(0) == os.getpid():
+                os.killpg(0, signal.SIGKILL)
             os._exit(0)
