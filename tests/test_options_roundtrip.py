@@ -72,7 +72,7 @@ def runtime_options(draw):
         mixture_config=draw(maybe(mixture)), io_options=draw(store_options),
         allow_latency_flush_in_deterministic=draw(st.booleans()),
         flush_every_k_chunks=draw(maybe(st.integers(0, 64))),
-        shutdown_mode=draw(st.sampled_from(["graceful", "hard"])),
+        shutdown_mode=draw(st.sampled_from(["immediate", "graceful", "hard"])),
         auto_validation=draw(st.sampled_from(["strict", "warn", "off"])),
         mtp_mode=mtp_mode, mtp_buffer=mtp_buffer,
         mtp_buffer_bytes=draw(st.integers(4096, 1 << 26)),
