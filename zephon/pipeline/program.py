@@ -29,6 +29,7 @@ from zephon.pipeline.columnar import BatchRun, sample_ids
 from zephon.pipeline.lanes import BatchGroup
 from zephon.pipeline.ops import Batch, OpError, Record, make_batch
 from zephon.pipeline.sources.base import Source
+from zephon.transport.heap import settle
 from zephon.transport.remote_errors import put_done
 from zephon.transport.stopping import check as check_stop
 
@@ -81,6 +82,16 @@ def _row_reads_warning(source, exc: Exception) -> None:
                   "(much slower; said once per process)", RuntimeWarning, stacklevel=3)
 
 
+def _taker(records):
+    """``take()`` -> the next record or None: a list is emptied as it is read (its caller
+    hands it over), anything else is iterated."""
+    if type(records) is list:
+        records.reverse()
+        return lambda: records.pop() if records else None
+    it = iter(records)
+    return lambda: next(it, None)
+
+
 class StageProgram:
     """``(stage, unit) -> records``: read (stage 0), the stage's ops, and for a stage that
     collates (a fused ``batch``) one batch of the unit's records."""
@@ -120,13 +131,19 @@ class StageProgram:
         is read, mapped and filtered before the next is read. So the first failure in
         sample order is the one raised, whatever the dispatch made the unit's parts, and
         a sample's temporaries are freed before the next sample's are made (a worker's
-        shared heap reuses them while they are still in the cache)."""
-        seed, records = self.seed, iter(records)
+        shared heap reuses them while they are still in the cache).
+
+        What goes on of a sample is fixed when its last op returns
+        (:func:`~zephon.transport.heap.settle`): an array the op can still reach (a
+        reused output buffer, a cache, a thread it started) is copied then, a fresh one
+        goes on as it is, on every runner. A list of records (a later stage's input) is
+        emptied as it is read, so an array passed on from it counts as the op's alone."""
+        seed, take = self.seed, _taker(records)
         out: list[Record] = []
         try:
             while True:
                 check_stop()  # a worker told to stop gives up between samples
-                r = next(records, None)
+                r = take()
                 if r is None:
                     return out
                 for op in ops:
@@ -135,6 +152,8 @@ class StageProgram:
                     if r is None:
                         break
                 else:
+                    if ops:
+                        settle(r)
                     out.append(r)
         except Exception as exc:
             put_done(exc, out)

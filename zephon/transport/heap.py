@@ -10,6 +10,16 @@ becomes the message's region, with no copy.
 
 Invariants
 ----------
+- **Fixed when the op returns.** What the consumer receives of a sample is what
+  it held when the stage's last op on it returned, on every runner:
+  :func:`settle` runs right then (``StageProgram.run_ops``, per sample) and
+  replaces every array (and ``bytearray``) under the sample that the worker can
+  still reach another way by a copy, with the walk below (without the
+  encoder's leaf list); an exclusive one is handed over as it is. So a reused
+  output buffer, a dict the op keeps or a thread still writing to the result
+  changes nothing already returned, and the common case (fresh arrays) costs a
+  walk, no copy. Objects of types the walk does not enter are handed over as
+  they are.
 - **Exclusive or copied.** A region is sent by reference only when nothing in
   the worker but the message itself can still reach the array: every container
   on its path from the payload's root (dicts, lists, tuples, the pipeline's
@@ -67,6 +77,7 @@ compiled kernels.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import os
@@ -77,7 +88,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["DEFAULT_THRESHOLD_BYTES", "WorkerHeap", "exclusive_owner", "heap_enabled",
-           "installed"]
+           "installed", "settle"]
 
 log = logging.getLogger("zephon.transport.heap")
 
@@ -264,6 +275,121 @@ def exclusive_owner(leaves: list, i: int) -> np.ndarray | None:
         if type(array.base) is not np.ndarray or _base_refs(array) != _BASE_REFS:
             return None
         array = array.base
+
+
+# -- settling a sample when its op returns ------------------------------------------------
+
+#: Nesting :func:`settle` follows (deeper containers are handed over as they are).
+MAX_SETTLE_DEPTH = 64
+_SAME = object()  # "keep this node": no copy was needed at or below it
+
+
+def settle(holder: Any) -> None:
+    """Fix what the consumer receives of ``holder.value`` (a record) now, when the
+    sample's last op has returned: every NumPy array and ``bytearray`` under it that
+    the worker can still reach another way is replaced by a copy, an exclusive one is
+    left as it is.
+
+    The walk is :func:`exclusive_arrays`' (dicts and their subclasses, lists and tuples
+    of exact type; reference counts against the same calibrations) without the
+    encoder's leaf list: an array counts as exclusive when its container alone refers
+    to it, nothing refers to it weakly, and every array on its ``base`` chain is
+    referenced by its child alone, down to memory that owns itself (or immutable
+    ``bytes``). A container something else refers to (the op keeps the dict it
+    returns) is copied with every array under it. Objects of other types are handed
+    over as they are, and so are containers nested deeper than
+    :data:`MAX_SETTLE_DEPTH`. Costs a visit per container and array of the sample;
+    copies only what is not exclusive."""
+    extra = _value_refs(holder) - _SLOT
+    new = _settled(holder.value, extra, 0)
+    if new is not _SAME:
+        holder.value = new
+
+
+def _chain_exclusive(array: np.ndarray) -> bool:
+    """Whether nothing but ``array``'s holder can reach its memory: no weak references,
+    every base on its chain held by its child alone, the chain ending in an array that
+    owns its memory or in ``bytes``."""
+    while True:
+        if weakref.getweakrefcount(array):
+            return False
+        if array.base is None or type(array.base) is bytes:
+            return True
+        if type(array.base) is not np.ndarray or _base_refs(array) != _BASE_REFS:
+            return False
+        array = array.base
+
+
+def _settled(node: Any, extra: int, depth: int) -> Any:
+    """``node``'s replacement (counted with ``extra`` references beyond its parent's), or
+    :data:`_SAME` when it stays."""
+    t = type(node)
+    if t is np.ndarray:
+        return _SAME if extra == 0 and _chain_exclusive(node) else node.copy(order="K")
+    if t is bytearray:
+        return _SAME if extra == 0 else bytearray(node)
+    if depth >= MAX_SETTLE_DEPTH or not (t is list or t is tuple or isinstance(node, dict)):
+        return _SAME
+    if extra != 0:
+        return _copied(node, depth)
+    if isinstance(node, dict):
+        _settle_dict(node, depth)
+        return _SAME
+    if t is list:
+        for k in range(len(node)):
+            extra = _held_once(node, k) - _ONCE
+            new = _settled(node[k], extra, depth + 1)
+            if new is not _SAME:
+                node[k] = new
+        return _SAME
+    return _settle_tuple(node, depth)
+
+
+def _settle_dict(node: dict, depth: int) -> None:
+    values = list(node.values())
+    keys = None
+    for k in range(len(values)):
+        extra = _held_once_listed(values, k) - _ONCE - 1
+        new = _settled(values[k], extra, depth + 1)
+        if new is not _SAME:
+            if keys is None:
+                keys = list(node)
+            dict.__setitem__(node, keys[k], new)
+    del values
+
+
+def _settle_tuple(node: tuple, depth: int) -> Any:
+    changed: dict[int, Any] = {}
+    for k in range(len(node)):
+        extra = _held_once(node, k) - _ONCE
+        new = _settled(node[k], extra, depth + 1)
+        if new is not _SAME:
+            changed[k] = new
+    if not changed:
+        return _SAME
+    return tuple(changed.get(k, v) for k, v in enumerate(node))
+
+
+def _copied(node: Any, depth: int) -> Any:
+    """An independent copy of ``node`` for a consumer: containers of the walked types
+    rebuilt, arrays and bytearrays copied, anything else shared."""
+    t = type(node)
+    if t is np.ndarray:
+        return node.copy(order="K")
+    if t is bytearray:
+        return bytearray(node)
+    if depth >= MAX_SETTLE_DEPTH:
+        return node
+    if t is list:
+        return [_copied(v, depth + 1) for v in node]
+    if t is tuple:
+        return tuple(_copied(v, depth + 1) for v in node)
+    if isinstance(node, dict):
+        out = {} if t is dict else copy.copy(node)
+        for key, value in list(node.items()):
+            dict.__setitem__(out, key, _copied(value, depth + 1))
+        return out
+    return node
 
 
 # -- the heap ------------------------------------------------------------------------------
