@@ -56,9 +56,16 @@ Invariants
   and its writes to arrays it inherited would reach the worker's. An at-fork
   hook turns the heap off in the child (its arrays come from ``malloc``;
   freeing an inherited arena array there does nothing) and replaces the heap's
-  slabs in the child by private copies, as fork does for ``malloc`` memory
-  (the price: a copy of those slabs per fork; ``subprocess`` does not run
-  the hook and needs none, it executes a new program at once).
+  slabs in the child by private memory, as fork does for ``malloc`` memory:
+  only the bytes of the heap arrays alive at the fork (what the child can
+  reach) are copied, the rest of each slab becomes fresh pages the child never
+  touches (the price: a copy of the live heap arrays per fork, 6 MiB of
+  32 MiB of slabs in ``tests/test_transport_abort.py``; ``subprocess`` does not
+  run the hook and needs none, it executes a new program at once).
+- **Nothing lost.** A region the heap takes from a slab the allocator cannot
+  register (its range table is full) goes back at once, and NumPy gets
+  ``malloc`` memory; a heap array claimed for a message that is never sent is
+  the worker's again (:meth:`~zephon.transport.codec.Encoder.abort`).
 - **Mapped until exit.** Heap arrays point into the slabs without holding the
   mapping (an op's daemon thread or exit handler may still read one): a slab
   the heap used is never unmapped, only its descriptor closed, when the arena
@@ -128,7 +135,10 @@ def _off_in_forked_child() -> None:
     heap = _installed
     if heap is not None and heap.kernel is not None:
         heap.kernel.configure(None, None, heap._size, heap.threshold)
-        heap.kernel.privatize()
+        # only the arrays alive at the fork can be reached in the child: their bytes are
+        # copied, the rest of each slab becomes fresh private pages
+        heap.kernel.privatize([(address, entry[3])
+                               for address, entry in list(heap._by_address.items())])
         # The forking thread may be the one the heap was installed in (an MTP worker's
         # engine starting its stage's workers with fork): its NumPy allocations go back
         # to the previous handler, and the child is free to install a heap of its own
@@ -403,6 +413,7 @@ class WorkerHeap:
         self._by_address: dict[int, tuple[int, Any, int, int]] = {}  # addr -> token, slab...
         self._ranges: set[int] = set()
         self._previous: Any = None
+        self._table_full_said = False
         self.sent = 0  # regions sent by reference (for tests and explain)
 
     @property
@@ -443,7 +454,18 @@ class WorkerHeap:
             return 0
         slab, offset, token = got
         if slab.slab_id not in self._ranges:
-            self.kernel.add_range(slab.address, slab.size)
+            try:
+                self.kernel.add_range(slab.address, slab.size)
+            except OverflowError:
+                # the allocator's range table is full: it could not route this region's
+                # free back here, so the region goes back at once and NumPy gets malloc
+                # (the result is copied, as without the heap)
+                self.arena.give(token)
+                if not self._table_full_said:
+                    self._table_full_said = True
+                    log.warning("shared heap: the allocator's slab range table is full; "
+                                "arrays in new slabs come from malloc")
+                return 0
             self._ranges.add(slab.slab_id)
             slab.keep_mapped = True
             # The allocator's range table lives as long as the process: so does the
