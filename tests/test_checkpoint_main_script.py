@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 from _aggregate_rank import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -169,6 +169,7 @@ class StoreMedium:
             except ValueError:
                 raise ZephonConfigError(f"MASTER_PORT={port_text!r} is not a port number") \
                     from None
+        assert port is not None  # (given with the host, or from MASTER_PORT)
         address = f"torch://{host}:{port}"
         key = (host, port)
         cached = _connections.get(key)
