@@ -137,8 +137,10 @@ class StageProgram:
         (:func:`~zephon.transport.heap.settle`): an array the op can still reach (a
         reused output buffer, a cache, a thread it started) is copied then, a fresh one
         goes on as it is, on every runner. A list of records (a later stage's input) is
-        emptied as it is read, so an array passed on from it counts as the op's alone."""
-        seed, take = self.seed, _taker(records)
+        emptied as it is read, and an input record the first op has replaced lets go of
+        its value, so an array passed on from it counts as the op's alone (the dispatch
+        may still hold the list a part was cut from)."""
+        seed, take, given = self.seed, _taker(records), type(records) is list
         out: list[Record] = []
         try:
             while True:
@@ -146,9 +148,12 @@ class StageProgram:
                 r = take()
                 if r is None:
                     return out
+                source = r if given else None
                 for op in ops:
                     check_stop()  # ... and between the ops of a sample
                     r = op.apply_one(r, seed)
+                    if source is not None and r is not source:
+                        source.value = source = None
                     if r is None:
                         break
                 else:

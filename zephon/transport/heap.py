@@ -310,10 +310,34 @@ def settle(holder: Any) -> None:
     over as they are, and so are containers nested deeper than
     :data:`MAX_SETTLE_DEPTH`. Costs a visit per container and array of the sample;
     copies only what is not exclusive."""
+    if not _COUNTS_EXACT:
+        holder.value = _copied(holder.value, 0)
+        return
     extra = _value_refs(holder) - _SLOT
     new = _settled(holder.value, extra, 0)
     if new is not _SAME:
         holder.value = new
+
+
+def _counts_exact() -> bool:
+    """Reference counts prove exclusivity only with the GIL (see :func:`heap_enabled`)."""
+    gil = getattr(sys, "_is_gil_enabled", None)
+    return gil is None or bool(gil())
+
+
+_COUNTS_EXACT = _counts_exact()
+#: A list or tuple longer than this is first checked for anything the walk enters, by
+#: the set of its items' types (a list of 100 000 ints is not visited item by item).
+_SCAN_ITEMS = 16
+
+
+def _holds_nothing_to_settle(node: list | tuple) -> bool:
+    """Whether a long ``node`` holds no item the walk would enter or copy."""
+    if len(node) <= _SCAN_ITEMS:
+        return False
+    kinds = set(map(type, node))
+    return not any(t is np.ndarray or t is bytearray or t is list or t is tuple
+                   or issubclass(t, dict) for t in kinds)
 
 
 def _chain_exclusive(array: np.ndarray) -> bool:
@@ -342,6 +366,8 @@ def _settled(node: Any, extra: int, depth: int) -> Any:
         return _SAME
     if extra != 0:
         return _copied(node, depth)
+    if (t is list or t is tuple) and _holds_nothing_to_settle(node):
+        return _SAME
     if isinstance(node, dict):
         _settle_dict(node, depth)
         return _SAME
@@ -390,6 +416,8 @@ def _copied(node: Any, depth: int) -> Any:
         return bytearray(node)
     if depth >= MAX_SETTLE_DEPTH:
         return node
+    if (t is list or t is tuple) and _holds_nothing_to_settle(node):
+        return list(node) if t is list else node
     if t is list:
         return [_copied(v, depth + 1) for v in node]
     if t is tuple:
