@@ -148,12 +148,13 @@ class StageProgram:
                 r = take()
                 if r is None:
                     return out
-                source = r if given else None
+                source: Record | None = r if given else None
                 for op in ops:
                     check_stop()  # ... and between the ops of a sample
                     r = op.apply_one(r, seed)
                     if source is not None and r is not source:
-                        source.value = source = None
+                        source.value = None
+                        source = None
                     if r is None:
                         break
                 else:
