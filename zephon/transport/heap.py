@@ -314,9 +314,16 @@ def settle(holder: Any) -> None:
         holder.value = _copied(holder.value, 0)
         return
     extra = _value_refs(holder) - _SLOT
+    if extra == 0 and type(holder.value) is dict:  # the common case: a fresh dict
+        _settle_dict(holder.value, 0)
+        return
     new = _settled(holder.value, extra, 0)
     if new is not _SAME:
         holder.value = new
+
+
+#: Values :func:`settle` passes over at once (immutable, hold no array).
+_PLAIN = frozenset({int, float, bool, str, bytes, type(None), complex})
 
 
 def _counts_exact() -> bool:
@@ -384,8 +391,16 @@ def _settled(node: Any, extra: int, depth: int) -> Any:
 def _settle_dict(node: dict, depth: int) -> None:
     values = list(node.values())
     keys = None
+    plain, ndarray, once = _PLAIN, np.ndarray, _ONCE + 1
     for k in range(len(values)):
-        extra = _held_once_listed(values, k) - _ONCE - 1
+        t = type(values[k])
+        if t in plain:
+            continue
+        # (counted inline, as _held_once_listed does: the dict, the list, the argument)
+        extra = sys.getrefcount(values[k]) - once
+        if t is ndarray and extra == 0 and values[k].base is None and \
+                not weakref.getweakrefcount(values[k]):
+            continue  # a fresh array that owns its memory: the common case
         new = _settled(values[k], extra, depth + 1)
         if new is not _SAME:
             if keys is None:
