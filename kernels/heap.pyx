@@ -197,28 +197,55 @@ def add_range(uintptr_t start, size_t nbytes):
     _n_ranges += 1
 
 
-def privatize():
-    """In a forked child: make every registered slab range a private copy of itself
-    (anonymous memory at the same addresses), as fork gives for malloc memory. Without
-    it the child's writes to arrays it inherited would land in the shared slabs, in
-    memory the worker may have handed to the consumer."""
+def privatize(keep=None):
+    """In a forked child: make every registered slab range private memory at the same
+    addresses (anonymous), as fork gives for malloc memory. Without it the child's
+    writes to arrays it inherited would land in the shared slabs, in memory the worker
+    may have handed to the consumer.
+
+    ``keep``: ``(address, nbytes)`` of every region the child can still reach (the heap
+    arrays alive at the fork); only those bytes are copied, the rest of each range
+    becomes fresh zero pages (nothing in the child refers to it, and the kernel makes
+    those pages only when touched). None: every range is copied whole."""
     cdef int i
-    cdef size_t n
+    cdef size_t n, m
+    cdef uintptr_t start, end, a
     cdef void *tmp
     cdef void *p
+    cdef const char *src
     for i in range(_n_ranges):
-        n = _ends[i] - _starts[i]
-        tmp = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
-        if tmp == MAP_FAILED:
-            raise MemoryError(f"no memory for a private copy of a {n}-byte slab")
-        memcpy(tmp, <void *>_starts[i], n)
-        p = mmap(<void *>_starts[i], n, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0)
-        if p == MAP_FAILED:
+        start, end = _starts[i], _ends[i]
+        n = end - start
+        if keep is None:
+            tmp = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+            if tmp == MAP_FAILED:
+                raise MemoryError(f"no memory for a private copy of a {n}-byte slab")
+            memcpy(tmp, <void *>start, n)
+            p = _remap(start, n)
+            if p == NULL:
+                munmap(tmp, n)
+                raise MemoryError(f"cannot remap a {n}-byte slab privately")
+            memcpy(p, tmp, n)
             munmap(tmp, n)
+            continue
+        saved = []
+        for address, nbytes in keep:
+            a, m = address, nbytes
+            if start <= a < end:
+                m = min(m, end - a)
+                src = <const char *>a
+                saved.append((a, src[:m]))
+        if _remap(start, n) == NULL:
             raise MemoryError(f"cannot remap a {n}-byte slab privately")
-        memcpy(p, tmp, n)
-        munmap(tmp, n)
+        for a, data in saved:
+            memcpy(<void *>a, <const char *>data, len(data))
+
+
+cdef void *_remap(uintptr_t start, size_t n) noexcept nogil:
+    """Anonymous private memory over ``[start, start + n)``; NULL on failure."""
+    cdef void *p = mmap(<void *>start, n, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0)
+    return NULL if p == MAP_FAILED else p
 
 
 def configure(take, give, size, size_t threshold):

@@ -5,6 +5,8 @@ real processes (tests/_aggregate_rank.py)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from _aggregate_rank import free_port, launch  # noqa: F401  (fixture)
@@ -88,3 +90,61 @@ def test_torch_url_without_master_addr_or_group_is_a_config_error(monkeypatch):
 def test_malformed_or_doubled_exchange_options_are_config_errors(opts):
     with pytest.raises(ZephonConfigError, match="aggregate_store"):
         RuntimeOptions(world_size=2, **opts)
+
+
+def _listeners(port: int) -> list[str]:
+    """The local addresses of every socket listening on TCP ``port`` (from /proc/net)."""
+    found = []
+    for table, size in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            with open(table) as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            addr, hex_port = local.split(":")
+            if state == "0A" and int(hex_port, 16) == port and len(addr) == size:
+                found.append(addr)
+    return found
+
+
+@pytest.fixture
+def launcher_store():
+    """A TCPStore hosted by this process on 127.0.0.1, as a launcher hosts its own."""
+    import datetime
+
+    import torch.distributed as dist
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=30),
+                          wait_for_workers=False)
+    yield store, port
+    del store
+
+
+def test_rank_0_joins_a_store_that_already_listens_at_the_address(tmp_path, launch,
+                                                                launcher_store):
+    store, port = launcher_store
+    before = store.num_keys()
+    results = launch(two_ranks("a", {"aggregate_store": f"torch://127.0.0.1:{port}"}),
+                     env=CLEAN_ENV)
+    assert [code for code, _ in results] == [0, 0], results
+    check_states(tmp_path, "a")
+    assert store.num_keys() > before  # the round went through the launcher's store
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net/tcp")
+def test_the_store_rank_0_hosts_listens_on_the_address_given_only():
+    import time
+
+    from zephon.checkpoint.store import StoreMedium
+
+    port = free_port()
+    assert _listeners(port) == []
+    medium = StoreMedium.open(f"torch://127.0.0.1:{port}", run_id="bind-test", rank=0,
+                              world=1, deadline=time.monotonic() + 30)
+    assert medium.hosted
+    assert _listeners(port) == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or [::]
+    medium.put("k", b"v")
+    assert medium.get("k") == b"v"

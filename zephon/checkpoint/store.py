@@ -10,8 +10,13 @@ Which store:
 
 When zephon opens the connection itself it is a client, except that rank 0
 hosts the server when nobody else does: outside torchrun's agent store
-(``TORCHELASTIC_USE_AGENT_STORE`` not ``True``) and when the address is not
-the default process group's. Rank 0 waits, after publishing the merged
+(``TORCHELASTIC_USE_AGENT_STORE`` not ``True``), rank 0 binds a listening
+socket to exactly the address given (``host`` resolved, its first address) and
+hands it to the ``TCPStore`` it hosts (``master_listen_fd``): the store then
+listens on that address only, not on every interface as a ``TCPStore`` that
+binds its own port does. When the address is in use (a launcher, or another
+job's rank 0, hosts a store there) or is not this machine's, rank 0 is a
+client of the store that answers there like every other rank. Rank 0 waits, after publishing the merged
 record, until every rank has read it (or the deadline): the server may live
 in rank 0's process (its own, or its process group's outside torchrun), and
 rank 0 may exit right after ``checkpoint()``. Connections are cached per address for the life
@@ -27,9 +32,11 @@ the address within the exchange's budget.
 from __future__ import annotations
 
 import datetime
+import errno
 import logging
 import os
 import re
+import socket
 import time
 
 from zephon.errors import AggregationTimeoutError, CheckpointError, ZephonConfigError
@@ -37,7 +44,8 @@ from zephon.errors import AggregationTimeoutError, CheckpointError, ZephonConfig
 __all__ = ["StoreMedium"]
 
 _URL = re.compile(r"^torch://(?:(?P<host>[A-Za-z0-9_.\-]+):(?P<port>[0-9]{1,5}))?$")
-_connections: dict = {}
+_connections: dict = {}  # (host, port) -> (store, hosted)
+_BACKLOG = 2048  # pending connections of a hosted store's socket
 log = logging.getLogger("zephon.checkpoint")
 
 
@@ -77,6 +85,59 @@ def _default_group_store(dist):
         return None
 
 
+def _listening_fd(host: str, port: int) -> int | None:
+    """The descriptor of a socket bound to ``host:port`` (its first address) and
+    listening, for a hosted TCPStore to take over; None when a socket listens there
+    already or the address is not this machine's (then a client connects to it)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does
+        sock.bind(addr)
+        sock.listen(_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+            return None
+        raise
+    return sock.detach()  # the store owns it now
+
+
+def _open_tcp_store(dist, host: str, port: int, world: int, may_host: bool,
+                    deadline: float, address: str):
+    """``(store, hosted)``: a TCPStore hosted on exactly ``host:port`` when ``may_host``
+    and nothing listens there, else a client of the store there."""
+    remaining = deadline - time.monotonic()
+    # A client's connect retries inside the timeout and may take about twice it.
+    timeout = datetime.timedelta(seconds=max(0.5, remaining / 2.5))
+    fd = None
+    try:
+        fd = _listening_fd(host, port) if may_host else None
+        if fd is not None:
+            store = dist.TCPStore(host, port, world, True, timeout=timeout,
+                                  wait_for_workers=False, master_listen_fd=fd)
+        else:
+            store = dist.TCPStore(host, port, world, False, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - DistNetworkError, gaierror, ...
+        if fd is not None:
+            _close_quietly(fd)
+        what = "host a store at" if fd is not None else "connect to the store at"
+        raise AggregationTimeoutError(
+            f"checkpoint exchange: cannot {what} {address} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); is the address right "
+            "and is the rank that hosts it running?", missing=[address]) from None
+    if fd is not None:
+        log.debug("checkpoint exchange: rank 0 hosts a store on %s", address)
+    return store, fd is not None
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 class StoreMedium:
     """A medium (see :mod:`zephon.checkpoint.media`) over a torch.distributed Store."""
 
@@ -108,24 +169,15 @@ class StoreMedium:
             except ValueError:
                 raise ZephonConfigError(f"MASTER_PORT={port_text!r} is not a port number") \
                     from None
+        assert port is not None  # (given with the host, or from MASTER_PORT)
         address = f"torch://{host}:{port}"
-        hosted = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        key = (host, port, hosted)
-        store = _connections.get(key)
-        if store is None:
-            remaining = deadline - time.monotonic()
-            # A client's connect retries inside the timeout and may take about twice it.
-            timeout = datetime.timedelta(seconds=max(0.5, remaining / 2.5))
-            try:
-                store = dist.TCPStore(host, port, world, hosted, timeout=timeout,
-                                      wait_for_workers=False)
-            except Exception as exc:  # noqa: BLE001 - DistNetworkError, gaierror, ...
-                what = "host a store at" if hosted else "connect to the store at"
-                raise AggregationTimeoutError(
-                    f"checkpoint exchange: cannot {what} {address} ({type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0] if str(exc) else ''}); is the address right "
-                    "and is the rank that hosts it running?", missing=[address]) from None
-            _connections[key] = store
+        key = (host, port)
+        cached = _connections.get(key)
+        if cached is None:
+            may_host = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            cached = _connections[key] = _open_tcp_store(dist, host, port, world, may_host,
+                                                         deadline, address)
+        store, hosted = cached
         return cls(store, address, run_id, deadline, hosted=hosted)
 
     def _guard(self, what: str, key: str, fn, *args):

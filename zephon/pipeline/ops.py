@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 import types
 import zlib
@@ -329,26 +330,52 @@ def stable_repr(value: Any, depth: int = 0) -> str:
     return type(value).__qualname__
 
 
+#: How the main script's module is named in a fingerprint: ``__main__`` in the script (run
+#: as a file or with ``python -m pkg.mod``), ``__mp_main__`` in its spawn children.
+MAIN_SCRIPT = "<main>"
+
+
+def _module_identity(module: str) -> str:
+    """``module`` as a fingerprint names it: the main script's module (``__main__``, its
+    spawn children's ``__mp_main__``, or the name ``python -m`` ran it under, should it
+    also be imported by that name) is :data:`MAIN_SCRIPT`, whatever the process."""
+    if module in ("__main__", "__mp_main__"):
+        return MAIN_SCRIPT
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and module == getattr(spec, "name", None):
+        return MAIN_SCRIPT
+    return module
+
+
+def _code_hash(code: types.CodeType) -> str:
+    blob = code.co_code + stable_repr(code.co_consts).encode() + \
+        stable_repr(code.co_names).encode()
+    return f"#{zlib.crc32(blob):08x}"
+
+
 def fn_identity(fn: Any, depth: int = 0) -> str:
     """What defines a user callable, for the pipeline fingerprint: its module and qualified
-    name; for a ``functools.partial`` also its function and arguments; for a lambda or a
-    nested function also a hash of its code and constants (two lambdas differ); for a
-    callable object also its attributes. Stable across processes and runs."""
+    name; for a ``functools.partial`` also its function and arguments; for a lambda, a
+    nested function or a function of the main script also a hash of its code and
+    constants (two lambdas differ, and so do two scripts' ``load``); for a callable object
+    also its attributes. The main script's module is one name, :data:`MAIN_SCRIPT`, in
+    the script, in its spawn children and under ``python -m``. Stable across processes
+    and runs."""
     if isinstance(fn, functools.partial):
         args = ", ".join(stable_repr(a, depth + 1) for a in fn.args)
         kwargs = ", ".join(f"{k}={stable_repr(v, depth + 1)}"
                            for k, v in sorted(fn.keywords.items()))
         return f"partial({fn_identity(fn.func, depth + 1)}; {args}; {kwargs})"
-    module = getattr(fn, "__module__", None) or "?"
+    module = _module_identity(getattr(fn, "__module__", None) or "?")
     if isinstance(fn, (types.FunctionType, types.MethodType)):
         code = getattr(fn, "__code__", None)
         name = f"{module}.{fn.__qualname__}"
         if code is not None and ("<lambda>" in fn.__qualname__ or "<locals>" in fn.__qualname__):
-            blob = code.co_code + stable_repr(code.co_consts).encode() + \
-                stable_repr(code.co_names).encode()
             closure = [c.cell_contents for c in (fn.__closure__ or ()) if _cell_ok(c)]
-            name += f"#{zlib.crc32(blob):08x}" + (f"({stable_repr(closure, depth + 1)})"
-                                                   if closure else "")
+            name += _code_hash(code) + (f"({stable_repr(closure, depth + 1)})"
+                                        if closure else "")
+        elif code is not None and module == MAIN_SCRIPT:
+            name += _code_hash(code)
         if isinstance(fn, types.MethodType):
             name += f" of {stable_repr(fn.__self__, depth + 1)}"
         return name
@@ -357,7 +384,7 @@ def fn_identity(fn: Any, depth: int = 0) -> str:
     cls = type(fn)
     state = getattr(fn, "__dict__", None)
     shown = f"({stable_repr(state, depth + 1)})" if state else ""
-    return f"{cls.__module__}.{cls.__qualname__}{shown}"
+    return f"{_module_identity(cls.__module__)}.{cls.__qualname__}{shown}"
 
 
 def _cell_ok(cell) -> bool:

@@ -37,6 +37,7 @@ from zephon.pipeline.lanes import BatchGroup, ReadParts
 from zephon.pipeline.ops import Batch, FilterOp, OpError, Record, make_batch
 from zephon.pipeline.sources.base import Source
 from zephon.transport.codec import find_unpicklable
+from zephon.transport.heap import settle
 from zephon.transport.remote_errors import put_done
 from zephon.transport.stopping import check as check_stop
 
@@ -87,6 +88,16 @@ def _row_reads_warning(source, exc: Exception) -> None:
     warnings.warn(f"zephon: {type(source).__name__}.get_batch raised "
                   f"{type(exc).__name__}: {exc}; reading those rows one by one instead "
                   "(much slower; said once per process)", RuntimeWarning, stacklevel=3)
+
+
+def _taker(records):
+    """``take()`` -> the next record or None: a list is emptied as it is read (its caller
+    hands it over), anything else is iterated."""
+    if type(records) is list:
+        records.reverse()
+        return lambda: records.pop() if records else None
+    it = iter(records)
+    return lambda: next(it, None)
 
 
 class StageProgram:
@@ -174,21 +185,35 @@ class StageProgram:
         is read, mapped and filtered before the next is read. So the first failure in
         sample order is the one raised, whatever the dispatch made the unit's parts, and
         a sample's temporaries are freed before the next sample's are made (a worker's
-        shared heap reuses them while they are still in the cache)."""
-        seed, records = self.seed, iter(records)
+        shared heap reuses them while they are still in the cache).
+
+        What goes on of a sample is fixed when its last op returns
+        (:func:`~zephon.transport.heap.settle`): an array the op can still reach (a
+        reused output buffer, a cache, a thread it started) is copied then, a fresh one
+        goes on as it is, on every runner. A list of records (a later stage's input) is
+        emptied as it is read, and an input record the first op has replaced lets go of
+        its value, so an array passed on from it counts as the op's alone (the dispatch
+        may still hold the list a part was cut from)."""
+        seed, take, given = self.seed, _taker(records), type(records) is list
         out: list[Record] = []
         try:
             while True:
                 check_stop()  # a worker told to stop gives up between samples
-                r = next(records, None)
+                r = take()
                 if r is None:
                     return out
+                source: Record | None = r if given else None
                 for op in ops:
                     check_stop()  # ... and between the ops of a sample
                     r = op.apply_one(r, seed)
+                    if source is not None and r is not source:
+                        source.value = None
+                        source = None
                     if r is None:
                         break
                 else:
+                    if ops:
+                        settle(r)
                     out.append(r)
         except Exception as exc:
             put_done(exc, out)

@@ -45,6 +45,11 @@ Ownership and lifecycle
   deallocation: only queued, drained under the lock). Such a region sent by
   reference (:meth:`ShmArena.mark_sent`) is reused once both the worker has
   given it and the consumer has freed it, in either order.
+- A message that is never sent (its encoding or its send failed) gives its
+  regions back with :meth:`ShmArena.abort` (the encoder's
+  :meth:`~zephon.transport.codec.Encoder.abort`): recycled, or a heap region
+  the worker's again, and the arena's accounting is what it was before the
+  message; only the consumer's frees end starvation.
 - A **lease** is the object consumer views are built on: a ``ctypes`` array
   over the region's bytes (it exports the buffer and keeps the mapping open).
   NumPy keeps it as the ``base`` of every view, torch tensors from
@@ -580,40 +585,61 @@ class ShmArena:
     def free(self, tokens: Iterable[int]) -> None:
         """Regions back from the consumer: recycled, or (dedicated) unmapped with their
         slab once all of its regions are back. Any recycled region ends starvation."""
+        self._give_back(tokens, from_consumer=True)
+
+    def abort(self, tokens: Iterable[int]) -> None:
+        """Regions of a message that was never sent (its encoding or its send failed):
+        back as if the consumer had freed them (recycled; a dedicated slab unmapped; a
+        shared-heap region the worker's NumPy still holds is the worker's alone again),
+        except that starvation stays as it was: the consumer gave nothing back."""
+        self._give_back(tokens, from_consumer=False)
+
+    def _give_back(self, tokens: Iterable[int], from_consumer: bool) -> None:
         with self.cond:
             self._drain_gives()
             recycled, released = [], []
-            heap = self._heap
             for token in tokens:
                 slab_id = token_slab(token)
                 live = self._dedicated.get(slab_id)
                 if live is None:
-                    state = heap.get(token) if heap else None
-                    if state is not None:
-                        if state & _HELD:  # the worker still has the array: it gives it
-                            if state & _SENT:
-                                heap[token] = _HELD
-                                self._held_bytes += self._live[token]
-                            continue
-                        del heap[token]
-                    recycled.append(token)
+                    if self._unsend(token):
+                        recycled.append(token)
                     continue
                 live.discard(token)
                 if not live:
-                    del self._dedicated[slab_id]
-                    slab = self.slabs.pop(slab_id)
-                    self.dedicated_bytes -= slab.size
-                    if slab.name:
-                        _unlink(slab.name)
-                    slab.close()
+                    self._drop_dedicated(slab_id)
                     released.append(slab_id)
             if recycled:
                 self._release(recycled)
-                self.starved = False
+                if from_consumer:
+                    self.starved = False
             if self.on_release is not None:  # before the index can be reused
                 for slab_id in released:
                     self.on_release(slab_id)
             self.cond.notify_all()
+
+    def _unsend(self, token: int) -> bool:
+        """The consumer's hold on region ``token`` ends: True when nobody holds it any
+        more (recycle it), False when the worker's NumPy still has its array (it gives it)."""
+        heap = self._heap
+        state = heap.get(token) if heap else None
+        if state is None:
+            return True
+        if state & _HELD:
+            if state & _SENT:
+                heap[token] = _HELD
+                self._held_bytes += self._live[token]
+            return False
+        del heap[token]
+        return True
+
+    def _drop_dedicated(self, slab_id: int) -> None:
+        del self._dedicated[slab_id]
+        slab = self.slabs.pop(slab_id)
+        self.dedicated_bytes -= slab.size
+        if slab.name:
+            _unlink(slab.name)
+        slab.close()
 
     def _release(self, tokens: Iterable[int]) -> None:
         for token in tokens:

@@ -299,8 +299,35 @@ class Encoder:
             exclusive = exclusive_arrays(box)
         return self._place(msg, peer, exclusive)
 
+    def abort(self, header: dict[str, Any], peer: PeerState) -> None:
+        """Undo what encoding ``header`` (as :meth:`encode` returned it) took, for a
+        message that will not be sent: its new regions go back to the arena
+        (:meth:`~zephon.transport.arena.ShmArena.abort`: its accounting is restored, a
+        heap array sent by reference is the worker's again) and the slabs it announced
+        count as unknown to ``peer`` again, so the next message announces them."""
+        wire = WireHeader.from_wire(header)
+        self._abort(wire.regions, wire.slabs, peer)
+
+    def _abort(self, regions: list, slabs: list, peer: PeerState) -> None:
+        arena = self.arena
+        if arena is not None:
+            mine = [r.token for r in regions
+                    if r.mode == _NEW and slab_owner(r.slab_id) == arena.owner]
+            if mine:
+                arena.abort(mine)
+        for entry in slabs:
+            peer.slabs.discard(entry.slab_id)
+
     def _place(self, msg: _Message, peer: PeerState,
                exclusive: set[int] | None) -> tuple[dict[str, Any], list, list[int], list]:
+        try:
+            return self._place_all(msg, peer, exclusive)
+        except BaseException:
+            self._abort(msg.regions, msg.slabs, peer)  # nothing of it is sent
+            raise
+
+    def _place_all(self, msg: _Message, peer: PeerState,
+                   exclusive: set[int] | None) -> tuple[dict[str, Any], list, list[int], list]:
         if not self.policy.enabled:
             self._to_frames(msg, list(range(len(msg.leaves))), one_per_leaf=True)
         else:

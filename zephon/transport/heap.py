@@ -10,6 +10,16 @@ becomes the message's region, with no copy.
 
 Invariants
 ----------
+- **Fixed when the op returns.** What the consumer receives of a sample is what
+  it held when the stage's last op on it returned, on every runner:
+  :func:`settle` runs right then (``StageProgram.run_ops``, per sample) and
+  replaces every array (and ``bytearray``) under the sample that the worker can
+  still reach another way by a copy, with the walk below (without the
+  encoder's leaf list); an exclusive one is handed over as it is. So a reused
+  output buffer, a dict the op keeps or a thread still writing to the result
+  changes nothing already returned, and the common case (fresh arrays) costs a
+  walk, no copy. Objects of types the walk does not enter are handed over as
+  they are.
 - **Exclusive or copied.** A region is sent by reference only when nothing in
   the worker but the message itself can still reach the array: every container
   on its path from the payload's root (dicts, lists, tuples, the pipeline's
@@ -46,9 +56,16 @@ Invariants
   and its writes to arrays it inherited would reach the worker's. An at-fork
   hook turns the heap off in the child (its arrays come from ``malloc``;
   freeing an inherited arena array there does nothing) and replaces the heap's
-  slabs in the child by private copies, as fork does for ``malloc`` memory
-  (the price: a copy of those slabs per fork; ``subprocess`` does not run
-  the hook and needs none, it executes a new program at once).
+  slabs in the child by private memory, as fork does for ``malloc`` memory:
+  only the bytes of the heap arrays alive at the fork (what the child can
+  reach) are copied, the rest of each slab becomes fresh pages the child never
+  touches (the price: a copy of the live heap arrays per fork, 6 MiB of
+  32 MiB of slabs in ``tests/test_transport_abort.py``; ``subprocess`` does not
+  run the hook and needs none, it executes a new program at once).
+- **Nothing lost.** A region the heap takes from a slab the allocator cannot
+  register (its range table is full) goes back at once, and NumPy gets
+  ``malloc`` memory; a heap array claimed for a message that is never sent is
+  the worker's again (:meth:`~zephon.transport.codec.Encoder.abort`).
 - **Mapped until exit.** Heap arrays point into the slabs without holding the
   mapping (an op's daemon thread or exit handler may still read one): a slab
   the heap used is never unmapped, only its descriptor closed, when the arena
@@ -67,6 +84,7 @@ compiled kernels.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import os
@@ -77,7 +95,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["DEFAULT_THRESHOLD_BYTES", "WorkerHeap", "exclusive_owner", "heap_enabled",
-           "installed"]
+           "installed", "settle"]
 
 log = logging.getLogger("zephon.transport.heap")
 
@@ -117,7 +135,10 @@ def _off_in_forked_child() -> None:
     heap = _installed
     if heap is not None and heap.kernel is not None:
         heap.kernel.configure(None, None, heap._size, heap.threshold)
-        heap.kernel.privatize()
+        # only the arrays alive at the fork can be reached in the child: their bytes are
+        # copied, the rest of each slab becomes fresh private pages
+        heap.kernel.privatize([(address, entry[3])
+                               for address, entry in list(heap._by_address.items())])
         # The forking thread may be the one the heap was installed in (an MTP worker's
         # engine starting its stage's workers with fork): its NumPy allocations go back
         # to the previous handler, and the child is free to install a heap of its own
@@ -266,6 +287,164 @@ def exclusive_owner(leaves: list, i: int) -> np.ndarray | None:
         array = array.base
 
 
+# -- settling a sample when its op returns ------------------------------------------------
+
+#: Nesting :func:`settle` follows (deeper containers are handed over as they are).
+MAX_SETTLE_DEPTH = 64
+_SAME = object()  # "keep this node": no copy was needed at or below it
+
+
+def settle(holder: Any) -> None:
+    """Fix what the consumer receives of ``holder.value`` (a record) now, when the
+    sample's last op has returned: every NumPy array and ``bytearray`` under it that
+    the worker can still reach another way is replaced by a copy, an exclusive one is
+    left as it is.
+
+    The walk is :func:`exclusive_arrays`' (dicts and their subclasses, lists and tuples
+    of exact type; reference counts against the same calibrations) without the
+    encoder's leaf list: an array counts as exclusive when its container alone refers
+    to it, nothing refers to it weakly, and every array on its ``base`` chain is
+    referenced by its child alone, down to memory that owns itself (or immutable
+    ``bytes``). A container something else refers to (the op keeps the dict it
+    returns) is copied with every array under it. Objects of other types are handed
+    over as they are, and so are containers nested deeper than
+    :data:`MAX_SETTLE_DEPTH`. Costs a visit per container and array of the sample;
+    copies only what is not exclusive."""
+    if not _COUNTS_EXACT:
+        holder.value = _copied(holder.value, 0)
+        return
+    extra = _value_refs(holder) - _SLOT
+    if extra == 0 and type(holder.value) is dict:  # the common case: a fresh dict
+        _settle_dict(holder.value, 0)
+        return
+    new = _settled(holder.value, extra, 0)
+    if new is not _SAME:
+        holder.value = new
+
+
+#: Values :func:`settle` passes over at once (immutable, hold no array).
+_PLAIN = frozenset({int, float, bool, str, bytes, type(None), complex})
+
+
+def _counts_exact() -> bool:
+    """Reference counts prove exclusivity only with the GIL (see :func:`heap_enabled`)."""
+    gil = getattr(sys, "_is_gil_enabled", None)
+    return gil is None or bool(gil())
+
+
+_COUNTS_EXACT = _counts_exact()
+#: A list or tuple longer than this is first checked for anything the walk enters, by
+#: the set of its items' types (a list of 100 000 ints is not visited item by item).
+_SCAN_ITEMS = 16
+
+
+def _holds_nothing_to_settle(node: list | tuple) -> bool:
+    """Whether a long ``node`` holds no item the walk would enter or copy."""
+    if len(node) <= _SCAN_ITEMS:
+        return False
+    kinds = set(map(type, node))
+    return not any(t is np.ndarray or t is bytearray or t is list or t is tuple
+                   or issubclass(t, dict) for t in kinds)
+
+
+def _chain_exclusive(array: np.ndarray) -> bool:
+    """Whether nothing but ``array``'s holder can reach its memory: no weak references,
+    every base on its chain held by its child alone, the chain ending in an array that
+    owns its memory or in ``bytes``."""
+    while True:
+        if weakref.getweakrefcount(array):
+            return False
+        if array.base is None or type(array.base) is bytes:
+            return True
+        if type(array.base) is not np.ndarray or _base_refs(array) != _BASE_REFS:
+            return False
+        array = array.base
+
+
+def _settled(node: Any, extra: int, depth: int) -> Any:
+    """``node``'s replacement (counted with ``extra`` references beyond its parent's), or
+    :data:`_SAME` when it stays."""
+    t = type(node)
+    if t is np.ndarray:
+        return _SAME if extra == 0 and _chain_exclusive(node) else node.copy(order="K")
+    if t is bytearray:
+        return _SAME if extra == 0 else bytearray(node)
+    if depth >= MAX_SETTLE_DEPTH or not (t is list or t is tuple or isinstance(node, dict)):
+        return _SAME
+    if extra != 0:
+        return _copied(node, depth)
+    if (t is list or t is tuple) and _holds_nothing_to_settle(node):
+        return _SAME
+    if isinstance(node, dict):
+        _settle_dict(node, depth)
+        return _SAME
+    if t is list:
+        for k in range(len(node)):
+            extra = _held_once(node, k) - _ONCE
+            new = _settled(node[k], extra, depth + 1)
+            if new is not _SAME:
+                node[k] = new
+        return _SAME
+    return _settle_tuple(node, depth)
+
+
+def _settle_dict(node: dict, depth: int) -> None:
+    values = list(node.values())
+    keys = None
+    plain, ndarray, once = _PLAIN, np.ndarray, _ONCE + 1
+    for k in range(len(values)):
+        t = type(values[k])
+        if t in plain:
+            continue
+        # (counted inline, as _held_once_listed does: the dict, the list, the argument)
+        extra = sys.getrefcount(values[k]) - once
+        if t is ndarray and extra == 0 and values[k].base is None and \
+                not weakref.getweakrefcount(values[k]):
+            continue  # a fresh array that owns its memory: the common case
+        new = _settled(values[k], extra, depth + 1)
+        if new is not _SAME:
+            if keys is None:
+                keys = list(node)
+            dict.__setitem__(node, keys[k], new)
+    del values
+
+
+def _settle_tuple(node: tuple, depth: int) -> Any:
+    changed: dict[int, Any] = {}
+    for k in range(len(node)):
+        extra = _held_once(node, k) - _ONCE
+        new = _settled(node[k], extra, depth + 1)
+        if new is not _SAME:
+            changed[k] = new
+    if not changed:
+        return _SAME
+    return tuple(changed.get(k, v) for k, v in enumerate(node))
+
+
+def _copied(node: Any, depth: int) -> Any:
+    """An independent copy of ``node`` for a consumer: containers of the walked types
+    rebuilt, arrays and bytearrays copied, anything else shared."""
+    t = type(node)
+    if t is np.ndarray:
+        return node.copy(order="K")
+    if t is bytearray:
+        return bytearray(node)
+    if depth >= MAX_SETTLE_DEPTH:
+        return node
+    if (t is list or t is tuple) and _holds_nothing_to_settle(node):
+        return list(node) if t is list else node
+    if t is list:
+        return [_copied(v, depth + 1) for v in node]
+    if t is tuple:
+        return tuple(_copied(v, depth + 1) for v in node)
+    if isinstance(node, dict):
+        out = {} if t is dict else copy.copy(node)
+        for key, value in list(node.items()):
+            dict.__setitem__(out, key, _copied(value, depth + 1))
+        return out
+    return node
+
+
 # -- the heap ------------------------------------------------------------------------------
 
 class WorkerHeap:
@@ -277,6 +456,7 @@ class WorkerHeap:
         self._by_address: dict[int, tuple[int, Any, int, int]] = {}  # addr -> token, slab...
         self._ranges: set[int] = set()
         self._previous: Any = None
+        self._table_full_said = False
         self.sent = 0  # regions sent by reference (for tests and explain)
 
     @property
@@ -317,7 +497,18 @@ class WorkerHeap:
             return 0
         slab, offset, token = got
         if slab.slab_id not in self._ranges:
-            self.kernel.add_range(slab.address, slab.size)
+            try:
+                self.kernel.add_range(slab.address, slab.size)
+            except OverflowError:
+                # the allocator's range table is full: it could not route this region's
+                # free back here, so the region goes back at once and NumPy gets malloc
+                # (the result is copied, as without the heap)
+                self.arena.give(token)
+                if not self._table_full_said:
+                    self._table_full_said = True
+                    log.warning("shared heap: the allocator's slab range table is full; "
+                                "arrays in new slabs come from malloc")
+                return 0
             self._ranges.add(slab.slab_id)
             slab.keep_mapped = True
             # The allocator's range table lives as long as the process: so does the

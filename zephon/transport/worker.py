@@ -220,6 +220,7 @@ class _Worker:
         except ChannelClosed:
             raise
         except OSError as exc:  # nothing was sent (a broken stream is ChannelClosed)
+            self.encoder.abort(out, self.peer)  # its regions back to the arena
             error = TransportError(
                 f"worker {self.index} could not send the result of task {task_id}: "
                 f"{type(exc).__name__}: {exc}")
@@ -248,7 +249,14 @@ class _Worker:
                 header["done"] = done
                 frames += done_frames
         del box
-        self.channel.send(header, frames, fds)
+        try:
+            self.channel.send(header, frames, fds)
+        except ChannelClosed:
+            raise
+        except OSError:  # nothing was sent: what the done part took goes back
+            if "done" in header:
+                self.encoder.abort(header["done"], self.peer)
+            raise
 
     def _control(self) -> None:
         selector = selectors.DefaultSelector()
