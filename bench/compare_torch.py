@@ -39,7 +39,7 @@ The table gives time to the first item (from building the loader: worker
 start-up included), steady GiB/s and items/s from a 10 % warm-up to the last
 item, the time from the last item until the loader is exhausted and closed
 (``end``: worker shutdown), and the ratios the performance bars are stated in. The last line is machine-readable
-``key=value`` pairs. Optional peers (``pip install "zephon[bench]"``) get rows when
+``key=value`` pairs. Optional peers (``python -m pip install -e ".[bench]"``) get rows when
 importable; a missing one is named in the output.
 """
 
@@ -458,7 +458,7 @@ def main(argv=None) -> int:
               f"{row['items_per_s']:>11.0f} {row['end_s']:>7.3f} s")
     for peer in PEER_MODULES:
         if peer not in available:
-            print(f"{peer} is not installed (pip install 'zephon[bench]'): no {peer} rows")
+            print(f"{peer} is not installed (python -m pip install -e '.[bench]'): no {peer} rows")
     pairs = ratios(table, peers)
     if "pool 4mib" in table:
         pairs.append(("pool_4mib_memcpy_fraction", table["pool 4mib"]["bytes_per_s"] / copy_bps))

@@ -103,12 +103,12 @@ class FsspecMedium:
         except ImportError:
             raise ZephonConfigError(
                 f"aggregate_dir={url!r} is a URL: it needs fsspec "
-                f"(pip install \"zephon[{_extra(url)}]\")") from None
+                f"(python -m pip install -e \".[{_extra(url)}]\" in the zephon checkout)") from None
         try:
             fs, root = fsspec.core.url_to_fs(url)
         except ImportError as exc:
             raise ZephonConfigError(
-                f"aggregate_dir={url!r}: {exc} (pip install \"zephon[{_extra(url)}]\")") from None
+                f"aggregate_dir={url!r}: {exc} (python -m pip install -e \".[{_extra(url)}]\" in the zephon checkout)") from None
         except Exception as exc:  # noqa: BLE001 - a bad URL, bad credentials, ...
             raise ZephonConfigError(f"aggregate_dir={url!r} cannot be opened: "
                                     f"{type(exc).__name__}: {exc}") from None

@@ -54,7 +54,7 @@ def _torch_distributed():
         import torch.distributed as dist
     except ImportError:
         raise ZephonConfigError('aggregate_store="torch://..." needs torch '
-                                '(pip install "zephon[torch]")') from None
+                                '(python -m pip install -e ".[torch]" in the zephon checkout)') from None
     if not dist.is_available():
         raise ZephonConfigError("aggregate_store: this torch build has no torch.distributed")
     return dist

@@ -109,7 +109,7 @@ def import_ray():
         import ray
     except ImportError as exc:
         raise ZephonConfigError(
-            "RunPolicy(backend='ray') needs Ray: pip install \"zephon[ray]\" "
+            "RunPolicy(backend='ray') needs Ray: python -m pip install -e \".[ray]\" (in the zephon checkout) "
             f"(import failed: {exc})") from exc
     return ray
 

@@ -305,7 +305,9 @@ class RuntimeOptions(OptionsBase):
     aggregate_store: str | None = option(
         None, check=Str(pattern=_AGGREGATE_STORE, optional=True),
         doc="Key-value store for checkpoint exchange instead of aggregate_dir: 'torch://' "
-            "(MASTER_ADDR/MASTER_PORT) or 'torch://host:port'.",
+            "(MASTER_ADDR/MASTER_PORT) or 'torch://host:port' (rank 0 hosts a store bound "
+            "to that address when nothing listens there, else connects to the one that "
+            "does).",
     )
     aggregate_timeout_s: float = option(
         180.0, check=Float(min=0.0, exclusive_min=True, max=MAX_SECONDS),

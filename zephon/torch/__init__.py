@@ -16,7 +16,7 @@ loader wrapper (:class:`TorchLoader`: optional pinning on a background thread,
 ``state_dict()`` / ``load_state_dict()``) and the ``IterableDataset`` adapter
 (:func:`dataset`). torch is imported when one of these is used, never by
 importing ``zephon`` itself; without torch they raise an ImportError naming
-``pip install "zephon[torch]"``.
+``python -m pip install -e ".[torch]"`` in the zephon checkout.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _require_torch():
     try:
         import torch
     except ImportError:
-        raise ImportError('zephon.torch needs torch: pip install "zephon[torch]"') from None
+        raise ImportError('zephon.torch needs torch: python -m pip install -e ".[torch]" (in the zephon checkout)') from None
     return torch
 
 
@@ -57,7 +57,7 @@ def loader(pipe, *, pin_memory: bool = False, prefetch: int = 2,
         A :class:`TorchLoader`; iterate it, and checkpoint it with ``state_dict()``.
 
     Raises:
-        ImportError: torch is missing (``pip install "zephon[torch]"``).
+        ImportError: torch is missing (``python -m pip install -e ".[torch]"`` in the zephon checkout).
         ZephonConfigError: ``pipe`` is not a Pipeline, or a bad ``pin_memory``,
             ``prefetch`` or ``keep_dtypes``.
 
@@ -91,7 +91,7 @@ def dataset(pipe, *, pin_memory: bool = False, keep_dtypes: bool = False):
         A ``PipelineDataset`` (an ``IterableDataset``).
 
     Raises:
-        ImportError: torch is missing (``pip install "zephon[torch]"``).
+        ImportError: torch is missing (``python -m pip install -e ".[torch]"`` in the zephon checkout).
 
     Example:
         >>> import torch
@@ -130,7 +130,7 @@ def to_torch(batch, *, keep_dtypes: bool = False):
         unchanged.
 
     Raises:
-        ImportError: torch is missing (``pip install "zephon[torch]"``).
+        ImportError: torch is missing (``python -m pip install -e ".[torch]"`` in the zephon checkout).
 
     Example:
         >>> out = zephon.torch.to_torch({"x": np.arange(3), "name": ["a", "b", "c"]})

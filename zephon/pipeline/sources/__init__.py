@@ -233,8 +233,8 @@ def parquet(paths: str | Sequence[str], columns: Sequence[str] | None = None, *,
         A :class:`Source` of one sample per row.
 
     Raises:
-        SourceError: pyarrow is missing (the message names ``pip install
-            "zephon[parquet]"``), no file matches, a footer is corrupt, or a column is missing; a
+        SourceError: pyarrow is missing (the message names ``python -m pip install -e
+            ".[parquet]"``), no file matches, a footer is corrupt, or a column is missing; a
             corrupt row group raises it when read, naming the file and the row group.
 
     Example:
@@ -311,8 +311,8 @@ def hf_dataset(ds, *, name: str = "hf", columns: Sequence[str] | None = None) ->
         as NumPy arrays, strings as ``str``.
 
     Raises:
-        SourceError: ``datasets`` is missing (the message names ``pip install
-            "zephon[hf]"``), the path is missing or a file, the directory cannot be
+        SourceError: ``datasets`` is missing (the message names ``python -m pip install -e
+            ".[hf]"``), the path is missing or a file, the directory cannot be
             loaded, holds a ``DatasetDict``, or lacks a requested column; when read, an
             Arrow file changed since the source was built, or a row cannot be read
             (naming the row).
