@@ -9,7 +9,12 @@ the options layer. The pipeline builds it from ``io_options`` (see
 ``download_timeout_s`` (it runs in a helper thread and is abandoned, its result
 discarded, when the time is up), failed attempts are retried ``download_retry``
 times with a back-off starting at ``retry_backoff_initial_s`` and doubling up to
-``retry_backoff_max_s``. The last error is raised.
+``retry_backoff_max_s``. The last error is raised. Deterministic errors (a bad
+argument, a directory, a refused permission, a :class:`SourceError` verdict such
+as an object that changed) are raised after one attempt.
+
+:func:`is_transient` says which OS errors of a local open are worth another
+attempt (used by :func:`zephon.io.reader.open_with_retry`).
 """
 
 from __future__ import annotations

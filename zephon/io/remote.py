@@ -11,10 +11,12 @@ source is built (``etag:<ETag>``, else ``mtime:<last modified>``; plus the store
 version id or generation when it has one). The FileRef is part of a source's
 pickled state, so every process reads the version the source was built on:
 
-- ``s3://``: every request is a ranged ``GetObject`` with ``If-Match: <ETag>`` (and
-  ``VersionId`` when one was recorded); the ETag of each response is compared
-  too. An object replaced since the source was built answers 412, which is
-  :class:`ObjectChanged` (a SourceError naming the object), never retried.
+- ``s3://``: every request is a ranged ``GetObject`` with ``If-Match: <ETag>``; the
+  ETag of each response is compared too. An object replaced since the source was
+  built answers 412, which is :class:`ObjectChanged` (a SourceError naming the
+  object), never retried. When the store reported a version id (a versioned
+  bucket), requests also name that ``VersionId``: the recorded version is read
+  even after the object was overwritten.
 - other protocols: the version is looked up again when a process first reads an
   object (:func:`check_version`) and after every download into the cache; a
   difference is :class:`ObjectChanged`.
