@@ -9,12 +9,15 @@ in a private mount namespace, and from real concurrent processes sharing a tiny 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
 import subprocess
 import sys
 import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -130,6 +133,85 @@ def test_an_object_replaced_mid_epoch_is_an_error_naming_it(s3, tmp_path, cache)
     assert np.array_equal(all_tokens(fresh, runtime), tokens(4096, salt=5))
 
 
+class _Objects(BaseHTTPRequestHandler):
+    """A plain HTTP object server: HEAD and ranged GET, a strong ETag, If-Match (412)."""
+
+    objects: dict[str, bytes] = {}
+
+    def _etag(self, data: bytes) -> str:
+        return '"' + hashlib.sha1(data).hexdigest() + '"'
+
+    def _head(self, status: int, data: bytes, length: int, extra: dict) -> None:
+        self.send_response(status)
+        self.send_header("ETag", self._etag(data))
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Content-Length", str(length))
+        for name, value in extra.items():
+            self.send_header(name, value)
+        self.end_headers()
+
+    def do_HEAD(self):  # noqa: N802 - the http.server protocol
+        data = self.objects.get(self.path)
+        if data is None:
+            self.send_error(404)
+            return
+        self._head(200, data, len(data), {})
+
+    def do_GET(self):  # noqa: N802 - the http.server protocol
+        data = self.objects.get(self.path)
+        if data is None:
+            self.send_error(404)
+            return
+        wanted = self.headers.get("If-Match")
+        if wanted is not None and wanted != self._etag(data):
+            self.send_error(412)
+            return
+        start, end = 0, len(data) - 1
+        ranged = self.headers.get("Range", "").startswith("bytes=")
+        if ranged:
+            lo, hi = self.headers["Range"][6:].split("-")
+            start, end = int(lo), min(int(hi) if hi else len(data) - 1, len(data) - 1)
+        body = data[start:end + 1]
+        extra = {"Content-Range": f"bytes {start}-{end}/{len(data)}"} if ranged else {}
+        self._head(206 if ranged else 200, data, len(body), extra)
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def http_store():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Objects)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", _Objects.objects
+    server.shutdown()
+    server.server_close()
+    thread.join(10)
+    _Objects.objects.clear()
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_an_http_object_replaced_mid_epoch_is_an_error_naming_it(http_store, tmp_path, cache):
+    pytest.importorskip("aiohttp")
+    base, objects = http_store
+    objects["/a.bin"] = tokens(4096).tobytes()
+    src = sources.token_windows(f"{base}/a.bin", 64, "uint32")
+    assert src.refs[0].version.startswith("etag:")
+    runtime = opts(tmp_path / "c", cache_enabled=cache, download_retry=2)
+    if cache:
+        objects["/a.bin"] = tokens(4096, salt=9).tobytes()
+    it = iter(Pipeline(src, shuffle=False, chunk_size=2).options(runtime))
+    if not cache:
+        assert np.array_equal(next(it)["tokens"], tokens(4096)[:64])
+        objects["/a.bin"] = tokens(4096, salt=9).tobytes()
+    with pytest.raises(OpError, match=r"a\.bin.*changed since the source was built"):
+        list(it)
+    it.close()
+    assert not [f for f in cache_files(tmp_path / "c") if f.endswith("a.bin")]
+
+
 def test_the_cache_key_is_the_version(s3, tmp_path):
     url = s3.put("keyed/a.bin", b"1" * 1000)
     so = storage_options(s3.endpoint)
@@ -226,7 +308,7 @@ def test_temp_files_of_dead_writers_are_removed(s3, tmp_path):
     src, data = _source(s3, "trust/parts-a.bin")
     other, _ = _source(s3, "trust/parts-b.bin")
     root = tmp_path / "c"
-    runtime = opts(root, cache_enabled=True, cache_limit_bytes=1 << 20)
+    runtime = opts(root, cache_enabled=True)  # unbounded: no eviction, the pass still runs
     assert np.array_equal(all_tokens(src, runtime), data)
     entry = FileCache(IoConfig.from_store_options(runtime.io_options)).entry_path(other.refs[0])
     os.makedirs(os.path.dirname(entry), mode=0o700, exist_ok=True)

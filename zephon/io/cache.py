@@ -37,7 +37,8 @@ Invariants:
   ``.check`` is written (atomically too); an entry without its ``.check`` is never
   served (it is downloaded again). A process killed mid-download leaves only a
   ``.part`` file, which is never served and is removed by the next process that
-  takes the entry's lock or runs an eviction while no writer holds that lock.
+  takes the entry's lock, or by the pass that follows every insertion while no
+  writer holds that lock.
 - *Shared*: the processes of one run and concurrent runs take the entry's stripe
   ``flock`` before downloading, and look again once they hold it: an object is
   downloaded once, whoever asks first.
@@ -479,7 +480,7 @@ class FileCache:
             if verified and md5.hexdigest() != ref.etag:
                 raise _Corrupt(f"the MD5 of the bytes received ({md5.hexdigest()}) is not "
                                f"the object's ETag ({ref.etag})")
-            if ref.version and not (_is_s3(ref.url) and ref.etag):
+            if ref.version and not ref.conditional:
                 check_version(ref, self.cfg, self.storage_options, context)  # same version?
             _replace(part, entry, ref)
         except BaseException:
@@ -525,15 +526,16 @@ class FileCache:
         return sum(size for _, size, _ in self.entries())
 
     def evict(self, keep: str | None = None) -> list[str]:
-        """Remove least recently used entries that no reader holds open until the cache
-        fits ``cache_limit_bytes``; returns the removed entry paths."""
+        """Remove the ``.part`` files of dead writers, then the least recently used
+        entries that no reader holds open until the cache fits ``cache_limit_bytes``;
+        returns the removed entry paths."""
         limit = self.cfg.cache_limit_bytes
-        if limit is None:
-            return []
-        removed = []
+        removed: list[str] = []
         os.close(_open_dir(self.root, create=True))
         with _flock(os.path.join(self.root, "cache.lock")):
             self._remove_dead_parts()
+            if limit is None:
+                return removed
             entries = sorted(self.entries())
             total = sum(size for _, size, _ in entries)
             for _, size, path in entries:

@@ -135,7 +135,7 @@ class FileReader:
         """Exactly ``size`` bytes at ``offset``, or a SourceError naming the file."""
         if self.streamed:
             if not self._checked:
-                if not _conditional(self.ref):
+                if not self.ref.conditional:
                     check_version(self.ref, self.cfg, self.storage_options, context)
                 self._checked = True
             return read_range(self.ref, offset, offset + size, self.cfg, self.storage_options,
@@ -166,12 +166,6 @@ class FileReader:
             if self._fh is not None:
                 self._fh.close()
                 self._fh = None
-
-
-def _conditional(ref: FileRef) -> bool:
-    """True when every ranged read of ``ref`` is itself pinned to its version (S3 with
-    an ETag: ``If-Match``), so no separate look-up is needed."""
-    return bool(ref.etag) and ref.url.split("://", 1)[0].lower() in ("s3", "s3a")
 
 
 class RangeFile(io.RawIOBase):

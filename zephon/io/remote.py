@@ -17,9 +17,11 @@ pickled state, so every process reads the version the source was built on:
   object), never retried. When the store reported a version id (a versioned
   bucket), requests also name that ``VersionId``: the recorded version is read
   even after the object was overwritten.
-- other protocols: the version is looked up again when a process first reads an
-  object (:func:`check_version`) and after every download into the cache; a
-  difference is :class:`ObjectChanged`.
+- ``http(s)://`` with a strong ETag: every ranged GET carries ``If-Match`` too (a
+  412 is :class:`ObjectChanged`).
+- other protocols (and weak or missing ETags): the version is looked up again when
+  a process first reads an object (:func:`check_version`) and after every download
+  into the cache; a difference is :class:`ObjectChanged`.
 
 :func:`read_range` reads ``[start, end)`` of a remote object with the retry and
 timeout policy of :class:`~zephon.io.config.IoConfig`; a failure after the
@@ -96,8 +98,16 @@ class FileRef:
 
     @property
     def etag(self) -> str:
-        """The ETag recorded when the source was built ('' when there is none)."""
-        return self.version[5:] if self.version.startswith("etag:") else ""
+        """The strong ETag recorded when the source was built, unquoted ('' when there
+        is none or it is weak)."""
+        tag = self.version[5:] if self.version.startswith("etag:") else ""
+        return "" if tag.startswith("W/") else tag
+
+    @property
+    def conditional(self) -> bool:
+        """True when every ranged read of this object names its version (``If-Match``
+        on S3 and HTTP(S) with a strong ETag), so no separate look-up is needed."""
+        return bool(self.etag) and protocol_of(self.url) in ("s3", "s3a", "http", "https")
 
     def __getstate__(self):
         return (self.url, self.size, self.version, self.version_id)
@@ -179,7 +189,9 @@ def _version(info: dict) -> tuple[str, str]:
     version = ""
     for name in ("ETag", "etag"):
         if info.get(name) not in (None, ""):
-            version = "etag:" + str(info[name]).strip('"')
+            raw = str(info[name]).strip()
+            weak = raw.startswith("W/")  # a weak ETag: no If-Match on it
+            version = "etag:" + ("W/" if weak else "") + raw[2 * weak:].strip('"')
             break
     else:
         for name in ("md5Hash", "LastModified", "mtime", "updated", "last_modified"):
@@ -289,6 +301,8 @@ def _precondition_failed(exc: BaseException) -> bool:
     """True for a 412 answer (s3fs raises it as an OSError caused by a ClientError)."""
     seen, cur = 0, exc  # type: int, BaseException | None
     while cur is not None and seen < 5:
+        if getattr(cur, "status", None) == 412:  # aiohttp (http, https)
+            return True
         response = getattr(cur, "response", None)
         if isinstance(response, dict):
             error = response.get("Error") or {}
@@ -328,6 +342,18 @@ def _s3_range(fs, ref: FileRef, start: int, end: int) -> tuple[bytes, dict]:
         raise
 
 
+def _http_range(fs, ref: FileRef, start: int, end: int) -> bytes:
+    """One ranged GET with ``If-Match`` (the filesystem's own headers kept)."""
+    headers = dict((getattr(fs, "kwargs", None) or {}).get("headers") or {})
+    headers["If-Match"] = f'"{ref.etag}"'
+    try:
+        return fs.cat_file(ref.url, start=start, end=end, headers=headers)
+    except Exception as exc:
+        if _precondition_failed(exc):
+            raise ObjectChanged(ref, "another version (If-Match failed)") from None
+        raise
+
+
 def fetch_range(ref: FileRef, start: int, end: int, cfg: IoConfig,
                 storage_options: dict | None = None, context: str = "") -> tuple[bytes, dict]:
     """Like :func:`read_range`, with the response's headers (S3: ``ETag``,
@@ -340,6 +366,8 @@ def fetch_range(ref: FileRef, start: int, end: int, cfg: IoConfig,
     def attempt() -> tuple[bytes, dict]:
         if s3:
             data, meta = _s3_range(fs, ref, start, end)
+        elif ref.conditional:
+            data, meta = _http_range(fs, ref, start, end), {}
         else:
             data, meta = fs.cat_file(ref.url, start=start, end=end), {}
         if len(data) != end - start:
