@@ -3,9 +3,10 @@
 :class:`MotoServer` runs ``python -m moto.server`` as a subprocess on 127.0.0.1
 (stopped by the fixture's finalizer). :class:`FaultProxy` is a TCP proxy (threads
 in the test process) between the S3 client and that server: it records every
-request line and, per object key, can cut the next responses after N bytes or
-hold them for a while, which is how the tests drop connections mid-object and
-make downloads time out.
+request line and, per object key, can cut the next responses after N bytes,
+hold them for a while, flip a byte of their body, or answer them itself with an
+S3 error, which is how the tests drop connections mid-object, make downloads time
+out, alter data in flight and make a store fail for a while.
 """
 
 from __future__ import annotations
@@ -104,6 +105,22 @@ class FaultProxy:
         with self.lock:
             self.rules[key] = ["stall", seconds, times, skip]
 
+    def flip(self, key: str, times: int = 1, skip: int = 0) -> None:
+        """The next ``times`` responses to a GET of ``key`` have the first byte of their
+        body inverted (the length and headers unchanged)."""
+        with self.lock:
+            self.rules[key] = ["flip", 0, times, skip]
+
+    def fail(self, key: str, status: int, code: str, times: int = 1) -> None:
+        """The next ``times`` GETs of ``key`` are answered by the proxy with ``status``
+        and the S3 error ``code`` (never reaching the server)."""
+        with self.lock:
+            self.rules[key] = ["fail", (status, code), times, 0]
+
+    def clear(self) -> None:
+        with self.lock:
+            self.rules.clear()
+
     def gets(self, key: str) -> int:
         with self.lock:
             return sum(1 for m, p in self.requests if m == "GET" and p.endswith("/" + key))
@@ -132,6 +149,7 @@ class FaultProxy:
                 data = client.recv(65536)
                 if not data:
                     break
+                rule = None
                 for match in _REQUEST.finditer(data):
                     method, path = match.group(1).decode(), match.group(2).decode()
                     with self.lock:
@@ -145,6 +163,11 @@ class FaultProxy:
                             elif rule[2] > 0:
                                 rule[2] -= 1
                                 state["rule"], state["sent"] = [rule[0], rule[1]], 0
+                    rule = state["rule"]
+                if rule and rule[0] == "fail":
+                    state["rule"] = None
+                    client.sendall(_error_response(*rule[1]))
+                    continue
                 upstream.sendall(data)
         except OSError:
             pass
@@ -161,6 +184,15 @@ class FaultProxy:
                 if rule and rule[0] == "stall":
                     state["rule"] = None
                     time.sleep(rule[1])
+                elif rule and rule[0] in ("flip", "flip-body"):
+                    at = 0 if rule[0] == "flip-body" else data.find(b"\r\n\r\n") + 4
+                    if 4 <= at < len(data) or (rule[0] == "flip-body" and data):
+                        state["rule"] = None
+                        body = bytearray(data)
+                        body[at] ^= 0xFF
+                        data = bytes(body)
+                    elif at >= 4:  # the headers end this chunk: the body starts the next
+                        state["rule"] = ["flip-body", 0]
                 elif rule and rule[0] == "cut":
                     room = rule[1] - state["sent"]
                     if len(data) >= room:
@@ -179,6 +211,13 @@ class FaultProxy:
         with self.lock:
             for conn in self.conns:
                 _close(conn)
+
+
+def _error_response(status: int, code: str) -> bytes:
+    body = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+            f"<Message>injected by the test proxy</Message></Error>").encode()
+    return (f"HTTP/1.1 {status} Injected\r\nContent-Type: application/xml\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
 def _close(*socks) -> None:

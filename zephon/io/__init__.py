@@ -1,9 +1,11 @@
 """zephon.io: reading input files wherever they live (local disk or fsspec URLs).
 
 Owns: :class:`IoConfig` (the ``StoreOptions`` knobs as plain values) and the retry
-loop (:mod:`.config`); path expansion and ranged remote reads (:mod:`.remote`);
-the shared, atomic, LRU-bounded local cache of remote files (:mod:`.cache`);
-per-process positional readers (:mod:`.reader`); :class:`SourceError`.
+loop (:mod:`.config`); path expansion and ranged remote reads pinned to the
+version a source was built on (:mod:`.remote`); the verified, trusted, shared,
+atomic, LRU-bounded local cache of remote files (:mod:`.cache`); per-process
+positional readers (:mod:`.reader`); :class:`SourceError` and its
+:class:`ObjectChanged`.
 
 Layering: imports the standard library, ``zephon.errors`` and, lazily and only
 for remote paths, fsspec and its protocol packages. The pipeline's sources use it;
@@ -13,7 +15,15 @@ it knows nothing about pipelines.
 from zephon.io.config import DEFAULT_IO, AttemptTimeout, IoConfig, call_with_retry
 from zephon.io.errors import SourceError
 from zephon.io.reader import FileReader, RangeFile, open_with_retry
-from zephon.io.remote import FileRef, expand, filesystem, is_remote, read_range, require
+from zephon.io.remote import (
+    FileRef,
+    ObjectChanged,
+    expand,
+    filesystem,
+    is_remote,
+    read_range,
+    require,
+)
 
 __all__ = [
     "DEFAULT_IO",
@@ -22,6 +32,7 @@ __all__ = [
     "FileReader",
     "FileRef",
     "IoConfig",
+    "ObjectChanged",
     "RangeFile",
     "SourceError",
     "call_with_retry",

@@ -9,20 +9,27 @@ the options layer. The pipeline builds it from ``io_options`` (see
 ``download_timeout_s`` (it runs in a helper thread and is abandoned, its result
 discarded, when the time is up), failed attempts are retried ``download_retry``
 times with a back-off starting at ``retry_backoff_initial_s`` and doubling up to
-``retry_backoff_max_s``. The last error is raised.
+``retry_backoff_max_s``. The last error is raised. Deterministic errors (a bad
+argument, a directory, a refused permission, a :class:`SourceError` verdict such
+as an object that changed) are raised after one attempt.
+
+:func:`is_transient` says which OS errors of a local open are worth another
+attempt (used by :func:`zephon.io.reader.open_with_retry`).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
 import time
 from typing import Callable, TypeVar
 
-from zephon.errors import AttemptTimeout
+from zephon.errors import AttemptTimeout, SourceError
 
-__all__ = ["DEFAULT_IO", "AttemptTimeout", "IoConfig", "call_with_retry"]
+__all__ = ["DEFAULT_IO", "TRANSIENT_ERRNOS", "AttemptTimeout", "IoConfig", "call_with_retry",
+           "is_transient"]
 
 log = logging.getLogger("zephon.io")
 T = TypeVar("T")
@@ -126,8 +133,31 @@ def _attempt(fn: Callable[[], T], timeout: float) -> T:
     return box["value"]
 
 
-# Programming errors are not worth another attempt.
-_NEVER_RETRY = (TypeError, AttributeError, NameError, ImportError, AssertionError)
+# Deterministic errors are not worth another attempt: programming errors, a path that
+# names a directory (or goes through a file), a refused permission, a bad argument and
+# zephon's own verdicts (an object that changed, a corrupt file).
+_NEVER_RETRY = (TypeError, AttributeError, NameError, ImportError, AssertionError,
+                ValueError, IsADirectoryError, NotADirectoryError, PermissionError,
+                SourceError)
+
+# errno values of transient failures: worth another attempt on the same path.
+TRANSIENT_ERRNOS = frozenset(getattr(errno, name) for name in (
+    "EIO", "ESTALE", "EAGAIN", "EINTR", "EBUSY", "ETIMEDOUT", "ECONNRESET", "ECONNREFUSED",
+    "ECONNABORTED", "EHOSTUNREACH", "ENETUNREACH", "ENETDOWN", "ENETRESET", "EPIPE", "EMFILE",
+    "ENFILE", "ENOLCK", "ENOBUFS", "EREMOTEIO", "ENOMEM") if hasattr(errno, name))
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for an OS error worth retrying on the same local path (a stale NFS handle,
+    an I/O error, a timeout, too many open files...); False for deterministic ones (no
+    such file, a directory, no permission, ...) and for everything that is not an
+    OSError."""
+    if isinstance(exc, (FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                        PermissionError, FileExistsError)):
+        return False
+    return isinstance(exc, (OSError, TimeoutError)) and (
+        isinstance(exc, (TimeoutError, ConnectionError, InterruptedError, BlockingIOError))
+        or exc.errno in TRANSIENT_ERRNOS)
 
 
 def call_with_retry(fn: Callable[[], T], cfg: IoConfig, what: str,
@@ -136,8 +166,10 @@ def call_with_retry(fn: Callable[[], T], cfg: IoConfig, what: str,
     ``cfg.download_timeout_s``; ``what`` names the object in the log.
 
     Only ``retry_on`` errors are retried (by default every ``Exception``: the
-    transports raise network errors, missing objects and throttling under many
-    classes); others are raised at once.
+    transports raise network errors, throttling and objects missing for a while
+    under many classes), and never a deterministic one (a bad argument, a
+    directory, a refused permission, a :class:`SourceError` verdict such as an
+    object that changed): those are raised after one attempt.
     """
     delay = cfg.retry_backoff_initial_s
     attempts = cfg.download_retry + 1

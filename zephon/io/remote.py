@@ -6,13 +6,29 @@ plain local paths. Remote access goes through fsspec (the ``remote`` extra),
 imported on first remote use only: local files never load it.
 
 :func:`expand` turns the user's paths (strings or lists; globs allowed, sorted)
-into :class:`FileRef` records with the size and a version tag (ETag or mtime)
-observed when the source is built; readers check that a remote object still has
-that size, so a changed object is an error instead of silently different data.
+into :class:`FileRef` records with the size and the version observed when the
+source is built (``etag:<ETag>``, else ``mtime:<last modified>``; plus the store's
+version id or generation when it has one). The FileRef is part of a source's
+pickled state, so every process reads the version the source was built on:
+
+- ``s3://``: every request is a ranged ``GetObject`` with ``If-Match: <ETag>``; the
+  ETag of each response is compared too. An object replaced since the source was
+  built answers 412, which is :class:`ObjectChanged` (a SourceError naming the
+  object), never retried. When the store reported a version id (a versioned
+  bucket), requests also name that ``VersionId``: the recorded version is read
+  even after the object was overwritten.
+- ``http(s)://`` with a strong ETag: every ranged GET carries ``If-Match`` too (a
+  412 is :class:`ObjectChanged`).
+- other protocols (and weak or missing ETags): the version is looked up again when
+  a process first reads an object (:func:`check_version`) and after every download
+  into the cache; a difference is :class:`ObjectChanged`.
 
 :func:`read_range` reads ``[start, end)`` of a remote object with the retry and
 timeout policy of :class:`~zephon.io.config.IoConfig`; a failure after the
-retries is a :class:`~zephon.io.errors.SourceError` naming the URL.
+retries is a :class:`~zephon.io.errors.SourceError` naming the URL. Byte ranges
+carry no checksum: the integrity of a whole object is checked when it is
+downloaded into the cache (:mod:`.cache`); streamed ranges are as good as the
+transport (use TLS).
 
 Filesystem objects are made once per process and protocol (fsspec's own instance
 cache is bypassed so that a worker never inherits a parent's event loop).
@@ -33,7 +49,11 @@ from zephon.io.errors import SourceError
 
 __all__ = [
     "FileRef",
+    "ObjectChanged",
+    "check_version",
+    "current_version",
     "expand",
+    "fetch_range",
     "filesystem",
     "is_remote",
     "read_range",
@@ -57,14 +77,16 @@ def require(module: str, extra: str, what: str):
 
 
 class FileRef:
-    """One input file: ``url`` (a local path or an fsspec URL), ``size`` in bytes and
-    ``version`` (the ETag or mtime seen when the source was built; '' for local
-    files)."""
+    """One input file: ``url`` (a local path or an fsspec URL), ``size`` in bytes,
+    ``version`` (``etag:<ETag>`` or ``mtime:<time>`` as seen when the source was
+    built; '' for local files and refs made without one) and ``version_id`` (the
+    store's object version id or generation, '' when it has none)."""
 
-    __slots__ = ("size", "url", "version")
+    __slots__ = ("size", "url", "version", "version_id")
 
-    def __init__(self, url: str, size: int, version: str = "") -> None:
+    def __init__(self, url: str, size: int, version: str = "", version_id: str = "") -> None:
         self.url, self.size, self.version = url, int(size), version
+        self.version_id = version_id
 
     @property
     def remote(self) -> bool:
@@ -74,11 +96,24 @@ class FileRef:
     def basename(self) -> str:
         return self.url.rstrip("/").rsplit("/", 1)[-1]
 
+    @property
+    def etag(self) -> str:
+        """The strong ETag recorded when the source was built, unquoted ('' when there
+        is none or it is weak)."""
+        tag = self.version[5:] if self.version.startswith("etag:") else ""
+        return "" if tag.startswith("W/") else tag
+
+    @property
+    def conditional(self) -> bool:
+        """True when every ranged read of this object names its version (``If-Match``
+        on S3 and HTTP(S) with a strong ETag), so no separate look-up is needed."""
+        return bool(self.etag) and protocol_of(self.url) in ("s3", "s3a", "http", "https")
+
     def __getstate__(self):
-        return (self.url, self.size, self.version)
+        return (self.url, self.size, self.version, self.version_id)
 
     def __setstate__(self, state) -> None:
-        self.url, self.size, self.version = state
+        self.url, self.size, self.version, self.version_id = state
 
     def __eq__(self, other) -> bool:
         return isinstance(other, FileRef) and self.__getstate__() == other.__getstate__()
@@ -87,7 +122,18 @@ class FileRef:
         return hash(self.__getstate__())
 
     def __repr__(self) -> str:
-        return f"FileRef({self.url!r}, size={self.size})"
+        return f"FileRef({self.url!r}, size={self.size}, version={self.version!r})"
+
+
+class ObjectChanged(SourceError):
+    """A remote object is no longer the version its source was built on."""
+
+    def __init__(self, ref: FileRef, now: str, context: str = "") -> None:
+        where = f" ({context})" if context else ""
+        super().__init__(f"{ref.url}{where} changed since the source was built: it was "
+                         f"{ref.version or 'unversioned'} ({ref.size} bytes), the store now "
+                         f"has {now}; rebuild the source to read the new version")
+        self.url, self.now = ref.url, now
 
 
 def protocol_of(url: str) -> str:
@@ -138,11 +184,44 @@ def filesystem(url: str, storage_options: dict | None):
     return fs
 
 
-def _version(info: dict) -> str:
-    for name in ("ETag", "etag", "md5Hash", "LastModified", "mtime", "updated", "last_modified"):
+def _version(info: dict) -> tuple[str, str]:
+    """``(version, version_id)`` of an fsspec ``info`` record (see :class:`FileRef`)."""
+    version = ""
+    for name in ("ETag", "etag"):
         if info.get(name) not in (None, ""):
-            return str(info[name]).strip('"')
-    return ""
+            raw = str(info[name]).strip()
+            weak = raw.startswith("W/")  # a weak ETag: no If-Match on it
+            version = "etag:" + ("W/" if weak else "") + raw[2 * weak:].strip('"')
+            break
+    else:
+        for name in ("md5Hash", "LastModified", "mtime", "updated", "last_modified"):
+            if info.get(name) not in (None, ""):
+                version = ("md5:" if name == "md5Hash" else "mtime:") + str(info[name])
+                break
+    vid = info.get("VersionId") or info.get("generation") or ""
+    return version, str(vid)
+
+
+def current_version(ref: FileRef, storage_options: dict | None) -> tuple[int, str, str]:
+    """``(size, version, version_id)`` the store reports for ``ref.url`` now."""
+    fs = filesystem(ref.url, storage_options)
+    info = fs.info(ref.url, refresh=True) if _is_s3(ref.url) else fs.info(ref.url)
+    return (int(info.get("size") or 0), *_version(info))
+
+
+def check_version(ref: FileRef, cfg: IoConfig, storage_options: dict | None,
+                  context: str = "") -> None:
+    """Raise :class:`ObjectChanged` when ``ref``'s object is no longer the recorded
+    version (size, version and version id; unversioned refs: size only)."""
+    try:
+        size, version, vid = call_with_retry(lambda: current_version(ref, storage_options),
+                                             cfg, ref.url)
+    except Exception as exc:  # noqa: BLE001 - named for the user
+        raise SourceError(f"cannot look up {ref.url}: {type(exc).__name__}: {exc}") from None
+    changed = size != ref.size or (ref.version and version != ref.version) or \
+        (ref.version_id and vid != ref.version_id)
+    if changed:
+        raise ObjectChanged(ref, f"{version or 'unversioned'} ({size} bytes)", context)
 
 
 def _with_protocol(url: str, path: str) -> str:
@@ -210,27 +289,104 @@ def _expand_remote(pattern: str, what: str, cfg: IoConfig, storage_options,
                           f"retries: {type(exc).__name__}: {exc}") from None
     if not found:
         raise SourceError(f"{what}: no file matches {pattern!r}")
-    return [FileRef(_with_protocol(pattern, p), int(info.get("size") or 0), _version(info))
+    return [FileRef(_with_protocol(pattern, p), int(info.get("size") or 0), *_version(info))
             for p, info in found]
+
+
+def _is_s3(url: str) -> bool:
+    return protocol_of(url) in ("s3", "s3a")
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """True for a 412 answer (s3fs raises it as an OSError caused by a ClientError)."""
+    seen, cur = 0, exc  # type: int, BaseException | None
+    while cur is not None and seen < 5:
+        if getattr(cur, "status", None) == 412:  # aiohttp (http, https)
+            return True
+        response = getattr(cur, "response", None)
+        if isinstance(response, dict):
+            error = response.get("Error") or {}
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if error.get("Code") == "PreconditionFailed" or status == 412:
+                return True
+        cur, seen = cur.__cause__ or cur.__context__, seen + 1
+    return False
+
+
+def _s3_range(fs, ref: FileRef, start: int, end: int) -> tuple[bytes, dict]:
+    """One conditional ranged GetObject: the bytes and the response's headers."""
+    from fsspec.asyn import sync
+
+    bucket, key, _ = fs.split_path(ref.url)
+    kw: dict = {"Range": f"bytes={start}-{end - 1}"}
+    if ref.etag:
+        kw["IfMatch"] = f'"{ref.etag}"'
+    if ref.version_id:
+        kw["VersionId"] = ref.version_id
+
+    async def get():
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kw)
+        try:
+            got = str(resp.get("ETag") or "").strip('"')
+            if ref.etag and got and got != ref.etag:
+                raise ObjectChanged(ref, f"etag:{got}")
+            return await resp["Body"].read(), {k: v for k, v in resp.items() if k != "Body"}
+        finally:
+            resp["Body"].close()
+
+    try:
+        return sync(fs.loop, get)
+    except Exception as exc:
+        if _precondition_failed(exc):
+            raise ObjectChanged(ref, "another version (If-Match failed)") from None
+        raise
+
+
+def _http_range(fs, ref: FileRef, start: int, end: int) -> bytes:
+    """One ranged GET with ``If-Match`` (the filesystem's own headers kept)."""
+    headers = dict((getattr(fs, "kwargs", None) or {}).get("headers") or {})
+    headers["If-Match"] = f'"{ref.etag}"'
+    try:
+        return fs.cat_file(ref.url, start=start, end=end, headers=headers)
+    except Exception as exc:
+        if _precondition_failed(exc):
+            raise ObjectChanged(ref, "another version (If-Match failed)") from None
+        raise
+
+
+def fetch_range(ref: FileRef, start: int, end: int, cfg: IoConfig,
+                storage_options: dict | None = None, context: str = "") -> tuple[bytes, dict]:
+    """Like :func:`read_range`, with the response's headers (S3: ``ETag``,
+    ``ServerSideEncryption``, ...; other protocols: ``{}``)."""
+    if end <= start:
+        return b"", {}
+    fs = filesystem(ref.url, storage_options)
+    s3 = _is_s3(ref.url)
+
+    def attempt() -> tuple[bytes, dict]:
+        if s3:
+            data, meta = _s3_range(fs, ref, start, end)
+        elif ref.conditional:
+            data, meta = _http_range(fs, ref, start, end), {}
+        else:
+            data, meta = fs.cat_file(ref.url, start=start, end=end), {}
+        if len(data) != end - start:
+            raise OSError(f"short read: {len(data)} of {end - start} bytes at offset {start}")
+        return data, meta
+
+    try:
+        return call_with_retry(attempt, cfg, ref.url)
+    except ObjectChanged as exc:
+        raise ObjectChanged(ref, exc.now, context) from None
+    except Exception as exc:  # noqa: BLE001 - named for the user
+        where = f" ({context})" if context else ""
+        raise SourceError(f"cannot read {ref.url}{where}, bytes {start}-{end}, after "
+                          f"{cfg.download_retry} retries: {type(exc).__name__}: {exc}") from None
 
 
 def read_range(ref: FileRef, start: int, end: int, cfg: IoConfig,
                storage_options: dict | None = None, context: str = "") -> bytes:
     """Bytes ``[start, end)`` of the remote object ``ref`` (retried; exactly
-    ``end - start`` bytes or a SourceError naming the URL and ``context``)."""
-    if end <= start:
-        return b""
-    fs = filesystem(ref.url, storage_options)
-
-    def attempt() -> bytes:
-        data = fs.cat_file(ref.url, start=start, end=end)
-        if len(data) != end - start:
-            raise OSError(f"short read: {len(data)} of {end - start} bytes at offset {start}")
-        return data
-
-    try:
-        return call_with_retry(attempt, cfg, ref.url)
-    except Exception as exc:  # noqa: BLE001 - named for the user
-        where = f" ({context})" if context else ""
-        raise SourceError(f"cannot read {ref.url}{where}, bytes {start}-{end}, after "
-                          f"{cfg.download_retry} retries: {type(exc).__name__}: {exc}") from None
+    ``end - start`` bytes or a SourceError naming the URL and ``context``; an object
+    that changed since the source was built is :class:`ObjectChanged`)."""
+    return fetch_range(ref, start, end, cfg, storage_options, context)[0]

@@ -247,7 +247,9 @@ class FileSource(Source):
     :class:`~zephon.io.FileReader` (local, cached remote or streamed remote).
 
     Subclasses call ``_set_files(refs)`` (``self.files`` is then the list of URLs
-    or paths, ``self.refs`` the FileRefs with sizes), set ``self.io`` (IoConfig) and
+    or paths, ``self.refs`` the FileRefs with sizes and, for remote objects, the
+    version seen when the source was built: every process reads that version, see
+    :mod:`zephon.io.remote`), set ``self.io`` (IoConfig) and
     ``self.storage_options``, and list their per-process attributes in
     ``_per_process`` (dropped when pickled or reconfigured, rebuilt by ``_fresh``).
     """
