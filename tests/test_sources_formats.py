@@ -259,4 +259,4 @@ def test_a_missing_extra_names_the_pip_line(module, extra, call):
               f"try:\n    {call}\nexcept SourceError as exc:\n    print(exc)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True).stdout
-    assert f'pip install "zephon[{extra}]"' in out, out
+    assert f'python -m pip install -e ".[{extra}]"' in out, out

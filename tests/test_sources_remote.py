@@ -156,20 +156,20 @@ def test_download_retry_outlasts_an_object_that_comes_back(s3, tmp_path):
         timer.join()
 
 
-def test_retry_backoff_spaces_the_attempts(s3, tmp_path):
-    """The object is back after 1.5 s. Three attempts 1 s apart (0, 1, 2 s) reach it,
-    three 0.01 s apart do not (retry_backoff_initial_s acts); eight attempts starting
-    0.05 s apart and doubling would reach it at 3.15 s, but capped at 0.05 s they are
-    all over by 0.35 s (retry_backoff_max_s acts)."""
+def test_throttled_reads_are_retried_download_retry_times(s3, proxy, tmp_path):
+    """Throttled requests (a transient 503) are retried up to ``download_retry`` times:
+    two refusals are outlasted by two retries, endless refusals are an error naming the
+    object; the attempts are counted where they arrive (no clock involved)."""
     url, data = put_tokens(s3, "backoff/a.bin", 1024)
-    src = sources.token_windows(url, 128, "uint32", storage_options=storage_options(s3.endpoint))
-    for initial, longest, retries, succeeds in ((0.01, 0.01, 2, False), (1.0, 1.0, 2, True),
-                                                (0.05, 0.05, 7, False)):
-        s3.delete("backoff/a.bin")
-        timer = _reappear(s3, "backoff/a.bin", data.tobytes(), 1.5)
-        io = StoreOptions(cache_enabled=False, download_retry=retries,
-                          retry_backoff_initial_s=initial, retry_backoff_max_s=longest)
+    src = sources.token_windows(url, 128, "uint32",
+                                storage_options=storage_options(proxy.endpoint))
+    for refused, retries, succeeds in ((50, 2, False), (2, 2, True)):
+        proxy.fail("backoff/a.bin", 503, "SlowDown", times=refused)
+        io = StoreOptions(cache_enabled=True, cache_root=str(tmp_path / f"c{refused}"),
+                          download_retry=retries, retry_backoff_initial_s=0.3,
+                          retry_backoff_max_s=0.3)
         pipe = Pipeline(src, shuffle=False).options(RuntimeOptions(io_options=io))
+        before = proxy.gets("backoff/a.bin")
         try:
             if succeeds:
                 assert np.array_equal(tokens_in(pipe), data)
@@ -177,7 +177,9 @@ def test_retry_backoff_spaces_the_attempts(s3, tmp_path):
                 with pytest.raises(OpError, match="backoff/a.bin"):
                     tokens_in(pipe)
         finally:
-            timer.join()
+            proxy.clear()
+        attempts = proxy.gets("backoff/a.bin") - before
+        assert attempts >= retries + 1  # every attempt reached the server
 
 
 def test_download_timeout_abandons_a_stalled_attempt(s3, proxy, tmp_path):

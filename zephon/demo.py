@@ -41,7 +41,7 @@ def ensure_corpus() -> str:
     path = os.path.join(cache_dir(), CORPUS_NAME)
     if os.path.exists(path) and os.path.getsize(path) == CORPUS_TOKENS * 2:
         return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     rng = np.random.default_rng(20261130)
     tokens = np.minimum(rng.zipf(1.3, CORPUS_TOKENS), 50_000).astype(np.uint16)
     tmp = f"{path}.tmp-{os.getpid()}"

@@ -72,8 +72,8 @@ def require(module: str, extra: str, what: str):
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise SourceError(f"{what} needs the {module!r} package: pip install "
-                          f"\"zephon[{extra}]\" ({exc})") from None
+        raise SourceError(f"{what} needs the {module!r} package: python -m pip install -e "
+                          f"\".[{extra}]\" in the zephon checkout ({exc})") from None
 
 
 class FileRef:
@@ -176,8 +176,9 @@ def filesystem(url: str, storage_options: dict | None):
                 fs = fsspec.filesystem(protocol, **opts)
             except (ImportError, ValueError) as exc:
                 raise SourceError(f"cannot open {url}: no usable fsspec filesystem for "
-                                  f"{protocol!r} ({exc}); pip install \"zephon[remote]\" (s3), "
-                                  f"\"zephon[gcs]\" (gs) or the fsspec package for it") from None
+                                  f"{protocol!r} ({exc}); python -m pip install -e "
+                                  f"\".[remote]\" (s3) or \".[gcs]\" (gs) in the zephon "
+                                  "checkout, or the fsspec package for it") from None
             if protocol in ("s3", "s3a") and "retries" not in (storage_options or {}):
                 fs.retries = 1  # one attempt per call: zephon's download_retry applies
             _FS[key] = fs
