@@ -174,7 +174,34 @@ DeferredList.sort = _sort  # type: ignore[method-assign]
 DeferredList.__hash__ = None
 
 
-class Batch(dict):
+class _WithMeta:
+    """``meta`` of a batch value (:class:`Batch`, :class:`BatchList`): a dict whose lists
+    are plain lists (``sample_ids`` are made when they are first read here, not for every
+    batch that passes)."""
+
+    _meta: Any
+
+    @property
+    def meta(self) -> dict:
+        """The batch's metadata, a dict.
+
+        Example:
+            >>> zephon.Batch({"x": np.zeros(2)}, meta={"lane": 1}).meta
+            {'lane': 1}
+        """
+        meta = self._meta
+        if isinstance(meta, dict):
+            for key, value in meta.items():
+                if isinstance(value, DeferredList):
+                    meta[key] = list(value)
+        return meta
+
+    @meta.setter
+    def meta(self, value: dict) -> None:
+        self._meta = value
+
+
+class Batch(_WithMeta, dict):
     """A batch: ``{column: array or list}`` plus ``meta``.
 
     What ``Pipeline.batch()`` produces: a dict whose columns are stacked arrays (where
@@ -197,21 +224,6 @@ class Batch(dict):
         super().__init__(*args, **kwargs)
         self._meta = meta if meta is not None else {}
 
-    @property
-    def meta(self) -> dict:
-        """The batch's metadata, a dict (its lists are plain lists: ``sample_ids`` are
-        made when they are first read here, not for every batch that passes).
-
-        Example:
-            >>> zephon.Batch({"x": np.zeros(2)}, meta={"lane": 1}).meta
-            {'lane': 1}
-        """
-        return _plain_meta(self._meta)
-
-    @meta.setter
-    def meta(self, value: dict) -> None:
-        self._meta = value
-
     def __reduce__(self):
         return (_rebuild_batch, (dict(self), self._meta))
 
@@ -223,15 +235,7 @@ def _rebuild_batch(data, meta):
     return Batch(data, meta=meta)
 
 
-def _plain_meta(meta):
-    if isinstance(meta, dict):
-        for key, value in meta.items():
-            if isinstance(value, DeferredList):
-                meta[key] = list(value)
-    return meta
-
-
-class BatchList(list):
+class BatchList(_WithMeta, list):
     """A batch of tuple or list samples: the list of its collated positions, plus ``meta``.
 
     What ``Pipeline.batch()`` produces for ``(image, label)`` samples, as torch's
@@ -253,20 +257,6 @@ class BatchList(list):
     def __init__(self, items=(), meta: dict | None = None) -> None:
         super().__init__(items)
         self._meta = meta if meta is not None else {}
-
-    @property
-    def meta(self) -> dict:
-        """The batch's metadata, a dict, as :attr:`Batch.meta`.
-
-        Example:
-            >>> zephon.pipeline.ops.BatchList([1], meta={"lane": 1}).meta
-            {'lane': 1}
-        """
-        return _plain_meta(self._meta)
-
-    @meta.setter
-    def meta(self, value: dict) -> None:
-        self._meta = value
 
     def __reduce__(self):
         return (_rebuild_batch_list, (list(self), self._meta))
