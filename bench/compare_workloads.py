@@ -3,7 +3,7 @@
     python bench/compare_workloads.py                 # every row, 3 repetitions
     python bench/compare_workloads.py --quick         # smaller data, one repetition
     python bench/compare_workloads.py --only image --reps 5   # rows whose name matches
-    python bench/compare_workloads.py --python /work/venv-peers/bin/python   # peers there
+    python bench/compare_workloads.py --python .venv-peers/bin/python   # peers there
 
 Same method as ``bench/compare_torch.py``: every row runs in a **fresh process**
 (``python compare_workloads.py --row JSON``); each row is repeated (``--reps``, 3 by
@@ -64,10 +64,10 @@ Grain and tensorflow-cpu are not (zephon's ``bench`` extra pins Grain for
 ``compare_torch.py``; tensorflow brings keras, h5py and a libclang wheel). They were
 installed into a separate clean venv::
 
-    python3 -m venv /work/venv-peers
-    /work/venv-peers/bin/pip install numpy pillow pyarrow tokenizers torch==2.13.0 \\
+    python3 -m venv .venv-peers
+    .venv-peers/bin/pip install numpy pillow pyarrow tokenizers torch==2.13.0 \\
         grain==0.2.18 tensorflow-cpu==2.21.0 datasets msgpack zstandard
-    /work/venv-peers/bin/pip install -e . --no-deps
+    .venv-peers/bin/pip install -e . --no-deps
 
 A peer runs in this interpreter when it imports here; ``--python PATH`` adds an
 interpreter for the peers that do not (repeatable; ``--python grain=PATH`` names the
