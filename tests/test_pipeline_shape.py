@@ -145,17 +145,20 @@ def check_shape(case: Case, batches: list) -> None:
     src = pipe.plan().pipeline.source
     if case.kind == "tokens":
         got = sorted(t for b in batches for row in b["tokens"] for t in np.asarray(row).tolist())
-        want = sorted(t for i in range(len(src)) for t in src.get(i)["tokens"].tolist()
-                      for _ in range(case.epochs))
+        # each epoch's samples (a mixture's depend on the epoch: its repeats run on)
+        views = [src.view(np.arange(len(src)), e) for e in range(case.epochs)]
+        want = sorted(t for v in views for i in range(len(src))
+                      for t in v.get(i)["tokens"].tolist())
         assert got == want, case
         return
     got = collections.Counter(tuple(s) for b in batches for s in b.meta["sample_ids"])
     want = collections.Counter()
     for e in range(case.epochs):
+        view = src.view(np.arange(len(src)), e)
         for i in range(len(src)):
-            if case.kind == "kept" and not F.keep_not_seven(src.get(i)):
+            if case.kind == "kept" and not F.keep_not_seven(view.get(i)):
                 continue
-            name, idx = src.identity(i)
+            name, idx = view.identity(i)
             want[(name, idx, e)] += 1
     assert got == want, case
 
