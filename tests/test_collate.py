@@ -15,12 +15,12 @@ import subprocess
 import sys
 from collections import OrderedDict, namedtuple
 
+import _collate_fns as F
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests import _collate_fns as F
 from zephon import Pipeline, RuntimeOptions, sources
 from zephon.errors import OpError, ValidationError, ZephonConfigError
 from zephon.pipeline.collate import collate
@@ -292,7 +292,7 @@ def test_collate_fn_is_part_of_the_fingerprint_and_checked():
     plain = Pipeline(src, shuffle=False).batch(3)
     custom = Pipeline(src, shuffle=False).batch(3, collate_fn=F.sum_collate)
     assert BatchOp(3).describe() == "batch(3, drop_last=False)"  # unchanged without one
-    assert "collate_fn=tests._collate_fns.sum_collate" in BatchOp(3, collate_fn=F.sum_collate) \
+    assert "collate_fn=_collate_fns.sum_collate" in BatchOp(3, collate_fn=F.sum_collate) \
         .describe()
     assert plain.fingerprint() != custom.fingerprint()
     assert custom.fingerprint() == Pipeline(src, shuffle=False).batch(

@@ -7,10 +7,10 @@ their ``meta``.
 
 from __future__ import annotations
 
+import _collate_fns as F
 import numpy as np
 import pytest
 
-from tests import _collate_fns as F
 from zephon import Pipeline, sources
 from zephon.pipeline.ops import BatchList
 

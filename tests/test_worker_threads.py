@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 
+import _collate_fns as F
 import pytest
 
-from tests import _collate_fns as F
 from zephon import Pipeline, RuntimeOptions, sources
 
 
@@ -22,7 +22,7 @@ def test_process_workers_run_torch_and_blas_with_the_option_s_threads(threads, e
     else the op imports torch in its first task (the environment sizes its pool)."""
     pytest.importorskip("torch")
     if eager:
-        from tests._collate_torch_fns import eager_thread_report as report
+        from _collate_torch_fns import eager_thread_report as report
     else:
         report = F.thread_report
     opts = RuntimeOptions(runner="process", max_workers=2, worker_compute_threads=threads)
