@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 BUCKET = "zephon-test"
 _REQUEST = re.compile(rb"(GET|HEAD|PUT|POST|DELETE) (/[^ ?]*)[^ ]* HTTP/1\.[01]\r\n")
 
@@ -230,3 +232,20 @@ def _close(*socks) -> None:
             s.close()
         except OSError:
             pass
+
+
+# Fixtures shared by the test modules that import them (``from _s3_server import s3, proxy``).
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server for one test module, stopped at its end."""
+    server = MotoServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def proxy(s3):
+    """A :class:`FaultProxy` in front of the module's server, closed after the test."""
+    p = FaultProxy(s3.port)
+    yield p
+    p.close()

@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 
-from _s3_server import FaultProxy, MotoServer, storage_options  # noqa: E402
+from _s3_server import proxy, s3, storage_options  # noqa: E402, F401 (fixtures)
 
 from zephon import OpError, Pipeline, RuntimeOptions, StoreOptions, sources  # noqa: E402
 from zephon.io import FileCache, IoConfig, SourceError  # noqa: E402
@@ -33,20 +33,6 @@ from zephon.io.remote import expand  # noqa: E402
 
 FAST = dict(retry_backoff_initial_s=0.01, retry_backoff_max_s=0.05)
 NOBODY = 65534
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = MotoServer()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def proxy(s3):
-    p = FaultProxy(s3.port)
-    yield p
-    p.close()
 
 
 def tokens(n: int, salt: int = 0) -> np.ndarray:

@@ -24,26 +24,12 @@ import pytest
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 
-from _s3_server import BUCKET, FaultProxy, MotoServer, storage_options  # noqa: E402
+from _s3_server import BUCKET, proxy, s3, storage_options  # noqa: E402, F401 (fixtures)
 
 from zephon import OpError, Pipeline, RuntimeOptions, StoreOptions, sources  # noqa: E402
 from zephon.io import FileCache, FileRef, IoConfig, SourceError  # noqa: E402
 
 FAST = dict(retry_backoff_initial_s=0.01, retry_backoff_max_s=0.05)
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = MotoServer()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def proxy(s3):
-    p = FaultProxy(s3.port)
-    yield p
-    p.close()
 
 
 def store(tmp_path, **kw) -> StoreOptions:
