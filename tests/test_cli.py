@@ -206,7 +206,7 @@ def test_example_data_is_deterministic_and_rewritable(tmp_path):
     assert run_cli("example-data", str(tmp_path / "b")).returncode == 0
     a, b = _files(tmp_path / "a"), _files(tmp_path / "b")
     assert a.pop("mine.txt") == b"not the command's"  # nothing else is touched
-    assert a == b and len(a) >= 5
+    assert a == b and len(a) >= 4  # 4 without pyarrow (no parquet, no hf)
     assert sum(map(len, a.values())) < 1 << 20  # small
 
 

@@ -136,6 +136,7 @@ def test_a_state_epoch_outside_its_pass_is_refused():
 
 
 def test_torch_loader_follows_the_same_rule():
+    pytest.importorskip("torch")
     zt = pytest.importorskip("zephon.torch")
     passes = [one_pass(p) for p in [pipeline()] for _ in range(3)]
     loader = zt.loader(pipeline())
@@ -149,8 +150,8 @@ def test_torch_loader_follows_the_same_rule():
 
 @pytest.mark.parametrize("pin", [False, True])
 def test_torch_loader_left_early_continues_after_what_it_handed_out(pin):
-    zt = pytest.importorskip("zephon.torch")
     pytest.importorskip("torch")
+    zt = pytest.importorskip("zephon.torch")
     import warnings
 
     reference = one_pass(pipeline())
