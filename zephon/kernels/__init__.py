@@ -15,6 +15,9 @@ specification the compiled version must match):
                                         (:mod:`zephon.kernels.shuffle_ref`; the seeded
   index bijection called by :func:`zephon.pipeline.lanes.epoch_slice` for an epoch's
   visiting order and by the Parquet source for its row orders)
+- ``item_refcounts``, ``item_refcount``, ``base_refcount``, ``attr_refcount``
+                                        (:mod:`zephon.kernels.refcount_ref`; exact
+  reference counts for the exclusivity walk of :mod:`zephon.transport.heap`)
 - result types and helpers              (:mod:`zephon.kernels.types`)
 
 Leaves are rebuilt on the receiving side by the codec's decoder with one
@@ -60,10 +63,14 @@ __all__ = [
     "PackPlan",
     "ReorderBuffer",
     "align_up",
+    "attr_refcount",
+    "base_refcount",
     "byte_extent",
     "compaction_plan",
     "compiled_module",
     "inverse_positions",
+    "item_refcount",
+    "item_refcounts",
     "order_key",
     "pack_copy",
     "pack_plan",
@@ -77,6 +84,8 @@ _EXPORTS = {
     "ReorderBuffer": "reorder", "LaneRoundRobin": "reorder",
     "permute_range": "shuffle", "permute_positions": "shuffle",
     "inverse_positions": "shuffle", "order_key": "shuffle",
+    "item_refcounts": "refcount", "item_refcount": "refcount",
+    "base_refcount": "refcount", "attr_refcount": "refcount",
 }
 _selection: tuple[dict, str] | None = None
 
@@ -94,7 +103,7 @@ def _select() -> tuple[dict, str]:
     global _selection
     if _selection is not None:
         return _selection
-    names = ("pack", "compaction", "reorder", "shuffle")
+    names = ("pack", "compaction", "reorder", "shuffle", "refcount")
     if os.environ.get("ZEPHON_PURE_PYTHON") == "1":
         _selection = ({name: _reference(name) for name in names}, "reference")
         return _selection

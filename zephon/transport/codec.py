@@ -291,11 +291,15 @@ class Encoder:
                                                                 list[int], list]:
         """:meth:`encode` of ``box[0]`` for a caller that holds the payload only through
         ``box`` (a one-item list): arrays of the worker's shared heap that nothing but the
-        payload reaches go by reference (:func:`~zephon.transport.heap.exclusive_arrays`)."""
+        payload reaches go by reference (:func:`~zephon.transport.heap.exclusive_arrays`),
+        once the heap passed its self-test through this encoder
+        (:meth:`~zephon.transport.heap.WorkerHeap.verify`, at the first call that finds a
+        heap array alive)."""
         msg = self._pickle(box[0])
         exclusive = None
         heap = self.heap
-        if heap is not None and heap.has_live() and self.policy.enabled:
+        if heap is not None and heap.has_live() and self.policy.enabled and \
+                heap.verify(self, peer):  # (its self-test, at first use)
             exclusive = exclusive_arrays(box)
         return self._place(msg, peer, exclusive)
 

@@ -90,9 +90,11 @@ import logging
 import os
 import sys
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
+
+from zephon.kernels import attr_refcount, base_refcount, item_refcount, item_refcounts
 
 __all__ = ["DEFAULT_THRESHOLD_BYTES", "WorkerHeap", "exclusive_owner", "heap_enabled",
            "installed", "settle"]
@@ -154,39 +156,237 @@ def installed() -> "WorkerHeap | None":
     return _installed
 
 
-# -- exclusivity -------------------------------------------------------------------------
+# -- exclusivity: one walk -----------------------------------------------------------------
 #
-# Reference counts are compared with calibrations made on the very code paths below (a
-# name bound to an object, a temporary argument: each adds one), so none of these
-# helpers may bind the object it counts to a local name before counting it.
+# Every count is the refcount kernel's (zephon.kernels.refcount): exact, read where the
+# object lives before the walk binds it anywhere. The walk subtracts the holders it can
+# name, and a count of anything more is a holder it cannot: the object is shared.
 
-def _held_once(parent: Any, key: Any) -> int:
-    return sys.getrefcount(parent[key])
-
-
-def _held_once_listed(values: list, i: int) -> int:
-    """Of a dict's value, counted in ``list(d.values())`` (no key lookup: that would
-    call the keys' ``__hash__``, which pickling never does)."""
-    return sys.getrefcount(values[i])
-
-
-def _value_refs(record: Any) -> int:
-    return sys.getrefcount(record.value)
-
+#: The container an item is in (a list's, tuple's or dict's slot, a record's ``value``).
+BY_PARENT = 1
+#: The view whose ``base`` an array is.
+BY_VIEW = 1
+#: The encoder's list of the payload's leaves (once per occurrence of an array).
+BY_LEAF_LIST = 1
 
 #: A class attribute that lets the walk into an object: ``__heap_walk__ = True`` on a class
 #: with a ``value`` slot whose instances pickle as ``(cls, (value, ...))`` and whose other
 #: fields hold no arrays (the pipeline's ``Record``).
 WALK_MARKER = "__heap_walk__"
+#: Nesting the walk follows (deeper containers: nothing goes by reference, and
+#: :func:`settle` hands them over as they are).
+MAX_SETTLE_DEPTH = 64
+_SAME = object()  # "keep this node": no copy was needed at or below it
+#: Values the walk passes over at once (immutable, hold no array).
+_PLAIN = frozenset({int, float, bool, str, bytes, type(None), complex})
+#: A list or tuple longer than this is first checked for anything the walk enters, by
+#: the set of its items' types (a list of 100 000 ints is not visited item by item).
+_SCAN_ITEMS = 16
 
 
-def _leaf_refs(leaves: list, i: int) -> int:
-    leaf = leaves[i]
-    return sys.getrefcount(leaf)
+class _Walk:
+    """What one walk is for. ``holders``: the references an exclusive array has beyond
+    its container's (the encoder's leaf list: 1; :func:`settle`: 0). ``exclusive``:
+    collects ``id()`` of the exclusive arrays (the encoder's), or None. ``settling``:
+    replace what is shared by copies (and enter dict subclasses), else only look."""
+
+    __slots__ = ("exclusive", "holders", "settling")
+
+    def __init__(self, holders: int, exclusive: set[int] | None, settling: bool) -> None:
+        self.holders, self.exclusive, self.settling = holders, exclusive, settling
 
 
-def _base_refs(array: np.ndarray) -> int:
-    return sys.getrefcount(array.base)
+_SETTLE = _Walk(0, None, True)
+
+
+def _chain_end(array: np.ndarray) -> Any:
+    """What owns ``array``'s memory when nothing but ``array``'s holder can reach it (no
+    weak reference on the way, every base held by its view alone): the array that owns
+    its memory, or an immutable ``bytes``; else None."""
+    while True:
+        if weakref.getweakrefcount(array):
+            return None  # a weak reference could give someone a strong one again
+        held = base_refcount(array)  # (counted before anything here holds the base)
+        if held == 0:
+            return array
+        base = array.base
+        if type(base) is bytes:
+            return base
+        if type(base) is not np.ndarray or held - BY_VIEW != 0:
+            return None
+        array = base
+
+
+def _visit(node: Any, extra: int, depth: int, w: _Walk) -> Any:
+    """The walk at ``node``, counted with ``extra`` references beyond its parent's:
+    ``node``'s replacement when settling and it is shared, else :data:`_SAME`."""
+    t = type(node)
+    if t is np.ndarray:
+        if extra == w.holders and _chain_end(node) is not None:
+            if w.exclusive is not None:
+                w.exclusive.add(id(node))
+            return _SAME
+        return node.copy(order="K") if w.settling else _SAME
+    if t is bytearray:
+        return bytearray(node) if w.settling and extra != 0 else _SAME
+    if depth >= MAX_SETTLE_DEPTH or t in _PLAIN:
+        return _SAME
+    if t is list or t is tuple or t is dict or (w.settling and isinstance(node, dict)):
+        if extra != 0 or weakref.getweakrefcount(node):  # (a dict subclass can have one)
+            return _copied(node, depth) if w.settling else _SAME
+        if t is not list and t is not tuple:
+            return _visit_dict(node, depth, w)
+        if _holds_nothing_to_settle(node):
+            return _SAME
+        return _visit_list(node, depth, w) if t is list else _visit_tuple(node, depth, w)
+    if not w.settling and extra == 0 and getattr(t, WALK_MARKER, False) is True \
+            and not weakref.getweakrefcount(node):
+        extra = attr_refcount(node, "value") - BY_PARENT  # (before node.value is loaded)
+        _visit(node.value, extra, depth + 1, w)
+    return _SAME  # any other object (its __reduce__ could reach anything): as it is
+
+
+def _visit_list(node: list, depth: int, w: _Walk) -> Any:
+    counts = item_refcounts(node)
+    for k in range(len(counts)):
+        new = _visit(node[k], counts[k] - BY_PARENT, depth + 1, w)
+        if new is not _SAME:
+            node[k] = new
+    return _SAME
+
+
+def _visit_tuple(node: tuple, depth: int, w: _Walk) -> Any:
+    counts = item_refcounts(node)
+    changed: dict[int, Any] = {}
+    for k in range(len(counts)):
+        new = _visit(node[k], counts[k] - BY_PARENT, depth + 1, w)
+        if new is not _SAME:
+            changed[k] = new
+    if not changed:
+        return _SAME
+    return tuple(changed.get(k, v) for k, v in enumerate(node))
+
+
+def _visit_dict(node: dict, depth: int, w: _Walk) -> Any:
+    """A dict's values (of a subclass too, when settling: its storage, read without a key
+    look-up; a replaced value is stored with ``dict.__setitem__``)."""
+    counts = item_refcounts(node)  # before the list of values below holds them too
+    values = list(dict.values(node))
+    keys = None
+    plain = _PLAIN
+    for k in range(len(counts)):
+        if type(values[k]) in plain:
+            continue
+        new = _visit(values[k], counts[k] - BY_PARENT, depth + 1, w)
+        if new is not _SAME:
+            if keys is None:
+                keys = list(dict.keys(node))
+            dict.__setitem__(node, keys[k], new)
+    del values
+    return _SAME
+
+
+def _holds_nothing_to_settle(node: list | tuple) -> bool:
+    """Whether a long ``node`` holds no item the walk would enter or copy."""
+    if len(node) <= _SCAN_ITEMS:
+        return False
+    kinds = set(map(type, node))
+    return not any(t is np.ndarray or t is bytearray or t is list or t is tuple
+                   or issubclass(t, dict) or getattr(t, WALK_MARKER, False) is True
+                   for t in kinds)
+
+
+def exclusive_arrays(box: list) -> set[int]:
+    """``id()`` of every array reachable from ``box[0]`` only through the payload:
+    through dicts, lists and tuples (exact types) and objects of classes marked with
+    :data:`WALK_MARKER` (their ``.value``), each referenced by its parent alone, the
+    array by its parent and the encoder's leaf list, and its base chain as
+    :func:`exclusive_owner` says. An array under any other object (its own
+    ``__reduce__`` could reach anything), or under a container the worker keeps, is
+    not in the set; nor is any when the counts failed their self-test
+    (:func:`counts_trusted`). ``box`` is a one-item list the caller holds the payload
+    by, and nothing else."""
+    if _TRUSTED is not True and not counts_trusted():
+        return set()
+    w = _Walk(BY_LEAF_LIST, set(), False)
+    extra = item_refcount(box, 0) - BY_PARENT  # (counted before box[0] is an argument)
+    _visit(box[0], extra, 0, w)
+    return cast("set[int]", w.exclusive)
+
+
+def exclusive_owner(leaves: list, i: int) -> np.ndarray | None:
+    """The array that owns the data of ``leaves[i]`` if the leaf is reachable only
+    through the payload being encoded (one container) and ``leaves``, nothing refers to
+    it weakly, and every array on its base chain is referenced by its view alone; else
+    None. The caller must not hold the leaf in a local name (a holder the walk cannot
+    name: the leaf would count as shared)."""
+    if item_refcount(leaves, i) - BY_PARENT - BY_LEAF_LIST != 0:
+        return None
+    end = _chain_end(leaves[i])
+    return end if type(end) is np.ndarray else None
+
+
+# -- the self-test: counts that tell a kept array from a fresh one -------------------------
+
+#: What the self-test's "op" keeps (a module global, as an op's cache would be).
+_PROBE_KEPT: list = []
+_TRUSTED: bool | None = None  # the self-test's verdict (None: not run yet)
+
+
+def _walk_problem() -> str | None:
+    """Settle a sample the way :func:`settle` does, with arrays the "op" keeps (a module
+    global, a view of it, one under a tuple) beside fresh ones: None when every kept
+    one was copied and every fresh one handed over, else what went wrong."""
+    _PROBE_KEPT[:] = [np.arange(8.0)]
+    try:
+        value = {"kept": _PROBE_KEPT[0], "kept_view": _PROBE_KEPT[0][2:],
+                 "fresh": np.zeros(4), "view": np.zeros(8)[2:],
+                 "nested": [np.zeros(2), (_PROBE_KEPT[0], np.zeros(2))]}
+        fresh = [id(value["fresh"]), id(value["view"]), id(value["nested"][0]),
+                 id(value["nested"][1][1])]
+        slot = _Slot(value)
+        del value
+        _settle_counted(slot)
+        got = slot.value
+        kept = [got["kept"], got["kept_view"].base, got["nested"][1][0]]
+        if any(a is _PROBE_KEPT[0] for a in kept):
+            return "an array the op keeps (a module global) passed as exclusive"
+        if [id(got["fresh"]), id(got["view"]), id(got["nested"][0]),
+                id(got["nested"][1][1])] != fresh:
+            return "a fresh array was taken for one the op keeps"
+        return None
+    finally:
+        _PROBE_KEPT.clear()
+
+
+def counts_trusted() -> bool:
+    """Whether the reference counts tell arrays the op keeps from fresh ones, checked once
+    per process, at first use (:func:`_walk_problem`; the shared heap checks the encoder
+    too, :meth:`WorkerHeap.verify`). When they do not (an interpreter, a NumPy or a
+    refactor the walk does not know), one warning says why, :func:`settle` copies
+    every array and nothing goes by reference."""
+    global _TRUSTED
+    if _TRUSTED is None:
+        problem = None if _counts_exact() else "the interpreter runs without the GIL"
+        if problem is None:
+            problem = _walk_problem()
+        _TRUSTED = problem is None
+        if problem is not None:
+            _distrust(problem)
+    return _TRUSTED
+
+
+def _distrust(problem: str) -> None:
+    global _TRUSTED, _DISTRUST_SAID
+    _TRUSTED = False
+    if not _DISTRUST_SAID:
+        _DISTRUST_SAID = True
+        log.warning("zephon: the shared heap's exclusivity check failed its self-test (%s): "
+                    "every array a sample holds is copied when its op returns, and no result "
+                    "goes by reference", problem)
+
+
+_DISTRUST_SAID = False
 
 
 class _Slot:
@@ -196,103 +396,13 @@ class _Slot:
         self.value = value
 
 
-def _calibrate() -> tuple[int, int, int, int]:
-    """Reference counts of an object held by one container (``parent[key]``), by one
-    ``.value`` slot, of an exclusive leaf (one container plus the encoder's leaf list),
-    and of an exclusive base (held by one view)."""
-    once = _held_once([np.empty(2)], 0)
-    d = {"k": np.empty(2)}
-    values = list(d.values())
-    once_listed = _held_once_listed(values, 0)
-    del values
-    assert once_listed == once + 1, "calibration"
-    slot = _value_refs(_Slot(np.empty(2)))
-    container = [np.empty(2)]
-    leaves = [container[0]]
-    leaf = _leaf_refs(leaves, 0)
-    base = _base_refs([np.empty(4)[1:]][0])
-    return once, slot, leaf, base
-
-
-_ONCE, _SLOT, _LEAF_REFS, _BASE_REFS = _calibrate()
-#: Nodes :func:`exclusive_arrays` visits at most (beyond: nothing goes by reference).
-MAX_WALK_NODES = 4096
-
-
-def exclusive_arrays(box: list) -> set[int]:
-    """``id()`` of every array reachable from ``box[0]`` only through the payload:
-    through dicts, lists and tuples (exact types) and objects of classes marked with
-    :data:`WALK_MARKER` (their ``.value``), each referenced by its parent alone, the array itself by its parent
-    and the encoder's leaf list. An array under any other object (its own
-    ``__reduce__`` could reach anything), or under a container the worker keeps, is
-    not in the set. ``box`` is a one-item list the caller holds the payload by, and
-    nothing else."""
-    out: set[int] = set()
-    stack: list = []
-    # (each count is taken before the object is an argument: that would add one)
-    extra = _held_once(box, 0) - _ONCE
-    _consider(box[0], extra, stack, out)
-    visited = 0
-    while stack:
-        node = stack.pop()
-        visited += 1
-        if visited > MAX_WALK_NODES:
-            return set()
-        t = type(node)
-        if t is dict:
-            values = list(node.values())
-            for k in range(len(values)):
-                extra = _held_once_listed(values, k) - _ONCE - 1
-                _consider(values[k], extra, stack, out)
-            del values
-        elif t is list or t is tuple:
-            for k in range(len(node)):
-                extra = _held_once(node, k) - _ONCE
-                _consider(node[k], extra, stack, out)
-        else:  # a marked object
-            extra = _value_refs(node) - _SLOT
-            _consider(node.value, extra, stack, out)
-    return out
-
-
-def _consider(child: Any, extra: int, stack: list, out: set[int]) -> None:
-    """``child`` was counted with ``extra`` references beyond its parent's: an array with
-    exactly one more (the encoder's leaf list) is exclusive; a container with none is
-    walked."""
-    t = type(child)
-    if t is np.ndarray:
-        if extra == 1:
-            out.add(id(child))
-    elif extra == 0 and (t is dict or t is list or t is tuple
-                         or getattr(t, WALK_MARKER, False) is True):
-        stack.append(child)
-
-
-def exclusive_owner(leaves: list, i: int) -> np.ndarray | None:
-    """The array that owns the data of ``leaves[i]`` if the leaf is reachable only
-    through the payload being encoded (one container) and ``leaves``, and every array
-    on its base chain only through its child; else None."""
-    # The caller must not hold the leaf in a local name: its count is compared with the
-    # calibration's exactly (and no name here holds a base while its count is taken).
-    if _leaf_refs(leaves, i) != _LEAF_REFS:
-        return None
-    array = leaves[i]
-    while True:
-        if weakref.getweakrefcount(array):
-            return None  # a weak reference could give the op a strong one again
-        if array.base is None:
-            return array
-        if type(array.base) is not np.ndarray or _base_refs(array) != _BASE_REFS:
-            return None
-        array = array.base
+def _counts_exact() -> bool:
+    """Reference counts prove exclusivity only with the GIL (see :func:`heap_enabled`)."""
+    gil = getattr(sys, "_is_gil_enabled", None)
+    return gil is None or bool(gil())
 
 
 # -- settling a sample when its op returns ------------------------------------------------
-
-#: Nesting :func:`settle` follows (deeper containers are handed over as they are).
-MAX_SETTLE_DEPTH = 64
-_SAME = object()  # "keep this node": no copy was needed at or below it
-
 
 def settle(holder: Any) -> None:
     """Fix what the consumer receives of ``holder.value`` (a record) now, when the
@@ -301,124 +411,26 @@ def settle(holder: Any) -> None:
     left as it is.
 
     The walk is :func:`exclusive_arrays`' (dicts and their subclasses, lists and tuples
-    of exact type; reference counts against the same calibrations) without the
-    encoder's leaf list: an array counts as exclusive when its container alone refers
-    to it, nothing refers to it weakly, and every array on its ``base`` chain is
-    referenced by its child alone, down to memory that owns itself (or immutable
-    ``bytes``). A container something else refers to (the op keeps the dict it
-    returns) is copied with every array under it. Objects of other types are handed
-    over as they are, and so are containers nested deeper than
+    of exact type) without the encoder's leaf list: an array counts as exclusive when
+    its container alone refers to it, nothing refers to it weakly, and every array on
+    its ``base`` chain is referenced by its view alone, down to memory that owns itself
+    (or immutable ``bytes``). A container something else refers to (the op keeps the
+    dict it returns) is copied with every array under it. Objects of other types are
+    handed over as they are, and so are containers nested deeper than
     :data:`MAX_SETTLE_DEPTH`. Costs a visit per container and array of the sample;
-    copies only what is not exclusive."""
-    if not _COUNTS_EXACT:
+    copies only what is not exclusive (everything, when the counts failed their
+    self-test: :func:`counts_trusted`)."""
+    if _TRUSTED is not True and not counts_trusted():
         holder.value = _copied(holder.value, 0)
         return
-    extra = _value_refs(holder) - _SLOT
-    if extra == 0 and type(holder.value) is dict:  # the common case: a fresh dict
-        _settle_dict(holder.value, 0)
-        return
-    new = _settled(holder.value, extra, 0)
+    _settle_counted(holder)
+
+
+def _settle_counted(holder: Any) -> None:
+    extra = attr_refcount(holder, "value") - BY_PARENT  # (before holder.value is loaded)
+    new = _visit(holder.value, extra, 0, _SETTLE)
     if new is not _SAME:
         holder.value = new
-
-
-#: Values :func:`settle` passes over at once (immutable, hold no array).
-_PLAIN = frozenset({int, float, bool, str, bytes, type(None), complex})
-
-
-def _counts_exact() -> bool:
-    """Reference counts prove exclusivity only with the GIL (see :func:`heap_enabled`)."""
-    gil = getattr(sys, "_is_gil_enabled", None)
-    return gil is None or bool(gil())
-
-
-_COUNTS_EXACT = _counts_exact()
-#: A list or tuple longer than this is first checked for anything the walk enters, by
-#: the set of its items' types (a list of 100 000 ints is not visited item by item).
-_SCAN_ITEMS = 16
-
-
-def _holds_nothing_to_settle(node: list | tuple) -> bool:
-    """Whether a long ``node`` holds no item the walk would enter or copy."""
-    if len(node) <= _SCAN_ITEMS:
-        return False
-    kinds = set(map(type, node))
-    return not any(t is np.ndarray or t is bytearray or t is list or t is tuple
-                   or issubclass(t, dict) for t in kinds)
-
-
-def _chain_exclusive(array: np.ndarray) -> bool:
-    """Whether nothing but ``array``'s holder can reach its memory: no weak references,
-    every base on its chain held by its child alone, the chain ending in an array that
-    owns its memory or in ``bytes``."""
-    while True:
-        if weakref.getweakrefcount(array):
-            return False
-        if array.base is None or type(array.base) is bytes:
-            return True
-        if type(array.base) is not np.ndarray or _base_refs(array) != _BASE_REFS:
-            return False
-        array = array.base
-
-
-def _settled(node: Any, extra: int, depth: int) -> Any:
-    """``node``'s replacement (counted with ``extra`` references beyond its parent's), or
-    :data:`_SAME` when it stays."""
-    t = type(node)
-    if t is np.ndarray:
-        return _SAME if extra == 0 and _chain_exclusive(node) else node.copy(order="K")
-    if t is bytearray:
-        return _SAME if extra == 0 else bytearray(node)
-    if depth >= MAX_SETTLE_DEPTH or not (t is list or t is tuple or isinstance(node, dict)):
-        return _SAME
-    if extra != 0:
-        return _copied(node, depth)
-    if (t is list or t is tuple) and _holds_nothing_to_settle(node):
-        return _SAME
-    if isinstance(node, dict):
-        _settle_dict(node, depth)
-        return _SAME
-    if t is list:
-        for k in range(len(node)):
-            extra = _held_once(node, k) - _ONCE
-            new = _settled(node[k], extra, depth + 1)
-            if new is not _SAME:
-                node[k] = new
-        return _SAME
-    return _settle_tuple(node, depth)
-
-
-def _settle_dict(node: dict, depth: int) -> None:
-    values = list(node.values())
-    keys = None
-    plain, ndarray, once = _PLAIN, np.ndarray, _ONCE + 1
-    for k in range(len(values)):
-        t = type(values[k])
-        if t in plain:
-            continue
-        # (counted inline, as _held_once_listed does: the dict, the list, the argument)
-        extra = sys.getrefcount(values[k]) - once
-        if t is ndarray and extra == 0 and values[k].base is None and \
-                not weakref.getweakrefcount(values[k]):
-            continue  # a fresh array that owns its memory: the common case
-        new = _settled(values[k], extra, depth + 1)
-        if new is not _SAME:
-            if keys is None:
-                keys = list(node)
-            dict.__setitem__(node, keys[k], new)
-    del values
-
-
-def _settle_tuple(node: tuple, depth: int) -> Any:
-    changed: dict[int, Any] = {}
-    for k in range(len(node)):
-        extra = _held_once(node, k) - _ONCE
-        new = _settled(node[k], extra, depth + 1)
-        if new is not _SAME:
-            changed[k] = new
-    if not changed:
-        return _SAME
-    return tuple(changed.get(k, v) for k, v in enumerate(node))
 
 
 def _copied(node: Any, depth: int) -> Any:
@@ -447,6 +459,10 @@ def _copied(node: Any, depth: int) -> Any:
 
 # -- the heap ------------------------------------------------------------------------------
 
+_PROBING = "probing"  # WorkerHeap.verified while its probe runs
+_UNDECIDED = "undecided"  # WorkerHeap._probe: no room to probe now
+
+
 class WorkerHeap:
     """The worker side of the shared heap over ``arena`` (a :class:`ShmArena`)."""
 
@@ -458,6 +474,9 @@ class WorkerHeap:
         self._previous: Any = None
         self._table_full_said = False
         self.sent = 0  # regions sent by reference (for tests and explain)
+        #: The encoder's self-test (:meth:`verify`): None (not run yet), _PROBING, True
+        #: (results may go by reference) or False (the heap is off).
+        self.verified: Any = None
 
     @property
     def active(self) -> bool:
@@ -529,6 +548,70 @@ class WorkerHeap:
         return entry[3] if entry is not None else 0
 
     # -- the encoder's side --------------------------------------------------------------
+    def verify(self, encoder: Any, peer: Any) -> bool:
+        """Whether results may go by reference, checked at first use through the real
+        encoder (:meth:`_probe`): an array the "op" keeps (a module global) must be
+        copied and a fresh one sent by reference. If not, one warning says why and the
+        heap is off for good (closed: NumPy gets ``malloc``; every result is copied).
+        ``peer`` is the encoder's peer (the probe encodes for a fresh one of its type
+        and aborts what it encoded: nothing is sent, nothing announced to ``peer``)."""
+        if self.verified is not None:
+            return self.verified is not False
+        if not counts_trusted():
+            self.verified = False
+            self.close()
+            return False
+        self.verified = _PROBING  # (the probe runs encode_owned: the real path)
+        try:
+            problem = self._probe(encoder, type(peer)(peer.can_map_fds))
+        except Exception as exc:  # noqa: BLE001 - a heap that cannot be checked is off
+            problem = f"the probe failed: {type(exc).__name__}: {exc}"
+        if problem is _UNDECIDED:
+            self.verified = None  # no room to probe now: nothing by reference this time
+            return False
+        self.verified = problem is None
+        if problem is not None:
+            _distrust(problem)
+            self.close()
+        return self.verified
+
+    def _probe(self, encoder: Any, peer: Any) -> Any:
+        """None when the encoder copies a kept heap array and sends a fresh one by
+        reference; else what went wrong, or :data:`_UNDECIDED` when the arena has no room
+        for the probe now (or its arrays did not come from the heap)."""
+        arena, n = self.arena, max(self.threshold, 64)
+        if arena.starved or arena.consumer_bytes + 2 * n > arena.max_bytes:
+            return _UNDECIDED
+        _PROBE_KEPT[:] = [np.ones(n // 8, dtype=np.int64)]  # the "op" keeps it
+        try:
+            if not self._lives_here(_PROBE_KEPT[0]):
+                return _UNDECIDED
+            kept_shared = self._probe_one(encoder, peer, [{"probe": _PROBE_KEPT[0]}])
+        finally:
+            _PROBE_KEPT.clear()
+        box = [{"probe": np.ones(n // 8, dtype=np.int64)}]
+        if not self._lives_here(box[0]["probe"]):
+            return _UNDECIDED
+        fresh_shared = self._probe_one(encoder, peer, box)
+        del box
+        if kept_shared:
+            return "an array the op keeps (a module global) went by reference"
+        if not fresh_shared:
+            return "a fresh array nothing else holds was copied"
+        return None
+
+    def _lives_here(self, array: np.ndarray) -> bool:
+        return array.__array_interface__["data"][0] in self._by_address
+
+    def _probe_one(self, encoder: Any, peer: Any, box: list) -> bool:
+        """Whether ``box[0]`` went by reference; what encoding it took is given back."""
+        before = self.sent
+        header = encoder.encode_owned(box, peer)[0]
+        shared = self.sent > before
+        encoder.abort(header, peer)  # (a heap region it claimed is the worker's again)
+        self.sent = before
+        return shared
+
     def has_live(self) -> bool:
         """Whether any array of the heap is alive (else nothing can go by reference)."""
         return bool(self._by_address)
