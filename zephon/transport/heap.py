@@ -498,11 +498,14 @@ class WorkerHeap:
                   "arena", self.threshold)
         return True
 
-    def close(self) -> None:
-        """Stop serving allocations (arrays alive keep their regions)."""
+    def close(self, give_back: bool = False) -> None:
+        """Stop serving allocations (arrays alive keep their regions; with ``give_back``
+        their regions still come back to the arena when they are freed: a heap turned off
+        in a worker that goes on)."""
         global _installed
         if self.kernel is not None and self.active:
-            self.kernel.configure(None, None, self._size, self.threshold)
+            self.kernel.configure(None, self._give if give_back else None, self._size,
+                                  self.threshold)
             self.kernel.restore(self._previous)
             self._previous = None
             if _installed is self:
@@ -552,14 +555,15 @@ class WorkerHeap:
         """Whether results may go by reference, checked at first use through the real
         encoder (:meth:`_probe`): an array the "op" keeps (a module global) must be
         copied and a fresh one sent by reference. If not, one warning says why and the
-        heap is off for good (closed: NumPy gets ``malloc``; every result is copied).
+        heap is off for good (closed: NumPy gets ``malloc``, every result is copied, and
+        the regions of heap arrays still alive come back as they are freed).
         ``peer`` is the encoder's peer (the probe encodes for a fresh one of its type
         and aborts what it encoded: nothing is sent, nothing announced to ``peer``)."""
         if self.verified is not None:
             return self.verified is not False
         if not counts_trusted():
             self.verified = False
-            self.close()
+            self.close(give_back=True)
             return False
         self.verified = _PROBING  # (the probe runs encode_owned: the real path)
         try:
@@ -572,7 +576,7 @@ class WorkerHeap:
         self.verified = problem is None
         if problem is not None:
             _distrust(problem)
-            self.close()
+            self.close(give_back=True)
         return self.verified
 
     def _probe(self, encoder: Any, peer: Any) -> Any:
