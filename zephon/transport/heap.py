@@ -24,17 +24,29 @@ Invariants
   the worker but the message itself can still reach the array: every container
   on its path from the payload's root (dicts, lists, tuples, the pipeline's
   records) is referenced by its parent alone, the array by its container and
-  the encoder, and every array on its ``base`` chain by its child alone
-  (:func:`exclusive_arrays`, :func:`exclusive_owner`: reference counts compared
-  with calibrations made on the same code paths). An array under any other
-  object (whose ``__reduce__`` could reach anything), or one with a weak
-  reference to it or to an array on its base chain (a finaliser, a
-  ``WeakValueDictionary`` or another thread could turn it into a strong one
-  after the check), is copied. A strong reference obtained after the check in
-  any other way (``gc.get_referrers``) is not detected. An op that keeps its output (a
-  cache, a reused buffer, an attribute) keeps a reference, so its array is
-  copied as before and a later write in the worker can never reach the
-  consumer's view.
+  the encoder's leaf list, and every array on its ``base`` chain by its view
+  alone (:func:`exclusive_arrays`, :func:`exclusive_owner`). One walk decides,
+  for the encoder and for :func:`settle`: each count is exact (the refcount
+  kernel, :mod:`zephon.kernels.refcount_ref`, reads it where the object lives,
+  before the walk binds it anywhere) and the walk subtracts exactly the holders
+  it can name (:data:`BY_PARENT`, :data:`BY_VIEW`, :data:`BY_LEAF_LIST`); any
+  reference left over is someone else's. An array under any other object (whose
+  ``__reduce__`` could reach anything), or one with a weak reference to it, to an
+  array on its base chain or to a container on its path (a finaliser, a
+  ``WeakValueDictionary`` or another thread could turn it into a strong one after
+  the check), is copied. A strong reference obtained after the check in any
+  other way (``gc.get_referrers``), or a raw address an op kept (an integer
+  holds no reference), is not detected. An op that keeps its output (a cache, a
+  reused buffer, an attribute, a memoryview, a ``ctypes`` pointer, a closure)
+  keeps a reference, so its array is copied and a later write in the worker can
+  never reach the consumer's view.
+- **Checked at first use.** The counts are trusted only after a self-test in
+  the process (:func:`counts_trusted`: settle's walk must copy arrays a module
+  global keeps and hand fresh ones over) and, for the heap, through the real
+  encoder (:meth:`WorkerHeap.verify`: a kept heap array copied, a fresh one sent
+  by reference). If either fails, one warning says why, :func:`settle` copies
+  every array and the heap is off; the check is code, not an ``assert``, so it
+  runs under ``python -O`` too.
 - **Two-party release.** A region taken by the heap is reused only when both
   sides are done with it: the worker's NumPy frees it (``give``) and, if it was
   sent, the consumer releases it (the FREE message). Either may come first
@@ -70,6 +82,30 @@ Invariants
   mapping (an op's daemon thread or exit handler may still read one): a slab
   the heap used is never unmapped, only its descriptor closed, when the arena
   closes.
+
+Region states
+-------------
+A region the heap takes is tracked by the arena (``ShmArena._heap``: token ->
+``_HELD | _SENT``); its two holders are the worker's NumPy array (``_HELD``) and
+the consumer (``_SENT``), and it is free again only when neither holds it:
+
+=================  ==========================================  =================
+state              event (who)                                 next state
+=================  ==========================================  =================
+free               ``take`` (NumPy allocates >= threshold)     ``_HELD``
+``_HELD``          ``give`` (NumPy frees the array)            free (recycled)
+``_HELD``          ``mark_sent`` (``claim``: exclusive, sent)  ``_HELD|_SENT``
+``_HELD|_SENT``    ``give`` (the worker drops its array)       ``_SENT``
+``_HELD|_SENT``    ``free`` (the consumer's FREE message)      ``_HELD``
+``_HELD|_SENT``    ``abort`` (the message was never sent)      ``_HELD``
+``_SENT``          ``free`` (the consumer releases it)         free (recycled)
+``_SENT``          ``abort`` (the message was never sent)      free (recycled)
+=================  ==========================================  =================
+
+``mark_sent`` refuses a region that is not ``_HELD`` alone (sent twice) or that
+would take what messages hold past the bound; ``give`` is only queued (it runs
+inside deallocations) and applied under the arena's lock. Only ``_HELD`` regions
+count against the heap's share; ``_SENT`` ones count as the consumer's.
 
 Lifecycle: :meth:`WorkerHeap.install` when the worker is ready, :meth:`close`
 before the arena closes (NumPy then gets ``malloc`` for everything; arrays still
