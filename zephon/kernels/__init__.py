@@ -15,6 +15,8 @@ specification the compiled version must match):
                                         (:mod:`zephon.kernels.shuffle_ref`; the seeded
   index bijection called by :func:`zephon.pipeline.lanes.epoch_slice` for an epoch's
   visiting order and by the Parquet source for its row orders)
+- ``fit_place``, ``segment_layout``    (:mod:`zephon.kernels.pack_docs_ref`; called by
+  :mod:`zephon.pipeline.packing` to place documents in open bins and lay out packed rows)
 - result types and helpers              (:mod:`zephon.kernels.types`)
 
 Leaves are rebuilt on the receiving side by the codec's decoder with one
@@ -63,12 +65,14 @@ __all__ = [
     "byte_extent",
     "compaction_plan",
     "compiled_module",
+    "fit_place",
     "inverse_positions",
     "order_key",
     "pack_copy",
     "pack_plan",
     "permute_positions",
     "permute_range",
+    "segment_layout",
 ]
 
 _EXPORTS = {
@@ -77,6 +81,7 @@ _EXPORTS = {
     "ReorderBuffer": "reorder", "LaneRoundRobin": "reorder",
     "permute_range": "shuffle", "permute_positions": "shuffle",
     "inverse_positions": "shuffle", "order_key": "shuffle",
+    "fit_place": "pack_docs", "segment_layout": "pack_docs",
 }
 _selection: tuple[dict, str] | None = None
 
@@ -94,7 +99,7 @@ def _select() -> tuple[dict, str]:
     global _selection
     if _selection is not None:
         return _selection
-    names = ("pack", "compaction", "reorder", "shuffle")
+    names = ("pack", "compaction", "reorder", "shuffle", "pack_docs")
     if os.environ.get("ZEPHON_PURE_PYTHON") == "1":
         _selection = ({name: _reference(name) for name in names}, "reference")
         return _selection
