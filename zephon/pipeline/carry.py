@@ -174,7 +174,7 @@ class _Reader:
                       f"seq_len={size}")
         return pieces
 
-    def pieces(self, shape: tuple) -> tuple[list, int]:
+    def pieces(self, shape: tuple) -> tuple:
         """A packed row's pieces (members of ``shape[-1]``) and their token count."""
         m = self.int("packed pieces", 0, min(shape[1], MAX_ITEMS))
         pieces, tokens = [], 0

@@ -363,9 +363,8 @@ def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
         t = timer() if timer else 0.0
         if isinstance(unit, Boundary):
             if state is None:
-                state, out = _open(op, seed, lane, unit, tracks, made_input, held), []
-                if stats is not None and hasattr(state, "count_into"):  # pack_documents
-                    state.count_into(stats, node)
+                state = _open(op, seed, lane, unit, tracks, made_input, held, (stats, node))
+                out = []
             else:
                 out = state.boundary(unit)
             if timer:
@@ -387,10 +386,14 @@ def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
             yield out
 
 
-def _open(op, seed: int, lane: int, marker: Boundary, tracks: bool, made_input: bool, held):
+def _open(op, seed: int, lane: int, marker: Boundary, tracks: bool, made_input: bool, held,
+          counts: tuple = (None, "")):
     """The accumulator of ``op`` started at the lane's first boundary ``marker`` (with what
-    a restore puts back into it, see :func:`accumulate`)."""
+    a restore puts back into it, see :func:`accumulate`; ``counts``: the node statistics
+    and node name a packer counts its rows and padding in)."""
     state = op.start(seed, lane, marker)
+    if counts[0] is not None and hasattr(state, "count_into"):  # pack_documents
+        state.count_into(*counts)
     if state.carries:
         state.lineage = _made_lineage if made_input else _pos_lineage
         state.tracks = tracks
