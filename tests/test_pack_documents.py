@@ -5,6 +5,7 @@ packing), the padding reported, and restore exact at any item (the open bins car
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 import pytest
@@ -47,7 +48,7 @@ def segments(row: dict, pad_id: int = 0) -> list:
     used = int(offsets[-1])
     assert (row["tokens"][used:] == pad_id).all() and (row["positions"][used:] == 0).all()
     out = []
-    for a, b in zip(offsets[:-1], offsets[1:], strict=True):
+    for a, b in itertools.pairwise(offsets):
         tokens = row["tokens"][a:b]
         assert row["positions"][a:b].tolist() == list(range(b - a))  # restart per segment
         assert (np.diff(tokens) == 1).all() and len(set(tokens // SPAN)) == 1  # one document
@@ -207,7 +208,7 @@ def test_a_carried_bin_of_seq_len_tokens_is_refused():
     pipe.close()
     # [epoch, k, since, total, bins, pieces, (epoch, p, a, b) per piece, ...]: the first
     # piece stretched to a whole row
-    state["lanes"]["0"] = lane[:9] + [lane[8] + 6] + lane[10:]
+    state["lanes"]["0"] = [*lane[:9], lane[8] + 6, *lane[10:]]
     bad = make()
     with pytest.raises(CheckpointError, match="packed bin of"):
         bad.restore(encode_state(state))
