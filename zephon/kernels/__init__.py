@@ -18,6 +18,8 @@ specification the compiled version must match):
 - ``item_refcounts``, ``item_refcount``, ``base_refcount``, ``attr_refcount``
                                         (:mod:`zephon.kernels.refcount_ref`; exact
   reference counts for the exclusivity walk of :mod:`zephon.transport.heap`)
+- ``fit_place``, ``segment_layout``    (:mod:`zephon.kernels.pack_docs_ref`; called by
+  :mod:`zephon.pipeline.packing` to place documents in open bins and lay out packed rows)
 - result types and helpers              (:mod:`zephon.kernels.types`)
 
 Leaves are rebuilt on the receiving side by the codec's decoder with one
@@ -68,6 +70,7 @@ __all__ = [
     "byte_extent",
     "compaction_plan",
     "compiled_module",
+    "fit_place",
     "inverse_positions",
     "item_refcount",
     "item_refcounts",
@@ -76,6 +79,7 @@ __all__ = [
     "pack_plan",
     "permute_positions",
     "permute_range",
+    "segment_layout",
 ]
 
 _EXPORTS = {
@@ -86,6 +90,7 @@ _EXPORTS = {
     "inverse_positions": "shuffle", "order_key": "shuffle",
     "item_refcounts": "refcount", "item_refcount": "refcount",
     "base_refcount": "refcount", "attr_refcount": "refcount",
+    "fit_place": "pack_docs", "segment_layout": "pack_docs",
 }
 _selection: tuple[dict, str] | None = None
 
@@ -103,7 +108,7 @@ def _select() -> tuple[dict, str]:
     global _selection
     if _selection is not None:
         return _selection
-    names = ("pack", "compaction", "reorder", "shuffle", "refcount")
+    names = ("pack", "compaction", "reorder", "shuffle", "refcount", "pack_docs")
     if os.environ.get("ZEPHON_PURE_PYTHON") == "1":
         _selection = ({name: _reference(name) for name in names}, "reference")
         return _selection

@@ -18,17 +18,23 @@ carrying accumulator, each with the *shape* of the records entering it:
 - ``("batch", size, inner)``: a batch a serial ``batch`` made: its members'
   lineages;
 - ``("pack", seq_len, inner)``: a packed row: ``(lineage, a, b)`` per piece
-  (tokens ``[a, b)`` of that input record).
+  (tokens ``[a, b)`` of that input record);
+- ``("bins", seq_len, bins, inner)``: a ``pack_documents`` row, pieces as for
+  ``pack``; what the packer holds is up to ``bins`` open bins of pieces
+  (:mod:`zephon.pipeline.packing`).
 
 A fused batch's slot holds the count of samples held (always the lane positions
 just before the boundary); a ``batch`` slot the lineages of fewer than ``size``
-records; a ``pack_tokens`` slot the pieces of fewer than ``seq_len`` tokens. A
-``shuffle`` drains at a boundary and has no slot.
+records; a ``pack_tokens`` slot the pieces of fewer than ``seq_len`` tokens; a
+``pack_documents`` slot its open bins (each of 1 to ``seq_len - 1`` tokens;
+its rows hold 1 to ``seq_len`` tokens). A ``shuffle`` drains at a boundary and
+has no slot.
 
 Encoding (:func:`encode_carry`) is a flat list of non-negative ints appended to
 the lane's replay entry (``[epoch, k, since, total, *carry]``): a record is
 ``epoch, p`` or ``m`` followed by its ``m`` members (pieces: member, ``a``,
-``b``). :func:`decode_carry` reads it back strictly against the plan: every
+``b``; a ``bins`` slot: the count of bins, then each bin as a row).
+:func:`decode_carry` reads it back strictly against the plan: every
 count exact (a held batch record has exactly ``size`` members, a packed row
 exactly ``seq_len`` tokens), every position inside the lane, at or after the
 run's first epoch and before the boundary, nothing left over; anything else is
@@ -47,6 +53,7 @@ import numpy as np
 from zephon.errors import CheckpointError
 from zephon.pipeline.lanes import ReadUnit, _joined, lane_source_index, positions_before
 from zephon.pipeline.ops import BatchOp, PackTokensOp, Record
+from zephon.pipeline.packing import PackDocumentsOp
 
 __all__ = ["Rebuilder", "carry_bounds", "carry_layout", "decode_carry", "encode_carry", "held_units",
            "input_shape"]
@@ -63,6 +70,8 @@ def input_shape(plan, i: int) -> tuple:
             return ("batch", what.size, input_shape(plan, j))
         if kind == "serial" and isinstance(what, PackTokensOp):
             return ("pack", what.seq_len, input_shape(plan, j))
+        if kind == "serial" and isinstance(what, PackDocumentsOp):
+            return ("bins", what.seq_len, what.carried_bins, input_shape(plan, j))
     if plan.fused_batch is not None:
         return ("run", plan.fused_batch.size)
     return ("sample",)
@@ -71,7 +80,8 @@ def input_shape(plan, i: int) -> tuple:
 def carry_layout(plan) -> list:
     """The carry slots of a plan, in chain order: ``("count", size)`` for a fused batch,
     ``(step, shape)`` for a serial ``batch`` (shape ``("batch", size, input)``) or
-    ``pack_tokens`` (``("pack", seq_len, input)``)."""
+    ``pack_tokens`` (``("pack", seq_len, input)``) or ``pack_documents`` (``("bins",
+    seq_len, bins, input)``)."""
     slots: list = []
     if plan.fused_batch is not None:
         slots.append(("count", plan.fused_batch.size))
@@ -80,6 +90,9 @@ def carry_layout(plan) -> list:
             slots.append((i, ("batch", what.size, input_shape(plan, i))))
         elif kind == "serial" and isinstance(what, PackTokensOp):
             slots.append((i, ("pack", what.seq_len, input_shape(plan, i))))
+        elif kind == "serial" and isinstance(what, PackDocumentsOp):
+            slots.append((i, ("bins", what.seq_len, what.carried_bins,
+                              input_shape(plan, i))))
     return slots
 
 
@@ -94,7 +107,7 @@ def _encode(shape: tuple, lin: Any, out: list) -> None:
     else:
         out.append(len(lin))
         for member, a, b in lin:
-            _encode(shape[2], member, out)
+            _encode(shape[-1], member, out)
             out.extend((int(a), int(b)))
 
 
@@ -104,6 +117,10 @@ def encode_carry(layout: list, carry: tuple) -> tuple:
     for (where, shape), held in zip(layout, carry, strict=True):
         if where == "count":
             out.append(int(held))
+        elif shape[0] == "bins":  # the packer's open bins, each a row of pieces
+            out.append(len(held))
+            for pieces in held:
+                _encode(shape, pieces, out)
         else:
             _encode(shape, held, out)
     return tuple(out)
@@ -149,18 +166,39 @@ class _Reader:
             m = self.int("batch members", 0, size - 1) if held else \
                 self.int("batch members", size, size)
             return [self.record(shape[2]) for _ in range(m)]
-        m = self.int("packed pieces", 0, min(size, MAX_ITEMS))
+        if kind == "bins":
+            return self.bins(shape, held)
+        pieces, tokens = self.pieces(shape)
+        if (held and tokens >= size) or (not held and tokens != size) or (not held and not pieces):
+            self.fail(f"a packed {'remainder' if held else 'row'} of {tokens} token(s) with "
+                      f"seq_len={size}")
+        return pieces
+
+    def pieces(self, shape: tuple) -> tuple:
+        """A packed row's pieces (members of ``shape[-1]``) and their token count."""
+        m = self.int("packed pieces", 0, min(shape[1], MAX_ITEMS))
         pieces, tokens = [], 0
         for _ in range(m):
-            member = self.record(shape[2])
+            member = self.record(shape[-1])
             a = self.int("piece start", 0, MAX_ITEMS * 1024)
             b = self.int("piece end", a + 1, MAX_ITEMS * 1024)
             tokens += b - a
             pieces.append((member, a, b))
-        if (held and tokens >= size) or (not held and tokens != size) or (not held and not m):
-            self.fail(f"a packed {'remainder' if held else 'row'} of {tokens} token(s) with "
-                      f"seq_len={size}")
-        return pieces
+        return pieces, tokens
+
+    def bins(self, shape: tuple, held: bool) -> list:
+        """A ``pack_documents`` row (1 to ``seq_len`` tokens), or what the packer held (up
+        to ``shape[2]`` open bins of 1 to ``seq_len - 1`` tokens each)."""
+        size = shape[1]
+        count = self.int("open bins", 0, shape[2]) if held else 1
+        rows = []
+        for _ in range(count):
+            pieces, tokens = self.pieces(shape)
+            if not 1 <= tokens <= size - held:
+                self.fail(f"a packed {'bin' if held else 'row'} of {tokens} token(s) with "
+                          f"seq_len={size}")
+            rows.append(pieces)
+        return rows if held else rows[0]
 
 
 def carry_bounds(plan, lane: int, epoch: int, k: int, first_epoch: int) -> dict:
@@ -227,7 +265,7 @@ class Rebuilder:
             kind, what = steps[j]
             if kind == "stage":
                 stages.append(what)
-            elif isinstance(what, (BatchOp, PackTokensOp)):
+            elif isinstance(what, (BatchOp, PackTokensOp, PackDocumentsOp)):
                 break
             j -= 1
         stages.reverse()
@@ -253,7 +291,9 @@ class Rebuilder:
             self.fail(f"a piece of tokens [{a}, {b}) of a record of {n} token(s)")
         return rec, a, b
 
-    def _row(self, op: PackTokensOp, pieces: list, lin: Any) -> Record:
+    def _row(self, op: PackTokensOp | PackDocumentsOp, pieces: list, lin: Any) -> Record:
+        if isinstance(op, PackDocumentsOp):
+            return op.make_row(pieces, lin)
         row = np.concatenate([op.tokens(r)[a:b] for r, a, b in pieces])
         ids = [i for r, _, _ in pieces for i in r.ids]
         return Record({op.field: row}, ids, pieces[-1][0].pos, lin)

@@ -95,6 +95,7 @@ from zephon.pipeline.ops import (
     _made_lineage,
     _pos_lineage,
 )
+from zephon.pipeline.packing import PackDocumentsOp  # pack_documents
 from zephon.pipeline.program import StageProgram, batches_per_message
 from zephon.pipeline.stats import RunStats
 from zephon.runners import InlineExecutor, ProcessExecutor, ThreadExecutor
@@ -104,10 +105,13 @@ from zephon.transport.pool import default_arena_bytes
 INFLIGHT_PER_WORKER = 4
 
 
-def _held_records(rebuild, step: int, held: list, pieces: bool):
-    """A callable rebuilding what the accumulator at ``step`` held (records, or a packer's
-    ``(record, a, b)`` pieces), called when the replay reaches it."""
-    if pieces:
+def _held_records(rebuild, step: int, held: list, op):
+    """A callable rebuilding what the accumulator ``op`` at ``step`` held (records, a
+    packer's ``(record, a, b)`` pieces, or pack_documents' bins of pieces), called when
+    the replay reaches it."""
+    if isinstance(op, PackDocumentsOp):  # pack_documents
+        return lambda: [[rebuild.piece(step, m) for m in pieces] for pieces in held]
+    if isinstance(op, PackTokensOp):
         return lambda: [rebuild.piece(step, m) for m in held]
     return lambda: [rebuild.record(step, m) for m in held]
 
@@ -188,7 +192,8 @@ class Plan:
         self.fused_batch = self._fuse_batch(opts)
         #: an op may give more items than it reads samples (a packer): no static bound on
         #: the items of a segment
-        self.expands = any(isinstance(op, PackTokensOp) for op in pipeline.ops)
+        self.expands = any(isinstance(op, (PackTokensOp, PackDocumentsOp))
+                           for op in pipeline.ops)
         preserves = all(op.preserves_cursor_order for op in pipeline.ops)
         #: cursor resume (restore reads on after the last delivered sample) when every op
         #: preserves cursor order; replay from flush boundaries otherwise
@@ -358,7 +363,8 @@ def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
         t = timer() if timer else 0.0
         if isinstance(unit, Boundary):
             if state is None:
-                state, out = _open(op, seed, lane, unit, tracks, made_input, held), []
+                state = _open(op, seed, lane, unit, tracks, made_input, held, (stats, node))
+                out = []
             else:
                 out = state.boundary(unit)
             if timer:
@@ -380,10 +386,14 @@ def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
             yield out
 
 
-def _open(op, seed: int, lane: int, marker: Boundary, tracks: bool, made_input: bool, held):
+def _open(op, seed: int, lane: int, marker: Boundary, tracks: bool, made_input: bool, held,
+          counts: tuple = (None, "")):
     """The accumulator of ``op`` started at the lane's first boundary ``marker`` (with what
-    a restore puts back into it, see :func:`accumulate`)."""
+    a restore puts back into it, see :func:`accumulate`; ``counts``: the node statistics
+    and node name a packer counts its rows and padding in)."""
     state = op.start(seed, lane, marker)
+    if counts[0] is not None and hasattr(state, "count_into"):  # pack_documents
+        state.count_into(*counts)
     if state.carries:
         state.lineage = _made_lineage if made_input else _pos_lineage
         state.tracks = tracks
@@ -505,7 +515,8 @@ class Engine:
             it = grouped_units(it, batches_per_message(
                 plan.pipeline.source, plan.fused_batch.size, plan.stages[0]))
         carriers = [i for i, (kind, what) in enumerate(plan.steps)
-                    if kind == "serial" and isinstance(what, (BatchOp, PackTokensOp))]
+                    if kind == "serial" and
+                    isinstance(what, (BatchOp, PackTokensOp, PackDocumentsOp))]
         for step_no, (kind, what) in enumerate(plan.steps):
             if kind == "stage":
                 it = ordered_map(self.executors[what], plan.stages[what], it, lane,
@@ -515,8 +526,7 @@ class Engine:
             carries = step_no in carriers
             restore = None
             if carries and slots:
-                restore = _held_records(rebuild, step_no, slots.pop(0),
-                                        isinstance(what, PackTokensOp))
+                restore = _held_records(rebuild, step_no, slots.pop(0), what)
             it = accumulate(what, it, plan.pipeline.seed, lane, node_stats,
                             f"serial{step_no}_{what.kind}", capture=capture and carries,
                             tracks=capture and any(c > step_no for c in carriers),

@@ -2,7 +2,7 @@
 
 A ``Pipeline`` is an immutable definition: every builder method (``map``,
 ``filter``, ``shuffle``, ``batch``, ``map_batch``, ``pack_tokens``,
-``options``) returns a new pipeline and leaves the original unchanged, so one
+``pack_documents``, ``options``) returns a new pipeline and leaves the original unchanged, so one
 definition can run with several option sets. ``iter(pipe)`` starts a run and
 returns a :class:`~zephon.pipeline.iterator.PipelineIterator`, which owns it:
 its checkpoint, restore and close.
@@ -275,6 +275,50 @@ class Pipeline:
             3
         """
         return self._with(O.PackTokensOp(seq_len, field, drop_remainder))
+
+    # pack_documents: document-aware packing (zephon.pipeline.packing)
+    def pack_documents(self, seq_len: int, field: str = "tokens", *, algorithm: str = "greedy",
+                       open_bins: int = 32, pad_id: int = 0, aligned=(),
+                       drop_remainder: bool = False) -> "Pipeline":
+        """Pack documents into rows of ``seq_len`` that keep their boundaries.
+
+        Each output sample is ``{field: tokens, "positions", "cu_seqlens", *aligned}``
+        (every array of a fixed length, so rows batch): the tokens padded with ``pad_id``,
+        ``positions`` restarting at 0 in every document, ``cu_seqlens`` the documents'
+        offsets in the row then -1 up to ``seq_len + 1`` entries
+        (:mod:`zephon.pipeline.packing`). ``algorithm="greedy"`` (or ``"wrap"``) fills
+        every row, splitting documents across rows; ``"first_fit"`` and ``"best_fit"``
+        keep every document of at most ``seq_len`` tokens whole, placing it among
+        ``open_bins`` open rows (longer ones are cut into whole rows and a rest). What is
+        open stays across flush boundaries and epochs: nothing is dropped or padded
+        mid-run except by the bin packing itself; only the run's end emits the open rows
+        (``drop_remainder=True`` drops them). :func:`zephon.pipeline.training.to_training` makes training
+        tensors of a batch of these rows.
+
+        Args:
+            seq_len: slots per row (an int >= 2).
+            field: the key of the token array in each input sample.
+            algorithm: ``"greedy"``, ``"wrap"``, ``"first_fit"`` or ``"best_fit"``.
+            open_bins: rows a lane keeps open for bin packing (1 to 1024).
+            pad_id: the token of the padding (an int >= 0).
+            aligned: fields packed like the tokens (e.g. ``("loss_mask",)``), 0 on padding.
+            drop_remainder: drop what is open at the run's end instead of emitting it.
+
+        Returns:
+            A new pipeline with the op appended.
+
+        Example:
+            >>> src = sources.from_sequence([{"tokens": np.arange(n) + 10 * n} for n in (3, 5, 2)])
+            >>> rows = list(Pipeline(src, shuffle=False).pack_documents(6, algorithm="best_fit"))
+            >>> [r["tokens"].tolist() for r in rows]
+            [[30, 31, 32, 20, 21, 0], [50, 51, 52, 53, 54, 0]]
+            >>> rows[0]["positions"].tolist(), rows[0]["cu_seqlens"][:4].tolist()
+            ([0, 1, 2, 0, 1, 0], [0, 3, 5, -1])
+        """
+        from zephon.pipeline.packing import PackDocumentsOp
+
+        return self._with(PackDocumentsOp(seq_len, field, algorithm, open_bins, pad_id, aligned,
+                                          drop_remainder))
 
     def options(self, opts: RuntimeOptions) -> "Pipeline":
         """The same pipeline, run with ``opts``.

@@ -4,8 +4,9 @@
 - ``stages``: per parallel stage: units and items submitted, items out, units in
   flight (current and peak), and unit latency (submit to result) p50/p90/p99
   over the last 1024 units;
-- ``nodes``: the above, plus every serial op (items in and out, seconds spent)
-  and the tail (items delivered to the consumer);
+- ``nodes``: the above, plus every serial op (items in and out, seconds spent;
+  ``pack_documents`` also ``rows``, ``tokens``, ``padding_tokens`` and
+  ``padding_fraction``) and the tail (items delivered to the consumer);
 - ``off``: nothing is recorded.
 
 ``Pipeline.stats()`` returns a snapshot. With a sink configured, gauges named
@@ -77,6 +78,13 @@ class RunStats:
             n.counters["items_out"] += items_out
             n.counters["seconds"] += seconds
 
+    def add(self, node: str, **counts: int) -> None:
+        """Add ``counts`` to ``node``'s counters (a packer's rows, tokens and padding)."""
+        with self.lock:
+            counters = self.nodes[node].counters
+            for name, value in counts.items():
+                counters[name] += value
+
     def delivered(self) -> None:
         with self.lock:
             self.nodes["tail"].counters["delivered"] += 1
@@ -88,6 +96,9 @@ class RunStats:
             for name, n in self.nodes.items():
                 row = dict(n.counters)
                 row["inflight"] = n.inflight
+                if row.get("rows"):  # a packer: the share of its row slots that is padding
+                    row["padding_fraction"] = row["padding_tokens"] / (
+                        row["tokens"] + row["padding_tokens"])
                 if n.latency:
                     p50, p90, p99 = np.percentile(np.fromiter(n.latency, float), [50, 90, 99])
                     row.update(latency_p50_ms=p50 * 1e3, latency_p90_ms=p90 * 1e3,

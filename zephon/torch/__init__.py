@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported lazily at run time (it needs torch)
     from zephon.torch._loader import TorchLoader
 
-__all__ = ["STATE_KEY", "TorchLoader", "dataset", "loader", "to_torch"]
+__all__ = ["STATE_KEY", "TorchLoader", "dataset", "loader", "to_torch", "to_training"]
 
 STATE_KEY = "zephon_checkpoint"
 
@@ -40,7 +40,7 @@ def _require_torch():
 
 
 def loader(pipe, *, pin_memory: bool = False, prefetch: int = 2,
-           keep_dtypes: bool = False) -> "TorchLoader":
+           keep_dtypes: bool = False, to_training: bool | dict = False) -> "TorchLoader":
     """Wrap ``pipe`` (a zephon Pipeline) so that it yields batches of torch tensors.
 
     Args:
@@ -52,6 +52,10 @@ def loader(pipe, *, pin_memory: bool = False, prefetch: int = 2,
             ``pin_memory`` only).
         keep_dtypes: keep ``uint16``/``uint32`` arrays in their dtype instead of
             ``int64`` (see :func:`to_torch`).
+        to_training: hand out the training tensors of each packed batch
+            (:func:`to_training`) instead of its columns: True, or a dict of
+            :func:`to_training`'s keyword arguments (``field``, ``ignore_index``,
+            ``loss_mask``).
 
     Returns:
         A :class:`TorchLoader`; iterate it, and checkpoint it with ``state_dict()``.
@@ -59,7 +63,7 @@ def loader(pipe, *, pin_memory: bool = False, prefetch: int = 2,
     Raises:
         ImportError: torch is missing (``python -m pip install -e ".[torch]"`` in the zephon checkout).
         ZephonConfigError: ``pipe`` is not a Pipeline, or a bad ``pin_memory``,
-            ``prefetch`` or ``keep_dtypes``.
+            ``prefetch``, ``keep_dtypes`` or ``to_training``.
 
     Example:
         >>> src = sources.from_callable(6, lambda i: {"x": np.full(3, i, dtype=np.float32)})
@@ -70,7 +74,7 @@ def loader(pipe, *, pin_memory: bool = False, prefetch: int = 2,
     from zephon.torch._loader import TorchLoader
 
     return TorchLoader(pipe, pin_memory=pin_memory, prefetch=prefetch,
-                       keep_dtypes=keep_dtypes)
+                       keep_dtypes=keep_dtypes, to_training=to_training)
 
 
 def dataset(pipe, *, pin_memory: bool = False, keep_dtypes: bool = False):
@@ -142,6 +146,46 @@ def to_torch(batch, *, keep_dtypes: bool = False):
     from zephon.torch._convert import to_torch as convert
 
     return convert(batch, keep_dtypes=keep_dtypes)
+
+
+def to_training(batch, *, field: str = "tokens", ignore_index: int = -100,
+                loss_mask: str = "loss_mask"):
+    """The training tensors of a batch of packed rows, as torch tensors.
+
+    :func:`zephon.pipeline.training.to_training` (shifted ``labels`` with
+    ``ignore_index`` on padding, at document boundaries and where ``loss_mask`` is 0;
+    ``loss_mask``, ``attention_mask``, ``position_ids``, ``cu_seqlens`` (int32, for
+    flash-attn's varlen kernels), ``max_seqlen``, ``num_valid_tokens``), converted by
+    :func:`to_torch`: ``input_ids``, ``labels`` and ``position_ids`` are int64 tensors,
+    ``max_seqlen`` and ``num_valid_tokens`` ints.
+
+    Args:
+        batch: a batch of ``pack_documents`` (or ``pack_tokens``) rows.
+        field: the token column.
+        ignore_index: the label of positions that predict nothing.
+        loss_mask: the name of an aligned mask column combined with the labels when the
+            batch has it.
+
+    Returns:
+        A dict (a :class:`~zephon.Batch` with the input's ``meta`` for a Batch) of tensors.
+
+    Raises:
+        ImportError: torch is missing.
+        ZephonConfigError: the batch has no 2-D token column, or a layout column of
+            another shape.
+
+    Example:
+        >>> src = sources.from_sequence([{"tokens": np.arange(n) + 10 * n} for n in (3, 2)])
+        >>> pipe = Pipeline(src, shuffle=False).pack_documents(6, algorithm="first_fit")
+        >>> out = zephon.torch.to_training(next(iter(pipe.batch(1))))
+        >>> out["labels"].tolist(), out["cu_seqlens"].dtype, out["max_seqlen"]
+        ([[31, 32, -100, 21, -100, -100]], torch.int32, 3)
+    """
+    _require_torch()
+    from zephon.pipeline.training import to_training as arrays
+    from zephon.torch._convert import to_torch as convert
+
+    return convert(arrays(batch, field=field, ignore_index=ignore_index, loss_mask=loss_mask))
 
 
 def __getattr__(name):

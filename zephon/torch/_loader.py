@@ -69,10 +69,20 @@ def _pin_fn(torch):
     return pin
 
 
-def _prefetch(items, pin, out: Handoff, keep_dtypes: bool = False) -> None:
+def _converter(keep_dtypes: bool, training: dict | None):
+    """What turns a pipeline batch into the loader's (``training``: to_training's keyword
+    arguments, or None for tensors of the batch as it is)."""
+    if training is None:
+        return lambda batch: to_torch(batch, keep_dtypes=keep_dtypes)
+    from zephon.pipeline.training import to_training
+
+    return lambda batch: to_torch(to_training(batch, **training), keep_dtypes=keep_dtypes)
+
+
+def _prefetch(items, pin, out: Handoff, convert) -> None:
     try:
         for batch in items:
-            if not out.put((pin(to_torch(batch, keep_dtypes=keep_dtypes)), items.delivered())):
+            if not out.put((pin(convert(batch)), items.delivered())):
                 return
         out.finish()
     except BaseException as exc:  # noqa: BLE001 - handed to the consumer
@@ -97,6 +107,8 @@ class TorchLoader:
         prefetch: batches the pinning thread may prepare ahead (an int >= 1).
         keep_dtypes: keep unsigned integer arrays in their dtype (see
             :func:`zephon.torch.to_torch`).
+        to_training: hand out :func:`zephon.torch.to_training` of each batch instead
+            (True, or a dict of its keyword arguments).
 
     Raises:
         ImportError: torch is missing.
@@ -115,8 +127,9 @@ class TorchLoader:
     """
 
     def __init__(self, pipe, *, pin_memory: bool = False, prefetch: int = 2,
-                 keep_dtypes: bool = False) -> None:
+                 keep_dtypes: bool = False, to_training: bool | dict = False) -> None:
         from zephon.pipeline import Pipeline
+        from zephon.pipeline.training import check_options
 
         if not isinstance(pipe, Pipeline):
             raise ZephonConfigError(f"zephon.torch.loader takes a zephon Pipeline, got "
@@ -128,6 +141,8 @@ class TorchLoader:
         if not isinstance(keep_dtypes, bool):
             raise ZephonConfigError(f"keep_dtypes must be True or False, got {keep_dtypes!r}")
         self.keep_dtypes = keep_dtypes
+        training = None if to_training is False else check_options(to_training)
+        self._convert = _converter(keep_dtypes, training)
         self._torch = _require_torch()
         self.pipe, self.pin_memory, self.prefetch = pipe, pin_memory, prefetch
         self._it: PipelineIterator | None = None
@@ -153,7 +168,7 @@ class TorchLoader:
             self._delivered = it.delivered()
             self._handoff = Handoff(self.prefetch)
             self._thread = thread = threading.Thread(
-                target=_prefetch, args=(it, self._pin, self._handoff, self.keep_dtypes),
+                target=_prefetch, args=(it, self._pin, self._handoff, self._convert),
                 name="zephon-pin-memory", daemon=True)
             thread.start()
         return self
@@ -165,7 +180,7 @@ class TorchLoader:
         assert it is not None, "__iter__ starts a run"
         if self._thread is None or pinned is None:
             try:
-                return to_torch(next(it), keep_dtypes=self.keep_dtypes)
+                return self._convert(next(it))
             except StopIteration:
                 self._last_it, self._it = it, None
                 raise
