@@ -18,14 +18,13 @@ import signal
 import threading
 import time
 
-import pytest
-
 import _job_fns as J
 import _transport_handlers as H
+import pytest
 from _procs import HANG_S, alive, wait_gone, wait_until_blocked_in
 from _supervisor_children import obeys_stop
 
-from zephon import RuntimeOptions, WorkerCrashedError
+from zephon import WorkerCrashedError
 from zephon.jobs import RunPolicy, run
 from zephon.transport import WorkerPool
 from zephon.transport.deaths import Death, DeathWatch
