@@ -60,6 +60,10 @@ def work(subject):
             raise MemoryError("pretend allocation failure")
         if action == "kill_self":
             os.kill(os.getpid(), signal.SIGKILL)
+        if action == "exit_when":  # os._exit(code) once the file `path` exists
+            path, code = arg
+            _wait_until(lambda: os.path.exists(path))
+            os._exit(code)
         if action == "hang_with_child":
             child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
             with open(os.path.join(subject["dir"], f"{subject['subject_id']}.child"), "w") as fh:

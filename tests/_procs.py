@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
+from collections.abc import Iterable
+
+#: How long a test waits for something that should happen at once before it fails (a
+#: hang guard on a shared, loaded machine, never a measure of speed).
+HANG_S = 60.0
+
 
 def alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie (Linux /proc)."""
@@ -10,3 +19,32 @@ def alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def wait_gone(pid_or_pids: int | Iterable[int], timeout: float) -> list[int]:
+    """Wait until every pid is gone (dead, zombies included) or ``timeout`` seconds passed;
+    returns the pids still alive (empty: all gone), so ``assert not wait_gone(...)``."""
+    pids = [pid_or_pids] if isinstance(pid_or_pids, int) else list(pid_or_pids)
+    deadline = time.monotonic() + timeout
+    left = [p for p in pids if alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.02)
+        left = [p for p in left if alive(p)]
+    return left
+
+
+def wait_until_blocked_in(thread: threading.Thread, function: str,
+                          timeout: float = HANG_S) -> None:
+    """Wait until ``thread`` is inside ``function`` (its Python stack says so): a barrier
+    on where the thread really is, not a sleep."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(thread.ident)  # type: ignore[arg-type]
+        while frame is not None:
+            if frame.f_code.co_name == function:
+                return
+            frame = frame.f_back
+        if not thread.is_alive():
+            break
+        time.sleep(0.005)
+    raise AssertionError(f"{thread.name} never reached {function}()")

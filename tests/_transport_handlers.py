@@ -44,6 +44,19 @@ def nested_payload(seed: int) -> dict:
     }
 
 
+def _touch(path: str) -> None:
+    with open(path + ".tmp", "w") as fh:
+        fh.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)  # whole or absent
+
+
+def _wait_for(ready, seconds: float = 60.0) -> None:
+    """Poll ``ready()`` every 10 ms until true or ``seconds`` passed."""
+    deadline = time.monotonic() + seconds
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def handle(msg):
     op, arg = msg
     if op == "nested":
@@ -93,6 +106,17 @@ def handle(msg):
             return {"squares": workers.map(_square, range(arg)), "pids": pids}
     if op == "kill_self":
         os.kill(os.getpid(), signal.SIGKILL)
+    if op == "exit_when":  # os._exit(code) once the file `path` exists (the test's cue)
+        path, code = arg
+        _wait_for(lambda: os.path.exists(path))
+        os._exit(code)
+    if op == "hold":  # say so in `path`, run until the worker is told to stop, say so again
+        from zephon.transport import stopping
+
+        _touch(arg)
+        stopping.STOPPING.wait(60.0)
+        _touch(arg + ".stopped")
+        return arg
     if op == "tensor":
         import torch
 

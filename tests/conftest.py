@@ -1,9 +1,11 @@
 """Suite-wide guards.
 
 At the end of the session the suite fails if it left anything behind: a new
-entry in /dev/shm, or a live child process of the pytest process. Tests that
-start processes or create segments must clean up even when they fail; this is
-the net that catches the ones that do not.
+zephon segment in /dev/shm (a name with the arena's ``SEGMENT_PREFIX``; what
+other programs on the machine create and remove meanwhile is theirs), or a live
+child process of the pytest process. Tests that start processes or create
+segments must clean up even when they fail; this is the net that catches the
+ones that do not.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import pytest
 SHM_DIR = "/dev/shm"
 
 
-def _shm_entries() -> set[str]:
+def zephon_shm_entries() -> set[str]:
+    """The names in /dev/shm that zephon's arena made (another program's are not ours)."""
+    from zephon.transport.arena import SEGMENT_PREFIX
+
     try:
-        return {e for e in os.listdir(SHM_DIR) if not e.startswith(("sem.", "."))}
+        return {e for e in os.listdir(SHM_DIR) if e.startswith(SEGMENT_PREFIX)}
     except FileNotFoundError:
         return set()
 
@@ -50,7 +55,7 @@ def live_children(pid: int | None = None) -> list[tuple[int, str]]:
 
 
 def pytest_sessionstart(session):
-    session.config._zephon_shm_before = _shm_entries()
+    session.config._zephon_shm_before = zephon_shm_entries()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -64,13 +69,14 @@ def pytest_sessionfinish(session, exitstatus):
         multiprocessing.active_children()  # reaps children that finished exiting
         time.sleep(0.1)
     before = getattr(session.config, "_zephon_shm_before", set())
-    leaked = sorted(_shm_entries() - before)
+    leaked = sorted(zephon_shm_entries() - before)
     children = live_children()
     if leaked or children:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         lines = []
         if leaked:
-            lines.append(f"/dev/shm entries created by the suite and left behind: {leaked}")
+            lines.append(f"zephon /dev/shm segments created by the suite and left behind: "
+                         f"{leaked}")
         if children:
             lines.append(f"child processes still alive after the suite: {children}")
         for line in lines:

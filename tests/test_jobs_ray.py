@@ -29,7 +29,7 @@ ray = pytest.importorskip(
 
 import _job_fns as J  # noqa: E402
 import _job_fns_ray as R  # noqa: E402
-from _procs import alive  # noqa: E402
+from _procs import wait_gone  # noqa: E402
 from zephon import SubjectTimeoutError, WorkerCrashedError, ZephonConfigError  # noqa: E402
 from zephon.errors import SerializationError  # noqa: E402
 from zephon.jobs import (  # noqa: E402
@@ -128,13 +128,6 @@ def started_pids(directory) -> set[int]:
     return {int(f.split(".")[1]) for f in os.listdir(directory) if f.endswith(".start")}
 
 
-def wait_dead(pids, seconds=20.0) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return [p for p in pids if alive(p)]
-
-
 # -- shared behaviour ------------------------------------------------------------------
 
 @pytest.mark.ci
@@ -179,9 +172,9 @@ def test_timeout_of_a_hung_subject(tmp_path, backend):
     assert isinstance(out[1].error, SubjectTimeoutError) and r.summary["timeouts"] == 1
     hung = [int(f.split(".")[1]) for f in os.listdir(subs[1]["dir"])
             if f.startswith("S001.") and f.endswith(".start")]
-    assert wait_dead(hung) == [], "the hung subject's worker outlived the timeout"
+    assert wait_gone(hung, 20.0) == [], "the hung subject's worker outlived the timeout"
     child = int(open(os.path.join(subs[1]["dir"], "S001.child")).read())
-    assert wait_dead([child]) == [], "the subject's own child outlived the timeout"
+    assert wait_gone([child], 20.0) == [], "the subject's own child outlived the timeout"
 
 
 @pytest.mark.ci
@@ -206,7 +199,7 @@ def test_fail_fast_stops_every_worker_and_raises(tmp_path, backend):
     with pytest.raises(ValueError, match="S001 failed on purpose"):
         list(job)
     pids = started_pids(subs[0]["dir"])
-    assert len(pids) == 2 and wait_dead(pids) == []
+    assert len(pids) == 2 and wait_gone(pids, 20.0) == []
 
 
 @pytest.mark.ci
@@ -273,7 +266,7 @@ def test_isolated_tasks_time_out_by_force_cancel_and_count_a_sigkill_as_oom(tmp_
     hung = [int(f.split(".")[1]) for f in os.listdir(subs[1]["dir"])
             if f.startswith("S001.") and f.endswith(".start")]
     child = int(open(os.path.join(subs[1]["dir"], "S001.child")).read())
-    assert wait_dead(hung + [child]) == []
+    assert wait_gone(hung + [child], 20.0) == []
 
 
 @pytest.mark.ci
@@ -418,7 +411,7 @@ def test_ctrl_c_cancels_the_tasks_and_keeps_the_store(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert "interrupted False" in out, err  # zephon's own cluster was shut down
-    assert wait_dead(started_pids(log_dir)) == []
+    assert wait_gone(started_pids(log_dir), 20.0) == []
     assert len(os.listdir(os.path.join(store, "ok"))) == 1
     assert os.listdir(os.path.join(store, "failed")) == []
     assert not [f for f in os.listdir(os.path.join(store, "ok")) if f.startswith(".tmp")]

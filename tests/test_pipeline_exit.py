@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from _procs import alive
+from _procs import alive, wait_gone
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -85,10 +85,7 @@ def test_leaving_the_loop_exits_promptly_and_leaves_no_process(tmp_path, runner,
     code, out, err, pids = run_script(tmp_path, runner, leave)
     assert pids, err
     assert code == (1 if leave == "raise" else 0), err
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in pids if alive(p)]
+    assert not wait_gone(pids, 10)
     # zephon stopped its own workers: that is not a crash, and says nothing at ERROR
     assert "ERROR" not in err and "re-dispatching" not in err, err
     if leave == "raise":
@@ -100,10 +97,7 @@ def test_ctrl_c_gives_one_keyboard_interrupt_and_no_worker_traceback(tmp_path, r
     code, out, err, pids = run_script(tmp_path, runner, "sigint")
     assert code != 0 and "KeyboardInterrupt" in err
     assert err.count("Traceback") == 1, err
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in pids if alive(p)]
+    assert not wait_gone(pids, 10)
 
 
 UNGUARDED = textwrap.dedent("""

@@ -10,12 +10,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import _pipeline_fns as F
+from _resume import assert_resumes
 from zephon import Pipeline, RuntimeOptions, sources
 
 
+def batch_key(b):
+    return (b.meta["lane"], b.meta["lane_index"], b["id"].tolist(), b["x"].tobytes(),
+            b.meta["sample_ids"])
+
+
 def stream(pipe):
-    return [(b.meta["lane"], b.meta["lane_index"], b["id"].tolist(), b["x"].tobytes(),
-             b.meta["sample_ids"]) for b in pipe]
+    return [batch_key(b) for b in pipe]
 
 
 def pair(n, chunk, size, drop_last, epochs, seed=3):
@@ -54,15 +59,9 @@ def test_fused_under_parallel_runners_and_restore(runner):
     expected = stream(reference.options(RuntimeOptions(runner="inline", canonical_replicas=2)))
     opts = RuntimeOptions(runner=runner, max_workers=2, canonical_replicas=2)
     assert stream(fused.options(opts)) == expected
-    it = iter(fused.options(opts))
-    head = [next(it) for _ in range(9)]
-    state = it.checkpoint()
-    it.close()
-    again = fused.options(RuntimeOptions(runner="inline", canonical_replicas=2))
-    again.restore(state)
-    got = [(b.meta["lane"], b.meta["lane_index"], b["id"].tolist(), b["x"].tobytes(),
-            b.meta["sample_ids"]) for b in head] + stream(again)
-    assert got == expected
+    assert_resumes(lambda: fused.options(opts), 9, key=batch_key, reference=expected,
+                   again=lambda: fused.options(RuntimeOptions(runner="inline",
+                                                              canonical_replicas=2)))
 
 
 def test_a_fused_batch_is_one_array_per_column():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 import _pipeline_fns as F
+from _resume import take_and_checkpoint
 from zephon import CheckpointError, Pipeline, RuntimeOptions, sources
 from zephon.checkpoint import decode_state, encode_state
 
@@ -32,10 +33,8 @@ def ids(batches):
     return [b["id"].tolist() for b in batches]
 
 
-def take(pipe, k):
-    it = iter(pipe)
-    head = [next(it)["id"].tolist() for _ in range(k)]
-    return head, it
+def batch_ids(batch):
+    return batch["id"].tolist()
 
 
 @pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
@@ -43,9 +42,7 @@ def take(pipe, k):
 def test_cursor_resume_reads_nothing_before_the_cut(fraction, lanes):
     reference = ids(cursor_chain(canonical_replicas=lanes))
     cut = int(len(reference) * fraction)
-    head, it = take(cursor_chain(canonical_replicas=lanes), cut)
-    state = it.checkpoint()
-    it.close()
+    head, state = take_and_checkpoint(cursor_chain(canonical_replicas=lanes), cut, key=batch_ids)
     assert "resume: from the source cursor" in cursor_chain().explain()
 
     F.reset_reads()
@@ -65,9 +62,7 @@ def test_replay_resume_is_bounded_by_the_flush_cadence(fraction):
     k = 8  # the automatic flush_every_k_chunks with a shuffle buffer
     reference = ids(replay_chain())
     cut = int(len(reference) * fraction)
-    head, it = take(replay_chain(), cut)
-    state = it.checkpoint()
-    it.close()
+    head, state = take_and_checkpoint(replay_chain(), cut, key=batch_ids)
     F.reset_reads()
     resumed = replay_chain(F.counted_sample)
     resumed.restore(state)
@@ -84,9 +79,7 @@ def test_cursor_resume_under_every_runner(runner):
         .map(F.double, parallelism=2).filter(F.keep_most).batch(4)
     reference = ids(base.options(RuntimeOptions(runner="inline", canonical_replicas=2)))
     pipe = base.options(RuntimeOptions(canonical_replicas=2, max_workers=2, **opts))
-    head, it = take(pipe, 17)
-    state = it.checkpoint()
-    it.close()
+    head, state = take_and_checkpoint(pipe, 17, key=batch_ids)
     again = base.options(RuntimeOptions(runner="inline", canonical_replicas=2))
     again.restore(state)
     assert head + ids(again) == reference
@@ -101,9 +94,7 @@ def test_cursor_resume_across_epochs_and_at_an_epoch_end():
     following = ids(following)  # the next pass: epochs 3, 4, 5
     assert following != reference and len(following) == len(reference)
     for cut in (1, 7, 8, 9, 16, len(reference) - 1, len(reference)):
-        head, it = take(base.options(base.runtime), cut)
-        state = it.checkpoint()
-        it.close()
+        head, state = take_and_checkpoint(base.options(base.runtime), cut, key=batch_ids)
         again = base.options(base.runtime)
         again.restore(state)
         # restored at the end of the pass, a run goes on with the next pass
@@ -117,9 +108,7 @@ def test_mixture_cursor_resume():
     base = Pipeline(sources.mixture({"a": a, "b": b}, weights={"a": 2, "b": 1}), seed=4,
                     chunk_size=4).batch(3)
     reference = ids(base.options(base.runtime))  # a fresh pipeline: the stream from its start
-    head, it = take(base, 11)
-    state = it.checkpoint()
-    it.close()
+    head, state = take_and_checkpoint(base, 11, key=batch_ids)
     again = base.options(base.runtime)
     again.restore(state)
     assert head + ids(again) == reference
@@ -128,9 +117,8 @@ def test_mixture_cursor_resume():
 # -- states that are not what they claim ---------------------------------------------------
 
 def _state_of(pipe, k=5):
-    head, it = take(pipe, k)
-    state = decode_state(it.checkpoint())
-    it.close()
+    head, state = take_and_checkpoint(pipe, k, key=batch_ids)
+    state = decode_state(state)
     return state
 
 
@@ -224,9 +212,7 @@ def test_replay_entries_off_a_flush_boundary_or_with_nothing_delivered_are_refus
 
 def test_restore_before_iter_is_what_checkpoint_returns_and_survives_an_ended_run():
     reference = ids(cursor_chain())
-    head, it = take(cursor_chain(), 3)
-    state = it.checkpoint()
-    it.close()
+    head, state = take_and_checkpoint(cursor_chain(), 3, key=batch_ids)
     pipe = cursor_chain()
     pipe.restore(state)
     assert decode_state(pipe.checkpoint())["lanes"] == decode_state(state)["lanes"]

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import _pipeline_fns as F
+from _resume import assert_resumes
 from zephon import Pipeline, RuntimeOptions, sources
 
 
@@ -82,16 +83,8 @@ def test_every_sample_exactly_once_per_epoch():
 
 
 def restore_cut(pipe, reference, cut, second):
-    first = pipe
-    out = []
-    it = iter(first)
-    for _ in range(cut):
-        out.append(signature(next(it)))
-    state = first.checkpoint()
-    first.close()
-    second.restore(state)
-    out += [signature(item) for item in second]
-    assert out == reference
+    assert_resumes(lambda: pipe, cut, again=lambda: second, key=signature,
+                   reference=reference)
 
 
 profile = settings(max_examples=12, deadline=None,

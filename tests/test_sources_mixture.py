@@ -10,6 +10,7 @@ from zephon import MixtureReadConfig, Pipeline, RuntimeOptions, sources
 pytest.importorskip("pyarrow")
 
 import _sources_fns as F  # noqa: E402
+from _resume import assert_resumes  # noqa: E402
 from _sources_data import write_parquet, write_shards  # noqa: E402
 
 C = 4  # canonical lanes
@@ -27,8 +28,12 @@ def pipeline(tmp_path, mode="weighted_random"):
     return Pipeline(mix, seed=5, chunk_size=8).map(F.from_mixture).shuffle(6).batch(4)
 
 
+def batch_key(b) -> tuple:
+    return tuple(zip(b["src"].tolist(), b["n"].tolist()))
+
+
 def ids(pipe) -> list:
-    return [tuple(zip(b["src"].tolist(), b["n"].tolist())) for b in pipe]
+    return [batch_key(b) for b in pipe]
 
 
 @pytest.mark.parametrize("mode", ["weighted_random", "weighted_round_robin"])
@@ -50,18 +55,8 @@ def test_mixture_same_stream_under_every_runner(tmp_path, mode):
 @pytest.mark.parametrize("runner", ["inline", "process"])
 def test_mixture_checkpoint_mid_way_restores(tmp_path, runner):
     opts = RuntimeOptions(runner=runner, max_workers=2, canonical_replicas=C)
-    ref = ids(pipeline(tmp_path).options(opts))
-    pipe = pipeline(tmp_path).options(opts)
-    head = []
-    for batch in pipe:
-        head.append(tuple(zip(batch["src"].tolist(), batch["n"].tolist())))
-        if len(head) == 23:
-            state = pipe.checkpoint()
-            break
-    pipe.close()
-    again = pipeline(tmp_path).options(opts)
-    again.restore(state)
-    assert head + ids(again) == ref
+    assert_resumes(lambda: pipeline(tmp_path).options(opts), 23, key=batch_key,
+                   reference=ids(pipeline(tmp_path).options(opts)))
 
 
 def test_mixture_checkpoint_from_2_ranks_restores_on_1(tmp_path):

@@ -12,6 +12,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 import _pipeline_fns as F  # noqa: E402
+from _resume import assert_resumes  # noqa: E402
 
 from zephon import Pipeline, RuntimeOptions, sources  # noqa: E402
 from zephon.pipeline.ops import collate  # noqa: E402
@@ -92,11 +93,15 @@ def test_a_read_batch_pipeline_equals_the_row_by_row_one(corpus, runner):
 
 
 # -- several micro-batches per message (process runner) ------------------------------------------
+def batch_key(b):
+    return (b.meta["lane"], b.meta["lane_index"], list(b.meta["sample_ids"]),
+            {k: (v.dtype.str, v.shape, v.tolist()) if isinstance(v, np.ndarray) else
+             [(x.dtype.str, x.tolist()) if isinstance(x, np.ndarray) else x for x in v]
+             for k, v in b.items()})
+
+
 def full_stream(pipe):
-    return [(b.meta["lane"], b.meta["lane_index"], list(b.meta["sample_ids"]),
-             {k: (v.dtype.str, v.shape, v.tolist()) if isinstance(v, np.ndarray) else
-              [(x.dtype.str, x.tolist()) if isinstance(x, np.ndarray) else x for x in v]
-              for k, v in b.items()}) for b in pipe]
+    return [batch_key(b) for b in pipe]
 
 
 GROUPED = RuntimeOptions(runner="process", max_workers=2, worker_allocation="per_stage_fixed",
@@ -128,14 +133,9 @@ def test_grouped_resume_mid_row_group(corpus, source_shuffle):
                           shuffle=source_shuffle, seed=2)
     pipe = Pipeline(src, seed=7, chunk_size=4, shuffle=True).batch(3)
     expected = full_stream(pipe.options(RuntimeOptions(runner="inline", canonical_replicas=2)))
-    it = iter(pipe.options(GROUPED))
-    head = [next(it) for _ in range(7)]
-    state = it.checkpoint()
-    it.close()
     for opts in (RuntimeOptions(runner="inline", canonical_replicas=2), GROUPED):
-        again = pipe.options(opts)
-        again.restore(state)
-        assert full_stream(head) + full_stream(again) == expected
+        assert_resumes(lambda: pipe.options(GROUPED), 7, key=batch_key, reference=expected,
+                       again=lambda opts=opts: pipe.options(opts))
 
 
 def test_a_group_is_read_once_and_cut_into_views(corpus):

@@ -12,13 +12,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
-from _procs import alive
+from _procs import alive, wait_gone
 
-from zephon.transport.arena import segment_name, sweep_stale_segments
+from zephon.transport.arena import SEGMENT_PREFIX, segment_name, sweep_stale_segments
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -61,7 +60,7 @@ def shm_entries(parent_pid: int | None = None) -> set[str]:
         return set()
     if parent_pid is None:
         return names
-    return {n for n in names if n.startswith(f"zph_{parent_pid:x}_")}
+    return {n for n in names if n.startswith(f"{SEGMENT_PREFIX}{parent_pid:x}_")}
 
 
 def run_parent(transport: str, mode: str):
@@ -82,16 +81,6 @@ def run_parent(transport: str, mode: str):
         proc.kill()
         proc.wait()
         raise
-
-
-def wait_gone(pids, seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        left = [p for p in pids if alive(p)]
-        if not left:
-            return []
-        time.sleep(0.05)
-    return [p for p in pids if alive(p)]
 
 
 @contextlib.contextmanager

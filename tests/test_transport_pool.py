@@ -3,10 +3,13 @@ back-pressure, errors and faults, over both transports, with real processes."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import select
 import signal
+import struct
+import termios
 import time
 import warnings
 
@@ -275,20 +278,23 @@ def test_sigkill_mid_message_releases_the_dead_workers_arena(make_pool):
     pool = make_pool(workers=1, options={"ipc_buffer_bytes": 64 << 10})
     pool.submit(("full", (8 << 20, 1)))
     held = pool.get(timeout=60).value  # a view into the worker's arena
-    slab_ids = set(pool.registry._slabs)
     pool.submit(("pid", None))
     pid = pool.get(timeout=60).value
     # A 64 MiB str result: never shared memory (it is no array), so it streams through the
     # 64 KiB socket and the worker cannot finish sending it while nobody reads. Its first
-    # bytes arriving is the barrier: from then on the worker is mid-message.
-    pool.submit(("text", 64 << 20), worker=0)
-    pool.submit(("nested", 3))
-    assert select.select([pool.workers[0].channel.fileno()], [], [], 60)[0]
+    # bytes arriving is the barrier; fewer bytes than the message waiting in the socket
+    # proves the worker is mid-message when it is killed.
+    text = pool.submit(("text", 64 << 20), worker=0)
+    nested = pool.submit(("nested", 3))
+    fd = pool.workers[0].channel.fileno()
+    assert select.select([fd], [], [], 60)[0]
+    pending = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+    assert 0 < pending < 64 << 20
     os.kill(pid, signal.SIGKILL)
-    with pytest.raises(WorkerCrashedError, match="worker 0"):
+    with pytest.raises(WorkerCrashedError, match="worker 0") as crash:
         while True:
             pool.get(timeout=60)
-    assert not set(pool.registry._slabs) & slab_ids  # the pool let go of the dead arena
+    assert crash.value.tasks == [text, nested]  # the half-sent result was not taken for one
     assert held["data"][123] == 1  # views the consumer still holds stay valid
 
     def dead_worker_mappings() -> int:

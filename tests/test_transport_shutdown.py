@@ -21,15 +21,13 @@ import time
 import pytest
 
 import _transport_handlers as H
-from _procs import alive
+from _procs import HANG_S, alive, wait_gone, wait_until_blocked_in
 
 from zephon import RuntimeOptions
 from zephon.errors import TransportError
 from zephon.transport import WorkerPool
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-# A hang detector, not a timing claim: the exits tested here take about a second.
-HANG_S = 60
 
 
 def run_script(body: str, *, signal_after_ready: int | None = None):
@@ -80,13 +78,6 @@ def wait_until_polling(pid: int, timeout: float = HANG_S) -> None:
     raise AssertionError(f"process {pid} never waited in poll")
 
 
-def gone_within(pids, seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if alive(p)]
-
-
 def test_exit_without_close_never_waits_on_a_non_daemon_worker():
     # multiprocessing's exit handler joins non-daemon children and runs before atexit
     # callbacks registered earlier: the pool must be closed before it runs.
@@ -103,7 +94,7 @@ def test_exit_without_close_never_waits_on_a_non_daemon_worker():
     """)
     assert rc == 0, err
     assert len(pids) == 2
-    assert not gone_within(pids, 5.0)
+    assert not wait_gone(pids, 5.0)
     assert "Traceback" not in err, err
 
 
@@ -129,7 +120,7 @@ def test_ctrl_c_to_the_group_is_one_keyboard_interrupt_and_no_worker_traceback()
     assert err.count("Traceback") == 1, err
     for noise in ("zephon-pool", "Process ", "worker_entry", "zephon-worker"):
         assert noise not in err, err
-    assert not gone_within(pids, 5.0)
+    assert not wait_gone(pids, 5.0)
 
 
 @pytest.mark.parametrize("mtp", [False, True], ids=["process", "mtp"])
@@ -155,7 +146,7 @@ def test_pipeline_break_then_exit_is_prompt_and_reports_no_crash(mtp):
     assert rc == 0, err
     for noise in ("ERROR", "died by", "re-dispatching", "unknown cause", "Traceback"):
         assert noise not in err, err
-    assert not gone_within(pids, 5.0)
+    assert not wait_gone(pids, 5.0)
 
 
 @pytest.fixture
@@ -172,26 +163,13 @@ def pool():
         p.close()
 
 
-def wait_until_blocked_in(thread: threading.Thread, function: str,
-                          timeout: float = HANG_S) -> None:
-    """Wait until ``thread`` is inside ``function`` (its Python stack says so): a barrier
-    on where the thread really is, not a sleep."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        frame = sys._current_frames().get(thread.ident)
-        while frame is not None:
-            if frame.f_code.co_name == function:
-                return
-            frame = frame.f_back
-        time.sleep(0.005)
-    raise AssertionError(f"{thread.name} never reached {function}()")
-
-
 @pytest.mark.parametrize("mode", ["immediate", "hard", "graceful"])
-def test_close_under_a_blocked_get_is_not_a_crash(pool, caplog, mode):
+def test_close_under_a_blocked_get_is_not_a_crash(pool, caplog, tmp_path, mode):
     p = pool(H.handle, 2, options=RuntimeOptions(shutdown_mode=mode))
+    # each worker holds its task until it is told to stop, and says when it entered it
+    marks = [str(tmp_path / f"held.{k}") for k in range(2)]
     for k in range(2):
-        p.submit(("sleep", 2.0 if mode == "graceful" else 30), worker=k)
+        p.submit(("hold", marks[k]), worker=k)
     outcome = []
 
     def consumer():
@@ -204,16 +182,32 @@ def test_close_under_a_blocked_get_is_not_a_crash(pool, caplog, mode):
     thread = threading.Thread(target=consumer)
     with caplog.at_level(logging.DEBUG, logger="zephon"):
         thread.start()
-        wait_until_blocked_in(thread, "select")  # the consumer waits inside get()
+        wait_until_blocked_in(thread, "select")  # the consumer waits inside get()...
+        for mark in marks:  # ...while both workers are inside their task
+            assert wait_for_file(mark), f"{mark} never entered its task"
         p.close()
         thread.join(HANG_S)
-        p._watchdog.join(HANG_S)  # whatever the watchdog would say, it has said
-    assert not thread.is_alive() and not p._watchdog.is_alive()
+    assert not thread.is_alive()
     assert len(outcome) == 1 and type(outcome[0]) is TransportError, outcome
     assert "closed" in str(outcome[0])
     errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert not errors, [r.getMessage() for r in errors]
     assert p.exited == {} and p.crashes == []
+    stopped = [os.path.exists(mark + ".stopped") for mark in marks]
+    if mode == "immediate":  # a busy worker is killed at once: its task never sees STOP
+        assert stopped == [False, False]
+    elif mode == "graceful":  # the task saw STOP and finished within the grace
+        assert stopped == [True, True]
+
+
+def wait_for_file(path: str, timeout: float = HANG_S) -> bool:
+    """Wait until ``path`` exists (a worker writes it): True once it does."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_close_drains_a_worker_blocked_sending_its_result(pool, caplog):

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from _procs import alive
+from _procs import alive, wait_gone
 from _supervisor_children import (
     exits_at_once,
     fails_setup,
@@ -37,16 +37,6 @@ from zephon.transport.supervisor import (
 
 SPAWN = multiprocessing.get_context("spawn")
 QUICK = ShutdownPolicy(grace_s=0.3, terminate_wait_s=0.3, kill_wait_s=10.0)
-
-
-def wait_gone(pids, seconds: float) -> list[int]:
-    """Poll until every pid is gone (or ``seconds``); the ones still alive."""
-    until = time.monotonic() + seconds
-    left = list(pids)
-    while left and time.monotonic() < until:
-        left = [p for p in left if alive(p)]
-        time.sleep(0.02)
-    return [p for p in left if alive(p)]
 
 
 @pytest.fixture

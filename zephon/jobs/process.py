@@ -34,7 +34,14 @@ ran out: its result was already read), ``dying`` (SIGTERM sent to its process
 group; SIGKILL to the group at ``graceful_shutdown_sec`` later). A slot is
 dropped once its worker has exited and been reaped, and what it sent before
 exiting has been read. The loop never blocks on one worker: it waits on every
-channel with a timeout that is the nearest deadline.
+channel, and on the wake-up pipe of the run's
+:class:`~zephon.transport.deaths.DeathWatch` (the detector the pipeline's pool
+uses too), with a timeout that is the nearest deadline. A worker's exit wakes
+the loop at once, whoever holds its channel open; a busy worker that died by
+itself is reported as a pool worker is (``worker 0 (pid 4321) of job run of f
+died by signal SIGKILL while running subject 'S01'``, a
+:class:`~zephon.errors.WorkerCrashedError` with ``worker``, ``pid``, ``signal``
+and ``tasks``).
 
 The process tree. Each worker leads its own process group and, on Linux, is a
 child subreaper, so a descendant that leaves the group (``setsid``, a
@@ -85,9 +92,9 @@ from zephon.errors import (
 from zephon.jobs.subjects import subject_label
 from zephon.jobs.worker import job_worker_main, unpickle_value
 from zephon.transport.channel import ChannelClosed
+from zephon.transport.deaths import DeathWatch, death_text
 from zephon.transport.remote_errors import decode_exception
 from zephon.transport.supervisor import (
-    EXIT_POLL_S,
     KILL_WAIT_S,
     Child,
     MsgKind,
@@ -115,12 +122,10 @@ TREE_POLICY = (
     "outright (SIGKILL, or a subject's own SIGTERM handler) while its subject runs is not "
     "covered")
 
-_CENSUS_S: Final = 0.25  # how often every worker is checked for exit, EOF or not
 _IDLE_WAIT_S: Final = 0.5  # longest wait of the loop when no deadline is nearer
 _CLOCK_SKEW_S: Final = 1.0  # a worker's start time this far ahead of ours is not our clock
 _CLOCK_PAST_S: Final = 3600.0  # ... nor one this far behind
 _CHANNEL_BYTES: Final = 1 << 20  # socket buffer of a job worker's channel
-_DRAIN_TIMEOUT_S: Final = 1.0  # reading what a dead worker sent never blocks longer
 
 
 class SlotState(enum.Enum):
@@ -134,7 +139,6 @@ class SlotState(enum.Enum):
 
 
 _LIVE_STATES: Final = (SlotState.STARTING, SlotState.IDLE, SlotState.BUSY)
-_GOING_STATES: Final = (SlotState.DYING, SlotState.STOPPING)
 
 
 class Outcome(NamedTuple):
@@ -150,7 +154,7 @@ class Outcome(NamedTuple):
 
 
 class _Slot:
-    __slots__ = ("channel", "child", "deadline", "eof", "failures", "gpu_slot", "index",
+    __slots__ = ("channel", "child", "deadline", "failures", "gpu_slot", "index",
                  "kill_at", "killed_at", "pid", "registered", "state", "successes", "task")
 
     def __init__(self, child: Child, index: int, gpu_slot, deadline) -> None:
@@ -160,7 +164,6 @@ class _Slot:
         self.task: int | None = None
         self.successes = self.failures = 0
         self.kill_at = self.killed_at = None
-        self.eof = False
         self.registered = True
 
 
@@ -194,7 +197,10 @@ class ProcessBackend:
         self._task_ids = iter(range(1, 1 << 62))
         self._running: dict[int, int] = {}  # task id -> subject index (attempts in flight)
         self._sweeps: dict[Child, float] = {}  # a gone worker's group -> when it gets SIGKILL
-        self._census_at = 0.0
+        # every worker's exit, as it happens (see zephon.transport.deaths); its wake-up
+        # pipe is the selector's key without data
+        self.deaths = DeathWatch(f"job run of {self.fn_label}")
+        self.selector.register(self.deaths.fileno(), selectors.EVENT_READ, None)
 
     # -- workers ---------------------------------------------------------------------
     def _spawn(self) -> _Slot | None:
@@ -217,6 +223,7 @@ class ProcessBackend:
         slot = _Slot(child, index, gpu, deadline)
         self.slots.append(slot)
         self.selector.register(child.channel.fileno(), selectors.EVENT_READ, slot)
+        self.deaths.watch(index, child)
         self.stats["workers_started"] += 1
         return slot
 
@@ -327,14 +334,15 @@ class ProcessBackend:
         ready = self.selector.select(self._wait_time())
         while ready:
             for key, _ in ready:
-                self._read(key.data, out)
+                if key.data is None:
+                    self.deaths.clear_wake()  # the exits are taken by _reap
+                else:
+                    self._read(key.data, out)
             ready = self.selector.select(0)
         self._reap(out)
         self._judge(out)
 
     def _wait_time(self) -> float:
-        if any(s.eof or s.state in _GOING_STATES for s in self.slots):
-            return EXIT_POLL_S
         times = [t for s in self.slots for t in (s.deadline, s.kill_at) if t is not None]
         times.extend(self._sweeps.values())
         if not times:
@@ -345,8 +353,7 @@ class ProcessBackend:
         try:
             header, frames, _ = slot.channel.recv()
         except (ChannelClosed, TransportError, OSError):
-            self._unregister(slot)
-            slot.eof = True
+            self._unregister(slot)  # its exit comes from the death watch
             return
         self._message(slot, header, frames, out)
 
@@ -430,13 +437,15 @@ class ProcessBackend:
             out.append(outcome)
 
     def _drain_dead(self, slot: _Slot, out: list) -> None:
-        """Read what a worker that has exited sent before it did (never blocks for long: a
-        grandchild may still hold the worker's end of the channel open)."""
+        """Read what a worker that has exited sent before it did, without blocking: it is
+        all in the channel already, and a grandchild may hold the worker's end open for
+        ever (a message cut short by the death reads as the end)."""
         if not slot.registered:
             return
-        sock = getattr(slot.channel, "sock", None)
-        if sock is not None:
-            sock.settimeout(_DRAIN_TIMEOUT_S)
+        try:
+            os.set_blocking(slot.channel.fileno(), False)
+        except OSError:
+            pass  # closed already: the read says so
         waiter = selectors.DefaultSelector()
         try:
             waiter.register(slot.channel.fileno(), selectors.EVENT_READ)
@@ -446,16 +455,13 @@ class ProcessBackend:
             waiter.close()
 
     def _reap(self, out: list) -> None:
-        now = time.monotonic()
-        census = now >= self._census_at  # every worker, now and then: a dead worker whose
-        if census:                       # channel a grandchild holds open sends no EOF
-            self._census_at = now + _CENSUS_S
-        for slot in list(self.slots):
-            if not (census or slot.eof or slot.state in _GOING_STATES):
-                continue
-            code = slot.child.exitcode
-            if code is None:
-                continue
+        """Judge every worker exit the death watch saw: what it sent first, then its
+        slot's state says what the exit means."""
+        for death in self.deaths.take():
+            slot = next((s for s in self.slots if s.child is death.child), None)
+            if slot is None:
+                continue  # written off already (it outlived SIGKILL by KILL_WAIT_S)
+            code = death.exitcode
             self._drain_dead(slot, out)
             state, task = slot.state, slot.task
             self._forget(slot)
@@ -479,19 +485,19 @@ class ProcessBackend:
             if outcome is not None:
                 out.append(outcome)
 
-    def _crashed(self, slot: _Slot, task, code: int) -> Outcome | None:
+    def _crashed(self, slot: _Slot, task, code: int | None) -> Outcome | None:
+        """A busy worker died by itself: the subject's crash (the same report as a pool
+        worker's: :func:`~zephon.transport.deaths.death_text`), or its OOM when SIGKILL."""
         index = self._index_of(task)
         tasks = () if task is None else (task,)
-        if code == -signal.SIGKILL:
+        oom = code == -signal.SIGKILL
+        if oom:
             self._back_off()
-            error = crash_error(
-                f"the worker running {self._label(index)} was killed by SIGKILL (counted as out of "
-                "memory)", worker=slot.index, pid=slot.pid, exitcode=code, tasks=tasks)
-            return self._settle(task, False, None, error, 0.0, "oom")
+        text = death_text(slot.index, slot.pid, f"job run of {self.fn_label}", code)
         error = crash_error(
-            f"the worker running {self._label(index)} died by {exit_text(code)}",
-            worker=slot.index, pid=slot.pid, exitcode=code, tasks=tasks)
-        return self._settle(task, False, None, error, 0.0, "crash")
+            f"{text} while running {self._label(index)}" + (" (counted as out of memory: the kernel's OOM killer sends SIGKILL)" if oom
+               else ""), worker=slot.index, pid=slot.pid, exitcode=code, tasks=tasks)
+        return self._settle(task, False, None, error, 0.0, "oom" if oom else "crash")
 
     def _judge(self, out: list) -> None:
         now = time.monotonic()
@@ -557,6 +563,7 @@ class ProcessBackend:
         SIGTERM, the rest of the same ``grace``, SIGKILL (see
         :func:`~zephon.transport.supervisor.stop_children` and
         :func:`~zephon.transport.supervisor.sweep_groups`)."""
+        self.deaths.close()  # the exits from here on are the shutdown's own
         policy = ShutdownPolicy.for_grace(grace)
         slots = list(self.slots)
         deadline = stop_children(

@@ -100,6 +100,7 @@ __all__ = [
     "MEMFD",
     "NAMED",
     "REGION_ALIGN",
+    "SEGMENT_PREFIX",
     "ArenaFull",
     "LeaseTable",
     "RegionInfo",
@@ -130,7 +131,9 @@ _GROW_STEP_BYTES = 32 << 20  # the most a recycled slab grows the arena by (unle
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
 _NO_FALLOCATE_ERRNOS = (errno.EOPNOTSUPP, errno.EINVAL, errno.ENODEV)
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_NAME_RE = re.compile(r"^zph_([0-9a-f]+)_([0-9a-f]+)_[0-9a-f]+_[0-9a-f]+$")
+#: How every name zephon gives a shared-memory segment (and a memfd) starts.
+SEGMENT_PREFIX = "zph_"
+_NAME_RE = re.compile(rf"^{SEGMENT_PREFIX}([0-9a-f]+)_([0-9a-f]+)_[0-9a-f]+_[0-9a-f]+$")
 
 
 def memfd_available() -> bool:
@@ -289,7 +292,7 @@ def _unlink(name: str) -> None:
 
 
 def segment_name(parent_pid: int, creator_pid: int, nonce: str, index: int) -> str:
-    return f"zph_{parent_pid:x}_{creator_pid:x}_{nonce}_{index:x}"
+    return f"{SEGMENT_PREFIX}{parent_pid:x}_{creator_pid:x}_{nonce}_{index:x}"
 
 
 def _pid_alive(pid: int) -> bool:

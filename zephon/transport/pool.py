@@ -31,12 +31,12 @@ as ``__cause__``, the task's id as its ``zephon_task_id`` attribute), a
 and the tasks it had in flight. A crashed worker's slabs are released (views
 the consumer still holds stay valid until dropped); the other workers go on.
 
-A watchdog thread waits on the worker processes' sentinels (and every 0.5 s on
-their exit status: a process an op forked may hold a sentinel open) and logs a
-death with its exit status when it happens (``exited``, ``wait_for_exit()``),
-even while nobody is in ``get()``; it wakes ``get()``, which reads what the dead
-worker had sent without waiting for an EOF that such a process may hold back,
-then reports the crash.
+Deaths: the pool's :class:`~zephon.transport.deaths.DeathWatch` (the detector
+the jobs backend uses too) notices a worker's exit as it happens, even while
+nobody is in ``get()`` or a process an op forked holds the worker's sentinel and
+channel open, logs it with its exit status (``exited``, ``wait_for_exit()``) and
+wakes ``get()``, which reads what the dead worker had sent without waiting for
+an EOF that such a process may hold back, then reports the crash.
 
 Back-pressure: a result's regions come from the worker's arena, all at once
 (see :mod:`zephon.transport.arena`). When the consumer holds the whole arena
@@ -100,7 +100,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from zephon.errors import (
     ResultTimeoutError,
@@ -118,17 +118,16 @@ from zephon.transport.arena import (
 )
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
+from zephon.transport.deaths import DeathWatch, death_text
 from zephon.transport.remote_errors import decode_exception, put_done
 from zephon.transport.spawn_guard import refuse_in_spawn_bootstrap
 from zephon.transport.supervisor import (
     REAP_JOIN_S,
-    WATCHDOG_POLL_S,
     Child,
     MsgKind,
     ShutdownPolicy,
     await_ready,
     crash_error,
-    exit_text,
     stop_children,
     sweep_groups,
 )
@@ -185,39 +184,6 @@ def default_arena_bytes(opts, inflight_per_worker: int) -> int:
 # ---------------------------------------------------------------------------------------
 
 
-def _watch(pool_ref, handles) -> None:
-    """Notice a worker's death when it happens, even if nobody is in get(): log it with its
-    exit status, record it in ``pool.exited`` and wake ``get()``, which drains what the
-    worker sent before dying, then reports the crash with its in-flight tasks (even when
-    a process the worker's op forked still holds the channel open, so no EOF comes). The
-    wait is on the sentinels, and every ``WATCHDOG_POLL_S`` on the exit status itself: a
-    forked process holds the sentinel's pipe open as well."""
-    from multiprocessing.connection import wait
-
-    pending = {h.process.sentinel: h for h in handles}
-    while pending:
-        ready = wait(list(pending), timeout=WATCHDOG_POLL_S)
-        pool = pool_ref()
-        if pool is None or pool._closed:
-            return
-        if not ready:  # a process the worker forked may hold its sentinel: ask the kernel
-            with pool._reap_lock:
-                ready = [s for s, h in pending.items() if h.process.exitcode is not None]
-        for sentinel in ready:
-            handle = pending.pop(sentinel)
-            with pool._reap_lock:  # one reaper at a time, or the other sees ECHILD
-                code = handle.child.reap(REAP_JOIN_S)
-            if pool._closed or handle.child.stopped:
-                return  # stopped by zephon itself: not a crash
-            handle.exited = True  # get() drains what it sent, then reports the crash
-            pool.exited[handle.index] = code
-            pool._worker_exited.set()
-            pool._wake()
-            log.error("worker %d (pid %s) of pool %r exited by %s", handle.index, handle.pid,
-                      pool.name, exit_text(code))
-        del pool
-
-
 _SLABS_PER_GENERATION = 256
 
 
@@ -233,7 +199,7 @@ class _WorkerHandle:
         self.process, self.channel, self.pid = child.process, child.channel, child.pid
         self.inflight: dict[int, list] = {}  # task id -> pinned leases
         self.alive = True
-        self.exited = False  # the watchdog saw the process die (get() has not reported it)
+        self.exited = False  # the death watch saw the process die (get() has not reported it)
         self.generation = 0
 
 
@@ -274,6 +240,7 @@ class WorkerPool:
         self._ids = itertools.count()
         self._frees: dict[int, collections.deque] = {}
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
@@ -281,9 +248,8 @@ class WorkerPool:
         self._started = False
         self._ready = False
         self.crashes: list[WorkerCrashedError] = []
-        self.exited: dict[int, int | None] = {}  # worker index -> exit code, by the watchdog
-        self._worker_exited = threading.Event()
-        self._reap_lock = threading.Lock()
+        self._deaths = DeathWatch(f"pool {name!r}", log)  # see zephon.transport.deaths
+        self._selector.register(self._deaths.fileno(), selectors.EVENT_READ, None)
         self._warned: set[str] = set()  # in-band fallbacks already warned about
         self._worker_pids: set[int] = set()  # every worker ever started (names to sweep)
         _live_pools.add(self)
@@ -333,7 +299,8 @@ class WorkerPool:
             raise
         for handle in self.workers:
             self._selector.register(handle.channel.fileno(), selectors.EVENT_READ, handle)
-        self._start_watchdog()
+        for handle in self.workers:
+            self._deaths.watch(handle.index, handle.child)
         self._ready = True
 
     def _launch(self, k: int, generation: int) -> "_WorkerHandle":
@@ -347,18 +314,16 @@ class WorkerPool:
         handle.generation = generation
         return handle
 
-    def _start_watchdog(self) -> None:
-        # The watchdog holds the pool weakly: a dropped pool must stay collectable so that
-        # its finalizer can close it.
-        self._watchdog = threading.Thread(
-            target=_watch, args=(weakref.ref(self), list(self.workers)),
-            name=f"zephon-{self.name}-watchdog", daemon=True)
-        self._watchdog.start()
+    @property
+    def exited(self) -> dict[int, int | None]:
+        """Every worker that died by itself so far: slot index -> exit code (negative: the
+        signal), as the death watch saw it, even while nobody is in ``get()``."""
+        return cast("dict[int, int | None]", self._deaths.crashed())
 
     def wait_for_exit(self, timeout: float | None = None) -> dict[int, int | None]:
-        """Block until some worker has exited (or ``timeout``); returns ``exited``."""
-        self._worker_exited.wait(timeout)
-        return dict(self.exited)
+        """Block until some worker has died by itself (or ``timeout``); returns ``exited``."""
+        self._deaths.wait(timeout)
+        return self.exited
 
     def restart(self, k: int) -> None:
         """Start a new process in slot ``k`` after its worker died (crash retries). Its slabs
@@ -384,8 +349,7 @@ class WorkerPool:
             handle.child.close_channel()
             raise
         self._selector.register(handle.channel.fileno(), selectors.EVENT_READ, handle)
-        threading.Thread(target=_watch, args=(weakref.ref(self), [handle]),
-                         name=f"zephon-{self.name}-watchdog-{k}", daemon=True).start()
+        self._deaths.watch(k, handle.child)
 
     def _await_ready(self, handles) -> None:
         await_ready({h.index: h.child for h in handles}, self.spawn_timeout_s,
@@ -412,6 +376,7 @@ class WorkerPool:
             return
         self._closed = True
         _live_pools.discard(self)
+        self._deaths.close()  # silent from here on: the workers stopped now are no crashes
         self._wake()  # a get() blocked in another thread returns now
         policy = ShutdownPolicy.for_shutdown_mode(self.options.shutdown_mode, exiting=exiting)
         # STOP to the workers that can read it; under a policy that abandons, a worker
@@ -420,8 +385,7 @@ class WorkerPool:
                 if h.alive and not (policy.abandon and h.inflight)}
         self._drained: set[int] = set()
         deadline = stop_children([h.child for h in self.workers], policy,
-                                 graceful=lambda child: id(child) in idle, drain=self._drain,
-                                 lock=self._reap_lock)
+                                 graceful=lambda child: id(child) in idle, drain=self._drain)
         # what the ops left in the workers' process groups goes with them
         sweep_groups([h.pid for h in self.workers if h.child.group],
                      time.monotonic() if policy.abandon else deadline, policy)
@@ -464,8 +428,7 @@ class WorkerPool:
         for ready in wait(list(sentinels) + list(readers), timeout=min(remaining, 0.5)):
             child = sentinels.get(ready)
             if child is not None:
-                with self._reap_lock:
-                    child.reap(0.5)
+                child.reap(0.5)
             elif not readers[ready].channel.discard_pending():
                 self._drained.add(readers[ready].pid)
 
@@ -559,6 +522,7 @@ class WorkerPool:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._flush_frees()
+            self._note_deaths()
             dead = next((h for h in self.workers if h.exited and h.alive), None)
             if dead is not None:
                 return self._receive_from_dead(dead)
@@ -583,13 +547,24 @@ class WorkerPool:
                 if result is not None:
                     return result
 
+    def _note_deaths(self) -> None:
+        """Mark the workers the death watch saw die by themselves: ``get()`` reads what
+        each had sent, then reports its crash."""
+        for death in self._deaths.take():
+            handle = next((h for h in self.workers if h.child is death.child), None)
+            if handle is not None and not death.stopped:
+                handle.exited = True
+
     def _receive(self, handle: _WorkerHandle | None) -> TaskResult | None:
-        """Read one ready channel of ``get()``: None for the wake-up pipe (``handle`` None)."""
+        """Read one ready channel of ``get()``: None for the wake-up pipes (``handle`` None:
+        the pool's own, for frees and close(), and the death watch's, whose deaths the loop
+        notes first thing)."""
         if handle is None:
             try:
                 os.read(self._wake_r, 4096)
             except BlockingIOError:
                 pass
+            self._deaths.clear_wake()
             return None
         try:
             header, frames, fds = handle.channel.recv()
@@ -675,8 +650,7 @@ class WorkerPool:
         except (KeyError, ValueError):
             pass
         handle.channel.close()
-        with self._reap_lock:
-            code = handle.child.reap(REAP_JOIN_S)
+        code = handle.child.reap(REAP_JOIN_S)
         if handle.child.group:  # what its ops left in its process group is orphaned
             signal_group(handle.pid, signal.SIGKILL)
         tasks = sorted(handle.inflight)
@@ -687,9 +661,8 @@ class WorkerPool:
             sweep_segments_of(os.getpid(), [handle.pid])
             sweep_stale_segments()
         error = crash_error(
-            f"worker {handle.index} (pid {handle.pid}) of pool {self.name!r} died by "
-            f"{exit_text(code)} with task(s) {tasks} in flight; its arena ({released} "
-            "slab(s)) was released",
+            f"{death_text(handle.index, handle.pid, f'pool {self.name!r}', code)} with "
+            f"task(s) {tasks} in flight; its arena ({released} slab(s)) was released",
             worker=handle.index, pid=handle.pid, exitcode=code, tasks=tasks,
             seq=tasks[0] if tasks else None, op=self.name)
         log.error("%s", error)

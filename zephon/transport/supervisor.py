@@ -39,7 +39,11 @@ Lifecycle of a :class:`Child`
    busy child: it is killed at once with its group and every descendant
    (:func:`kill_tree`), and so is an idle one that has not exited when the
    short grace ends.
-5. **Crash reports** (:func:`crash_error`): a child that died by itself becomes a
+5. **Deaths** (:mod:`zephon.transport.deaths`, owned here): one detector thread per
+   owner notices every exit as it happens, reaps it, and wakes whoever waits (a
+   ``select`` on its wake-up pipe, an event); its module docstring records how the
+   pool's and the jobs backend's former detectors disagreed and what was chosen.
+6. **Crash reports** (:func:`crash_error`): a child that died by itself becomes a
    :class:`~zephon.errors.WorkerCrashedError` with the worker's slot index
    (``worker``), its ``pid``, its exit signal and the ``tasks`` it had in flight,
    all constructor arguments (the error pickles with them). A child stopped by
@@ -82,6 +86,7 @@ from zephon.transport.tree import (
 )
 
 __all__ = [
+    "DEATH_POLL_S",
     "EXITING_S",
     "EXIT_POLL_S",
     "GRACEFUL_S",
@@ -93,7 +98,6 @@ __all__ = [
     "PARENT_POLL_S",
     "REAP_JOIN_S",
     "TERMINATE_WAIT_S",
-    "WATCHDOG_POLL_S",
     "Child",
     "MsgKind",
     "ShutdownPolicy",
@@ -134,8 +138,9 @@ class MsgKind:
 HANDSHAKE_POLL_S: Final = 1.0
 #: How often a child checks whether its parent is still the one that started it.
 PARENT_POLL_S: Final = 0.5
-#: How often the pool's watchdog wakes up to notice that its pool was closed.
-WATCHDOG_POLL_S: Final = 0.5
+#: How often the death detector (:mod:`zephon.transport.deaths`) asks the kernel for the
+#: exit status of every child it watches (a sentinel a grandchild holds open never fires).
+DEATH_POLL_S: Final = 0.25
 #: How often a child known to be going is checked for exit.
 EXIT_POLL_S: Final = 0.02
 #: How long a parent waits to reap a child whose channel just closed.
@@ -238,14 +243,20 @@ class Child:
         pid: the child's pid (kept after it is reaped).
         group: the child makes itself a process-group leader; signals go to its group.
         stopped: the supervisor stopped it: its exit is not a crash.
+
+    Thread-safe reaping: the exit status is asked for (``waitpid``) under the child's own
+    lock, so a death detector thread, :func:`stop_children` and an owner's loop may all
+    ask at once (two concurrent ``waitpid`` calls would leave one with ``ECHILD`` and no
+    status).
     """
 
-    __slots__ = ("channel", "group", "pid", "process", "stopped")
+    __slots__ = ("_lock", "channel", "group", "pid", "process", "stopped")
 
     def __init__(self, process, channel, *, group: bool = False) -> None:
         self.process, self.channel, self.group = process, channel, group
         self.pid: int = process.pid
         self.stopped = False
+        self._lock = threading.Lock()
 
     @classmethod
     def spawn(cls, mp_context, target: Callable, args: Sequence[Any] = (), *,
@@ -281,12 +292,14 @@ class Child:
 
     @property
     def exitcode(self) -> int | None:
-        """The exit code once the child has exited (negative: the signal), else None."""
-        return self.process.exitcode
+        """The exit code once the child has exited (negative: the signal), else None (it
+        reaps the child: ``waitpid(WNOHANG)`` under the child's lock)."""
+        with self._lock:
+            return self.process.exitcode
 
     def is_alive(self) -> bool:
         """True while the child runs."""
-        return self.process.is_alive()
+        return self.exitcode is None
 
     def send_stop(self) -> bool:
         """Mark the child stopped and send it STOP; False when its channel is gone."""
@@ -305,7 +318,7 @@ class Child:
         """
         if self.group and signal_group(self.pid, sig):
             return True
-        if self.process.exitcode is None:
+        if self.exitcode is None:
             try:
                 os.kill(self.pid, sig)
                 return True
@@ -314,9 +327,24 @@ class Child:
         return False
 
     def reap(self, timeout: float | None = None) -> int | None:
-        """Join the child for up to ``timeout`` seconds; its exit code (None: still alive)."""
-        self.process.join(timeout)
-        return self.process.exitcode
+        """Wait up to ``timeout`` seconds (None: for ever) for the child to exit; its exit
+        code (None: still alive). The wait is on the sentinel and, every
+        :data:`EXIT_POLL_S`, on the exit status: a process the child forked may hold the
+        sentinel open after the child is gone (``Process.join`` would wait it out)."""
+        from multiprocessing.connection import wait
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sentinel = [self.process.sentinel]
+        while True:
+            code = self.exitcode
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if code is not None or (remaining is not None and remaining <= 0):
+                return code
+            slice_s = EXIT_POLL_S if remaining is None else min(remaining, EXIT_POLL_S)
+            if sentinel and wait(sentinel, slice_s):
+                sentinel = []  # readable: the status follows (another reaper may hold it)
+            elif not sentinel:
+                time.sleep(slice_s / 4)
 
     def close_channel(self) -> None:
         """Close the parent's end of the channel (idempotent)."""
@@ -459,7 +487,8 @@ def lead_process_tree(parent_pid: int, grace: float) -> None:
 def _wait_exit(children: list[Child], deadline: float,
                drain: Callable[[list[Child], float], None] | None) -> None:
     """Wait until every child has exited or ``deadline``: on their sentinels (woken at
-    once by an exit), or through ``drain``."""
+    once by an exit; the status is asked every :data:`DEATH_POLL_S` too, for a sentinel
+    a grandchild holds open), or through ``drain``."""
     from multiprocessing.connection import wait
 
     while True:
@@ -470,7 +499,7 @@ def _wait_exit(children: list[Child], deadline: float,
         if drain is not None:
             drain(live, deadline)
         else:
-            wait([c.process.sentinel for c in live], timeout=remaining)
+            wait([c.process.sentinel for c in live], timeout=min(remaining, DEATH_POLL_S))
 
 
 def kill_tree(child: Child) -> list[int]:
@@ -536,8 +565,7 @@ def _stop_one(child: Child, policy: ShutdownPolicy, graceful: Callable[[Child], 
 
 def stop_children(children: Iterable[Child], policy: ShutdownPolicy, *,
                   graceful: Callable[[Child], bool] = lambda child: True,
-                  drain: Callable[[list[Child], float], None] | None = None,
-                  lock: threading.Lock | None = None) -> float:
+                  drain: Callable[[list[Child], float], None] | None = None) -> float:
     """Stop -> terminate -> kill -> reap every child, all at once, within ``policy``.
 
     With ``policy.abandon`` a child that is not ``graceful`` is killed at once with its
@@ -554,7 +582,6 @@ def stop_children(children: Iterable[Child], policy: ShutdownPolicy, *,
         drain: called as ``drain(live_children, deadline)`` while waiting for the exits,
             to read and drop what they still send (it must return by ``deadline``); by
             default the wait is on the children's sentinels.
-        lock: held while joining (a watchdog thread that reaps too must not see ECHILD).
 
     Returns:
         The monotonic deadline of the grace (for a :func:`sweep_groups` that follows).
@@ -578,11 +605,7 @@ def stop_children(children: Iterable[Child], policy: ShutdownPolicy, *,
         if child.exitcode is None:
             child.signal(signal.SIGKILL)
     for child in children:
-        if lock is not None:
-            with lock:
-                child.reap(policy.kill_wait_s)
-        else:
-            child.reap(policy.kill_wait_s)
+        child.reap(policy.kill_wait_s)
     wait_gone(orphans, time.monotonic() + policy.kill_wait_s)
     return deadline
 
