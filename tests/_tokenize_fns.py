@@ -53,3 +53,24 @@ def fail_on_seven(sample: dict) -> dict:
     if sample["id"] == 7:
         raise ValueError("seven")
     return sample
+
+
+def text_or_missing(i: int) -> dict:
+    """Sample 3 has no text field."""
+    return {"id": i} if i == 3 else text_sample(i)
+
+
+class LockedFastTokenizer:
+    """Shaped as a ``transformers`` fast tokenizer (``backend_tokenizer``, special ids,
+    ``chat_template``) and, like one holding a lock, not picklable."""
+
+    def __init__(self, path: str, chat_template: str | None = None) -> None:
+        import threading
+
+        from tokenizers import Tokenizer
+
+        self.backend_tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        self.bos_token_id = self.backend_tokenizer.token_to_id("<s>")
+        self.eos_token_id = self.backend_tokenizer.token_to_id("</s>")
+        self.chat_template = chat_template
+        self._lock = threading.Lock()

@@ -106,9 +106,11 @@ class TokenPolicy:
         try:
             chosen = np.dtype(dtype)
         except TypeError:
+            chosen = None
+        if chosen is None or chosen.kind not in "iu":
             raise ZephonConfigError(f"{op}: dtype must be a NumPy integer dtype, got "
-                                    f"{dtype!r}") from None
-        if chosen.kind not in "iu" or np.iinfo(chosen).max < top:
+                                    f"{dtype!r}")
+        if np.iinfo(chosen).max < top:
             raise ZephonConfigError(f"{op}: dtype {chosen} cannot hold the tokenizer's ids "
                                     f"(up to {top})")
         return chosen
