@@ -339,8 +339,9 @@ class Pipeline:
 
         Each sample ``{messages_field: [{"role", "content"}, ...]}`` becomes
         ``{output_field: ids, mask_field: uint8 mask}``: the rendered conversation
-        tokenized whole, and 1 in the mask on the tokens that start inside an assistant
-        turn (its content and the template's end-of-turn text after it), 0 elsewhere.
+        tokenized whole, and 1 in the mask on the tokens with a character inside an
+        assistant turn (its content and the template's end-of-turn text after it), 0
+        elsewhere.
         See :mod:`zephon.pipeline.text.chat`.
 
         Args:

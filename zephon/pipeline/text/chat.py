@@ -24,9 +24,11 @@ spans of the assistant's turns) and :class:`TokenizeChatOp`.
   (so that it is not found in its segment) is refused.
 - **Tokens and mask.** The rendered conversation is tokenized whole (one
   ``encode_batch`` call per dispatch part), so ``tokens`` is what the tokenizer gives the
-  rendered text; ``loss_mask[t]`` is 1 when token ``t`` *starts* inside an assistant span
-  (its character offset), else 0. BOS/EOS added by the op have mask 0; ``max_length``
-  truncates both arrays alike.
+  rendered text; ``loss_mask[t]`` is 1 when token ``t`` has a character inside an
+  assistant span (by its character offsets), else 0: a token that joins the text before
+  a turn to its first characters (a byte-level BPE's ``" ju"`` of ``": jumps"``) is the
+  assistant's. BOS/EOS added by the op have mask 0; ``max_length`` truncates both
+  arrays alike.
 """
 
 from __future__ import annotations
@@ -226,10 +228,11 @@ class TokenizeChatOp(Op):
 
     def _row(self, encoding, spans: list) -> tuple[np.ndarray, np.ndarray]:
         ids = encoding.ids
-        starts = np.fromiter((o[0] for o in encoding.offsets), dtype=np.int64, count=len(ids))
+        offsets = np.array(encoding.offsets, dtype=np.int64).reshape(len(ids), 2)
+        starts, ends = offsets[:, 0], offsets[:, 1]
         inside = np.zeros(len(ids), dtype=bool)
         for a, b in spans:
-            inside |= (starts >= a) & (starts < b)
+            inside |= (ends > a) & (starts < b)  # a character of the token in [a, b)
         tokens = self.policy.row(ids)
         mask = np.zeros(tokens.size, dtype=np.uint8)
         start = 0 if self.policy.bos is None else 1
