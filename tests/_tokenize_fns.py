@@ -74,3 +74,7 @@ class LockedFastTokenizer:
         self.eos_token_id = self.backend_tokenizer.token_to_id("</s>")
         self.chat_template = chat_template
         self._lock = threading.Lock()
+
+
+def rayon_threads(sample: dict) -> dict:
+    return {**sample, "rayon": os.environ.get("RAYON_NUM_THREADS")}

@@ -253,3 +253,12 @@ def test_without_tokenizers_the_error_names_the_extra():
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode != 0
     assert b'ImportError' in done.stderr and b'.[text]' in done.stderr
+
+
+def test_process_workers_size_the_tokenizers_thread_pool_like_the_others(tok_dir):
+    """worker_compute_threads limits the tokenizers' Rust pool (RAYON_NUM_THREADS) in a
+    process worker: N workers x the machine's cores would oversubscribe it."""
+    pipe = Pipeline(sources.from_callable(8, T.text_sample), chunk_size=4) \
+        .tokenize(tok_dir, keep_fields=True, parallelism=2).map(T.rayon_threads) \
+        .options(RuntimeOptions(runner="process", max_workers=2, worker_compute_threads=1))
+    assert {s["rayon"] for s in pipe} == {"1"}
