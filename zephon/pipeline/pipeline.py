@@ -296,9 +296,11 @@ class Pipeline:
                 fingerprint holds the hash of its JSON.
             text_field: the key of the text in a dict sample (a str sample is the text).
             output_field: the key of the token array in the output.
-            add_bos, add_eos: put a BOS before, an EOS after the ids.
-            bos, eos: their id or token string (None: the tokenizer's own, declared by a
+            add_bos: put a BOS before the ids.
+            add_eos: put an EOS after the ids.
+            bos: the BOS id or token string (None: the tokenizer's own, declared by a
                 ``transformers`` tokenizer or ``tokenizer_config.json``).
+            eos: the EOS id or token string (None: the tokenizer's own).
             add_special_tokens: let the tokenizer add its own special tokens (its
                 post-processor).
             max_length: with ``overflow="truncate"``, the most tokens of a row, BOS and
@@ -348,11 +350,19 @@ class Pipeline:
             tokenizer: as for :meth:`tokenize`.
             template: None (the tokenizer's own chat template, else the built-in
                 ChatML), ``"chatml"``, or a Jinja template string.
-            messages_field, output_field, mask_field: the keys of the messages, the
-                ids and the mask.
-            add_bos, add_eos, bos, eos, add_special_tokens, max_length, dtype,
-                keep_fields, parallelism: as for :meth:`tokenize` (the BOS/EOS the op
-                adds have mask 0; ``max_length`` truncates).
+            messages_field: the key of the list of messages in a sample.
+            output_field: the key of the token ids in the output.
+            mask_field: the key of the loss mask (uint8) in the output.
+            add_bos: put a BOS before the ids (mask 0).
+            add_eos: put an EOS after the ids (mask 0).
+            bos: as for :meth:`tokenize`.
+            eos: as for :meth:`tokenize`.
+            add_special_tokens: as for :meth:`tokenize`.
+            max_length: the most tokens of a row, BOS and EOS included (ids and mask
+                are truncated alike; None: no limit).
+            dtype: as for :meth:`tokenize`.
+            keep_fields: as for :meth:`tokenize`.
+            parallelism: as for :meth:`tokenize`.
 
         Returns:
             A new pipeline with the op appended.
