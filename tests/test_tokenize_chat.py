@@ -106,7 +106,7 @@ def test_bos_eos_and_truncation_keep_tokens_and_mask_aligned(tok_dir, tok):
     assert cut["loss_mask"].tolist() == [0] + full["loss_mask"].tolist()[:28] + [0]
 
 
-def test_templates_that_hide_the_assistant_are_refused(tok):
+def test_templates_that_hide_the_assistant_are_refused(tok, tmp_path):
     not_prefix_stable = "{% for m in messages|reverse %}{{ m['content'] }}\n{% endfor %}"
     with pytest.raises(OpError, match="not prefix-stable"):
         one(tok, template=not_prefix_stable)
@@ -115,6 +115,11 @@ def test_templates_that_hide_the_assistant_are_refused(tok):
         one(tok, template=changes_content)
     with pytest.raises(ZephonConfigError, match="does not compile"):
         one(tok, template="{% for m in messages %}")
+    named = T.LockedFastTokenizer(T.train_tokenizer(str(tmp_path / "t")),
+                                  chat_template={"default": CHATML})  # several, by name
+    with pytest.raises(ZephonConfigError, match="pass template="):
+        one(named)
+    assert one(named, template="chatml")["tokens"].tolist() == one(tok)["tokens"].tolist()
 
 
 def test_bad_messages_name_the_sample(tok):

@@ -197,11 +197,12 @@ class TokenizeChatOp(Op):
     def _template(self, template: str | None) -> ChatTemplate:
         ref = self.tokenizer
         source = template if template is not None else ref.declared.get("chat_template")
-        if not isinstance(source, str) or not source:
-            if template is not None:
-                raise ZephonConfigError(f"{self.kind}: template must be 'chatml' or a Jinja "
-                                        f"template string, got {template!r}")
+        if source is None:
             source = "chatml"
+        if not isinstance(source, str) or not source:
+            whose = "template" if template is not None else "the tokenizer's chat_template"
+            raise ZephonConfigError(f"{self.kind}: {whose} must be 'chatml' or a Jinja "
+                                    f"template string, got {source!r:.80} (pass template=)")
         try:
             return ChatTemplate(source, _token_string(ref, ref.declared.get("bos")),
                                 _token_string(ref, ref.declared.get("eos")))
