@@ -41,7 +41,10 @@ and reused):
    ``with_format("numpy").iter(batch_size=8)``, in a fresh cache directory deleted after
    the row: cold, end to end) and ``torch`` (``DataLoader(num_workers=2, batch_size=8,
    spawn)`` over an IterableDataset that reads its share of the row groups, tokenizes and
-   packs). Every row runs with ``TOKENIZERS_PARALLELISM=false`` (one thread per process,
+   packs), and ``zephon op 2 workers`` / ``zephon op inline``: the same pipelines with
+   the ``tokenize`` op (``.tokenize(tokenizer.json, add_eos=True, eos=EOT)``: one
+   ``encode_batch`` call per dispatch part, uint16 ids) in place of ``map(tokenize)``.
+   Every row runs with ``TOKENIZERS_PARALLELISM=false`` (one thread per process,
    as ``datasets`` forces in its forked workers). Reported: whole-epoch seconds (from
    building the loader to its exhaustion) and tokens/s.
 3. **windows**: a uint16 token file (50M tokens, uniform over 50,257 ids) read in windows
@@ -350,12 +353,18 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def tokens_zephon(paths: dict, runner: str = "process"):
+def tokens_zephon(paths: dict, runner: str = "process", op: str = "map"):
+    """``op="map"``: the per-sample ``map(tokenize)`` users wrote before the op existed;
+    ``op="tokenize"``: zephon's ``tokenize`` op (one ``encode_batch`` per dispatch part;
+    the same ids, as uint16)."""
     from zephon import Pipeline, RuntimeOptions, sources
 
-    pipe = Pipeline(sources.parquet(paths["parquet"], columns=["text"])) \
-        .map(functools.partial(tokenize, paths["tokenizer"]), parallelism=2) \
-        .pack_tokens(SEQ).batch(TOKEN_BATCH)
+    pipe = Pipeline(sources.parquet(paths["parquet"], columns=["text"]))
+    if op == "tokenize":
+        pipe = pipe.tokenize(paths["tokenizer"], add_eos=True, eos=EOT, parallelism=2)
+    else:
+        pipe = pipe.map(functools.partial(tokenize, paths["tokenizer"]), parallelism=2)
+    pipe = pipe.pack_tokens(SEQ).batch(TOKEN_BATCH)
     if runner != "process":
         pipe = pipe.options(RuntimeOptions(runner=runner))
     it = iter(pipe)
@@ -623,7 +632,9 @@ def plan(sizes: dict, peers: dict[str, str]) -> list[dict]:
     if "tf" in peers:
         rows.append(row("tf.data", "image", "tf", peers["tf"]))
     rows += [row("zephon 2 workers", "tokenize", "zephon"),
-             row("zephon inline", "tokenize", "zephon", runner="inline")]
+             row("zephon inline", "tokenize", "zephon", runner="inline"),
+             row("zephon op 2 workers", "tokenize", "zephon", op="tokenize"),
+             row("zephon op inline", "tokenize", "zephon", runner="inline", op="tokenize")]
     if "hf" in peers:
         rows.append(row("hf datasets", "tokenize", "hf", peers["hf"]))
     if "torch" in peers:
@@ -749,7 +760,12 @@ def ratios(table: dict) -> list[tuple[str, float]]:
         for name, value in peers.items():
             out.append((f"image_defaults_vs_{name.split()[0].replace('.', '')}",
                         zephon_img / value))
-    for zname, key in (("zephon 2 workers", "process2"), ("zephon inline", "inline")):
+    a, b = seconds("zephon op 2 workers"), seconds("zephon op inline")
+    if a and b:
+        out.append(("tokenize_op_process2_vs_op_inline", b / a))
+    for zname, key in (("zephon 2 workers", "process2"), ("zephon inline", "inline"),
+                       ("zephon op 2 workers", "op_process2"),
+                       ("zephon op inline", "op_inline")):
         for peer, pkey in (("hf datasets", "hf"), ("torch DataLoader", "torch")):
             a, b = seconds(zname), seconds(peer)
             if a and b:

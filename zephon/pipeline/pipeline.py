@@ -320,6 +320,111 @@ class Pipeline:
         return self._with(PackDocumentsOp(seq_len, field, algorithm, open_bins, pad_id, aligned,
                                           drop_remainder))
 
+    # -- text ops (zephon/pipeline/text/): registration only ------------------------------
+    def tokenize(self, tokenizer, *, text_field: str = "text", output_field: str = "tokens",
+                 add_bos: bool = False, add_eos: bool = False, bos=None, eos=None,
+                 add_special_tokens: bool = False, max_length: int | None = None,
+                 overflow: str = "truncate", dtype=None, keep_fields: bool = False,
+                 parallelism: int = 1) -> "Pipeline":
+        """Tokenize each sample's text with a Hugging Face fast tokenizer, a part at a time.
+
+        Each output sample is ``{output_field: ndarray}``: ``[bos] + ids + [eos]``, with
+        ``ids`` what ``tokenizer.encode(text, add_special_tokens=...).ids`` gives, the same
+        on every runner. A worker tokenizes all the samples of a dispatch part in one
+        ``encode_batch`` call (GIL released). See :mod:`zephon.pipeline.text.tokenize`.
+
+        Args:
+            tokenizer: a local ``tokenizer.json`` path or directory (never a hub name: it
+                is refused), a ``tokenizers.Tokenizer`` or a ``transformers`` fast
+                tokenizer; it travels to workers as its path or JSON, and the pipeline
+                fingerprint holds the hash of its JSON.
+            text_field: the key of the text in a dict sample (a str sample is the text).
+            output_field: the key of the token array in the output.
+            add_bos: put a BOS before the ids.
+            add_eos: put an EOS after the ids.
+            bos: the BOS id or token string (None: the tokenizer's own, declared by a
+                ``transformers`` tokenizer or ``tokenizer_config.json``).
+            eos: the EOS id or token string (None: the tokenizer's own).
+            add_special_tokens: let the tokenizer add its own special tokens (its
+                post-processor).
+            max_length: with ``overflow="truncate"``, the most tokens of a row, BOS and
+                EOS included (None: no limit).
+            overflow: ``"truncate"`` (cut at ``max_length``) or ``"keep"``.
+            dtype: the ids' dtype (None: uint16 when every id fits, else int32).
+            keep_fields: keep the input's other fields beside the output.
+            parallelism: the workers this op asks for (as for :meth:`map`).
+
+        Returns:
+            A new pipeline with the op appended.
+
+        Raises:
+            ZephonConfigError: a hub name or missing path, an unknown BOS/EOS, a dtype
+                too small for the vocabulary, an option out of range.
+            ImportError: ``tokenizers`` is missing (the ``text`` extra).
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence([{"text": "hi"}])).tokenize(
+            ...     tok, add_eos=True, eos="<eos>")                      # doctest: +SKIP
+        """
+        from zephon.pipeline.text.tokenize import TokenizeOp
+
+        return self._with(TokenizeOp(
+            tokenizer, text_field=text_field, output_field=output_field, add_bos=add_bos,
+            add_eos=add_eos, bos=bos, eos=eos, add_special_tokens=add_special_tokens,
+            max_length=max_length, overflow=overflow, dtype=dtype, keep_fields=keep_fields,
+            parallelism=parallelism))
+
+    def tokenize_chat(self, tokenizer, *, template: str | None = None,
+                      messages_field: str = "messages", output_field: str = "tokens",
+                      mask_field: str = "loss_mask", add_bos: bool = False,
+                      add_eos: bool = False, bos=None, eos=None,
+                      add_special_tokens: bool = False, max_length: int | None = None,
+                      dtype=None, keep_fields: bool = False,
+                      parallelism: int = 1) -> "Pipeline":
+        """Render chat samples with a template and tokenize them, with an assistant mask.
+
+        Each sample ``{messages_field: [{"role", "content"}, ...]}`` becomes
+        ``{output_field: ids, mask_field: uint8 mask}``: the rendered conversation
+        tokenized whole, and 1 in the mask on the tokens with a character inside an
+        assistant turn (its content and the template's end-of-turn text after it), 0
+        elsewhere.
+        See :mod:`zephon.pipeline.text.chat`.
+
+        Args:
+            tokenizer: as for :meth:`tokenize`.
+            template: None (the tokenizer's own chat template, else the built-in
+                ChatML), ``"chatml"``, or a Jinja template string.
+            messages_field: the key of the list of messages in a sample.
+            output_field: the key of the token ids in the output.
+            mask_field: the key of the loss mask (uint8) in the output.
+            add_bos: put a BOS before the ids (mask 0).
+            add_eos: put an EOS after the ids (mask 0).
+            bos: as for :meth:`tokenize`.
+            eos: as for :meth:`tokenize`.
+            add_special_tokens: as for :meth:`tokenize`.
+            max_length: the most tokens of a row, BOS and EOS included (ids and mask
+                are truncated alike; None: no limit).
+            dtype: as for :meth:`tokenize`.
+            keep_fields: as for :meth:`tokenize`.
+            parallelism: as for :meth:`tokenize`.
+
+        Returns:
+            A new pipeline with the op appended.
+
+        Example:
+            >>> chats = [{"messages": [{"role": "user", "content": "hi"},
+            ...                        {"role": "assistant", "content": "hello"}]}]
+            >>> rows = list(Pipeline(sources.from_sequence(chats)).tokenize_chat(tok))  # doctest: +SKIP
+        """
+        from zephon.pipeline.text.chat import TokenizeChatOp
+
+        return self._with(TokenizeChatOp(
+            tokenizer, template=template, messages_field=messages_field,
+            output_field=output_field, mask_field=mask_field, add_bos=add_bos,
+            add_eos=add_eos, bos=bos, eos=eos, add_special_tokens=add_special_tokens,
+            max_length=max_length, dtype=dtype, keep_fields=keep_fields,
+            parallelism=parallelism))
+
     def options(self, opts: RuntimeOptions) -> "Pipeline":
         """The same pipeline, run with ``opts``.
 

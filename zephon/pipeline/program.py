@@ -38,7 +38,8 @@ from zephon.pipeline.ops import Batch, FilterOp, OpError, Record, make_batch
 from zephon.pipeline.sources.base import Source
 from zephon.transport.codec import find_unpicklable
 from zephon.transport.heap import settle
-from zephon.transport.remote_errors import put_done
+from zephon.transport.remote_errors import DONE_ATTR, put_done
+from zephon.transport.stopping import TaskAbandoned
 from zephon.transport.stopping import check as check_stop
 
 __all__ = ["StageProgram", "batches_per_message"]
@@ -194,6 +195,8 @@ class StageProgram:
         emptied as it is read, and an input record the first op has replaced lets go of
         its value, so an array passed on from it counts as the op's alone (the dispatch
         may still hold the list a part was cut from)."""
+        if any(getattr(op, "batched", False) for op in ops):
+            return self._run_batched(records, ops)
         seed, take, given = self.seed, _taker(records), type(records) is list
         out: list[Record] = []
         try:
@@ -218,6 +221,40 @@ class StageProgram:
         except Exception as exc:
             put_done(exc, out)
             raise
+
+    def _run_batched(self, records, ops: list) -> list:
+        """The ops of a stage with a *batched* op (``tokenize``: ``op.batched`` and
+        ``op.apply_many(records, seed)``): the per-sample ops around it run sample by
+        sample (:meth:`run_ops`), the batched op on every record that reached it at once.
+
+        The error raised is still the first failing sample's: a failure stops a
+        segment, and the segments after it only see the records before that sample, so
+        a later failure is always of an earlier sample. The last error raised is the one
+        that goes out, with the records the last segment made (those before it)."""
+        groups: list[list] = [[]]
+        for op in ops:
+            if getattr(op, "batched", False):
+                groups += [[op], []]
+            else:
+                groups[-1].append(op)
+        error: Exception | None = None
+        for group in groups:
+            try:
+                if group and getattr(group[0], "batched", False):
+                    check_stop()
+                    records = group[0].apply_many(records, self.seed)
+                    for r in records:
+                        settle(r)
+                else:
+                    records = self.run_ops(records, group)
+            except TaskAbandoned:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the op's error, raised below
+                error, records = exc, list(getattr(exc, DONE_ATTR, None) or [])
+        if error is not None:
+            put_done(error, records)
+            raise error
+        return records
 
     def read_batch(self, unit) -> list | None:
         """A whole micro-batch in one columnar read (a fused ``read -> batch`` stage over a

@@ -13,7 +13,9 @@ workers, ``zephon.transport.worker``) and in job workers (``zephon.jobs.worker``
 For ``n >= 1`` it sets, in this order:
 
 - ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` and ``MKL_NUM_THREADS`` (and the
-  ``VECLIB``/``NUMEXPR`` ones) in ``os.environ``: read by a library loaded later
+  ``VECLIB``/``NUMEXPR`` ones, and ``RAYON_NUM_THREADS``: the Rust thread pool of
+  Hugging Face ``tokenizers``, which its ``encode_batch`` starts on its first parallel
+  call and sizes to the machine otherwise) in ``os.environ``: read by a library loaded later
   in the process (torch imported by the first task initialises its pools from
   them) and inherited by subprocesses the worker starts. They are overwritten:
   the option is the one setting for the worker (a parent's values would be the
@@ -52,7 +54,7 @@ log = logging.getLogger("zephon.transport.threads")
 
 #: environment variables the limit sets, read by the libraries at load time
 THREAD_ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
-                   "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+                   "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "RAYON_NUM_THREADS")
 
 
 def limit_compute_threads(n: int) -> None:
