@@ -531,6 +531,17 @@ class PipelineIterator:
         Raises:
             CheckpointError: as :meth:`restore`; also a rank's own state taken under
                 another rank layout or dp group.
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence(list(range(4))), shuffle=False)
+            >>> it = iter(pipe)
+            >>> state = it.get_state()       # nothing delivered yet: the start
+            >>> list(it)
+            [0, 1, 2, 3]
+            >>> it.set_state(state)          # an exhausted iterator starts again
+            >>> next(it)
+            0
+            >>> it.close()
         """
         self.restore(state)
 
