@@ -38,7 +38,7 @@ Lifecycle
   ``multiprocessing`` joins its children (so no zephon process can make the
   interpreter wait).
 
-Where a run starts and ends (its :class:`RunRecord`): a run covers one *pass*
+Where a run starts and ends (its record): a run covers one *pass*
 of the pipeline (``num_epochs`` epochs from ``start_epoch``, see
 :class:`~zephon.pipeline.Pipeline`), from the lane states it was given. When it
 reaches the end of its stream its record says ``finished`` (the pipeline's next
