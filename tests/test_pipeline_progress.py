@@ -143,6 +143,15 @@ def test_stats_and_final_state_are_the_latest_runs():
     it.close()
 
 
+def test_final_state_is_the_latest_runs_and_a_placed_start_has_none():
+    pipe = pipeline(n=9, mtp_mode=True, mtp_prefetch=0)  # mtp_auto_checkpoint: on
+    list(pipe)
+    final = pipe.final_state
+    assert final is not None and decode_state(final) == decode_state(pipe.checkpoint())
+    pipe.restore(final)
+    assert pipe.final_state is None
+
+
 # -- next() after close() -------------------------------------------------------------------
 @pytest.mark.parametrize("runner", ["inline", "threads"])
 def test_next_after_close_raises_naming_close(runner):
