@@ -388,9 +388,8 @@ class Pipeline:
         (after a complete pass: the next pass), or starts where :meth:`restore` or
         :meth:`set_epoch` said since. It becomes the latest run, the one the shortcuts
         act on; an earlier iterator still going goes on on its own (and is closed when it
-        is dropped or exhausted). Worker processes
-        start booting here while the ops are checked on the first sample
-        (``RuntimeOptions.auto_validation``).
+        is dropped or exhausted). Worker processes start booting here while the ops are
+        checked on the first sample (``RuntimeOptions.auto_validation``).
 
         Returns:
             A :class:`~zephon.pipeline.iterator.PipelineIterator` that owns the run.
