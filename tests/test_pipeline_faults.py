@@ -150,10 +150,10 @@ def test_break_releases_the_workers_without_the_cycle_collector():
         procs = []
         for i, _ in enumerate(pipe):
             if i == 0:
-                procs = _worker_processes(pipe._live())
+                procs = _worker_processes(pipe._progress.current())
             if i == 2:
                 break
-        assert procs and pipe._live() is None  # the loop's iterator is gone...
+        assert procs and pipe._progress.current() is None  # the loop's iterator is gone...
         for p in procs:
             p.join(15)
             assert not p.is_alive()  # ...and with it every worker
@@ -182,7 +182,7 @@ def test_consumer_exception_closes_the_run():
     with pytest.raises(RuntimeError):
         for i, _ in enumerate(pipe):
             if i == 0:
-                procs = _worker_processes(pipe._live())
+                procs = _worker_processes(pipe._progress.current())
             if i == 1:
                 raise RuntimeError("consumer failed")
     pipe.close()

@@ -8,6 +8,7 @@ Two faces share one execution core: streaming pipelines (``Pipeline``, tuned by
 from zephon.errors import (
     AggregationTimeoutError,
     CheckpointError,
+    IteratorClosedError,
     SerializationError,
     SubjectTimeoutError,
     TransportError,
@@ -49,6 +50,7 @@ __all__ = [
     "BatchList",
     "CheckpointError",
     "ExecutionTrackingMode",
+    "IteratorClosedError",
     "MetricsSinkConfig",
     "MixtureReadConfig",
     "OpError",

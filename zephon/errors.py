@@ -25,6 +25,7 @@ __all__ = [
     "AttemptTimeout",
     "ChannelClosed",
     "CheckpointError",
+    "IteratorClosedError",
     "JobSetupError",
     "OpError",
     "RecordedFailure",
@@ -137,6 +138,11 @@ class WorkerCrashedError(ZephonError):
 
 class CheckpointError(ZephonError):
     """A checkpoint cannot be written or restored; the message gives the reason."""
+
+
+class IteratorClosedError(ZephonError, RuntimeError):
+    """``next()`` on a pipeline iterator whose run was closed before its end (by
+    ``close()``, or by an error of the run); the message names what closed it."""
 
 
 class AggregationTimeoutError(ZephonError, TimeoutError):

@@ -1,13 +1,15 @@
 """``PipelineIterator``: one run of a pipeline, the object ``iter(pipe)`` returns.
 
-It owns everything that lives while the pipeline runs: the engine (or the MTP
-subprocess that runs it), the pump thread that prefetches ahead of the
-consumer, the delivered position of every lane, ``checkpoint()``,
-``restore()`` and ``close()``. The :class:`~zephon.pipeline.Pipeline` it came
-from is an immutable definition; it keeps only a weak reference to its latest
-iterator (for its ``checkpoint()``/``restore()`` shortcuts) and a small
-:class:`RunRecord` the iterator writes the delivered positions into, so that
-``pipe.checkpoint()`` still answers after the loop has ended.
+It owns everything about its run: the engine (or the MTP subprocess that runs
+it), the pump thread that prefetches ahead of the consumer, the run's
+:class:`~zephon.pipeline.progress.RunRecord` (the delivered position of every
+lane, the epoch it started at, its statistics and final state),
+``checkpoint()``/``restore()`` (collective across ranks),
+``get_state()``/``set_state()`` (this rank alone) and ``close()``. The
+:class:`~zephon.pipeline.Pipeline` it came from is an immutable definition; its
+:class:`~zephon.pipeline.progress.Progress` refers to the latest run's record
+and holds the iterators weakly, so that ``pipe.checkpoint()`` still answers
+after the loop has ended and the next run continues where this one stopped.
 
 Lifecycle
 ---------
@@ -25,15 +27,18 @@ Lifecycle
   is recorded as delivered, so prefetched items are produced again after a
   restore;
 - ``close()`` (idempotent): stops the pump, closes the executors' worker pools
-  or the MTP subprocess, reaps every process; a ``__next__`` waiting in another
-  thread then ends the iteration instead of waiting for ever. It also runs when the iterator
+  or the MTP subprocess, reaps every process. From then on ``next()`` raises
+  :class:`~zephon.errors.IteratorClosedError` (a ``__next__`` waiting in another
+  thread too, instead of waiting for ever), unless the run had reached the end of
+  its stream: an exhausted iterator keeps raising ``StopIteration``, as Python's
+  protocol wants. ``restore()``/``set_state()`` start it again. It also runs when the iterator
   is garbage-collected (a ``break`` out of a ``for`` loop drops it at once:
   nothing holds it but the loop), when the consumer's code raises out of the
   loop, at the end of the stream, and at interpreter exit before
   ``multiprocessing`` joins its children (so no zephon process can make the
   interpreter wait).
 
-Where a run starts and ends (its :class:`RunRecord`): a run covers one *pass*
+Where a run starts and ends (its record): a run covers one *pass*
 of the pipeline (``num_epochs`` epochs from ``start_epoch``, see
 :class:`~zephon.pipeline.Pipeline`), from the lane states it was given. When it
 reaches the end of its stream its record says ``finished`` (the pipeline's next
@@ -54,15 +59,17 @@ import collections
 import os
 import threading
 import weakref
-from typing import Any
+from typing import Any, NoReturn
 
-from zephon.checkpoint import decode_state
+from zephon.checkpoint import decode_state, encode_state
+from zephon.errors import IteratorClosedError
 from zephon.options import resolve_mtp_prefetch
 from zephon.pipeline.dispatch import approx_nbytes
 from zephon.pipeline.engine import Engine
-from zephon.pipeline.state import RunStart, check_run, local_state
+from zephon.pipeline.progress import Progress, RunRecord
+from zephon.pipeline.state import RunStart, check_run, rank_state
 
-__all__ = ["Handoff", "HandoffClosed", "PipelineIterator", "RunRecord"]
+__all__ = ["Handoff", "HandoffClosed", "PipelineIterator"]
 
 _END = object()
 _live: "weakref.WeakSet[PipelineIterator]" = weakref.WeakSet()
@@ -83,25 +90,6 @@ try:
 except (AttributeError, RuntimeError):  # pragma: no cover - not CPython >= 3.9
     pass
 atexit.register(_close_live_iterators)
-
-
-class RunRecord:
-    """What a pipeline remembers of a run: delivered lane states, the epoch the run
-    started at, whether it reached the end of its pass, the statistics and the MTP final
-    state."""
-
-    __slots__ = ("final_state", "finished", "start_epoch", "states", "stats")
-
-    def __init__(self, states: dict | None = None, start_epoch: int = 0) -> None:
-        self.states: dict[int, tuple] = dict(states or {})
-        self.start_epoch = start_epoch
-        self.finished = False  # the run reached the end of its pass
-        self.final_state: bytes | None = None
-        self.stats: Any = None  # the run's RunStats while it runs with tracking on
-
-    def start(self) -> RunStart:
-        """Where the run's states say a run goes on."""
-        return RunStart(dict(self.states), self.start_epoch)
 
 
 class _Failure:
@@ -265,19 +253,21 @@ class PipelineIterator:
 
     It yields the pipeline's items in stream order and owns the run: worker processes,
     the prefetching thread, and the delivered position of every lane. It closes itself
-    at the end of the stream, when the consumer's code raises out of the loop, when it
-    is garbage-collected (a ``break`` out of a ``for`` loop), and at interpreter exit.
-    It is also a context manager (``with iter(pipe) as it:``).
+    at the end of the stream, when its run raises, when it is garbage-collected (a
+    ``break`` out of a ``for`` loop), and at interpreter exit. It is also a context
+    manager (``with iter(pipe) as it:``).
 
     Args:
         pipeline: the :class:`~zephon.Pipeline` to run; build the iterator with
             ``iter(pipeline)`` rather than directly.
-        record: where the delivered positions are written (the pipeline keeps it, so
-            ``pipe.checkpoint()`` still answers after the run); its ``states`` are the
-            lane states the run starts from.
+        start: the lane states and the first epoch of the run.
+        progress: the pipeline's :class:`~zephon.pipeline.progress.Progress` (its
+            checkpoint rounds are counted there).
 
     Attributes:
         closed: True once the run is stopped.
+        record: the run's :class:`~zephon.pipeline.progress.RunRecord` (delivered lane
+            states, first epoch, statistics, final state).
 
     Example:
         >>> pipe = Pipeline(sources.from_sequence(list(range(5))), shuffle=False)
@@ -291,17 +281,17 @@ class PipelineIterator:
         [1, 2, 3, 4]
     """
 
-    def __init__(self, pipeline, record: RunRecord) -> None:
-        self.pipeline = pipeline
+    def __init__(self, pipeline, start: RunStart, progress: Progress) -> None:
+        self.pipeline, self.progress = pipeline, progress
         self.plan = pipeline.plan()
-        self.record = record
+        self.record = RunRecord(start)
         self.closed = False
-        self._started = False
         self.engine: Engine | None = None
         self.remote: Any = None  # the MTP subprocess's end (MtpSource), in MTP mode
         self.thread: threading.Thread | None = None
         self.handoff: Handoff | None = None
         self._fresh = True  # nothing delivered since the run (re)started
+        self._closed_by = "close()"  # what stopped the run, for next()'s error
         self._start()
 
     # -- running ---------------------------------------------------------------------------
@@ -332,6 +322,7 @@ class PipelineIterator:
                 name="zephon-pump", daemon=True)
             self.thread.start()
         self.closed = False
+        self._closed_by = "close()"
         _live.add(self)
 
     def __iter__(self) -> "PipelineIterator":
@@ -339,15 +330,16 @@ class PipelineIterator:
 
     def __next__(self) -> Any:
         if self.closed:
-            raise StopIteration
+            self._refuse()
         try:
             if self.thread is None:
                 value, (lane, state) = next(self._source)
             else:
-                try:
-                    value, (lane, state) = self.handoff.get()  # type: ignore[union-attr]
-                except HandoffClosed:  # closed from another thread while waiting
-                    raise StopIteration from None
+                value, (lane, state) = self.handoff.get()  # type: ignore[union-attr]
+        except HandoffClosed:  # closed (or restarted) from another thread while waiting
+            if self.closed:
+                self._refuse()
+            return self.__next__()
         except StopIteration:
             self.close()
             if self._next_pass():
@@ -355,8 +347,9 @@ class PipelineIterator:
             self.record.finished = True
             self._finished()
             raise
-        except BaseException:
+        except BaseException as exc:
             self.close()
+            self._closed_by = f"the {type(exc).__name__} its run raised"
             raise
         self.record.states[lane] = state
         self._fresh = False
@@ -364,6 +357,16 @@ class PipelineIterator:
         if engine is not None and engine.stats is not None and engine.stats.nodes_enabled:
             engine.stats.delivered()
         return value
+
+    def _refuse(self) -> NoReturn:
+        """``next()`` on a closed run: the end of the stream again if it was reached (an
+        exhausted iterator stays exhausted), else an error naming what closed it."""
+        if self.record.finished:
+            raise StopIteration
+        raise IteratorClosedError(
+            f"next() on a closed PipelineIterator (stopped by {self._closed_by}): "
+            "restore() or set_state() starts it again; iter(pipe) starts the pipeline's "
+            "next run")
 
     def _next_pass(self) -> bool:
         """A run that started from lane states and found nothing left goes on with the
@@ -459,22 +462,21 @@ class PipelineIterator:
             False
             >>> it.close()
         """
-        from zephon.checkpoint import exchange_state
-
-        states = self.record.states if delivered is None else delivered
-        local = local_state(self.plan, self.pipeline.fingerprint(), states,
-                            self.record.start_epoch)
-        return exchange_state(local, self.plan.opts, self.pipeline._next_round())
+        return self.progress.exchange(self.plan, self.pipeline.fingerprint(), self.record,
+                                      delivered)
 
     def restore(self, state: bytes) -> None:
         """Continue exactly after the last item delivered when ``state`` was taken.
 
         The current run stops (its workers are reaped) and the next ``next()`` starts the
-        restored one. The state may come from another runner, worker count or number of
-        ranks, with the same pipeline definition and number of canonical lanes.
+        restored one, also after :meth:`close`. The state may come from another runner,
+        worker count or number of ranks, with the same pipeline definition and number of
+        canonical lanes. Nothing is exchanged between ranks: every rank restores the same
+        merged bytes.
 
         Args:
-            state: checkpoint bytes from :meth:`checkpoint` or ``Pipeline.checkpoint()``.
+            state: checkpoint bytes from :meth:`checkpoint` or ``Pipeline.checkpoint()``,
+                or this rank's own from :meth:`get_state`.
 
         Raises:
             CheckpointError: the bytes are corrupt or do not fit this pipeline (checked
@@ -491,6 +493,58 @@ class PipelineIterator:
         """
         self._restart(check_run(decode_state(state), self.plan, self.pipeline.fingerprint()))
 
+    def get_state(self) -> bytes:
+        """This rank's delivered position as checkpoint bytes, without any exchange.
+
+        Grain's ``get_state``: local, so a rank may call it alone, at any step (nothing
+        waits for the other ranks and no exchange round is used). The state holds the
+        lanes this rank owns and its layout (dp group, ``dp_degree``, mapping):
+        :meth:`set_state` (or :meth:`restore`) takes it back on a rank of the same
+        layout and group, and refuses it elsewhere by name. For a state that restores
+        under any number of ranks, use the collective :meth:`checkpoint`.
+
+        Returns:
+            The state as checkpoint bytes (a versioned, checksummed envelope).
+
+        Example:
+            >>> it = iter(Pipeline(sources.from_sequence(list(range(5))), shuffle=False))
+            >>> _ = next(it), next(it)
+            >>> state = it.get_state()
+            >>> next(it)
+            2
+            >>> it.set_state(state)
+            >>> list(it)
+            [2, 3, 4]
+        """
+        opts = self.plan.opts
+        local = rank_state(self.plan, self.pipeline.fingerprint(), self.record.states,
+                           self.record.start_epoch)
+        return encode_state(local, opts.aggregate_serializer, opts.aggregate_compressor)
+
+    def set_state(self, state: bytes) -> None:
+        """Grain's ``set_state``: :meth:`restore` from :meth:`get_state` bytes (or from
+        :meth:`checkpoint` bytes); nothing is exchanged between ranks either way.
+
+        Args:
+            state: checkpoint bytes.
+
+        Raises:
+            CheckpointError: as :meth:`restore`; also a rank's own state taken under
+                another rank layout or dp group.
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence(list(range(4))), shuffle=False)
+            >>> it = iter(pipe)
+            >>> state = it.get_state()       # nothing delivered yet: the start
+            >>> list(it)
+            [0, 1, 2, 3]
+            >>> it.set_state(state)          # an exhausted iterator starts again
+            >>> next(it)
+            0
+            >>> it.close()
+        """
+        self.restore(state)
+
     def stats(self) -> dict:
         """Execution statistics of this run.
 
@@ -504,23 +558,28 @@ class PipelineIterator:
             {}
             >>> it.close()
         """
-        stats = self.record.stats
-        return {} if stats is None else stats.snapshot()
+        return self.record.stats_snapshot()
 
     # -- shutdown --------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the run and reap every process it started (idempotent).
 
         Items prefetched but not delivered are dropped; the delivered position stays
-        available to ``Pipeline.checkpoint()``. After ``close()`` the iterator is
-        exhausted (``next()`` raises StopIteration) unless :meth:`restore` restarts it.
+        available to :meth:`checkpoint`, :meth:`get_state` and ``Pipeline.checkpoint()``.
+        After ``close()``, ``next()`` raises :class:`~zephon.errors.IteratorClosedError`
+        (a run that had reached the end of its stream keeps raising ``StopIteration``)
+        until :meth:`restore` or :meth:`set_state` starts it again.
 
         Example:
-            >>> it = iter(Pipeline(sources.from_sequence([1, 2])))
+            >>> it = iter(Pipeline(sources.from_sequence([1, 2]), shuffle=False))
+            >>> next(it)
+            1
             >>> it.close()
             >>> it.close()
-            >>> list(it)
-            []
+            >>> next(it)
+            Traceback (most recent call last):
+            ...
+            zephon.errors.IteratorClosedError: next() on a closed PipelineIterator (stopped by close()): ...
         """
         if self.closed:
             return

@@ -5,7 +5,7 @@ A ``Pipeline`` is an immutable definition: every builder method (``map``,
 ``pack_documents``, ``options``) returns a new pipeline and leaves the original unchanged, so one
 definition can run with several option sets. ``iter(pipe)`` starts a run and
 returns a :class:`~zephon.pipeline.iterator.PipelineIterator`, which owns it:
-its checkpoint, restore and close.
+its position, statistics, checkpoint, restore and close.
 
 Epochs advance, one rule: a new ``iter(pipe)`` continues after the last item
 the previous run of this pipeline delivered. A run is one *pass*: with
@@ -19,28 +19,37 @@ skip ahead; the run then ends with ``e``'s pass). Each run is a stream of its
 own: its batches are full except its very last, and ``lane_index`` counts from
 0 in it. ``zephon.torch.loader`` follows the same rule.
 
-``pipe.checkpoint()`` and ``pipe.restore(state)`` are shortcuts:
-``checkpoint()`` gives a pending start (``restore``/``set_epoch``), else the
-delivered position of the latest run still going, else of the latest run;
-``restore(state)`` and ``set_epoch(e)`` restart the latest run still going, or,
-when none is, set where the next one starts. The pipeline holds its iterators
-weakly: dropping one (leaving a ``for`` loop with ``break``) closes its run at
-once.
+Where the next run starts is the one piece of state a definition cannot do
+without: it lives in the pipeline's :class:`~zephon.pipeline.progress.Progress`
+(the latest run's record, the live runs held weakly, the checkpoint round
+counter), the pipeline's only mutable member; everything else a run has is its
+iterator's. The shortcuts act on the *latest* run:
+
+- ``pipe.checkpoint()``: its delivered position (after ``restore``/``set_epoch``
+  with no run going: that start);
+- ``pipe.restore(state)``, ``pipe.set_epoch(e)``: restart it there if it is still
+  going, else make the next run start there;
+- ``pipe.stats()``, ``pipe.final_state``: its statistics and final state (none
+  after ``restore``/``set_epoch`` placed the next start);
+- ``pipe.close()``: closes every run of the pipeline still going.
+
+When a pipeline runs several iterators at once, call the iterator's own methods.
+Dropping an iterator (leaving a ``for`` loop with ``break``) closes its run at once.
 """
 
 from __future__ import annotations
 
 import hashlib
-import weakref
 
 from zephon.checkpoint import decode_state
 from zephon.errors import ZephonConfigError
 from zephon.options import RuntimeOptions
 from zephon.pipeline import ops as O
 from zephon.pipeline.engine import Plan
-from zephon.pipeline.iterator import PipelineIterator, RunRecord
+from zephon.pipeline.iterator import PipelineIterator
+from zephon.pipeline.progress import Progress
 from zephon.pipeline.sources import Source
-from zephon.pipeline.state import MAX_COUNT, RunStart, check_run, local_state
+from zephon.pipeline.state import MAX_COUNT, RunStart, check_run
 from zephon.pipeline.validate import validate
 from zephon.transport.spawn_guard import refuse_in_spawn_bootstrap
 
@@ -108,23 +117,20 @@ class Pipeline:
         # ``shuffle`` (the flag) permutes each epoch; ``shuffle(n)`` (the method) is the op.
         self.source, self.seed, self.permute = source, seed, shuffle
         self.chunk_size, self.num_epochs = chunk_size, num_epochs
-        self.ops: list[O.Op] = []
+        self.ops: tuple[O.Op, ...] = ()
         self.runtime = RuntimeOptions()
-        self._record = RunRecord()  # the latest run's delivered positions
-        self._pending: RunStart | None = None  # restore()/set_epoch() before the next iter()
-        self._runs: list[weakref.ref] = []  # this pipeline's iterators, oldest first
-        self._rounds = 0  # multi-rank checkpoint exchanges, across runs
-        self._plan: Plan | None = None
+        self._progress = Progress()  # where the next run starts: the only mutable member
+        self._plan: Plan | None = None  # cached derived values of the definition
         self._fingerprint: str | None = None
 
     # -- building ------------------------------------------------------------------------
     def _with(self, op: O.Op | None = None, runtime: RuntimeOptions | None = None) -> "Pipeline":
         new = Pipeline.__new__(Pipeline)
         new.__dict__.update(self.__dict__)
-        new.ops = self.ops + ([op] if op is not None else [])
+        new.ops = self.ops + ((op,) if op is not None else ())
         new.runtime = runtime if runtime is not None else self.runtime
-        new._record, new._runs, new._pending, new._rounds = RunRecord(), [], None, 0
-        new._plan = new._fingerprint = None  # a new definition: resolve it anew
+        new._progress = Progress()  # a new definition starts at epoch 0
+        new._plan = new._fingerprint = None  # and is resolved anew
         return new
 
     def map(self, fn, parallelism: int = 1) -> "Pipeline":
@@ -529,10 +535,10 @@ class Pipeline:
 
         The run continues after the last item the latest run of this pipeline delivered
         (after a complete pass: the next pass), or starts where :meth:`restore` or
-        :meth:`set_epoch` said since the last ``iter()``. An earlier iterator still going
-        goes on on its own (and is closed when it is dropped or exhausted). Worker processes
-        start booting here while the ops are checked on the first sample
-        (``RuntimeOptions.auto_validation``).
+        :meth:`set_epoch` said since. It becomes the latest run, the one the shortcuts
+        act on; an earlier iterator still going goes on on its own (and is closed when it
+        is dropped or exhausted). Worker processes start booting here while the ops are
+        checked on the first sample (``RuntimeOptions.auto_validation``).
 
         Returns:
             A :class:`~zephon.pipeline.iterator.PipelineIterator` that owns the run.
@@ -551,27 +557,14 @@ class Pipeline:
         refuse_in_spawn_bootstrap("iterating a zephon Pipeline")
         plan = self.plan()
         validate(plan, "pickle")  # before any worker process exists
-        start = self._pending if self._pending is not None else self._continuation()
-        record = RunRecord(start.states, start.start_epoch)
-        it = PipelineIterator(self, record)  # workers start booting here...
-        try:
-            validate(plan, "behaviour")  # ...while the ops are checked on the first sample
+        it = PipelineIterator(self, self._progress.next_start(plan), self._progress)
+        try:  # workers are booting while the ops are checked on the first sample
+            validate(plan, "behaviour")
         except BaseException:
             it.close()
             raise
-        self._pending = None
-        self._record = record
-        self._runs = [ref for ref in self._runs if ref() is not None] + [weakref.ref(it)]
+        self._progress.begin(it)
         return it
-
-    def _continuation(self) -> RunStart:
-        """Where a new run goes on from the latest one: the next pass after a complete
-        pass, else after the last item it delivered (the start for the first run)."""
-        latest = self._record
-        if latest.finished:
-            end = self.plan().pass_end(latest.start_epoch)
-            return RunStart({}, latest.start_epoch if end is None else end)
-        return latest.start()
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next run at the beginning of ``epoch``.
@@ -579,7 +572,7 @@ class Pipeline:
         The run then covers the rest of ``epoch``'s pass (with ``num_epochs=k``, up to
         the end of epoch ``(epoch // k + 1) * k - 1``), exactly as the first time it ran:
         use it to run an epoch again (validation on a fixed epoch, a re-run) or to skip
-        ahead. A run of this pipeline still going restarts there at once.
+        ahead. If the latest run is still going, it restarts there at once.
 
         Args:
             epoch: an int >= 0.
@@ -596,20 +589,7 @@ class Pipeline:
         """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch < MAX_COUNT:
             raise ZephonConfigError(f"set_epoch: epoch must be an int >= 0, got {epoch!r}")
-        start = RunStart({}, epoch)
-        current = self._live()
-        if current is not None:
-            current._restart(start)
-            return
-        self._pending = start
-
-    def _live(self) -> PipelineIterator | None:
-        """The most recently started run that is still going, if any."""
-        for ref in reversed(self._runs):
-            it = ref()
-            if it is not None and not it.closed:
-                return it
-        return None
+        self._progress.move_to(RunStart({}, epoch))
 
     def close(self) -> None:
         """Close every run of this pipeline that is still going (idempotent).
@@ -621,52 +601,44 @@ class Pipeline:
             >>> it.closed
             True
         """
-        for ref in self._runs:
-            it = ref()
-            if it is not None:
-                it.close()
-        self._runs = []
+        self._progress.close_runs()
 
     def stats(self) -> dict:
-        """Execution statistics of the latest run.
+        """Execution statistics of the latest run (a shortcut for ``it.stats()``).
 
         Returns:
             A dict snapshot of the latest run's counters (see
-            ``RuntimeOptions.execution_tracking``); empty when tracking is off, and in MTP
-            mode, where the statistics live in the subprocess.
+            ``RuntimeOptions.execution_tracking``); empty when tracking is off, in MTP
+            mode, where the statistics live in the subprocess, and before a run (also
+            after :meth:`restore` or :meth:`set_epoch` placed the next start).
 
         Example:
             >>> Pipeline(sources.from_sequence([1, 2])).stats()
             {}
         """
-        stats = self._record.stats
-        return {} if stats is None else stats.snapshot()
+        return self._progress.latest.stats_snapshot()
 
     @property
     def final_state(self) -> bytes | None:
         """The checkpoint taken when the latest run reached the end of its stream.
 
         Set only with ``mtp_mode`` and ``mtp_auto_checkpoint``; None otherwise, and until
-        a run ends.
+        a run ends (a :meth:`restore` or :meth:`set_epoch` with no run going places a
+        new start, which has none).
 
         Example:
             >>> Pipeline(sources.from_sequence([1, 2])).final_state is None
             True
         """
-        return self._record.final_state
-
-    def _next_round(self) -> int:
-        """A new multi-rank exchange round: counted per pipeline, across its runs."""
-        self._rounds += 1
-        return self._rounds
+        return self._progress.latest.final_state
 
     # -- checkpoint ------------------------------------------------------------------------
     def checkpoint(self) -> bytes:
-        """The delivered position as checkpoint bytes (a shortcut for ``it.checkpoint()``).
+        """The latest run's delivered position as checkpoint bytes (a shortcut for
+        ``it.checkpoint()``, also after the run ended).
 
-        It saves the state given to :meth:`restore` if no run started since; else the
-        delivered position of the latest run still going; else that of the latest run.
-        Only items handed to the consumer count. With several ranks every rank must call
+        After a :meth:`restore` or :meth:`set_epoch` made with no run going, it saves that
+        start. Only items handed to the consumer count. With several ranks every rank must call
         it at the same step: the ranks exchange their states and all return the same
         merged bytes. When a pipeline runs several iterators at once, call
         ``it.checkpoint()`` on the one you mean.
@@ -693,27 +665,13 @@ class Pipeline:
             >>> len(rest), rest == list(pipe)   # pipe's next run continues there too
             (6, True)
         """
-        if self._pending is not None:
-            return self._checkpoint_of(self._pending)
-        current = self._live()
-        if current is not None:
-            return current.checkpoint()
-        return self._checkpoint_of(self._record.start())
-
-    def _checkpoint_of(self, start: RunStart) -> bytes:
-        """Checkpoint bytes of a run position without a live run (a pending restore, or a
-        run that has ended), as :meth:`PipelineIterator.checkpoint` makes them."""
-        from zephon.checkpoint import exchange_state
-
-        plan = self.plan()
-        local = local_state(plan, self.fingerprint(), start.states, start.start_epoch)
-        return exchange_state(local, plan.opts, self._next_round())
+        return self._progress.exchange(self.plan(), self.fingerprint(), self._progress.latest)
 
     def restore(self, state: bytes) -> None:
         """Continue exactly after the last item delivered when ``state`` was taken.
 
-        If a run of this pipeline is still going, it restarts from ``state``; otherwise
-        the next ``iter(pipe)`` starts there. The state may come from any runner, worker
+        If the latest run is still going, it restarts from ``state``; otherwise the next
+        ``iter(pipe)`` starts there. The state may come from any runner, worker
         count or number of ranks, as long as the definition (:meth:`fingerprint`) and the
         number of canonical lanes are the same.
 
@@ -736,8 +694,4 @@ class Pipeline:
             >>> list(pipe)
             [2, 3, 4, 5]
         """
-        current = self._live()
-        if current is not None:
-            current.restore(state)
-            return
-        self._pending = check_run(decode_state(state), self.plan(), self.fingerprint())
+        self._progress.move_to(check_run(decode_state(state), self.plan(), self.fingerprint()))

@@ -5,6 +5,7 @@ A run's local state is a dict::
     {"fingerprint": str, "lanes_total": C, "resume": "cursor" | "replay",
      "start_epoch": the run's first epoch (lanes without an entry start there),
      "group": dp group (one rank's state) | "world": ranks (a merged state),
+     "dp_degree": G, "mapping": "contiguous" | "interleaved"  (a rank's own state),
      "lanes": {"<lane>": [epoch, pos, total]                 (cursor resume)
                          [epoch, k, since, total, *carry]}}  (replay)
 
@@ -16,6 +17,13 @@ boundary, as flat non-negative ints). A run covers the epochs of one pass,
 version, checksum, compression) belong to :mod:`zephon.checkpoint`; a state of
 the previous stream definition (format version 2: partial batches at every
 boundary, no carry, every run from epoch 0) is refused by name there.
+
+Two kinds of state restore: a merged one (``checkpoint()``: every lane, from
+the multi-rank exchange, or from the one rank) restores under any rank layout;
+a rank's own state (:func:`rank_state`, ``it.get_state()``: its owned lanes
+only, with its ``group``, ``dp_degree`` and ``mapping``) restores only on a rank
+of that same layout and group, since the lanes it lacks would silently start
+over elsewhere.
 
 :func:`check_state` trusts nothing: every field must have the exact type and a
 value this pipeline can have produced (lane ids within ``[0, C)``, epochs within
@@ -33,13 +41,13 @@ from typing import Any, NamedTuple
 from zephon.errors import CheckpointError
 from zephon.pipeline.carry import carry_bounds, decode_carry
 
-__all__ = ["MAX_COUNT", "RunStart", "check_run", "check_state", "local_state"]
+__all__ = ["MAX_COUNT", "RunStart", "check_run", "check_state", "local_state", "rank_state"]
 
 #: No count in a state can be larger (items, positions, epochs): 2**48 items is far
 #: beyond any real run, and keeps every figure exact in JSON and msgpack alike.
 MAX_COUNT = 1 << 48
 _REQUIRED = ("fingerprint", "lanes_total", "lanes", "resume", "start_epoch")
-_OPTIONAL = ("group", "world")
+_OPTIONAL = ("group", "world", "dp_degree", "mapping")
 _LANE_ID = re.compile(r"0|[1-9][0-9]{0,5}")  # canonical decimal, ASCII only
 
 
@@ -57,6 +65,13 @@ def local_state(plan, fingerprint: str, states: dict[int, tuple], start_epoch: i
     return {"fingerprint": fingerprint, "lanes_total": plan.lanes, "lanes": lanes,
             "group": plan.group, "resume": "cursor" if plan.cursor_resume else "replay",
             "start_epoch": start_epoch}
+
+
+def rank_state(plan, fingerprint: str, states: dict[int, tuple], start_epoch: int = 0) -> dict:
+    """This rank's own state, restorable without any exchange on a rank of the same
+    layout: :func:`local_state` plus the layout that says which lanes it owns."""
+    return dict(local_state(plan, fingerprint, states, start_epoch), dp_degree=plan.dp,
+                mapping=plan.mapping)
 
 
 def _int(value: Any, what: str, low: int = 0, high: int = MAX_COUNT) -> int:
@@ -129,8 +144,11 @@ def _check_header(decoded: Any, plan, fingerprint: str) -> tuple[int, str]:
         raise CheckpointError(
             f"checkpoint has canonical_replicas={lanes}, this pipeline {plan.lanes}: the number "
             "of canonical lanes must not change across a restore")
-    if "group" in decoded:  # a one-rank state: the data-parallel group it belongs to
-        _int(decoded["group"], "group", 0, lanes - 1)
+    if "group" in decoded:  # a rank's own state: only for the lanes of its layout
+        _check_layout(decoded, plan, lanes)
+    elif "dp_degree" in decoded or "mapping" in decoded:
+        raise CheckpointError("corrupt checkpoint: a rank layout (dp_degree, mapping) "
+                              "without its group")
     if "world" in decoded:  # a merged state: how many ranks it was merged from
         _int(decoded["world"], "world", 1, MAX_COUNT)
     mode = "cursor" if plan.cursor_resume else "replay"
@@ -138,6 +156,19 @@ def _check_header(decoded: Any, plan, fingerprint: str) -> tuple[int, str]:
         raise CheckpointError(f"checkpoint resumes by {decoded.get('resume')!r}, this pipeline "
                               f"by {mode!r}")
     return lanes, mode
+
+
+def _check_layout(decoded: dict, plan, lanes: int) -> None:
+    """A rank's own state holds only the lanes its dp group owned: it restores only on a
+    rank of the same group, ``dp_degree`` and mapping."""
+    group = _int(decoded["group"], "group", 0, lanes - 1)
+    theirs = (group, decoded.get("dp_degree"), decoded.get("mapping"))
+    ours = (plan.group, plan.dp, plan.mapping)
+    if theirs != ours:
+        raise CheckpointError(
+            f"checkpoint is one rank's own state (dp group {theirs[0]} of dp_degree "
+            f"{theirs[1]!r:.20}, {theirs[2]!r:.20} mapping), this rank reads dp group "
+            f"{ours[0]} of {ours[1]} ({ours[2]!r}): restore the merged checkpoint() instead")
 
 
 def _cursor_lane(value: list, where: str, length: int, epochs: tuple) -> tuple:

@@ -1,0 +1,137 @@
+"""``Progress``: what a pipeline remembers of its runs, the one mutable part of a Pipeline.
+
+A :class:`~zephon.pipeline.Pipeline` is an immutable definition and a
+:class:`~zephon.pipeline.iterator.PipelineIterator` owns one run. Three things
+outlive a run and belong to no single iterator, so they live here, and only here:
+
+- **where the next run starts** (the rule of :mod:`zephon.pipeline.pipeline`: a
+  new ``iter(pipe)`` continues after the last item the previous run delivered):
+  ``latest``, the :class:`RunRecord` of the latest run, which that run's iterator
+  writes as it delivers, or a record without a run that ``restore``/``set_epoch``
+  placed while no run was going;
+- **the live-run registry**: weak references to the pipeline's iterators, for
+  ``pipe.close()`` and for the shortcuts that act on the latest run;
+- **the multi-rank checkpoint round counter**: round ``n`` of the exchange is
+  the ``n``-th ``checkpoint()`` of the pipeline, counted across its runs, so every
+  rank numbers it alike (:mod:`zephon.checkpoint.aggregate`).
+
+A :class:`RunRecord` is a run's own state (delivered lane states, the epoch it
+started at, whether it reached the end of its pass, its statistics, its MTP final
+state): its iterator creates and writes it; Progress keeps a reference to the
+latest one so that ``pipe.checkpoint()``, ``pipe.stats()`` and
+``pipe.final_state`` still answer after the iterator is gone.
+
+Invariants: a Pipeline holds exactly one Progress and nothing else that changes
+after construction (its plan and fingerprint are cached derived values); every
+builder method gives the new pipeline a fresh Progress (a new definition starts at
+epoch 0); the registry holds iterators weakly, so dropping one (a ``break`` out of a
+``for`` loop) closes its run at once. A Progress pickles as a fresh one: a
+definition can travel to another process, its runs cannot.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from zephon.pipeline.state import RunStart, local_state
+
+if TYPE_CHECKING:
+    from zephon.pipeline.iterator import PipelineIterator
+
+__all__ = ["Progress", "RunRecord"]
+
+
+class RunRecord:
+    """One run's own state: the delivered lane states, the epoch the run started at,
+    whether it reached the end of its pass, its statistics and its MTP final state.
+
+    Its iterator creates and writes it; :class:`Progress` refers to the latest one.
+    """
+
+    __slots__ = ("final_state", "finished", "start_epoch", "states", "stats")
+
+    def __init__(self, start: RunStart | None = None) -> None:
+        start = start if start is not None else RunStart({}, 0)
+        self.states: dict[int, tuple] = dict(start.states)
+        self.start_epoch = start.start_epoch
+        self.finished = False  # the run reached the end of its pass
+        self.final_state: bytes | None = None
+        self.stats: Any = None  # the run's RunStats while it runs with tracking on
+
+    def start(self) -> RunStart:
+        """Where the record's states say a run goes on."""
+        return RunStart(dict(self.states), self.start_epoch)
+
+    def stats_snapshot(self) -> dict:
+        """The run's counters as a dict (empty without tracking, or without a run)."""
+        return {} if self.stats is None else self.stats.snapshot()
+
+
+class Progress:
+    """Where a pipeline's next run starts, its live runs, and its checkpoint rounds (see
+    the module docstring).
+
+    Attributes:
+        latest: the :class:`RunRecord` the next run continues from.
+        rounds: the multi-rank checkpoint rounds taken so far.
+    """
+
+    __slots__ = ("_latest_run", "_runs", "latest", "rounds")
+
+    def __init__(self) -> None:
+        self.latest = RunRecord()
+        self.rounds = 0
+        self._runs: list[weakref.ref] = []  # the pipeline's iterators, oldest first
+        self._latest_run: weakref.ref | None = None  # the iterator writing ``latest``
+
+    def __reduce__(self):
+        return (Progress, ())
+
+    def next_start(self, plan) -> RunStart:
+        """Where a new run starts: the next pass after a complete pass (``plan`` says
+        where a pass ends), else after the last item the latest run delivered."""
+        latest = self.latest
+        if latest.finished:
+            end = plan.pass_end(latest.start_epoch)
+            return RunStart({}, latest.start_epoch if end is None else end)
+        return latest.start()
+
+    def begin(self, it: "PipelineIterator") -> None:
+        """Record ``it`` as the latest run: the next run continues from its record."""
+        self.latest = it.record
+        self._latest_run = ref = weakref.ref(it)
+        self._runs = [r for r in self._runs if r() is not None] + [ref]
+
+    def current(self) -> "PipelineIterator | None":
+        """The latest run, if it is still going."""
+        it = self._latest_run() if self._latest_run is not None else None
+        return it if it is not None and not it.closed else None
+
+    def move_to(self, start: RunStart) -> None:
+        """Restart the latest run at ``start`` if it is still going; else make the next
+        run start there."""
+        it = self.current()
+        if it is not None:
+            it._restart(start)
+            return
+        self.latest, self._latest_run = RunRecord(start), None
+
+    def close_runs(self) -> None:
+        """Close every run still going."""
+        runs, self._runs = self._runs, []
+        for ref in runs:
+            it = ref()
+            if it is not None:
+                it.close()
+
+    def exchange(self, plan, fingerprint: str, record: RunRecord,
+                 states: dict[int, tuple] | None = None) -> bytes:
+        """Checkpoint bytes of ``record`` (or of ``states`` in its run): one round of the
+        multi-rank exchange (a plain encoding with one rank)."""
+        from zephon.checkpoint import exchange_state
+
+        local = local_state(plan, fingerprint, record.states if states is None else states,
+                            record.start_epoch)
+        self.rounds += 1
+        return exchange_state(local, plan.opts, self.rounds)
