@@ -69,7 +69,7 @@ HEAP_DIVISOR = 5
 PIPELINE_ARENA_BYTES = 5 * (256 << 20)
 #: Slab indices of one worker generation (a restarted worker takes the next range).
 SLABS_PER_GENERATION = 256
-#: The least bound of a bare pool's arena, and a message's size when
+#: The least room for messages of a bare pool's arena, and a message's size when
 #: ``shm_max_coalesced_bytes`` is not set.
 MIN_POOL_ARENA_BYTES = 64 << 20
 DEFAULT_MESSAGE_BYTES = 64 << 20
