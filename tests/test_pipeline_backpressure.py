@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from zephon import Pipeline, sources
-from zephon.pipeline.dispatch import PIPELINE_ARENA_BYTES, lane_budget_bytes
+from zephon.transport.budget import PIPELINE_ARENA_BYTES, split_arena
 
 
 class Sized:
@@ -71,9 +71,13 @@ def test_plan_bounds_in_flight_bytes_by_the_arena():
     plan = pipe.plan()
     stage = plan.stages[0]
     assert stage.arena_bytes >= PIPELINE_ARENA_BYTES
-    assert stage.budget_bytes == lane_budget_bytes(stage.arena_bytes, len(plan.owned))
-    # lanes' share + the prefetch queue's share leave half of the arena to the consumer
-    assert stage.budget_bytes * len(plan.owned) + plan.prefetch_bytes <= stage.arena_bytes // 2
+    budget = split_arena(stage.arena_bytes, len(plan.owned))
+    assert plan.memory == budget
+    assert stage.budget_bytes == budget.lane_bytes and plan.prefetch_bytes == budget.prefetch_bytes
+    # the lanes' part, the prefetch queue's and the heap's leave the rest to the consumer
+    assert stage.budget_bytes * len(plan.owned) + plan.prefetch_bytes + budget.heap_bytes \
+        + budget.consumer_bytes <= stage.arena_bytes
+    assert budget.consumer_bytes >= stage.arena_bytes // 4
     assert "MiB/lane" in plan.explain()
 
 

@@ -22,6 +22,7 @@ import pytest
 import _transport_handlers as H
 from zephon import Pipeline, RuntimeOptions, sources
 from zephon.transport import WorkerPool
+from zephon.transport.budget import arena_bytes_for
 
 # Far below the 60 s wait a stalled message used to take; far above a normal result.
 STALL_S = 30
@@ -92,9 +93,10 @@ def test_result_of_ten_20mib_arrays_never_waits_for_itself(make_pool):
 
 @pytest.mark.parametrize("transport", ["socketpair", "pipe"])
 def test_many_arrays_within_the_bound_are_allocated_together(make_pool, transport):
-    # 6 x 10 MiB = 60 MiB fits a 64 MiB arena only if planned as one request; the
-    # consumer drops each result at once, so nothing may ever wait or fall back.
-    pool = make_pool(transport=transport, arena_max_bytes=64 << 20)
+    # 6 x 10 MiB = 60 MiB fits the 64 MiB an arena's messages may hold only if planned as
+    # one request; the consumer drops each result at once, so nothing may ever wait or
+    # fall back.
+    pool = make_pool(transport=transport, arena_max_bytes=arena_bytes_for(64 << 20))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(6):

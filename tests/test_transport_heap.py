@@ -19,6 +19,7 @@ import pytest
 from zephon import RuntimeOptions
 from zephon.transport import WorkerPool
 from zephon.transport.arena import LeaseTable, ShmArena, SlabRegistry
+from zephon.transport.budget import arena_bytes_for
 from zephon.transport.codec import Encoder, PeerState, ShmPolicy
 from zephon.transport.heap import WorkerHeap, exclusive_owner
 
@@ -125,7 +126,7 @@ def test_a_worker_exits_cleanly_while_its_thread_still_reads_a_heap_array(make_p
 
 
 def test_arrays_the_op_keeps_do_not_shrink_what_the_consumer_can_hold(make_pool):
-    pool = make_pool(arena_max_bytes=64 * MIB)
+    pool = make_pool(arena_max_bytes=arena_bytes_for(64 * MIB))  # and 16 MiB for the heap
     assert call(pool, "keep_table", 16 * MIB) == "kept"  # in the heap, for good
     held: list = []
     with warnings.catch_warnings():
@@ -369,14 +370,15 @@ def test_a_pipeline_streams_the_same_batches_with_the_heap_as_with_threads():
 
 
 def test_the_workers_own_temporaries_do_not_end_starvation():
-    # Starved (the consumer holds the bound), every message goes in-band at once; a
-    # heap temporary freed by the worker used to end that state, so each following
+    # Starved (the consumer holds the messages' room), every message goes in-band at
+    # once; a heap temporary freed by the worker used to end that state, so each following
     # message waited the full timeout again (300 kept results: 2 s -> 119 s).
     from zephon.errors import ArenaFull
 
-    a = ShmArena(1, "memfd", 16 * MIB, parent_pid=os.getpid(), wait_timeout_s=0.05)
+    a = ShmArena(1, "memfd", arena_bytes_for(16 * MIB), parent_pid=os.getpid(),
+                 wait_timeout_s=0.05)
     try:
-        held = a.alloc_many([16 * MIB])  # the consumer's
+        held = a.alloc_many([16 * MIB])  # the consumer's: all that messages may hold
         with pytest.raises(ArenaFull):
             a.alloc_many([MIB])
         assert a.starved

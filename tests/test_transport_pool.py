@@ -22,6 +22,7 @@ from zephon import RuntimeOptions, SerializationError, WorkerCrashedError
 from zephon.errors import RemoteTraceback, TransportError
 from zephon.transport.tokens import slab_owner
 from zephon.transport import WorkerPool
+from zephon.transport.budget import arena_bytes_for
 
 TRANSPORTS = ["socketpair", "pipe"]
 
@@ -169,9 +170,11 @@ def test_regions_recycle_under_a_fixed_bound(make_pool, transport):
 
 
 def test_consumer_holding_everything_gets_copies_with_one_warning(make_pool):
-    # The consumer keeps every result: once its 16 MiB arena is held, the worker waits
-    # once (briefly), then sends in-band until a region comes back; one warning says so.
-    pool = make_pool(workers=1, arena_max_bytes=16 << 20)
+    # The consumer keeps every result: once the 16 MiB its arena's messages may hold are
+    # held, the worker waits once (briefly), then sends in-band until a region comes back;
+    # one warning says so.
+    bound = arena_bytes_for(16 << 20)
+    pool = make_pool(workers=1, arena_max_bytes=bound)
     held = []
     with pytest.warns(RuntimeWarning, match="holds") as record:
         for i in range(8):
@@ -184,7 +187,7 @@ def test_consumer_holding_everything_gets_copies_with_one_warning(make_pool):
     warned = [str(w.message) for w in record if "holds" in str(w.message)]
     assert len(warned) == 1
     assert "copy" in warned[0] and "prefetch_batches" in warned[0]
-    assert f"{16 << 20}-byte" in warned[0]
+    assert f"{bound}-byte" in warned[0]
     del held, record
     # Regions came back: the next result lands in the arena again, with no new warning.
     with warnings.catch_warnings():

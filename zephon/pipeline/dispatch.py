@@ -42,8 +42,8 @@ ahead of the oldest unfinished part than the reorder window, so a slow
 head-of-line part stalls the lookahead instead of letting finished results
 pile up behind it. **Bytes** bound it too: the estimated output of the parts in
 flight plus the finished results waiting in the reorder buffer stays within the
-stage's ``budget_bytes`` (a share of a worker's shared-memory arena, see
-:func:`lane_budget_bytes`), so results waiting in zephon's own queues can never
+stage's ``budget_bytes`` (the lane's part of a worker's shared-memory arena, see
+:mod:`zephon.transport.budget`), so results waiting in zephon's own queues can never
 fill the arena whatever the item size; one part is always allowed, so an item
 larger than the budget still flows (alone).
 
@@ -70,9 +70,7 @@ __all__ = [
     "DISPATCH_TARGET_BYTES",
     "DISPATCH_TARGET_SECONDS",
     "MIN_PART_SAMPLES",
-    "PIPELINE_ARENA_BYTES",
     "approx_nbytes",
-    "lane_budget_bytes",
     "merge_units",
     "ordered_map",
 ]
@@ -100,22 +98,6 @@ SLOW_SAMPLE_S = 1e-3
 #: The least output bytes a sample is taken to have when sizing parts (a sample whose
 #: size the estimate cannot see, e.g. plain Python values, is not taken as free).
 MIN_SAMPLE_BYTES = 64
-
-#: Shared-memory arena bound per worker of a pipeline's process stage (at least what the
-#: transport would choose). Slabs are created only as results need them, so a high bound
-#: costs memory only when large results are held; it lets results of up to a quarter of it
-#: (256 MiB) wait in the pipeline's queues without ever filling the arena.
-PIPELINE_ARENA_BYTES = 1 << 30
-
-
-def lane_budget_bytes(arena_bytes: int, lanes: int) -> int:
-    """Output bytes one lane of a stage may have in flight or waiting to be reordered:
-    a quarter of a worker's arena bound shared by the ``lanes`` the rank owns (another
-    quarter is the consumer-side prefetch queue's, the rest what the consumer holds).
-
-    Example: ``lane_budget_bytes(1 << 30, 1) == 256 << 20``."""
-    return max(1, arena_bytes // 4 // max(1, lanes))
-
 
 def merge_units(first, second):
     """One unit of two consecutive units of a lane, or None when they cannot be merged

@@ -77,7 +77,7 @@ from zephon.pipeline.carry import (
     encode_carry,
     held_units,
 )
-from zephon.pipeline.dispatch import PIPELINE_ARENA_BYTES, lane_budget_bytes, ordered_map
+from zephon.pipeline.dispatch import ordered_map
 from zephon.pipeline.lanes import (
     batched_units,
     grouped_units,
@@ -99,7 +99,7 @@ from zephon.pipeline.packing import PackDocumentsOp  # pack_documents
 from zephon.pipeline.program import StageProgram, batches_per_message
 from zephon.pipeline.stats import RunStats
 from zephon.runners import InlineExecutor, ProcessExecutor, ThreadExecutor
-from zephon.transport.pool import default_arena_bytes
+from zephon.transport.budget import pipeline_budget
 
 #: tasks a process stage's pool keeps in flight per worker
 INFLIGHT_PER_WORKER = 4
@@ -208,16 +208,16 @@ class Plan:
         self.mapping = resolve_mapping_strategy(opts)
         self.owned = owned_lanes(self.lanes, self.dp, self.group, self.mapping)
         self.prefetch = resolve_prefetch_batches(opts)
+        #: the split of each process worker's arena bound (zephon.transport.budget)
+        self.memory = pipeline_budget(opts, len(self.owned), INFLIGHT_PER_WORKER)
         for stage in self.stages:
             if stage.runner == "process":
-                stage.arena_bytes = max(default_arena_bytes(opts, INFLIGHT_PER_WORKER),
-                                        PIPELINE_ARENA_BYTES)
-                stage.budget_bytes = lane_budget_bytes(stage.arena_bytes, len(self.owned))
+                stage.arena_bytes = self.memory.arena_bytes
+                stage.budget_bytes = self.memory.lane_bytes
         #: bytes of items the consumer-side prefetch queue may hold (it holds at least one):
-        #: a quarter of the smallest arena bound, so that what waits there, what the lanes
-        #: hold and what the consumer holds never fill a worker's arena
-        arenas = [s.arena_bytes for s in self.stages if s.arena_bytes]
-        self.prefetch_bytes = min(arenas) // 4 if arenas else None
+        #: its part of the arena bound, so that what waits there, what the lanes hold and
+        #: what the consumer holds never fill a worker's arena
+        self.prefetch_bytes = self.memory.prefetch_bytes if "process" in self.runners else None
 
     def _fuse_batch(self, opts):
         """``read -> map* -> batch(b)``: the batch is formed where its samples are read.
@@ -293,6 +293,8 @@ class Plan:
                      "BLAS/OpenMP; threads stages share the consumer's)" if
                      o.worker_compute_threads else "  compute threads: process workers keep "
                      "the libraries' defaults (worker_compute_threads=0)")
+        if "process" in self.runners:
+            lines.append("  " + self.memory.describe())
         serial_no = 0
         for kind, what in self.steps:
             if kind == "stage":

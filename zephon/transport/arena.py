@@ -25,12 +25,15 @@ Ownership and lifecycle
   it by sending that message in-band (and the pool warns once).
 - The :class:`ShmArena` lives in the worker that owns it: it creates slabs on
   demand (pre-faulted with ``MAP_POPULATE``; each at least ``min_slab_bytes``,
-  doubling the arena while it is small, then adding at most 32 MiB a slab unless
-  one request needs more) until ``max_bytes``. All the regions of one message
+  doubling the arena while it is small, then adding at most 32 MiB a slab, or room
+  for four regions of a request larger than 8 MiB) until ``max_bytes``, the bound,
+  which the recycled slabs never pass (:mod:`zephon.transport.budget` splits it
+  into parts). All the regions of one message
   are allocated at once or not at all (:meth:`ShmArena.alloc_many`), so a
   message never waits for space it holds itself.
-- A message larger than ``max_bytes`` (or one that does not fit an arena with
-  no live region) gets a **dedicated slab**, outside the bound, sized for it;
+- Messages hold at most ``message_bytes`` (the bound less the shared heap's
+  part). A message larger than that (or one that does not fit an arena with no
+  live region) gets a **dedicated slab**, outside the bound, sized for it;
   when its regions come back the slab is unmapped and its memory returned
   (the receiver maps it for that message only and never forwards it).
 - When the bound is reached and the regions are held by the consumer, the
@@ -40,7 +43,7 @@ Ownership and lifecycle
   stall) until some region comes back. The pool turns that into one warning.
 - The worker's shared heap (:mod:`zephon.transport.heap`) **takes** regions for
   NumPy arrays its ops make (:meth:`ShmArena.take`: never waits, never grows
-  past the bound, holds at most a given share of it in regions not sent) and
+  past the bound, holds at most its part of it in regions not sent) and
   gives them back when NumPy frees them (:meth:`ShmArena.give`, from any
   deallocation: only queued, drained under the lock). Such a region sent by
   reference (:meth:`ShmArena.mark_sent`) is reused once both the worker has
@@ -83,6 +86,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from zephon.errors import ArenaFull, ShmSpaceError, TransportError, ZephonConfigError
+from zephon.transport.budget import SLABS_PER_GENERATION, split_arena
 from zephon.transport.tokens import (
     SLAB_INDICES,
     check_owner,
@@ -344,7 +348,6 @@ def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
     return removed
 
 
-_SLAB_INDICES = 256  # per arena (and per worker generation)
 _HELD, _SENT = 1, 2  # a shared-heap region's holders: the worker's NumPy, the consumer
 
 
@@ -355,7 +358,9 @@ class ShmArena:
         owner: 1 + worker index, in ``[1, MAX_OWNER]`` (the owner field of every slab id
             and region token, see :mod:`zephon.transport.tokens`).
         kind: ``"memfd"`` or ``"named"``.
-        max_bytes: the bound of the recycled slabs (dedicated slabs are outside it).
+        max_bytes: the bound of the recycled slabs (dedicated slabs are outside it);
+            messages hold at most ``message_bytes`` of it, the rest is the shared heap's
+            (``heap_bytes``, see :mod:`zephon.transport.budget`).
         wait_timeout_s: the one wait for a region to come back before starving.
         on_release: called with the slab id of a dedicated slab once it is unmapped (the
             encoder forgets that its peer has it mapped).
@@ -371,6 +376,8 @@ class ShmArena:
                                     field="kind")
         check_owner(owner)
         self.owner, self.kind, self.max_bytes = owner, kind, max_bytes
+        budget = split_arena(max_bytes)
+        self.heap_bytes, self.message_bytes = budget.heap_bytes, budget.message_bytes
         self.min_slab_bytes = min_slab_bytes
         self.wait_timeout_s, self.alive = wait_timeout_s, alive
         self.on_release = on_release
@@ -398,25 +405,25 @@ class ShmArena:
 
     def alloc_many(self, sizes: list[int]) -> list[tuple[Slab, int, int]]:
         """Regions for every size in ``sizes``, all at once or none: ``[(slab, offset,
-        token)]``. Grows within the bound; a request larger than the bound (or that does not
-        fit an arena holding no live region) gets a dedicated slab. Otherwise waits once, at
+        token)]``. Grows within the bound; a request larger than ``message_bytes`` (or
+        that does not fit an arena holding no live region) gets a dedicated slab. Otherwise waits once, at
         most ``wait_timeout_s``, for regions to come back, then raises :class:`ArenaFull`
         and stays starved (raising at once) until one does."""
         needs = [_align(max(int(n), 1)) for n in sizes]
         total = sum(needs)
         deadline: float | None = None
         with self.cond:
-            if total > self.max_bytes:
+            if total > self.message_bytes:
                 return self._alloc_dedicated(needs)
             while True:
                 self._drain_gives()
-                # The bound is on what messages hold (the heap's unsent arrays do not
-                # count: see take), whatever the slabs' free space.
-                if self.consumer_bytes + total <= self.max_bytes:
+                # Messages hold at most message_bytes (the heap's unsent arrays have the
+                # rest of the bound: see take), whatever the slabs' free space.
+                if self.consumer_bytes + total <= self.message_bytes:
                     got, missing = self._fit_all(needs)
                     if got is not None:
                         return got
-                    if self.total_bytes + missing <= self.max_bytes + self._held_bytes:
+                    if self.total_bytes + missing <= self.max_bytes:
                         self._grow(missing)
                         continue
                 if len(self._live) == self._held_only():
@@ -431,7 +438,8 @@ class ShmArena:
                     raise ArenaFull(
                         f"arena {self.owner}: no space for {total} bytes; {self.live_regions} "
                         f"region(s), {self.consumer_bytes} bytes held by the consumer (bound "
-                        f"{self.max_bytes} bytes)", self.consumer_bytes, self.max_bytes)
+                        f"{self.max_bytes} bytes, {self.message_bytes} for messages)",
+                        self.consumer_bytes, self.max_bytes)
                 if not self.alive():
                     raise TransportError("the consumer is gone or the worker is stopping")
                 self.waits += 1
@@ -453,9 +461,8 @@ class ShmArena:
                 return None
             found = self._first_fit(need)
             if found is None:
-                # what the heap holds is not the transport's: the slabs may exceed the
-                # bound by it (at most held_limit)
-                if self.total_bytes + need > self.max_bytes + held_limit:
+                # the heap's part is inside the bound: the slabs never exceed it
+                if self.total_bytes + need > self.max_bytes:
                     return None
                 try:
                     self._grow(need)
@@ -476,13 +483,13 @@ class ShmArena:
     def mark_sent(self, token: int) -> bool:
         """Heap region ``token`` goes to the consumer by reference; False if it is not a
         heap region held by the worker, was sent already, or would take what messages
-        hold past the bound."""
+        hold past ``message_bytes``."""
         with self.cond:
             state = self._heap.get(token)
             if state != _HELD:
                 return False
-            if self.consumer_bytes + self._live[token] > self.max_bytes:
-                return False  # the consumer holds the bound already: copied (or in-band)
+            if self.consumer_bytes + self._live[token] > self.message_bytes:
+                return False  # messages hold their room already: copied (or in-band)
             self._heap[token] = _HELD | _SENT
             self._held_bytes -= self._live[token]
             return True
@@ -542,11 +549,11 @@ class ShmArena:
 
     def _new_slab(self, size: int, dedicated: bool) -> Slab:
         used = {slab_index(sid) for sid in self.slabs}
-        index = next((i for i in range(self.slab_base, self.slab_base + _SLAB_INDICES)
+        index = next((i for i in range(self.slab_base, self.slab_base + SLABS_PER_GENERATION)
                       if i not in used), None)
         if index is None or index >= SLAB_INDICES:
             raise ArenaFull(  # the codec sends in-band until the consumer drops some
-                f"arena {self.owner}: all {_SLAB_INDICES} slab indices are in use (the "
+                f"arena {self.owner}: all {SLABS_PER_GENERATION} slab indices are in use (the "
                 "consumer holds results of too many distinct large messages)",
                 self.live_bytes + self.dedicated_bytes, self.max_bytes)
         sid = pack_slab_id(self.owner, index)

@@ -51,11 +51,12 @@ Invariants
   sides are done with it: the worker's NumPy frees it (``give``) and, if it was
   sent, the consumer releases it (the FREE message). Either may come first
   (:meth:`ShmArena.take` / ``give`` / ``mark_sent`` / ``free``).
-- **Never at the transport's expense.** The heap holds at most a quarter of the
-  arena bound in regions not (yet) sent, and those do not count against the
-  bound: the transport may still fill the whole bound with messages (so the
-  slabs may exceed it by up to that quarter). Beyond the quarter, and whenever
-  the arena has no room without waiting, NumPy gets ``malloc`` memory. An
+- **Never at the transport's expense.** The heap holds at most its part of the
+  arena bound (a fifth, ``ShmArena.heap_bytes``, :mod:`zephon.transport.budget`)
+  in regions not (yet) sent, and messages never hold that part: they may fill
+  the rest of the bound whatever the heap holds, and the slabs never exceed the
+  bound. Beyond its part, and whenever the arena has no room without waiting,
+  NumPy gets ``malloc`` memory. An
   allocation never waits and never fails because of the arena; one made while
   this thread is inside an arena method (a deallocation run by the garbage
   collector there) gets ``malloc`` memory too, as the free lists are mid-update.
@@ -140,8 +141,6 @@ log = logging.getLogger("zephon.transport.heap")
 #: Smallest NumPy allocation the heap serves from the arena. Smaller results are cheap
 #: to copy and are better coalesced with their neighbours into one region.
 DEFAULT_THRESHOLD_BYTES = 1 << 20
-#: Share of the arena bound the heap may hold in regions not sent to the consumer.
-HELD_SHARE = 4
 
 
 def heap_enabled() -> bool:
@@ -550,7 +549,7 @@ class WorkerHeap:
 
     # -- callbacks from the allocator (GIL held) ----------------------------------------
     def _take(self, nbytes: int) -> int:
-        got = self.arena.take(nbytes, self.arena.max_bytes // HELD_SHARE)
+        got = self.arena.take(nbytes, self.arena.heap_bytes)
         if got is None:
             return 0
         slab, offset, token = got

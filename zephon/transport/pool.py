@@ -116,6 +116,7 @@ from zephon.transport.arena import (
     sweep_segments_of,
     sweep_stale_segments,
 )
+from zephon.transport.budget import SLABS_PER_GENERATION, default_arena_bytes
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
 from zephon.transport.deaths import DeathWatch, death_text
@@ -135,7 +136,7 @@ from zephon.transport.tokens import MAX_OWNER, SLAB_INDICES, slab_index, token_s
 from zephon.transport.tree import signal_group
 from zephon.transport.worker import worker_entry
 
-__all__ = ["TaskResult", "WorkerPool", "default_arena_bytes"]
+__all__ = ["TaskResult", "WorkerPool"]
 
 log = logging.getLogger("zephon.transport.pool")
 
@@ -169,22 +170,9 @@ class TaskResult(NamedTuple):
     value: Any
 
 
-def default_arena_bytes(opts, inflight_per_worker: int) -> int:
-    """Arena bound per worker: room for the messages a worker may have in flight plus its
-    share of the consumer's prefetch, each up to ``shm_max_coalesced_bytes`` (16 MiB)."""
-    from zephon.options import resolve_prefetch_batches
-
-    per_message = opts.shm_max_coalesced_bytes or (64 << 20)
-    slots = inflight_per_worker + max(2, resolve_prefetch_batches(opts) // 2)
-    return max(64 << 20, slots * per_message)
-
-
 # ---------------------------------------------------------------------------------------
 # parent side
 # ---------------------------------------------------------------------------------------
-
-
-_SLABS_PER_GENERATION = 256
 
 
 class _WorkerHandle:
@@ -304,7 +292,7 @@ class WorkerPool:
         self._ready = True
 
     def _launch(self, k: int, generation: int) -> "_WorkerHandle":
-        boot = dict(self._boot, slab_base=generation * _SLABS_PER_GENERATION)
+        boot = dict(self._boot, slab_base=generation * SLABS_PER_GENERATION)
         child = Child.spawn(self.options.mp_context, worker_entry, (k, boot),
                             transport=self.transport,
                             buffer_bytes=self.options.ipc_buffer_bytes,
@@ -335,7 +323,7 @@ class WorkerPool:
         if old.alive:
             raise TransportError(f"worker {k} of pool {self.name!r} is still alive")
         generation = old.generation + 1
-        if generation * _SLABS_PER_GENERATION >= SLAB_INDICES:
+        if generation * SLABS_PER_GENERATION >= SLAB_INDICES:
             raise TransportError(f"worker slot {k} of pool {self.name!r} restarted too often")
         handle = self._launch(k, generation)
         self.workers[k] = handle
@@ -468,7 +456,7 @@ class WorkerPool:
             while queue:
                 tokens.append(queue.popleft())
             handle = self.workers[owner - 1]
-            base = handle.generation * _SLABS_PER_GENERATION
+            base = handle.generation * SLABS_PER_GENERATION
             tokens = [t for t in tokens if slab_index(token_slab(t)) >= base]
             if handle.alive and tokens:
                 try:
@@ -633,8 +621,9 @@ class WorkerPool:
                 "batch when done with it, or copy the ones you keep (np.array(x), "
                 "tensor.clone()); to hold more at once raise RuntimeOptions.prefetch_batches "
                 "or shm_max_coalesced_bytes (the arena bound per worker is (tasks in flight "
-                "+ prefetch_batches // 2) x shm_max_coalesced_bytes, at least 64 MiB), or "
-                "pass arena_max_bytes= to WorkerPool.")
+                "+ prefetch_batches // 2) x shm_max_coalesced_bytes, at least 64 MiB, plus "
+                "a quarter for the worker's shared heap), or pass arena_max_bytes= to "
+                "WorkerPool.")
         else:
             _, owner, reason = why
             message = (f"zephon: worker {owner - 1} of pool {self.name!r} cannot create "
