@@ -3,8 +3,8 @@
 The op list is cut into *parallel stages* (maximal runs of stateless ops;
 stage 0 also reads the source) and *serial steps* (one per stateful op):
 
-    ops    map  filter  shuffle  map   batch  batch
-    steps  StageStep(0)  SerialStep StageStep(1) SerialStep SerialStep
+    ops    map, filter    shuffle      map           batch        batch
+    steps  StageStep(0)   SerialStep   StageStep(1)  SerialStep   SerialStep
 
 A step is a frozen :class:`StageStep` (run by the stage's executor, results
 put back in sequence order) or :class:`SerialStep` (one accumulator per lane

@@ -1,13 +1,9 @@
 """The ops of a pipeline: one module per op, behind the contracts of :mod:`.base`.
 
-=================  =========================================  ==================
-module             op (``kind``)                              contract
-=================  =========================================  ==================
-:mod:`.map`        ``map``, ``filter``, ``map_batch``         StatelessOp
-:mod:`.shuffle`    ``shuffle``                                SerialOp
-:mod:`.batch`      ``batch`` (and :func:`make_batch`)         HoldsRecords
-:mod:`.pack_tokens` ``pack_tokens``                           HoldsPieces
-=================  =========================================  ==================
+- :mod:`.map`: ``map``, ``filter``, ``map_batch`` (StatelessOp)
+- :mod:`.shuffle`: ``shuffle`` (SerialOp, holds nothing across a boundary)
+- :mod:`.batch`: ``batch`` and :func:`make_batch` (HoldsRecords)
+- :mod:`.pack_tokens`: ``pack_tokens`` (HoldsPieces)
 
 Adding an op
 ------------
@@ -24,8 +20,12 @@ Adding an op
 3. Give it a builder method on :class:`~zephon.pipeline.Pipeline` (the public
    name: ``self._with(TheOp(...))``).
 
-Nothing else names an op: the plan (:mod:`zephon.pipeline.plan`), the engine
-and the carry (:mod:`zephon.pipeline.carry`) read only the contracts and traits.
+The plan (:mod:`zephon.pipeline.plan`), the engine, the dispatch and the carry
+(:mod:`zephon.pipeline.carry`) read only the contracts and traits. Three places
+name a built-in op for what only it does: the plan fuses ``batch`` into the
+stage that reads, the stage program names the op that made an unpicklable
+value (a ``filter`` makes none), and validation probes ``map`` and ``filter``
+on the first sample.
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def register(cls: type[Op]) -> type[Op]:
 
 def check_registered(op: Op) -> None:
     """Refuse an op whose class is not the one registered under its kind."""
-    if REGISTRY.get(getattr(op, "kind", None)) is not type(op):  # type: ignore[arg-type]
-        cls = type(op)
+    cls = type(op)
+    if REGISTRY.get(cls.kind) is not cls:
         raise ZephonConfigError(
             f"op {op!r} of class {cls.__module__}.{cls.__qualname__} is not a registered "
             "op: register its class with zephon.pipeline.ops.register (see "
