@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from zephon import Pipeline, RuntimeOptions, sources
 from zephon.errors import OpError, ValidationError, ZephonConfigError
 from zephon.pipeline.collate import collate
-from zephon.pipeline.ops import Batch, BatchList, BatchOp
+from zephon.pipeline.ops import BatchOp
+from zephon.pipeline.records import Batch, BatchList
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

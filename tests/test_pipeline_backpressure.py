@@ -81,14 +81,19 @@ def test_plan_bounds_in_flight_bytes_by_the_arena():
     assert "MiB/lane" in plan.explain()
 
 
-def _lane_dispatch(workers: int = 2):
-    from types import SimpleNamespace
+def _stage(**fields):
+    """A process stage of a plan (its fields as the plan sets them, changed by ``fields``)."""
+    from zephon.pipeline.plan import Stage
 
+    base = dict(index=0, ops=(), runner="process", workers=2, depth=4, split=True,
+                item_cap=None, arena_bytes=1 << 30, budget_bytes=256 << 20)
+    return Stage(**{**base, **fields})
+
+
+def _lane_dispatch(workers: int = 2):
     from zephon.pipeline.dispatch import _LaneDispatch
 
-    stage = SimpleNamespace(depth=4, item_cap=None, workers=workers, split=True, index=0,
-                            budget_bytes=256 << 20)
-    return _LaneDispatch(stage)
+    return _LaneDispatch(_stage(workers=workers))
 
 
 def test_parts_grow_at_most_twofold_per_result():
@@ -188,9 +193,7 @@ def test_the_feeder_sizes_each_part_when_it_sends_it():
 
     sent = []
     executor = SimpleNamespace(submit=lambda lane, seq, payload: sent.append(payload[1]))
-    stage = SimpleNamespace(depth=4, item_cap=None, workers=2, split=True, index=1,
-                            budget_bytes=256 << 20, runner="process", collates=False)
-    feed = _Feeder(executor, stage, iter([list(range(64))]), 0, None)
+    feed = _Feeder(executor, _stage(index=1), iter([list(range(64))]), 0, None)
     feed.state.cap, feed.state.per_item = 1 << 30, float(4 << 20)
     feed.fill()
     assert [len(p) for p in sent] == [4] * feed.state.limit
@@ -214,12 +217,10 @@ def test_a_lane_queues_depth_parts_beyond_one_per_worker():
         d = _lane_dispatch(workers)
         d.per_item = 1.0  # sizes known; the byte budget is far away
         assert d.room(4 + workers - 1, 1) and not d.room(4 + workers, 1)
-    from types import SimpleNamespace
-
     from zephon.pipeline.dispatch import _LaneDispatch
 
-    inline = _LaneDispatch(SimpleNamespace(depth=1, item_cap=None, workers=1, split=False,
-                                           index=0, runner="inline"))
+    inline = _LaneDispatch(_stage(depth=1, workers=1, split=False, runner="inline",
+                                  arena_bytes=None, budget_bytes=None))
     assert not inline.room(1, 1)  # an inline stage does not read ahead
 
 

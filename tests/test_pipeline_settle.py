@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from zephon import Pipeline, RuntimeOptions, sources
-from zephon.pipeline.ops import Record
+from zephon.pipeline.records import Record
 from zephon.transport.heap import settle
 
 N = 200

@@ -15,7 +15,7 @@ import _pipeline_fns as F  # noqa: E402
 from _resume import assert_resumes  # noqa: E402
 
 from zephon import Pipeline, RuntimeOptions, sources  # noqa: E402
-from zephon.pipeline.ops import collate  # noqa: E402
+from zephon.pipeline.collate import collate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_sample_ids_pickle_compactly_and_stay_a_list():
 
 def test_grouped_units_never_cross_a_boundary():
     from zephon.pipeline.lanes import BatchGroup, ReadUnit, grouped_units
-    from zephon.pipeline.ops import Boundary
+    from zephon.pipeline.records import Boundary
 
     units = [Boundary(0, 0), *[ReadUnit(0, k, np.arange(k, k + 1)) for k in range(5)],
              Boundary(1, 0), ReadUnit(1, 0, np.arange(1))]
@@ -277,7 +277,7 @@ def test_users_get_plain_sample_id_lists(tmp_path):
     import pickle
 
     from zephon.pipeline.columnar import SampleIds
-    from zephon.pipeline.ops import Batch
+    from zephon.pipeline.records import Batch
 
     ids = SampleIds("s", np.arange(3), 0)
     batch = Batch({"x": np.arange(3)}, meta={"sample_ids": ids, "lane": 0})
@@ -338,7 +338,7 @@ def test_sample_ids_made_once_when_threads_read_them_at_once():
 
 
 def test_batch_meta_may_be_replaced_by_anything():
-    from zephon.pipeline.ops import Batch
+    from zephon.pipeline.records import Batch
 
     batch = Batch({"x": np.arange(2)}, meta={"lane": 0})
     batch.meta = None

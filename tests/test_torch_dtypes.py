@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from zephon import Pipeline, sources
-from zephon.pipeline.ops import BatchList
+from zephon.pipeline.records import BatchList
 
 torch = pytest.importorskip("torch")
 import zephon.torch as zt  # noqa: E402

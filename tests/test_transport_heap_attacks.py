@@ -18,7 +18,7 @@ import weakref
 import numpy as np
 import pytest
 
-from zephon.pipeline.ops import Record
+from zephon.pipeline.records import Record
 from zephon.transport.arena import LeaseTable, ShmArena, SlabRegistry
 from zephon.transport.codec import Encoder, PeerState, ShmPolicy
 from zephon.transport.heap import WorkerHeap, settle

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import zephon.transport.heap as heap_mod
-from zephon.pipeline.ops import Record
+from zephon.pipeline.records import Record
 from zephon.transport.arena import LeaseTable, ShmArena, SlabRegistry
 from zephon.transport.codec import Encoder, PeerState, ShmPolicy
 from zephon.transport.heap import WorkerHeap, settle
@@ -145,7 +145,7 @@ def test_the_check_survives_python_dash_O():
         import json, logging, sys
         import numpy as np
         import zephon.transport.heap as H
-        from zephon.pipeline.ops import Record
+        from zephon.pipeline.records import Record
         real = H.item_refcounts
         H.item_refcounts = lambda c: [n - 1 for n in real(c)]  # everything looks kept less
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

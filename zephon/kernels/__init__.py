@@ -19,7 +19,7 @@ specification the compiled version must match):
                                         (:mod:`zephon.kernels.refcount_ref`; exact
   reference counts for the exclusivity walk of :mod:`zephon.transport.heap`)
 - ``fit_place``, ``segment_layout``    (:mod:`zephon.kernels.pack_docs_ref`; called by
-  :mod:`zephon.pipeline.packing` to place documents in open bins and lay out packed rows)
+  :mod:`zephon.pipeline.ops.pack_documents` to place documents in open bins and lay out packed rows)
 - result types and helpers              (:mod:`zephon.kernels.types`)
 
 Leaves are rebuilt on the receiving side by the codec's decoder with one

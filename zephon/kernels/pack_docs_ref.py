@@ -1,6 +1,6 @@
 """Reference document packing: the specification of ``kernels/pack_docs.pyx``.
 
-Callers: :mod:`zephon.pipeline.packing` (the ``pack_documents`` op): where each
+Callers: :mod:`zephon.pipeline.ops.pack_documents` (the ``pack_documents`` op): where each
 document goes among a bounded set of open bins (``fit_place``), and the
 per-row positions and boundaries of a packed row (``segment_layout``).
 

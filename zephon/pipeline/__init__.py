@@ -5,9 +5,9 @@ Names load on first use: a worker unpickling a stage program needs
 checkpoint code.
 """
 
-_LAZY = {"Pipeline": "zephon.pipeline.pipeline", "Batch": "zephon.pipeline.ops",
-         "BatchList": "zephon.pipeline.ops",
-         "OpError": "zephon.pipeline.ops", "sources": "zephon.pipeline.sources"}
+_LAZY = {"Pipeline": "zephon.pipeline.pipeline", "Batch": "zephon.pipeline.records",
+         "BatchList": "zephon.pipeline.records",
+         "OpError": "zephon.errors", "sources": "zephon.pipeline.sources"}
 
 __all__ = sorted(_LAZY)
 

@@ -9,26 +9,30 @@ boundary marker passed it. A restore rebuilds those records from their lineage
 are random access, stateless ops deterministic, ``ctx.rng`` seeded by the
 sample's identity) and puts them back before the segment replays.
 
-Layout (:func:`carry_layout`) is a pure function of the plan: one slot per
-carrying accumulator, each with the *shape* of the records entering it:
+Layout (:func:`~zephon.pipeline.plan.carry_layout`, ``plan.carry_layout``) is a
+pure function of the plan's steps: one
+slot per carrying accumulator (an op that
+:class:`~zephon.pipeline.ops.base.HoldsRecords` or
+:class:`~zephon.pipeline.ops.base.HoldsPieces`), each with the *shape* of the
+records entering it:
 
 - ``("sample",)``: a sample through the stateless ops; lineage ``(epoch, p)``;
 - ``("run", size)``: a fused micro-batch (``read -> map* -> batch``): the
   ``size`` lane positions ending at ``(epoch, p)``; lineage ``(epoch, p)``;
-- ``("batch", size, inner)``: a batch a serial ``batch`` made: its members'
-  lineages;
-- ``("pack", seq_len, inner)``: a packed row: ``(lineage, a, b)`` per piece
-  (tokens ``[a, b)`` of that input record);
-- ``("bins", seq_len, bins, inner)``: a ``pack_documents`` row, pieces as for
-  ``pack``; what the packer holds is up to ``bins`` open bins of pieces
-  (:mod:`zephon.pipeline.packing`).
+- ``("records", size, inner)``: a record a serial op holding records made of
+  ``size`` records (a ``batch``): its members' lineages;
+- ``("pieces", size, inner)``: a record a serial op holding pieces made of
+  ``size`` tokens (a packed row): ``(lineage, a, b)`` per piece (tokens
+  ``[a, b)`` of that input record);
+- ``("bins", size, bins, inner)``: a record a serial op holding bins made
+  (a ``pack_documents`` row of 1 to ``size`` tokens), pieces as for
+  ``pieces``; what such an op holds is up to ``bins`` open bins of pieces.
 
 A fused batch's slot holds the count of samples held (always the lane positions
 just before the boundary); a ``batch`` slot the lineages of fewer than ``size``
 records; a ``pack_tokens`` slot the pieces of fewer than ``seq_len`` tokens; a
-``pack_documents`` slot its open bins (each of 1 to ``seq_len - 1`` tokens;
-its rows hold 1 to ``seq_len`` tokens). A ``shuffle`` drains at a boundary and
-has no slot.
+``pack_documents`` slot its open bins (each of 1 to ``seq_len - 1`` tokens). An
+op that holds nothing (a ``shuffle`` drains at a boundary) has no slot.
 
 Encoding (:func:`encode_carry`) is a flat list of non-negative ints appended to
 the lane's replay entry (``[epoch, k, since, total, *carry]``): a record is
@@ -52,55 +56,21 @@ import numpy as np
 
 from zephon.errors import CheckpointError
 from zephon.pipeline.lanes import ReadUnit, _joined, lane_source_index, positions_before
-from zephon.pipeline.ops import BatchOp, PackTokensOp, Record
-from zephon.pipeline.packing import PackDocumentsOp
+from zephon.pipeline.ops import HoldsBins, HoldsPieces, HoldsRecords
+from zephon.pipeline.plan import SerialStep, carrier
+from zephon.pipeline.records import Record
 
-__all__ = ["Rebuilder", "carry_bounds", "carry_layout", "decode_carry", "encode_carry", "held_units",
-           "input_shape"]
+__all__ = ["Rebuilder", "carry_bounds", "decode_carry", "encode_carry", "held_units"]
 
 #: Records or pieces one entry of a carry may list (far above any real batch or row).
 MAX_ITEMS = 1 << 20
-
-
-def input_shape(plan, i: int) -> tuple:
-    """The shape of the records entering ``plan.steps[i]`` (see the module docstring)."""
-    for j in range(i - 1, -1, -1):
-        kind, what = plan.steps[j]
-        if kind == "serial" and isinstance(what, BatchOp):
-            return ("batch", what.size, input_shape(plan, j))
-        if kind == "serial" and isinstance(what, PackTokensOp):
-            return ("pack", what.seq_len, input_shape(plan, j))
-        if kind == "serial" and isinstance(what, PackDocumentsOp):
-            return ("bins", what.seq_len, what.carried_bins, input_shape(plan, j))
-    if plan.fused_batch is not None:
-        return ("run", plan.fused_batch.size)
-    return ("sample",)
-
-
-def carry_layout(plan) -> list:
-    """The carry slots of a plan, in chain order: ``("count", size)`` for a fused batch,
-    ``(step, shape)`` for a serial ``batch`` (shape ``("batch", size, input)``) or
-    ``pack_tokens`` (``("pack", seq_len, input)``) or ``pack_documents`` (``("bins",
-    seq_len, bins, input)``)."""
-    slots: list = []
-    if plan.fused_batch is not None:
-        slots.append(("count", plan.fused_batch.size))
-    for i, (kind, what) in enumerate(plan.steps):
-        if kind == "serial" and isinstance(what, BatchOp):
-            slots.append((i, ("batch", what.size, input_shape(plan, i))))
-        elif kind == "serial" and isinstance(what, PackTokensOp):
-            slots.append((i, ("pack", what.seq_len, input_shape(plan, i))))
-        elif kind == "serial" and isinstance(what, PackDocumentsOp):
-            slots.append((i, ("bins", what.seq_len, what.carried_bins,
-                              input_shape(plan, i))))
-    return slots
 
 
 def _encode(shape: tuple, lin: Any, out: list) -> None:
     kind = shape[0]
     if kind in ("sample", "run"):
         out.extend((int(lin[0]), int(lin[1])))
-    elif kind == "batch":
+    elif kind == "records":
         out.append(len(lin))
         for member in lin:
             _encode(shape[2], member, out)
@@ -111,7 +81,7 @@ def _encode(shape: tuple, lin: Any, out: list) -> None:
             out.extend((int(a), int(b)))
 
 
-def encode_carry(layout: list, carry: tuple) -> tuple:
+def encode_carry(layout: tuple, carry: tuple) -> tuple:
     """The flat ints of a boundary's carry (one entry per slot of ``layout``)."""
     out: list = []
     for (where, shape), held in zip(layout, carry, strict=True):
@@ -162,7 +132,7 @@ class _Reader:
         if kind in ("sample", "run"):
             return self.position(shape)
         size = shape[1]
-        if kind == "batch":
+        if kind == "records":
             m = self.int("batch members", 0, size - 1) if held else \
                 self.int("batch members", size, size)
             return [self.record(shape[2]) for _ in range(m)]
@@ -208,7 +178,7 @@ def carry_bounds(plan, lane: int, epoch: int, k: int, first_epoch: int) -> dict:
             "length": plan.lane_length(lane)}
 
 
-def decode_carry(layout: list, ints: list, where: str, bounds: dict) -> list:
+def decode_carry(layout: tuple, ints: list, where: str, bounds: dict) -> list:
     """The carry slots encoded in ``ints``, checked (see the module docstring).
 
     ``bounds``: ``epoch``/``pos`` (the boundary: epoch and lane position), ``first_epoch``
@@ -261,22 +231,25 @@ class Rebuilder:
         """The record entering ``plan.steps[i]`` whose lineage is ``lin``."""
         steps = self.plan.steps
         j, stages = i - 1, []
+        op = None
         while j >= 0:
-            kind, what = steps[j]
-            if kind == "stage":
-                stages.append(what)
-            elif isinstance(what, (BatchOp, PackTokensOp, PackDocumentsOp)):
-                break
+            step = steps[j]
+            if isinstance(step, SerialStep):
+                op = carrier(step)
+                if op is not None:
+                    break
+            else:
+                stages.append(step.stage)
             j -= 1
         stages.reverse()
         if j < 0:
             rec = self._base(lin)
             stages = stages[1:]  # stage 0 read it
-        elif isinstance(steps[j][1], BatchOp):
-            rec = steps[j][1].make([self.record(j, m) for m in lin])
-            rec.lin = lin
-        else:
-            rec = self._row(steps[j][1], [self.piece(j, m) for m in lin], lin)
+        elif isinstance(op, HoldsRecords):
+            rec = op.remake([self.record(j, m) for m in lin], lin)
+        else:  # pieces, or a bin's row of pieces
+            assert isinstance(op, (HoldsPieces, HoldsBins))
+            rec = op.remake([self.piece(j, m) for m in lin], lin)
         for stage in stages:
             rec = self._stage(stage, [rec])  # a map keeps the lineage (``lin``)
         return rec
@@ -285,18 +258,12 @@ class Rebuilder:
         """``(record, a, b)``: a packer's piece rebuilt (its record enters step ``i``)."""
         member, a, b = lin
         rec = self.record(i, member)
-        op = self.plan.steps[i][1]
-        n = op.tokens(rec).size
+        op = carrier(self.plan.steps[i])
+        assert isinstance(op, (HoldsPieces, HoldsBins))
+        n = op.piece_length(rec)
         if b > n:
             self.fail(f"a piece of tokens [{a}, {b}) of a record of {n} token(s)")
         return rec, a, b
-
-    def _row(self, op: PackTokensOp | PackDocumentsOp, pieces: list, lin: Any) -> Record:
-        if isinstance(op, PackDocumentsOp):
-            return op.make_row(pieces, lin)
-        row = np.concatenate([op.tokens(r)[a:b] for r, a, b in pieces])
-        ids = [i for r, _, _ in pieces for i in r.ids]
-        return Record({op.field: row}, ids, pieces[-1][0].pos, lin)
 
 
 def held_units(plan, lane: int, epoch: int, k: int, count: int) -> list:

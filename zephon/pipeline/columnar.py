@@ -32,7 +32,8 @@ from itertools import pairwise, repeat
 
 import numpy as np
 
-from zephon.pipeline.ops import Batch, DeferredList, Record, collate_column
+from zephon.pipeline.collate import collate_column
+from zephon.pipeline.records import Batch, DeferredList, Record
 
 __all__ = ["BatchRun", "SampleIds", "sample_ids"]
 

@@ -61,8 +61,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from zephon.kernels import ReorderBuffer
-from zephon.pipeline.lanes import BatchGroup
-from zephon.pipeline.ops import Boundary
+from zephon.pipeline.lanes import BatchGroup, ReadUnit
+from zephon.pipeline.records import Boundary
 from zephon.runners.executors import TaskFailed
 
 __all__ = [
@@ -104,12 +104,10 @@ def merge_units(first, second):
     (read units of another epoch or not contiguous, or units of different kinds)."""
     if isinstance(first, list) and isinstance(second, list):
         return first + second
-    epoch, start = getattr(first, "epoch", None), getattr(first, "start", None)
-    if epoch is None or start is None or not hasattr(first, "indices") or \
-            type(second) is not type(first) or second.epoch != epoch or \
-            second.start != start + len(first):
+    if not isinstance(first, ReadUnit) or not isinstance(second, ReadUnit) or \
+            second.epoch != first.epoch or second.start != first.start + len(first):
         return None
-    return type(first)(epoch, start, np.concatenate([first.indices, second.indices]))
+    return ReadUnit(first.epoch, first.start, np.concatenate([first.indices, second.indices]))
 
 
 def approx_nbytes(value: Any, depth: int = 0) -> int:
@@ -144,8 +142,8 @@ def _items_in(part, stage) -> int:
 
 def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: bool,
                 stats=None) -> Iterator:
-    """The results of ``stage`` over one lane's units, in sequence order (see the module
-    docstring)."""
+    """The results of ``stage`` (a :class:`~zephon.pipeline.plan.Stage`) over one lane's
+    units, in sequence order (see the module docstring)."""
     feed = _Feeder(executor, stage, upstream, lane, stats)
     state, buffer = feed.state, feed.buffer
     # An inline executor runs a part when it is submitted: hand over what is ready first,
@@ -279,12 +277,11 @@ class _LaneDispatch:
         self.workers = max(1, stage.workers)
         # parts in flight: depth queued beyond one per worker (an inline stage runs a part
         # when it is submitted: nothing to keep busy, and reading ahead delays the first)
-        self.limit = self.depth if getattr(stage, "runner", None) == "inline" \
-            else self.depth + self.workers
+        self.limit = self.depth if stage.runner == "inline" else self.depth + self.workers
         self.window = 2 * self.depth * self.workers + 8
         self.split = stage.split
         self.merges = stage.split and stage.index == 0  # read units: merging reads nothing
-        self.budget: int | None = getattr(stage, "budget_bytes", None)
+        self.budget: int | None = stage.budget_bytes
         self.per_item: float | None = None  # output bytes per input sample, from results
         self.per_sample_s: float | None = None  # seconds per input sample, from results
         self.sent_at: dict[int, float] = {}  # seq -> when a part in flight was sent

@@ -1,19 +1,5 @@
-"""The plan and the engine that runs it.
+"""The engine: runs a plan (:mod:`zephon.pipeline.plan`) for this rank's lanes.
 
-Plan
-----
-The op list is cut into *parallel stages* (maximal runs of stateless ops;
-stage 0 also reads the source) and *serial steps* (one per stateful op). Each
-parallel stage gets a runner (``per_stage_runner`` > ``runner`` > auto:
-``process`` when its ops ask for parallelism > 1, else ``inline``), a worker
-cap (``worker_allocation``), and a lookahead depth in units per lane
-(``per_stage_prefetch`` > ``default_stage_prefetch``). The flush cadence K
-comes from :func:`~zephon.options.resolve_flush_every_k_chunks` and is part of
-the pipeline's identity (it decides where a replay can start; batches stay full
-across it).
-
-Engine
-------
 Each owned lane is one generator chain: ``lane_units`` -> for each step either
 :func:`ordered_map` (units submitted ``depth`` ahead to the stage's executor,
 results put back in sequence order by the ReorderBuffer kernel; Boundary
@@ -56,67 +42,30 @@ from typing import Any, Iterator
 
 from zephon.errors import CheckpointError
 from zephon.kernels import LaneRoundRobin
-from zephon.options import (
-    resolve_canonical_replicas,
-    resolve_dp_degree,
-    resolve_dp_group_id,
-    resolve_flush_every_k_chunks,
-    resolve_mapping_strategy,
-    resolve_max_workers,
-    resolve_mtp_buffer,
-    resolve_op_queue_capacity,
-    resolve_prefetch_batches,
-    resolve_stage_prefetch,
-    resolve_stage_workers,
-)
-from zephon.pipeline.carry import (
-    Rebuilder,
-    carry_bounds,
-    carry_layout,
-    decode_carry,
-    encode_carry,
-    held_units,
-)
+from zephon.pipeline.carry import Rebuilder, carry_bounds, decode_carry, encode_carry, held_units
 from zephon.pipeline.dispatch import ordered_map
-from zephon.pipeline.lanes import (
-    batched_units,
-    grouped_units,
-    lane_length,
-    lane_units,
-    owned_lanes,
-)
-from zephon.pipeline.ops import (
-    Batch,
-    BatchList,
-    BatchOp,
-    Boundary,
-    MapOp,
-    PackTokensOp,
-    _made_lineage,
-    _pos_lineage,
-)
-from zephon.pipeline.packing import PackDocumentsOp  # pack_documents
+from zephon.pipeline.lanes import batched_units, grouped_units, lane_units
+from zephon.pipeline.ops import CarryingAccumulator, SerialOp
+from zephon.pipeline.ops.base import made_lineage, pos_lineage
+from zephon.pipeline.plan import INFLIGHT_PER_WORKER, Plan, StageStep, carrier
 from zephon.pipeline.program import StageProgram, batches_per_message
+from zephon.pipeline.records import Batch, BatchList, Boundary
 from zephon.pipeline.stats import RunStats
 from zephon.runners import InlineExecutor, ProcessExecutor, ThreadExecutor
-from zephon.transport.budget import pipeline_budget
-
-#: tasks a process stage's pool keeps in flight per worker
-INFLIGHT_PER_WORKER = 4
-
-
-def _held_records(rebuild, step: int, held: list, op):
-    """A callable rebuilding what the accumulator ``op`` at ``step`` held (records, a
-    packer's ``(record, a, b)`` pieces, or pack_documents' bins of pieces), called when
-    the replay reaches it."""
-    if isinstance(op, PackDocumentsOp):  # pack_documents
-        return lambda: [[rebuild.piece(step, m) for m in pieces] for pieces in held]
-    if isinstance(op, PackTokensOp):
-        return lambda: [rebuild.piece(step, m) for m in held]
-    return lambda: [rebuild.record(step, m) for m in held]
 
 __all__ = ["Engine", "Plan", "accumulate", "cursor_state", "ordered_map",
            "replay_state"]
+
+
+def _held_records(rebuild, step: int, held: list, holds: str):
+    """A callable rebuilding what the accumulator at ``step`` held (``holds``: records, a
+    packer's ``(record, a, b)`` pieces, or a bin packer's open bins of pieces), called
+    when the replay reaches it."""
+    if holds == "bins":
+        return lambda: [[rebuild.piece(step, m) for m in pieces] for pieces in held]
+    if holds == "pieces":
+        return lambda: [rebuild.piece(step, m) for m in held]
+    return lambda: [rebuild.record(step, m) for m in held]
 
 
 def cursor_state(epoch: int, pos: int, total: int) -> tuple[int, int, int]:
@@ -132,219 +81,7 @@ def replay_state(epoch: int, k: int, since: int, total: int, carry: tuple = ()) 
     return (epoch, k, since, total, *carry)
 
 
-class Stage:
-    """One parallel stage of a plan: its ops, runner, worker count (and why), depths."""
-
-    def __init__(self, index: int, ops: list, runner: str, workers: int, depth: int,
-                 split: bool, item_cap: int | None, workers_why: str = "") -> None:
-        self.index, self.ops, self.runner = index, ops, runner
-        self.workers, self.depth, self.split = workers, depth, split
-        self.item_cap = item_cap
-        self.workers_why = workers_why
-        self.collates = False  # a fused batch: each unit is one micro-batch, collated here
-        #: process stages: the shared-memory arena bound of each worker, and the output
-        #: bytes one lane may have in flight or waiting to be reordered (a share of it)
-        self.arena_bytes: int | None = None
-        self.budget_bytes: int | None = None
-
-
-class Plan:
-    def __init__(self, pipeline, opts) -> None:
-        # Options that refine the source (a mixture's default read policy) apply here.
-        pipeline.source = pipeline.source.configured(opts)
-        self.pipeline, self.opts = pipeline, opts
-        groups: list[list] = [[]]
-        steps: list = []  # ("stage", index) | ("serial", op)
-        for op in pipeline.ops:
-            if op.stateless:
-                if steps and steps[-1][0] == "serial":
-                    groups.append([])
-                groups[-1].append(op)
-                if not steps or steps[-1][0] != "stage":
-                    steps.append(("stage", len(groups) - 1))
-            else:
-                if not steps:
-                    steps.append(("stage", 0))
-                steps.append(("serial", op))
-        if not steps:
-            steps.append(("stage", 0))
-        self.steps = steps
-        parallelism = [max(1, sum(op.parallelism for op in g)) for g in groups]
-        caps = resolve_stage_workers(opts, parallelism)
-        self.stages = []
-        for i, ops in enumerate(groups):
-            runner = opts.per_stage_runner.get(i) or opts.runner or (
-                "process" if parallelism[i] > 1 else "inline")
-            sensitive = any(op.batch_shape_sensitive for op in ops)
-            split = (not opts.deterministic or opts.allow_latency_flush_in_deterministic) \
-                and not sensitive and runner != "inline"
-            workers = 1 if runner == "inline" else caps[i]
-            # An inline stage runs each unit synchronously when it is submitted: reading
-            # ahead would only delay the first item (and a resumed run's first item).
-            depth = 1 if runner == "inline" else resolve_stage_prefetch(opts, i, runner)
-            # A process stage's samples in flight are bounded by their bytes (the lane's
-            # share of the arena) unless op_queue_capacity is set: a count of samples
-            # would keep small samples to one part (one busy worker) at a time.
-            item_cap = None if runner == "process" and opts.op_queue_capacity is None \
-                else resolve_op_queue_capacity(opts)
-            self.stages.append(Stage(i, ops, runner, workers, depth, split, item_cap,
-                                     _workers_why(opts, runner, parallelism[i], workers)))
-        self.fused_batch = self._fuse_batch(opts)
-        #: an op may give more items than it reads samples (a packer): no static bound on
-        #: the items of a segment
-        self.expands = any(isinstance(op, (PackTokensOp, PackDocumentsOp))
-                           for op in pipeline.ops)
-        preserves = all(op.preserves_cursor_order for op in pipeline.ops)
-        #: cursor resume (restore reads on after the last delivered sample) when every op
-        #: preserves cursor order; replay from flush boundaries otherwise
-        self.cursor_resume = preserves
-        self.flush_every = resolve_flush_every_k_chunks(opts, preserves)
-        #: replay states record what the accumulators hold at their boundary (cursor
-        #: states need nothing: a batch is empty right after it emits)
-        self.carry_layout = [] if preserves else carry_layout(self)
-        self.lanes = resolve_canonical_replicas(opts)
-        self.dp = resolve_dp_degree(opts)
-        self.group = resolve_dp_group_id(opts)
-        self.mapping = resolve_mapping_strategy(opts)
-        self.owned = owned_lanes(self.lanes, self.dp, self.group, self.mapping)
-        self.prefetch = resolve_prefetch_batches(opts)
-        #: the split of each process worker's arena bound (zephon.transport.budget)
-        self.memory = pipeline_budget(opts, len(self.owned), INFLIGHT_PER_WORKER)
-        for stage in self.stages:
-            if stage.runner == "process":
-                stage.arena_bytes = self.memory.arena_bytes
-                stage.budget_bytes = self.memory.lane_bytes
-        #: bytes of items the consumer-side prefetch queue may hold (it holds at least one):
-        #: its part of the arena bound, so that what waits there, what the lanes hold and
-        #: what the consumer holds never fill a worker's arena
-        self.prefetch_bytes = self.memory.prefetch_bytes if "process" in self.runners else None
-
-    def _fuse_batch(self, opts):
-        """``read -> map* -> batch(b)``: the batch is formed where its samples are read.
-
-        When the first stage only reads and maps (1:1: no filter, so which samples make a
-        batch is known before they are read) and a ``batch`` follows it, the lane is cut
-        into units of exactly one micro-batch and the stage collates each unit itself: the
-        batch crosses from a worker as one message, and the consumer's process does not
-        copy it again. The stream is the same (see :func:`~zephon.pipeline.lanes.batched_units`)."""
-        if len(self.steps) < 2 or self.steps[0] != ("stage", 0) or not opts.deterministic:
-            return None
-        kind, op = self.steps[1]
-        stage = self.stages[0]
-        if kind != "serial" or not isinstance(op, BatchOp) or \
-                not all(type(o) is MapOp for o in stage.ops):
-            return None
-        del self.steps[1]
-        stage.collates, stage.split = True, False
-        return op
-
-    @property
-    def runners(self) -> set[str]:
-        return {s.runner for s in self.stages}
-
-    def pass_end(self, start_epoch: int) -> int | None:
-        """The end (exclusive) of the pass that epoch ``start_epoch`` belongs to: a pass
-        is ``num_epochs`` epochs, pass ``q`` covers ``[q * k, (q + 1) * k)``; None for
-        ``num_epochs=None`` (for ever)."""
-        k = self.pipeline.num_epochs
-        return None if k is None else (start_epoch // k + 1) * k
-
-    def lane_length(self, lane: int) -> int:
-        """Samples one epoch deals to ``lane``."""
-        p = self.pipeline
-        return lane_length(len(p.source), p.chunk_size, self.lanes, lane)
-
-    def explain(self) -> str:
-        """The resolved plan as text: lanes, order, resume, stages and their workers."""
-        p, o = self.pipeline, self.opts
-        shuffled = "a seeded permutation per epoch" if p.permute else "source order"
-        lines = [
-            f"pipeline {p.fingerprint()[:12]}: source {p.source.describe()}",
-            f"  work: seed={p.seed}, shuffle={p.permute} ({shuffled}), "
-            f"chunk_size={p.chunk_size}, num_epochs={p.num_epochs}",
-            f"  lanes: {self.lanes} canonical lane(s) (canonical_replicas: chunk j goes to "
-            f"lane j mod {self.lanes}), dp_degree={self.dp}; this rank (global_rank "
-            f"{o.global_rank} of {o.world_size}) is dp group {self.group} and owns lane(s) "
-            f"{self.owned} ({self.mapping})",
-            "  order: " + ("deterministic (sequence order in every stage)" if o.deterministic
-                           else "NON-DETERMINISTIC: completion order, checkpoints best effort")
-            + "; tail: strict lane round robin",
-        ]
-        note = p.source.permute_note() if p.permute else None
-        if note:
-            lines.insert(2, f"  note: {note}")
-        if self.cursor_resume:
-            resume = ("resume: from the source cursor (every op preserves cursor order: a "
-                      "restore reads on after the last delivered sample)")
-        else:
-            resume = ("resume: replay from the last flush boundary (an op carries history "
-                      "across samples; what batch and pack_tokens held there is rebuilt "
-                      "from its lineage)")
-        if self.flush_every:
-            flush = (f"flush: every {self.flush_every} chunks of a lane and at each "
-                     "epoch start (resume points: batches stay full across them)")
-        else:
-            flush = ("flush: at each epoch start (resume points: batches stay full across "
-                     "them)")
-        lines += [f"  {resume}", f"  {flush}",
-                  f"  tail prefetch: {self.prefetch} item(s)"
-                  + (f"; MTP subprocess, buffer {resolve_mtp_buffer(o)}" if o.mtp_mode else "")]
-        lines.append(f"  compute threads: {o.worker_compute_threads} per process worker (torch, "
-                     "BLAS/OpenMP; threads stages share the consumer's)" if
-                     o.worker_compute_threads else "  compute threads: process workers keep "
-                     "the libraries' defaults (worker_compute_threads=0)")
-        if "process" in self.runners:
-            lines.append("  " + self.memory.describe())
-        serial_no = 0
-        for kind, what in self.steps:
-            if kind == "stage":
-                s = self.stages[what]
-                ops = ", ".join(f"{op.name}[parallelism={op.parallelism}]" for op in s.ops)
-                if s.collates:
-                    ops += (", " if ops else "") + \
-                        f"{self.fused_batch.describe()} (collated in the stage)"
-                reads = "read" + (", " if ops else "") if s.index == 0 else ""
-                lines.append(
-                    f"  stage {s.index}: {reads}{ops}: runner={s.runner}, "
-                    f"workers={s.workers} ({s.workers_why}), depth={s.depth} units/lane "
-                    f"(+1 per worker in flight), "
-                    + (f"op_queue={s.item_cap} items/lane, " if s.item_cap is not None
-                       else "op_queue=bounded by bytes, ")
-                    + (f"in flight <= {s.budget_bytes >> 20} MiB/lane (arena "
-                       f"{s.arena_bytes >> 20} MiB/worker), " if s.budget_bytes and
-                       s.arena_bytes else "")
-                    + f"latency_flush={'on' if s.split else 'off'}")
-            else:
-                serial_no += 1
-                lines.append(f"  serial {serial_no}: {what.describe()} "
-                             f"(preserves_cursor_order={what.preserves_cursor_order})")
-        return "\n".join(lines)
-
-
-def _workers_why(opts, runner: str, parallelism: int, workers: int) -> str:
-    """How a stage's worker count was derived, for ``explain()``."""
-    if runner == "inline":
-        return "inline: the consumer's thread"
-    mode, cap = opts.worker_allocation, opts.max_workers
-    if mode == "fit_to_ops":
-        why = f"fit_to_ops: sum of op parallelism {parallelism}"
-        if cap is not None and parallelism > cap:
-            why += f", capped by max_workers={cap}"
-        elif cap is not None and parallelism < cap:
-            why += (f"; max_workers={cap} is only a cap here: raise the ops' parallelism or "
-                    "use worker_allocation='per_stage_fixed'")
-        return why
-    total = resolve_max_workers(opts)
-    shown = f"max_workers={total}" + (" (auto: cpu_count clamped to [4, 16])"
-                                      if cap is None else "")
-    if mode == "per_stage_fixed":
-        return f"per_stage_fixed: {shown}"
-    return (f"global: this stage's share of {shown}, by op parallelism {parallelism}; "
-            "every stage gets at least 1, so with more stages than workers the total is "
-            "larger")
-
-
-def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
+def accumulate(op: SerialOp, upstream: Iterator, seed: int, lane: int, stats=None,
                node: str = "", *, capture: bool = False, tracks: bool = False,
                made_input: bool = False, held=None) -> Iterator:
     """The serial accumulator of ``op`` over one lane, started (seeded from the lane and the
@@ -365,8 +102,8 @@ def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
         t = timer() if timer else 0.0
         if isinstance(unit, Boundary):
             if state is None:
-                state = _open(op, seed, lane, unit, tracks, made_input, held, (stats, node))
-                out = []
+                state, out = _open(op, seed, lane, unit, tracks, made_input, held), []
+                state.count_into(stats, node)
             else:
                 out = state.boundary(unit)
             if timer:
@@ -388,16 +125,17 @@ def accumulate(op, upstream: Iterator, seed: int, lane: int, stats=None,
             yield out
 
 
-def _open(op, seed: int, lane: int, marker: Boundary, tracks: bool, made_input: bool, held,
-          counts: tuple = (None, "")):
+def _open(op: SerialOp, seed: int, lane: int, marker: Boundary, tracks: bool,
+          made_input: bool, held):
     """The accumulator of ``op`` started at the lane's first boundary ``marker`` (with what
-    a restore puts back into it, see :func:`accumulate`; ``counts``: the node statistics
-    and node name a packer counts its rows and padding in)."""
+    a restore puts back into it, see :func:`accumulate`)."""
     state = op.start(seed, lane, marker)
-    if counts[0] is not None and hasattr(state, "count_into"):  # pack_documents
-        state.count_into(*counts)
-    if state.carries:
-        state.lineage = _made_lineage if made_input else _pos_lineage
+    if isinstance(state, CarryingAccumulator) != (op.holds is not None):
+        raise TypeError(f"op {op.name}: holds={op.holds!r}, but its start() gave a "
+                        f"{type(state).__name__} (an op that holds records or pieces across "
+                        "a boundary must start a CarryingAccumulator, and only such an op)")
+    if isinstance(state, CarryingAccumulator):
+        state.lineage = made_lineage if made_input else pos_lineage
         state.tracks = tracks
         if held is not None:
             state.load(held())
@@ -416,7 +154,8 @@ class Engine:
         mode = str(o.execution_tracking)
         self.stats = None if mode == "off" else RunStats(mode, o.metrics_sink_config)
         self.program = program = StageProgram(
-            p.source, [s.ops for s in plan.stages], p.seed, [s.collates for s in plan.stages],
+            p.source, [list(s.ops) for s in plan.stages], p.seed,
+            [s.collates for s in plan.stages],
             collate_fn=plan.fused_batch and plan.fused_batch.collate_fn,
             worker_compute_threads=o.worker_compute_threads)
         self.executors = {}
@@ -471,7 +210,7 @@ class Engine:
                 yield record, (lane, (epoch, pos + 1, total))
 
     @staticmethod
-    def _replay_stream(it: Iterator, lane: int, state: tuple, layout: list) -> Iterator:
+    def _replay_stream(it: Iterator, lane: int, state: tuple, layout: tuple) -> Iterator:
         epoch, k, skip, total = state[:4]
         total -= skip
         boundary, since, opened = (epoch, k, *state[4:]), 0, False
@@ -516,21 +255,20 @@ class Engine:
                                units, capture)
             it = grouped_units(it, batches_per_message(
                 plan.pipeline.source, plan.fused_batch.size, plan.stages[0]))
-        carriers = [i for i, (kind, what) in enumerate(plan.steps)
-                    if kind == "serial" and
-                    isinstance(what, (BatchOp, PackTokensOp, PackDocumentsOp))]
-        for step_no, (kind, what) in enumerate(plan.steps):
-            if kind == "stage":
-                it = ordered_map(self.executors[what], plan.stages[what], it, lane,
+        carriers = [i for i, step in enumerate(plan.steps) if carrier(step) is not None]
+        for step_no, step in enumerate(plan.steps):
+            if isinstance(step, StageStep):
+                it = ordered_map(self.executors[step.stage], plan.stages[step.stage], it, lane,
                                  plan.opts.deterministic, stats)
                 continue
+            op = step.op
             node_stats = stats if stats is not None and stats.nodes_enabled else None
             carries = step_no in carriers
             restore = None
             if carries and slots:
-                restore = _held_records(rebuild, step_no, slots.pop(0), what)
-            it = accumulate(what, it, plan.pipeline.seed, lane, node_stats,
-                            f"serial{step_no}_{what.kind}", capture=capture and carries,
+                restore = _held_records(rebuild, step_no, slots.pop(0), op.holds or "")
+            it = accumulate(op, it, plan.pipeline.seed, lane, node_stats,
+                            f"serial{step_no}_{op.kind}", capture=capture and carries,
                             tracks=capture and any(c > step_no for c in carriers),
                             made_input=any(c < step_no for c in carriers), held=restore)
         return it

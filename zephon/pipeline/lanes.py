@@ -45,7 +45,7 @@ from typing import Iterator
 import numpy as np
 
 from zephon.kernels import order_key, permute_range
-from zephon.pipeline.ops import Boundary
+from zephon.pipeline.records import Boundary
 
 __all__ = [
     "BatchGroup",

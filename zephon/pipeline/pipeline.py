@@ -282,7 +282,7 @@ class Pipeline:
         """
         return self._with(O.PackTokensOp(seq_len, field, drop_remainder))
 
-    # pack_documents: document-aware packing (zephon.pipeline.packing)
+    # pack_documents: document-aware packing (zephon.pipeline.ops.pack_documents)
     def pack_documents(self, seq_len: int, field: str = "tokens", *, algorithm: str = "greedy",
                        open_bins: int = 32, pad_id: int = 0, aligned=(),
                        drop_remainder: bool = False) -> "Pipeline":
@@ -292,7 +292,7 @@ class Pipeline:
         (every array of a fixed length, so rows batch): the tokens padded with ``pad_id``,
         ``positions`` restarting at 0 in every document, ``cu_seqlens`` the documents'
         offsets in the row then -1 up to ``seq_len + 1`` entries
-        (:mod:`zephon.pipeline.packing`). ``algorithm="greedy"`` (or ``"wrap"``) fills
+        (:mod:`zephon.pipeline.ops.pack_documents`). ``algorithm="greedy"`` (or ``"wrap"``) fills
         every row, splitting documents across rows; ``"first_fit"`` and ``"best_fit"``
         keep every document of at most ``seq_len`` tokens whole, placing it among
         ``open_bins`` open rows (longer ones are cut into whole rows and a rest). What is
@@ -321,7 +321,7 @@ class Pipeline:
             >>> rows[0]["positions"].tolist(), rows[0]["cu_seqlens"][:4].tolist()
             ([0, 1, 2, 0, 1, 0], [0, 3, 5, -1])
         """
-        from zephon.pipeline.packing import PackDocumentsOp
+        from zephon.pipeline.ops.pack_documents import PackDocumentsOp
 
         return self._with(PackDocumentsOp(seq_len, field, algorithm, open_bins, pad_id, aligned,
                                           drop_remainder))

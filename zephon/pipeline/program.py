@@ -8,7 +8,7 @@ carries its sample identity and its lane position). A stage that collates
 (a ``batch`` fused into the stage that reads and maps its samples) returns one
 batch record per unit (collated by the batch's ``collate_fn``, if it has one):
 the unit is exactly one micro-batch. A failure in a user op is an
-:class:`~zephon.pipeline.ops.OpError` naming the op and the sample; a failure
+:class:`~zephon.errors.OpError` naming the op and the sample; a failure
 reading the source names the sample likewise.
 
 Each sample goes through all of the stage's ops before the next is read
@@ -32,9 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from zephon.errors import OpError
 from zephon.pipeline.columnar import BatchRun, sample_ids
 from zephon.pipeline.lanes import BatchGroup, ReadParts
-from zephon.pipeline.ops import Batch, FilterOp, OpError, Record, make_batch
+from zephon.pipeline.ops import FilterOp, make_batch
+from zephon.pipeline.records import Batch, Record
 from zephon.pipeline.sources.base import Source
 from zephon.transport.codec import find_unpicklable
 from zephon.transport.heap import settle
@@ -116,7 +118,7 @@ class StageProgram:
 
     def unencodable(self, result, error: BaseException) -> OpError | None:
         """The error for a unit's ``result`` that a process worker cannot send (its
-        encoder raised ``error``): an :class:`~zephon.pipeline.ops.OpError` naming the op
+        encoder raised ``error``): an :class:`~zephon.errors.OpError` naming the op
         that made the first record that cannot be pickled (the stage's last map, or the
         read), the record's sample, and the offending object's type and path inside the
         value; the records before it ride on it, so they are delivered first. None when
@@ -195,7 +197,7 @@ class StageProgram:
         emptied as it is read, and an input record the first op has replaced lets go of
         its value, so an array passed on from it counts as the op's alone (the dispatch
         may still hold the list a part was cut from)."""
-        if any(getattr(op, "batched", False) for op in ops):
+        if any(op.batched for op in ops):
             return self._run_batched(records, ops)
         seed, take, given = self.seed, _taker(records), type(records) is list
         out: list[Record] = []
@@ -233,14 +235,14 @@ class StageProgram:
         that goes out, with the records the last segment made (those before it)."""
         groups: list[list] = [[]]
         for op in ops:
-            if getattr(op, "batched", False):
+            if op.batched:
                 groups += [[op], []]
             else:
                 groups[-1].append(op)
         error: Exception | None = None
         for group in groups:
             try:
-                if group and getattr(group[0], "batched", False):
+                if group and group[0].batched:
                     check_stop()
                     records = group[0].apply_many(records, self.seed)
                     for r in records:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from zephon.errors import ZephonConfigError
-from zephon.pipeline.ops import Batch
+from zephon.pipeline.records import Batch
 
 __all__ = ["IGNORE_INDEX", "OPTIONS", "check_options", "to_training"]
 

@@ -124,7 +124,7 @@ def to_torch(batch, *, keep_dtypes: bool = False):
 
     Args:
         batch: a :class:`~zephon.Batch` or dict of columns, a
-            :class:`~zephon.pipeline.ops.BatchList`, list, tuple or namedtuple, or a
+            :class:`~zephon.pipeline.records.BatchList`, list, tuple or namedtuple, or a
             single array.
         keep_dtypes: keep every dtype as stored (``uint16`` stays ``uint16``).
 

@@ -5,7 +5,7 @@ the array (and through its ``base`` the arena lease) alive, so a region of the
 shared-memory arena returns to its worker only when the last tensor over it is
 gone. A batch is converted through its structure: the values of a
 :class:`~zephon.Batch` or dict, the items of a
-:class:`~zephon.pipeline.ops.BatchList`, list or tuple, the fields of a
+:class:`~zephon.pipeline.records.BatchList`, list or tuple, the fields of a
 namedtuple, recursively (``.meta`` is kept). Values that are not numeric arrays
 (strings, object arrays, a dtype torch lacks) are left as they are; an array
 torch cannot view (negative strides, a non-native byte order) becomes a tensor
@@ -26,7 +26,7 @@ import warnings
 
 import numpy as np
 
-from zephon.pipeline.ops import Batch, BatchList
+from zephon.pipeline.records import Batch, BatchList
 from zephon.torch import _require_torch
 
 __all__ = ["TRAINING_DTYPES", "map_leaves", "tensor_of", "to_torch"]

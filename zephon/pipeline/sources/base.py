@@ -337,6 +337,6 @@ class CallableSource(Source):
         return self.fn(i)
 
     def describe(self) -> str:
-        from zephon.pipeline.ops import fn_identity
+        from zephon.pipeline.fingerprint import fn_identity
 
         return f"CallableSource({self.name}, n={self.n}, fn={fn_identity(self.fn)})"

@@ -417,7 +417,7 @@ def _gather(name: str, forms: list, parts: list, n: int):
     """Column ``name`` of a batch of ``n`` rows from its stored forms in the parts' row
     groups: one array when every part stores it as numbers of one dtype (and, for lists,
     one length), else the values row by row through ``batch()``'s rule."""
-    from zephon.pipeline.ops import collate_column
+    from zephon.pipeline.collate import collate_column
 
     kinds = {kind for kind, _ in forms}
     kind = kinds.pop() if len(kinds) == 1 else "mixed"

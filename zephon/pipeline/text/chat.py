@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 
 from zephon.errors import OpError, ZephonConfigError
-from zephon.pipeline.ops import Op, Record
+from zephon.pipeline.ops import StatelessOp, register
+from zephon.pipeline.records import Record
 from zephon.pipeline.text.tokenize import TokenPolicy, _check_bool, _check_field, sample_error
 from zephon.pipeline.text.tokenizer import EXTRA_HINT, TokenizerRef
 from zephon.transport.remote_errors import put_done
@@ -162,7 +163,8 @@ def _token_string(ref: TokenizerRef, value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
-class TokenizeChatOp(Op):
+@register
+class TokenizeChatOp(StatelessOp):
     """``tokenize_chat``: see the module docstring and ``Pipeline.tokenize_chat``."""
 
     kind = "tokenize_chat"

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from zephon.errors import OpError, ZephonConfigError
-from zephon.pipeline.ops import Op, Record
+from zephon.pipeline.ops import StatelessOp, register
+from zephon.pipeline.records import Record
 from zephon.pipeline.text.tokenizer import TokenizerRef
 from zephon.transport.remote_errors import put_done
 
@@ -136,7 +137,8 @@ class TokenPolicy:
         return out
 
 
-class TokenizeOp(Op):
+@register
+class TokenizeOp(StatelessOp):
     """``tokenize``: see the module docstring and ``Pipeline.tokenize``."""
 
     kind = "tokenize"

@@ -1,4 +1,4 @@
-"""Document-aware packing: the ``pack_documents`` op and its per-lane accumulator.
+"""``pack_documents(seq_len, ...)``: document-aware packing (serial, holds bins).
 
 What it owns: turning a lane's stream of documents (records with a token array under
 ``field``) into rows of exactly ``seq_len`` slots that keep the documents' structure.
@@ -47,14 +47,15 @@ Statistics: with ``execution_tracking="nodes"``, the op's node in ``stats()`` co
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from zephon.errors import OpError, ZephonConfigError
 from zephon.kernels import fit_place, segment_layout
 from zephon.kernels.pack_docs_ref import CU_SENTINEL
-from zephon.pipeline.ops import Boundary, Op, Record, _check_int, _pos_lineage
+from zephon.pipeline.ops.base import CarryingAccumulator, HoldsBins, check_int
+from zephon.pipeline.records import Boundary, Record
 
 __all__ = ["ALGORITHMS", "CU_SENTINEL", "MAX_OPEN_BINS", "PackDocumentsOp"]
 
@@ -80,26 +81,28 @@ def _check_aligned(field: str, aligned) -> tuple:
     return aligned
 
 
-class PackDocumentsOp(Op):
+class PackDocumentsOp(HoldsBins):
+    """``pack_documents(seq_len, ...)``: rows of ``seq_len`` slots keeping documents whole."""
+
     kind = "pack_documents"
-    stateless = False
     preserves_cursor_order = False
+    expands = True
 
     def __init__(self, seq_len: int, field: str = "tokens", algorithm: str = "greedy",
                  open_bins: int = 32, pad_id: int = 0, aligned=(),
                  drop_remainder: bool = False) -> None:
-        self.seq_len = _check_int("pack_documents", "seq_len", seq_len, 2)
+        self.seq_len = check_int("pack_documents", "seq_len", seq_len, 2)
         if not isinstance(field, str) or not field:
             raise ZephonConfigError(f"pack_documents: field must be a non-empty string, got "
                                     f"{field!r}")
         if algorithm not in ALGORITHMS:
             raise ZephonConfigError(f"pack_documents: algorithm must be one of {ALGORITHMS}, "
                                     f"got {algorithm!r}")
-        self.open_bins = _check_int("pack_documents", "open_bins", open_bins, 1)
+        self.open_bins = check_int("pack_documents", "open_bins", open_bins, 1)
         if self.open_bins > MAX_OPEN_BINS:
             raise ZephonConfigError(f"pack_documents: open_bins must be <= {MAX_OPEN_BINS}, "
                                     f"got {open_bins!r}")
-        self.pad_id = _check_int("pack_documents", "pad_id", pad_id, 0)
+        self.pad_id = check_int("pack_documents", "pad_id", pad_id, 0)
         if not isinstance(drop_remainder, bool):
             raise ZephonConfigError(f"pack_documents: drop_remainder must be True or False, "
                                     f"got {drop_remainder!r}")
@@ -121,6 +124,15 @@ class PackDocumentsOp(Op):
 
     def start(self, seed: int, lane: int, boundary: Boundary) -> "_DocPackState":
         return _DocPackState(self)
+
+    def made_size(self) -> int:
+        return self.seq_len
+
+    def piece_length(self, record: Record) -> int:
+        return self.tokens(record).size
+
+    def remake(self, pieces: list, lin: Any) -> Record:
+        return self.make_row(pieces, lin)
 
     def column(self, record: Record, name: str) -> np.ndarray:
         """The flat array ``name`` of an input record (an OpError naming the sample if it
@@ -181,16 +193,13 @@ class _Bin:
         self.fill += b - a
 
 
-class _DocPackState:
+class _DocPackState(CarryingAccumulator):
     """The open bins of one lane, in the order they opened (see the module docstring)."""
 
-    carries = True
-
     def __init__(self, op: PackDocumentsOp) -> None:
+        super().__init__()
         self.op, self.seq_len = op, op.seq_len
         self.bins: list[_Bin] = []
-        self.lineage: Callable[[Record], Any] = _pos_lineage
-        self.tracks = False
         self.stats: Any = None
         self.node = ""
 

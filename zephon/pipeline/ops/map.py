@@ -1,0 +1,84 @@
+"""The per-sample ops: ``map``, ``filter`` and ``map_batch`` (stateless, in a stage).
+
+Each wraps a user callable. ``map`` and ``filter`` pass ``ctx``
+(:class:`~zephon.pipeline.ops.base.OpContext`, whose ``rng`` is seeded by the
+sample identity) as a second argument to a function that takes two; a failure
+is an :class:`~zephon.errors.OpError` naming the op and the sample. The
+function's identity (:func:`~zephon.pipeline.fingerprint.fn_identity`) is the
+op's part of the fingerprint.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from zephon.errors import ZephonConfigError
+from zephon.pipeline.fingerprint import fn_identity, fn_name
+from zephon.pipeline.ops.base import OpContext, StatelessOp, check_int, op_error, wants_ctx
+from zephon.pipeline.records import Batch, BatchList, Record
+
+__all__ = ["FilterOp", "MapBatchOp", "MapOp"]
+
+
+class MapOp(StatelessOp):
+    """``map(fn, parallelism)``: each sample's value becomes ``fn(value[, ctx])``."""
+
+    kind = "map"
+    one_to_one = True
+
+    def __init__(self, fn: Callable, parallelism: int = 1) -> None:
+        if not callable(fn):
+            raise ZephonConfigError(f"map: fn must be callable, got {fn!r}")
+        self.fn, self.parallelism = fn, check_int("map", "parallelism", parallelism, 1)
+        self.with_ctx = wants_ctx(fn)
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}({fn_name(self.fn)})"
+
+    def describe(self) -> str:
+        return f"{self.kind}({fn_identity(self.fn)})"
+
+    def apply_one(self, r: Record, seed: int) -> Record | None:
+        try:
+            value = self.fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx \
+                else self.fn(r.value)
+        except Exception as exc:
+            raise op_error(self, r, exc) from exc
+        return Record(value, r.ids, r.pos, r.lin)
+
+
+class FilterOp(MapOp):
+    """``filter(pred, parallelism)``: a sample goes on when ``pred(value[, ctx])`` is true."""
+
+    kind = "filter"
+    one_to_one = False
+
+    def apply_one(self, r: Record, seed: int) -> Record | None:
+        try:
+            keep = self.fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx \
+                else self.fn(r.value)
+        except Exception as exc:
+            raise op_error(self, r, exc) from exc
+        return r if keep else None
+
+
+class MapBatchOp(MapOp):
+    """``map_batch(fn, parallelism)``: ``fn(batch)`` on each unit's value (a batch after a
+    ``batch``); a plain dict or list it returns keeps the batch's ``meta``."""
+
+    kind = "map_batch"
+    one_to_one = False  # it sees whole units: fusing a batch after it would change them
+    batch_shape_sensitive = True
+
+    def apply_one(self, r: Record, seed: int) -> Record | None:
+        try:
+            value = self.fn(r.value)
+        except Exception as exc:
+            raise op_error(self, r, exc) from exc
+        if isinstance(r.value, Batch) and isinstance(value, dict) and \
+                not isinstance(value, Batch):
+            value = Batch(value, meta=r.value.meta)
+        elif isinstance(r.value, BatchList) and type(value) is list:
+            value = BatchList(value, meta=r.value.meta)
+        return Record(value, r.ids, r.pos, r.lin)
