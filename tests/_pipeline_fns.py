@@ -260,3 +260,8 @@ def readme_augment(sample, ctx):
 
 def readme_keep(sample):
     return sample["label"] != 3
+
+
+def some_empty_tokens(i):
+    """Token arrays of 0, 1 or 2 tokens: every third sample has none."""
+    return {"tokens": np.arange(i % 3, dtype=np.int64) + 10 * i}

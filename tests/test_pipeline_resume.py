@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 import _pipeline_fns as F
-from _resume import take_and_checkpoint
+from _resume import assert_resumes, keys_of, take_and_checkpoint
 from zephon import CheckpointError, Pipeline, RuntimeOptions, sources
 from zephon.checkpoint import decode_state, encode_state
 
@@ -265,3 +265,21 @@ def test_fingerprints_tell_partials_and_lambdas_apart_and_are_stable_across_proc
     out = subprocess.run([sys.executable, "-c", code.format(tests=os.path.dirname(__file__))],
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == two.fingerprint(), out.stderr
+
+
+@pytest.mark.parametrize("runner", ["inline", "threads"])
+def test_pack_tokens_with_empty_samples_resumes_at_every_item(runner):
+    # A sample without tokens is no piece of a row: the row held at a flush boundary
+    # never carries an empty piece, which its own restore would refuse as corrupt.
+    def pipe():
+        opts = RuntimeOptions(runner=runner, flush_every_k_chunks=1)
+        return Pipeline(sources.from_callable(12, F.some_empty_tokens), shuffle=False,
+                        chunk_size=1).pack_tokens(5).options(opts)
+
+    def key(row):
+        return tuple(row["tokens"].tolist())
+
+    reference = keys_of(pipe(), key)
+    assert sum(len(r) for r in reference) == sum(i % 3 for i in range(12))
+    for k in range(len(reference)):
+        assert_resumes(pipe, k, key=key, reference=reference)

@@ -8,7 +8,8 @@ boundaries and epoch starts (they are the boundary's carry). The stream's final
 remainder is a last short row, dropped with ``drop_remainder=True``. A row may
 hold tokens of several records and a record's tokens may span several rows:
 the op does not preserve cursor order (replay resume) and may give more items
-than it reads (``expands``).
+than it reads (``expands``). A record with no tokens contributes nothing (and is
+not among a row's ``sample_ids``).
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ class _PackState(CarryingAccumulator):
             except (KeyError, TypeError, IndexError):
                 tokens = self.op.tokens(r)  # raises the OpError naming the sample
             n = tokens.size
+            if n == 0:  # nothing to pack: not a piece (a carried piece has 1+ tokens)
+                continue
             need = seq_len - self.count
             if n < need:  # the common case: the row is not full yet
                 self.arrays.append(tokens)
