@@ -61,6 +61,8 @@ __all__ = ["ON_BAD_ENTRY", "JobRun", "RecordedFailure", "SubjectResult", "run"]
 
 #: What a resumed run does with a store entry it cannot trust or read.
 ON_BAD_ENTRY = ("recompute", "fail")
+#: Subjects looked up in the store at once while resuming (results stream per chunk).
+RESUME_CHUNK = 512
 
 log = logging.getLogger("zephon.jobs")
 
@@ -249,19 +251,36 @@ class JobRun:
                               gpu_slots=self.policy.cap_workers_to_gpu_pool,
                               mp_context=self.mp_context, names=self.ids)
 
-    def _load(self, store: CheckpointStore, i: int):
-        """The stored entry of subject ``i``; a bad entry is reported once and becomes None
-        (recompute) or a :class:`CheckpointError` (``on_bad_entry="fail"``)."""
+    def _judged(self, i: int, entry):
+        """Subject ``i``'s stored entry as the run uses it: a bad entry (a
+        CheckpointError from the store) is reported once and becomes None (recompute) or
+        a :class:`CheckpointError` naming the subject (``on_bad_entry="fail"``)."""
+        if not isinstance(entry, CheckpointError):
+            return entry
+        what = "recomputing it" if self.on_bad_entry == "recompute" else \
+            "failing it (on_bad_entry='fail')"
+        log.warning("checkpoint entry of subject %s not used, %s: %s", self.ids[i], what,
+                    entry)
+        if self.on_bad_entry == "fail":
+            return CheckpointError(f"subject {self.ids[i]}: {entry}")
+        return None
+
+    def _reload(self, store: CheckpointStore | None, i: int, from_cache: bool
+                ) -> SubjectResult:
+        """Subject ``i``'s success, read back from the store where the output left it
+        (see :class:`_Output`)."""
         try:
-            return store.load(self.keys[i])
+            entry = store.load(self.keys[i]) if store is not None else None
+            if entry is None or not entry.ok:
+                raise CheckpointError("its stored success is gone")
         except CheckpointError as exc:
-            what = "recomputing it" if self.on_bad_entry == "recompute" else \
-                "failing it (on_bad_entry='fail')"
-            log.warning("checkpoint entry of subject %s not used, %s: %s", self.ids[i], what,
-                        exc)
-            if self.on_bad_entry == "fail":
-                return CheckpointError(f"subject {self.ids[i]}: {exc}")
-            return None
+            log.warning("subject %s: its result cannot be read back from the store: %s",
+                        self.ids[i], exc)
+            return SubjectResult(self.ids[i], None, CheckpointError(
+                f"subject {self.ids[i]}: its result cannot be read back from the store: "
+                f"{exc}"), from_cache, 0, 0.0)
+        return SubjectResult(self.ids[i], entry.value, None, from_cache, entry.attempts,
+                             entry.duration_s)
 
     def _run(self) -> Iterator[SubjectResult]:
         """The run: replay what the store holds, run the rest in rounds (retrying failures),
@@ -269,16 +288,17 @@ class JobRun:
         refuse_in_spawn_bootstrap(f"zephon.jobs.run({callable_name(self.fn)})")
         log.info("starting %s", self.explain().replace("\n", ";"))
         store = self._open_store()
-        out = _Output(len(self.subjects), self.ordered)
+        out = _Output(len(self.subjects), self.ordered,
+                      lambda i, from_cache: self._reload(store, i, from_cache))
         counts: collections.Counter[str] = collections.Counter()
         progress = Progress(len(self.subjects), self.progress)
         interrupted = False
         try:
-            todo = self._resume(store, out, counts, progress)
-            yield from out.drain()
+            todo: list[int] = []
+            yield from self._resume(store, out, counts, progress, todo)
             yield from self._rounds(todo, store, out, counts, progress)
             if self.policy.clear_checkpoint_on_success and store is not None and \
-                    all(r is not None and r.ok for r in out.results):
+                    out.not_ok == 0:
                 store.clear()
                 log.info("every subject succeeded: removed checkpoint store %s", store.root)
         except KeyboardInterrupt:
@@ -295,27 +315,31 @@ class JobRun:
                                allow_pickle=self.allow_pickle)
 
     def _resume(self, store: CheckpointStore | None, out: _Output,
-                counts: collections.Counter[str], progress: Progress) -> list[int]:
+                counts: collections.Counter[str], progress: Progress,
+                todo: list[int]) -> Iterator[SubjectResult]:
         """Finish every subject the store already settles (a cached success, a replayed
-        failure, an entry that fails under ``on_bad_entry="fail"``); returns the indexes
-        still to run. Their results are released by the caller (``out.drain()``)."""
-        policy = self.policy
-        force = set(policy.force_rerun_subjects)
-        todo = []
-        for i in range(len(self.subjects)):
-            entry = None
-            if store is not None and policy.resume and self.ids[i] not in force:
-                entry = self._load(store, i)
-            result = self._stored_result(i, entry, counts)
-            if result is None:
-                todo.append(i)
-                continue
-            out.results[i] = result
-            progress.update(ok=result.ok, cached=True)
-        for i in range(len(self.subjects)):
-            if out.results[i] is not None:
-                out.finish(i)
-        return todo
+        failure, an entry that fails under ``on_bad_entry="fail"``), looking the store up
+        :data:`RESUME_CHUNK` subjects at a time and yielding what may be released after
+        each lookup; appends the indexes still to run to ``todo``, in order."""
+        n = len(self.subjects)
+        if store is None or not self.policy.resume:
+            todo.extend(range(n))
+            return
+        force = set(self.policy.force_rerun_subjects)
+        for start in range(0, n, RESUME_CHUNK):
+            chunk = [i for i in range(start, min(n, start + RESUME_CHUNK))
+                     if self.ids[i] not in force]
+            entries = dict(zip(chunk, store.load_many([self.keys[i] for i in chunk]),
+                               strict=True))
+            for i in range(start, min(n, start + RESUME_CHUNK)):
+                entry = self._judged(i, entries[i]) if i in entries else None
+                result = self._stored_result(i, entry, counts)
+                if result is None:
+                    todo.append(i)
+                    continue
+                progress.update(ok=result.ok, cached=True)
+                out.finish(i, result, stored=result.ok)
+            yield from out.drain()
 
     def _stored_result(self, i: int, entry, counts: collections.Counter[str]
                        ) -> SubjectResult | None:
@@ -349,6 +373,7 @@ class JobRun:
         self.backend = backend = self._make_backend() if todo else None
         rounds = 1 + self.policy.auto_retry_rounds
         pending = todo
+        failures: dict[int, SubjectResult] = {}  # the latest failure of a subject
         for round_no in range(rounds):
             if not pending or backend is None:
                 break
@@ -357,29 +382,34 @@ class JobRun:
             for outcome in backend.run_round([(i, self.subjects[i]) for i in pending]):
                 i = outcome.index
                 attempts[i] += 1
-                error = self._settle(outcome, attempts[i], store, out, counts)
-                if error is not None:
+                result, stored = self._settle(outcome, attempts[i], store, counts)
+                if result.ok:
+                    failures.pop(i, None)
+                    self._final(i, result, stored, counts, progress, out)
+                else:
                     failed.append(i)
-                if error is None or last:
-                    self._final(i, counts, progress, out, ok=error is None)
+                    failures[i] = result
+                    if last:
+                        self._final(i, failures.pop(i), False, counts, progress, out)
                 yield from out.drain()
             pending = failed
-        for i in range(len(self.subjects)):  # failures of the last round that ran
-            if not out.final[i]:
-                self._final(i, counts, progress, out, ok=False)
+        for i, result in failures.items():  # failures of the last round that ran
+            self._final(i, result, False, counts, progress, out)
         yield from out.drain()
         counts["retried"] = sum(1 for a in attempts.values() if a > 1)
 
-    def _settle(self, outcome, attempt: int, store: CheckpointStore | None, out: _Output,
-                counts: collections.Counter[str]) -> BaseException | None:
-        """Record one outcome (in the store, in ``out.results``); returns its error, or
-        raises it under ``on_subject_failure="fail_fast"``."""
+    def _settle(self, outcome, attempt: int, store: CheckpointStore | None,
+                counts: collections.Counter[str]) -> tuple[SubjectResult, bool]:
+        """Record one outcome in the store; returns its result and whether the store holds
+        it as a success, or raises its error under ``on_subject_failure="fail_fast"``."""
         i = outcome.index
         value, error = outcome.value, outcome.error
+        stored = False
         if outcome.ok and store is not None:
             try:
                 store.save_success(self.keys[i], self.ids[i], value, attempt,
                                    outcome.duration_s)
+                stored = True
             except SerializationError as exc:
                 value, error = None, exc
         if error is not None:
@@ -389,16 +419,15 @@ class JobRun:
                                    outcome.duration_s)
             if self.policy.on_subject_failure == "fail_fast":
                 raise error
-        out.results[i] = SubjectResult(self.ids[i], value, error, False, attempt,
-                                       outcome.duration_s)
-        return error
+        return SubjectResult(self.ids[i], value, error, False, attempt,
+                             outcome.duration_s), stored
 
     @staticmethod
-    def _final(i: int, counts: collections.Counter[str], progress: Progress, out: _Output,
-               *, ok: bool) -> None:
-        counts["done" if ok else "failed"] += 1
-        progress.update(ok=ok, cached=False)
-        out.finish(i)
+    def _final(i: int, result: SubjectResult, stored: bool, counts: collections.Counter[str],
+               progress: Progress, out: _Output) -> None:
+        counts["done" if result.ok else "failed"] += 1
+        progress.update(ok=result.ok, cached=False)
+        out.finish(i, result, stored=stored)
 
     def _close(self, store: CheckpointStore | None, counts: collections.Counter[str],
                progress: Progress, interrupted: bool) -> None:
@@ -422,36 +451,57 @@ class JobRun:
 class _Output:
     """The one output cursor of a run: results become final in any order; ``drain()``
     releases them in completion order (unordered) or in subject order (ordered, each as
-    soon as every earlier subject is final)."""
+    soon as every earlier subject is final).
 
-    def __init__(self, n: int, ordered: bool) -> None:
-        self.results: list[SubjectResult | None] = [None] * n
-        self.final = [False] * n
+    Memory is bounded by what cannot be released yet, and a success the store holds is
+    not even kept: ordered, a final success that must wait for an earlier subject is
+    only marked (one byte per subject), and read back from the store
+    (``reload(i, from_cache)``) when its turn comes. Results kept in memory: those that
+    may be released at the next ``drain()``, and failures or successes without a store
+    that wait for an earlier subject."""
+
+    _HELD, _STORED_CACHED, _STORED_RUN = 1, 2, 3
+
+    def __init__(self, n: int, ordered: bool, reload) -> None:
         self.ordered = ordered
+        self.not_ok = 0  # final results that are failures
+        self._state = bytearray(n)  # 0: not final, else how the final result is kept
+        self._held: dict[int, SubjectResult] = {}
+        self._reload = reload
         self._ready: list[int] = []  # unordered: final, not yet released
         self._cursor = 0  # ordered: every subject before it has been released
+        self._frontier = 0  # ordered: every subject before it is final
 
-    def finish(self, i: int) -> None:
-        """Subject ``i``'s result in :attr:`results` is final."""
-        self.final[i] = True
+    def finish(self, i: int, result: SubjectResult, *, stored: bool) -> None:
+        """Subject ``i``'s result is final; ``stored``: the store holds it (a success)."""
+        self.not_ok += not result.ok
+        state = self._state
         if not self.ordered:
             self._ready.append(i)
+        if self.ordered and stored and i != self._frontier:
+            state[i] = self._STORED_CACHED if result.from_cache else self._STORED_RUN
+        else:
+            state[i] = self._HELD
+            self._held[i] = result
+        while self._frontier < len(state) and state[self._frontier]:
+            self._frontier += 1
 
     def drain(self) -> Iterator[SubjectResult]:
         """The results that may be released now."""
         if not self.ordered:
             ready, self._ready = self._ready, []
             for i in ready:
-                yield self._result(i)
+                yield self._held.pop(i)
             return
-        while self._cursor < len(self.final) and self.final[self._cursor]:
+        while self._cursor < self._frontier:
+            i = self._cursor
             self._cursor += 1
-            yield self._result(self._cursor - 1)
-
-    def _result(self, i: int) -> SubjectResult:
-        result = self.results[i]
-        assert result is not None, f"subject {i} released before its result was set"
-        return result
+            if self._state[i] == self._HELD:
+                yield self._held.pop(i)
+            else:
+                result = self._reload(i, self._state[i] == self._STORED_CACHED)
+                self.not_ok += not result.ok
+                yield result
 
 
 def run(fn, subjects: Iterable[Any], policy: RunPolicy | None = None,
