@@ -17,7 +17,9 @@ A run, in order:
    run does not allow, a symlink, not a regular file, not ours) is reported
    once as a warning and its subject is recomputed; with
    ``on_bad_entry="fail"`` the subject is failed with that
-   :class:`~zephon.errors.CheckpointError` instead. Never a reason to abort;
+   :class:`~zephon.errors.CheckpointError` instead. Never a reason to abort.
+   The store is looked up :data:`RESUME_CHUNK` subjects at a time and the
+   results a chunk settles are yielded before the next lookup;
 4. rounds: every remaining subject runs once, then failed ones again for up to
    ``auto_retry_rounds`` extra rounds (the backend, and so a lowered OOM
    concurrency, lives across rounds). Each attempt's outcome is written to the
@@ -25,12 +27,15 @@ A run, in order:
    ``fail_fast`` the first failure stops every worker at once and raises the
    subject's exception;
 5. results are yielded in input order (``ordered=False``: as they become
-   final); a failure is final after the last round;
+   final); a failure is final after the last round. The driver keeps only the
+   results it cannot release yet, and of those not the successes the store
+   holds (see :class:`_Output`);
 6. with ``clear_checkpoint_on_success`` the store is removed only when every
    subject's final outcome, replayed ones included, is a success.
 
 Ctrl-C (KeyboardInterrupt) stops the workers within ``graceful_shutdown_sec``
-and propagates; the store is consistent (atomic writes) and unlocked; a
+and propagates; the store commits what it holds and is unlocked (a SIGKILL
+loses at most the store's durability window: :mod:`zephon.jobs.store`); a
 subject interrupted this way is not recorded as a failure.
 """
 
