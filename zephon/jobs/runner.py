@@ -181,11 +181,12 @@ class JobRun:
         self.on_bad_entry = on_bad_entry
         self.fn, self.policy, self.fingerprint = fn, policy, fingerprint
         self.subjects = list(subjects)
-        self.ids = [subject_id_of(s, i) for i, s in enumerate(self.subjects)]
-        dupes = [sid for sid, n in collections.Counter(self.ids).items() if n > 1]
-        if dupes:
+        self.ids = [s if type(s) is str and s else subject_id_of(s, i)
+                    for i, s in enumerate(self.subjects)]
+        if len(set(self.ids)) != len(self.ids):
+            dupes = [sid for sid, n in collections.Counter(self.ids).items() if n > 1]
             raise ZephonConfigError(f"duplicate subject ids: {sorted(dupes)[:10]}")
-        self.keys = [cache_key_of(fn, s, sid) for s, sid in zip(self.subjects, self.ids, strict=True)]
+        self.keys = self._cache_keys()
         self.backend_name = resolve_backend(policy)
         self.backend_reason = backend_reason(policy)
         self.workers = policy.workers if self.backend_name in ("process", "ray") else 1
@@ -204,6 +205,15 @@ class JobRun:
         self.mp_context = mp_context or multiprocessing.get_context("spawn")
         self.summary: dict[str, int] = {}
         self.backend = None
+
+    def _cache_keys(self) -> list[str]:
+        """Every subject's cache key (:func:`~zephon.jobs.subjects.cache_key_of`; without a
+        ``cache_key`` method the function's name is computed once, not per subject)."""
+        if callable(getattr(self.fn, "cache_key", None)):
+            return [cache_key_of(self.fn, s, sid)
+                    for s, sid in zip(self.subjects, self.ids, strict=True)]
+        prefix = cache_key_of(self.fn, None, "")
+        return [prefix + sid for sid in self.ids]
 
     def explain(self) -> str:
         """What the run will do, as text.

@@ -11,16 +11,17 @@ number of subjects::
     jobs.db-wal    SQLite's write-ahead log, present while the store is open (and
                    after a crash, until the next open replays it)
 
-A record is the bytes :mod:`zephon.jobs.store_codec` describes (zstd-compressed
-msgpack ``{key, subject, fingerprint, value | error, attempts, duration_s, time}``;
-values msgpack-native, NumPy arrays and scalars, tuples, big integers; a pickle only
+A record is the bytes :mod:`zephon.jobs.store_codec` describes (msgpack ``{key,
+subject, fingerprint, value | error, attempts, duration_s, time}``, zstd-compressed
+from 512 bytes on; values msgpack-native, NumPy arrays and scalars, tuples, big integers; a pickle only
 with ``allow_pickle=True``). A stored ``None`` is a value like any other: a hit.
 
 Durability (group commit): ``save_success``/``save_failure`` queue the entry in
-memory (``load`` sees it at once); a commit writes every queued entry in one SQLite
-transaction: at once when ``commit_every`` entries wait, else by a background thread
-at most ``commit_interval_s`` after the previous commit, and on :meth:`flush` and
-:meth:`close`. The database runs in WAL mode with ``locking_mode=EXCLUSIVE`` (no
+memory (``load`` sees it at once); a background thread writes every queued entry in
+one SQLite transaction when ``commit_every`` entries wait, and else at most
+``commit_interval_s`` after its previous commit (the saving thread commits itself
+when ``2 * commit_every`` wait: the disk is behind); :meth:`flush` and :meth:`close`
+commit at once. The database runs in WAL mode with ``locking_mode=EXCLUSIVE`` (no
 ``-shm`` file: the store is single-process by its lock) and ``synchronous=FULL``:
 the log is fsync'ed at every commit, so a committed entry survives a power loss as
 well as a crash. (``synchronous=NORMAL`` would skip that fsync: still safe against a
@@ -165,6 +166,7 @@ class CheckpointStore:
                  allow_pickle: bool = False, commit_every: int | None = None,
                  commit_interval_s: float | None = None) -> None:
         self.root = os.path.abspath(root)
+        self._db_file = os.path.join(self.root, DB_NAME)
         self.fingerprint = "" if fingerprint is None else str(fingerprint)
         self.allow_pickle = allow_pickle
         self.commit_every = int(commit_every or self.COMMIT_EVERY)
@@ -174,8 +176,11 @@ class CheckpointStore:
         self._dir_fd: int | None = None
         self._db: sqlite3.Connection | None = None
         self._pending: dict[tuple[str, int], bytes | None] = {}  # None: delete
-        self._mutex = threading.Lock()  # the pending entries and the connection
+        self._committing: dict[tuple[str, int], bytes | None] = {}  # being written
+        self._mutex = threading.Lock()  # the queued entries
+        self._db_lock = threading.Lock()  # the connection (taken before _mutex)
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         parent = os.path.dirname(self.root)
@@ -305,45 +310,42 @@ class CheckpointStore:
         os.fsync(dfd)
 
     # -- the database ------------------------------------------------------------------------
-    def _db_path(self) -> str:
-        return os.path.join(self.root, DB_NAME)
-
     def _vet_db_files(self) -> int:
         """Check ``jobs.db`` (creating it 0600 if absent) and its ``-wal``/``-shm``
         companions; returns a descriptor of the vetted ``jobs.db``."""
         assert self._dir_fd is not None
         for suffix in ("-wal", "-shm"):
-            fd = open_vetted(self._dir_fd, DB_NAME + suffix, self._db_path() + suffix,
+            fd = open_vetted(self._dir_fd, DB_NAME + suffix, self._db_file + suffix,
                              "checkpoint database file", private=True)
             if fd is not None:
                 os.close(fd)
-        fd = open_vetted(self._dir_fd, DB_NAME, self._db_path(), "checkpoint database",
+        fd = open_vetted(self._dir_fd, DB_NAME, self._db_file, "checkpoint database",
                          private=True)
         if fd is None:
             try:
                 fd = os.open(DB_NAME, os.O_RDONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW |
                              O_CLOEXEC, 0o600, dir_fd=self._dir_fd)
             except OSError as exc:
-                raise CheckpointError(f"cannot create {self._db_path()}: {exc}") from exc
+                raise CheckpointError(f"cannot create {self._db_file}: {exc}") from exc
         return fd
 
     def _connect(self, vetted: os.stat_result) -> sqlite3.Connection:
         """Open the vetted database, check it is the file that was vetted, set the
         journal up; raises sqlite3.DatabaseError when the file is not a database."""
-        db = sqlite3.connect(self._db_path(), isolation_level=None, check_same_thread=False,
+        db = sqlite3.connect(self._db_file, isolation_level=None, check_same_thread=False,
                              timeout=0)
         try:
             db.execute("PRAGMA locking_mode=EXCLUSIVE")
             mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            now_dir, now_db = os.stat(self.root), os.stat(self._db_path())
+            now_dir, now_db = os.stat(self.root), os.stat(self._db_file)
             then_dir = os.fstat(self._dir_fd) if self._dir_fd is not None else None
             if then_dir is None or (now_dir.st_dev, now_dir.st_ino) != (
                     then_dir.st_dev, then_dir.st_ino) or (now_db.st_dev, now_db.st_ino) != (
                     vetted.st_dev, vetted.st_ino):
-                raise CheckpointError(f"{self._db_path()} was replaced while the store "
+                raise CheckpointError(f"{self._db_file} was replaced while the store "
                                       "opened it; refused")
             if str(mode).lower() != "wal":
-                raise CheckpointError(f"{self._db_path()}: SQLite refused WAL mode ({mode})")
+                raise CheckpointError(f"{self._db_file}: SQLite refused WAL mode ({mode})")
             db.execute("PRAGMA synchronous=FULL")
             for statement in _SCHEMA:
                 db.execute(statement)
@@ -359,7 +361,7 @@ class CheckpointStore:
             db.execute("INSERT INTO meta VALUES ('format', ?)", (STORE_FORMAT,))
         elif row[0] != STORE_FORMAT:
             raise CheckpointError(
-                f"{self._db_path()} is a store of format {row[0]!r:.100}, this version reads "
+                f"{self._db_file} is a store of format {row[0]!r:.100}, this version reads "
                 f"{STORE_FORMAT!r}; use another checkpoint_dir or clear this one")
 
     def _open_db(self) -> sqlite3.Connection:
@@ -370,7 +372,7 @@ class CheckpointStore:
                 return self._connect(vetted)
             except sqlite3.DatabaseError as exc:
                 if attempt:
-                    raise CheckpointError(f"{self._db_path()}: {exc}") from exc
+                    raise CheckpointError(f"{self._db_file}: {exc}") from exc
                 self._set_damaged_aside(exc)
             finally:
                 os.close(fd)
@@ -379,7 +381,7 @@ class CheckpointStore:
     def _set_damaged_aside(self, exc: BaseException) -> None:
         aside = f"{DB_NAME}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.urandom(3).hex()}"
         log.warning("checkpoint database %s is damaged (%s); moved it aside as %s and "
-                    "starting a new store: every subject is recomputed", self._db_path(),
+                    "starting a new store: every subject is recomputed", self._db_file,
                     exc, aside)
         for suffix in ("", "-wal", "-shm"):
             try:
@@ -415,7 +417,11 @@ class CheckpointStore:
 
     # -- commits -----------------------------------------------------------------------------
     def _commit_loop(self) -> None:
-        while not self._stop.wait(self.commit_interval_s):
+        while True:
+            self._wake.wait(self.commit_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.flush()
             except BaseException as exc:  # noqa: BLE001 - reported by the next save/close
@@ -424,8 +430,26 @@ class CheckpointStore:
 
     def _raise_thread_error(self) -> None:
         if self._thread_error is not None:
-            raise CheckpointError(f"committing to {self._db_path()} failed: "
+            raise CheckpointError(f"committing to {self._db_file} failed: "
                                   f"{self._thread_error}") from self._thread_error
+
+    def _write(self, batch: dict[tuple[str, int], bytes | None]) -> None:
+        """One transaction writing ``batch`` (the caller holds ``_db_lock``)."""
+        db = self._db
+        assert db is not None
+        puts = [(k, kind, blob) for (k, kind), blob in batch.items() if blob is not None]
+        dels = [(k, kind) for (k, kind), blob in batch.items() if blob is None]
+        try:
+            db.execute("BEGIN")
+            db.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?)", puts)
+            db.executemany("DELETE FROM entries WHERE key = ? AND kind = ?", dels)
+            db.execute("COMMIT")
+        except BaseException as exc:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise CheckpointError(f"committing to {self._db_file} failed: {exc}") from exc
+            raise
 
     def flush(self) -> None:
         """Commit every queued entry now (one transaction, one fsync).
@@ -438,25 +462,21 @@ class CheckpointStore:
             ...     store.save_success("k", "s", 1, attempts=1, duration_s=0.1)
             ...     store.flush()
         """
-        with self._mutex:
-            if not self._pending or self._db is None:
-                return
-            db, pending = self._db, self._pending
-            puts = [(k, kind, blob) for (k, kind), blob in pending.items() if blob is not None]
-            dels = [(k, kind) for (k, kind), blob in pending.items() if blob is None]
+        with self._db_lock:  # one commit at a time; saves go on meanwhile
+            with self._mutex:
+                if not self._pending or self._db is None:
+                    return
+                batch = self._committing = self._pending
+                self._pending = {}
             try:
-                db.execute("BEGIN")
-                db.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?)", puts)
-                db.executemany("DELETE FROM entries WHERE key = ? AND kind = ?", dels)
-                db.execute("COMMIT")
-            except BaseException as exc:
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
-                if isinstance(exc, sqlite3.Error):
-                    raise CheckpointError(f"committing to {self._db_path()} failed: "
-                                          f"{exc}") from exc
+                self._write(batch)
+            except BaseException:
+                with self._mutex:  # queued again; what was saved since is newer
+                    batch.update(self._pending)
+                    self._pending, self._committing = batch, {}
                 raise
-            pending.clear()
+            with self._mutex:
+                self._committing = {}
 
     def _queue(self, key: str, kind: int, blob: bytes | None) -> None:
         self._raise_thread_error()
@@ -464,16 +484,18 @@ class CheckpointStore:
             raise CheckpointError(f"checkpoint store {self.root} is closed")
         with self._mutex:
             self._pending[(key, kind)] = blob
-            full = len(self._pending) >= self.commit_every
-        if full:
-            self.flush()
+            waiting = len(self._pending)
+        if waiting >= 2 * self.commit_every:
+            self.flush()  # the commit thread is behind: wait for the disk here
+        elif waiting >= self.commit_every:
+            self._wake.set()
 
     # -- entries -----------------------------------------------------------------------------
     def _rows(self, keys: Sequence[str]) -> dict[str, dict[int, Any]]:
         """``{key: {kind: record bytes}}`` of ``keys``: the database overlaid with the
         queued entries."""
         found: dict[str, dict[int, Any]] = {}
-        with self._mutex:
+        with self._db_lock:
             if self._db is None:
                 raise CheckpointError(f"checkpoint store {self.root} is closed")
             for start in range(0, len(keys), _LOOKUP_CHUNK):
@@ -484,19 +506,21 @@ class CheckpointStore:
                         f"SELECT key, kind, record FROM entries WHERE key IN ({marks})",
                         chunk).fetchall()
                 except sqlite3.DatabaseError as exc:
-                    raise CheckpointError(f"{self._db_path()} cannot be read: {exc}") from exc
+                    raise CheckpointError(f"{self._db_file} cannot be read: {exc}") from exc
                 for key, kind, record in rows:
                     found.setdefault(key, {})[kind] = record
-            if self._pending:
-                for key in keys:
-                    for kind in (KIND_OK, KIND_FAILED):
-                        if (key, kind) in self._pending:
-                            found.setdefault(key, {})[kind] = self._pending[(key, kind)]
+        with self._mutex:
+            for queued in (self._committing, self._pending):  # committed since: the same
+                if queued:
+                    for key in keys:
+                        for kind in (KIND_OK, KIND_FAILED):
+                            if (key, kind) in queued:
+                                found.setdefault(key, {})[kind] = queued[(key, kind)]
         return found
 
     def _entry(self, key: str, kinds: dict[int, Any]) -> StoredEntry | None:
         """The stored outcome of ``key`` given its records (see :meth:`load`)."""
-        where = f"checkpoint entry for {key!r}: {self._db_path()}"
+        where = f"checkpoint entry for {key!r}: {self._db_file}"
         blob = kinds.get(KIND_OK)
         if blob is not None:
             record = self._codec.judge(blob, key, KIND_OK, self.fingerprint, f"{where} (success)")
@@ -641,7 +665,7 @@ class CheckpointStore:
             ['a']
         """
         self.flush()
-        with self._mutex:
+        with self._db_lock:
             if self._db is None:
                 raise CheckpointError(f"checkpoint store {self.root} is closed")
             rows = self._db.execute("SELECT key FROM entries WHERE kind = ?",
@@ -651,6 +675,7 @@ class CheckpointStore:
     # -- closing -----------------------------------------------------------------------------
     def _stop_thread(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
         self._thread = None
@@ -658,12 +683,12 @@ class CheckpointStore:
     def _release(self) -> None:
         """Close the database, the lock and the directory descriptor (no commit)."""
         if self._db is not None:
-            with self._mutex:
+            with self._db_lock:
                 db, self._db = self._db, None
                 try:
                     db.close()  # checkpoints the log into jobs.db, removes jobs.db-wal
                 except sqlite3.Error as exc:
-                    log.warning("closing %s: %s", self._db_path(), exc)
+                    log.warning("closing %s: %s", self._db_file, exc)
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None

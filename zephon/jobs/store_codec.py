@@ -1,8 +1,9 @@
 """The bytes of one checkpoint-store entry: values, records, and what a good record is.
 
-A record is zstd-compressed msgpack ``{key, subject, fingerprint, value | error,
-attempts, duration_s, time}`` (the same bytes in every store format, so an old
-store's entries move into a new one unchanged). Values are msgpack-native types
+A record is msgpack ``{key, subject, fingerprint, value | error, attempts,
+duration_s, time}``, zstd-compressed when it is large (the first store format
+compressed every record; both read back, so an old store's entries move into a
+new one unchanged). Values are msgpack-native types
 plus extension types for NumPy arrays and scalars, tuples and integers wider than
 64 bits; any other object is stored with pickle only when allowed, and such a value
 is refused at load time otherwise (loading a pickle runs code).
@@ -29,12 +30,14 @@ from zephon.kernels.types import dtype_from_token, dtype_token
 __all__ = ["KIND_FAILED", "KIND_OK", "RecordCodec", "decode_value", "encode_value"]
 
 KIND_OK, KIND_FAILED = 0, 1
+#: Records of at least this many msgpack bytes are stored zstd-compressed.
+COMPRESS_FROM = 512
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _EXT_ARRAY, _EXT_BIGINT, _EXT_TUPLE, _EXT_SCALAR, _EXT_PICKLE = 1, 2, 3, 4, 5
 
 
-def encode_value(value: Any, *, allow_pickle: bool) -> bytes:
-    """msgpack bytes of ``value`` (see the module docstring for what is allowed)."""
-
+def _encoder(allow_pickle: bool):
+    """The msgpack ``default`` hook and packer of :func:`encode_value` (built once)."""
     def default(obj):
         if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
             data = np.ascontiguousarray(obj)
@@ -57,11 +60,11 @@ def encode_value(value: Any, *, allow_pickle: bool) -> bytes:
     def pack(obj):
         return msgpack.packb(obj, default=default, use_bin_type=True, strict_types=True)
 
-    return pack(value)
+    return pack
 
 
-def decode_value(data: bytes, *, allow_pickle: bool) -> Any:
-    """The value :func:`encode_value` encoded (a pickle only with ``allow_pickle``)."""
+def _decoder(allow_pickle: bool):
+    """The unpacker of :func:`decode_value` with its extension hook (built once)."""
     def ext_hook(code, payload):
         if code == _EXT_ARRAY:
             dtype, shape, raw = msgpack.unpackb(payload, raw=False)
@@ -84,7 +87,21 @@ def decode_value(data: bytes, *, allow_pickle: bool) -> Any:
     def unpack(raw):
         return msgpack.unpackb(raw, raw=False, ext_hook=ext_hook, strict_map_key=False)
 
-    return unpack(data)
+    return unpack
+
+
+_PACK = {flag: _encoder(flag) for flag in (False, True)}
+_UNPACK = {flag: _decoder(flag) for flag in (False, True)}
+
+
+def encode_value(value: Any, *, allow_pickle: bool) -> bytes:
+    """msgpack bytes of ``value`` (see the module docstring for what is allowed)."""
+    return _PACK[bool(allow_pickle)](value)
+
+
+def decode_value(data: bytes, *, allow_pickle: bool) -> Any:
+    """The value :func:`encode_value` encoded (a pickle only with ``allow_pickle``)."""
+    return _UNPACK[bool(allow_pickle)](data)
 
 
 def _check_fields(record: dict, kind: int, where: str) -> None:
@@ -111,7 +128,11 @@ class RecordCodec:
         self._dctx = zstandard.ZstdDecompressor()
 
     def pack(self, record: dict) -> bytes:
-        return self._cctx.compress(msgpack.packb(record, use_bin_type=True))
+        """The record's bytes: msgpack, zstd-compressed from :data:`COMPRESS_FROM` bytes
+        on (a small record is not worth a zstd frame; :meth:`unpack` tells them apart by
+        the zstd magic number, which no msgpack map starts with)."""
+        raw = msgpack.packb(record, use_bin_type=True)
+        return self._cctx.compress(raw) if len(raw) >= COMPRESS_FROM else raw
 
     def unpack(self, blob: Any, where: str) -> dict:
         """The record in ``blob`` (any record: the caller checks key and kind), or
@@ -119,7 +140,8 @@ class RecordCodec:
         if not isinstance(blob, bytes):
             raise CheckpointError(f"{where} is corrupt: a {type(blob).__name__}, not bytes")
         try:
-            record = msgpack.unpackb(self._dctx.decompress(blob), raw=False)
+            raw = self._dctx.decompress(blob) if blob[:4] == _ZSTD_MAGIC else blob
+            record = msgpack.unpackb(raw, raw=False)
         except Exception as exc:  # noqa: BLE001 - corrupt entry: recompute, do not serve
             raise CheckpointError(f"{where} is corrupt (truncated or damaged): "
                                   f"{type(exc).__name__}: {exc}") from None
