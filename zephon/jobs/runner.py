@@ -45,6 +45,7 @@ import collections
 import logging
 import multiprocessing
 import os
+from collections.abc import Sequence
 from typing import Any, Iterable, Iterator, NamedTuple
 
 from zephon.errors import (
@@ -206,14 +207,14 @@ class JobRun:
         self.summary: dict[str, int] = {}
         self.backend = None
 
-    def _cache_keys(self) -> list[str]:
-        """Every subject's cache key (:func:`~zephon.jobs.subjects.cache_key_of`; without a
-        ``cache_key`` method the function's name is computed once, not per subject)."""
+    def _cache_keys(self) -> Sequence[str]:
+        """Every subject's cache key (:func:`~zephon.jobs.subjects.cache_key_of`): computed
+        up front when ``fn.cache_key`` decides them, else ``<name>:<id>`` made when
+        asked for (no second list of a million strings)."""
         if callable(getattr(self.fn, "cache_key", None)):
             return [cache_key_of(self.fn, s, sid)
                     for s, sid in zip(self.subjects, self.ids, strict=True)]
-        prefix = cache_key_of(self.fn, None, "")
-        return [prefix + sid for sid in self.ids]
+        return _PrefixedKeys(cache_key_of(self.fn, None, ""), self.ids)
 
     def explain(self) -> str:
         """What the run will do, as text.
@@ -461,6 +462,21 @@ class JobRun:
         if interrupted:
             self.summary["interrupted"] = 1
         progress.close(self.summary)
+
+
+class _PrefixedKeys(Sequence):
+    """The default cache keys, ``prefix + id``, made when indexed."""
+
+    def __init__(self, prefix: str, ids: list[str]) -> None:
+        self._prefix, self._ids = prefix, ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._prefix + sid for sid in self._ids[i]]
+        return self._prefix + self._ids[i]
 
 
 class _Output:
