@@ -123,7 +123,12 @@ def test_sigkill_mid_run_loses_at_most_the_window_and_never_serves_a_torn_entry(
         assert now <= served_before + computed + 1
         served_before = now
     proc = _start(store)
-    out, err = proc.communicate(timeout=300)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 0, err
     lines = out.splitlines()
     assert lines[-1] == "done"
