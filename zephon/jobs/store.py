@@ -65,6 +65,12 @@ entries are copied unchanged into ``jobs.db`` in one transaction, then the two
 directories are removed; a crash in between migrates again (entries already in the
 database are kept).
 
+Modules: this one owns the lock, the fingerprint, the queue and its commit thread,
+and the API; :mod:`zephon.jobs.store_db` the database (opening, transactions,
+migration), :mod:`zephon.jobs.store_files` the trust rules of files and directories,
+:mod:`zephon.jobs.store_codec` the bytes of an entry, :mod:`zephon.jobs.store_legacy`
+reading the first format.
+
 Lifecycle: open (lock, vet, migrate, fingerprint, start the commit thread) ->
 load/save from one thread -> :meth:`close` (commit, stop the thread, checkpoint the
 log into ``jobs.db``, unlock) or :meth:`clear` (remove everything, unlock).
@@ -90,29 +96,15 @@ from zephon.jobs.store_codec import (
     decode_value,
     encode_value,
 )
-from zephon.jobs.store_files import (
-    O_CLOEXEC,
-    O_NOFOLLOW,
-    check_file,
-    open_dir,
-    open_vetted,
-    read_vetted,
-)
-from zephon.jobs.store_legacy import has_legacy_layout, legacy_entries, remove_legacy
+from zephon.jobs.store_db import DB_NAME, migrate, open_db, select_records, write_batch
+from zephon.jobs.store_files import O_CLOEXEC, O_NOFOLLOW, check_file, open_dir, read_vetted
+from zephon.jobs.store_legacy import has_legacy_layout
 
 __all__ = ["CheckpointStore", "StoredEntry", "decode_value", "encode_value"]
 
 log = logging.getLogger("zephon.jobs")
 
-DB_NAME = "jobs.db"
-STORE_FORMAT = "zephon-jobs-store/2"
 _TMP_PREFIX = ".tmp-"
-_LOOKUP_CHUNK = 500  # keys per SELECT ... IN (...)
-_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS entries (key TEXT NOT NULL, kind INTEGER NOT NULL, "
-    "record BLOB NOT NULL, PRIMARY KEY (key, kind)) WITHOUT ROWID",
-    "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
-)
 
 
 class StoredEntry:
@@ -193,9 +185,9 @@ class CheckpointStore:
         try:
             self._lock_fd = self._lock()
             self._remove_leftover_temp_files()
-            self._db = self._open_db()
+            self._db = open_db(self.root, self._dir_fd)
             if has_legacy_layout(self._dir_fd):
-                self._migrate()
+                migrate(self._db, self.root, self._dir_fd, self._codec)
             self._check_fingerprint(strict)
         except BaseException:
             self._release()
@@ -309,112 +301,6 @@ class CheckpointStore:
             raise
         os.fsync(dfd)
 
-    # -- the database ------------------------------------------------------------------------
-    def _vet_db_files(self) -> int:
-        """Check ``jobs.db`` (creating it 0600 if absent) and its ``-wal``/``-shm``
-        companions; returns a descriptor of the vetted ``jobs.db``."""
-        assert self._dir_fd is not None
-        for suffix in ("-wal", "-shm"):
-            fd = open_vetted(self._dir_fd, DB_NAME + suffix, self._db_file + suffix,
-                             "checkpoint database file", private=True)
-            if fd is not None:
-                os.close(fd)
-        fd = open_vetted(self._dir_fd, DB_NAME, self._db_file, "checkpoint database",
-                         private=True)
-        if fd is None:
-            try:
-                fd = os.open(DB_NAME, os.O_RDONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW |
-                             O_CLOEXEC, 0o600, dir_fd=self._dir_fd)
-            except OSError as exc:
-                raise CheckpointError(f"cannot create {self._db_file}: {exc}") from exc
-        return fd
-
-    def _connect(self, vetted: os.stat_result) -> sqlite3.Connection:
-        """Open the vetted database, check it is the file that was vetted, set the
-        journal up; raises sqlite3.DatabaseError when the file is not a database."""
-        db = sqlite3.connect(self._db_file, isolation_level=None, check_same_thread=False,
-                             timeout=0)
-        try:
-            db.execute("PRAGMA locking_mode=EXCLUSIVE")
-            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            now_dir, now_db = os.stat(self.root), os.stat(self._db_file)
-            then_dir = os.fstat(self._dir_fd) if self._dir_fd is not None else None
-            if then_dir is None or (now_dir.st_dev, now_dir.st_ino) != (
-                    then_dir.st_dev, then_dir.st_ino) or (now_db.st_dev, now_db.st_ino) != (
-                    vetted.st_dev, vetted.st_ino):
-                raise CheckpointError(f"{self._db_file} was replaced while the store "
-                                      "opened it; refused")
-            if str(mode).lower() != "wal":
-                raise CheckpointError(f"{self._db_file}: SQLite refused WAL mode ({mode})")
-            db.execute("PRAGMA synchronous=FULL")
-            for statement in _SCHEMA:
-                db.execute(statement)
-            self._check_format(db)
-        except BaseException:
-            db.close()
-            raise
-        return db
-
-    def _check_format(self, db: sqlite3.Connection) -> None:
-        row = db.execute("SELECT value FROM meta WHERE name = 'format'").fetchone()
-        if row is None:
-            db.execute("INSERT INTO meta VALUES ('format', ?)", (STORE_FORMAT,))
-        elif row[0] != STORE_FORMAT:
-            raise CheckpointError(
-                f"{self._db_file} is a store of format {row[0]!r:.100}, this version reads "
-                f"{STORE_FORMAT!r}; use another checkpoint_dir or clear this one")
-
-    def _open_db(self) -> sqlite3.Connection:
-        for attempt in (0, 1):
-            fd = self._vet_db_files()
-            try:
-                vetted = os.fstat(fd)
-                return self._connect(vetted)
-            except sqlite3.DatabaseError as exc:
-                if attempt:
-                    raise CheckpointError(f"{self._db_file}: {exc}") from exc
-                self._set_damaged_aside(exc)
-            finally:
-                os.close(fd)
-        raise AssertionError("unreachable")
-
-    def _set_damaged_aside(self, exc: BaseException) -> None:
-        aside = f"{DB_NAME}.damaged-{time.strftime('%Y%m%dT%H%M%S')}-{os.urandom(3).hex()}"
-        log.warning("checkpoint database %s is damaged (%s); moved it aside as %s and "
-                    "starting a new store: every subject is recomputed", self._db_file,
-                    exc, aside)
-        for suffix in ("", "-wal", "-shm"):
-            try:
-                os.rename(DB_NAME + suffix, aside + suffix, src_dir_fd=self._dir_fd,
-                          dst_dir_fd=self._dir_fd)
-            except FileNotFoundError:
-                pass
-
-    def _migrate(self) -> None:
-        """Copy an old-format store (``ok/``, ``failed/``) into the database, then remove
-        its directories (see :mod:`zephon.jobs.store_legacy`)."""
-        assert self._db is not None and self._dir_fd is not None
-        skipped: list[str] = []
-        moved = 0
-        self._db.execute("BEGIN")
-        try:
-            for key, kind, blob in legacy_entries(self.root, self._dir_fd, self._codec,
-                                                  skipped):
-                self._db.execute("INSERT OR IGNORE INTO entries VALUES (?, ?, ?)",
-                                 (key, kind, blob))
-                moved += 1
-            self._db.execute("COMMIT")
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        remove_legacy(self.root, self._dir_fd)
-        log.info("migrated %d entr%s of the old one-file-per-subject store %s into %s",
-                 moved, "y" if moved == 1 else "ies", self.root, DB_NAME)
-        if skipped:
-            log.warning("%d entr%s of the old store %s not migrated (recomputed when "
-                        "needed), e.g. %s", len(skipped), "y" if len(skipped) == 1 else
-                        "ies", self.root, skipped[0])
-
     # -- commits -----------------------------------------------------------------------------
     def _commit_loop(self) -> None:
         while True:
@@ -432,24 +318,6 @@ class CheckpointStore:
         if self._thread_error is not None:
             raise CheckpointError(f"committing to {self._db_file} failed: "
                                   f"{self._thread_error}") from self._thread_error
-
-    def _write(self, batch: dict[tuple[str, int], bytes | None]) -> None:
-        """One transaction writing ``batch`` (the caller holds ``_db_lock``)."""
-        db = self._db
-        assert db is not None
-        puts = [(k, kind, blob) for (k, kind), blob in batch.items() if blob is not None]
-        dels = [(k, kind) for (k, kind), blob in batch.items() if blob is None]
-        try:
-            db.execute("BEGIN")
-            db.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?)", puts)
-            db.executemany("DELETE FROM entries WHERE key = ? AND kind = ?", dels)
-            db.execute("COMMIT")
-        except BaseException as exc:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            if isinstance(exc, sqlite3.Error):
-                raise CheckpointError(f"committing to {self._db_file} failed: {exc}") from exc
-            raise
 
     def flush(self) -> None:
         """Commit every queued entry now (one transaction, one fsync).
@@ -469,7 +337,7 @@ class CheckpointStore:
                 batch = self._committing = self._pending
                 self._pending = {}
             try:
-                self._write(batch)
+                write_batch(self._db, batch, self._db_file)
             except BaseException:
                 with self._mutex:  # queued again; what was saved since is newer
                     batch.update(self._pending)
@@ -498,17 +366,7 @@ class CheckpointStore:
         with self._db_lock:
             if self._db is None:
                 raise CheckpointError(f"checkpoint store {self.root} is closed")
-            for start in range(0, len(keys), _LOOKUP_CHUNK):
-                chunk = keys[start:start + _LOOKUP_CHUNK]
-                marks = ",".join("?" * len(chunk))
-                try:
-                    rows = self._db.execute(
-                        f"SELECT key, kind, record FROM entries WHERE key IN ({marks})",
-                        chunk).fetchall()
-                except sqlite3.DatabaseError as exc:
-                    raise CheckpointError(f"{self._db_file} cannot be read: {exc}") from exc
-                for key, kind, record in rows:
-                    found.setdefault(key, {})[kind] = record
+            select_records(self._db, keys, self._db_file, found)
         with self._mutex:
             for queued in (self._committing, self._pending):  # committed since: the same
                 if queued:
