@@ -28,8 +28,9 @@ well as a crash. (``synchronous=NORMAL`` would skip that fsync: still safe again
 process crash, but a power loss could roll back the last commits; with one fsync per
 group of entries FULL costs little.) So a SIGKILL, an OOM kill or a power loss
 loses at most the entries of the last ``commit_interval_s`` seconds (0.5 s by
-default; never more than ``2 * commit_every`` entries), whose subjects a resumed run
-recomputes; a transaction is atomic, so a torn entry is never served.
+default) and of the commit under way, never more than ``2 * commit_every`` entries;
+a resumed run recomputes their subjects. A transaction is atomic, so a torn entry
+is never served.
 
 Trust: the store uses nothing it did not write. The directory is opened once with
 ``O_NOFOLLOW`` and must be a real directory owned by the current user and not
