@@ -27,6 +27,12 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 FAST = dict(graceful_shutdown_sec=2.0, subject_spawn_timeout_sec=30.0)
 
 
+def stored_keys(store_dir) -> tuple[list[str], list[str]]:
+    """The keys of the successes and of the failures the store at ``store_dir`` holds."""
+    with CheckpointStore(store_dir, None) as store:
+        return store.keys(0), store.keys(1)
+
+
 def subjects(tmp_path, n, action="ok", arg=None):
     d = tmp_path / "log"
     d.mkdir(parents=True, exist_ok=True)
@@ -110,9 +116,10 @@ def test_ctrl_c_in_the_serial_backend_stops_the_run(tmp_path):
                                                                         store=store)],
                          capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "interrupted", out.stderr
-    assert len(os.listdir(os.path.join(store, "ok"))) == 1  # S0 finished and was stored
-    assert os.listdir(os.path.join(store, "failed")) == []  # S1 is not a failure
-    assert not [f for f in os.listdir(os.path.join(store, "ok")) if f.startswith(".tmp")]
+    ok, failed = stored_keys(store)
+    assert len(ok) == 1 and "S0" in ok[0]  # S0 finished and was stored
+    assert failed == []  # S1 is not a failure
+    assert not [f for f in os.listdir(store) if f.startswith(".tmp")]
 
 
 PROCESS_INTERRUPT = textwrap.dedent("""
@@ -127,8 +134,9 @@ PROCESS_INTERRUPT = textwrap.dedent("""
         subs[0]["arg"] = 0.01
         print("ready", flush=True)
         try:
-            list(run(J.work, subs, RunPolicy(workers=3, graceful_shutdown_sec=2.0,
-                                             checkpoint_dir={store!r}), progress=False))
+            for r in run(J.work, subs, RunPolicy(workers=3, graceful_shutdown_sec=2.0,
+                                                 checkpoint_dir={store!r}), progress=False):
+                print("stored", r.subject_id, flush=True)  # yielded once recorded
         except KeyboardInterrupt:
             print("interrupted", flush=True)
 """)
@@ -144,12 +152,10 @@ def test_ctrl_c_in_the_process_backend_stops_workers_and_keeps_the_store(tmp_pat
     try:
         assert proc.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 60
-        ok_dir = os.path.join(store, "ok")
-        # all three started, and S0 (10 ms) has finished and been stored (waited for, not
-        # assumed after a fixed sleep: a loaded parent may store it later)
-        while len([f for f in os.listdir(log_dir) if f.endswith(".start")]) < 3 or not (
-                os.path.isdir(ok_dir)
-                and [f for f in os.listdir(ok_dir) if not f.startswith(".tmp")]):
+        # S0 (10 ms) has finished and been recorded in the store (the run yields it only
+        # then), and all three started (waited for, not assumed after a fixed sleep)
+        assert proc.stdout.readline().strip() == "stored S0", proc.stderr.read()
+        while len([f for f in os.listdir(log_dir) if f.endswith(".start")]) < 3:
             assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
@@ -161,8 +167,8 @@ def test_ctrl_c_in_the_process_backend_stops_workers_and_keeps_the_store(tmp_pat
     assert "interrupted" in out, err
     pids = {int(f.split(".")[1]) for f in os.listdir(log_dir) if f.endswith(".start")}
     assert not any(alive(p) for p in pids)
-    assert len(os.listdir(os.path.join(store, "ok"))) == 1
-    assert os.listdir(os.path.join(store, "failed")) == []
+    ok, failed = stored_keys(store)
+    assert len(ok) == 1 and "S0" in ok[0] and failed == []
 
 
 def test_a_second_concurrent_run_on_the_same_store_fails_clearly(tmp_path):
@@ -198,8 +204,8 @@ def test_store_round_trips_values_natively_and_refuses_pickle_unless_allowed(tmp
     with pytest.raises(CheckpointError, match="refusing to unpickle"):
         strict.load("k2")
     strict.close()
-    entries = os.listdir(tmp_path / "s" / "ok")
-    assert len(entries) == 2 and not [e for e in entries if e.startswith(".tmp")]
+    assert sorted(stored_keys(str(tmp_path / "s"))[0]) == ["k1", "k2"]
+    assert not [e for e in os.listdir(tmp_path / "s") if e.startswith(".tmp")]
     assert oct(os.stat(tmp_path / "s").st_mode & 0o777) == "0o700"
 
 

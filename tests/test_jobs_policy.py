@@ -170,7 +170,7 @@ def test_default_checkpoint_dir_is_under_the_working_directory(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     r, out = go(J.work, subjects(tmp_path, 2), backend="serial", subject_timeout_sec=None)
     assert r.store_dir.startswith(str(tmp_path / ".zephon_checkpoints"))
-    assert os.path.isdir(os.path.join(r.store_dir, "ok"))
+    assert os.path.isfile(os.path.join(r.store_dir, "jobs.db"))
     assert oct(os.stat(r.store_dir).st_mode & 0o777) == "0o700"
 
 

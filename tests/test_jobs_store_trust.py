@@ -1,6 +1,13 @@
 """The checkpoint store trusts nothing it did not write, and one bad entry never aborts a
 resumed run.
 
+The store's directory and its files (``LOCK``, ``jobs.db`` and its log) are judged as
+files: a symlink, a FIFO, a file of another user or one writable by others is refused
+at open, never followed. Its entries are rows of ``jobs.db``: a bad row (damaged,
+forged from another subject's record, a pickle not allowed) costs only its subject,
+which is recomputed. Rows are damaged here the way anyone able to write the file
+could, through SQLite itself, with the store closed.
+
 Real files, real symlinks, a real FIFO, /dev/zero, and a real other user (``nobody``):
 the suite runs as root in CI, so the tests create the foreign directory or entry
 themselves and ``chown`` it; they are skipped, with the reason, when not root.
@@ -11,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import pwd
+import sqlite3
 import stat
 
 import msgpack
@@ -41,9 +49,42 @@ def subjects(tmp_path, n, action="ok"):
     return [{"subject_id": f"S{i:03d}", "dir": str(d), "action": action} for i in range(n)]
 
 
-def entry_path(store_dir, subject, kind="ok") -> str:
-    key = cache_key_of(J.work, subject, subject["subject_id"])
-    return os.path.join(store_dir, kind, CheckpointStore._name(key))
+def key_of(subject) -> str:
+    return cache_key_of(J.work, subject, subject["subject_id"])
+
+
+def db_path(store_dir) -> str:
+    return os.path.join(store_dir, "jobs.db")
+
+
+def read_record(store_dir, key, kind=0) -> bytes:
+    """The raw record of an entry of a closed store (what an attacker with write access to
+    the file could change)."""
+    db = sqlite3.connect(db_path(store_dir))
+    try:
+        return db.execute("SELECT record FROM entries WHERE key = ? AND kind = ?",
+                          (key, kind)).fetchone()[0]
+    finally:
+        db.close()
+
+
+def write_record(store_dir, key, record, kind=0) -> None:
+    """Replace (or add) the raw record of an entry of a closed store."""
+    db = sqlite3.connect(db_path(store_dir))
+    try:
+        with db:
+            db.execute("INSERT OR REPLACE INTO entries VALUES (?, ?, ?)", (key, kind, record))
+    finally:
+        db.close()
+
+
+def delete_record(store_dir, key, kind=0) -> None:
+    db = sqlite3.connect(db_path(store_dir))
+    try:
+        with db:
+            db.execute("DELETE FROM entries WHERE key = ? AND kind = ?", (key, kind))
+    finally:
+        db.close()
 
 
 def go(subs, store_dir, **kwargs):
@@ -109,26 +150,99 @@ def test_a_store_of_ours_writable_by_others_is_refused(tmp_path):
     assert os.listdir(store) == []
 
 
-def test_a_symlinked_subdirectory_is_refused(tmp_path):
+def test_a_symlinked_subdirectory_of_an_old_store_is_refused(tmp_path):
     store = tmp_path / "ckpt"
-    CheckpointStore(str(store), "fp").close()
+    store.mkdir(mode=0o700)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    os.rmdir(store / "ok")
-    os.symlink(elsewhere, store / "ok")
+    (elsewhere / "entry").write_bytes(b"not ours to read")
+    os.symlink(elsewhere, store / "ok")  # the old format's ok/ directory
     with pytest.raises(CheckpointError, match="ok.*symbolic link"):
         CheckpointStore(str(store), "fp")
-    assert os.listdir(elsewhere) == []
+    assert os.listdir(elsewhere) == ["entry"] and os.path.islink(store / "ok")
 
 
 def test_leftover_temp_files_of_dead_writers_are_removed_at_open(tmp_path):
     store = tmp_path / "ckpt"
     CheckpointStore(str(store), "fp").close()
-    for sub in ("ok", "failed", "."):
-        (store / sub / ".tmp-999999-0123456789ab").write_bytes(b"half an entry")
+    (store / ".tmp-999999-0123456789ab").write_bytes(b"half a fingerprint")
     CheckpointStore(str(store), "fp").close()
-    for sub in ("ok", "failed", "."):
-        assert not [f for f in os.listdir(store / sub) if f.startswith(".tmp-")]
+    assert not [f for f in os.listdir(store) if f.startswith(".tmp-")]
+
+
+def test_the_store_is_a_bounded_set_of_files(tmp_path):
+    store = tmp_path / "ckpt"
+    job, out = go(subjects(tmp_path, 50), str(store))
+    assert len(out) == 50 and all(r.ok for r in out)
+    assert sorted(os.listdir(store)) == ["FINGERPRINT", "LOCK", "jobs.db"]
+    assert stat.S_IMODE(os.stat(store / "jobs.db").st_mode) == 0o600
+
+
+# -- the database file and its log: refused as a whole, never followed ------------------
+
+@pytest.mark.parametrize("name", ["jobs.db", "jobs.db-wal"])
+def test_a_database_file_symlinked_to_a_victim_is_refused_and_the_victim_untouched(
+        tmp_path, victim, name):
+    store = tmp_path / "ckpt"
+    CheckpointStore(str(store), "fp").close()
+    if (store / name).exists():
+        os.unlink(store / name)
+    os.symlink(victim, store / name)
+    with pytest.raises(CheckpointError, match=f"{name}.*symbolic link"):
+        CheckpointStore(str(store), "fp")
+    assert untouched(victim) and os.path.islink(store / name)
+
+
+def test_a_log_symlinked_to_dev_zero_is_refused(tmp_path):
+    store = tmp_path / "ckpt"
+    CheckpointStore(str(store), "fp").close()
+    os.symlink("/dev/zero", store / "jobs.db-wal")
+    with pytest.raises(CheckpointError, match="jobs.db-wal.*symbolic link"):
+        CheckpointStore(str(store), "fp")
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_database_is_refused_without_hanging(tmp_path):
+    store = tmp_path / "ckpt"
+    CheckpointStore(str(store), "fp").close()
+    os.unlink(store / "jobs.db")
+    os.mkfifo(store / "jobs.db", 0o600)
+    with pytest.raises(CheckpointError, match="jobs.db.*not a regular file"):
+        CheckpointStore(str(store), "fp")
+
+
+def test_a_database_writable_by_others_is_refused(tmp_path):
+    store = tmp_path / "ckpt"
+    job, out = go(subjects(tmp_path, 2), str(store))
+    os.chmod(store / "jobs.db", 0o666)
+    with pytest.raises(CheckpointError, match="jobs.db.*writable by group or others"):
+        go(subjects(tmp_path, 2), str(store))
+    assert stat.S_IMODE(os.stat(store / "jobs.db").st_mode) == 0o666  # not chmodded
+
+
+@root_only
+def test_a_database_owned_by_another_user_is_refused(tmp_path):
+    store = tmp_path / "ckpt"
+    job, out = go(subjects(tmp_path, 2), str(store))
+    os.chown(store / "jobs.db", nobody(), nobody())
+    with pytest.raises(CheckpointError, match=f"jobs.db.*owned by uid {nobody()}"):
+        go(subjects(tmp_path, 2), str(store))
+    assert os.stat(store / "jobs.db").st_uid == nobody()
+
+
+def test_a_database_that_is_not_one_is_set_aside_and_every_subject_recomputed(tmp_path,
+                                                                            caplog):
+    store = tmp_path / "ckpt"
+    subs = subjects(tmp_path, 3)
+    go(subs, str(store))
+    (store / "jobs.db").write_bytes(os.urandom(8192))
+    with caplog.at_level(logging.WARNING, logger="zephon.jobs"):
+        job, out = go(subs, str(store))
+    assert [r.from_cache for r in out] == [False] * 3 and all(r.ok for r in out)
+    aside = [f for f in os.listdir(store) if f.startswith("jobs.db.damaged-")]
+    assert len(aside) == 1 and any("damaged" in r.getMessage() for r in caplog.records)
+    job, out = go(subs, str(store))
+    assert all(r.from_cache for r in out)
 
 
 # -- entries that are not what they claim -----------------------------------------------
@@ -154,72 +268,42 @@ def _check_one_refused(tmp_path, store, subs, caplog, what):
 
 
 @pytest.mark.timeout(120)
-def test_an_entry_symlinked_to_a_victim_is_refused_and_the_victim_untouched(tmp_path,
-                                                                           victim, caplog):
+def test_an_entry_forged_from_another_subjects_record_is_not_served(tmp_path, caplog):
     store, subs = _stored(tmp_path)
-    path = entry_path(store, subs[1])
-    os.unlink(path)
-    os.symlink(victim, path)
-    _check_one_refused(tmp_path, store, subs, caplog, "symbolic link")
-    assert untouched(victim) and not os.path.islink(path)
-
-
-@pytest.mark.timeout(120)
-def test_an_entry_symlinked_to_dev_zero_is_refused(tmp_path, caplog):
-    store, subs = _stored(tmp_path)
-    path = entry_path(store, subs[1])
-    os.unlink(path)
-    os.symlink("/dev/zero", path)
-    _check_one_refused(tmp_path, store, subs, caplog, "symbolic link")
-
-
-@pytest.mark.timeout(120)
-def test_a_fifo_entry_is_refused_without_hanging(tmp_path, caplog):
-    store, subs = _stored(tmp_path)
-    path = entry_path(store, subs[1])
-    os.unlink(path)
-    os.mkfifo(path, 0o600)
-    _check_one_refused(tmp_path, store, subs, caplog, "not a regular file")
-
-
-@root_only
-@pytest.mark.timeout(120)
-def test_an_entry_forged_by_another_user_is_not_served(tmp_path, caplog):
-    store, subs = _stored(tmp_path)
-    path = entry_path(store, subs[1])
-    os.chown(path, nobody(), nobody())
-    _check_one_refused(tmp_path, store, subs, caplog, f"owned by uid {nobody()}")
-    assert os.stat(path).st_uid == os.geteuid()  # recomputed and rewritten by us
+    write_record(store, key_of(subs[1]), read_record(store, key_of(subs[0])))
+    message = _check_one_refused(tmp_path, store, subs, caplog, "forged or moved")
+    assert key_of(subs[0]) in message
 
 
 def test_the_store_itself_raises_a_clear_error_for_each_refused_entry(tmp_path):
-    store_dir = tmp_path / "ckpt"
-    store = CheckpointStore(str(store_dir), "fp")
-    try:
-        for key in ("fifo", "zero", "trunc"):
+    store_dir = str(tmp_path / "ckpt")
+    with CheckpointStore(store_dir, "fp") as store:
+        for key in ("moved", "trunc", "text"):
             store.save_success(key, key, {"v": 1}, 1, 0.1)
-        os.unlink(store._path("ok", "fifo"))
-        os.mkfifo(store._path("ok", "fifo"))
-        os.unlink(store._path("ok", "zero"))
-        os.symlink("/dev/zero", store._path("ok", "zero"))
-        with open(store._path("ok", "trunc"), "r+b") as fh:
-            fh.truncate(5)
-        with pytest.raises(CheckpointError, match="fifo.*not a regular file"):
-            store.load("fifo")
-        with pytest.raises(CheckpointError, match="zero.*symbolic link"):
-            store.load("zero")
-        with pytest.raises(CheckpointError, match="trunc.*corrupt"):
+    good = read_record(store_dir, "moved")
+    write_record(store_dir, "moved", read_record(store_dir, "trunc"))
+    write_record(store_dir, "trunc", good[:5])
+    db = sqlite3.connect(db_path(store_dir))
+    with db:
+        db.execute("UPDATE entries SET record = 'a string' WHERE key = 'text'")
+    db.close()
+    with CheckpointStore(store_dir, "fp") as store:
+        with pytest.raises(CheckpointError, match="'moved'.*written for key 'trunc'"):
+            store.load("moved")
+        with pytest.raises(CheckpointError, match="'trunc'.*corrupt"):
             store.load("trunc")
-    finally:
-        store.close()
+        with pytest.raises(CheckpointError, match="'text'.*corrupt: a str"):
+            store.load("text")
+        got = store.load_many(["moved", "absent", "trunc"])
+        assert isinstance(got[0], CheckpointError) and got[1] is None
+        assert isinstance(got[2], CheckpointError)
 
 
 # -- one bad entry never aborts a resumed run ------------------------------------------
 
-def _write_record(path, record):
+def _write_record(store_dir, key, record, kind=0):
     blob = zstandard.ZstdCompressor().compress(msgpack.packb(record, use_bin_type=True))
-    with open(path, "wb") as fh:
-        fh.write(blob)
+    write_record(store_dir, key, blob, kind)
 
 
 @pytest.mark.timeout(120)
@@ -228,31 +312,31 @@ def _write_record(path, record):
 def test_a_bad_entry_among_good_ones_is_recomputed_and_the_run_completes(tmp_path, caplog,
                                                                          damage):
     store, subs = _stored(tmp_path)
-    key = cache_key_of(J.work, subs[1], subs[1]["subject_id"])
-    path = entry_path(store, subs[1])
+    key = key_of(subs[1])
     if damage == "truncated":
-        with open(path, "r+b") as fh:
-            fh.truncate(os.path.getsize(path) // 2)
+        record = read_record(store, key)
+        write_record(store, key, record[:len(record) // 2])
     elif damage == "garbage":
-        with open(path, "wb") as fh:
-            fh.write(os.urandom(64))
+        write_record(store, key, os.urandom(64))
     elif damage == "bad_array":  # well-formed entry, impossible array inside
         value = msgpack.packb(msgpack.ExtType(1, msgpack.packb(["<f4", [3, 3], b"\0" * 5],
                                                                use_bin_type=True)),
                               use_bin_type=True)
-        _write_record(path, {"key": key, "subject": "S001", "fingerprint": "",
-                             "value": value, "attempts": 1, "duration_s": 0.1, "time": 0})
+        _write_record(store, key, {"key": key, "subject": "S001", "fingerprint": "",
+                                   "value": value, "attempts": 1, "duration_s": 0.1,
+                                   "time": 0})
     elif damage == "bad_record":  # a record missing its fields, of the wrong types
-        _write_record(path, {"key": key, "fingerprint": "", "value": 5, "attempts": "x"})
+        _write_record(store, key, {"key": key, "fingerprint": "", "value": 5,
+                                   "attempts": "x"})
     elif damage == "pickled":  # a pickle entry, and this run does not allow pickle
         held = CheckpointStore(store, None, allow_pickle=True)
         held.save_success(key, "S001", {1, 2}, 1, 0.1)
         held.close()
     elif damage == "bad_failure":
-        os.unlink(path)
-        _write_record(entry_path(store, subs[1], "failed"),
-                      {"key": key, "subject": "S001", "fingerprint": "", "error": "boom",
-                       "attempts": 1, "duration_s": 0.1, "time": 0})
+        delete_record(store, key)
+        _write_record(store, key, {"key": key, "subject": "S001", "fingerprint": "",
+                                   "error": "boom", "attempts": 1, "duration_s": 0.1,
+                                   "time": 0}, kind=1)
     with caplog.at_level(logging.WARNING, logger="zephon.jobs"):
         job, out = go(subs, store)
     assert [r.from_cache for r in out] == [True, False, True] and all(r.ok for r in out)
@@ -266,8 +350,7 @@ def test_a_bad_entry_among_good_ones_is_recomputed_and_the_run_completes(tmp_pat
 @pytest.mark.timeout(120)
 def test_on_bad_entry_fail_marks_that_subject_failed_and_serves_the_others(tmp_path):
     store, subs = _stored(tmp_path)
-    with open(entry_path(store, subs[1]), "wb") as fh:
-        fh.write(b"not zstd")
+    write_record(store, key_of(subs[1]), b"not zstd")
     job, out = go(subs, store, on_bad_entry="fail")
     assert [r.ok for r in out] == [True, False, True]
     assert isinstance(out[1].error, CheckpointError) and "S001" in str(out[1].error)

@@ -17,7 +17,9 @@ A run, in order:
    run does not allow, a symlink, not a regular file, not ours) is reported
    once as a warning and its subject is recomputed; with
    ``on_bad_entry="fail"`` the subject is failed with that
-   :class:`~zephon.errors.CheckpointError` instead. Never a reason to abort;
+   :class:`~zephon.errors.CheckpointError` instead. Never a reason to abort.
+   The store is looked up :data:`RESUME_CHUNK` subjects at a time and the
+   results a chunk settles are yielded before the next lookup;
 4. rounds: every remaining subject runs once, then failed ones again for up to
    ``auto_retry_rounds`` extra rounds (the backend, and so a lowered OOM
    concurrency, lives across rounds). Each attempt's outcome is written to the
@@ -25,12 +27,15 @@ A run, in order:
    ``fail_fast`` the first failure stops every worker at once and raises the
    subject's exception;
 5. results are yielded in input order (``ordered=False``: as they become
-   final); a failure is final after the last round;
+   final); a failure is final after the last round. The driver keeps only the
+   results it cannot release yet, and of those not the successes the store
+   holds (see :class:`_Output`);
 6. with ``clear_checkpoint_on_success`` the store is removed only when every
    subject's final outcome, replayed ones included, is a success.
 
 Ctrl-C (KeyboardInterrupt) stops the workers within ``graceful_shutdown_sec``
-and propagates; the store is consistent (atomic writes) and unlocked; a
+and propagates; the store commits what it holds and is unlocked (a SIGKILL
+loses at most the store's durability window: :mod:`zephon.jobs.store`); a
 subject interrupted this way is not recorded as a failure.
 """
 
@@ -40,6 +45,7 @@ import collections
 import logging
 import multiprocessing
 import os
+from collections.abc import Sequence
 from typing import Any, Iterable, Iterator, NamedTuple
 
 from zephon.errors import (
@@ -61,6 +67,8 @@ __all__ = ["ON_BAD_ENTRY", "JobRun", "RecordedFailure", "SubjectResult", "run"]
 
 #: What a resumed run does with a store entry it cannot trust or read.
 ON_BAD_ENTRY = ("recompute", "fail")
+#: Subjects looked up in the store at once while resuming (results stream per chunk).
+RESUME_CHUNK = 512
 
 log = logging.getLogger("zephon.jobs")
 
@@ -174,11 +182,12 @@ class JobRun:
         self.on_bad_entry = on_bad_entry
         self.fn, self.policy, self.fingerprint = fn, policy, fingerprint
         self.subjects = list(subjects)
-        self.ids = [subject_id_of(s, i) for i, s in enumerate(self.subjects)]
-        dupes = [sid for sid, n in collections.Counter(self.ids).items() if n > 1]
-        if dupes:
+        self.ids = [s if type(s) is str and s else subject_id_of(s, i)
+                    for i, s in enumerate(self.subjects)]
+        if len(set(self.ids)) != len(self.ids):
+            dupes = [sid for sid, n in collections.Counter(self.ids).items() if n > 1]
             raise ZephonConfigError(f"duplicate subject ids: {sorted(dupes)[:10]}")
-        self.keys = [cache_key_of(fn, s, sid) for s, sid in zip(self.subjects, self.ids, strict=True)]
+        self.keys = self._cache_keys()
         self.backend_name = resolve_backend(policy)
         self.backend_reason = backend_reason(policy)
         self.workers = policy.workers if self.backend_name in ("process", "ray") else 1
@@ -197,6 +206,15 @@ class JobRun:
         self.mp_context = mp_context or multiprocessing.get_context("spawn")
         self.summary: dict[str, int] = {}
         self.backend = None
+
+    def _cache_keys(self) -> Sequence[str]:
+        """Every subject's cache key (:func:`~zephon.jobs.subjects.cache_key_of`): computed
+        up front when ``fn.cache_key`` decides them, else ``<name>:<id>`` made when
+        asked for (no second list of a million strings)."""
+        if callable(getattr(self.fn, "cache_key", None)):
+            return [cache_key_of(self.fn, s, sid)
+                    for s, sid in zip(self.subjects, self.ids, strict=True)]
+        return _PrefixedKeys(cache_key_of(self.fn, None, ""), self.ids)
 
     def explain(self) -> str:
         """What the run will do, as text.
@@ -249,19 +267,36 @@ class JobRun:
                               gpu_slots=self.policy.cap_workers_to_gpu_pool,
                               mp_context=self.mp_context, names=self.ids)
 
-    def _load(self, store: CheckpointStore, i: int):
-        """The stored entry of subject ``i``; a bad entry is reported once and becomes None
-        (recompute) or a :class:`CheckpointError` (``on_bad_entry="fail"``)."""
+    def _judged(self, i: int, entry):
+        """Subject ``i``'s stored entry as the run uses it: a bad entry (a
+        CheckpointError from the store) is reported once and becomes None (recompute) or
+        a :class:`CheckpointError` naming the subject (``on_bad_entry="fail"``)."""
+        if not isinstance(entry, CheckpointError):
+            return entry
+        what = "recomputing it" if self.on_bad_entry == "recompute" else \
+            "failing it (on_bad_entry='fail')"
+        log.warning("checkpoint entry of subject %s not used, %s: %s", self.ids[i], what,
+                    entry)
+        if self.on_bad_entry == "fail":
+            return CheckpointError(f"subject {self.ids[i]}: {entry}")
+        return None
+
+    def _reload(self, store: CheckpointStore | None, i: int, from_cache: bool
+                ) -> SubjectResult:
+        """Subject ``i``'s success, read back from the store where the output left it
+        (see :class:`_Output`)."""
         try:
-            return store.load(self.keys[i])
+            entry = store.load(self.keys[i]) if store is not None else None
+            if entry is None or not entry.ok:
+                raise CheckpointError("its stored success is gone")
         except CheckpointError as exc:
-            what = "recomputing it" if self.on_bad_entry == "recompute" else \
-                "failing it (on_bad_entry='fail')"
-            log.warning("checkpoint entry of subject %s not used, %s: %s", self.ids[i], what,
-                        exc)
-            if self.on_bad_entry == "fail":
-                return CheckpointError(f"subject {self.ids[i]}: {exc}")
-            return None
+            log.warning("subject %s: its result cannot be read back from the store: %s",
+                        self.ids[i], exc)
+            return SubjectResult(self.ids[i], None, CheckpointError(
+                f"subject {self.ids[i]}: its result cannot be read back from the store: "
+                f"{exc}"), from_cache, 0, 0.0)
+        return SubjectResult(self.ids[i], entry.value, None, from_cache, entry.attempts,
+                             entry.duration_s)
 
     def _run(self) -> Iterator[SubjectResult]:
         """The run: replay what the store holds, run the rest in rounds (retrying failures),
@@ -269,16 +304,17 @@ class JobRun:
         refuse_in_spawn_bootstrap(f"zephon.jobs.run({callable_name(self.fn)})")
         log.info("starting %s", self.explain().replace("\n", ";"))
         store = self._open_store()
-        out = _Output(len(self.subjects), self.ordered)
+        out = _Output(len(self.subjects), self.ordered,
+                      lambda i, from_cache: self._reload(store, i, from_cache))
         counts: collections.Counter[str] = collections.Counter()
         progress = Progress(len(self.subjects), self.progress)
         interrupted = False
         try:
-            todo = self._resume(store, out, counts, progress)
-            yield from out.drain()
+            todo: list[int] = []
+            yield from self._resume(store, out, counts, progress, todo)
             yield from self._rounds(todo, store, out, counts, progress)
             if self.policy.clear_checkpoint_on_success and store is not None and \
-                    all(r is not None and r.ok for r in out.results):
+                    out.not_ok == 0:
                 store.clear()
                 log.info("every subject succeeded: removed checkpoint store %s", store.root)
         except KeyboardInterrupt:
@@ -295,27 +331,31 @@ class JobRun:
                                allow_pickle=self.allow_pickle)
 
     def _resume(self, store: CheckpointStore | None, out: _Output,
-                counts: collections.Counter[str], progress: Progress) -> list[int]:
+                counts: collections.Counter[str], progress: Progress,
+                todo: list[int]) -> Iterator[SubjectResult]:
         """Finish every subject the store already settles (a cached success, a replayed
-        failure, an entry that fails under ``on_bad_entry="fail"``); returns the indexes
-        still to run. Their results are released by the caller (``out.drain()``)."""
-        policy = self.policy
-        force = set(policy.force_rerun_subjects)
-        todo = []
-        for i in range(len(self.subjects)):
-            entry = None
-            if store is not None and policy.resume and self.ids[i] not in force:
-                entry = self._load(store, i)
-            result = self._stored_result(i, entry, counts)
-            if result is None:
-                todo.append(i)
-                continue
-            out.results[i] = result
-            progress.update(ok=result.ok, cached=True)
-        for i in range(len(self.subjects)):
-            if out.results[i] is not None:
-                out.finish(i)
-        return todo
+        failure, an entry that fails under ``on_bad_entry="fail"``), looking the store up
+        :data:`RESUME_CHUNK` subjects at a time and yielding what may be released after
+        each lookup; appends the indexes still to run to ``todo``, in order."""
+        n = len(self.subjects)
+        if store is None or not self.policy.resume:
+            todo.extend(range(n))
+            return
+        force = set(self.policy.force_rerun_subjects)
+        for start in range(0, n, RESUME_CHUNK):
+            chunk = [i for i in range(start, min(n, start + RESUME_CHUNK))
+                     if self.ids[i] not in force]
+            entries = dict(zip(chunk, store.load_many([self.keys[i] for i in chunk]),
+                               strict=True))
+            for i in range(start, min(n, start + RESUME_CHUNK)):
+                entry = self._judged(i, entries[i]) if i in entries else None
+                result = self._stored_result(i, entry, counts)
+                if result is None:
+                    todo.append(i)
+                    continue
+                progress.update(ok=result.ok, cached=True)
+                out.finish(i, result, stored=result.ok)
+            yield from out.drain()
 
     def _stored_result(self, i: int, entry, counts: collections.Counter[str]
                        ) -> SubjectResult | None:
@@ -349,6 +389,7 @@ class JobRun:
         self.backend = backend = self._make_backend() if todo else None
         rounds = 1 + self.policy.auto_retry_rounds
         pending = todo
+        failures: dict[int, SubjectResult] = {}  # the latest failure of a subject
         for round_no in range(rounds):
             if not pending or backend is None:
                 break
@@ -357,29 +398,34 @@ class JobRun:
             for outcome in backend.run_round([(i, self.subjects[i]) for i in pending]):
                 i = outcome.index
                 attempts[i] += 1
-                error = self._settle(outcome, attempts[i], store, out, counts)
-                if error is not None:
+                result, stored = self._settle(outcome, attempts[i], store, counts)
+                if result.ok:
+                    failures.pop(i, None)
+                    self._final(i, result, stored, counts, progress, out)
+                else:
                     failed.append(i)
-                if error is None or last:
-                    self._final(i, counts, progress, out, ok=error is None)
+                    failures[i] = result
+                    if last:
+                        self._final(i, failures.pop(i), False, counts, progress, out)
                 yield from out.drain()
             pending = failed
-        for i in range(len(self.subjects)):  # failures of the last round that ran
-            if not out.final[i]:
-                self._final(i, counts, progress, out, ok=False)
+        for i, result in failures.items():  # failures of the last round that ran
+            self._final(i, result, False, counts, progress, out)
         yield from out.drain()
         counts["retried"] = sum(1 for a in attempts.values() if a > 1)
 
-    def _settle(self, outcome, attempt: int, store: CheckpointStore | None, out: _Output,
-                counts: collections.Counter[str]) -> BaseException | None:
-        """Record one outcome (in the store, in ``out.results``); returns its error, or
-        raises it under ``on_subject_failure="fail_fast"``."""
+    def _settle(self, outcome, attempt: int, store: CheckpointStore | None,
+                counts: collections.Counter[str]) -> tuple[SubjectResult, bool]:
+        """Record one outcome in the store; returns its result and whether the store holds
+        it as a success, or raises its error under ``on_subject_failure="fail_fast"``."""
         i = outcome.index
         value, error = outcome.value, outcome.error
+        stored = False
         if outcome.ok and store is not None:
             try:
                 store.save_success(self.keys[i], self.ids[i], value, attempt,
                                    outcome.duration_s)
+                stored = True
             except SerializationError as exc:
                 value, error = None, exc
         if error is not None:
@@ -389,16 +435,15 @@ class JobRun:
                                    outcome.duration_s)
             if self.policy.on_subject_failure == "fail_fast":
                 raise error
-        out.results[i] = SubjectResult(self.ids[i], value, error, False, attempt,
-                                       outcome.duration_s)
-        return error
+        return SubjectResult(self.ids[i], value, error, False, attempt,
+                             outcome.duration_s), stored
 
     @staticmethod
-    def _final(i: int, counts: collections.Counter[str], progress: Progress, out: _Output,
-               *, ok: bool) -> None:
-        counts["done" if ok else "failed"] += 1
-        progress.update(ok=ok, cached=False)
-        out.finish(i)
+    def _final(i: int, result: SubjectResult, stored: bool, counts: collections.Counter[str],
+               progress: Progress, out: _Output) -> None:
+        counts["done" if result.ok else "failed"] += 1
+        progress.update(ok=result.ok, cached=False)
+        out.finish(i, result, stored=stored)
 
     def _close(self, store: CheckpointStore | None, counts: collections.Counter[str],
                progress: Progress, interrupted: bool) -> None:
@@ -419,39 +464,75 @@ class JobRun:
         progress.close(self.summary)
 
 
+class _PrefixedKeys(Sequence):
+    """The default cache keys, ``prefix + id``, made when indexed."""
+
+    def __init__(self, prefix: str, ids: list[str]) -> None:
+        self._prefix, self._ids = prefix, ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._prefix + sid for sid in self._ids[i]]
+        return self._prefix + self._ids[i]
+
+
 class _Output:
     """The one output cursor of a run: results become final in any order; ``drain()``
     releases them in completion order (unordered) or in subject order (ordered, each as
-    soon as every earlier subject is final)."""
+    soon as every earlier subject is final).
 
-    def __init__(self, n: int, ordered: bool) -> None:
-        self.results: list[SubjectResult | None] = [None] * n
-        self.final = [False] * n
+    Memory is bounded by what cannot be released yet, and a success the store holds is
+    not even kept: ordered, a final success that must wait for an earlier subject is
+    only marked (one byte per subject), and read back from the store
+    (``reload(i, from_cache)``) when its turn comes. Results kept in memory: those that
+    may be released at the next ``drain()``, and failures or successes without a store
+    that wait for an earlier subject."""
+
+    _HELD, _STORED_CACHED, _STORED_RUN = 1, 2, 3
+
+    def __init__(self, n: int, ordered: bool, reload) -> None:
         self.ordered = ordered
+        self.not_ok = 0  # final results that are failures
+        self._state = bytearray(n)  # 0: not final, else how the final result is kept
+        self._held: dict[int, SubjectResult] = {}
+        self._reload = reload
         self._ready: list[int] = []  # unordered: final, not yet released
         self._cursor = 0  # ordered: every subject before it has been released
+        self._frontier = 0  # ordered: every subject before it is final
 
-    def finish(self, i: int) -> None:
-        """Subject ``i``'s result in :attr:`results` is final."""
-        self.final[i] = True
+    def finish(self, i: int, result: SubjectResult, *, stored: bool) -> None:
+        """Subject ``i``'s result is final; ``stored``: the store holds it (a success)."""
+        self.not_ok += not result.ok
+        state = self._state
         if not self.ordered:
             self._ready.append(i)
+        if self.ordered and stored and i != self._frontier:
+            state[i] = self._STORED_CACHED if result.from_cache else self._STORED_RUN
+        else:
+            state[i] = self._HELD
+            self._held[i] = result
+        while self._frontier < len(state) and state[self._frontier]:
+            self._frontier += 1
 
     def drain(self) -> Iterator[SubjectResult]:
         """The results that may be released now."""
         if not self.ordered:
             ready, self._ready = self._ready, []
             for i in ready:
-                yield self._result(i)
+                yield self._held.pop(i)
             return
-        while self._cursor < len(self.final) and self.final[self._cursor]:
+        while self._cursor < self._frontier:
+            i = self._cursor
             self._cursor += 1
-            yield self._result(self._cursor - 1)
-
-    def _result(self, i: int) -> SubjectResult:
-        result = self.results[i]
-        assert result is not None, f"subject {i} released before its result was set"
-        return result
+            if self._state[i] == self._HELD:
+                yield self._held.pop(i)
+            else:
+                result = self._reload(i, self._state[i] == self._STORED_CACHED)
+                self.not_ok += not result.ok
+                yield result
 
 
 def run(fn, subjects: Iterable[Any], policy: RunPolicy | None = None,

@@ -1,139 +1,111 @@
-"""The resumable checkpoint store of a job run.
+"""The resumable checkpoint store of a job run: one SQLite database, group-committed.
 
-Layout of ``<checkpoint_dir>`` (mode 0700)::
+Layout of ``<checkpoint_dir>`` (mode 0700), a bounded set of files whatever the
+number of subjects::
 
-    LOCK              flock'ed for the whole run: a second run on the same
-                      directory fails at once with the holder's pid
-    FINGERPRINT       the fingerprint of the last run that opened the store
-    ok/<key hash>     one success entry per subject
-    failed/<key hash> the last recorded failure of a subject, kept apart
+    LOCK           flock'ed for the whole run: a second run on the same directory
+                   fails at once with the holder's pid
+    FINGERPRINT    the fingerprint of the last run that opened the store
+    jobs.db        the entries: table ``entries(key, kind, record)``, kind 0 = the
+                   success of a subject, 1 = its last recorded failure (kept apart)
+    jobs.db-wal    SQLite's write-ahead log, present while the store is open (and
+                   after a crash, until the next open replays it)
 
-An entry is zstd-compressed msgpack ``{key, subject, fingerprint, value |
-error, attempts, duration_s, time}``. Values are msgpack-native types plus
-extension types for NumPy arrays and scalars, tuples and integers wider than
-64 bits; any other object is stored with pickle only when the store was opened
-with ``allow_pickle=True``, and such an entry is refused at load time otherwise
-(loading a pickle runs code). A stored ``None`` is a value like any other: a
-hit, never a miss.
+A record is the bytes :mod:`zephon.jobs.store_codec` describes (msgpack ``{key,
+subject, fingerprint, value | error, attempts, duration_s, time}``, zstd-compressed
+from 512 bytes on; values msgpack-native, NumPy arrays and scalars, tuples, big integers; a pickle only
+with ``allow_pickle=True``). A stored ``None`` is a value like any other: a hit.
 
-Writes are atomic: a unique temporary name in the same directory, ``fsync``,
-``os.replace``, then ``fsync`` of the directory. A crash or Ctrl-C leaves
-either the old entry or the new one, never a torn file.
+Durability (group commit): ``save_success``/``save_failure`` queue the entry in
+memory (``load`` sees it at once); a background thread writes every queued entry in
+one SQLite transaction when ``commit_every`` entries wait, and else at most
+``commit_interval_s`` after its previous commit (the saving thread commits itself
+when ``2 * commit_every`` wait: the disk is behind); :meth:`flush` and :meth:`close`
+commit at once. The database runs in WAL mode with ``locking_mode=EXCLUSIVE`` (no
+``-shm`` file: the store is single-process by its lock) and ``synchronous=FULL``:
+the log is fsync'ed at every commit, so a committed entry survives a power loss as
+well as a crash. (``synchronous=NORMAL`` would skip that fsync: still safe against a
+process crash, but a power loss could roll back the last commits; with one fsync per
+group of entries FULL costs little.) So a SIGKILL, an OOM kill or a power loss
+loses at most the entries of the last ``commit_interval_s`` seconds (0.5 s by
+default) and of the commit under way, never more than ``2 * commit_every`` entries;
+a resumed run recomputes their subjects. A transaction is atomic, so a torn entry
+is never served.
 
-Trust: the store uses nothing it did not write. The directory is opened once
-with ``O_NOFOLLOW`` and every file in it is reached relative to that descriptor
-(so the directory cannot be swapped under the run); the directory and its
-``ok``/``failed`` subdirectories must be real directories (not symlinks) owned
-by the current user and not writable by group or others, else opening the
-store raises :class:`~zephon.errors.CheckpointError` without touching them (an
-own directory that is merely readable by others is tightened to 0700 through
-its descriptor, never through a path). ``LOCK``, ``FINGERPRINT`` and entries
-are opened with ``O_NOFOLLOW | O_NONBLOCK`` and accepted only as regular files
-owned by the current user: a symlink (to a victim file, to /dev/zero), a FIFO,
-a device or a file forged by another user is refused, never followed, read,
-truncated or chmodded. Temporary files left by writers that died are removed
-when the store is opened (the lock guarantees no live writer owns them).
+Trust: the store uses nothing it did not write. The directory is opened once with
+``O_NOFOLLOW`` and must be a real directory owned by the current user and not
+writable by group or others, else opening raises
+:class:`~zephon.errors.CheckpointError` without touching it (one merely readable by
+others is tightened to 0700 through its descriptor). ``LOCK``, ``FINGERPRINT``,
+``jobs.db`` and ``jobs.db-wal`` are opened relative to that descriptor with
+``O_NOFOLLOW | O_NONBLOCK`` and accepted only as regular files owned by the current
+user (the database files also not writable by group or others): a symlink, a FIFO,
+a device or a file of another user is refused, never followed, read or truncated.
+SQLite opens the database by path; the store then checks that the path still names
+the directory and the file it vetted (same device and inode) before using it.
+Temporary files left by writers that died are removed at open.
 
-Loading an entry raises :class:`~zephon.errors.CheckpointError` for every kind
-of bad entry (refused as above, truncated or corrupt, a record with missing or
-mistyped fields, a value that does not decode, a pickle this store does not
-allow): one message naming the entry, the subject key and what is wrong. The
-run decides what to do with it (recompute, or fail that subject); a bad entry
-is never a reason to abort a run.
+Bad entries: :meth:`load` and :meth:`load_many` report every kind of bad entry
+(truncated or corrupt, a record with missing or mistyped fields, a record written
+for another key, a value that does not decode, a pickle this store does not allow)
+as a :class:`~zephon.errors.CheckpointError` naming the entry, the subject key and
+what is wrong; the run decides (recompute, or fail that subject); a bad entry is
+never a reason to abort a run. A ``jobs.db`` that is not a database at all (damaged
+beyond SQLite's recovery) is moved aside as ``jobs.db.damaged-<time>`` with a
+warning, and the run starts a new one (every subject is recomputed).
 
-Fingerprints: every entry records the fingerprint it was written under and is
-served only to a run with the same fingerprint. With ``strict=True`` opening a
-store whose FINGERPRINT differs raises :class:`~zephon.errors.CheckpointError`;
-otherwise the other fingerprint's entries are simply not served (and are
-overwritten as subjects are recomputed).
+Fingerprints: every entry records the fingerprint it was written under and is served
+only to a run with the same fingerprint. With ``strict=True`` opening a store whose
+FINGERPRINT differs raises :class:`~zephon.errors.CheckpointError`; otherwise the
+other fingerprint's entries are simply not served (and are overwritten as subjects
+are recomputed).
+
+Old stores: a directory in the first format (``ok/`` and ``failed/``, one file per
+subject) is migrated when opened (:mod:`zephon.jobs.store_legacy`): its trusted
+entries are copied unchanged into ``jobs.db`` in one transaction, then the two
+directories are removed; a crash in between migrates again (entries already in the
+database are kept).
+
+Modules: this one owns the lock, the fingerprint, the queue and its commit thread,
+and the API; :mod:`zephon.jobs.store_db` the database (opening, transactions,
+migration), :mod:`zephon.jobs.store_files` the trust rules of files and directories,
+:mod:`zephon.jobs.store_codec` the bytes of an entry, :mod:`zephon.jobs.store_legacy`
+reading the first format.
+
+Lifecycle: open (lock, vet, migrate, fingerprint, start the commit thread) ->
+load/save from one thread -> :meth:`close` (commit, stop the thread, checkpoint the
+log into ``jobs.db``, unlock) or :meth:`clear` (remove everything, unlock).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
-import pickle
 import shutil
-import stat
+import sqlite3
+import threading
 import time
-from typing import Any
+from typing import Any, Sequence
 
-import msgpack
-import numpy as np
-import zstandard
-
-from zephon.errors import CheckpointError, SerializationError
-from zephon.kernels.types import dtype_from_token, dtype_token
+from zephon.errors import CheckpointError
+from zephon.jobs.store_codec import (
+    KIND_FAILED,
+    KIND_OK,
+    RecordCodec,
+    decode_value,
+    encode_value,
+)
+from zephon.jobs.store_db import DB_NAME, migrate, open_db, select_records, write_batch
+from zephon.jobs.store_files import O_CLOEXEC, O_NOFOLLOW, check_file, open_dir, read_vetted
+from zephon.jobs.store_legacy import has_legacy_layout
 
 __all__ = ["CheckpointStore", "StoredEntry", "decode_value", "encode_value"]
 
 log = logging.getLogger("zephon.jobs")
 
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-_READ_FLAGS = os.O_RDONLY | _O_NOFOLLOW | os.O_NONBLOCK | _O_CLOEXEC
 _TMP_PREFIX = ".tmp-"
-
-_EXT_ARRAY, _EXT_BIGINT, _EXT_TUPLE, _EXT_SCALAR, _EXT_PICKLE = 1, 2, 3, 4, 5
-_INT64_MIN, _UINT64_MAX = -(1 << 63), (1 << 64) - 1
-
-
-def encode_value(value: Any, *, allow_pickle: bool) -> bytes:
-    """msgpack bytes of ``value`` (see the module docstring for what is allowed)."""
-
-    def default(obj):
-        if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
-            data = np.ascontiguousarray(obj)
-            return msgpack.ExtType(_EXT_ARRAY, msgpack.packb(
-                [dtype_token(obj.dtype), list(obj.shape), data.tobytes()], use_bin_type=True))
-        if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
-            return msgpack.ExtType(_EXT_SCALAR, msgpack.packb(
-                [dtype_token(obj.dtype), obj.tobytes()], use_bin_type=True))
-        if isinstance(obj, tuple):
-            return msgpack.ExtType(_EXT_TUPLE, pack(list(obj)))
-        if isinstance(obj, int) and not isinstance(obj, bool):
-            return msgpack.ExtType(_EXT_BIGINT, str(obj).encode())
-        if allow_pickle:
-            return msgpack.ExtType(_EXT_PICKLE, pickle.dumps(obj, protocol=5))
-        raise SerializationError(
-            f"cannot store a {type(obj).__name__} in the checkpoint store without pickle; "
-            "return msgpack-able values (numbers, strings, bytes, lists, dicts, tuples, NumPy "
-            "arrays) or open the run with allow_pickle=True")
-
-    def pack(obj):
-        return msgpack.packb(obj, default=default, use_bin_type=True, strict_types=True)
-
-    return pack(value)
-
-
-def decode_value(data: bytes, *, allow_pickle: bool) -> Any:
-    def ext_hook(code, payload):
-        if code == _EXT_ARRAY:
-            dtype, shape, raw = msgpack.unpackb(payload, raw=False)
-            return np.frombuffer(raw, dtype=dtype_from_token(dtype)).reshape(shape).copy()
-        if code == _EXT_SCALAR:
-            dtype, raw = msgpack.unpackb(payload, raw=False)
-            return np.frombuffer(raw, dtype=dtype_from_token(dtype))[0]
-        if code == _EXT_TUPLE:
-            return tuple(unpack(payload))
-        if code == _EXT_BIGINT:
-            return int(payload.decode())
-        if code == _EXT_PICKLE:
-            if not allow_pickle:
-                raise CheckpointError(
-                    "the stored value was pickled; refusing to unpickle it (that runs code) "
-                    "unless the run is opened with allow_pickle=True")
-            return pickle.loads(payload)
-        return msgpack.ExtType(code, payload)
-
-    def unpack(raw):
-        return msgpack.unpackb(raw, raw=False, ext_hook=ext_hook, strict_map_key=False)
-
-    return unpack(data)
 
 
 class StoredEntry:
@@ -145,70 +117,14 @@ class StoredEntry:
         self.attempts, self.duration_s = attempts, duration_s
 
 
-def _owner_text(uid: int) -> str:
-    try:
-        import pwd
-
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except (ImportError, KeyError):
-        return f"uid {uid}"
-
-
-def _open_dir(path: str, *, dir_fd: int | None = None, create: bool) -> int:
-    """Open (creating it 0700 if asked) a store directory that must be a real directory
-    owned by us and not writable by group or others; its descriptor."""
-    name = path if dir_fd is None else os.path.basename(path)
-    if create:
-        try:
-            os.mkdir(name, 0o700, dir_fd=dir_fd)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise CheckpointError(f"cannot create checkpoint directory {path}: {exc}") from exc
-    try:
-        fd = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC,
-                     dir_fd=dir_fd)
-    except OSError as exc:
-        try:
-            link = stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
-        except OSError:
-            link = False
-        if link or exc.errno == errno.ELOOP:
-            raise CheckpointError(
-                f"checkpoint directory {path} is a symbolic link; refusing to follow it (give "
-                "the real path of a directory you own)") from None
-        raise CheckpointError(f"cannot open checkpoint directory {path}: {exc}") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISDIR(st.st_mode):
-            raise CheckpointError(f"checkpoint directory {path} is not a directory")
-        uid = os.geteuid()
-        if st.st_uid != uid:
-            raise CheckpointError(
-                f"checkpoint directory {path} is owned by {_owner_text(st.st_uid)}, not by "
-                f"this run's {_owner_text(uid)}; refusing to use it (its entries could be "
-                "forged): use a directory of your own")
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o022:
-            raise CheckpointError(
-                f"checkpoint directory {path} is writable by group or others (mode "
-                f"{mode:04o}); refusing to use it (its entries could be forged): use a "
-                "directory of your own with mode 0700, or chmod 0700 this one")
-        if mode & 0o077:
-            os.fchmod(fd, 0o700)  # through the descriptor: never a symlink's target
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 class CheckpointStore:
     """One run's view of a checkpoint directory (see the module docstring).
 
     Opening it creates the store if needed and takes its lock; :meth:`load`,
-    :meth:`save_success`, :meth:`save_failure`; :meth:`close` releases the lock,
-    :meth:`clear` removes the store. ``zephon.jobs.run`` opens one itself; use it
-    directly to inspect a store.
+    :meth:`load_many`, :meth:`save_success`, :meth:`save_failure`, :meth:`flush`;
+    :meth:`close` commits and releases the lock, :meth:`clear` removes the store.
+    ``zephon.jobs.run`` opens one itself; use it directly (or as a context manager)
+    to inspect a store.
 
     Args:
         root: the store directory.
@@ -216,10 +132,15 @@ class CheckpointStore:
             not served (None: the empty fingerprint).
         strict: refuse a store last opened under another fingerprint.
         allow_pickle: store and load values msgpack cannot encode with pickle.
+        commit_every: commit at once when this many entries wait (default
+            :attr:`COMMIT_EVERY`).
+        commit_interval_s: the longest an entry waits for its commit (default
+            :attr:`COMMIT_INTERVAL_S`): the durability window.
 
     Raises:
-        CheckpointError: the directory cannot be trusted, another run holds its lock,
-            or (``strict``) it was written under another fingerprint.
+        CheckpointError: the directory or a file of the store cannot be trusted,
+            another run holds its lock, it is of an unknown format, or (``strict``) it
+            was written under another fingerprint.
 
     Example:
         >>> store = zephon.jobs.CheckpointStore("ckpt", "v1")
@@ -229,42 +150,68 @@ class CheckpointStore:
         >>> store.close()
     """
 
+    #: Entries that trigger a commit at once.
+    COMMIT_EVERY = 4096
+    #: Seconds an entry waits at most for its commit.
+    COMMIT_INTERVAL_S = 0.5
+
     def __init__(self, root: str, fingerprint: str | None, *, strict: bool = False,
-                 allow_pickle: bool = False) -> None:
+                 allow_pickle: bool = False, commit_every: int | None = None,
+                 commit_interval_s: float | None = None) -> None:
         self.root = os.path.abspath(root)
+        self._db_file = os.path.join(self.root, DB_NAME)
         self.fingerprint = "" if fingerprint is None else str(fingerprint)
         self.allow_pickle = allow_pickle
-        self._uid = os.geteuid()
-        self._cctx = zstandard.ZstdCompressor(level=3)
-        self._dctx = zstandard.ZstdDecompressor()
-        self._lock_fd = None
-        self._fds: dict[str, int] = {}
+        self.commit_every = int(commit_every or self.COMMIT_EVERY)
+        self.commit_interval_s = float(commit_interval_s or self.COMMIT_INTERVAL_S)
+        self._codec = RecordCodec()
+        self._lock_fd: int | None = None
+        self._dir_fd: int | None = None
+        self._db: sqlite3.Connection | None = None
+        self._pending: dict[tuple[str, int], bytes | None] = {}  # None: delete
+        self._committing: dict[tuple[str, int], bytes | None] = {}  # being written
+        self._mutex = threading.Lock()  # the queued entries
+        self._db_lock = threading.Lock()  # the connection (taken before _mutex)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._thread_error: BaseException | None = None
         parent = os.path.dirname(self.root)
         try:
             os.makedirs(parent, exist_ok=True)
         except OSError as exc:
             raise CheckpointError(f"cannot create {parent} for the checkpoint store: "
                                   f"{exc}") from exc
-        self._fds["."] = _open_dir(self.root, create=True)
+        self._dir_fd = open_dir(self.root, create=True)
         try:
-            for sub in ("ok", "failed"):
-                self._fds[sub] = _open_dir(os.path.join(self.root, sub),
-                                           dir_fd=self._fds["."], create=True)
             self._lock_fd = self._lock()
             self._remove_leftover_temp_files()
+            self._db = open_db(self.root, self._dir_fd)
+            if has_legacy_layout(self._dir_fd):
+                migrate(self._db, self.root, self._dir_fd, self._codec)
             self._check_fingerprint(strict)
         except BaseException:
-            self.close()
+            self._release()
             raise
+        self._thread = threading.Thread(target=self._commit_loop, daemon=True,
+                                        name=f"zephon-store-commit:{self.root}")
+        self._thread.start()
 
-    # -- lock and fingerprint ------------------------------------------------------------
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- lock, leftovers and fingerprint -----------------------------------------------------
     def _lock(self) -> int:
         import fcntl
 
+        assert self._dir_fd is not None
         path = os.path.join(self.root, "LOCK")
         try:
-            fd = os.open("LOCK", os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | os.O_NONBLOCK |
-                         _O_CLOEXEC, 0o600, dir_fd=self._fds["."])
+            fd = os.open("LOCK", os.O_RDWR | os.O_CREAT | O_NOFOLLOW | os.O_NONBLOCK |
+                         O_CLOEXEC, 0o600, dir_fd=self._dir_fd)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise CheckpointError(
@@ -272,7 +219,7 @@ class CheckpointStore:
                     "there: remove it)") from None
             raise CheckpointError(f"cannot open {path}: {exc}") from exc
         try:
-            self._check_file(fd, path)
+            check_file(fd, path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -290,60 +237,24 @@ class CheckpointStore:
             raise
         return fd
 
-    def _check_file(self, fd: int, path: str) -> os.stat_result:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{path} is not a regular file; refused")
-        if st.st_uid != self._uid:
-            raise CheckpointError(f"{path} is owned by {_owner_text(st.st_uid)}, not by "
-                                  f"this run's {_owner_text(self._uid)}; refused")
-        return st
-
     def _remove_leftover_temp_files(self) -> None:
         removed = 0
-        for fd in self._fds.values():
-            for name in os.listdir(fd):
-                if name.startswith(_TMP_PREFIX):
-                    try:
-                        os.unlink(name, dir_fd=fd)
-                        removed += 1
-                    except OSError:
-                        pass
+        for name in os.listdir(self._dir_fd):
+            if name.startswith(_TMP_PREFIX):
+                try:
+                    os.unlink(name, dir_fd=self._dir_fd)
+                    removed += 1
+                except OSError:
+                    pass
         if removed:
             log.info("removed %d temporary file(s) left in %s by writers that died", removed,
                      self.root)
 
-    def _read_file(self, kind: str, name: str, what: str) -> bytes | None:
-        """The bytes of a file of the store, or None when it does not exist; a file that is
-        not a regular file of ours raises CheckpointError (never followed, never blocks)."""
-        path = os.path.join(self.root, name) if kind == "." else \
-            os.path.join(self.root, kind, name)
-        try:
-            fd = os.open(name, _READ_FLAGS, dir_fd=self._fds[kind])
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise CheckpointError(f"{what} {path} is a symbolic link; refused "
-                                      "(not followed)") from None
-            raise CheckpointError(f"{what} {path} cannot be opened: {exc}") from exc
-        try:
-            st = self._check_file(fd, f"{what} {path}")
-            chunks, size = [], 0
-            while True:
-                chunk = os.read(fd, max(1 << 16, st.st_size - size + 1))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                size += len(chunk)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
-
     def _check_fingerprint(self, strict: bool) -> None:
+        assert self._dir_fd is not None
         path = os.path.join(self.root, "FINGERPRINT")
         try:
-            blob = self._read_file(".", "FINGERPRINT", "fingerprint file")
+            blob = read_vetted(self._dir_fd, "FINGERPRINT", path, "fingerprint file")
             recorded = None if blob is None else json.loads(blob.decode())["fingerprint"]
             if recorded is not None and not isinstance(recorded, str):
                 raise CheckpointError(f"the fingerprint is a {type(recorded).__name__}")
@@ -353,7 +264,10 @@ class CheckpointStore:
                                       "strict_checkpoint_hash is on") from exc
             log.warning("%s is unreadable (%s); rewriting it", path, exc)
             recorded = None
-            self._unlink(".", "FINGERPRINT")
+            try:
+                os.unlink("FINGERPRINT", dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                pass
         if recorded is not None and recorded != self.fingerprint and strict:
             raise CheckpointError(
                 f"checkpoint directory {self.root} was written under fingerprint "
@@ -361,41 +275,14 @@ class CheckpointStore:
                 "use a new checkpoint_dir, clear this one, or disable strict_checkpoint_hash")
         self.previous_fingerprint = recorded
         if recorded != self.fingerprint:
-            self._atomic_write(".", "FINGERPRINT",
+            self._atomic_write("FINGERPRINT",
                                json.dumps({"fingerprint": self.fingerprint}).encode())
 
-    def close(self) -> None:
-        """Release the lock and the directory descriptors (idempotent).
-
-        Example:
-            >>> store = zephon.jobs.CheckpointStore("ckpt", None)
-            >>> store.close()
-        """
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
-
-    # -- entries ---------------------------------------------------------------------------
-    @staticmethod
-    def _name(key: str) -> str:
-        return hashlib.sha256(key.encode()).hexdigest()[:40]
-
-    def _path(self, kind: str, key: str) -> str:
-        return os.path.join(self.root, kind, self._name(key))
-
-    def _unlink(self, kind: str, name: str) -> None:
-        try:
-            os.unlink(name, dir_fd=self._fds[kind])
-        except FileNotFoundError:
-            pass
-
-    def _atomic_write(self, kind: str, name: str, data: bytes) -> None:
-        dfd = self._fds[kind]
+    def _atomic_write(self, name: str, data: bytes) -> None:
+        dfd = self._dir_fd
+        assert dfd is not None
         tmp = f"{_TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC,
                      0o600, dir_fd=dfd)
         try:
             view = memoryview(data)
@@ -415,35 +302,105 @@ class CheckpointStore:
             raise
         os.fsync(dfd)
 
-    def _read(self, kind: str, key: str) -> dict | None:
-        what = f"checkpoint entry for {key!r}:"
-        blob = self._read_file(kind, self._name(key), what)
-        if blob is None:
-            return None
-        path = self._path(kind, key)
-        try:
-            record = msgpack.unpackb(self._dctx.decompress(blob), raw=False)
-        except Exception as exc:  # noqa: BLE001 - corrupt entry: recompute, do not serve
-            raise CheckpointError(f"{what} {path} is corrupt (truncated or damaged): "
-                                  f"{type(exc).__name__}: {exc}") from None
-        if not isinstance(record, dict):
-            raise CheckpointError(f"{what} {path} is corrupt: not a record")
-        if record.get("key") != key or record.get("fingerprint") != self.fingerprint:
-            return None  # another key (hash clash) or another fingerprint: not served
-        attempts, duration = record.get("attempts"), record.get("duration_s")
-        if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 0 or \
-                not isinstance(duration, (int, float)) or isinstance(duration, bool):
-            raise CheckpointError(f"{what} {path} is corrupt: attempts={attempts!r}, "
-                                  f"duration_s={duration!r}")
-        if kind == "ok" and not isinstance(record.get("value"), bytes):
-            raise CheckpointError(f"{what} {path} is corrupt: it holds no encoded value")
-        if kind == "failed":
-            error = record.get("error")
-            if not isinstance(error, dict) or not isinstance(error.get("type"), str) or \
-                    not isinstance(error.get("message"), str) or \
-                    not isinstance(error.get("traceback", ""), str):
-                raise CheckpointError(f"{what} {path} is corrupt: error={error!r:.200}")
-        return record
+    # -- commits -----------------------------------------------------------------------------
+    def _commit_loop(self) -> None:
+        while True:
+            self._wake.wait(self.commit_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.flush()
+            except BaseException as exc:  # noqa: BLE001 - reported by the next save/close
+                self._thread_error = exc
+                return
+
+    def _raise_thread_error(self) -> None:
+        if self._thread_error is not None:
+            raise CheckpointError(f"committing to {self._db_file} failed: "
+                                  f"{self._thread_error}") from self._thread_error
+
+    def flush(self) -> None:
+        """Commit every queued entry now (one transaction, one fsync).
+
+        Raises:
+            CheckpointError: the commit failed (the entries stay queued).
+
+        Example:
+            >>> with zephon.jobs.CheckpointStore("ckpt", None) as store:
+            ...     store.save_success("k", "s", 1, attempts=1, duration_s=0.1)
+            ...     store.flush()
+        """
+        with self._db_lock:  # one commit at a time; saves go on meanwhile
+            with self._mutex:
+                if not self._pending or self._db is None:
+                    return
+                batch = self._committing = self._pending
+                self._pending = {}
+            try:
+                write_batch(self._db, batch, self._db_file)
+            except BaseException:
+                with self._mutex:  # queued again; what was saved since is newer
+                    batch.update(self._pending)
+                    self._pending, self._committing = batch, {}
+                raise
+            with self._mutex:
+                self._committing = {}
+
+    def _queue(self, key: str, kind: int, blob: bytes | None) -> None:
+        self._raise_thread_error()
+        if self._db is None:
+            raise CheckpointError(f"checkpoint store {self.root} is closed")
+        with self._mutex:
+            self._pending[(key, kind)] = blob
+            waiting = len(self._pending)
+        if waiting >= 2 * self.commit_every:
+            self.flush()  # the commit thread is behind: wait for the disk here
+        elif waiting >= self.commit_every:
+            self._wake.set()
+
+    # -- entries -----------------------------------------------------------------------------
+    def _rows(self, keys: Sequence[str]) -> dict[str, dict[int, Any]]:
+        """``{key: {kind: record bytes}}`` of ``keys``: the database overlaid with the
+        queued entries."""
+        found: dict[str, dict[int, Any]] = {}
+        with self._db_lock:
+            if self._db is None:
+                raise CheckpointError(f"checkpoint store {self.root} is closed")
+            select_records(self._db, keys, self._db_file, found)
+        with self._mutex:
+            for queued in (self._committing, self._pending):  # committed since: the same
+                if queued:
+                    for key in keys:
+                        for kind in (KIND_OK, KIND_FAILED):
+                            if (key, kind) in queued:
+                                found.setdefault(key, {})[kind] = queued[(key, kind)]
+        return found
+
+    def _entry(self, key: str, kinds: dict[int, Any]) -> StoredEntry | None:
+        """The stored outcome of ``key`` given its records (see :meth:`load`)."""
+        where = f"checkpoint entry for {key!r}: {self._db_file}"
+        blob = kinds.get(KIND_OK)
+        if blob is not None:
+            record = self._codec.judge(blob, key, KIND_OK, self.fingerprint, f"{where} (success)")
+            if record is not None:
+                try:
+                    value = decode_value(record["value"], allow_pickle=self.allow_pickle)
+                except CheckpointError as exc:
+                    raise CheckpointError(f"{where} (success): {exc}") from None
+                except Exception as exc:  # noqa: BLE001 - whatever the bad bytes raise
+                    raise CheckpointError(
+                        f"{where} (success) is corrupt: its value does not decode: "
+                        f"{type(exc).__name__}: {exc}") from None
+                return StoredEntry(True, value, None, record["attempts"], record["duration_s"])
+        blob = kinds.get(KIND_FAILED)
+        if blob is not None:
+            record = self._codec.judge(blob, key, KIND_FAILED, self.fingerprint,
+                                       f"{where} (failure)")
+            if record is not None:
+                return StoredEntry(False, None, record["error"], record["attempts"],
+                                   record["duration_s"])
+        return None
 
     def load(self, key: str) -> StoredEntry | None:
         """The stored outcome of ``key`` under this fingerprint.
@@ -465,27 +422,37 @@ class CheckpointStore:
             True
             >>> store.close()
         """
-        record = self._read("ok", key)
-        if record is not None:
+        return self._entry(key, self._rows([key]).get(key, {}))
+
+    def load_many(self, keys: Sequence[str]) -> list[StoredEntry | CheckpointError | None]:
+        """The stored outcomes of ``keys``, in order, looked up in batches: per key what
+        :meth:`load` returns, or the CheckpointError it would raise.
+
+        Args:
+            keys: the subjects' cache keys.
+
+        Returns:
+            One ``StoredEntry``, ``None`` or ``CheckpointError`` per key.
+
+        Example:
+            >>> with zephon.jobs.CheckpointStore("ckpt", None) as store:
+            ...     store.save_success("a", "a", 1, attempts=1, duration_s=0.1)
+            ...     [e if e is None else e.value for e in store.load_many(["a", "b"])]
+            [1, None]
+        """
+        rows = self._rows(list(keys))
+        out: list[StoredEntry | CheckpointError | None] = []
+        for key in keys:
             try:
-                value = decode_value(record["value"], allow_pickle=self.allow_pickle)
+                out.append(self._entry(key, rows.get(key, {})))
             except CheckpointError as exc:
-                raise CheckpointError(f"checkpoint entry for {key!r}: "
-                                      f"{self._path('ok', key)}: {exc}") from None
-            except Exception as exc:  # noqa: BLE001 - whatever the bad bytes raise
-                raise CheckpointError(
-                    f"checkpoint entry for {key!r}: {self._path('ok', key)} is corrupt: its "
-                    f"value does not decode: {type(exc).__name__}: {exc}") from None
-            return StoredEntry(True, value, None, record["attempts"], record["duration_s"])
-        record = self._read("failed", key)
-        if record is not None:
-            return StoredEntry(False, None, record["error"], record["attempts"],
-                               record["duration_s"])
-        return None
+                out.append(exc)
+        return out
 
     def save_success(self, key: str, subject_id: str, value: Any, attempts: int,
                      duration_s: float) -> None:
-        """Record a success of ``key`` (atomically; it replaces an earlier entry).
+        """Record a success of ``key`` (it replaces an earlier entry and removes the
+        subject's failure record; committed within the durability window).
 
         Args:
             key: the subject's cache key.
@@ -496,7 +463,8 @@ class CheckpointStore:
             duration_s: seconds the last attempt took.
 
         Raises:
-            CheckpointError: a value that cannot be stored, or a failed write.
+            SerializationError: a value that cannot be stored.
+            CheckpointError: a failed commit, or a closed store.
 
         Example:
             >>> store = zephon.jobs.CheckpointStore("ckpt", None)
@@ -509,10 +477,10 @@ class CheckpointStore:
         record = {"key": key, "subject": subject_id, "fingerprint": self.fingerprint,
                   "value": data, "attempts": attempts, "duration_s": duration_s,
                   "time": time.time()}
-        name = self._name(key)
-        self._atomic_write("ok", name, self._cctx.compress(
-            msgpack.packb(record, use_bin_type=True)))
-        self._unlink("failed", name)
+        blob = self._codec.pack(record)
+        with self._mutex:
+            self._pending[(key, KIND_FAILED)] = None
+        self._queue(key, KIND_OK, blob)
 
     def save_failure(self, key: str, subject_id: str, error: dict, attempts: int,
                      duration_s: float) -> None:
@@ -537,8 +505,72 @@ class CheckpointStore:
         record = {"key": key, "subject": subject_id, "fingerprint": self.fingerprint,
                   "error": error, "attempts": attempts, "duration_s": duration_s,
                   "time": time.time()}
-        self._atomic_write("failed", self._name(key), self._cctx.compress(
-            msgpack.packb(record, use_bin_type=True)))
+        self._queue(key, KIND_FAILED, self._codec.pack(record))
+
+    def keys(self, kind: int = KIND_OK) -> list[str]:
+        """The keys holding an entry of ``kind``, of any fingerprint (what is queued is
+        committed first).
+
+        Args:
+            kind: 0 for successes, 1 for recorded failures.
+
+        Returns:
+            The keys, in no particular order.
+
+        Example:
+            >>> with zephon.jobs.CheckpointStore("ckpt", None) as store:
+            ...     store.save_success("a", "a", 1, attempts=1, duration_s=0.1)
+            ...     sorted(store.keys())
+            ['a']
+        """
+        self.flush()
+        with self._db_lock:
+            if self._db is None:
+                raise CheckpointError(f"checkpoint store {self.root} is closed")
+            rows = self._db.execute("SELECT key FROM entries WHERE kind = ?",
+                                    (kind,)).fetchall()
+        return [row[0] for row in rows]
+
+    # -- closing -----------------------------------------------------------------------------
+    def _stop_thread(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
+
+    def _release(self) -> None:
+        """Close the database, the lock and the directory descriptor (no commit)."""
+        if self._db is not None:
+            with self._db_lock:
+                db, self._db = self._db, None
+                try:
+                    db.close()  # checkpoints the log into jobs.db, removes jobs.db-wal
+                except sqlite3.Error as exc:
+                    log.warning("closing %s: %s", self._db_file, exc)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
+    def close(self) -> None:
+        """Commit what is queued, then release the database and the lock (idempotent).
+
+        Raises:
+            CheckpointError: the last commit failed (the store is released all the same).
+
+        Example:
+            >>> store = zephon.jobs.CheckpointStore("ckpt", None)
+            >>> store.close()
+        """
+        self._stop_thread()
+        try:
+            self.flush()
+            self._raise_thread_error()
+        finally:
+            self._release()
 
     def clear(self) -> None:
         """Remove the whole store, then release the lock (the run holds it while removing).
@@ -549,5 +581,13 @@ class CheckpointStore:
             >>> import os; os.path.exists("ckpt")
             False
         """
-        shutil.rmtree(self.root, ignore_errors=True)
-        self.close()
+        self._stop_thread()
+        with self._mutex:
+            self._pending.clear()
+        lock_fd, self._lock_fd = self._lock_fd, None  # held until the files are gone
+        try:
+            self._release()
+            shutil.rmtree(self.root, ignore_errors=True)
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)

@@ -1,0 +1,163 @@
+"""The bytes of one checkpoint-store entry: values, records, and what a good record is.
+
+A record is msgpack ``{key, subject, fingerprint, value | error, attempts,
+duration_s, time}``, zstd-compressed when it is large (the first store format
+compressed every record; both read back, so an old store's entries move into a
+new one unchanged). Values are msgpack-native types
+plus extension types for NumPy arrays and scalars, tuples and integers wider than
+64 bits; any other object is stored with pickle only when allowed, and such a value
+is refused at load time otherwise (loading a pickle runs code).
+
+:func:`unpack_record` is the one judge of a record read back: every kind of bad
+record (truncated, corrupt, missing or mistyped fields, written for another key)
+raises :class:`~zephon.errors.CheckpointError` with one message naming where it was
+read, the key and what is wrong; a good record of another fingerprint is None (not
+served).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import msgpack
+import numpy as np
+import zstandard
+
+from zephon.errors import CheckpointError, SerializationError
+from zephon.kernels.types import dtype_from_token, dtype_token
+
+__all__ = ["KIND_FAILED", "KIND_OK", "RecordCodec", "decode_value", "encode_value"]
+
+KIND_OK, KIND_FAILED = 0, 1
+#: Records of at least this many msgpack bytes are stored zstd-compressed.
+COMPRESS_FROM = 512
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_EXT_ARRAY, _EXT_BIGINT, _EXT_TUPLE, _EXT_SCALAR, _EXT_PICKLE = 1, 2, 3, 4, 5
+
+
+def _encoder(allow_pickle: bool):
+    """The msgpack ``default`` hook and packer of :func:`encode_value` (built once)."""
+    def default(obj):
+        if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
+            data = np.ascontiguousarray(obj)
+            return msgpack.ExtType(_EXT_ARRAY, msgpack.packb(
+                [dtype_token(obj.dtype), list(obj.shape), data.tobytes()], use_bin_type=True))
+        if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
+            return msgpack.ExtType(_EXT_SCALAR, msgpack.packb(
+                [dtype_token(obj.dtype), obj.tobytes()], use_bin_type=True))
+        if isinstance(obj, tuple):
+            return msgpack.ExtType(_EXT_TUPLE, pack(list(obj)))
+        if isinstance(obj, int) and not isinstance(obj, bool):
+            return msgpack.ExtType(_EXT_BIGINT, str(obj).encode())
+        if allow_pickle:
+            return msgpack.ExtType(_EXT_PICKLE, pickle.dumps(obj, protocol=5))
+        raise SerializationError(
+            f"cannot store a {type(obj).__name__} in the checkpoint store without pickle; "
+            "return msgpack-able values (numbers, strings, bytes, lists, dicts, tuples, NumPy "
+            "arrays) or open the run with allow_pickle=True")
+
+    def pack(obj):
+        return msgpack.packb(obj, default=default, use_bin_type=True, strict_types=True)
+
+    return pack
+
+
+def _decoder(allow_pickle: bool):
+    """The unpacker of :func:`decode_value` with its extension hook (built once)."""
+    def ext_hook(code, payload):
+        if code == _EXT_ARRAY:
+            dtype, shape, raw = msgpack.unpackb(payload, raw=False)
+            return np.frombuffer(raw, dtype=dtype_from_token(dtype)).reshape(shape).copy()
+        if code == _EXT_SCALAR:
+            dtype, raw = msgpack.unpackb(payload, raw=False)
+            return np.frombuffer(raw, dtype=dtype_from_token(dtype))[0]
+        if code == _EXT_TUPLE:
+            return tuple(unpack(payload))
+        if code == _EXT_BIGINT:
+            return int(payload.decode())
+        if code == _EXT_PICKLE:
+            if not allow_pickle:
+                raise CheckpointError(
+                    "the stored value was pickled; refusing to unpickle it (that runs code) "
+                    "unless the run is opened with allow_pickle=True")
+            return pickle.loads(payload)
+        return msgpack.ExtType(code, payload)
+
+    def unpack(raw):
+        return msgpack.unpackb(raw, raw=False, ext_hook=ext_hook, strict_map_key=False)
+
+    return unpack
+
+
+_PACK = {flag: _encoder(flag) for flag in (False, True)}
+_UNPACK = {flag: _decoder(flag) for flag in (False, True)}
+
+
+def encode_value(value: Any, *, allow_pickle: bool) -> bytes:
+    """msgpack bytes of ``value`` (see the module docstring for what is allowed)."""
+    return _PACK[bool(allow_pickle)](value)
+
+
+def decode_value(data: bytes, *, allow_pickle: bool) -> Any:
+    """The value :func:`encode_value` encoded (a pickle only with ``allow_pickle``)."""
+    return _UNPACK[bool(allow_pickle)](data)
+
+
+def _check_fields(record: dict, kind: int, where: str) -> None:
+    attempts, duration = record.get("attempts"), record.get("duration_s")
+    if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 0 or \
+            not isinstance(duration, (int, float)) or isinstance(duration, bool):
+        raise CheckpointError(f"{where} is corrupt: attempts={attempts!r}, "
+                              f"duration_s={duration!r}")
+    if kind == KIND_OK and not isinstance(record.get("value"), bytes):
+        raise CheckpointError(f"{where} is corrupt: it holds no encoded value")
+    if kind == KIND_FAILED:
+        error = record.get("error")
+        if not isinstance(error, dict) or not isinstance(error.get("type"), str) or \
+                not isinstance(error.get("message"), str) or \
+                not isinstance(error.get("traceback", ""), str):
+            raise CheckpointError(f"{where} is corrupt: error={error!r:.200}")
+
+
+class RecordCodec:
+    """Packs and judges records (one zstd context pair per store: not thread-safe)."""
+
+    def __init__(self) -> None:
+        self._cctx = zstandard.ZstdCompressor(level=3)
+        self._dctx = zstandard.ZstdDecompressor()
+
+    def pack(self, record: dict) -> bytes:
+        """The record's bytes: msgpack, zstd-compressed from :data:`COMPRESS_FROM` bytes
+        on (a small record is not worth a zstd frame; :meth:`unpack` tells them apart by
+        the zstd magic number, which no msgpack map starts with)."""
+        raw = msgpack.packb(record, use_bin_type=True)
+        return self._cctx.compress(raw) if len(raw) >= COMPRESS_FROM else raw
+
+    def unpack(self, blob: Any, where: str) -> dict:
+        """The record in ``blob`` (any record: the caller checks key and kind), or
+        CheckpointError when it is not one."""
+        if not isinstance(blob, bytes):
+            raise CheckpointError(f"{where} is corrupt: a {type(blob).__name__}, not bytes")
+        try:
+            raw = self._dctx.decompress(blob) if blob[:4] == _ZSTD_MAGIC else blob
+            record = msgpack.unpackb(raw, raw=False)
+        except Exception as exc:  # noqa: BLE001 - corrupt entry: recompute, do not serve
+            raise CheckpointError(f"{where} is corrupt (truncated or damaged): "
+                                  f"{type(exc).__name__}: {exc}") from None
+        if not isinstance(record, dict):
+            raise CheckpointError(f"{where} is corrupt: not a record")
+        return record
+
+    def judge(self, blob: Any, key: str, kind: int, fingerprint: str,
+              where: str) -> dict | None:
+        """The record in ``blob`` if it is a good ``kind`` record of ``key`` under
+        ``fingerprint``; None for another fingerprint; CheckpointError otherwise."""
+        record = self.unpack(blob, where)
+        if record.get("key") != key:
+            raise CheckpointError(f"{where} is not this subject's: it was written for key "
+                                  f"{record.get('key')!r:.200} (forged or moved)")
+        if record.get("fingerprint") != fingerprint:
+            return None
+        _check_fields(record, kind, where)
+        return record
