@@ -80,6 +80,12 @@ def _check_aligned(field: str, aligned) -> tuple:
     return aligned
 
 
+def _sample_error(record: Record, what: str) -> OpError:
+    sid = record.ids[0]
+    return OpError(f"op pack_documents failed on sample {sid}: {what}", op="pack_documents",
+                   sample_id=sid)
+
+
 class PackDocumentsOp(Op):
     kind = "pack_documents"
     stateless = False
@@ -123,14 +129,19 @@ class PackDocumentsOp(Op):
         return _DocPackState(self)
 
     def column(self, record: Record, name: str) -> np.ndarray:
-        """The flat array ``name`` of an input record (an OpError naming the sample if it
-        has none)."""
+        """The flat array ``name`` of an input record: integers for the tokens, numbers
+        for an aligned field, anything when empty (an OpError naming the sample
+        otherwise, or when it has no such field)."""
         try:
-            return np.asarray(record.value[name]).reshape(-1)
+            values = np.asarray(record.value[name]).reshape(-1)
         except (KeyError, TypeError, IndexError) as exc:
-            raise OpError(f"op pack_documents failed on sample {record.ids[0]}: no field "
-                          f"{name!r} ({exc})", op="pack_documents",
-                          sample_id=record.ids[0]) from exc
+            raise _sample_error(record, f"no field {name!r} ({exc})") from exc
+        kinds, what = ("iu", "integer token ids") if name == self.field else \
+            ("biuf", "numbers")
+        if values.dtype.kind not in kinds and values.size:
+            raise _sample_error(record, f"field {name!r} holds {values.dtype} values "
+                                f"({values[:3].tolist()!r:.60}), not {what}")
+        return values
 
     def tokens(self, record: Record) -> np.ndarray:
         """The flat token array of an input record."""
@@ -141,13 +152,17 @@ class PackDocumentsOp(Op):
         for r, a, b in pieces:
             values = self.column(r, name)
             if name != self.field and values.size != self.tokens(r).size:
-                raise OpError(f"op pack_documents failed on sample {r.ids[0]}: field {name!r} "
-                              f"has {values.size} value(s) for {self.tokens(r).size} token(s)",
-                              op="pack_documents", sample_id=r.ids[0])
+                raise _sample_error(r, f"field {name!r} has {values.size} value(s) for "
+                                    f"{self.tokens(r).size} token(s)")
             arrays.append(values[a:b])
         out = np.empty(self.seq_len, dtype=np.result_type(*arrays))
         np.concatenate(arrays, out=out[:total])
-        out[total:] = pad
+        if total < self.seq_len:
+            if out.dtype.kind in "iu" and not np.iinfo(out.dtype).min <= pad <= \
+                    np.iinfo(out.dtype).max:
+                raise _sample_error(pieces[-1][0], f"pad_id {pad} does not fit the "
+                                    f"{out.dtype} tokens of field {name!r}")
+            out[total:] = pad
         return out
 
     def row(self, pieces: list) -> dict:
