@@ -17,6 +17,7 @@ tokenizers = pytest.importorskip("tokenizers")
 import _tokenize_fns as T  # noqa: E402
 
 from zephon import OpError, Pipeline, sources  # noqa: E402
+from zephon.pipeline.text.chat import CHATML  # noqa: E402
 from zephon.pipeline.training import IGNORE_INDEX, to_training  # noqa: E402
 
 
@@ -77,3 +78,42 @@ def test_a_pad_id_the_token_dtype_cannot_hold_is_an_op_error_naming_both():
         list(pipe)
     full = Pipeline(docs(4, dtype=np.uint16), shuffle=False).pack_documents(4, pad_id=70000)
     assert len(list(full)) == 1  # a row without padding needs no pad_id
+
+
+# -- tokenize_chat ------------------------------------------------------------------------
+
+def chat_row(tok, messages, template):
+    src = sources.from_sequence([{"messages": messages}])
+    (row,) = Pipeline(src, shuffle=False).tokenize_chat(tok, template=template)
+    return row
+
+
+def learned(tok, row) -> str:
+    """The text of the masked tokens."""
+    ids = [int(t) for t, m in zip(row["tokens"], row["loss_mask"], strict=True) if m]
+    return tok.decode(ids, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("reply", ["a", "s", "assistant", "\n", "user", "im_start", "t"])
+def test_a_jinja_mask_starts_at_the_content_even_when_the_header_contains_it(tok, reply):
+    # the content was searched for in the message's segment: "a" was found in
+    # "<|im_start|>" and the whole header was learned
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hi"}, {"role": "assistant", "content": reply},
+                {"role": "user", "content": "again"}, {"role": "assistant", "content": ""},
+                {"role": "user", "content": "once more"},
+                {"role": "assistant", "content": reply}]
+    builtin, jinja = chat_row(tok, messages, "chatml"), chat_row(tok, messages, CHATML)
+    assert jinja["tokens"].tolist() == builtin["tokens"].tolist()
+    assert jinja["loss_mask"].tolist() == builtin["loss_mask"].tolist()
+    assert learned(tok, jinja) == f"{reply}<|im_end|>\n" * 2
+
+
+def test_a_template_whose_own_text_repeats_the_reply_masks_the_reply(tok):
+    template = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
+                " [/INST]{% else %}<assistant> {{ m['content'] }}</s>{% endif %}"
+                "{% endfor %}")
+    messages = [{"role": "user", "content": "say assist"},
+                {"role": "assistant", "content": "assist"}]
+    row = chat_row(tok, messages, template)
+    assert learned(tok, row).strip() == "assist</s>"
