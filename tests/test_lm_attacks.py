@@ -117,3 +117,26 @@ def test_a_template_whose_own_text_repeats_the_reply_masks_the_reply(tok):
                 {"role": "assistant", "content": "assist"}]
     row = chat_row(tok, messages, template)
     assert learned(tok, row).strip() == "assist</s>"
+
+
+def test_pack_documents_after_batch_is_refused_not_one_merged_document():
+    # a batch's [B, n] tokens were flattened into one document: B documents attending
+    # to each other
+    src = sources.from_sequence([{"tokens": np.arange(3) + 10 * i} for i in range(4)])
+    with pytest.raises(OpError, match=r"a batch of 2 samples.*before batch"):
+        list(Pipeline(src, shuffle=False).batch(2).pack_documents(8, algorithm="best_fit"))
+
+
+def test_packing_packed_rows_again_is_refused_not_their_padding_taken_for_tokens():
+    src = docs(3, 2)
+    with pytest.raises(OpError, match=r"already packed"):
+        list(Pipeline(src, shuffle=False).pack_documents(8).pack_documents(8))
+
+
+def test_a_token_array_of_several_rows_is_refused_and_one_row_is_read_as_it():
+    two = sources.from_sequence([{"tokens": np.arange(6).reshape(2, 3)}])
+    with pytest.raises(OpError, match=r"shape \(2, 3\).*1-D"):
+        list(Pipeline(two, shuffle=False).pack_documents(8))
+    one = sources.from_sequence([{"tokens": np.arange(3).reshape(1, 3) + 1}])
+    (row,) = Pipeline(one, shuffle=False).pack_documents(4)
+    assert row["tokens"].tolist() == [1, 2, 3, 0]

@@ -28,7 +28,9 @@ Algorithms (``algorithm=``):
   placed like a document. Rows hold at most ``seq_len`` tokens; the rest is padding.
   The placement is the ``fit_place`` kernel (:mod:`zephon.kernels.pack_docs_ref`).
 
-A document with no tokens contributes nothing. The row a record makes is a pure
+A document is a 1-D integer array (a ``[1, n]`` one is read as its row); one with no
+tokens contributes nothing. A batch (``pack_documents`` after ``batch()``) or an
+already packed row is refused: its documents would be packed as one. The row a record makes is a pure
 function of the record sequence, never of how the engine grouped the records.
 
 Invariants and lifecycle (the carry design of :mod:`zephon.pipeline.carry`): the open
@@ -47,6 +49,7 @@ Statistics: with ``execution_tracking="nodes"``, the op's node in ``stats()`` co
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import numpy as np
@@ -54,7 +57,7 @@ import numpy as np
 from zephon.errors import OpError, ZephonConfigError
 from zephon.kernels import fit_place, segment_layout
 from zephon.kernels.pack_docs_ref import CU_SENTINEL
-from zephon.pipeline.ops import Boundary, Op, Record, _check_int, _pos_lineage
+from zephon.pipeline.ops import Batch, Boundary, Op, Record, _check_int, _pos_lineage
 
 __all__ = ["ALGORITHMS", "CU_SENTINEL", "MAX_OPEN_BINS", "PackDocumentsOp"]
 
@@ -130,12 +133,16 @@ class PackDocumentsOp(Op):
 
     def column(self, record: Record, name: str) -> np.ndarray:
         """The flat array ``name`` of an input record: integers for the tokens, numbers
-        for an aligned field, anything when empty (an OpError naming the sample
-        otherwise, or when it has no such field)."""
+        for an aligned field, anything when empty, one row (1-D, or ``[1, n]``) (an
+        OpError naming the sample otherwise, or when it has no such field)."""
         try:
-            values = np.asarray(record.value[name]).reshape(-1)
+            values = np.asarray(record.value[name])
         except (KeyError, TypeError, IndexError) as exc:
             raise _sample_error(record, f"no field {name!r} ({exc})") from exc
+        if values.ndim > 1 and max(values.shape[:-1]) > 1:
+            raise _sample_error(record, f"field {name!r} has shape {values.shape}: a "
+                                "document is a 1-D array")
+        values = values.reshape(-1)
         kinds, what = ("iu", "integer token ids") if name == self.field else \
             ("biuf", "numbers")
         if values.dtype.kind not in kinds and values.size:
@@ -144,7 +151,14 @@ class PackDocumentsOp(Op):
         return values
 
     def tokens(self, record: Record) -> np.ndarray:
-        """The flat token array of an input record."""
+        """The flat token array of an input record (refused: a batch, a packed row)."""
+        value = record.value
+        if isinstance(value, Batch):
+            raise _sample_error(record, f"the input is a batch of {len(record.ids)} samples: "
+                                "pack_documents takes documents, put it before batch()")
+        if isinstance(value, Mapping) and all(k in value for k in LAYOUT_KEYS):
+            raise _sample_error(record, f"the input is already packed (it has "
+                                f"{' and '.join(LAYOUT_KEYS)})")
         return self.column(record, self.field)
 
     def _packed(self, name: str, pieces: list, total: int, pad: int) -> np.ndarray:
