@@ -192,3 +192,39 @@ def test_a_rank_whose_lanes_had_finished_delivers_nothing_more_of_the_pass():
     expected = {lane: rows[delivered[lane]:] for lane, rows in full.items()
                 if rows[delivered[lane]:]}
     assert rest == expected
+
+
+# -- the whole chain, as a chat fine-tune reads it ----------------------------------------
+
+def chat_sample(i: int) -> dict:
+    words = T.corpus(3, seed=i)
+    return {"messages": [{"role": "system", "content": "answer"},
+                         {"role": "user", "content": " ".join(words[0].split()[:4])},
+                         {"role": "assistant", "content": words[1]},
+                         {"role": "user", "content": "more"},
+                         {"role": "assistant", "content": words[2] if i % 3 else ""}]}
+
+
+def test_chat_rows_through_the_loader_learn_exactly_the_kept_assistant_tokens(tok_dir, tok):
+    torch = pytest.importorskip("torch")
+    import zephon.torch as zt
+
+    pipe = (Pipeline(sources.from_callable(12, chat_sample), shuffle=False, chunk_size=4)
+            .tokenize_chat(tok_dir, add_eos=True, max_length=90)
+            .pack_documents(64, algorithm="greedy", aligned=("loss_mask",)).batch(3))
+    expected = []  # (row, slot) -> label, from the packed rows themselves
+    for b in pipe:
+        for tokens, mask, cu in zip(b["tokens"], b["loss_mask"], b["cu_seqlens"],
+                                    strict=True):
+            offs = cu[cu >= 0].tolist()
+            labels = [IGNORE_INDEX] * tokens.size
+            for a, e in zip(offs, offs[1:]):
+                for t in range(a, e - 1):
+                    if mask[t + 1]:
+                        labels[t] = int(tokens[t + 1])
+            expected.append(labels)
+    assert b["tokens"].dtype == np.uint16  # what tokenize gives by default
+    got = [row for out in zt.loader(pipe, to_training=True) for row in out["labels"].tolist()]
+    assert got == expected
+    assert sum(v != IGNORE_INDEX for row in got for v in row) > 100
+    assert torch.tensor(got).min().item() == IGNORE_INDEX  # never a wrapped 65436
