@@ -7,6 +7,7 @@ nothing is downloaded.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -119,6 +120,32 @@ def test_a_template_whose_own_text_repeats_the_reply_masks_the_reply(tok):
     assert learned(tok, row).strip() == "assist</s>"
 
 
+#: Qwen2.5's chat template, shortened (no tools): it reads messages[0] unguarded, so it
+#: cannot render an empty conversation
+QWEN_LIKE = """{%- if messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+{%- else %}
+    {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role != "system" or not loop.first %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+
+def test_a_template_that_cannot_render_no_messages_still_works(tok):
+    # every prefix was rendered from messages[:0], which this template cannot render
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello there"}]
+    row = chat_row(tok, messages, QWEN_LIKE)
+    text = tok.decode(row["tokens"].tolist(), skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+    assert learned(tok, row) == "hello there<|im_end|>\n"
+
+
 def test_pack_documents_after_batch_is_refused_not_one_merged_document():
     # a batch's [B, n] tokens were flattened into one document: B documents attending
     # to each other
@@ -218,7 +245,7 @@ def test_chat_rows_through_the_loader_learn_exactly_the_kept_assistant_tokens(to
                                     strict=True):
             offs = cu[cu >= 0].tolist()
             labels = [IGNORE_INDEX] * tokens.size
-            for a, e in zip(offs, offs[1:]):
+            for a, e in itertools.pairwise(offs):
                 for t in range(a, e - 1):
                     if mask[t + 1]:
                         labels[t] = int(tokens[t + 1])

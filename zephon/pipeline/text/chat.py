@@ -16,7 +16,7 @@ spans of the assistant's turns) and :class:`TokenizeChatOp`.
   tokenizer should have ``<|im_start|>`` and ``<|im_end|>`` as added tokens).
 - **Where the assistant is.** A Jinja template is rendered on every prefix of the
   conversation: what ``messages[:i + 1]`` adds to ``messages[:i]`` is message ``i``'s
-  segment (a template whose prefix renderings do not extend each other is refused,
+  segment (no messages render as "" when the template cannot render them) (a template whose prefix renderings do not extend each other is refused,
   naming the message). An assistant span runs from the start of the message's content in
   its segment (where a marker rendered in place of the content lands, so that text of
   the template equal to the content, the ``a`` of ``assistant``, is never taken for it)
@@ -118,7 +118,7 @@ class ChatTemplate:
         if self.builtin:
             return self._render_chatml(messages)
         spans: list[tuple[int, int]] = []
-        prev = self._render([])
+        prev = self._render_none()
         for i, message in enumerate(messages):
             cur = self._render(messages[:i + 1])
             if not cur.startswith(prev):
@@ -128,6 +128,14 @@ class ChatTemplate:
                 spans.append((self._content_at(messages, i, prev, cur), len(cur)))
             prev = cur
         return prev, spans
+
+    def _render_none(self) -> str:
+        """The rendering of no messages: "" when the template cannot render it (Qwen's
+        reads ``messages[0]`` unguarded)."""
+        try:
+            return self._render([])
+        except Exception:  # noqa: BLE001 - whatever the template raises on no messages
+            return ""
 
     def _content_at(self, messages: list, i: int, prev: str, cur: str) -> int:
         """Where message ``i``'s content starts in ``cur`` (its prefix rendering): where
