@@ -16,12 +16,15 @@ spans of the assistant's turns) and :class:`TokenizeChatOp`.
   tokenizer should have ``<|im_start|>`` and ``<|im_end|>`` as added tokens).
 - **Where the assistant is.** A Jinja template is rendered on every prefix of the
   conversation: what ``messages[:i + 1]`` adds to ``messages[:i]`` is message ``i``'s
-  segment (no messages render as "" when the template cannot render them) (a template whose prefix renderings do not extend each other is refused,
-  naming the message). An assistant span runs from the start of the message's content in
-  its segment (where a marker rendered in place of the content lands, so that text of
-  the template equal to the content, the ``a`` of ``assistant``, is never taken for it)
-  to the end of the segment: the content and the end-of-turn text the
-  template puts after it (``<|im_end|>\\n`` in ChatML), so the model learns to stop. An
+  segment (no messages render as "" when the template cannot render them; a template
+  whose prefix renderings do not extend each other is refused, naming the message).
+  Rendering every prefix costs time quadratic in the number of messages (long
+  multi-turn traces are slow with a Jinja template); the built-in ChatML renders each
+  message once. An assistant span runs from the start of the message's content in its
+  segment (where a marker rendered in place of the content lands, so that text of the
+  template equal to the content, the ``a`` of ``assistant``, is never taken for it) to
+  the end of the segment: the content and the end-of-turn text the template puts after
+  it (``<|im_end|>\\n`` in ChatML), so the model learns to stop. An
   assistant message with empty content has no span; a template that changes the content
   (so that it is not found in its segment) is refused.
 - **Tokens and mask.** The rendered conversation is tokenized whole (one
