@@ -255,3 +255,27 @@ def test_chat_rows_through_the_loader_learn_exactly_the_kept_assistant_tokens(to
     assert got == expected
     assert sum(v != IGNORE_INDEX for row in got for v in row) > 100
     assert torch.tensor(got).min().item() == IGNORE_INDEX  # never a wrapped 65436
+
+
+@pytest.mark.parametrize("algorithm", ["greedy", "first_fit", "best_fit"])
+@pytest.mark.parametrize("seq_len", [2, 3, 5])
+def test_edge_lengths_give_varlen_offsets_and_labels_within_documents(algorithm, seq_len):
+    # held: documents of 0, 1, seq_len, seq_len + 1 and 2 * seq_len + 1 tokens, one open
+    # bin, a pad_id that is also a real token
+    lengths = [seq_len, seq_len + 1, 1, 2 * seq_len, 0, seq_len - 1, 2 * seq_len + 1, 1]
+    pipe = Pipeline(docs(*lengths, base=5), shuffle=False).pack_documents(
+        seq_len, algorithm=algorithm, open_bins=1, pad_id=5).batch(len(lengths) * 3)
+    (batch,) = pipe
+    out = to_training(batch)
+    rows = batch["tokens"].shape[0]
+    cu = out["cu_seqlens"]
+    assert cu.dtype == np.int32 and cu[0] == 0 and cu[-1] == rows * seq_len
+    assert (np.diff(cu) > 0).all() and out["max_seqlen"] == int(np.diff(cu).max())
+    for r in range(rows):
+        offs = batch["cu_seqlens"][r][batch["cu_seqlens"][r] >= 0].tolist()
+        want = [IGNORE_INDEX] * seq_len
+        for a, e in itertools.pairwise(offs):
+            want[a:e - 1] = batch["tokens"][r][a + 1:e].tolist()
+        assert out["labels"][r].tolist() == want
+        assert out["attention_mask"][r].tolist() == [int(t < offs[-1]) for t in range(seq_len)]
+    assert out["num_valid_tokens"] == int((out["labels"] != IGNORE_INDEX).sum())
