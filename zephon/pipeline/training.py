@@ -131,11 +131,12 @@ def to_training(batch, *, field: str = "tokens", ignore_index: int = IGNORE_INDE
     mask = _column(batch, loss_mask, (rows, seq_len))
     if mask is not None:
         predicts &= mask[:, 1:] != 0
+    ids = tokens.astype(np.int64)  # first: -100 has no place in uint16 tokens
     labels = np.full((rows, seq_len), ignore_index, dtype=np.int64)
-    labels[:, :-1] = np.where(predicts, tokens[:, 1:], ignore_index)
+    labels[:, :-1] = np.where(predicts, ids[:, 1:], ignore_index)
     offsets = _flat_offsets(cu, valid, seq_len)
     out = {
-        "input_ids": tokens.astype(np.int64),
+        "input_ids": ids,
         "labels": labels,
         "loss_mask": labels != ignore_index,
         "attention_mask": real.astype(np.int64),

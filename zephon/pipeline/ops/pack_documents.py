@@ -28,7 +28,9 @@ Algorithms (``algorithm=``):
   placed like a document. Rows hold at most ``seq_len`` tokens; the rest is padding.
   The placement is the ``fit_place`` kernel (:mod:`zephon.kernels.pack_docs_ref`).
 
-A document with no tokens contributes nothing. The row a record makes is a pure
+A document is a 1-D integer array (a ``[1, n]`` one is read as its row); one with no
+tokens contributes nothing. A batch (``pack_documents`` after ``batch()``) or an
+already packed row is refused: its documents would be packed as one. The row a record makes is a pure
 function of the record sequence, never of how the engine grouped the records.
 
 Invariants and lifecycle (the carry design of :mod:`zephon.pipeline.carry`): the open
@@ -47,6 +49,7 @@ Statistics: with ``execution_tracking="nodes"``, the op's node in ``stats()`` co
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -55,7 +58,7 @@ from zephon.errors import OpError, ZephonConfigError
 from zephon.kernels import fit_place, segment_layout
 from zephon.kernels.pack_docs_ref import CU_SENTINEL
 from zephon.pipeline.ops.base import CarryingAccumulator, HoldsBins, check_int
-from zephon.pipeline.records import Boundary, Record
+from zephon.pipeline.records import Batch, Boundary, Record
 
 __all__ = ["ALGORITHMS", "CU_SENTINEL", "MAX_OPEN_BINS", "PackDocumentsOp"]
 
@@ -79,6 +82,12 @@ def _check_aligned(field: str, aligned) -> tuple:
                                 f"is named twice (the row's keys are {field!r}, "
                                 f"{', '.join(map(repr, LAYOUT_KEYS))} and aligned {aligned})")
     return aligned
+
+
+def _sample_error(record: Record, what: str) -> OpError:
+    sid = record.ids[0]
+    return OpError(f"op pack_documents failed on sample {sid}: {what}", op="pack_documents",
+                   sample_id=sid)
 
 
 class PackDocumentsOp(HoldsBins):
@@ -135,17 +144,33 @@ class PackDocumentsOp(HoldsBins):
         return self.make_row(pieces, lin)
 
     def column(self, record: Record, name: str) -> np.ndarray:
-        """The flat array ``name`` of an input record (an OpError naming the sample if it
-        has none)."""
+        """The flat array ``name`` of an input record: integers for the tokens, numbers
+        for an aligned field, anything when empty, one row (1-D, or ``[1, n]``) (an
+        OpError naming the sample otherwise, or when it has no such field)."""
         try:
-            return np.asarray(record.value[name]).reshape(-1)
+            values = np.asarray(record.value[name])
         except (KeyError, TypeError, IndexError) as exc:
-            raise OpError(f"op pack_documents failed on sample {record.ids[0]}: no field "
-                          f"{name!r} ({exc})", op="pack_documents",
-                          sample_id=record.ids[0]) from exc
+            raise _sample_error(record, f"no field {name!r} ({exc})") from exc
+        if values.ndim > 1 and max(values.shape[:-1]) > 1:
+            raise _sample_error(record, f"field {name!r} has shape {values.shape}: a "
+                                "document is a 1-D array")
+        values = values.reshape(-1)
+        kinds, what = ("iu", "integer token ids") if name == self.field else \
+            ("biuf", "numbers")
+        if values.dtype.kind not in kinds and values.size:
+            raise _sample_error(record, f"field {name!r} holds {values.dtype} values "
+                                f"({values[:3].tolist()!r:.60}), not {what}")
+        return values
 
     def tokens(self, record: Record) -> np.ndarray:
-        """The flat token array of an input record."""
+        """The flat token array of an input record (refused: a batch, a packed row)."""
+        value = record.value
+        if isinstance(value, Batch):
+            raise _sample_error(record, f"the input is a batch of {len(record.ids)} samples: "
+                                "pack_documents takes documents, put it before batch()")
+        if isinstance(value, Mapping) and all(k in value for k in LAYOUT_KEYS):
+            raise _sample_error(record, f"the input is already packed (it has "
+                                f"{' and '.join(LAYOUT_KEYS)})")
         return self.column(record, self.field)
 
     def _packed(self, name: str, pieces: list, total: int, pad: int) -> np.ndarray:
@@ -153,13 +178,17 @@ class PackDocumentsOp(HoldsBins):
         for r, a, b in pieces:
             values = self.column(r, name)
             if name != self.field and values.size != self.tokens(r).size:
-                raise OpError(f"op pack_documents failed on sample {r.ids[0]}: field {name!r} "
-                              f"has {values.size} value(s) for {self.tokens(r).size} token(s)",
-                              op="pack_documents", sample_id=r.ids[0])
+                raise _sample_error(r, f"field {name!r} has {values.size} value(s) for "
+                                    f"{self.tokens(r).size} token(s)")
             arrays.append(values[a:b])
         out = np.empty(self.seq_len, dtype=np.result_type(*arrays))
         np.concatenate(arrays, out=out[:total])
-        out[total:] = pad
+        if total < self.seq_len:
+            if out.dtype.kind in "iu" and not np.iinfo(out.dtype).min <= pad <= \
+                    np.iinfo(out.dtype).max:
+                raise _sample_error(pieces[-1][0], f"pad_id {pad} does not fit the "
+                                    f"{out.dtype} tokens of field {name!r}")
+            out[total:] = pad
         return out
 
     def row(self, pieces: list) -> dict:

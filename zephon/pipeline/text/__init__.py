@@ -3,7 +3,7 @@
 - :mod:`~zephon.pipeline.text.tokenizer`: :class:`TokenizerRef`, a tokenizer given by a
   local path or an instance, picklable through its JSON, loaded once per process;
 - :mod:`~zephon.pipeline.text.tokenize`: the ``tokenize`` op (batched ``encode_batch``
-  over a whole dispatch part, BOS/EOS, truncation and splitting, dtype);
+  over a whole dispatch part, BOS/EOS, truncation, dtype);
 - :mod:`~zephon.pipeline.text.chat`: chat templates and the ``tokenize_chat`` op
   (tokens plus an assistant-only ``loss_mask``).
 

@@ -16,10 +16,15 @@ spans of the assistant's turns) and :class:`TokenizeChatOp`.
   tokenizer should have ``<|im_start|>`` and ``<|im_end|>`` as added tokens).
 - **Where the assistant is.** A Jinja template is rendered on every prefix of the
   conversation: what ``messages[:i + 1]`` adds to ``messages[:i]`` is message ``i``'s
-  segment (a template whose prefix renderings do not extend each other is refused,
-  naming the message). An assistant span runs from the start of the message's content in
-  its segment to the end of the segment: the content and the end-of-turn text the
-  template puts after it (``<|im_end|>\\n`` in ChatML), so the model learns to stop. An
+  segment (no messages render as "" when the template cannot render them; a template
+  whose prefix renderings do not extend each other is refused, naming the message).
+  Rendering every prefix costs time quadratic in the number of messages (long
+  multi-turn traces are slow with a Jinja template); the built-in ChatML renders each
+  message once. An assistant span runs from the start of the message's content in its
+  segment (where a marker rendered in place of the content lands, so that text of the
+  template equal to the content, the ``a`` of ``assistant``, is never taken for it) to
+  the end of the segment: the content and the end-of-turn text the template puts after
+  it (``<|im_end|>\\n`` in ChatML), so the model learns to stop. An
   assistant message with empty content has no span; a template that changes the content
   (so that it is not found in its segment) is refused.
 - **Tokens and mask.** The rendered conversation is tokenized whole (one
@@ -53,6 +58,10 @@ __all__ = ["CHATML", "ChatTemplate", "TokenizeChatOp"]
 #: without Jinja).
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
           "{{ message['content'] }}<|im_end|>\n{% endfor %}")
+
+#: What stands for an assistant's content in the rendering that locates it (private-use
+#: characters no template writes).
+_MARKER = "\ue000zephon:content\ue001"
 
 _COMPILED: dict[str, Any] = {}
 _COMPILE_LOCK = threading.Lock()
@@ -113,21 +122,36 @@ class ChatTemplate:
         if self.builtin:
             return self._render_chatml(messages)
         spans: list[tuple[int, int]] = []
-        prev = self._render([])
+        prev = self._render_none()
         for i, message in enumerate(messages):
             cur = self._render(messages[:i + 1])
             if not cur.startswith(prev):
                 raise ValueError(f"the chat template is not prefix-stable: rendering "
                                  f"messages[:{i + 1}] does not extend messages[:{i}]")
             if message["role"] == "assistant" and message["content"]:
-                k = cur.find(message["content"], len(prev))
-                if k < 0:
-                    raise ValueError(f"the chat template changes the content of message "
-                                     f"{i} (an assistant turn): its loss mask cannot be "
-                                     "placed")
-                spans.append((k, len(cur)))
+                spans.append((self._content_at(messages, i, prev, cur), len(cur)))
             prev = cur
         return prev, spans
+
+    def _render_none(self) -> str:
+        """The rendering of no messages: "" when the template cannot render it (Qwen's
+        reads ``messages[0]`` unguarded)."""
+        try:
+            return self._render([])
+        except Exception:  # noqa: BLE001 - whatever the template raises on no messages
+            return ""
+
+    def _content_at(self, messages: list, i: int, prev: str, cur: str) -> int:
+        """Where message ``i``'s content starts in ``cur`` (its prefix rendering): where
+        a marker rendered in its place is (a search for the content itself could land
+        on the template's text, the ``a`` of ``<|im_start|>assistant``)."""
+        content = messages[i]["content"]
+        marked = self._render([*messages[:i], {**messages[i], "content": _MARKER}])
+        k = marked.find(_MARKER, len(prev))
+        if k < 0 or marked[:k] != cur[:k] or cur[k:k + len(content)] != content:
+            raise ValueError(f"the chat template changes the content of message {i} (an "
+                             "assistant turn): its loss mask cannot be placed")
+        return k
 
     @staticmethod
     def _render_chatml(messages: list) -> tuple[str, list[tuple[int, int]]]:
