@@ -36,8 +36,9 @@ A round on a store, under ``<round>/<token>/`` (see
   own or its process group's, and rank 0 may exit right after
   ``checkpoint()``), then deletes the round's keys: nothing is left.
 
-A rank other than 0 makes at most 8 store calls a round, rank 0 at most 22
-(13 of them deletes), for 2 ranks as for 16384.
+A rank other than 0 makes at most 8 store calls a round, rank 0 16 (7 of them
+deletes; 24 when it reopens a round an earlier launch left), for 2 ranks as for
+16384.
 
 Keys are ``zephon/<run_id>/...``. The round protocol is
 :func:`zephon.checkpoint.aggregate.exchange`; torch is imported only here, and
