@@ -8,21 +8,28 @@ TCPStore); the protocol is the same over all of them.
 A round (``round_no`` counts the calls of ``checkpoint()`` in this launch):
 
 1. Rank 0 draws a fresh random token and publishes ``round-<n>/open`` naming it.
-2. Every other rank reads ``open`` and writes its local state (with its own
-   fresh nonce) to ``round-<n>/<token>/rank-<r>``. It re-reads ``open`` while
-   it waits: if the token changes (what it read was left by an earlier launch
-   of the same ``run_id``), it writes its state again under the new token.
-3. Rank 0 reads only ``round-<n>/<token>/rank-*``: under a token it drew a
-   moment ago, so a file of an earlier launch or round can never be merged.
-   It checks the states (:func:`merge_states`) and publishes
-   ``round-<n>/<token>/merged``: the merged state and the nonces it merged,
-   or the error that stopped it.
-4. A rank returns the merged state only from a ``merged`` record that lists
-   its own nonce; if that record carries an error, it raises it.
+   An ``open`` already there was left by an earlier launch: rank 0 first writes
+   a redirect to its token into that round's ``merged`` key, where ranks that
+   read the old token wait.
+2. Every other rank waits for ``open`` and submits its state once under
+   ``round-<n>/<token>/`` (:meth:`submit` of the medium), unless a ``merged``
+   record is there already: that one is an earlier launch's, and the rank waits
+   for rank 0 to reopen the round.
+3. Rank 0 gathers the submissions under the token it drew a moment ago, so a
+   record of an earlier launch or round can never be merged, checks that
+   nobody reopened the round, checks the states (:func:`merge_states`) and
+   publishes ``round-<n>/<token>/merged``: the merged state, or the error that
+   stopped it.
+4. Every rank reads ``merged`` once and returns its state (or raises its
+   error), then tells the medium it is done (``tidy``): the last one removes
+   the round. A medium that cannot count its readers leaves the round to
+   rank 0, which removes round ``n - 1`` after merging round ``n`` (every rank
+   has submitted to ``n``, so all are done with ``n - 1``).
 
-Tidying: once every rank has submitted to round ``n``, all of them are done
-with round ``n - 1``, and rank 0 removes it after the merge (the last round
-stays, for inspection).
+Cost: every wait blocks on the medium (a store) or backs off (a directory), and a
+rank makes a constant number of medium operations a round whatever the world size
+(see :mod:`zephon.checkpoint.media`); every rank reads the merged record, the
+compressed merged state and nothing per rank, once.
 
 Invariants: every rank returns the same bytes or raises; a merged state has
 passed :func:`check_merged` (every lane in range, each lane owned by exactly
