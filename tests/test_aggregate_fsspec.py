@@ -56,8 +56,11 @@ def test_file_url_is_a_local_directory(tmp_path, launch):
     results = launch([dict(tag="a", rank=r, world=2, take=2, opts={"aggregate_dir": url})
                       for r in range(2)])
     assert [code for code, _ in results] == [0, 0], results
-    # <dir>/<run_id>/<scope of this launch and pipeline>/round-<n>
-    assert list((tmp_path / "agg" / "default_run_id").glob("p-*/round-1/open"))
+    # the round ran in <dir>/<run_id>/<scope of this launch and pipeline>/round-<n>, and
+    # the last rank to read the merged state removed it
+    scopes = list((tmp_path / "agg" / "default_run_id").glob("p-*"))
+    assert len(scopes) == 1 and scopes[0].is_dir()
+    assert [p for p in scopes[0].rglob("*")] == []
 
 
 @pytest.fixture

@@ -8,21 +8,28 @@ TCPStore); the protocol is the same over all of them.
 A round (``round_no`` counts the calls of ``checkpoint()`` in this launch):
 
 1. Rank 0 draws a fresh random token and publishes ``round-<n>/open`` naming it.
-2. Every other rank reads ``open`` and writes its local state (with its own
-   fresh nonce) to ``round-<n>/<token>/rank-<r>``. It re-reads ``open`` while
-   it waits: if the token changes (what it read was left by an earlier launch
-   of the same ``run_id``), it writes its state again under the new token.
-3. Rank 0 reads only ``round-<n>/<token>/rank-*``: under a token it drew a
-   moment ago, so a file of an earlier launch or round can never be merged.
-   It checks the states (:func:`merge_states`) and publishes
-   ``round-<n>/<token>/merged``: the merged state and the nonces it merged,
-   or the error that stopped it.
-4. A rank returns the merged state only from a ``merged`` record that lists
-   its own nonce; if that record carries an error, it raises it.
+   An ``open`` already there was left by an earlier launch: rank 0 first writes
+   a redirect to its token into that round's ``merged`` key, where ranks that
+   read the old token wait.
+2. Every other rank waits for ``open`` and submits its state once under
+   ``round-<n>/<token>/`` (:meth:`submit` of the medium), unless a ``merged``
+   record is there already: that one is an earlier launch's, and the rank waits
+   for rank 0 to reopen the round.
+3. Rank 0 gathers the submissions under the token it drew a moment ago, so a
+   record of an earlier launch or round can never be merged, checks that
+   nobody reopened the round, checks the states (:func:`merge_states`) and
+   publishes ``round-<n>/<token>/merged``: the merged state, or the error that
+   stopped it.
+4. Every rank reads ``merged`` once and returns its state (or raises its
+   error), then tells the medium it is done (``tidy``): the last one removes
+   the round. A medium that cannot count its readers leaves the round to
+   rank 0, which removes round ``n - 1`` after merging round ``n`` (every rank
+   has submitted to ``n``, so all are done with ``n - 1``).
 
-Tidying: once every rank has submitted to round ``n``, all of them are done
-with round ``n - 1``, and rank 0 removes it after the merge (the last round
-stays, for inspection).
+Cost: every wait blocks on the medium (a store) or backs off (a directory), and a
+rank makes a constant number of medium operations a round whatever the world size
+(see :mod:`zephon.checkpoint.media`); every rank reads the merged record, the
+compressed merged state and nothing per rank, once.
 
 Invariants: every rank returns the same bytes or raises; a merged state has
 passed :func:`check_merged` (every lane in range, each lane owned by exactly
@@ -47,6 +54,7 @@ import time
 from typing import Callable, NoReturn
 
 from zephon.checkpoint.codec import decode_state, encode_state
+from zephon.checkpoint.media import backoff
 from zephon.errors import AggregationTimeoutError, CheckpointError, ZephonConfigError
 from zephon.options import (
     resolve_aggregate_timeout_s,
@@ -249,7 +257,7 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
     """Run one checkpoint round over ``medium`` (see the module docstring).
 
     Args:
-        medium: a :mod:`zephon.checkpoint.media` medium (``put``/``get``/``address``).
+        medium: a :mod:`zephon.checkpoint.media` medium.
         submission: this rank's local state plus ``group``/``world``/``dp_degree``/
             ``mapping``.
         round_no: the round (the n-th ``checkpoint()`` of this launch, from 1).
@@ -268,7 +276,7 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
     rnd = _Round(medium, round_no, timeout_s, grace_s, scope)
     if rank == 0:
         return _lead(rnd, submission, world, serializer, compressor)
-    return _follow(rnd, submission, rank, serializer, compressor)
+    return _follow(rnd, submission, rank, world, serializer, compressor)
 
 
 class _Round:
@@ -286,20 +294,35 @@ class _Round:
         self.where = f"{medium.address} ({self.base})"
 
 
+def _record(fields: dict) -> bytes:
+    return encode_state(fields, "msgpack", "none")
+
+
+def _token_of(record: dict | None, field: str = "token") -> str | None:
+    token = record.get(field) if record is not None else None
+    return token if isinstance(token, str) and _TOKEN.fullmatch(token) else None
+
+
 def _lead(rnd: _Round, submission: dict, world: int, serializer: str,
           compressor: str) -> bytes:
     """Rank 0: open the round, collect every rank's state, merge, publish the merged
-    state (or the failure, which every rank then raises), and drop the previous round."""
+    state (or the failure, which every rank then raises), tidy the round."""
     medium, base = rnd.medium, rnd.base
     token = os.urandom(8).hex()
-    medium.put(f"{base}/open", encode_state({"token": token, "world": world}, "msgpack",
-                                            "none"))
-    states = {0: dict(submission, nonce=token, rank=0)}
+    # An open record already there was left by an earlier launch: ranks that read it
+    # wait on its merged key, so a redirect there sends them to this round.
+    previous = _token_of(_read_record(medium, f"{base}/open"))
+    if previous is not None:
+        medium.put(f"{base}/{previous}/merged", _record({"reopened": token}))
+    medium.put(f"{base}/open", _record({"token": token, "world": world}))
+    tokens = [token] if previous is None else [token, previous]
+    states = {0: dict(submission, rank=0)}
 
-    def fail(record: dict, exc: BaseException) -> NoReturn:
-        record["nonces"] = sorted(s.get("nonce", "") for s in states.values())
+    def fail(record: dict, exc: BaseException, tidy: bool = False) -> NoReturn:
         try:
-            medium.put(f"{base}/{token}/merged", encode_state(record, "msgpack", "none"))
+            medium.put(f"{base}/{token}/merged", _record(record))
+            if tidy:  # every rank arrived and reads the failure: the round ends as usual
+                medium.tidy(base, tokens, 0, world, rnd.deadline)
         except Exception:  # best effort: the ranks then time out instead
             log.debug("could not publish the failure of %s", rnd.where, exc_info=True)
         raise exc
@@ -309,13 +332,12 @@ def _lead(rnd: _Round, submission: dict, world: int, serializer: str,
         merged = merge_states(states)
         state = encode_state(merged, serializer, compressor)
     except CheckpointError as exc:
-        fail({"kind": "error", "error": str(exc)}, exc)
-    nonces = sorted(s["nonce"] for s in states.values())
-    medium.put(f"{base}/{token}/merged",
-               encode_state({"nonces": nonces, "state": state}, "msgpack", "none"))
-    medium.after_merge(f"{base}/{token}", world, rnd.deadline)
+        fail({"kind": "error", "error": str(exc)}, exc, tidy=True)
+    medium.put(f"{base}/{token}/merged", _record({"state": state}))
+    medium.tidy(base, tokens, 0, world, rnd.deadline)
     if rnd.round_no > 1:
         # every rank has submitted to this round, so every rank is done with the last one
+        # (a medium that cannot count its readers leaves each round to the next)
         try:
             medium.remove(f"{rnd.prefix}round-{rnd.round_no - 1}")
         except Exception:  # a leftover round is harmless: keep the checkpoint
@@ -325,70 +347,82 @@ def _lead(rnd: _Round, submission: dict, world: int, serializer: str,
 
 
 def _collect(rnd: _Round, token: str, states: dict, world: int,
-             fail: Callable[[dict, BaseException], NoReturn]) -> None:
-    """Rank 0: poll until every rank's state is in ``states``; ``fail`` on a foreign
-    opener, an unreadable record or ranks that do not arrive in time."""
+             fail: Callable[..., NoReturn]) -> None:
+    """Rank 0: wait (at most the arrival grace) until every rank has submitted, read the
+    submissions in one go; ``fail`` on a foreign opener, an unreadable record or ranks
+    that do not arrive in time."""
     medium, base = rnd.medium, rnd.base
-    while len(states) < world:
-        opened = _read_record(medium, f"{base}/open")
-        if opened is not None and opened.get("token") != token:
-            message = (f"checkpoint round {rnd.round_no}: another launch with the same "
-                       f"run_id opened this round at {rnd.where} while this one was "
-                       "collecting: give concurrent jobs sharing an aggregate_dir "
-                       "distinct run_ids (under torchrun each launch is kept apart "
-                       "automatically)")
-            fail({"kind": "error", "error": message}, CheckpointError(message))
-        for r in range(1, world):
-            blob = None if r in states else medium.get(f"{base}/{token}/rank-{r}")
-            if blob is not None:
-                try:
-                    states[r] = decode_state(blob)
-                except CheckpointError as exc:
-                    fail({"kind": "error", "error": f"rank {r}'s record: {exc}"}, exc)
-        if len(states) == world:
-            return
-        now = time.monotonic()
-        if now - rnd.start > rnd.grace or now > rnd.deadline:
-            missing = sorted(set(range(world)) - set(states))
-            waited = min(rnd.grace, rnd.timeout_s)
-            message = (
-                f"checkpoint round {rnd.round_no}: rank(s) {missing} did not call "
-                f"checkpoint() within {waited:.1f} s of rank 0 ({rnd.where}); checkpoint() "
-                "is collective: every rank must call it at the same step, not only rank 0")
-            fail({"kind": "timeout", "error": message, "missing": missing},
-                 AggregationTimeoutError(message, missing=missing))
-        time.sleep(medium.poll_s)
+    until = min(rnd.start + rnd.grace, rnd.deadline)
+    try:
+        blobs = medium.gather(f"{base}/{token}", world, until) if world > 1 else {}
+    except CheckpointError as exc:
+        fail({"kind": "error", "error": str(exc)}, exc)
+    if _token_of(_read_record(medium, f"{base}/open")) != token:
+        message = (f"checkpoint round {rnd.round_no}: another launch with the same "
+                   f"run_id opened this round at {rnd.where} while this one was "
+                   "collecting: give concurrent jobs sharing an aggregate_dir "
+                   "distinct run_ids (under torchrun each launch is kept apart "
+                   "automatically)")
+        fail({"kind": "error", "error": message}, CheckpointError(message))
+    for r, blob in sorted(blobs.items()):
+        try:
+            states[r] = decode_state(blob)
+        except CheckpointError as exc:
+            fail({"kind": "error", "error": f"rank {r}'s record: {exc}"}, exc)
+    missing = sorted(set(range(world)) - set(states))
+    if missing:
+        waited = min(rnd.grace, rnd.timeout_s)
+        message = (
+            f"checkpoint round {rnd.round_no}: rank(s) {missing} did not call "
+            f"checkpoint() within {waited:.1f} s of rank 0 ({rnd.where}); checkpoint() "
+            "is collective: every rank must call it at the same step, not only rank 0")
+        fail({"kind": "timeout", "error": message, "missing": missing},
+             AggregationTimeoutError(message, missing=missing))
 
 
-def _follow(rnd: _Round, submission: dict, rank: int, serializer: str,
+def _follow(rnd: _Round, submission: dict, rank: int, world: int, serializer: str,
             compressor: str) -> bytes:
     """A rank other than 0: submit to the round rank 0 opened (again if it reopens it),
-    then wait for the merged state that names this rank's nonce."""
+    then wait for the merged state published after this rank submitted."""
     medium, base = rnd.medium, rnd.base
-    nonce = os.urandom(8).hex()
-    mine = encode_state(dict(submission, nonce=nonce, rank=rank), serializer, compressor)
-    submitted = None
+    mine = encode_state(dict(submission, rank=rank), serializer, compressor)
+    token = _await_token(rnd, None)
     while True:
-        # A record that does not decode (a torn or foreign leftover in a reused directory)
-        # counts as not there yet: rank 0 of this launch writes its own.
-        opened = _read_record(medium, f"{base}/open")
-        token = opened.get("token") if opened is not None else None
-        if isinstance(token, str) and _TOKEN.fullmatch(token) and token != submitted:
-            medium.put(f"{base}/{token}/rank-{rank}", mine)
-            submitted = token
-        if submitted is not None:
-            record = _read_record(medium, f"{base}/{submitted}/merged")
-            if record is not None and nonce in record.get("nonces", ()):
-                medium.acknowledge(f"{base}/{submitted}")
+        merged = f"{base}/{token}/merged"
+        record = _read_record(medium, merged)
+        if record is None:  # the round is open and not merged yet: take part in it
+            medium.submit(f"{base}/{token}", rank, world, mine)
+            record = _decoded(medium, merged, medium.wait(merged, rnd.deadline))
+            if record is None and time.monotonic() >= rnd.deadline:
+                _rank_0_late(rnd)
+            if record is not None and "reopened" not in record:
+                medium.tidy(base, [token], rank, world, rnd.deadline)
                 if "error" in record:
                     _raise_recorded(record, rnd.where)
                 return record["state"]
-        if time.monotonic() > rnd.deadline:
-            raise AggregationTimeoutError(
-                f"checkpoint round {rnd.round_no}: rank 0 did not publish the merged state "
-                f"within {rnd.timeout_s} s ({rnd.where}); checkpoint() is collective: every "
-                "rank, rank 0 included, must call it at the same step", missing=[0])
-        time.sleep(medium.poll_s)
+        redirect = _token_of(record, "reopened")
+        # a redirect names the round rank 0 opened; a merged record there before this
+        # rank submitted is an earlier launch's, and rank 0 of this one reopens the round
+        token = redirect if redirect is not None else _await_token(rnd, token)
+
+
+def _await_token(rnd: _Round, stale: str | None) -> str:
+    """The token of the open round once it is not ``stale`` (a blocking wait for the open
+    record, then a bounded backoff while only a stale one is there)."""
+    key = f"{rnd.base}/open"
+    token = _token_of(_decoded(rnd.medium, key, rnd.medium.wait(key, rnd.deadline)))
+    for _ in backoff(rnd.deadline, first_s=0.01, cap_s=0.5):
+        if token is not None and token != stale:
+            return token
+        token = _token_of(_read_record(rnd.medium, key))
+    _rank_0_late(rnd)
+
+
+def _rank_0_late(rnd: _Round) -> NoReturn:
+    raise AggregationTimeoutError(
+        f"checkpoint round {rnd.round_no}: rank 0 did not publish the merged state "
+        f"within {rnd.timeout_s} s ({rnd.where}); checkpoint() is collective: every "
+        "rank, rank 0 included, must call it at the same step", missing=[0])
 
 
 _TOKEN = re.compile(r"[0-9a-f]{16}")
@@ -396,12 +430,17 @@ _TOKEN = re.compile(r"[0-9a-f]{16}")
 
 def _read_record(medium, key: str) -> dict | None:
     """A small record of the protocol, or None when it is absent or unreadable."""
-    blob = medium.get(key)
+    return _decoded(medium, key, medium.get(key))
+
+
+def _decoded(medium, key: str, blob: bytes | None) -> dict | None:
     if blob is None:
         return None
     try:
         record = decode_state(blob)
     except CheckpointError:
+        # A torn or foreign leftover in a reused directory counts as not there yet:
+        # rank 0 of this launch writes its own.
         log.warning("checkpoint exchange: ignoring an unreadable %s at %s", key,
                     medium.address)
         return None

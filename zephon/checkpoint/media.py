@@ -1,17 +1,33 @@
 """Where the ranks' checkpoint records travel: a directory, an fsspec URL, a TCPStore.
 
-A *medium* is a tiny key -> bytes space shared by the ranks of one run, with:
+A *medium* is a tiny key -> bytes space shared by the ranks of one run. What the
+round protocol (:mod:`zephon.checkpoint.aggregate`) asks of it, each a constant
+number of operations whatever the world size:
 
 - ``put(key, data)``: publish ``data`` under ``key`` atomically (a reader sees
   the old value, nothing, or all of ``data``);
 - ``get(key)``: the bytes under ``key`` or ``None`` when there are none yet;
-- ``address``: where it is, for messages; ``poll_s``: how often to re-read;
-- ``after_merge(prefix, world, deadline)`` / ``acknowledge(prefix)``: a rank
-  that hosts the store waits until the others read the merged record before it
-  may go away (a no-op for directories);
-- ``remove(prefix)``: drop every record under ``prefix`` (rank 0 drops the
-  previous round once every rank has moved on to the next one);
-- ``close()``.
+- ``wait(key, until)``: the bytes under ``key`` once they are there, or
+  ``None`` at the monotonic time ``until``. A store blocks server-side; a
+  directory or an object store re-reads with a bounded exponential backoff
+  (:func:`backoff`: 2 ms, x1.5, at most 0.5 s between reads on a directory;
+  50 ms to 2 s on an object store), so a wait of ``t`` seconds costs about
+  ``17 + 2 t`` reads on a directory, whatever the number of ranks;
+- ``submit(prefix, rank, world, blob)`` / ``gather(prefix, world, until)``:
+  each rank other than 0 hands in its state once; rank 0 gets all of them
+  (``{rank: blob}``, the ranks there by ``until``) in a number of round trips
+  that does not grow with the world size on a store, and one listing per
+  backoff step plus one read per rank on a directory;
+- ``tidy(base, tokens, rank, world, until)``: called by every rank once it has
+  its result; the last one removes the round (everything under ``base``). A
+  medium that cannot count its readers (an object store) leaves the round,
+  and rank 0 removes it at the next round (``remove``);
+- ``remove(prefix)``, ``address`` (for messages), ``close()``.
+
+Directories count readers with hard links: each rank links the merged record
+once and reads its link count; the rank that sees ``world + 1`` links removes
+the round (two that see it both remove it, which is harmless). Where hard links
+fail the round stays until rank 0 removes it at the next round.
 
 Any failure of the medium itself (a server gone, a permission error) is a
 :class:`~zephon.errors.CheckpointError` naming the address, never a hang: a
@@ -26,25 +42,85 @@ any fsspec protocol) and the TCPStore medium of :mod:`zephon.checkpoint.store`.
 
 from __future__ import annotations
 
+import abc
+import logging
 import os
 import re
 import shutil
 import threading
 import time
+from typing import Iterator
 
 from zephon.errors import AggregationTimeoutError, CheckpointError, ZephonConfigError
 
-__all__ = ["DirMedium", "FsspecMedium", "open_medium"]
+__all__ = ["DirMedium", "FsspecMedium", "backoff", "open_medium"]
 
+log = logging.getLogger("zephon.checkpoint")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 _EXTRA_OF = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 
 
-class DirMedium:
+def backoff(until: float, first_s: float, cap_s: float, factor: float = 1.5) -> Iterator[None]:
+    """Yield at once, then after sleeps of ``first_s``, ``first_s * factor``, ... (at most
+    ``cap_s`` each, never past the monotonic time ``until``); stops once ``until`` has
+    passed. The caller checks its condition at every step and breaks when it holds."""
+    delay = first_s
+    while True:
+        yield
+        remaining = until - time.monotonic()
+        if remaining <= 0:
+            return
+        time.sleep(min(delay, remaining))
+        delay = min(delay * factor, cap_s)
+
+
+_RANK_FILE = re.compile(r"rank-([0-9]{1,9})")
+
+
+class _PollingMedium(abc.ABC):
+    """The waits, submissions and gathering of a medium without server-side waits, from
+    its ``put``/``get`` of whole records and ``_list`` of a prefix's names, with a
+    backoff between reads (``first_s``, ``cap_s``)."""
+
+    first_s, cap_s = 0.002, 0.5
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes | None: ...
+
+    @abc.abstractmethod
+    def _list(self, prefix: str) -> list[str]: ...
+
+    def wait(self, key: str, until: float) -> bytes | None:
+        for _ in backoff(until, self.first_s, self.cap_s):
+            blob = self.get(key)
+            if blob is not None:
+                return blob
+        return None
+
+    def submit(self, prefix: str, rank: int, world: int, blob: bytes) -> None:
+        self.put(f"{prefix}/rank-{rank}", blob)
+
+    def gather(self, prefix: str, world: int, until: float) -> dict[int, bytes]:
+        got: dict[int, bytes] = {}
+        for _ in backoff(until, self.first_s, self.cap_s):
+            for name in self._list(prefix):
+                match = _RANK_FILE.fullmatch(name)
+                rank = int(match.group(1)) if match else 0
+                if 0 < rank < world and rank not in got:
+                    blob = self.get(f"{prefix}/{name}")
+                    if blob is not None:
+                        got[rank] = blob
+            if len(got) == world - 1:
+                break
+        return got
+
+
+class DirMedium(_PollingMedium):
     """Records as files under a local (or network-mounted) directory; atomic by
     write-to-temp, fsync, rename."""
-
-    poll_s = 0.02
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -76,26 +152,47 @@ class DirMedium:
         except OSError as exc:
             raise CheckpointError(f"cannot read checkpoint record {path}: {exc}") from exc
 
+    def _list(self, prefix: str) -> list[str]:
+        path = self._path(prefix)
+        try:
+            return os.listdir(path)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise CheckpointError(f"cannot list checkpoint records in {path}: {exc}") from exc
+
+    def _readers(self, key: str, rank: int) -> int:
+        """Link the record ``key`` as read by ``rank``; its number of links after that."""
+        path = self._path(key)
+        os.link(path, f"{path}.read-{rank}")
+        return os.stat(path).st_nlink
+
+    def tidy(self, base: str, tokens: list[str], rank: int, world: int,
+             until: float) -> None:
+        try:
+            links = self._readers(f"{base}/{tokens[0]}/merged", rank)
+        except OSError:  # no hard links here: rank 0 removes the round at the next one
+            log.debug("checkpoint exchange: cannot count the readers of %s/%s", self.root,
+                      base, exc_info=True)
+            return
+        if links >= world + 1:  # the record and one link per rank: everyone has read
+            self.remove(base)
+
     def remove(self, prefix: str) -> None:
         shutil.rmtree(self._path(prefix), ignore_errors=True)
-
-    def after_merge(self, prefix: str, world: int, deadline: float) -> None:
-        return None
-
-    def acknowledge(self, prefix: str) -> None:
-        return None
 
     def close(self) -> None:
         return None
 
 
-class FsspecMedium:
+class FsspecMedium(_PollingMedium):
     """Records as objects under an fsspec URL (``s3://bucket/path``, ``gs://...``,
     ``memory://...``). An object store's PUT is atomic. Every call runs on a helper
     thread and is abandoned at the exchange deadline, so a server that stops
-    answering is an error by then, not a hang."""
+    answering is an error by then, not a hang. An object store cannot count a round's
+    readers: rank 0 removes each round at the next one."""
 
-    poll_s = 0.2
+    first_s, cap_s = 0.05, 2.0
 
     def __init__(self, url: str, run_id: str, deadline: float) -> None:
         try:
@@ -117,7 +214,7 @@ class FsspecMedium:
         self.address = url.rstrip("/") + "/" + run_id
         if getattr(fs, "protocol", None) in ("memory",) or \
                 (isinstance(fs.protocol, tuple) and "memory" in fs.protocol):
-            self.poll_s = 0.02
+            self.first_s, self.cap_s = 0.002, 0.5
 
     def _call(self, what: str, key: str, fn, *args):
         # A daemon thread per call: one that never returns is abandoned at the deadline
@@ -157,18 +254,24 @@ class FsspecMedium:
         except FileNotFoundError:
             return None
 
+    def _list(self, prefix: str) -> list[str]:
+        path = f"{self.root}/{prefix}"
+        try:
+            names = self._call("reading", prefix, self.fs.ls, path, False)
+        except FileNotFoundError:
+            return []
+        return [str(name).rstrip("/").rsplit("/", 1)[-1] for name in names]
+
+    def tidy(self, base: str, tokens: list[str], rank: int, world: int,
+             until: float) -> None:
+        return None  # rank 0 removes the round at the next one
+
     def remove(self, prefix: str) -> None:
         path = f"{self.root}/{prefix}"
         try:
             self._call("removing", prefix, self.fs.rm, path, True)
         except FileNotFoundError:
             pass
-
-    def after_merge(self, prefix: str, world: int, deadline: float) -> None:
-        return None
-
-    def acknowledge(self, prefix: str) -> None:
-        return None
 
     def close(self) -> None:
         return None

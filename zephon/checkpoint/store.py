@@ -16,11 +16,29 @@ hands it to the ``TCPStore`` it hosts (``master_listen_fd``): the store then
 listens on that address only, not on every interface as a ``TCPStore`` that
 binds its own port does. When the address is in use (a launcher, or another
 job's rank 0, hosts a store there) or is not this machine's, rank 0 is a
-client of the store that answers there like every other rank. Rank 0 waits, after publishing the merged
-record, until every rank has read it (or the deadline): the server may live
-in rank 0's process (its own, or its process group's outside torchrun), and
-rank 0 may exit right after ``checkpoint()``. Connections are cached per address for the life
-of the process, so a hosted server outlives the round.
+client of the store that answers there like every other rank. Connections are
+cached per address for the life of the process, so a hosted server outlives
+the round.
+
+A round on a store, under ``<round>/<token>/`` (see
+:mod:`zephon.checkpoint.aggregate` for the tokens):
+
+- a rank other than 0 waits for ``open`` (a blocking ``get``: the server
+  answers when the key is set, nothing polls), appends its state as one frame
+  (rank, length, bytes) to ``subs`` and counts itself in ``count`` (``add``);
+  the rank that makes the count ``world - 1`` sets ``full``;
+- rank 0 blocks on ``full`` (at most the arrival grace), then reads ``subs``
+  once: two round trips, whatever the world size; at the grace it reads
+  ``subs`` to name the ranks that are not there;
+- every rank blocks on ``merged`` and reads it once, then counts itself in
+  ``ack``; the rank that makes that count ``world - 1`` sets ``acked``;
+- rank 0 blocks on ``acked`` (the server may live in rank 0's process, its
+  own or its process group's, and rank 0 may exit right after
+  ``checkpoint()``), then deletes the round's keys: nothing is left.
+
+A rank other than 0 makes at most 8 store calls a round, rank 0 16 (7 of them
+deletes; 24 when it reopens a round an earlier launch left), for 2 ranks as for
+16384.
 
 Keys are ``zephon/<run_id>/...``. The round protocol is
 :func:`zephon.checkpoint.aggregate.exchange`; torch is imported only here, and
@@ -37,6 +55,7 @@ import logging
 import os
 import re
 import socket
+import struct
 import time
 
 from zephon.errors import AggregationTimeoutError, CheckpointError, ZephonConfigError
@@ -141,8 +160,6 @@ def _close_quietly(fd: int) -> None:
 class StoreMedium:
     """A medium (see :mod:`zephon.checkpoint.media`) over a torch.distributed Store."""
 
-    poll_s = 0.05
-
     def __init__(self, store, address: str, run_id: str, deadline: float,
                  hosted: bool) -> None:
         self.store, self.address, self.deadline = store, address, deadline
@@ -180,10 +197,11 @@ class StoreMedium:
         store, hosted = cached
         return cls(store, address, run_id, deadline, hosted=hosted)
 
-    def _guard(self, what: str, key: str, fn, *args):
+    def _guard(self, what: str, key: str, fn, *args, timeout_s: float | None = None):
         remaining = self.deadline - time.monotonic()
         try:
-            self.store.set_timeout(datetime.timedelta(seconds=max(0.5, remaining)))
+            wait = max(0.5, remaining) if timeout_s is None else timeout_s
+            self.store.set_timeout(datetime.timedelta(seconds=wait))
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - DistStoreError, DistNetworkError, ...
             first = str(exc).splitlines()[0] if str(exc) else ""
@@ -200,23 +218,84 @@ class StoreMedium:
             return None
         return bytes(self._guard("reading", key, self.store.get, full))
 
-    def acknowledge(self, prefix: str) -> None:
-        self._guard("acknowledging", prefix, self.store.add, self.prefix + prefix + "/read", 1)
+    def wait(self, key: str, until: float) -> bytes | None:
+        """The value of ``key`` once it is set (the server answers when it is: no
+        polling), or None at ``until``."""
+        remaining = until - time.monotonic()
+        if remaining <= 0:
+            return self.get(key)
+        try:
+            return bytes(self._guard("waiting for", key, self.store.get, self.prefix + key,
+                                     timeout_s=remaining))
+        except CheckpointError:
+            if time.monotonic() >= until - _TIMEOUT_SLACK_S:
+                return None  # the wait timed out
+            raise
 
-    def after_merge(self, prefix: str, world: int, deadline: float) -> None:
-        # Whoever hosts the server (rank 0 itself, or rank 0 through its process group)
-        # may exit right after checkpoint(): rank 0 returns once every rank has read.
-        key = self.prefix + prefix + "/read"
-        while self._guard("counting", key, self.store.add, key, 0) < world - 1:
-            if time.monotonic() > deadline:
-                log.warning("checkpoint exchange: rank 0 hosts %s and not every rank read the "
-                            "merged state before the deadline; they will time out",
-                            self.address)
-                return
-            time.sleep(self.poll_s)
+    def submit(self, prefix: str, rank: int, world: int, blob: bytes) -> None:
+        """Append this rank's frame to the round's one submissions key and count it in;
+        the rank that completes the count tells rank 0 (``full``)."""
+        base = self.prefix + prefix
+        self._guard("submitting to", prefix, self.store.append, base + "/subs",
+                    _FRAME.pack(rank, len(blob)) + blob)
+        if self._guard("counting", prefix, self.store.add, base + "/count", 1) == world - 1:
+            self._guard("writing", prefix, self.store.set, base + "/full", b"1")
+
+    def gather(self, prefix: str, world: int, until: float) -> dict[int, bytes]:
+        """Every submission there once all ``world - 1`` are (or at ``until``): one
+        blocking wait and one read, whatever the world size."""
+        self.wait(f"{prefix}/full", until)
+        return _frames(self.get(f"{prefix}/subs") or b"", world, f"{self.address} ({prefix})")
+
+    def tidy(self, base: str, tokens: list[str], rank: int, world: int,
+             until: float) -> None:
+        """A rank other than 0 counts itself as having read; the one that completes the
+        count tells rank 0, which waits for that (whoever hosts the server may exit
+        right after ``checkpoint()``) and then deletes the round's keys."""
+        acks, acked = f"{base}/{tokens[0]}/ack", f"{base}/{tokens[0]}/acked"
+        if rank != 0:
+            if self._guard("acknowledging", acks, self.store.add, self.prefix + acks, 1) \
+                    == world - 1:
+                self.put(acked, b"1")
+            return
+        if world > 1 and self.wait(acked, until) is None:
+            log.warning("checkpoint exchange: not every rank read the merged state at %s "
+                        "before the deadline; they will time out", self.address)
+            return
+        for key in [f"{base}/open"] + [f"{base}/{t}/{name}" for t in tokens
+                                       for name in _ROUND_KEYS]:
+            self._guard("removing", key, self.store.delete_key, self.prefix + key)
 
     def remove(self, prefix: str) -> None:
-        return None  # the store lives as long as the job; its keys are small
+        return None  # every rank has read a round when rank 0 deletes it (tidy)
 
     def close(self) -> None:
         return None  # connections are kept for the next round (see the module docstring)
+
+
+_FRAME = struct.Struct("<II")  # rank, length of the submission that follows
+_ROUND_KEYS = ("subs", "count", "full", "merged", "ack", "acked")
+_TIMEOUT_SLACK_S = 0.05
+
+
+def _frames(data: bytes, world: int, where: str) -> dict[int, bytes]:
+    """The ``{rank: submission}`` of a submissions value (frames of :data:`_FRAME`)."""
+    out: dict[int, bytes] = {}
+    view, at = memoryview(data), 0
+    while at < len(view):
+        if at + _FRAME.size > len(view):
+            raise CheckpointError(f"submissions at {where}: a torn frame at byte {at}")
+        rank, size = _FRAME.unpack_from(view, at)
+        at += _FRAME.size
+        if not 0 < rank < world or at + size > len(view):
+            raise CheckpointError(f"submissions at {where}: a frame of rank {rank} and "
+                                  f"{size} bytes at byte {at} does not fit a round of "
+                                  f"{world} ranks")
+        if rank in out:
+            raise CheckpointError(
+                f"submissions at {where}: rank {rank} submitted twice; another launch with "
+                "the same run_id takes part in this round: give concurrent jobs distinct "
+                "run_ids")
+        out[rank] = bytes(view[at:at + size])
+        at += size
+    return out
