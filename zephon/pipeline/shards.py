@@ -86,7 +86,7 @@ def resolve_order(source, shuffle, window) -> "bool | ShardShuffle":
 
 
 def _bounds_of(source, n: int) -> np.ndarray | None:
-    """The source's shard bounds, checked, without empty shards; None: no shards."""
+    """The source's shard bounds, checked; None: no shards."""
     bounds = source.shard_bounds()
     if bounds is None:
         return None
@@ -99,8 +99,7 @@ def _bounds_of(source, n: int) -> np.ndarray | None:
     if arr[0] != 0 or arr[-1] != n or (len(arr) > 1 and bool((np.diff(arr) < 0).any())):
         raise ZephonConfigError(f"{what} must rise from 0 to len(source) = {n}, got "
                                 f"{arr[:3].tolist()}...{arr[-3:].tolist()}")
-    keep = np.concatenate([[True], np.diff(arr) > 0])
-    return arr[keep]
+    return arr
 
 
 class ShardShuffle:
@@ -108,8 +107,9 @@ class ShardShuffle:
 
     Args:
         n: the source's length.
-        bounds: ``S + 1`` rising offsets (shard ``s`` is ``[bounds[s], bounds[s + 1])``),
-            or None for blocks of ``block`` indices.
+        bounds: ``S + 1`` non-decreasing offsets from 0 to ``n`` (shard ``s`` is
+            ``[bounds[s], bounds[s + 1])``; empty shards are dropped), or None for blocks
+            of ``block`` indices.
         window: shards per window (``W >= 1``).
         block: indices per block when ``bounds`` is None.
     """
@@ -123,9 +123,13 @@ class ShardShuffle:
         if bounds is None:
             self.shards = -(-self.n // self.block)
             self.tail = self.n - (self.shards - 1) * self.block if self.n else 0
-        else:
-            self.shards = len(bounds) - 1
+        else:  # empty shards dropped: a window holds W shards with samples
+            self.bounds = bounds = np.asarray(bounds, dtype=np.int64)
             self.sizes = np.diff(bounds)
+            if not self.sizes.all():
+                self.bounds = bounds[np.concatenate([[True], self.sizes > 0])]
+                self.sizes = self.sizes[self.sizes > 0]
+            self.shards = len(self.bounds) - 1
         self._tables: dict = {}
         self._lock = threading.Lock()
 
