@@ -165,7 +165,7 @@ def test_the_mode_is_in_the_fingerprint_and_a_state_refuses_another_mode():
     next(it)
     state = it.checkpoint()
     it.close()
-    with pytest.raises(CheckpointError, match="another pipeline"):
+    with pytest.raises(CheckpointError, match="from a different pipeline"):
         plain.restore(state)
 
 
