@@ -69,7 +69,7 @@ def resolve_order(source, shuffle, window) -> "bool | ShardShuffle":
     """The epoch order ``Pipeline(source, shuffle=..., shuffle_window=...)`` asks for:
     True or False as given, or the :class:`ShardShuffle` of ``source`` for
     ``"shards"``; a ZephonConfigError naming a wrong value."""
-    if shuffle == "shards" and isinstance(shuffle, str):
+    if isinstance(shuffle, str) and shuffle == "shards":
         if window is None:
             window = DEFAULT_WINDOW
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -95,7 +95,7 @@ def _bounds_of(source, n: int) -> np.ndarray | None:
     if arr.ndim != 1 or arr.dtype.kind not in "iu" or len(arr) < 1:
         raise ZephonConfigError(f"{what} must be a 1-D integer array of offsets, got "
                                 f"shape {arr.shape}, dtype {arr.dtype}")
-    arr = arr.astype(np.int64)
+    arr = arr.astype(np.int64, copy=False)
     if arr[0] != 0 or arr[-1] != n or (len(arr) > 1 and bool((np.diff(arr) < 0).any())):
         raise ZephonConfigError(f"{what} must rise from 0 to len(source) = {n}, got "
                                 f"{arr[:3].tolist()}...{arr[-3:].tolist()}")
