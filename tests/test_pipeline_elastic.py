@@ -16,13 +16,21 @@ from zephon import Pipeline, RuntimeOptions, sources
 TESTS = os.path.dirname(os.path.abspath(__file__))
 C = 4
 #: the flush cadence each chain runs with
-FLUSH = {"replay": None, "cursor": None, "pack": 1, "docs_greedy": 1, "docs_best_fit": 1}
+FLUSH = {"replay": None, "cursor": None, "pack": 1, "docs_greedy": 1, "docs_best_fit": 1,
+         "shards": None}
 
 
 def pipeline(chain: str = "replay"):
     """``replay``: a shuffle buffer (restore replays from a flush boundary); ``cursor``:
     only cursor-preserving ops (restore reads on from the source cursor); ``pack``: a
-    packer then a batch, both carrying what they hold across flush boundaries."""
+    packer then a batch, both carrying what they hold across flush boundaries;
+    ``shards``: the shard-window order over uneven shards, then a shuffle buffer."""
+    if chain == "shards":
+        import _shard_fns as S
+
+        src = S.ShardedSamples(70, S.uneven_bounds(70, 9, 5))
+        return Pipeline(src, seed=11, chunk_size=3, shuffle="shards",
+                        shuffle_window=2).map(F.double).shuffle(5).batch(2)
     base = Pipeline(sources.from_callable(70, F.make_sample), seed=11, chunk_size=3)
     if chain == "cursor":
         return base.map(F.double).filter(F.keep_most).batch(2)
@@ -113,7 +121,8 @@ def run_ranks(tmp_path, world, takes, timeout=60.0, only=None, chain="replay"):
     return results
 
 
-@pytest.mark.parametrize("chain", ["replay", "cursor", "pack", "docs_greedy", "docs_best_fit"])
+@pytest.mark.parametrize("chain", ["replay", "cursor", "pack", "docs_greedy", "docs_best_fit",
+                                   "shards"])
 def test_checkpoint_from_2_ranks_restores_on_1_and_on_4(tmp_path, chain):
     results = run_ranks(tmp_path, 2, takes=[6, 6], chain=chain)
     assert all(code == 0 for _, _, code in results), [err for _, err, _ in results]

@@ -1,7 +1,10 @@
 """The work source: epochs, chunks, canonical lanes and which rank owns which lane.
 
 Epoch ``e`` visits the source in a seeded permutation (``shuffle=True``, the
-default of ``Pipeline``) or in order. The permutation is an index bijection
+default of ``Pipeline``), in order, or shard by shard (``shuffle="shards"``: shards
+in a seeded order, samples shuffled within windows of W shards,
+:mod:`zephon.pipeline.shards`); every order below is used through
+:func:`epoch_slice` alone. The permutation is an index bijection
 (:func:`zephon.kernels.permute_range`, keyed by ``(seed, e)``) evaluated only at
 the positions a chunk reads: nothing of the source's size is ever allocated, so
 the first batch, an epoch boundary and a lane's start cost the same for 10^3 or
@@ -46,9 +49,14 @@ import numpy as np
 
 from zephon.kernels import order_key, permute_range
 from zephon.pipeline.records import Boundary
+from zephon.pipeline.shards import ShardShuffle
+
+#: an epoch order: False (source order), True (the global shuffle) or shard windows
+Order = bool | ShardShuffle
 
 __all__ = [
     "BatchGroup",
+    "Order",
     "ReadParts",
     "ReadUnit",
     "batched_units",
@@ -167,22 +175,26 @@ def _unpack_group(epochs: list, starts: list, lengths: list,
                        zip(epochs, starts, bounds[:-1], bounds[1:], strict=True)])
 
 
-def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+def epoch_order(n: int, seed: int, epoch: int, shuffle: Order) -> np.ndarray:
     """The whole visiting order of epoch ``epoch`` (``n`` int64 source indices): for
     tests and tools only; the pipeline reads it chunk by chunk with :func:`epoch_slice`
     and never holds it."""
     return epoch_slice(n, seed, epoch, shuffle, 0, n)
 
 
-def epoch_slice(n: int, seed: int, epoch: int, shuffle: bool, start: int,
+def epoch_slice(n: int, seed: int, epoch: int, shuffle: Order, start: int,
                 stop: int) -> np.ndarray:
     """Positions ``[start, stop)`` of epoch ``epoch``'s visiting order of ``n`` samples,
     as int64 source indices (``epoch_order(...)[start:stop]``).
 
-    With ``shuffle`` the order is the seeded bijection of
-    :func:`zephon.kernels.permute_range` keyed by ``(seed, epoch)``: only the requested
-    positions are computed, in O(stop - start) time and memory whatever ``n``."""
+    ``shuffle`` is the pipeline's order: False (source order), True (the seeded
+    bijection of :func:`zephon.kernels.permute_range` keyed by ``(seed, epoch)``) or a
+    :class:`~zephon.pipeline.shards.ShardShuffle` (shards in a seeded order, samples
+    shuffled within windows of shards). Only the requested positions are computed, in
+    O(stop - start) time and memory whatever ``n`` (plus O(W) per window of shards)."""
     stop = min(stop, n)
+    if isinstance(shuffle, ShardShuffle):
+        return shuffle.slice(seed, epoch, start, stop)
     if not shuffle:
         return np.arange(start, max(start, stop), dtype=np.int64)
     return permute_range(n, _epoch_key(seed, epoch), start, max(start, stop))
@@ -211,7 +223,7 @@ def lane_length(n: int, chunk_size: int, lanes: int, lane: int) -> int:
     return (count - 1) * chunk_size + min(chunk_size, n - last * chunk_size)
 
 
-def lane_source_index(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int,
+def lane_source_index(n: int, seed: int, shuffle: Order, chunk_size: int, lanes: int,
                       lane: int, epoch: int, pos: int) -> int:
     """The source index at lane position ``pos`` of ``epoch`` on ``lane``."""
     k, offset = divmod(pos, chunk_size)
@@ -219,7 +231,7 @@ def lane_source_index(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: 
     return int(epoch_slice(n, seed, epoch, shuffle, first, first + 1)[0])
 
 
-def _lane_reads(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int, lane: int,
+def _lane_reads(n: int, seed: int, shuffle: Order, chunk_size: int, lanes: int, lane: int,
                 epoch: int, start: int, stop: int) -> list:
     """Read units of lane positions ``[start, stop)`` of ``epoch`` (one per lane chunk)."""
     out = []
@@ -233,7 +245,7 @@ def _lane_reads(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int, l
     return out
 
 
-def positions_before(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int,
+def positions_before(n: int, seed: int, shuffle: Order, chunk_size: int, lanes: int,
                      lane: int, epoch: int, pos: int, count: int) -> list:
     """Read units of the ``count`` lane positions just before position ``pos`` of
     ``epoch``, in lane order (back across epoch starts when needed); fewer when the lane
@@ -252,7 +264,7 @@ def positions_before(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: i
 _START = Boundary(0, 0)  # the stream of a lane from its very beginning
 
 
-def lane_units(n: int, seed: int, shuffle: bool, chunk_size: int, lanes: int, lane: int,
+def lane_units(n: int, seed: int, shuffle: Order, chunk_size: int, lanes: int, lane: int,
                flush_every: int, end_epoch: int | None,
                start: Boundary = _START, start_pos: int | None = None) -> Iterator:
     """The lane's units from ``start`` (a boundary) up to the end of epoch

@@ -48,6 +48,7 @@ from zephon.pipeline import ops as O
 from zephon.pipeline.engine import Plan
 from zephon.pipeline.iterator import PipelineIterator
 from zephon.pipeline.progress import Progress
+from zephon.pipeline.shards import resolve_order
 from zephon.pipeline.sources import Source
 from zephon.pipeline.state import MAX_COUNT, RunStart, check_run
 from zephon.pipeline.validate import validate
@@ -75,11 +76,18 @@ class Pipeline:
         source: a zephon source (``zephon.sources.*``).
         seed: the seed of the epoch permutations and of every op's randomness (an int
             >= 0).
-        shuffle: visit each epoch in a seeded permutation (True) or in source order.
-            (The ``shuffle(n)`` method is a different thing: a shuffle-buffer op.)
+        shuffle: visit each epoch in a seeded permutation (True), in source order (False),
+            or ``"shards"``: the source's shards (:meth:`Source.shard_bounds`: row
+            groups, tar shards, files; else blocks of 4096 indices) in a seeded order,
+            the samples of each window of ``shuffle_window`` consecutive shards shuffled
+            together, so that each shard is read in one stretch of the epoch (for data in
+            object storage; the trade-off is in ``docs/architecture.md``). (The
+            ``shuffle(n)`` method is a different thing: a shuffle-buffer op.)
         chunk_size: samples per chunk (an int >= 1): an epoch's order is cut into chunks
             and chunk ``j`` goes to lane ``j mod C``.
         num_epochs: epochs to run (an int >= 1), or None to run forever.
+        shuffle_window: shards per window with ``shuffle="shards"`` (an int >= 1; None:
+            8); only with that mode.
 
     Raises:
         ZephonConfigError: a value out of range or of the wrong type, naming it.
@@ -99,8 +107,9 @@ class Pipeline:
         True
     """
 
-    def __init__(self, source: Source, *, seed: int = 0, shuffle: bool = True,
-                 chunk_size: int = 64, num_epochs: int | None = 1) -> None:
+    def __init__(self, source: Source, *, seed: int = 0, shuffle: bool | str = True,
+                 chunk_size: int = 64, num_epochs: int | None = 1,
+                 shuffle_window: int | None = None) -> None:
         if not isinstance(source, Source):
             raise ZephonConfigError(f"Pipeline: source must be a zephon source "
                                     f"(zephon.sources.*), got {type(source).__name__}")
@@ -112,10 +121,9 @@ class Pipeline:
                                        not isinstance(num_epochs, int) or num_epochs < 1):
             raise ZephonConfigError(f"Pipeline: num_epochs must be None or an int >= 1, "
                                     f"got {num_epochs!r}")
-        if not isinstance(shuffle, bool):
-            raise ZephonConfigError(f"Pipeline: shuffle must be True or False, got {shuffle!r}")
-        # ``shuffle`` (the flag) permutes each epoch; ``shuffle(n)`` (the method) is the op.
-        self.source, self.seed, self.permute = source, seed, shuffle
+        # ``shuffle`` (the flag) orders each epoch; ``shuffle(n)`` (the method) is the op.
+        self.source, self.seed = source, seed
+        self.permute = resolve_order(source, shuffle, shuffle_window)
         self.chunk_size, self.num_epochs = chunk_size, num_epochs
         self.ops: tuple[O.Op, ...] = ()
         self.runtime = RuntimeOptions()

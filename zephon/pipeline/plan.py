@@ -319,7 +319,8 @@ class Plan:
 
     def _explain_header(self) -> list[str]:
         p, o = self.pipeline, self.opts
-        shuffled = "a seeded permutation per epoch" if p.permute else "source order"
+        shuffled = ("a seeded permutation per epoch" if p.permute is True else "source order"
+                    if p.permute is False else "shards in a seeded order, windows shuffled")
         lines = [
             f"pipeline {p.fingerprint()[:12]}: source {p.source.describe()}",
             f"  work: seed={p.seed}, shuffle={p.permute} ({shuffled}), "
@@ -332,7 +333,7 @@ class Plan:
                            else "NON-DETERMINISTIC: completion order, checkpoints best effort")
             + "; tail: strict lane round robin",
         ]
-        note = p.source.permute_note() if p.permute else None
+        note = p.source.permute_note() if p.permute is True else None
         if note:
             lines.insert(2, f"  note: {note}")
         if self.cursor_resume:

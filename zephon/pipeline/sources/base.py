@@ -164,6 +164,23 @@ class Source:
         """
         return None
 
+    def shard_bounds(self) -> np.ndarray | None:
+        """The source's shards: contiguous index ranges that are cheap to read in sequence
+        (a Parquet row group, a tar shard, a jsonl file), which
+        ``Pipeline(shuffle="shards")`` visits one window of shards at a time.
+
+        Returns:
+            ``S + 1`` rising int64 offsets from 0 to ``len(self)`` (shard ``s`` holds the
+            indices ``[bounds[s], bounds[s + 1])``), or None (the default: no shards of
+            its own; the pipeline cuts the index space into blocks of
+            :data:`zephon.pipeline.shards.BLOCK` indices).
+
+        Example:
+            >>> sources.from_sequence([1, 2]).shard_bounds() is None
+            True
+        """
+        return None
+
     def permute_note(self) -> str | None:
         """What a pipeline-level shuffle (``Pipeline(shuffle=True)``) costs with this source,
         when that is worth a line of ``explain()``.

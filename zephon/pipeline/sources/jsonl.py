@@ -214,6 +214,12 @@ class JsonlSource(FileSource):
     def __len__(self) -> int:
         return len(self.offsets)
 
+    def shard_bounds(self) -> np.ndarray:
+        """The files: each one's lines are consecutive indices (a compressed file is one
+        stream, read once in order)."""
+        return np.searchsorted(self.file_index, np.arange(len(self.files) + 1),
+                               side="left").astype(np.int64)
+
     def _held(self, k: int, context: str) -> bytearray:
         """File ``k`` decompressed, from this process's bounded set."""
         with self._plain_lock:

@@ -342,6 +342,10 @@ class ParquetSource(FileSource):
     def _row_key(self, g: int) -> int:
         return order_key(self.seed, _ROW_ORDER_TAG, g)
 
+    def shard_bounds(self) -> np.ndarray:
+        """The row groups, in their visiting order: each decodes once for all its rows."""
+        return self.starts.astype(np.int64)
+
     def permute_note(self) -> str | None:
         """Pipeline(shuffle=True) draws each batch's rows from all over the files."""
         decoded = self.row_nbytes * len(self)
@@ -352,8 +356,10 @@ class ParquetSource(FileSource):
                 + ("" if fits else f"; the chosen columns (~{decoded / 2**20:.0f} MiB "
                    f"decoded) exceed row_group_cache_bytes ({self.row_group_cache_bytes >> 20}"
                    " MiB), so most rows cost a row-group decode")
-                + ". sources.parquet(..., shuffle=True) with Pipeline(shuffle=False) "
-                "shuffles at the cost of reading in order")
+                + ". Pipeline(shuffle=\"shards\") (row groups in a seeded order, "
+                "rows shuffled within windows of them), or sources.parquet(..., "
+                "shuffle=True) with Pipeline(shuffle=False), shuffles at the cost of "
+                "reading in order")
 
     def sample_nbytes(self) -> float | None:
         """Uncompressed bytes per row of the chosen columns, as the footers give them."""

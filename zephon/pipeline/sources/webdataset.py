@@ -293,6 +293,10 @@ class WebDatasetSource(FileSource):
     def __len__(self) -> int:
         return int(self.shard_starts[-1])
 
+    def shard_bounds(self) -> np.ndarray:
+        """The tar shards: each one's samples are consecutive indices."""
+        return self.shard_starts
+
     def _read(self, k: int, start: int, size: int, context: str) -> bytes:
         try:
             return self.reader(k).pread(start, size, context)
