@@ -23,7 +23,7 @@ from _resume import assert_resumes
 from _sources_data import write_parquet, write_shards
 from zephon import CheckpointError, Pipeline, RuntimeOptions, ZephonConfigError, sources
 from zephon.pipeline import lanes
-from zephon.pipeline.ops import Boundary
+from zephon.pipeline.records import Boundary
 from zephon.pipeline.shards import BLOCK, ShardShuffle
 
 
