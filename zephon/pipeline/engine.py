@@ -69,6 +69,7 @@ from zephon.options import (
     resolve_stage_prefetch,
     resolve_stage_workers,
 )
+from zephon.options.metrics import effective_tracking
 from zephon.pipeline.carry import (
     Rebuilder,
     carry_bounds,
@@ -413,7 +414,7 @@ class Engine:
         #: start_epoch's beginning
         self.start_epoch, self.end_epoch = start_epoch, plan.pass_end(start_epoch)
         p, o = plan.pipeline, plan.opts
-        mode = str(o.execution_tracking)
+        mode = effective_tracking(o.execution_tracking)  # or $ZEPHON_EXECUTION_TRACKING
         self.stats = None if mode == "off" else RunStats(mode, o.metrics_sink_config)
         self.program = program = StageProgram(
             p.source, [s.ops for s in plan.stages], p.seed, [s.collates for s in plan.stages],
