@@ -30,6 +30,7 @@ ALLOWED = {
     # the top layer: integrations may import everything below them
     "torch": {"pipeline", "checkpoint", "transport", "runners", "options", "kernels",
               "_kernels", "jobs"},
+    "report": {"pipeline", "options"},  # profiling runs and renders pipeline statistics
 }
 THIRD_PARTY_OK = {
     "options": set(),

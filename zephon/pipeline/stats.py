@@ -165,9 +165,9 @@ class _Stage:
 
     __slots__ = (
         "arena_bytes",
-        "first",
         "busy_s",
         "events",
+        "first",
         "label",
         "runner",
         "wait_input_s",
