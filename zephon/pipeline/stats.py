@@ -31,7 +31,9 @@ result), ``busy_fraction``,
                   "wait_p50_ms", "wait_p99_ms", "input_bound_steps",
                   "input_bound_fraction"},
      "series":   {"bucket_s": float, "t": [bucket start, s],
-                  "batches": [...], "wait_s": [...],  # consumer, per bucket
+                  "batches": [...],                    # delivered to the consumer
+                  "steps": [...], "wait_s": [...],     # steps (batches after the
+                                                       # first) and their waits
                   "<node>.items": [...],               # items out of the stage
                   "<node>.samples": [...],             # its input samples done
                   "<node>.busy": [fraction], "<node>.depth": [peak parts in flight]},
@@ -155,7 +157,7 @@ class _Series:
                 per = self.bucket_s * max(1, workers.get(key[:-5], 1))
                 row = [min(1.0, v / per) for v in row]
             out[key] = row
-        for key in ("batches", "wait_s"):
+        for key in ("batches", "steps", "wait_s"):
             out.setdefault(key, [0.0] * n)
         return out
 
@@ -371,9 +373,10 @@ class RunStats:
                 c.compute_s += compute
                 c.bound += wait >= INPUT_BOUND_SHARE * (wait + compute)
                 c.waits.append(wait)
+                self.series.add(now, "steps", 1)
+                self.series.add(now, "wait_s", wait)
             c.last = now
             self.series.add(now, "batches", 1)
-            self.series.add(now, "wait_s", wait)
 
     def ended(self) -> None:
         """The run ended: its clock stops."""

@@ -7,7 +7,8 @@ Per run: the diagnosis paragraph, a table of the stages, and the plots:
   stage's workers were (worker starts, stops and restarts as ticks);
 - ``throughput``: samples/s through the last stage (the one nearest the loop);
 - ``batches``: batches/s delivered to the loop;
-- ``wait``: the loop's mean wait per batch, ms, per bucket;
+- ``wait``: the loop's mean wait per step, ms, per bucket (the first batch, which
+  waits for the start-up, is not a step);
 - ``depth``: parts in flight per stage (peak per bucket);
 - ``breakdown``: where the time goes: per stage busy / blocked / idle, and the loop's
   compute / wait.
@@ -74,6 +75,14 @@ def _nice(top: float) -> float:
     return 10 * step
 
 
+def _tick(value: float) -> str:
+    """A short axis label: 0.5, 20, 2.5k, 1.2M."""
+    for limit, suffix in ((1e6, "M"), (1e3, "k")):
+        if abs(value) >= limit:
+            return f"{value / limit:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
 def _frame(name: str, x_max: float, y_max: float, y_label: str, height: int = H) -> list[str]:
     """An svg's opening tag, axes and ticks (x: seconds of the run)."""
     inner_h = height - TOP - BOTTOM
@@ -90,7 +99,7 @@ def _frame(name: str, x_max: float, y_max: float, y_label: str, height: int = H)
         for k in range(3):
             y = TOP + inner_h * (1 - k / 2)
             out.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">'
-                       f'{y_max * k / 2:.3g}</text>')
+                       f'{_tick(y_max * k / 2)}</text>')
         out.append(f'<text x="12" y="{TOP + inner_h / 2:.1f}" text-anchor="middle" '
                    f'transform="rotate(-90 12 {TOP + inner_h / 2:.1f})">{_esc(y_label)}</text>')
     return out
@@ -204,7 +213,7 @@ def _run_section(title: str, snap: dict) -> str:
     t, bucket = series["t"], series["bucket_s"]
     last = max(snap["stages"], default=None)  # the stage nearest the loop
     samples = series.get(f"{last}.samples", [0.0] * len(t)) if last else [0.0] * len(t)
-    batches, waits = series["batches"], series["wait_s"]
+    batches, steps, waits = series["batches"], series["steps"], series["wait_s"]
     c = snap["consumer"]
     parts = [f"<h2>{_esc(title)}</h2>",
              f'<p class="diagnosis">{_esc(diagnose(snap).text)}</p>',
@@ -222,8 +231,9 @@ def _run_section(title: str, snap: dict) -> str:
                     {"batches/s to the loop": [v / bucket for v in batches]}, "batches/s"),
              "<h3>Consumer wait per batch</h3>",
              _lines("wait", t, bucket,
-                    {"mean wait, ms": [1e3 * w / b if b else 0.0
-                                       for w, b in zip(waits, batches, strict=True)]}, "ms"),
+                    {"mean wait per step, ms": [1e3 * w / n if n else 0.0
+                                                for w, n in zip(waits, steps, strict=True)]},
+                    "ms"),
              "<h3>Queue depth</h3>",
              _lines("depth", t, bucket,
                     {node: series.get(f"{node}.depth", [0.0] * len(t))
