@@ -67,8 +67,8 @@ def test_tracking_off_has_no_report():
 def test_series_doubles_its_buckets_and_keeps_totals():
     series = _Series(t0=0.0)
     for k in range(3 * MAX_BUCKETS):  # 0.1 s apart: three times the buckets it keeps
-        series.add(k * 0.1, "batches", 1)
-        series.add(k * 0.1, "stage0.depth", k % 7)
+        series.add(k * 0.1, ("batches", 1))
+        series.peak(k * 0.1, "stage0.depth", k % 7)
     out = series.export(3 * MAX_BUCKETS * 0.1 - 0.05, {})
     assert len(out["t"]) <= MAX_BUCKETS and out["bucket_s"] == pytest.approx(0.4)
     assert sum(out["batches"]) == 3 * MAX_BUCKETS

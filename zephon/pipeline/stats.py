@@ -122,13 +122,19 @@ class _Series:
     def __init__(self, t0: float) -> None:
         self.t0, self.bucket_s = t0, FIRST_BUCKET_S
         self.data: dict[str, list[float]] = {}
+        self._i, self._start, self._end = 0, t0, t0 + FIRST_BUCKET_S  # the last bucket
 
     def _index(self, now: float) -> int:
+        if self._start <= now < self._end:  # the bucket of the previous call
+            return self._i
         i = int((now - self.t0) / self.bucket_s)
         while i >= MAX_BUCKETS:
             self._halve()
             i = int((now - self.t0) / self.bucket_s)
-        return max(0, i)
+        i = max(0, i)
+        self._i, self._start = i, self.t0 + i * self.bucket_s
+        self._end = self._start + self.bucket_s
+        return i
 
     def _halve(self) -> None:
         self.bucket_s *= 2
@@ -137,15 +143,30 @@ class _Series:
             pairs = [values[k:k + 2] for k in range(0, len(values), 2)]
             self.data[key] = [merge(p[0], p[1]) if len(p) == 2 else p[0] for p in pairs]
 
-    def add(self, now: float, key: str, value: float) -> None:
-        i = self._index(now)
-        values = self.data.setdefault(key, [])
+    def _row(self, key: str, i: int) -> list[float]:
+        values = self.data.get(key)
+        if values is None:
+            values = self.data[key] = []
         if len(values) <= i:
             values.extend([0.0] * (i + 1 - len(values)))
-        if key.endswith(".depth"):
-            values[i] = max(values[i], value)
-        else:
+        return values
+
+    def add(self, now: float, *pairs: tuple[str, float]) -> None:
+        """Add each ``(key, value)`` to the bucket of ``now``."""
+        i = self._index(now)
+        data = self.data
+        for key, value in pairs:
+            values = data.get(key)
+            if values is None or len(values) <= i:
+                values = self._row(key, i)
             values[i] += value
+
+    def peak(self, now: float, key: str, value: float) -> None:
+        """Raise the bucket of ``now`` of ``key`` (a ``.depth`` key) to ``value``."""
+        i = self._index(now)
+        values = self._row(key, i)
+        if value > values[i]:
+            values[i] = value
 
     def export(self, now: float, workers: dict[str, int]) -> dict:
         n = self._index(now) + 1
@@ -218,12 +239,13 @@ class StageProbe:
 
 
 class _TimedInput:
-    """An upstream iterator whose ``next()`` time counts as the stage waiting for input."""
+    """An upstream iterator whose ``next()`` time counts as the stage waiting for input
+    (written by the engine's thread alone: no lock)."""
 
-    __slots__ = ("it", "lock", "stage")
+    __slots__ = ("it", "stage")
 
-    def __init__(self, it: Iterator, stage: _Stage, lock: threading.Lock) -> None:
-        self.it, self.stage, self.lock = it, stage, lock
+    def __init__(self, it: Iterator, stage: _Stage) -> None:
+        self.it, self.stage = it, stage
 
     def __iter__(self) -> "_TimedInput":
         return self
@@ -233,9 +255,7 @@ class _TimedInput:
         try:
             return next(self.it)
         finally:
-            dt = time.perf_counter() - t
-            with self.lock:
-                self.stage.wait_input_s += dt
+            self.stage.wait_input_s += time.perf_counter() - t
 
 
 class _Consumer:
@@ -273,6 +293,7 @@ class RunStats:
         self.stages: dict[str, _Stage] = {}
         self.consumer = _Consumer()
         self.events: list[dict] = []
+        self._keys: dict[tuple[str, str], str] = {}
         for runs in _recorders:
             runs.append(self)
 
@@ -296,7 +317,14 @@ class RunStats:
             executor.probe = StageProbe(self, node)
             for k in range(info.workers):
                 self.worker_event(node, "start", k)
-        return _TimedInput(upstream, info, self.lock)
+        return _TimedInput(upstream, info)
+
+    def _key(self, node: str, what: str) -> str:
+        """The series key ``node + what`` (made once: this runs per part)."""
+        key = self._keys.get((node, what))
+        if key is None:
+            key = self._keys[(node, what)] = node + what
+        return key
 
     def submitted(self, node: str, items: int) -> None:
         with self.lock:
@@ -305,7 +333,7 @@ class RunStats:
             n.counters["items_in"] += items
             n.inflight += 1
             n.counters["inflight_peak"] = max(n.counters["inflight_peak"], n.inflight)
-            self.series.add(time.perf_counter(), f"{node}.depth", n.inflight)
+            self.series.peak(time.perf_counter(), self._key(node, ".depth"), n.inflight)
         self._maybe_flush()
 
     def completed(self, node: str, items: int, seconds: float, waited: float = 0.0,
@@ -323,8 +351,8 @@ class RunStats:
                 stage.first, stage.wait_input_s, stage.wait_result_s = now, 0.0, 0.0
             elif stage is not None:
                 stage.wait_result_s += waited
-            self.series.add(now, f"{node}.items", items)
-            self.series.add(now, f"{node}.samples", samples)
+            self.series.add(now, (self._key(node, ".items"), items),
+                            (self._key(node, ".samples"), samples))
 
     def worker_ran(self, node: str, busy_s: float, blocked_s: float, nbytes: int) -> None:
         with self.lock:
@@ -332,7 +360,7 @@ class RunStats:
             stage.busy_s += busy_s
             stage.worker_blocked_s += blocked_s
             stage.arena_bytes += nbytes
-            self.series.add(time.perf_counter(), f"{node}.busy", busy_s)
+            self.series.add(time.perf_counter(), (self._key(node, ".busy"), busy_s))
 
     def worker_event(self, node: str, kind: str, worker: int) -> None:
         with self.lock:
@@ -367,16 +395,15 @@ class RunStats:
             c.batches += 1
             if c.last is None:
                 c.startup_s = now - self.t0
+                self.series.add(now, ("batches", 1))
             else:  # a step: its compute since the previous batch, then its wait
                 compute = max(0.0, called - c.last)
                 c.wait_s += wait
                 c.compute_s += compute
                 c.bound += wait >= INPUT_BOUND_SHARE * (wait + compute)
                 c.waits.append(wait)
-                self.series.add(now, "steps", 1)
-                self.series.add(now, "wait_s", wait)
+                self.series.add(now, ("batches", 1), ("steps", 1), ("wait_s", wait))
             c.last = now
-            self.series.add(now, "batches", 1)
 
     def ended(self) -> None:
         """The run ended: its clock stops."""
