@@ -10,9 +10,10 @@ largest share of the work it can be. Off and on run in one process, one pass eac
 alternating (off, on, on, off, ...) after a warm-up pass of each, so that the machine's
 load drifts over both alike; with ``--baseline-tree`` a third figure per round is a
 fresh process of that tree with tracking off (process start-up excluded: it times
-its own second pass). Prints every figure, the median of each mode, and the median of
-the per-round ratios on / off (the tracking overhead; a ratio per round cancels
-the load drift between rounds).
+its own second pass). Prints every figure (samples/s and the CPU seconds of the
+pass), the median of each mode, and the median of the per-round ratios on / off
+(the tracking overhead; a ratio per round cancels the load drift between rounds),
+by throughput and by CPU per pass.
 """
 
 from __future__ import annotations
