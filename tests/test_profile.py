@@ -238,6 +238,8 @@ SCRIPT = textwrap.dedent("""
             .options(RuntimeOptions(runner="threads"))
         assert sum(1 for _ in pipe) == 30
         assert pipe.stats()["tail"]["delivered"] == 30  # tracking is on for the script
+        if sys.argv[1] == "raise":
+            raise RuntimeError("the script failed")
         sys.exit(int(sys.argv[1]))
 """)
 
@@ -262,6 +264,10 @@ def test_cli_profile_writes_the_report_and_keeps_the_exit_status(tmp_path):
     assert "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
     done = run_cli("--out", str(out), str(script), "3", cwd=tmp_path)
     assert done.returncode == 3
+    out.unlink()
+    done = run_cli("--out", str(out), str(script), "raise", cwd=tmp_path)
+    assert done.returncode == 1 and "RuntimeError: the script failed" in done.stderr
+    assert "map(slow) is the bottleneck" in out.read_text()  # written all the same
 
 
 def test_cli_profile_missing_script_is_a_usage_error(tmp_path):
