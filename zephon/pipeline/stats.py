@@ -259,10 +259,10 @@ class _TimedInput:
 
 
 class _Consumer:
-    __slots__ = ("batches", "bound", "compute_s", "last", "startup_s", "wait_s", "waits")
+    __slots__ = ("batches", "compute_s", "last", "startup_s", "wait_s", "waited_steps", "waits")
 
     def __init__(self) -> None:
-        self.batches = self.bound = 0
+        self.batches = self.waited_steps = 0
         self.wait_s = self.compute_s = 0.0
         self.last: float | None = None
         self.startup_s: float | None = None  # run start to the first batch
@@ -271,8 +271,8 @@ class _Consumer:
     def row(self) -> dict[str, float]:
         steps = self.batches - 1  # the first batch waits for the start-up, not a step
         row = {"batches": self.batches, "wait_s": self.wait_s, "compute_s": self.compute_s,
-               "startup_s": self.startup_s or 0.0, "input_bound_steps": self.bound,
-               "input_bound_fraction": self.bound / steps if steps > 0 else 0.0}
+               "startup_s": self.startup_s or 0.0, "input_bound_steps": self.waited_steps,
+               "input_bound_fraction": self.waited_steps / steps if steps > 0 else 0.0}
         if self.waits:
             p50, p99 = np.percentile(np.fromiter(self.waits, float), [50, 99])
             row.update(wait_mean_ms=self.wait_s / steps * 1e3,
@@ -400,7 +400,7 @@ class RunStats:
                 compute = max(0.0, called - c.last)
                 c.wait_s += wait
                 c.compute_s += compute
-                c.bound += wait >= INPUT_BOUND_SHARE * (wait + compute)
+                c.waited_steps += wait >= INPUT_BOUND_SHARE * (wait + compute)
                 c.waits.append(wait)
                 self.series.add(now, ("batches", 1), ("steps", 1), ("wait_s", wait))
             c.last = now

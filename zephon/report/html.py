@@ -203,7 +203,7 @@ def _table(snap: dict) -> str:
     for node, s in sorted(snap["stages"].items()):
         cells = (stage_title(node, s), s["runner"], s["workers"], f"{100 * s['busy']:.0f} %",
                  f"{100 * s['blocked']:.0f} %", f"{100 * s['idle']:.0f} %",
-                 f"{s['arena_bytes'] / 2**20:.1f}", s["worker_restarts"])
+                 s['arena_bytes'] >> 20, s["worker_restarts"])
         rows.append("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in cells) + "</tr>")
     return "<table>" + "".join(rows) + "</table>"
 
