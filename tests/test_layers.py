@@ -31,6 +31,7 @@ ALLOWED = {
     # the top layer: integrations may import everything below them
     "torch": {"pipeline", "checkpoint", "transport", "runners", "options", "kernels",
               "_kernels", "jobs"},
+    "report": {"pipeline", "options"},  # profiling runs and renders pipeline statistics
 }
 # zephon.pipeline module (or subpackage) -> pipeline modules it may import (besides
 # itself). Bottom: what flows down a lane and how callables are named; then the ops;

@@ -27,7 +27,8 @@ _LAZY = {"Pipeline": "zephon.pipeline", "Batch": "zephon.pipeline",
          "OpError": "zephon.pipeline", "sources": "zephon.pipeline",
          "ExecutionTrackingMode": "zephon.options", "MetricsSinkConfig": "zephon.options",
          "MixtureReadConfig": "zephon.options", "RunPolicy": "zephon.options",
-         "RuntimeOptions": "zephon.options", "StoreOptions": "zephon.options"}
+         "RuntimeOptions": "zephon.options", "StoreOptions": "zephon.options",
+         "profile": "zephon.report"}
 
 
 def __dir__():
@@ -66,5 +67,6 @@ __all__ = [
     "ZephonConfigError",
     "ZephonError",
     "__version__",
+    "profile",
     "sources",
 ]

@@ -13,6 +13,13 @@ Commands:
             write the small data files the README's examples read into DIR
             (see zephon.example_data); prints one line per file written, and for a
             format whose library is missing the line that installs its extra
+  profile SCRIPT [ARGS...] [--out FILE]
+            run SCRIPT (as ``python SCRIPT ARGS``) with execution tracking on for
+            every pipeline it runs, then write a self-contained HTML report of
+            those runs to FILE (default zephon-profile.html): plots of where the
+            time goes and a diagnosis, whose text is also printed (see
+            zephon.report). Exit status: the script's (1 if it raised; the report
+            is written all the same)
 
 The CLI is the only part of zephon that prints. A mistake of the user (a missing or
 malformed config file, a config that is not a mapping, ``--set`` without ``=``, an
@@ -149,6 +156,31 @@ def cmd_example_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    import traceback
+
+    from zephon.report import profile_script
+
+    if not os.path.isfile(args.script):
+        raise UsageError(f"profile: no script at {args.script!r}")
+    report, raised = profile_script(args.script, list(args.args))
+    try:
+        report.write(args.out)
+    except OSError as exc:
+        raise UsageError(f"cannot write the report to {args.out!r}: "
+                         f"{exc.strerror or exc}") from None
+    runs = len(report.runs)
+    print(f"wrote {args.out}: {runs} pipeline run(s)")
+    if runs:
+        print(report.diagnosis.text)
+    if isinstance(raised, SystemExit):
+        return raised.code if isinstance(raised.code, int) else 1
+    if raised is not None:
+        traceback.print_exception(raised)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zephon")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
@@ -182,6 +214,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "library is missing is skipped with the line that installs it.")
     p_data.add_argument("directory", metavar="DIR", help="where to write (created if missing)")
     p_data.set_defaults(func=cmd_example_data)
+    p_prof = sub.add_parser(
+        "profile", help="run a script with execution tracking on and write an HTML report",
+        description="Run SCRIPT as `python SCRIPT ARGS` with execution tracking on for every "
+                    "pipeline it runs, then write a self-contained HTML report of those runs "
+                    "(plots of where the time goes, and a diagnosis, also printed).")
+    p_prof.add_argument("--out", default="zephon-profile.html", metavar="FILE",
+                        help="where to write the report (default zephon-profile.html)")
+    p_prof.add_argument("script", metavar="SCRIPT", help="the Python script to run")
+    p_prof.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="arguments for the script")
+    p_prof.set_defaults(func=cmd_profile)
     args = parser.parse_args(argv)
     if args.version:
         from zephon import __version__

@@ -4,13 +4,19 @@
 statistics (counts, latency percentiles, queue occupancy);
 ``MetricsSinkConfig`` says where they are emitted (the ``zephon.metrics``
 logger, a statsd endpoint over UDP, or both).
+
+:data:`TRACKING_ENV` (``ZEPHON_EXECUTION_TRACKING``) turns tracking on for every run
+of a process without touching its options (``python -m zephon profile`` sets it):
+:func:`effective_tracking` gives the more detailed of the option and the variable.
 """
 
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 
+from zephon.errors import ZephonConfigError
 from zephon.options._spec import (
     Bool,
     Float,
@@ -24,7 +30,8 @@ from zephon.options._spec import (
 )
 from zephon.options.limits import MAX_SECONDS
 
-__all__ = ["METRICS_SINK_MODES", "ExecutionTrackingMode", "MetricsSinkConfig"]
+__all__ = ["METRICS_SINK_MODES", "TRACKING_ENV", "ExecutionTrackingMode", "MetricsSinkConfig",
+           "effective_tracking"]
 
 METRICS_SINK_MODES = ("log", "statsd", "both")
 # An IPv4 address or a DNS name (labels of 1-63 letters, digits and hyphens): anything
@@ -58,6 +65,30 @@ class ExecutionTrackingMode(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+#: Environment variable naming a tracking mode (off, stages, nodes) that applies to every
+#: run of the process whose options ask for less.
+TRACKING_ENV = "ZEPHON_EXECUTION_TRACKING"
+_LEVELS = {mode.value: k for k, mode in enumerate(ExecutionTrackingMode)}
+
+
+def effective_tracking(mode: "ExecutionTrackingMode | str") -> str:
+    """The tracking mode a run uses: the more detailed of ``mode`` (the run's option)
+    and :data:`TRACKING_ENV`; read once per run, never per item.
+
+    Example:
+        >>> from zephon.options.metrics import effective_tracking
+        >>> effective_tracking("stages") in ("stages", "nodes")
+        True
+    """
+    wanted = os.environ.get(TRACKING_ENV, "").strip().lower() or "off"
+    if wanted not in _LEVELS:
+        raise ZephonConfigError(
+            f"${TRACKING_ENV}={os.environ[TRACKING_ENV]!r}: expected one of "
+            f"{', '.join(_LEVELS)}", field=TRACKING_ENV)
+    mine = str(mode)
+    return wanted if _LEVELS[wanted] > _LEVELS[mine] else mine
 
 
 @option_class

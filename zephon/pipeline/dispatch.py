@@ -160,12 +160,16 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
             if feed.exhausted and not feed.parts:
                 return
             continue
-        done_seq, result = executor.get(lane)
+        if stats is None:
+            done_seq, result = executor.get(lane)
+        else:
+            waited = time.perf_counter()
+            done_seq, result = executor.get(lane)
+            now = time.perf_counter()
+            sent, samples = feed.sent.pop(done_seq)
+            stats.completed(feed.node, len(result), now - sent, now - waited, samples)
         feed.inflight -= 1
         state.done(done_seq, result, deterministic)
-        if stats is not None:
-            stats.completed(feed.node, len(result),
-                            time.perf_counter() - feed.sent.pop(done_seq))
         if deterministic:
             buffer.push(done_seq, result)
         else:
@@ -199,13 +203,15 @@ class _Feeder:
     def __init__(self, executor, stage, upstream: Iterator, lane: int, stats) -> None:
         self.executor, self.stage, self.upstream, self.lane = executor, stage, upstream, lane
         self.stats, self.node = stats, f"stage{stage.index}"
+        if stats is not None:  # times the input wait; workers report their op time
+            self.upstream = stats.attach(self.node, executor, stage, upstream)
         self.state = _LaneDispatch(stage)
         self.buffer = ReorderBuffer(self.state.window)
         self.lookahead: collections.deque = collections.deque()  # read ahead by merging
         # units read and not yet sent in full, as [unit, spread] (see _LaneDispatch.split_off):
         # a part is cut from the head when it is sent, with the estimates of that moment
         self.parts: collections.deque = collections.deque()
-        self.sent: dict[int, float] = {}
+        self.sent: dict[int, tuple[float, int]] = {}  # seq -> (sent at, samples)
         self.seq = self.inflight = 0
         self.exhausted = False
 
@@ -261,7 +267,7 @@ class _Feeder:
                 head[0] = rest
             if self.stats is not None:
                 self.stats.submitted(self.node, len(part))
-                self.sent[self.seq] = time.perf_counter()
+                self.sent[self.seq] = (time.perf_counter(), len(part))
             self.executor.submit(self.lane, self.seq, (self.stage.index, part))
             state.sent(self.seq, items)
             self.seq += 1

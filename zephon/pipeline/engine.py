@@ -42,6 +42,7 @@ from typing import Any, Iterator
 
 from zephon.errors import CheckpointError
 from zephon.kernels import LaneRoundRobin
+from zephon.options.metrics import effective_tracking
 from zephon.pipeline.carry import Rebuilder, carry_bounds, decode_carry, encode_carry, held_units
 from zephon.pipeline.dispatch import ordered_map
 from zephon.pipeline.lanes import batched_units, grouped_units, lane_units
@@ -151,7 +152,7 @@ class Engine:
         #: start_epoch's beginning
         self.start_epoch, self.end_epoch = start_epoch, plan.pass_end(start_epoch)
         p, o = plan.pipeline, plan.opts
-        mode = str(o.execution_tracking)
+        mode = effective_tracking(o.execution_tracking)  # or $ZEPHON_EXECUTION_TRACKING
         self.stats = None if mode == "off" else RunStats(mode, o.metrics_sink_config)
         self.program = program = StageProgram(
             p.source, [list(s.ops) for s in plan.stages], p.seed,

@@ -58,6 +58,7 @@ import atexit
 import collections
 import os
 import threading
+import time
 import weakref
 from typing import Any, NoReturn
 
@@ -331,6 +332,8 @@ class PipelineIterator:
     def __next__(self) -> Any:
         if self.closed:
             self._refuse()
+        stats = self.engine.stats if self.engine is not None else None
+        called = time.perf_counter() if stats is not None else 0.0
         try:
             if self.thread is None:
                 value, (lane, state) = next(self._source)
@@ -353,9 +356,8 @@ class PipelineIterator:
             raise
         self.record.states[lane] = state
         self._fresh = False
-        engine = self.engine
-        if engine is not None and engine.stats is not None and engine.stats.nodes_enabled:
-            engine.stats.delivered()
+        if stats is not None:  # the consumer's wait: from next() called to the batch
+            stats.delivered(called)
         return value
 
     def _refuse(self) -> NoReturn:
@@ -545,8 +547,12 @@ class PipelineIterator:
         """
         self.restore(state)
 
-    def stats(self) -> dict:
+    def stats(self, report: bool = False) -> dict:
         """Execution statistics of this run.
+
+        Args:
+            report: the report-grade snapshot instead of the counters (see
+                :meth:`Pipeline.stats <zephon.pipeline.pipeline.Pipeline.stats>`).
 
         Returns:
             A dict snapshot of the run's counters (``RuntimeOptions.execution_tracking``);
@@ -558,7 +564,7 @@ class PipelineIterator:
             {}
             >>> it.close()
         """
-        return self.record.stats_snapshot()
+        return self.record.stats_snapshot(report)
 
     # -- shutdown --------------------------------------------------------------------------
     def close(self) -> None:

@@ -611,8 +611,13 @@ class Pipeline:
         """
         self._progress.close_runs()
 
-    def stats(self) -> dict:
+    def stats(self, report: bool = False) -> dict:
         """Execution statistics of the latest run (a shortcut for ``it.stats()``).
+
+        Args:
+            report: return the report-grade snapshot instead (per-stage busy, idle and
+                blocked fractions, time series, the consumer's wait, worker events; its
+                schema is in :mod:`zephon.pipeline.stats`); ``zephon.profile`` renders it.
 
         Returns:
             A dict snapshot of the latest run's counters (see
@@ -624,7 +629,7 @@ class Pipeline:
             >>> Pipeline(sources.from_sequence([1, 2])).stats()
             {}
         """
-        return self._progress.latest.stats_snapshot()
+        return self._progress.latest.stats_snapshot(report)
 
     @property
     def final_state(self) -> bytes | None:

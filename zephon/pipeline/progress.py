@@ -63,9 +63,10 @@ class RunRecord:
         """Where the record's states say a run goes on."""
         return RunStart(dict(self.states), self.start_epoch)
 
-    def stats_snapshot(self) -> dict:
-        """The run's counters as a dict (empty without tracking, or without a run)."""
-        return {} if self.stats is None else self.stats.snapshot()
+    def stats_snapshot(self, report: bool = False) -> dict:
+        """The run's counters as a dict (empty without tracking, or without a run);
+        ``report``: the report-grade snapshot (:mod:`zephon.pipeline.stats`)."""
+        return {} if self.stats is None else self.stats.snapshot(report)
 
 
 class Progress:

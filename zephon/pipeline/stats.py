@@ -3,34 +3,108 @@
 
 - ``stages``: per parallel stage: units and items submitted, items out, units in
   flight (current and peak), and unit latency (submit to result) p50/p90/p99
-  over the last 1024 units;
+  over the last 1024 units; and where the stage's time goes (below);
 - ``nodes``: the above, plus every serial op (items in and out, seconds spent;
   ``pack_documents`` also ``rows``, ``tokens``, ``padding_tokens`` and
-  ``padding_fraction``) and the tail (items delivered to the consumer);
-- ``off``: nothing is recorded.
+  ``padding_fraction``) and the tail (items delivered to the consumer, and the
+  consumer's wait: ``wait_mean_ms``, ``wait_p50_ms``, ``wait_p99_ms``,
+  ``input_bound_fraction``);
+- ``off``: nothing is recorded, and nothing on the hot path checks more than one
+  ``stats is None``.
 
-``Pipeline.stats()`` returns a snapshot. With a sink configured, gauges named
-``<namespace>.<node>.<metric>`` are emitted every ``flush_interval_s`` (checked
-as the run progresses, no extra thread) and when the run ends: to the
-``zephon.metrics`` logger (``log``; one JSON object per line with
+``Pipeline.stats()`` returns a snapshot: a dict ``node -> row`` of numbers (what the
+sink emits as gauges). A stage row also has ``workers``, ``startup_s`` (run start to its first
+result), ``busy_fraction``,
+``idle_fraction``, ``blocked_fraction``, ``busy_s`` (op time the workers reported),
+``arena_bytes`` (result bytes its workers placed in shared memory), and
+``worker_starts``/``worker_stops``/``worker_restarts``.
+
+``stats(report=True)`` returns the report-grade snapshot (schema 1)::
+
+    {"schema": 1, "mode": "stages" | "nodes", "elapsed_s": float,
+     "nodes":    {node: row},                      # what stats() returns
+     "stages":   {node: {"label": "map(decode)", "runner", "workers", "startup_s", "busy",
+                         "idle", "blocked", "busy_s", "worker_blocked_s",
+                         "wait_input_s", "wait_result_s", "arena_bytes",
+                         "worker_starts", "worker_stops", "worker_restarts"}},
+     "consumer": {"batches", "startup_s", "wait_s", "compute_s", "wait_mean_ms",
+                  "wait_p50_ms", "wait_p99_ms", "input_bound_steps",
+                  "input_bound_fraction"},
+     "series":   {"bucket_s": float, "t": [bucket start, s],
+                  "batches": [...],                    # delivered to the consumer
+                  "steps": [...], "wait_s": [...],     # steps (batches after the
+                                                       # first) and their waits
+                  "<node>.items": [...],               # items out of the stage
+                  "<node>.samples": [...],             # its input samples done
+                  "<node>.busy": [fraction], "<node>.depth": [peak parts in flight]},
+     "events":   [{"t": s, "node", "kind": "start" | "stop" | "restart", "worker"}]}
+
+Where a stage's time goes (fractions of ``elapsed x workers``, summing to 1):
+``busy`` is op time the workers measured (each worker times the ops of a part and
+sends the figure with the part's result: no extra messages); ``blocked`` is the
+time process workers spent placing a result in the arena (encoding it, and waiting
+for space while the arena is full of results not yet taken), plus the stage's share of
+the rest spent while the engine was downstream of it (its results waiting to be
+taken: a full queue downstream, a slow consumer); ``idle`` is the share spent while
+the stage waited for its input (the engine reading upstream). The rest is split
+between the two in proportion to the engine's measured time in each. The run
+clock starts when the run starts and ``elapsed_s`` ends at the snapshot (or the end
+of the run); a stage's clock starts at its first result (what comes before is
+start-up: spawning workers, the first read). The consumer's ``startup_s`` is the
+time to the first batch; that batch is not a step (its wait is start-up). Time series buckets start at 0.1 s and double (pairs merged) whenever
+there would be more than :data:`MAX_BUCKETS`, so a long run costs bounded memory.
+A step is **input-bound** when the consumer waited at least
+:data:`INPUT_BOUND_SHARE` of it (its wait plus its compute since the previous
+batch). MTP mode records in the subprocess: the parent's snapshot is empty.
+
+With a sink configured, gauges named ``<namespace>.<node>.<metric>`` are emitted every
+``flush_interval_s`` (checked as the run progresses, no extra thread) and when the
+run ends: to the ``zephon.metrics`` logger (``log``; one JSON object per line with
 ``json_logs``), as statsd gauges over UDP (``statsd``; datagrams of at most
 ``max_batch_size`` lines, ``default_tags`` as DogStatsD tags), or both.
+
+:func:`recording` collects every RunStats made while it is active (``python -m
+zephon profile`` reports on the runs of the script it runs).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import socket
 import threading
 import time
+from typing import Iterator
 
 import numpy as np
 
-__all__ = ["RunStats"]
+__all__ = ["INPUT_BOUND_SHARE", "MAX_BUCKETS", "RunStats", "StageProbe", "recording"]
 
 log = logging.getLogger("zephon.metrics")
+
+#: Most time buckets a series keeps (then buckets double in length, pairs merged).
+MAX_BUCKETS = 256
+#: First bucket length of the time series, seconds.
+FIRST_BUCKET_S = 0.1
+#: A step is input-bound when the consumer's wait is at least this share of it.
+INPUT_BOUND_SHARE = 0.1
+#: Most worker start/stop events kept.
+MAX_EVENTS = 1000
+
+_recorders: list[list] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    """A list that receives every :class:`RunStats` created while the block runs."""
+    runs: list = []
+    _recorders.append(runs)
+    try:
+        yield runs
+    finally:
+        _recorders.remove(runs)
 
 
 class _Node:
@@ -42,6 +116,170 @@ class _Node:
         self.inflight = 0
 
 
+class _Series:
+    """Per-bucket sums (and peaks, for keys ending in ``.depth``) over run time."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0, self.bucket_s = t0, FIRST_BUCKET_S
+        self.data: dict[str, list[float]] = {}
+        self._i, self._start, self._end = 0, t0, t0 + FIRST_BUCKET_S  # the last bucket
+
+    def _index(self, now: float) -> int:
+        if self._start <= now < self._end:  # the bucket of the previous call
+            return self._i
+        i = int((now - self.t0) / self.bucket_s)
+        while i >= MAX_BUCKETS:
+            self._halve()
+            i = int((now - self.t0) / self.bucket_s)
+        i = max(0, i)
+        self._i, self._start = i, self.t0 + i * self.bucket_s
+        self._end = self._start + self.bucket_s
+        return i
+
+    def _halve(self) -> None:
+        self.bucket_s *= 2
+        for key, values in self.data.items():
+            merge = max if key.endswith(".depth") else (lambda a, b: a + b)
+            pairs = [values[k:k + 2] for k in range(0, len(values), 2)]
+            self.data[key] = [merge(p[0], p[1]) if len(p) == 2 else p[0] for p in pairs]
+
+    def _row(self, key: str, i: int) -> list[float]:
+        values = self.data.get(key)
+        if values is None:
+            values = self.data[key] = []
+        if len(values) <= i:
+            values.extend([0.0] * (i + 1 - len(values)))
+        return values
+
+    def add(self, now: float, *pairs: tuple[str, float]) -> None:
+        """Add each ``(key, value)`` to the bucket of ``now``."""
+        i = self._index(now)
+        data = self.data
+        for key, value in pairs:
+            values = data.get(key)
+            if values is None or len(values) <= i:
+                values = self._row(key, i)
+            values[i] += value
+
+    def peak(self, now: float, key: str, value: float) -> None:
+        """Raise the bucket of ``now`` of ``key`` (a ``.depth`` key) to ``value``."""
+        i = self._index(now)
+        values = self._row(key, i)
+        if value > values[i]:
+            values[i] = value
+
+    def export(self, now: float, workers: dict[str, int]) -> dict:
+        n = self._index(now) + 1
+        out: dict = {"bucket_s": self.bucket_s,
+                     "t": [round(k * self.bucket_s, 6) for k in range(n)]}
+        for key, values in sorted(self.data.items()):
+            row = values + [0.0] * (n - len(values))
+            if key.endswith(".busy"):  # op seconds -> share of the bucket's worker time
+                per = self.bucket_s * max(1, workers.get(key[:-5], 1))
+                row = [min(1.0, v / per) for v in row]
+            out[key] = row
+        for key in ("batches", "steps", "wait_s"):
+            out.setdefault(key, [0.0] * n)
+        return out
+
+
+class _Stage:
+    """What the engine and the workers measured of one parallel stage."""
+
+    __slots__ = (
+        "arena_bytes",
+        "busy_s",
+        "events",
+        "first",
+        "label",
+        "runner",
+        "wait_input_s",
+        "wait_result_s",
+        "worker_blocked_s",
+        "workers",
+    )
+
+    def __init__(self, label: str, runner: str, workers: int) -> None:
+        self.label, self.runner, self.workers = label, runner, workers
+        self.busy_s = self.worker_blocked_s = 0.0
+        self.wait_input_s = self.wait_result_s = 0.0
+        self.arena_bytes = 0
+        self.events: collections.Counter = collections.Counter()
+        self.first: float | None = None  # when its first result came (its clock starts)
+
+    def shares(self, end: float) -> dict[str, float]:
+        """busy, idle and blocked fractions from the first result to ``end``."""
+        elapsed = 0.0 if self.first is None else max(0.0, end - self.first)
+        capacity = max(elapsed, 1e-9) * max(1, self.workers)
+        busy = min(1.0, self.busy_s / capacity)
+        wblocked = min(1.0 - busy, self.worker_blocked_s / capacity)
+        rest = 1.0 - busy - wblocked
+        inside = self.wait_input_s + self.wait_result_s
+        if self.runner == "inline":  # its ops run in the engine's thread, not downstream
+            inside += self.busy_s
+        downstream = max(0.0, elapsed - inside)
+        engine = self.wait_input_s + downstream
+        idle = rest * (self.wait_input_s / engine if engine > 0 else 1.0)
+        return {"busy": busy, "idle": idle, "blocked": max(0.0, 1.0 - busy - idle)}
+
+
+class StageProbe:
+    """An executor's link to the run's statistics: workers report op time with results."""
+
+    __slots__ = ("node", "stats")
+
+    def __init__(self, stats: "RunStats", node: str) -> None:
+        self.stats, self.node = stats, node
+
+    def ran(self, busy_s: float, blocked_s: float = 0.0, nbytes: int = 0) -> None:
+        self.stats.worker_ran(self.node, busy_s, blocked_s, nbytes)
+
+    def event(self, kind: str, worker: int) -> None:
+        self.stats.worker_event(self.node, kind, worker)
+
+
+class _TimedInput:
+    """An upstream iterator whose ``next()`` time counts as the stage waiting for input
+    (written by the engine's thread alone: no lock)."""
+
+    __slots__ = ("it", "stage")
+
+    def __init__(self, it: Iterator, stage: _Stage) -> None:
+        self.it, self.stage = it, stage
+
+    def __iter__(self) -> "_TimedInput":
+        return self
+
+    def __next__(self):
+        t = time.perf_counter()
+        try:
+            return next(self.it)
+        finally:
+            self.stage.wait_input_s += time.perf_counter() - t
+
+
+class _Consumer:
+    __slots__ = ("batches", "compute_s", "last", "startup_s", "wait_s", "waited_steps", "waits")
+
+    def __init__(self) -> None:
+        self.batches = self.waited_steps = 0
+        self.wait_s = self.compute_s = 0.0
+        self.last: float | None = None
+        self.startup_s: float | None = None  # run start to the first batch
+        self.waits: collections.deque[float] = collections.deque(maxlen=4096)
+
+    def row(self) -> dict[str, float]:
+        steps = self.batches - 1  # the first batch waits for the start-up, not a step
+        row = {"batches": self.batches, "wait_s": self.wait_s, "compute_s": self.compute_s,
+               "startup_s": self.startup_s or 0.0, "input_bound_steps": self.waited_steps,
+               "input_bound_fraction": self.waited_steps / steps if steps > 0 else 0.0}
+        if self.waits:
+            p50, p99 = np.percentile(np.fromiter(self.waits, float), [50, 99])
+            row.update(wait_mean_ms=self.wait_s / steps * 1e3,
+                       wait_p50_ms=p50 * 1e3, wait_p99_ms=p99 * 1e3)
+        return row
+
+
 class RunStats:
     def __init__(self, mode: str, sink=None) -> None:
         self.mode, self.sink = mode, sink
@@ -49,12 +287,45 @@ class RunStats:
         self.lock = threading.Lock()
         self._last_flush = time.monotonic()
         self._socket: socket.socket | None = None
+        self.t0 = time.perf_counter()
+        self.t_end: float | None = None
+        self.series = _Series(self.t0)
+        self.stages: dict[str, _Stage] = {}
+        self.consumer = _Consumer()
+        self.events: list[dict] = []
+        self._keys: dict[tuple[str, str], str] = {}
+        for runs in _recorders:
+            runs.append(self)
 
     @property
     def nodes_enabled(self) -> bool:
         return self.mode == "nodes"
 
     # -- recording (engine side) -----------------------------------------------------------
+    def attach(self, node: str, executor, stage, upstream: Iterator) -> Iterator:
+        """Link ``executor`` (stage ``node``) to these statistics, once; returns
+        ``upstream`` timed as the stage's input wait."""
+        with self.lock:
+            if node not in self.stages:
+                label = " -> ".join(getattr(op, "name", type(op).__name__)
+                                    for op in getattr(stage, "ops", ()))
+                runner = getattr(executor, "runner", "inline")
+                workers = 1 if runner == "inline" else max(1, stage.workers)
+                self.stages[node] = _Stage(label or node, runner, workers)
+            info = self.stages[node]
+        if getattr(executor, "probe", None) is None:
+            executor.probe = StageProbe(self, node)
+            for k in range(info.workers):
+                self.worker_event(node, "start", k)
+        return _TimedInput(upstream, info)
+
+    def _key(self, node: str, what: str) -> str:
+        """The series key ``node + what`` (made once: this runs per part)."""
+        key = self._keys.get((node, what))
+        if key is None:
+            key = self._keys[(node, what)] = node + what
+        return key
+
     def submitted(self, node: str, items: int) -> None:
         with self.lock:
             n = self.nodes[node]
@@ -62,14 +333,41 @@ class RunStats:
             n.counters["items_in"] += items
             n.inflight += 1
             n.counters["inflight_peak"] = max(n.counters["inflight_peak"], n.inflight)
+            self.series.peak(time.perf_counter(), self._key(node, ".depth"), n.inflight)
         self._maybe_flush()
 
-    def completed(self, node: str, items: int, seconds: float) -> None:
+    def completed(self, node: str, items: int, seconds: float, waited: float = 0.0,
+                  samples: int = 0) -> None:
+        """A part of ``samples`` input samples came back with ``items`` items after
+        ``seconds``; the engine waited ``waited`` of them for it."""
+        now = time.perf_counter()
         with self.lock:
             n = self.nodes[node]
             n.counters["items_out"] += items
             n.inflight -= 1
             n.latency.append(seconds)
+            stage = self.stages.get(node)
+            if stage is not None and stage.first is None:  # start-up ends: its clock starts
+                stage.first, stage.wait_input_s, stage.wait_result_s = now, 0.0, 0.0
+            elif stage is not None:
+                stage.wait_result_s += waited
+            self.series.add(now, (self._key(node, ".items"), items),
+                            (self._key(node, ".samples"), samples))
+
+    def worker_ran(self, node: str, busy_s: float, blocked_s: float, nbytes: int) -> None:
+        with self.lock:
+            stage = self.stages[node]
+            stage.busy_s += busy_s
+            stage.worker_blocked_s += blocked_s
+            stage.arena_bytes += nbytes
+            self.series.add(time.perf_counter(), (self._key(node, ".busy"), busy_s))
+
+    def worker_event(self, node: str, kind: str, worker: int) -> None:
+        with self.lock:
+            self.stages[node].events[kind] += 1
+            if len(self.events) < MAX_EVENTS:
+                self.events.append({"t": time.perf_counter() - self.t0, "node": node,
+                                    "kind": kind, "worker": worker})
 
     def serial(self, node: str, items_in: int, items_out: int, seconds: float) -> None:
         with self.lock:
@@ -85,13 +383,42 @@ class RunStats:
             for name, value in counts.items():
                 counters[name] += value
 
-    def delivered(self) -> None:
+    def delivered(self, called: float | None = None) -> None:
+        """One batch went to the consumer; ``called``: when its ``next()`` was called."""
+        now = time.perf_counter()
         with self.lock:
-            self.nodes["tail"].counters["delivered"] += 1
+            if self.nodes_enabled:
+                self.nodes["tail"].counters["delivered"] += 1
+            if called is None:
+                return
+            c, wait = self.consumer, now - called
+            c.batches += 1
+            if c.last is None:
+                c.startup_s = now - self.t0
+                self.series.add(now, ("batches", 1))
+            else:  # a step: its compute since the previous batch, then its wait
+                compute = max(0.0, called - c.last)
+                c.wait_s += wait
+                c.compute_s += compute
+                c.waited_steps += wait >= INPUT_BOUND_SHARE * (wait + compute)
+                c.waits.append(wait)
+                self.series.add(now, ("batches", 1), ("steps", 1), ("wait_s", wait))
+            c.last = now
+
+    def ended(self) -> None:
+        """The run ended: its clock stops."""
+        with self.lock:
+            if self.t_end is None:
+                self.t_end = time.perf_counter()
 
     # -- reading ---------------------------------------------------------------------------
-    def snapshot(self) -> dict:
+    def _elapsed(self) -> float:
+        return (self.t_end or time.perf_counter()) - self.t0
+
+    def snapshot(self, report: bool = False) -> dict:
+        """``node -> row`` (see the module docstring); ``report``: the schema-1 report."""
         out = {}
+        elapsed = self._elapsed()
         with self.lock:
             for name, n in self.nodes.items():
                 row = dict(n.counters)
@@ -103,8 +430,37 @@ class RunStats:
                     p50, p90, p99 = np.percentile(np.fromiter(n.latency, float), [50, 90, 99])
                     row.update(latency_p50_ms=p50 * 1e3, latency_p90_ms=p90 * 1e3,
                                latency_p99_ms=p99 * 1e3)
+                stage = self.stages.get(name)
+                if stage is not None:
+                    row.update(self._stage_row(stage, self.t0, elapsed))
+                if name == "tail":
+                    row.update(self.consumer.row())
                 out[name] = row
-        return out
+            if not report:
+                return out
+            return {"schema": 1, "mode": self.mode, "elapsed_s": elapsed, "nodes": out,
+                    "stages": {name: {"label": st.label, "runner": st.runner,
+                                      **{k.removesuffix("_fraction"): v for k, v in
+                                         self._stage_row(st, self.t0, elapsed).items()},
+                                      "worker_blocked_s": st.worker_blocked_s,
+                                      "wait_input_s": st.wait_input_s,
+                                      "wait_result_s": st.wait_result_s}
+                               for name, st in self.stages.items()},
+                    "consumer": self.consumer.row(),
+                    "series": self.series.export(
+                        self.t0 + elapsed,
+                        {name: st.workers for name, st in self.stages.items()}),
+                    "events": list(self.events)}
+
+    @staticmethod
+    def _stage_row(stage: _Stage, t0: float, elapsed: float) -> dict[str, float]:
+        shares = stage.shares(t0 + elapsed)
+        startup = elapsed if stage.first is None else stage.first - t0
+        return {"workers": stage.workers, "startup_s": startup, "busy_fraction": shares["busy"],
+                "idle_fraction": shares["idle"], "blocked_fraction": shares["blocked"],
+                "busy_s": stage.busy_s, "arena_bytes": stage.arena_bytes,
+                "worker_starts": stage.events["start"], "worker_stops": stage.events["stop"],
+                "worker_restarts": stage.events["restart"]}
 
     # -- emitting --------------------------------------------------------------------------
     def _maybe_flush(self) -> None:
@@ -146,6 +502,7 @@ class RunStats:
                     break
 
     def close(self) -> None:
+        self.ended()
         self.flush()
         if self._socket is not None:
             self._socket.close()

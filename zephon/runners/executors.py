@@ -23,6 +23,11 @@ does, not when it happens to finish first.
   warning instead (an empty result). Workers stopped by the executor's own
   ``close()`` (or at interpreter exit) are not crashes: ``get()`` then raises
   :class:`~zephon.errors.TransportError` ("closed") and nothing is re-dispatched.
+
+With execution tracking on, the engine sets an executor's ``probe``
+(:class:`~zephon.pipeline.stats.StageProbe`): each unit's op time is reported to it
+(a process worker measures it and sends it with the result), and worker restarts
+and stops. With ``probe`` None (tracking off) nothing is timed.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import concurrent.futures as cf
 import logging
 import queue
 import threading
+import time
 import warnings
 from typing import Any, Callable
 
@@ -69,16 +75,21 @@ class TaskFailed:
 
 class InlineExecutor:
     runner = "inline"
+    workers = 1
 
     def __init__(self, program: Callable, name: str = "stage") -> None:
         self.program, self.name = program, name
         self._done: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
+        self.probe: Any = None
 
     def submit(self, lane, seq: int, payload) -> None:
+        started = time.perf_counter() if self.probe is not None else 0.0
         try:
             result = self.program(payload)
         except Exception as exc:  # noqa: BLE001 - raised by the engine in stream order
             result = TaskFailed(exc)
+        if self.probe is not None:
+            self.probe.ran(time.perf_counter() - started)
         self._done[lane].append((seq, result))
 
     def get(self, lane):
@@ -86,6 +97,7 @@ class InlineExecutor:
 
     def close(self) -> None:
         self._done.clear()
+        _stopped(self)
 
 
 class _DaemonThreads:
@@ -159,9 +171,21 @@ class ThreadExecutor:
         self.pool = _DaemonThreads(workers, f"zephon-{name}")
         self._pending: dict[Any, dict] = collections.defaultdict(dict)
         self._closed: cf.Future = cf.Future()  # done once close() ran: wakes get()
+        self.workers = workers
+        self.probe: Any = None
 
     def submit(self, lane, seq: int, payload) -> None:
-        self._pending[lane][self.pool.submit(self.program, payload)] = seq
+        run = self.program if self.probe is None else self._timed
+        self._pending[lane][self.pool.submit(run, payload)] = seq
+
+    def _timed(self, payload):
+        started = time.perf_counter()
+        try:
+            return self.program(payload)
+        finally:
+            probe = self.probe
+            if probe is not None:
+                probe.ran(time.perf_counter() - started)
 
     def get(self, lane):
         pending = self._pending[lane]
@@ -179,6 +203,7 @@ class ThreadExecutor:
         self.pool.close()
         if not self._closed.done():
             self._closed.set_result(True)
+        _stopped(self)
 
 
 class ProcessExecutor:
@@ -197,6 +222,8 @@ class ProcessExecutor:
         self._task: dict[int, tuple] = {}  # task id -> (lane, seq, payload)
         self._retries: collections.Counter = collections.Counter()
         self._done: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
+        self.workers = workers
+        self.probe: Any = None
 
     def submit(self, lane, seq: int, payload) -> None:
         task = self.pool.submit(payload)
@@ -218,12 +245,16 @@ class ProcessExecutor:
                 self._done[owner].append((seq, TaskFailed(exc)))
                 continue
             owner, seq, _ = self._task.pop(result.task_id)
+            if result.timing is not None and self.probe is not None:
+                self.probe.ran(*result.timing)
             self._done[owner].append((seq, result.value))
         return done.popleft()
 
     def _recover(self, crash: WorkerCrashedError) -> None:
         lost = [self._task.pop(t) for t in crash.tasks if t in self._task]
         self.pool.restart(crash.worker)
+        if self.probe is not None:
+            self.probe.event("restart", crash.worker)
         for k, (lane, seq, payload) in enumerate(lost):
             if k == 0:  # the unit the worker was running: the culprit
                 self._retries[(lane, seq)] += 1
@@ -248,3 +279,12 @@ class ProcessExecutor:
 
     def close(self) -> None:
         self.pool.close()
+        _stopped(self)
+
+
+def _stopped(executor) -> None:
+    """Report the stop of ``executor``'s workers to its probe (once)."""
+    probe, executor.probe = executor.probe, None
+    if probe is not None:
+        for k in range(executor.workers):
+            probe.event("stop", k)

@@ -165,9 +165,14 @@ atexit.register(_close_live_pools)
 
 
 class TaskResult(NamedTuple):
+    """A task's result; ``timing``: ``(op seconds, seconds placing and sending the
+    result, bytes placed in the arena)`` as the worker measured them, when the pool's
+    options track execution (else None)."""
+
     task_id: int
     worker: int
     value: Any
+    timing: tuple | None = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -243,6 +248,13 @@ class WorkerPool:
         _live_pools.add(self)
 
     # -- lifecycle ---------------------------------------------------------------------
+    def _tracks(self) -> bool:
+        """Whether workers time their tasks (the options' execution tracking is on)."""
+        from zephon.options.metrics import effective_tracking  # parent only
+
+        mode = getattr(self.options, "execution_tracking", "off")
+        return effective_tracking(mode) != "off"
+
     def start(self, wait: bool = True) -> "WorkerPool":
         """Launch the workers; with ``wait=False`` return at once and wait for their READY on
         first use (the caller overlaps its own set-up with the workers' start-up)."""
@@ -264,6 +276,7 @@ class WorkerPool:
             "arena_wait_timeout_s": self.arena_wait_timeout_s, "policy": tuple(self.policy),
             "handler": handler_bytes,
             "log_level": logging.getLogger("zephon").getEffectiveLevel(),
+            "timing": self._tracks(),
         }
         try:
             for k in range(self.num_workers):
@@ -589,7 +602,7 @@ class WorkerPool:
                 if "w" in header:
                     self._warn_fallback(header["w"])
                 value = self.decoder.decode(header, frames, fds)
-                return TaskResult(task_id, handle.index, value)
+                return TaskResult(task_id, handle.index, value, header.get("t"))
             if kind == MsgKind.ERROR:
                 error = decode_exception(frames[0], header.get("tb", ""),
                                          f"task {task_id} on worker {handle.index}")

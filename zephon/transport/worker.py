@@ -33,6 +33,7 @@ import pickle
 import selectors
 import signal
 import threading
+import time
 import traceback
 
 from zephon.errors import SerializationError, TransportError
@@ -157,6 +158,7 @@ class _Worker:
         self.encoder = Encoder(policy, self.leases, self.registry, self.arena, self.heap)
         self.decoder = Decoder(self.leases, self.registry, lambda owner: None,
                                borrow_forwarded=True)
+        self.timing = bool(boot.get("timing"))  # time tasks (the parent tracks execution)
 
     def run(self) -> None:
         try:
@@ -199,10 +201,15 @@ class _Worker:
         box: list = []
         try:
             payload = self.decoder.decode(header, frames, fds)
+            started = time.perf_counter() if self.timing else 0.0
             box.append(handler(payload))  # held by nothing else: see Encoder.encode_owned
+            ran = time.perf_counter() if self.timing else 0.0
             del payload
             out, out_frames, out_fds, _ = self.encoder.encode_owned(box, self.peer)
             box.clear()
+            if self.timing:  # op seconds, seconds placing the result, bytes in the arena
+                out["t"] = (ran - started, time.perf_counter() - ran,
+                            sum(int(r[3]) for r in out.get("r", ())))
         except ChannelClosed:
             raise
         except TaskAbandoned:
