@@ -139,3 +139,15 @@ def test_a_fused_stage_streams_the_collated_samples(runner):
     assert len(got) == 8
     for k, batch in enumerate(got):
         assert_same(dict(batch), collate(samples[5 * k:5 * k + 5]))
+
+
+def test_the_collator_keeps_no_reference_to_its_result():
+    import weakref
+
+    c = Collator(2)
+    c.add({"x": _img(0)})
+    c.add({"x": _img(1)})
+    out = c.result()
+    ref = weakref.ref(out["x"])
+    del out
+    assert ref() is None  # (a worker's heap sends an array nothing else holds)

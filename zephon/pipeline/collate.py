@@ -307,7 +307,7 @@ class Collator:
 
     ``Collator(size)`` for a batch of at most ``size`` samples; ``add(value)`` per
     sample, in order (it never raises); ``result()`` once: ``collate`` of the values
-    added, raising as ``collate`` does.
+    added, raising as ``collate`` does (the collator keeps no reference to it).
 
     Example:
         >>> c = Collator(2)
@@ -386,4 +386,5 @@ class Collator:
                 out[key] = _collate(column, (key,), True)
             else:
                 out[key] = column if self._count == self._size else column[:self._count].copy()
-        return out
+        self._columns = []  # the batch's arrays are the caller's alone (a worker's
+        return out          # shared heap sends an array nothing else holds by reference)
