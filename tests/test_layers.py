@@ -51,7 +51,7 @@ PIPELINE_ALLOWED = {
     "validate": {"ops"},
     "plan": {"ops", "lanes", "dispatch"},
     "carry": {"records", "ops", "lanes", "plan"},
-    "program": {"records", "ops", "lanes", "columnar", "sources"},
+    "program": {"records", "ops", "lanes", "columnar", "sources", "collate"},
     "engine": {"records", "ops", "lanes", "dispatch", "plan", "carry", "program", "stats"},
     "text": {"records", "ops"},
     "training": {"records"},

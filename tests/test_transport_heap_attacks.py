@@ -18,7 +18,7 @@ import weakref
 import numpy as np
 import pytest
 
-from zephon.pipeline.records import Record
+from zephon.pipeline.records import Batch, Record
 from zephon.transport.arena import LeaseTable, ShmArena, SlabRegistry
 from zephon.transport.codec import Encoder, PeerState, ShmPolicy
 from zephon.transport.heap import WorkerHeap, settle
@@ -208,3 +208,54 @@ def test_settle_copies_a_dict_subclass_the_op_tracks_weakly():
 
     assert settled_ids(track=True) == (False, False)  # the dict and its array: copies
     assert settled_ids(track=False) == (True, True)  # the control: handed over
+
+
+def _in_a_batch(attack):
+    """``attack``'s result as the column of a batch, as a fused collate makes it."""
+
+    def make(keep):
+        value, keeper = attack(keep)
+        return Record(Batch(value, meta={"sample_ids": [("s", 0, 0)]}), [("s", 0, 0)]), keeper
+
+    make.__name__ = f"{attack.__name__}_in_a_batch"
+    return make
+
+
+@pytest.mark.parametrize("attack", [_in_a_batch(a) for a in ATTACKS],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_batch_column_the_op_keeps_is_copied_and_the_control_goes_by_reference(heap, attack):
+    kept = _by_reference(heap, attack, keep=True)
+    control = _by_reference(heap, attack, keep=False)
+    assert (kept, control) == (False, True)
+
+
+def _batch_kept(how: str):
+    def make(keep):
+        a = np.full(N, 1, dtype=np.int64)
+        batch = Batch({"x": a}, meta={})
+        keeper = None
+        if keep and how == "weakly":
+            keeper = weakref.ref(batch)
+        elif keep and how == "in_meta":
+            batch.meta["also"] = a  # reached twice: through the columns and through meta
+        elif keep and how == "whole":
+            keeper = batch
+        return Record(batch, [("s", 0, 0)]), keeper
+
+    make.__name__ = f"batch_kept_{how}"
+    return make
+
+
+@pytest.mark.parametrize("how", ["weakly", "in_meta", "whole"])
+def test_a_batch_the_op_keeps_or_tracks_is_copied(heap, how):
+    kept = _by_reference(heap, _batch_kept(how), keep=True)
+    control = _by_reference(heap, _batch_kept(how), keep=False)
+    assert (kept, control) == (False, True)
+
+
+def test_an_array_only_in_a_batchs_meta_is_copied(heap):
+    def make(keep):
+        return Record(Batch({"y": 1}, meta={"x": np.full(N, 1, dtype=np.int64)}),
+                      [("s", 0, 0)]), None
+
+    assert _by_reference(heap, make, keep=False) is False

@@ -39,6 +39,18 @@ variable-length lists or optional values keep working; the difference from
 torch is only that these raise there. A dict column of lists of *equal* length
 is transposed, as torch does (``[[1, 2], [3, 4]]`` gives ``[array([1, 3]),
 array([2, 4])]``), where it used to stay the list of lists.
+
+**Collating as the samples come** (:class:`Collator`, the fused ``read -> map ->
+batch`` stage's default collation): each sample's value is added as soon as its last
+op returned, and each array of a dict sample is copied at once into its row of the
+column's batch array, made when the first sample arrives (in a process worker, a
+region of its shared heap: the batch is stacked straight into shared memory). The
+sample's own array is then let go of while it is still in the CPU cache, and the
+next sample's allocation reuses its memory: stacking 64 samples of 602 KB at the end
+read 38.5 MB back from memory. The result is :func:`collate`'s, always: a column whose
+arrays stop agreeing in shape or dtype, a sample that is no ``dict``, or a batch of
+other samples is collated by :func:`collate` from what was added (the rows already
+copied stand for their arrays: equal values, shape and dtype).
 """
 
 from __future__ import annotations
@@ -51,7 +63,7 @@ import numpy as np
 
 from zephon.errors import ZephonConfigError
 
-__all__ = ["collate", "collate_column"]
+__all__ = ["Collator", "collate", "collate_column"]
 
 _INT64 = np.dtype(np.int64)
 _FLOAT32 = np.dtype(np.float32)
@@ -288,3 +300,91 @@ def _sequence(column, path: tuple, keyed: bool):
         return type(first)(columns)
     except TypeError:
         return columns
+
+
+class Collator:
+    """:func:`collate` of values added one at a time (see the module docstring).
+
+    ``Collator(size)`` for a batch of at most ``size`` samples; ``add(value)`` per
+    sample, in order (it never raises); ``result()`` once: ``collate`` of the values
+    added, raising as ``collate`` does (the collator keeps no reference to it).
+
+    Example:
+        >>> c = Collator(2)
+        >>> c.add({"x": np.zeros(3), "y": 1}); c.add({"x": np.ones(3), "y": 2})
+        >>> out = c.result()
+        >>> out["x"].shape, out["y"].tolist()
+        ((2, 3), [1, 2])
+    """
+
+    __slots__ = ("_columns", "_count", "_keys", "_size", "_values")
+
+    def __init__(self, size: int) -> None:
+        self._size = max(1, int(size))
+        self._count = 0
+        self._keys: list | None = None  # the first sample's keys, while all are dicts
+        self._columns: list = []  # per key: a batch array being filled, or a list
+        self._values: list | None = None  # every value as added (not rows: the fallback)
+
+    def add(self, value) -> None:
+        """Take sample ``value``: its arrays are copied into their rows now."""
+        i, self._count = self._count, self._count + 1
+        if self._values is not None:
+            self._values.append(value)
+        elif type(value) is not dict or i >= self._size:
+            self._values = [*self._samples(), value]
+        elif i == 0:
+            self._keys = list(value)
+            self._columns = [self._start(value[k]) for k in self._keys]
+        else:
+            self._add_row(value, i)
+
+    def _start(self, first):
+        if type(first) is np.ndarray and first.dtype.kind in _NUMERIC_KINDS and \
+                first.dtype.isnative:
+            out = np.empty((self._size, *first.shape), dtype=first.dtype)
+            out[0] = first
+            return out
+        return [first]
+
+    def _add_row(self, value: dict, i: int) -> None:
+        columns = self._columns
+        for j, key in enumerate(self._keys or ()):
+            v = value.get(key)
+            column = columns[j]
+            if type(column) is list:
+                column.append(v)
+            elif type(v) is np.ndarray and v.dtype == column.dtype and \
+                    v.shape == column.shape[1:]:
+                column[i] = v
+            else:  # the arrays stop agreeing: this column is a list of its values
+                columns[j] = [*(column[r, ...] for r in range(i)), v]
+
+    def _rows(self, j: int) -> list:
+        column = self._columns[j]
+        n = min(self._count, self._size)
+        return column if type(column) is list else [column[r, ...] for r in range(n)]
+
+    def _samples(self) -> list:
+        """The values added so far as dicts (rows for the arrays already copied)."""
+        keys = self._keys or []
+        n = min(self._count - 1, self._size)
+        columns = [self._rows(j)[:n] for j in range(len(keys))]
+        return [dict(zip(keys, row, strict=True)) for row in zip(*columns, strict=True)] \
+            if keys else [{} for _ in range(n)]
+
+    def result(self):
+        """``collate`` of every value added."""
+        if self._values is not None:
+            return collate(self._values)
+        if not self._count:
+            return {}
+        out = {}
+        for j, key in enumerate(self._keys or ()):
+            column = self._columns[j]
+            if type(column) is list:
+                out[key] = _collate(column, (key,), True)
+            else:
+                out[key] = column if self._count == self._size else column[:self._count].copy()
+        self._columns = []  # the batch's arrays are the caller's alone (a worker's
+        return out          # shared heap sends an array nothing else holds by reference)

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from zephon.errors import OpError
+from zephon.pipeline.collate import Collator
 from zephon.pipeline.columnar import BatchRun, sample_ids
 from zephon.pipeline.lanes import BatchGroup, ReadParts
 from zephon.pipeline.ops import FilterOp, make_batch
@@ -183,7 +184,7 @@ class StageProgram:
                           op="read", sample_id=sid) from exc
         return Record(value, [sid], (epoch, pos))
 
-    def run_ops(self, records, ops: list) -> list:
+    def run_ops(self, records, ops: list, collator: Collator | None = None) -> list:
         """Each record through every op of the stage, **one sample at a time**: a sample
         is read, mapped and filtered before the next is read. So the first failure in
         sample order is the one raised, whatever the dispatch made the unit's parts, and
@@ -196,7 +197,12 @@ class StageProgram:
         goes on as it is, on every runner. A list of records (a later stage's input) is
         emptied as it is read, and an input record the first op has replaced lets go of
         its value, so an array passed on from it counts as the op's alone (the dispatch
-        may still hold the list a part was cut from)."""
+        may still hold the list a part was cut from).
+
+        With a ``collator`` (a fused batch's default collation), each record's value goes
+        to it once settled and the record keeps only its identity and position: the
+        collator has copied its arrays into the batch's rows, so the sample's memory is
+        freed before the next sample is made."""
         if any(op.batched for op in ops):
             return self._run_batched(records, ops)
         seed, take, given = self.seed, _taker(records), type(records) is list
@@ -219,6 +225,9 @@ class StageProgram:
                 else:
                     if ops:
                         settle(r)
+                    if collator is not None:
+                        collator.add(r.value)
+                        r = Record(None, r.ids, r.pos)
                     out.append(r)
         except Exception as exc:
             put_done(exc, out)
@@ -316,13 +325,27 @@ class StageProgram:
             fast = self.read_batch(unit)
             if fast is not None:
                 return fast
+        collator = self._collator(stage, unit)
         try:
             records = self.run_ops(self.read(unit) if stage == 0 else unit,
-                                   self.stages[stage])
+                                   self.stages[stage], collator)
         except Exception as exc:
             if self.collates[stage]:  # the unit is one batch: no part of it goes on
                 put_done(exc, [])
             raise
         if self.collates[stage] and records:
-            return [make_batch(records, self.collate_fn)]
+            return [make_batch(records, self.collate_fn,
+                               collator.result if collator is not None else None)]
         return records
+
+    def _collator(self, stage: int, unit) -> Collator | None:
+        """The :class:`~zephon.pipeline.collate.Collator` of a unit that is one batch
+        collated by default, sample by sample (None: the stage does not collate, it has
+        a ``collate_fn`` or a batched op)."""
+        if not self.collates[stage] or self.collate_fn is not None or \
+                any(op.batched for op in self.stages[stage]):
+            return None
+        if stage != 0:
+            return Collator(len(unit))
+        parts = unit.parts if isinstance(unit, ReadParts) else [unit]
+        return Collator(sum(len(p.indices) for p in parts))

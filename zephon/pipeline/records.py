@@ -165,6 +165,10 @@ class Batch(_WithMeta, dict):
         ((2, 3), 0)
     """
 
+    #: a worker's shared heap may send its columns by reference when nothing else holds
+    #: them (zephon.transport.heap.exclusive_arrays): it pickles as dict(self) and meta
+    __heap_walk_items__ = True
+
     def __init__(self, *args, meta: dict | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._meta = meta if meta is not None else {}

@@ -23,7 +23,7 @@ Invariants
 - **Exclusive or copied.** A region is sent by reference only when nothing in
   the worker but the message itself can still reach the array: every container
   on its path from the payload's root (dicts, lists, tuples, the pipeline's
-  records) is referenced by its parent alone, the array by its container and
+  records and batches) is referenced by its parent alone, the array by its container and
   the encoder's leaf list, and every array on its ``base`` chain by its view
   alone (:func:`exclusive_arrays`, :func:`exclusive_owner`). One walk decides,
   for the encoder and for :func:`settle`: each count is exact (the refcount
@@ -208,6 +208,12 @@ BY_LEAF_LIST = 1
 #: with a ``value`` slot whose instances pickle as ``(cls, (value, ...))`` and whose other
 #: fields hold no arrays (the pipeline's ``Record``).
 WALK_MARKER = "__heap_walk__"
+#: A class attribute that lets the encoder's walk into a dict subclass as into a dict:
+#: ``__heap_walk_items__ = True`` on a dict subclass whose instances pickle their items as
+#: a plain dict of the same values (``dict(self)``) beside fields the walk does not enter
+#: (the pipeline's ``Batch`` and its ``meta``). An array in such a field is no leaf the walk
+#: vouches for, so it is copied.
+WALK_ITEMS_MARKER = "__heap_walk_items__"
 #: Nesting the walk follows (deeper containers: nothing goes by reference, and
 #: :func:`settle` hands them over as they are).
 MAX_SETTLE_DEPTH = 64
@@ -266,7 +272,8 @@ def _visit(node: Any, extra: int, depth: int, w: _Walk) -> Any:
         return bytearray(node) if w.settling and extra != 0 else _SAME
     if depth >= MAX_SETTLE_DEPTH or t in _PLAIN:
         return _SAME
-    if t is list or t is tuple or t is dict or (w.settling and isinstance(node, dict)):
+    if t is list or t is tuple or t is dict or (isinstance(node, dict) and (
+            w.settling or getattr(t, WALK_ITEMS_MARKER, False) is True)):
         if extra != 0 or weakref.getweakrefcount(node):  # (a dict subclass can have one)
             return _copied(node, depth) if w.settling else _SAME
         if t is not list and t is not tuple:
@@ -333,7 +340,8 @@ def _holds_nothing_to_settle(node: list | tuple) -> bool:
 
 def exclusive_arrays(box: list) -> set[int]:
     """``id()`` of every array reachable from ``box[0]`` only through the payload:
-    through dicts, lists and tuples (exact types) and objects of classes marked with
+    through dicts, lists and tuples (exact types), dict subclasses marked with
+    :data:`WALK_ITEMS_MARKER` (their values) and objects of classes marked with
     :data:`WALK_MARKER` (their ``.value``), each referenced by its parent alone, the
     array by its parent and the encoder's leaf list, and its base chain as
     :func:`exclusive_owner` says. An array under any other object (its own

@@ -24,16 +24,20 @@ from zephon.pipeline.records import Batch, BatchList, Boundary, Record
 __all__ = ["BatchOp", "make_batch"]
 
 
-def make_batch(records: list, collate_fn: Callable | None = None) -> Record:
+def make_batch(records: list, collate_fn: Callable | None = None,
+               collated: Callable[[], Any] | None = None) -> Record:
     """One batch record of ``records``: their values collated (by ``collate_fn``, else
-    :func:`~zephon.pipeline.collate.collate`), their sample ids in ``meta["sample_ids"]``;
+    :func:`~zephon.pipeline.collate.collate`; or ``collated()``, what a
+    :class:`~zephon.pipeline.collate.Collator` made of their values as they came), their
+    sample ids in ``meta["sample_ids"]``;
     it ends where the last record ends. A plain dict becomes a :class:`Batch`, a plain list
     a :class:`BatchList`; any other value (a namedtuple, an array) is the batch as it is,
     without ``meta``. A failure is an :class:`OpError` of the ``batch`` op naming the
     batch's samples."""
     ids = [i for r in records for i in r.ids]
     try:
-        value = (collate_fn or collate)([r.value for r in records])
+        value = collated() if collated is not None else \
+            (collate_fn or collate)([r.value for r in records])
     except Exception as exc:
         shown = ids if len(ids) <= 4 else f"[{ids[0]}, ..., {ids[-1]}] ({len(ids)} samples)"
         name = "batch" if collate_fn is None else f"batch(collate_fn={fn_name(collate_fn)})"
