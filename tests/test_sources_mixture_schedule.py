@@ -10,6 +10,7 @@ import collections
 import pickle
 
 import _mixture_fns as F
+import numpy as np
 import pytest
 
 from zephon import MixtureReadConfig, Pipeline, RuntimeOptions, sources
@@ -183,7 +184,21 @@ def test_schedules_a_fixed_epoch_length_cannot_hold_are_config_errors(weights, k
 
 
 def test_a_callable_giving_bad_weights_names_the_epoch():
-    source = mix(F.ramp)
-    source.schedule.fn = lambda e: {"a": 1.0}
+    source = mix(lambda e: {"a": 1.0, "b": 1.0} if e < 7 else {"a": 1.0})
+    source.epoch_plan(6)
     with pytest.raises(ZephonConfigError, match="epoch 7"):
         source.epoch_plan(7)
+
+
+def test_a_schedule_over_a_thousand_components_builds_nothing_of_the_epochs_size():
+    comps = {f"c{k}": component(f"c{k}", 1_000_000) for k in range(1024)}
+    later = {f"c{k}": 1.0 + (k % 3) for k in range(1024)}
+    source = sources.mixture(comps, [(0, dict.fromkeys(comps, 1.0)), (1, later)],
+                             config=MixtureReadConfig(mode="weighted_random"))
+    assert len(source) == 1024 * 1_000_000
+    assert len(pickle.dumps(source)) < 1 << 20  # what every worker receives
+    got = take(Pipeline(source, seed=0, shuffle=False, chunk_size=64)
+               .batch(64), 2)
+    assert len(got) == 2
+    view = source.view(np.array([0, len(source) - 1]), 5)  # epoch 5: closed form
+    assert [view.identity(n)[0] in comps for n in range(2)] == [True, True]
