@@ -169,7 +169,7 @@ class WeightSchedule:
     def describe(self) -> str:
         if self.fn is not None:
             return f"schedule {fn_identity(self.fn)}"
-        steps = [f"{first}: {np.round(v, 6).tolist()}"
+        steps = [f"{first}: {v.tolist()}"
                  for first, v in zip(self.firsts, self.vectors, strict=True)]
         return "schedule {" + ", ".join(steps) + "}"
 
