@@ -42,7 +42,9 @@ Rows, for JSONL and for Parquet:
 - ``hf datasets``: ``load_dataset("json"|"parquet")``, ``map(tokenize, batched=True,
   num_proc=2)``, ``group_texts`` with ``num_proc=2``, ``with_format("numpy")
   .iter(batch_size=8)``, in a fresh cache directory deleted after the row (cold, end to
-  end). It has no mid-epoch restore.
+  end). All its work is done before its first batch, so its steady tokens/s is the
+  reading of the finished dataset: compare its epoch seconds. It has no mid-epoch
+  restore.
 
 Reported per row: ``first`` (seconds from building the pipeline to its first batch),
 ``epoch`` (building to exhausted and closed), steady tokens/s (from a warm-up of 10 % of
