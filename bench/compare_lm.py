@@ -52,10 +52,10 @@ the batches to the last), and ``restore`` (seconds from building a new pipeline 
 restoring the checkpoint taken at the epoch's middle batch to its first batch; in the
 same process after the epoch, so imports are warm for every library alike).
 
-Ratios (> 1: zephon ahead): for each format and runner, ``tokens_per_s`` zephon /
-upstream, ``restore`` upstream / zephon as zephon's time over upstream's
-(``restore_FMT_RUNNER_vs_upstream`` is zephon / upstream: the bar is <= 0.2), and
-``e2e_FMT_process2_vs_hf`` (HF's epoch seconds / zephon 2 workers').
+Ratios, for each format and runner: ``tokens_FMT_RUNNER_vs_upstream`` (zephon's steady
+tokens/s / upstream's: > 1 is zephon ahead), ``first_...`` and ``restore_...``
+(zephon's seconds / upstream's: < 1 is zephon ahead; the restore bar is <= 0.2), and
+``e2e_FMT_process2_vs_hf`` (HF's epoch seconds / zephon 2 workers': > 1 is zephon ahead).
 """
 
 from __future__ import annotations
