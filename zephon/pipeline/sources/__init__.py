@@ -41,7 +41,7 @@ from zephon.pipeline.sources.base import (
 )
 from zephon.pipeline.sources.hf import HfDatasetSource
 from zephon.pipeline.sources.jsonl import DEFAULT_MAX_DECOMPRESSED, JsonlSource
-from zephon.pipeline.sources.mixture import MixtureSource
+from zephon.pipeline.sources.mixture import MixtureSource, Weights
 from zephon.pipeline.sources.parquet import ParquetSource
 from zephon.pipeline.sources.tokens import TokenWindows
 from zephon.pipeline.sources.webdataset import WebDatasetSource
@@ -323,7 +323,7 @@ def hf_dataset(ds, *, name: str = "hf", columns: Sequence[str] | None = None) ->
     return HfDatasetSource(ds, name, columns)
 
 
-def mixture(components: Mapping[str, Source], weights: Mapping[str, float] | None = None, *,
+def mixture(components: Mapping[str, Source], weights: Weights = None, *,
             config=None, name: str = "mixture", exhausted: str | Mapping[str, str] = "repeat",
             max_repeats: float | Mapping[str, float] | None = None, by: str = "samples",
             tokens_per_sample: Mapping[str, float] | None = None,
@@ -344,6 +344,11 @@ def mixture(components: Mapping[str, Source], weights: Mapping[str, float] | Non
         components: component name -> source.
         weights: component name -> positive weight (every component, no other name);
             None: equal weights. Shares of samples, or of tokens with ``by="tokens"``.
+            Or a schedule: a list of steps ``[(first_epoch, weights), ...]`` (the first
+            at epoch 0) or a picklable callable ``epoch -> weights``, where a weight may
+            be 0; every epoch has epoch 0's length and holds its own weights (see
+            :mod:`zephon.pipeline.sources.mixture`); the schedule is part of the
+            pipeline's fingerprint.
         config: a :class:`~zephon.MixtureReadConfig` (the interleave and the
             within-component order); None: the pipeline's
             ``RuntimeOptions.mixture_config`` if set, else the defaults.
@@ -365,7 +370,8 @@ def mixture(components: Mapping[str, Source], weights: Mapping[str, float] | Non
     Raises:
         ZephonConfigError: no component, an empty component, weights that do not name
             exactly the components, a weight that is not a positive finite number, or an
-            unknown policy.
+            unknown policy; in a schedule, steps out of order, ``exhausted="stop"``, or
+            weights the policies cannot fit to the epoch's length.
 
     Example:
         >>> a = sources.from_sequence(["a0", "a1", "a2", "a3"], name="a")

@@ -32,6 +32,34 @@ given (``tokens_per_sample``) or measured on a seeded sample of up to
 :data:`TOKEN_PROBE` samples per component (``token_count``, default: the length
 of the ``"tokens"`` field).
 
+Weights that change over training (a *schedule*)
+------------------------------------------------
+The unit of a schedule is the epoch: every epoch holds exact counts, so ``weights``
+may also be a list of steps ``[(first_epoch, {name: w}), ...]`` (the first at epoch
+0, each in force until the next) or a callable ``epoch -> {name: w}`` (a pure
+function of the epoch; module level, or a picklable object, for process workers).
+In a schedule a weight may be 0 (the component is off in that epoch), at least one
+is positive. What defines the stream is the schedule itself: the steps, or the
+callable by its identity (:func:`~zephon.pipeline.fingerprint.fn_identity`), are
+part of :meth:`MixtureSource.describe` and hence of the pipeline's fingerprint, so a
+checkpoint restores only under the same schedule, and resumes exactly (a position
+of an epoch is computed from the epoch and the schedule alone: there is no other
+state to checkpoint).
+
+The pipeline's epoch length is one number for a run (lanes, positions and
+checkpoints are defined over it), so under a schedule the epoch length ``L`` is
+the one epoch 0's weights give (exactly as for fixed weights, so a one-step
+schedule is the fixed-weight mixture, stream for stream), and every other epoch
+*fits* its weights to ``L``: the largest-remainder rounding of ``rate_k * L``,
+where a component that its share would read more often than its policy allows
+(``redistribute``: once per epoch; ``max_repeats``: that many passes) is held at
+that limit and its excess goes to the others in proportion to their rates.
+``stop`` ends an epoch early, which a fixed length cannot do: it is refused in a
+schedule (``redistribute`` reads a component at most once per epoch). A
+component's occurrences still run on across epochs, ``J = sum of its counts in
+the earlier epochs + j``: closed form over the steps of a list; a callable is
+called once per epoch (cached per process) to sum them.
+
 Where a position lands (:class:`~zephon.options.MixtureReadConfig` ``mode``):
 
 - ``weighted_random``: a seeded bijection of ``[0, L)`` per epoch takes
@@ -57,24 +85,32 @@ identity, and hence its ``ctx.rng``, differ from the first read's.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import math
-from typing import Any, Callable, Mapping
+import threading
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 
 from zephon.errors import ZephonConfigError
 from zephon.kernels import order_key as _key
 from zephon.kernels import permute_positions
+from zephon.pipeline.fingerprint import fn_identity
 from zephon.pipeline.sources.base import Source
 
-__all__ = ["EXHAUSTION_POLICIES", "TOKEN_PROBE", "MixtureSource"]
+__all__ = ["EXHAUSTION_POLICIES", "TOKEN_PROBE", "MixtureSource", "WeightSchedule"]
 
 EXHAUSTION_POLICIES = ("repeat", "stop", "redistribute")
 #: samples per component read at construction to estimate tokens per sample
 TOKEN_PROBE = 64
 #: products ``x * c_k`` stay exact in int64 below this epoch length
 _EXACT_L = 3_037_000_499
+
+#: what ``weights=`` accepts: fixed weights, steps ``(first_epoch, weights)``, or a callable
+Weights = Union[Mapping[str, float], Sequence[tuple[int, Mapping[str, float]]],
+                Callable[[int], Mapping[str, float]], None]
+
 
 def permute(n: int, key: int, positions: np.ndarray) -> np.ndarray:
     """The seeded bijection of ``[0, n)`` (the index-shuffle kernel) at ``positions``."""
@@ -84,10 +120,98 @@ def permute(n: int, key: int, positions: np.ndarray) -> np.ndarray:
     return permute_positions(int(n), key, positions)
 
 
+class WeightSchedule:
+    """The weights of every epoch (see the module docstring): fixed, a list of steps
+    ``(first_epoch, {name: w})``, or a callable ``epoch -> {name: w}``.
+
+    ``at(epoch)`` is the weight vector (in the components' order) of one epoch;
+    ``spans(epoch)`` covers the epochs before ``epoch`` as ``(epochs, vector)`` runs of
+    equal weights: one run per step of a list, one per epoch of a callable."""
+
+    def __init__(self, names: list[str], weights: Weights) -> None:
+        self.names = names
+        self.fn: Callable[[int], Mapping[str, float]] | None = None
+        self.firsts: list[int] = [0]
+        if weights is None:
+            self.vectors = [np.ones(len(names))]
+        elif isinstance(weights, Mapping):
+            self.vectors = [self._vector(weights, "weight", positive=True)]
+        elif callable(weights):
+            self.fn, self.vectors = weights, []
+        elif isinstance(weights, (list, tuple)):
+            self.firsts, self.vectors = self._steps(weights)
+        else:
+            raise ZephonConfigError(f"mixture: weights must be a mapping, a list of "
+                                    f"(first_epoch, weights) steps or a callable of the "
+                                    f"epoch, got {type(weights).__name__}")
+
+    @property
+    def fixed(self) -> bool:
+        """True for one weight vector for every epoch."""
+        return self.fn is None and len(self.vectors) == 1
+
+    def at(self, epoch: int) -> np.ndarray:
+        if self.fn is not None:
+            return self._vector(self.fn(epoch), f"weight (epoch {epoch})", positive=False)
+        return self.vectors[bisect.bisect_right(self.firsts, epoch) - 1]
+
+    def spans(self, epoch: int):
+        """``(epochs, vector)`` runs covering the epochs ``[0, epoch)`` in order."""
+        if self.fn is not None:
+            yield from ((1, self.at(e)) for e in range(epoch))
+            return
+        ends = [*self.firsts[1:], max(epoch, self.firsts[-1])]
+        for first, end, vector in zip(self.firsts, ends, self.vectors, strict=True):
+            if first >= epoch:
+                return
+            yield min(end, epoch) - first, vector
+
+    def describe(self) -> str:
+        if self.fn is not None:
+            return f"schedule {fn_identity(self.fn)}"
+        steps = [f"{first}: {v.tolist()}"
+                 for first, v in zip(self.firsts, self.vectors, strict=True)]
+        return "schedule {" + ", ".join(steps) + "}"
+
+    def _steps(self, steps) -> tuple[list[int], list[np.ndarray]]:
+        firsts: list[int] = []
+        vectors: list[np.ndarray] = []
+        for step in steps:
+            if not (isinstance(step, (list, tuple)) and len(step) == 2
+                    and isinstance(step[1], Mapping)):
+                raise ZephonConfigError(f"mixture: a weight step is (first_epoch, "
+                                        f"{{name: weight}}), got {step!r}")
+            first = step[0]
+            if isinstance(first, bool) or not isinstance(first, (int, np.integer)) or \
+                    first < (firsts[-1] + 1 if firsts else 0):
+                raise ZephonConfigError(f"mixture: weight steps need increasing integer "
+                                        f"first epochs >= 0, got {first!r} after "
+                                        f"{firsts[-1] if firsts else None!r}")
+            firsts.append(int(first))
+            vectors.append(self._vector(step[1], f"weight (from epoch {first})",
+                                        positive=False))
+        if not firsts or firsts[0] != 0:
+            raise ZephonConfigError(f"mixture: the first weight step must start at epoch 0, "
+                                    f"got {firsts[:1]}")
+        return firsts, vectors
+
+    def _vector(self, weights, what: str, *, positive: bool) -> np.ndarray:
+        if not isinstance(weights, Mapping) or set(weights) != set(self.names):
+            got = sorted(weights) if isinstance(weights, Mapping) else weights
+            raise ZephonConfigError(f"mixture: {what}s must name exactly the components "
+                                    f"{self.names}, got {got!r}")
+        check = _positive if positive else _non_negative
+        vector = np.array([check(weights[k], f"{what} of {k!r}") for k in self.names])
+        if not vector.any():
+            raise ZephonConfigError(f"mixture: {what}s are all 0; at least one must be "
+                                    f"positive")
+        return vector
+
+
 class MixtureSource(Source):
     """Components sampled at their weights (see the module docstring)."""
 
-    def __init__(self, components: Mapping[str, Source], weights: Mapping[str, float] | None,
+    def __init__(self, components: Mapping[str, Source], weights: Weights,
                  config, name: str, *, exhausted: str | Mapping[str, str] = "repeat",
                  max_repeats: float | Mapping[str, float] | None = None,
                  by: str = "samples", tokens_per_sample: Mapping[str, float] | None = None,
@@ -98,13 +222,13 @@ class MixtureSource(Source):
             raise ZephonConfigError("mixture: at least one component is needed")
         self.names = list(components)
         self.components = [components[k] for k in self.names]
-        weights = weights or {k: 1.0 for k in self.names}
-        unknown = set(weights) - set(self.names)
-        if unknown or set(self.names) - set(weights):
-            raise ZephonConfigError(f"mixture: weights must name exactly the components "
-                                    f"{self.names}, got {sorted(weights)}")
-        self.weights = np.array([_positive(weights[k], f"weight of {k!r}") for k in self.names])
+        self.schedule = WeightSchedule(self.names, weights)
+        self.weights = self.schedule.at(0)
         self.policies = _per_component(self.names, exhausted, "exhausted", _policy)
+        if not self.schedule.fixed and "stop" in self.policies:
+            raise ZephonConfigError("mixture: exhausted='stop' ends an epoch early, which a "
+                                    "weight schedule cannot (its epochs have one length); "
+                                    "use 'redistribute' (read at most once per epoch)")
         self.max_repeats = np.array(_per_component(self.names, max_repeats, "max_repeats",
                                                    _repeats))
         if by not in ("samples", "tokens"):
@@ -119,13 +243,29 @@ class MixtureSource(Source):
             raise ZephonConfigError(f"mixture: component(s) {empty} have no samples")
         self.counts = epoch_counts(self.sizes, self.rates(), self.policies, self.max_repeats)
         self.length = int(self.counts.sum())
-        self.cum = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+        self.cum = _cumulative(self.counts)
+        self._epochs: dict = {}  # epoch -> (counts, cum, occurrences before it)
+        self._lock = threading.Lock()
+        if not self.schedule.fixed and self.schedule.fn is None:
+            for vector in self.schedule.vectors:  # every step fits the epoch, or fails now
+                self._fit(vector)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_epochs"], state["_lock"] = {}, None  # rebuilt where the source is read
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     # -- what the epoch holds -------------------------------------------------------------
 
-    def rates(self) -> np.ndarray:
-        """Each component's share of the output's samples (sums to 1)."""
-        w = self.weights / self.weights.sum()
+    def rates(self, weights: np.ndarray | None = None) -> np.ndarray:
+        """Each component's share of the output's samples (sums to 1) under ``weights``
+        (default: epoch 0's)."""
+        weights = self.weights if weights is None else weights
+        w = weights / weights.sum()
         if self.tokens_per_sample is not None:
             w = w / self.tokens_per_sample
             w = w / w.sum()
@@ -146,6 +286,39 @@ class MixtureSource(Source):
             lengths = [count(comp.get(int(i))) for i in probe.tolist()]
             means.append(max(1.0, float(np.mean(lengths))) if lengths else 1.0)
         return np.array(means)
+
+    # -- what each epoch of a schedule holds ----------------------------------------------
+
+    def epoch_plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(counts, cumulative counts, occurrences before)`` of ``epoch``: positions per
+        component, their running sum from 0, and each component's positions in the
+        epochs before (where its occurrences continue)."""
+        if self.schedule.fixed:
+            return self.counts, self.cum, epoch * self.counts
+        with self._lock:
+            plan = self._epochs.get(epoch)
+            if plan is None:
+                counts = self._fit(self.schedule.at(epoch))
+                before = np.zeros(len(self.names), dtype=np.int64)
+                for epochs, vector in self.schedule.spans(epoch):
+                    before += epochs * self._fit(vector)
+                plan = self._epochs[epoch] = (counts, _cumulative(counts), before)
+            return plan
+
+    def _fit(self, weights: np.ndarray) -> np.ndarray:
+        """The counts of an epoch under ``weights``: epoch 0's weights give the mixture's
+        own counts, others are fitted to its length (see the module docstring)."""
+        if np.array_equal(weights, self.weights):
+            return self.counts
+        key = ("fit", weights.tobytes())
+        counts = self._epochs.get(key)
+        if counts is None:
+            limits = np.where([p == "redistribute" for p in self.policies], self.sizes,
+                              np.floor(self.max_repeats * self.sizes))
+            counts = self._epochs[key] = fitted_counts(
+                self.length, self.rates(weights), limits,
+                f"the weights {dict(zip(self.names, weights.tolist(), strict=True))}")
+        return counts
 
     # -- the Source contract --------------------------------------------------------------
 
@@ -186,25 +359,28 @@ class MixtureSource(Source):
                                           self.counts.tolist(), strict=True))
         tokens = self.tokens_per_sample
         by = "" if tokens is None else f"; by tokens {np.round(tokens, 3).tolist()}"
-        return f"MixtureSource({parts}; {self.config.to_dict()}{by})"
+        schedule = "" if self.schedule.fixed else f"; {self.schedule.describe()}"
+        return f"MixtureSource({parts}; {self.config.to_dict()}{by}{schedule})"
 
     # -- positions -> (component, occurrence) ---------------------------------------------
 
     def locate(self, positions: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """``(component, occurrence within the epoch)`` of each position of ``epoch``."""
+        counts, cum, _ = self.epoch_plan(epoch)
         if self.config.mode == "weighted_random":
             place = permute(self.length, _key(self.config.seed, 0x3D, epoch), positions)
-            comp = np.searchsorted(self.cum, place, side="right") - 1
-            return comp, place - self.cum[comp]
-        return _round_robin(self.counts, self.length, positions)
+            comp = np.searchsorted(cum, place, side="right") - 1
+            return comp, place - cum[comp]
+        return _round_robin(counts, self.length, positions)
 
     def local(self, comp: np.ndarray, occurrence: np.ndarray,
               epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(component index, pass, repeat within the epoch)`` of each occurrence."""
-        sizes, counts = self.sizes[comp], self.counts[comp]
-        run = epoch * counts + occurrence  # occurrences run on across epochs
+        before = self.epoch_plan(epoch)[2][comp]
+        sizes = self.sizes[comp]
+        run = before + occurrence  # occurrences run on across epochs
         passes, place = run // sizes, run % sizes
-        first_pass = (epoch * counts) // sizes
+        first_pass = before // sizes
         index = place.copy()
         shuffled = passes > 0 if self.config.within_component == "as_is" else \
             np.ones(len(place), dtype=bool)
@@ -282,7 +458,7 @@ def epoch_counts(sizes: np.ndarray, rates: np.ndarray, policies: list[str],
     spread = np.array([p == "redistribute" for p in policies])
     saturated = np.zeros(len(sizes), dtype=bool)
     for _ in range(len(sizes) + 1):  # each round saturates one more component, or ends
-        live = ~saturated
+        live = ~saturated & (rates > 0)  # a 0 weight (a schedule's) takes no position
         if not live.any():
             rest, rho = 0.0, np.zeros(len(sizes))
             break
@@ -309,6 +485,42 @@ def epoch_counts(sizes: np.ndarray, rates: np.ndarray, policies: list[str],
         counts[int(np.argmax(rates))] = 1
     return counts
 
+
+def fitted_counts(length: int, rates: np.ndarray, limits: np.ndarray, what: str) -> np.ndarray:
+    """``length`` positions shared by ``rates`` (largest-remainder rounding), a component
+    held at its limit (positions per epoch its policy allows) when its share exceeds it,
+    the excess going to the others in proportion to their rates."""
+    held = np.zeros(len(rates), dtype=bool)
+    free, room, share = held, float(length), np.zeros(len(rates))
+    for _ in range(len(rates) + 1):  # each round holds one more component, or ends
+        free = ~held & (rates > 0)
+        room = float(length - limits[held].sum())
+        if not free.any() or room < 0:
+            break
+        share = np.where(free, rates, 0.0) * (room / rates[free].sum())
+        over = free & (share > limits)
+        if not over.any():
+            break
+        held |= over
+    if room < 0 or (room > 0 and not free.any()):
+        raise ZephonConfigError(f"mixture: {what} cannot fill an epoch of {length} "
+                                f"positions: the components their policies allow hold "
+                                f"{int(limits[rates > 0].sum())} at most")
+    counts = np.where(held, limits, 0).astype(np.int64)
+    counts[free] = _largest_remainder(share[free], round(room))
+    return counts
+
+
+def _largest_remainder(quota: np.ndarray, total: int) -> np.ndarray:
+    counts = np.floor(quota).astype(np.int64)
+    short = total - int(counts.sum())
+    if short > 0:
+        counts[np.argsort(-(quota - counts), kind="stable")[:short]] += 1
+    return counts
+
+
+def _cumulative(counts: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
 def _round_robin(counts: np.ndarray, length: int, positions: np.ndarray):
     """Component and occurrence of each position in the smooth schedule: component ``k``
@@ -350,6 +562,17 @@ def _positive(value, what: str) -> float:
                                 f"got {value!r}")
     return v
 
+
+def _non_negative(value, what: str) -> float:
+    """0, or a positive finite number (a weight of a schedule: 0 switches a component
+    off for its epochs)."""
+    if value == 0 and not isinstance(value, bool):
+        return 0.0
+    try:
+        return _positive(value, what)
+    except ZephonConfigError:
+        raise ZephonConfigError(f"mixture: {what} must be 0 or a positive finite number, "
+                                f"got {value!r}") from None
 
 def _policy(value, what: str) -> str:
     if value not in EXHAUSTION_POLICIES:
