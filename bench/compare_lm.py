@@ -3,7 +3,7 @@
     python bench/compare_lm.py                      # every row, 3 repetitions
     python bench/compare_lm.py --quick              # 4,000 documents, one repetition
     python bench/compare_lm.py --only parquet --reps 5   # rows whose name matches
-    python bench/compare_lm.py --upstream /work/venv-up/bin/python   # upstream's venv
+    python bench/compare_lm.py --upstream .venv-upstream/bin/python   # upstream's venv
 
 Same method as ``bench/compare_torch.py``: every row runs in a **fresh process**
 (``python compare_lm.py --row JSON``); each row is repeated (``--reps``, 3 by default)
@@ -32,10 +32,10 @@ Rows, for JSONL and for Parquet:
   (uncapped ``wrap`` is the same greedy packing), ``runner="inline"`` / ``"process"``
   with ``max_workers=2`` and ``parallelism=2``. Both packages are named ``zephon``, so
   these rows run in the interpreter of another venv (``--upstream PATH``, default
-  ``/work/venv-up/bin/python`` when it exists) with ``PYTHONPATH`` removed::
+  ``.venv-upstream/bin/python`` in the checkout when it exists) with ``PYTHONPATH`` removed::
 
-      python3 -m venv /work/venv-up
-      /work/venv-up/bin/pip install zephon==0.2.0 tokenizers pyarrow transformers
+      python3 -m venv .venv-upstream
+      .venv-upstream/bin/pip install zephon==0.2.0 tokenizers pyarrow transformers
 
   (``transformers``: upstream's ``tokenize`` calls an HF tokenizer object.) Without
   that interpreter the rows are named as missing and skipped;
@@ -77,7 +77,8 @@ import numpy as np
 SEQ, BATCH, EOT = 1024, 8, "<|endoftext|>"
 FULL_DOCS, QUICK_DOCS = 20_000, 4_000
 DATA_VERSION = 1  # part of the data directory's name: bump it when the data changes
-UPSTREAM_VENV = "/work/venv-up/bin/python"
+UPSTREAM_VENV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             ".venv-upstream", "bin", "python")
 FORMATS = ("jsonl", "parquet")
 
 

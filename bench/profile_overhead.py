@@ -2,7 +2,7 @@
 
     python bench/profile_overhead.py                       # threads, 15 rounds
     python bench/profile_overhead.py --runner process --rounds 9
-    python bench/profile_overhead.py --baseline-tree /work/main   # also: off in another tree
+    python bench/profile_overhead.py --baseline-tree ../other-checkout   # also: off in another tree
 
 The workload is the case where tracking costs most: cheap samples (an int through
 ``map(add_one)``, ``batch(64)``), so the per-part and per-batch bookkeeping is the
