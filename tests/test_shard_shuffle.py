@@ -200,6 +200,7 @@ def test_a_source_without_shards_is_read_in_blocks():
 
 
 def test_shard_bounds_of_the_file_sources(tmp_path):
+    pytest.importorskip("pyarrow")
     parquet = sources.parquet(write_parquet(tmp_path, files=2, rows=100, row_group=30))
     assert parquet.shard_bounds().tolist() == [0, 30, 60, 90, 100, 130, 160, 190, 200]
     tars = sources.webdataset(write_shards(tmp_path, shards=3, per_shard=7))
