@@ -45,12 +45,18 @@ from typing import Any
 
 import numpy as np
 
-from zephon.errors import OpError, ZephonConfigError
+from zephon.errors import ZephonConfigError
 from zephon.pipeline.ops import StatelessOp, register
 from zephon.pipeline.records import Record
-from zephon.pipeline.text.tokenize import TokenPolicy, _check_bool, _check_field, sample_error
+from zephon.pipeline.text.tokenize import (
+    TokenPolicy,
+    _check_bool,
+    _check_field,
+    finished,
+    prepared,
+    sample_error,
+)
 from zephon.pipeline.text.tokenizer import EXTRA_HINT, TokenizerRef
-from zephon.transport.remote_errors import put_done
 
 __all__ = ["CHATML", "ChatTemplate", "TokenizeChatOp"]
 
@@ -270,14 +276,7 @@ class TokenizeChatOp(StatelessOp):
     def apply_many(self, records: list, seed: int) -> list:
         """Every conversation of a part rendered, then tokenized in one call; the first
         failing record raises after the records before it are made."""
-        rendered: list[tuple[str, list]] = []
-        failure: OpError | None = None
-        for r in records:
-            try:
-                rendered.append(self._rendered(r))
-            except OpError as exc:
-                failure = exc
-                break
+        rendered, failure = prepared(records, self._rendered)
         encoded = self.tokenizer.get().encode_batch(
             [text for text, _ in rendered],
             add_special_tokens=self.add_special_tokens) if rendered else []
@@ -288,10 +287,7 @@ class TokenizeChatOp(StatelessOp):
             if self.keep_fields:
                 value = {**r.value, **value}
             out.append(Record(value, r.ids, r.pos, r.lin))
-        if failure is not None:
-            put_done(failure, out)
-            raise failure
-        return out
+        return finished(out, failure)
 
     def apply_one(self, r: Record, seed: int) -> Record | None:
         """One record (what :meth:`apply_many` gives it in a part of its own)."""

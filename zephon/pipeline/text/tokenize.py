@@ -28,7 +28,7 @@ What it owns: :class:`TokenizeOp` and the options every tokenize op shares
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -47,6 +47,28 @@ def sample_error(op: str, record: Record, what: str) -> OpError:
     """An OpError of ``op`` naming ``record``'s sample."""
     sid = record.ids[0]
     return OpError(f"op {op} failed on sample {sid}: {what}", op=op, sample_id=sid)
+
+
+def prepared(records: list, prepare: Callable[[Record], Any]) -> tuple[list, OpError | None]:
+    """``prepare`` of each record of a part, up to the first that fails: what was prepared
+    and that failure (None when every record was). A batched op tokenizes what was
+    prepared, then :func:`finished` raises the failure after the records made before it."""
+    done: list = []
+    for r in records:
+        try:
+            done.append(prepare(r))
+        except OpError as exc:
+            return done, exc
+    return done, None
+
+
+def finished(out: list, failure: OpError | None) -> list:
+    """``out`` when every record was prepared; else raise ``failure``, carrying ``out``
+    (the records before the failing one, which go on ahead of the error)."""
+    if failure is not None:
+        put_done(failure, out)
+        raise failure
+    return out
 
 
 def _check_bool(op: str, name: str, value: Any) -> bool:
@@ -196,23 +218,12 @@ class TokenizeOp(StatelessOp):
         """Every record of a part tokenized with one ``encode_batch`` call; the first
         failing record raises after the records before it are made (they ride on the
         error)."""
-        texts: list[str] = []
-        failure: OpError | None = None
-        for r in records:
-            try:
-                texts.append(self._text(r))
-            except OpError as exc:
-                failure = exc
-                break
+        texts, failure = prepared(records, self._text)
         encoded = self.tokenizer.get().encode_batch_fast(
             texts, add_special_tokens=self.add_special_tokens) if texts else []
         row, make = self.policy.row, self._value
-        out = [Record(make(r.value, row(e.ids)), r.ids, r.pos, r.lin)
-               for r, e in zip(records, encoded, strict=False)]
-        if failure is not None:
-            put_done(failure, out)
-            raise failure
-        return out
+        return finished([Record(make(r.value, row(e.ids)), r.ids, r.pos, r.lin)
+                         for r, e in zip(records, encoded, strict=False)], failure)
 
     def apply_one(self, r: Record, seed: int) -> Record | None:
         """One record (what :meth:`apply_many` gives it in a part of its own)."""
