@@ -66,13 +66,15 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared row runner
+from _fresh import run_in_child  # noqa: E402
 
 SEQ, BATCH, EOT = 1024, 8, "<|endoftext|>"
 FULL_DOCS, QUICK_DOCS = 20_000, 4_000
@@ -266,24 +268,12 @@ def expected_batches(paths: dict) -> int:
 def run_fresh(spec: dict, timeout: float) -> dict | None:
     """One row in a fresh interpreter; None (and the reason on stderr) if it failed. An
     upstream row runs without PYTHONPATH: it must import upstream's ``zephon``."""
-    python = spec.get("python") or sys.executable
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if spec["loader"] == "upstream":
         env.pop("PYTHONPATH", None)
-    cmd = [python, str(Path(__file__).resolve()), "--row", json.dumps(spec)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              check=False, env=env)
-    except subprocess.TimeoutExpired:
-        print(f"  {spec['name']}: timed out after {timeout:g} s", file=sys.stderr)
-        return None
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
-        print(f"  {spec['name']}: failed (exit {proc.returncode})\n{tail}", file=sys.stderr)
-        return None
-    return json.loads(lines[-1])
+    return run_in_child(str(Path(__file__).resolve()), spec, timeout, env, spec["name"],
+                   python=spec.get("python"))[0]
 
 
 KEYS = ("first_s", "epoch_s", "tokens_per_s", "restore_s")

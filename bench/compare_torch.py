@@ -50,12 +50,14 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared row runner
+from _fresh import run_in_child  # noqa: E402
 
 TOKENS = (4 << 20) // 8  # int64 elements in a 4 MiB batch
 SMALL = 4096 // 8  # int64 elements in a 4 KiB item
@@ -362,22 +364,12 @@ def plan(quick: bool, peers: list[str]) -> list[dict]:
 
 def run_fresh(spec: dict, timeout: float) -> dict | None:
     """One row in a fresh interpreter; None (and the reason on stderr) if it failed."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--row", json.dumps(spec)]
     env = {**os.environ, **spec.get("env", {})}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
-                              env=env)
-    except subprocess.TimeoutExpired:
-        print(f"  {spec['name']}: timed out after {timeout:g} s", file=sys.stderr)
-        return None
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
-        print(f"  {spec['name']}: failed (exit {proc.returncode})\n{tail}", file=sys.stderr)
-        return None
-    if "RuntimeWarning: zephon" in proc.stderr:
-        print(f"  {spec['name']}: {proc.stderr.strip().splitlines()[-1]}", file=sys.stderr)
-    return json.loads(lines[-1])
+    result, stderr = run_in_child(str(Path(__file__).resolve()), spec, timeout, env,
+                                  spec["name"], tail=5)
+    if result is not None and "RuntimeWarning: zephon" in stderr:
+        print(f"  {spec['name']}: {stderr.strip().splitlines()[-1]}", file=sys.stderr)
+    return result
 
 
 def median_row(results: list[dict]) -> dict:

@@ -98,6 +98,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared row runner
+from _fresh import run_in_child  # noqa: E402
+
 # -- sizes -------------------------------------------------------------------------------------
 
 FULL = {"images": 2560, "docs": 20_000, "tokens": 50_000_000}
@@ -677,23 +680,11 @@ def _imports(python: str, module: str) -> bool:
 
 def run_fresh(spec: dict, timeout: float) -> dict | None:
     """One row in a fresh interpreter; None (and the reason on stderr) if it failed."""
-    python = spec.get("python") or sys.executable
-    cmd = [python, str(Path(__file__).resolve()), "--row", json.dumps(spec)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TF_CPP_MIN_LOG_LEVEL": "2",
            "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     label = f"{spec['workload']}: {spec['name']}"
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
-                              env=env)
-    except subprocess.TimeoutExpired:
-        print(f"  {label}: timed out after {timeout:g} s", file=sys.stderr)
-        return None
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
-        print(f"  {label}: failed (exit {proc.returncode})\n{tail}", file=sys.stderr)
-        return None
-    return json.loads(lines[-1])
+    return run_in_child(str(Path(__file__).resolve()), spec, timeout, env, label,
+                   python=spec.get("python"))[0]
 
 
 # -- the report ----------------------------------------------------------------------------------
