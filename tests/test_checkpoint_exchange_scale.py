@@ -79,23 +79,84 @@ def backoff_steps(seconds: float, medium=DirMedium) -> int:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_directory_operations_per_rank_and_round_are_bounded_by_the_wait(tmp_path, world):
+    from zephon.checkpoint.media import FAN_IN, _Tree
+
     media = dir_media(str(tmp_path), world)
     out = run_round(media, world)
     check_merged_round(out, world)
     steps = backoff_steps(out["seconds"])
+    tree = _Tree(world)
     lead = media[0].calls
-    # rank 0: open and merged written; one listing per backoff step; each rank's file
-    # read once, plus the open record three times (before and after opening, once more
-    # to check nobody reopened it)
+    # rank 0: open and merged written; per backoff step one listing of each level's
+    # folder (at most FAN_IN names); at most FAN_IN - 1 records read a level, plus the
+    # open record three times (before and after opening, once more to check nobody
+    # reopened it): nothing per rank, whatever the world size
     assert lead["write"] == 2 and lead["link"] == 1
-    assert lead["list"] <= steps
-    assert lead["read"] <= (world - 1) + 3
-    for medium in media[1:]:
-        calls = medium.calls
-        assert calls["write"] == 1 and calls["link"] == 1 and calls["list"] == 0
-        # a read of open and of merged per backoff step of its two waits
-        assert calls["read"] <= 2 * steps + 1
+    assert lead["list"] <= steps * tree.height
+    assert lead["read"] <= (FAN_IN - 1) * tree.height + 3
+    for r, medium in enumerate(media[1:], start=1):
+        calls, top = medium.calls, tree.top_level(r)
+        assert calls["link"] == 1
+        if top == 0:  # a leaf: its record, then a read of open and of merged per step
+            assert calls["write"] == 1 and calls["list"] == 0
+            assert calls["read"] <= 2 * steps + 1
+        else:  # a subtree's leader also reads its children's records and writes the group
+            assert calls["write"] == 2 and calls["list"] <= steps * top
+            assert calls["read"] <= 2 * steps + 1 + (FAN_IN - 1) * top
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []  # the round is gone
+
+
+@pytest.mark.parametrize("world", [2, 31, 32, 33, 1024, 1025, 40_000])
+def test_the_gathering_tree_brings_every_rank_to_rank_0_once(world):
+    from zephon.checkpoint.media import FAN_IN, _Tree
+
+    # follow every rank's record up the tree by the keys the medium writes and reads:
+    # it reaches rank 0 exactly once, and rank 0 reads at most FAN_IN - 1 keys a level
+    tree = _Tree(world)
+    assert FAN_IN ** (tree.height - 1) < world <= FAN_IN ** tree.height
+    read_by: dict = {}  # key -> the leader that reads it
+    for leader in range(world):
+        for level in range(1, tree.top_level(leader) + 1):
+            for child in tree.children(leader, level):
+                key = (tree.record_key(child) if level == 1
+                       else tree.group_key(child, level - 1))
+                assert key.startswith(tree.folder(leader, level) + "/")
+                assert key not in read_by
+                read_by[key] = leader
+    for rank in range(1, world):
+        top = tree.top_level(rank)  # a leader's own record goes up inside its group
+        key = tree.record_key(rank) if top == 0 else tree.group_key(rank, top)
+        for _ in range(tree.height + 1):
+            holder = read_by[key]
+            if holder == 0:
+                break
+            key = tree.group_key(holder, tree.top_level(holder))
+        assert holder == 0, rank
+    assert sum(1 for who in read_by.values() if who == 0) <= (FAN_IN - 1) * tree.height
+
+
+def test_a_rank_its_leader_gave_up_on_is_still_gathered_by_rank_0(tmp_path):
+    world = 40
+    import threading
+
+    # rank 33 (a child of leader 32) arrives after leader 32 gave up its share of the
+    # wait; rank 0 reads the late rank's own record, and the round is exact
+    media = dir_media(str(tmp_path), world)
+    late = 33
+    on_time = [r for r in range(world) if r != late]
+    out: dict = {}
+    others = threading.Thread(target=lambda: out.update(
+        run_round(media, world, ranks=on_time, timeout_s=12.0)))
+    others.start()
+    gone = time.monotonic() + 60
+    while not list(tmp_path.rglob("group-32")) and time.monotonic() < gone:
+        time.sleep(0.01)  # leader 32 published its group without rank 33
+    assert list(tmp_path.rglob("group-32")), "leader 32 never published its group"
+    late_out = run_round(media, world, ranks=[late], timeout_s=12.0)
+    others.join(60)
+    assert not out["errors"] and not late_out["errors"], (out["errors"], late_out["errors"])
+    out["results"].update(late_out["results"])
+    check_merged_round(out, world)
 
 
 def test_directory_waits_back_off_instead_of_polling(tmp_path):

@@ -391,7 +391,8 @@ def _follow(rnd: _Round, submission: dict, rank: int, world: int, serializer: st
         merged = f"{base}/{token}/merged"
         record = _read_record(medium, merged)
         if record is None:  # the round is open and not merged yet: take part in it
-            medium.submit(f"{base}/{token}", rank, world, mine)
+            medium.submit(f"{base}/{token}", rank, world, mine,
+                          until=min(rnd.start + rnd.grace, rnd.deadline))
             record = _decoded(medium, merged, medium.wait(merged, rnd.deadline))
             if record is None and time.monotonic() >= rnd.deadline:
                 _rank_0_late(rnd)

@@ -13,11 +13,18 @@ number of operations whatever the world size:
   (:func:`backoff`: 2 ms, x1.5, at most 0.5 s between reads on a directory;
   50 ms to 2 s on an object store), so a wait of ``t`` seconds costs about
   ``17 + 2 t`` reads on a directory, whatever the number of ranks;
-- ``submit(prefix, rank, world, blob)`` / ``gather(prefix, world, until)``:
+- ``submit(prefix, rank, world, blob, until)`` / ``gather(prefix, world, until)``:
   each rank other than 0 hands in its state once; rank 0 gets all of them
   (``{rank: blob}``, the ranks there by ``until``) in a number of round trips
-  that does not grow with the world size on a store, and one listing per
-  backoff step plus one read per rank on a directory;
+  that does not grow with the world size. A store appends every submission to
+  one key. A directory or an object store gathers through a tree of fan-in
+  :data:`FAN_IN` (32): every 32nd rank collects its 31 neighbours' records and
+  publishes them as one group, every 1024th collects 31 groups, and so on, so no
+  rank reads more than 31 records a level and ``ceil(log32 W)`` levels (2 up to
+  1024 ranks, 3 up to 32768). A leader waits for its children only for its share of
+  ``until``; rank 0 reads the own records of ranks still missing after that (a
+  late rank, a dead leader's subtree), so a slow leader delays nobody's
+  submission and the ranks that never came are still named exactly;
 - ``tidy(base, tokens, rank, world, until)``: called by every rank once it has
   its result; the last one removes the round (everything under ``base``). A
   medium that cannot count its readers (an object store) leaves the round,
@@ -47,6 +54,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 import threading
 import time
 from typing import Iterator
@@ -83,6 +91,7 @@ class _PollingMedium(abc.ABC):
     backoff between reads (``first_s``, ``cap_s``)."""
 
     first_s, cap_s = 0.002, 0.5
+    address: str
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes) -> None: ...
@@ -100,22 +109,157 @@ class _PollingMedium(abc.ABC):
                 return blob
         return None
 
-    def submit(self, prefix: str, rank: int, world: int, blob: bytes) -> None:
-        self.put(f"{prefix}/rank-{rank}", blob)
+    def submit(self, prefix: str, rank: int, world: int, blob: bytes,
+               until: float | None = None) -> None:
+        """Publish this rank's record where its parent in the gathering tree reads it; a
+        rank that leads a subtree first gathers it (until its share of ``until``, the
+        monotonic time by which rank 0 stops waiting) and publishes the group."""
+        tree = _Tree(world)
+        self.put(f"{prefix}/{tree.record_key(rank)}", blob)
+        top = tree.top_level(rank)
+        if top == 0:
+            return
+        now = time.monotonic()
+        mine = now + max((until if until is not None else now) - now, 0.0) * top / tree.height
+        got = self._gather_tree(prefix, tree, rank, top, mine)
+        got[rank] = blob
+        self.put(f"{prefix}/{tree.group_key(rank, top)}", pack_frames(got))
 
     def gather(self, prefix: str, world: int, until: float) -> dict[int, bytes]:
-        got: dict[int, bytes] = {}
-        for _ in backoff(until, self.first_s, self.cap_s):
-            for name in self._list(prefix):
-                match = _RANK_FILE.fullmatch(name)
-                rank = int(match.group(1)) if match else 0
-                if 0 < rank < world and rank not in got:
-                    blob = self.get(f"{prefix}/{name}")
-                    if blob is not None:
-                        got[rank] = blob
-            if len(got) == world - 1:
+        tree = _Tree(world)
+        got = self._gather_tree(prefix, tree, 0, tree.height, until)
+        missing = [r for r in range(1, world) if r not in got]
+        for _ in backoff(until, self.first_s, self.cap_s) if missing else ():
+            # a subtree's leader gave up on (or never reached) some of its ranks: read
+            # the late ones' own records (only on this failure path is it per rank)
+            for r in missing:
+                blob = self.get(f"{prefix}/{tree.record_key(r)}")
+                if blob is not None:
+                    got[r] = blob
+            missing = [r for r in missing if r not in got]
+            if not missing:
                 break
         return got
+
+    def _gather_tree(self, prefix: str, tree: _Tree, rank: int, top: int,
+                     until: float) -> dict[int, bytes]:
+        """The records of ``rank``'s subtree up to level ``top`` (not its own), there by
+        ``until``: per backoff step one listing of each level's directory with children
+        still to come, and one read per child (at most ``FAN_IN - 1`` a level)."""
+        pending = {level: tree.children(rank, level) for level in range(1, top + 1)}
+        pending = {level: kids for level, kids in pending.items() if kids}
+        got: dict[int, bytes] = {}
+        where = f"{self.address} ({prefix})"
+        for _ in backoff(until, self.first_s, self.cap_s) if pending else ():
+            for level, kids in list(pending.items()):
+                folder = tree.folder(rank, level)
+                for name in self._list(f"{prefix}/{folder}"):
+                    child = tree.child_of(name, level)
+                    if child not in kids:
+                        continue
+                    blob = self.get(f"{prefix}/{folder}/{name}")
+                    if blob is None:
+                        continue
+                    kids.discard(child)
+                    if level == 1:
+                        got[child] = blob
+                    else:
+                        _merge_new(got, read_frames(blob, tree.world, where), where)
+                if not kids:
+                    del pending[level]
+            if not pending:
+                break
+        return got
+
+
+#: children of a node in the gathering tree of a polling medium: a rank reads at most
+#: FAN_IN - 1 records per level, and a round of W ranks has ceil(log_FAN_IN(W)) levels
+FAN_IN = 32
+
+
+class _Tree:
+    """The gathering tree of a round of ``world`` ranks over a medium without server-side
+    aggregation. Rank ``r`` leads level ``l`` when ``r % FAN_IN**l == 0``; its children
+    there are ``r + j * FAN_IN**(l-1)`` for ``j = 1 .. FAN_IN-1`` (those below ``world``).
+    Each rank writes its own record under ``n1-<its level-1 leader>/rank-<r>``; a leader
+    of levels ``1..L`` (L < height) writes the records of its whole subtree, its own
+    included, as one group under ``n<L+1>-<its level-(L+1) leader>/group-<r>``. Rank 0
+    leads every level up to ``height``, so it reads at most ``FAN_IN - 1`` records per
+    level and one directory of at most ``FAN_IN`` names per level and backoff step."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.height = 1
+        while FAN_IN ** self.height < world:
+            self.height += 1
+
+    def top_level(self, rank: int) -> int:
+        """The highest level ``rank`` leads (0: a leaf); rank 0 leads them all."""
+        if rank == 0:
+            return self.height
+        level = 0
+        while level + 1 < self.height and rank % FAN_IN ** (level + 1) == 0:
+            level += 1
+        return level
+
+    def leader(self, rank: int, level: int) -> int:
+        return rank - rank % FAN_IN ** level
+
+    def folder(self, rank: int, level: int) -> str:
+        return f"n{level}-{self.leader(rank, level)}"
+
+    def record_key(self, rank: int) -> str:
+        return f"{self.folder(rank, 1)}/rank-{rank}"
+
+    def group_key(self, rank: int, level: int) -> str:
+        return f"{self.folder(rank, level + 1)}/group-{rank}"
+
+    def children(self, rank: int, level: int) -> set[int]:
+        step = FAN_IN ** (level - 1)
+        return {rank + j * step for j in range(1, FAN_IN) if rank + j * step < self.world}
+
+    @staticmethod
+    def child_of(name: str, level: int) -> int | None:
+        match = (_RANK_FILE if level == 1 else _GROUP_FILE).fullmatch(name)
+        return int(match.group(1)) if match else None
+
+
+_GROUP_FILE = re.compile(r"group-([0-9]{1,9})")
+_FRAME = struct.Struct("<II")  # rank, length of the record that follows
+
+
+def pack_frames(records: dict[int, bytes]) -> bytes:
+    """``{rank: record}`` as one value: frames of :data:`_FRAME` and the record."""
+    return b"".join(_FRAME.pack(rank, len(blob)) + blob for rank, blob in records.items())
+
+
+def read_frames(data: bytes, world: int, where: str) -> dict[int, bytes]:
+    """The ``{rank: record}`` of a value of frames (:func:`pack_frames`): a torn frame, a
+    rank outside ``1 .. world-1`` or a rank twice is a :class:`CheckpointError`."""
+    out: dict[int, bytes] = {}
+    view, at = memoryview(data), 0
+    while at < len(view):
+        if at + _FRAME.size > len(view):
+            raise CheckpointError(f"submissions at {where}: a torn frame at byte {at}")
+        rank, size = _FRAME.unpack_from(view, at)
+        at += _FRAME.size
+        if not 0 < rank < world or at + size > len(view):
+            raise CheckpointError(f"submissions at {where}: a frame of rank {rank} and "
+                                  f"{size} bytes at byte {at} does not fit a round of "
+                                  f"{world} ranks")
+        _merge_new(out, {rank: bytes(view[at:at + size])}, where)
+        at += size
+    return out
+
+
+def _merge_new(into: dict[int, bytes], records: dict[int, bytes], where: str) -> None:
+    for rank, blob in records.items():
+        if rank in into:
+            raise CheckpointError(
+                f"submissions at {where}: rank {rank} submitted twice; another launch with "
+                "the same run_id takes part in this round: give concurrent jobs distinct "
+                "run_ids")
+        into[rank] = blob
 
 
 class DirMedium(_PollingMedium):

@@ -55,9 +55,9 @@ import logging
 import os
 import re
 import socket
-import struct
 import time
 
+from zephon.checkpoint.media import pack_frames, read_frames
 from zephon.errors import AggregationTimeoutError, CheckpointError, ZephonConfigError
 
 __all__ = ["StoreMedium"]
@@ -232,12 +232,13 @@ class StoreMedium:
                 return None  # the wait timed out
             raise
 
-    def submit(self, prefix: str, rank: int, world: int, blob: bytes) -> None:
+    def submit(self, prefix: str, rank: int, world: int, blob: bytes,
+               until: float | None = None) -> None:
         """Append this rank's frame to the round's one submissions key and count it in;
         the rank that completes the count tells rank 0 (``full``)."""
         base = self.prefix + prefix
         self._guard("submitting to", prefix, self.store.append, base + "/subs",
-                    _FRAME.pack(rank, len(blob)) + blob)
+                    pack_frames({rank: blob}))
         if self._guard("counting", prefix, self.store.add, base + "/count", 1) == world - 1:
             self._guard("writing", prefix, self.store.set, base + "/full", b"1")
 
@@ -245,7 +246,7 @@ class StoreMedium:
         """Every submission there once all ``world - 1`` are (or at ``until``): one
         blocking wait and one read, whatever the world size."""
         self.wait(f"{prefix}/full", until)
-        return _frames(self.get(f"{prefix}/subs") or b"", world, f"{self.address} ({prefix})")
+        return read_frames(self.get(f"{prefix}/subs") or b"", world, f"{self.address} ({prefix})")
 
     def tidy(self, base: str, tokens: list[str], rank: int, world: int,
              until: float) -> None:
@@ -273,29 +274,5 @@ class StoreMedium:
         return None  # connections are kept for the next round (see the module docstring)
 
 
-_FRAME = struct.Struct("<II")  # rank, length of the submission that follows
 _ROUND_KEYS = ("subs", "count", "full", "merged", "ack", "acked")
 _TIMEOUT_SLACK_S = 0.05
-
-
-def _frames(data: bytes, world: int, where: str) -> dict[int, bytes]:
-    """The ``{rank: submission}`` of a submissions value (frames of :data:`_FRAME`)."""
-    out: dict[int, bytes] = {}
-    view, at = memoryview(data), 0
-    while at < len(view):
-        if at + _FRAME.size > len(view):
-            raise CheckpointError(f"submissions at {where}: a torn frame at byte {at}")
-        rank, size = _FRAME.unpack_from(view, at)
-        at += _FRAME.size
-        if not 0 < rank < world or at + size > len(view):
-            raise CheckpointError(f"submissions at {where}: a frame of rank {rank} and "
-                                  f"{size} bytes at byte {at} does not fit a round of "
-                                  f"{world} ranks")
-        if rank in out:
-            raise CheckpointError(
-                f"submissions at {where}: rank {rank} submitted twice; another launch with "
-                "the same run_id takes part in this round: give concurrent jobs distinct "
-                "run_ids")
-        out[rank] = bytes(view[at:at + size])
-        at += size
-    return out
