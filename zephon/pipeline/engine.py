@@ -21,6 +21,11 @@ Every delivered item carries the lane state a restore would continue from
   records, replays the lane from that boundary (at most
   ``flush_every_k_chunks`` lane chunks back) and drops ``since`` items.
 
+- **ended** (:func:`ended_state`): ``(total,)``, a lane that has delivered its
+  last item of the pass (or that has none in it). A restore delivers nothing more
+  of it; a state whose every lane has ended restores to the next pass
+  (:func:`zephon.pipeline.state.check_run`), on every rank alike.
+
 ``total`` counts the lane's items since the start of the run (its pass, see
 :class:`~zephon.pipeline.Pipeline`); it gives ``meta["lane_index"]`` and the
 tail's order. A run covers the epochs ``[start_epoch, pass end)``: lanes
@@ -30,6 +35,16 @@ After a restore the lanes behind are first brought level (at most one item
 each, since every rank emits in round robin), then the ``LaneRoundRobin``
 kernel runs the rotation. Nothing here depends on timing: which worker
 finishes first can only change when a result is ready, never where it goes.
+
+**Stamps.** Every item goes out as ``(value, stamp)``; a stamp is a flat tuple of
+``lane, lane state`` pairs: the item's own lane and state, then every lane found
+ended since the previous item (:func:`ended_state`). In a finite pass the tail
+looks one item ahead, so the rank's last item already says that all of the
+rank's lanes have ended: a checkpoint taken right after it tells every rank,
+on any world size, that this rank's part of the pass is done. A rank whose lanes
+hold nothing at all ends its stream with one :data:`NOTHING` item carrying their
+ended states (the iterator records it and hands nothing over). An error of the
+run is raised after the item held back has been handed on.
 
 ``deterministic=False``: results of a parallel stage are released in
 completion order (throughput over order; checkpoints are then best effort).
@@ -54,8 +69,26 @@ from zephon.pipeline.records import Batch, BatchList, Boundary
 from zephon.pipeline.stats import RunStats
 from zephon.runners import InlineExecutor, ProcessExecutor, ThreadExecutor
 
-__all__ = ["Engine", "Plan", "accumulate", "cursor_state", "ordered_map",
-           "replay_state"]
+__all__ = ["NOTHING", "Engine", "Plan", "accumulate", "cursor_state", "ended_state",
+           "is_ended", "ordered_map", "replay_state"]
+
+
+class _Nothing:
+    """The value of a stamp-only item (see :data:`NOTHING`); one object, also after a
+    trip through pickle (the MTP subprocess sends it)."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> str:
+        return "NOTHING"
+
+    def __repr__(self) -> str:
+        return "NOTHING"
+
+
+#: The value of an item that only carries lane states (ended lanes of a rank that
+#: delivers nothing): the iterator records its stamp and hands nothing over.
+NOTHING = _Nothing()
 
 
 def _held_records(rebuild, step: int, held: list, holds: str):
@@ -80,6 +113,17 @@ def replay_state(epoch: int, k: int, since: int, total: int, carry: tuple = ()) 
     holding ``carry`` (encoded, :mod:`zephon.pipeline.carry`) and drop the ``since`` items
     already delivered from it; ``total`` items were delivered from the lane so far."""
     return (epoch, k, since, total, *carry)
+
+
+def ended_state(total: int) -> tuple[int]:
+    """Lane state of a lane that has delivered its last item of the pass: ``total`` items
+    in all (0 for a lane with nothing in the pass)."""
+    return (total,)
+
+
+def is_ended(state: tuple | None) -> bool:
+    """Whether a lane state is :func:`ended_state`'s (cursor and replay states are longer)."""
+    return state is not None and len(state) == 1
 
 
 def accumulate(op: SerialOp, upstream: Iterator, seed: int, lane: int, stats=None,
@@ -183,6 +227,8 @@ class Engine:
         """``(record, lane state after it)`` for every item of ``lane`` from its state."""
         plan, p = self.plan, self.plan.pipeline
         state = self.states.get(lane)
+        if is_ended(state):
+            return iter(())
         n, end = len(p.source), self.end_epoch
         if plan.cursor_resume:
             epoch, pos, total = state if state else (self.start_epoch, 0, 0)
@@ -275,18 +321,47 @@ class Engine:
         return it
 
     def items(self) -> Iterator:
-        """``(value, (lane, lane state))`` in the rank's round-robin order."""
+        """``(value, stamp)`` in the rank's round-robin order (see "Stamps" in the module
+        docstring); a finite pass looks one item ahead to stamp the lanes that ended."""
+        ended: list = []
+        rotation = self._rotation(ended)
+        if self.end_epoch is None:  # an endless pass: no lane ever ends
+            yield from rotation
+            return
+        held = None
+        while True:
+            try:
+                value, stamp = next(rotation)
+            except StopIteration:
+                break
+            except Exception:
+                if held is not None:  # everything before the failure is handed on first
+                    yield held
+                raise
+            if held is not None:
+                yield held[0], held[1] + tuple(ended)
+                ended.clear()
+            held = (value, stamp)
+        if held is not None:
+            yield held[0], held[1] + tuple(ended)
+        elif ended:
+            yield NOTHING, tuple(ended)
+
+    def _rotation(self, ended: list) -> Iterator:
+        """``(value, (lane, lane state))`` in the rank's round-robin order; appends ``lane,
+        ended state`` to ``ended`` for every lane found exhausted."""
         owned = self.plan.owned
         total_at = self._total_at
-        streams = {lane: self.lane_stream(lane) for lane in owned}
+        live = {lane for lane in owned if not is_ended(self.states.get(lane))}
+        streams = {lane: self.lane_stream(lane) for lane in owned if lane in live}
         produced = {lane: self._total(lane) for lane in owned}
-        live = set(owned)
 
         def pull(lane: int):
             try:
                 record, stamp = next(streams[lane])
             except StopIteration:
                 live.discard(lane)
+                ended.extend((lane, ended_state(produced[lane])))
                 return None
             produced[lane] += 1
             value = record.value
@@ -324,7 +399,9 @@ class Engine:
 
     def _total(self, lane: int) -> int:
         state = self.states.get(lane)
-        return state[self._total_at] if state else 0
+        if not state:
+            return 0
+        return state[0] if is_ended(state) else state[self._total_at]
 
     def close(self) -> None:
         if self.stats is not None:
