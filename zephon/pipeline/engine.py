@@ -115,6 +115,15 @@ def replay_state(epoch: int, k: int, since: int, total: int, carry: tuple = ()) 
     return (epoch, k, since, total, *carry)
 
 
+def _stamped(item: tuple, ended: list) -> tuple:
+    """``item`` with the ``lane, ended state`` pairs of ``ended`` added to its stamp (and
+    ``ended`` emptied)."""
+    value, stamp = item
+    out = (value, stamp + tuple(ended))
+    ended.clear()
+    return out
+
+
 def ended_state(total: int) -> tuple[int]:
     """Lane state of a lane that has delivered its last item of the pass: ``total`` items
     in all (0 for a lane with nothing in the pass)."""
@@ -328,10 +337,10 @@ class Engine:
         if self.end_epoch is None:  # an endless pass: no lane ever ends
             yield from rotation
             return
-        held = None
+        held = None  # the item before the one just made, ``(value, stamp)``
         while True:
             try:
-                value, stamp = next(rotation)
+                item = next(rotation)
             except StopIteration:
                 break
             except Exception:
@@ -339,11 +348,10 @@ class Engine:
                     yield held
                 raise
             if held is not None:
-                yield held[0], held[1] + tuple(ended)
-                ended.clear()
-            held = (value, stamp)
+                yield _stamped(held, ended) if ended else held
+            held = item
         if held is not None:
-            yield held[0], held[1] + tuple(ended)
+            yield _stamped(held, ended) if ended else held
         elif ended:
             yield NOTHING, tuple(ended)
 
