@@ -15,7 +15,7 @@ import _pipeline_fns as F
 import numpy as np
 import pytest
 
-from zephon import Pipeline, RuntimeOptions, sources
+from zephon import Pipeline, RuntimeOptions, ZephonConfigError, sources
 from zephon.pipeline.training import to_training
 
 L, B, C = 16, 3, 2
@@ -100,6 +100,15 @@ def test_to_training_takes_every_batch_of_packed_rows():
     for b in pipe(lambda p: p.pack_tokens(L).batch(B)):
         out = to_training(b)
         assert out["labels"].shape == b["tokens"].shape
+
+
+def test_documents_batched_unpacked_are_refused_by_to_training_naming_the_fix():
+    # what tokenize(...).batch(n) gives: rows of their own lengths, kept as a list
+    batch = next(iter(pipe(lambda p: p.batch(B))))
+    assert isinstance(batch["tokens"], list)
+    with pytest.raises(ZephonConfigError, match=r"'tokens' is ragged.*pack_tokens or "
+                                                r"pack_documents"):
+        to_training(batch)
 
 
 def test_the_torch_loader_gives_tensors_of_one_shape_with_drop_last():
