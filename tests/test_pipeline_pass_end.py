@@ -198,3 +198,23 @@ def test_a_state_of_format_version_3_is_refused_by_name():
     data[8] = 3  # the previous stream definition: no ended lanes
     with pytest.raises(CheckpointError, match=r"version 3.*no ended lanes"):
         pipeline("cursor").restore(bytes(data))
+
+
+@pytest.mark.parametrize("tail", [lambda p: p.batch(8), lambda p: p.map(F.double).shuffle(4)
+                                  .batch(8)])
+def test_no_item_waits_for_the_next_before_the_tail_of_the_pass(tail):
+    # an endless pass never looks ahead: a finite one reads no more for its first items
+    def reads_per_item(epochs) -> list:
+        pipe = tail(Pipeline(sources.from_callable(4000, F.counted_sample), seed=1,
+                             chunk_size=8, num_epochs=epochs)).options(
+            RuntimeOptions(runner="inline", canonical_replicas=2))
+        F.reset_reads()
+        it = iter(pipe)
+        out = []
+        for _ in range(20):
+            next(it)
+            out.append(F.reads())
+        it.close()
+        return out
+
+    assert reads_per_item(1) == reads_per_item(None)

@@ -39,9 +39,10 @@ finishes first can only change when a result is ready, never where it goes.
 **Stamps.** Every item goes out as ``(value, stamp)``; a stamp is a flat tuple of
 ``lane, lane state`` pairs: the item's own lane and state, then every lane found
 ended since the previous item (:func:`ended_state`). In a finite pass the tail
-looks one item ahead, so the rank's last item already says that all of the
-rank's lanes have ended: a checkpoint taken right after it tells every rank,
-on any world size, that this rank's part of the pass is done. A rank whose lanes
+(once every lane has been handed its last unit: no item before can be the
+rank's last) looks one item ahead, so the rank's last item already says that
+all of the rank's lanes have ended: a checkpoint taken right after it tells
+every rank, on any world size, that this rank's part of the pass is done. A rank whose lanes
 hold nothing at all ends its stream with one :data:`NOTHING` item carrying their
 ended states (the iterator records it and hands nothing over). An error of the
 run is raised after the item held back has been handed on.
@@ -113,6 +114,20 @@ def replay_state(epoch: int, k: int, since: int, total: int, carry: tuple = ()) 
     holding ``carry`` (encoded, :mod:`zephon.pipeline.carry`) and drop the ``since`` items
     already delivered from it; ``total`` items were delivered from the lane so far."""
     return (epoch, k, since, total, *carry)
+
+
+def _issuing(units: Iterator, lane: int, issued: set) -> Iterator:
+    """``units`` (a lane's, cheap to make: indices and markers) with ``lane`` added to
+    ``issued`` just before the last one is handed on: no item of the lane can be its last
+    before that."""
+    it = iter(units)
+    for unit in it:
+        for following in it:
+            yield unit
+            unit = following
+        issued.add(lane)
+        yield unit
+    issued.add(lane)
 
 
 def _stamped(item: tuple, ended: list) -> tuple:
@@ -201,6 +216,8 @@ class Engine:
 
     def __init__(self, plan: Plan, states: dict[int, tuple], start_epoch: int = 0) -> None:
         self.plan, self.states = plan, dict(states)
+        #: lanes whose last unit of the run has been handed to their chain
+        self._issued: set[int] = set()
         #: the run covers epochs [start_epoch, end_epoch): lanes without a state start at
         #: start_epoch's beginning
         self.start_epoch, self.end_epoch = start_epoch, plan.pass_end(start_epoch)
@@ -243,6 +260,7 @@ class Engine:
             epoch, pos, total = state if state else (self.start_epoch, 0, 0)
             it = lane_units(n, p.seed, p.permute, p.chunk_size, plan.lanes, lane,
                             plan.flush_every, end, Boundary(epoch, 0), pos)
+            it = _issuing(it, lane, self._issued)
             return self._cursor_stream(self._chain(it, lane, None), lane, total)
         replay = tuple(state) if state else (self.start_epoch, 0, 0, 0)
         held = None
@@ -252,6 +270,7 @@ class Engine:
                                              self.start_epoch))
         it = lane_units(n, p.seed, p.permute, p.chunk_size, plan.lanes, lane,
                         plan.flush_every, end, Boundary(replay[0], replay[1]))
+        it = _issuing(it, lane, self._issued)
         return self._replay_stream(self._chain(it, lane, held, Boundary(replay[0], replay[1])),
                                    lane, replay, plan.carry_layout)
 
@@ -331,13 +350,17 @@ class Engine:
 
     def items(self) -> Iterator:
         """``(value, stamp)`` in the rank's round-robin order (see "Stamps" in the module
-        docstring); a finite pass looks one item ahead to stamp the lanes that ended."""
+        docstring). In a finite pass, once every lane has been handed its last unit (the
+        pass's tail), each item is held until the next one is known, so that the rank's
+        last item carries the ended state of all its lanes."""
         ended: list = []
         rotation = self._rotation(ended)
         if self.end_epoch is None:  # an endless pass: no lane ever ends
             yield from rotation
             return
-        held = None  # the item before the one just made, ``(value, stamp)``
+        streaming = sum(1 for lane in self.plan.owned if not is_ended(self.states.get(lane)))
+        issued = self._issued
+        held = None  # in the tail: the item before the one being made
         while True:
             try:
                 item = next(rotation)
@@ -345,11 +368,15 @@ class Engine:
                 break
             except Exception:
                 if held is not None:  # everything before the failure is handed on first
-                    yield held
+                    yield _stamped(held, ended) if ended else held
                 raise
             if held is not None:
                 yield _stamped(held, ended) if ended else held
-            held = item
+                held = None
+            if len(issued) < streaming:  # not the tail: no item can be the rank's last
+                yield _stamped(item, ended) if ended else item
+            else:
+                held = item
         if held is not None:
             yield _stamped(held, ended) if ended else held
         elif ended:
