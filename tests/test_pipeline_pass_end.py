@@ -114,12 +114,16 @@ def cases(chain: str, world: int) -> list:
 
 
 @pytest.mark.parametrize("chain", sorted(CHAINS))
-@pytest.mark.parametrize("old,new", [(1, 2), (2, 1), (1, 4), (4, 3), (3, 2), (2, 4)])
-def test_a_restore_on_m_ranks_delivers_the_rest_of_the_pass_then_the_next(chain, old, new):
+@pytest.mark.parametrize("old,new,runner", [(1, 2, "inline"), (2, 1, "threads"),
+                                            (1, 4, "threads"), (4, 3, "inline"),
+                                            (3, 2, "threads"), (2, 4, "inline")])
+def test_a_restore_on_m_ranks_delivers_the_rest_of_the_pass_then_the_next(chain, old, new,
+                                                                          runner):
     first, second = reference(chain)
     for takes in cases(chain, old):
-        head, state = take_on_ranks(chain, old, takes)
-        runs = restore_on_ranks(chain, new, state)
+        head, state = take_on_ranks(chain, old, takes, runner="threads" if runner == "inline"
+                                    else "inline")
+        runs = restore_on_ranks(chain, new, state, runner)
         rest = [k for run, _ in runs for k in run]
         following = [k for _, run in runs for k in run]
         got = by_lane(head + rest)
