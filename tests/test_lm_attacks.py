@@ -194,9 +194,6 @@ def lane_rows(world=1, rank=0, state=None) -> dict:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="engine: a rank whose lanes all finished before the "
-                   "checkpoint starts the next pass on restore (iterator._next_pass decides "
-                   "per rank), one pass ahead of the ranks still in this one")
 def test_a_rank_whose_lanes_had_finished_delivers_nothing_more_of_the_pass():
     from zephon import RuntimeOptions
 

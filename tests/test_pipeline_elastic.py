@@ -183,3 +183,37 @@ def test_multi_rank_checkpoint_needs_an_aggregate_dir():
     with pytest.raises(Exception, match="aggregate_dir"):
         pipe.checkpoint()
 
+
+
+@pytest.mark.parametrize("chain", ["pack", "cursor"])
+def test_a_rank_whose_lanes_had_ended_restores_in_step_with_the_others(tmp_path, chain):
+    # rank 1 of 2 delivers its last item (and never asks for one more), rank 0 has more:
+    # on 1 or 3 ranks the restore gives exactly the rest of the pass, then the next pass
+    def opts(world=1, rank=0):
+        return RuntimeOptions(world_size=world, global_rank=rank, canonical_replicas=C,
+                              flush_every_k_chunks=FLUSH[chain])
+
+    def lanes_of(batches) -> dict:
+        out: dict = {}
+        for b in batches:
+            out.setdefault(b.meta["lane"], []).append(key(b)[2:])
+        return out
+
+    last = sum(1 for _ in pipeline(chain).options(opts(2, 1)))
+    results = run_ranks(tmp_path, 2, takes=[2, last], chain=chain)
+    assert all(code == 0 for _, _, code in results), [err for _, err, _ in results]
+    state = (tmp_path / "state-0").read_bytes()
+    reference = pipeline(chain).options(opts())
+    first, second = lanes_of(reference), lanes_of(reference)
+    rank0 = pipeline(chain).options(opts(2, 0))
+    heads = {**lanes_of(b for _, b in zip(range(2), rank0, strict=False)),
+             **{lane: items for lane, items in first.items() if lane in (2, 3)}}
+    for world in (1, 3):
+        rest, following = {}, {}
+        for rank in range(world):
+            pipe = pipeline(chain).options(opts(world, rank))
+            pipe.restore(state)
+            rest.update(lanes_of(pipe))
+            following.update(lanes_of(pipe))
+        assert {lane: heads.get(lane, []) + rest.get(lane, []) for lane in first} == first
+        assert following == second, world

@@ -90,8 +90,10 @@ def test_a_run_closed_from_another_thread_ends_the_consumer_waiting_in_it():
     # The consumer waits for an item the worker will not have for a minute; closing the
     # run from another thread ends that wait (it used to wait on the queue for ever) with
     # the closed error, not a silent end of the stream a loop would take for an epoch's.
-    # The first sample is instant: validation runs the op on it in this process.
-    pipe = Pipeline(sources.from_sequence([0.0, 60.0, 60.0]), shuffle=False) \
+    # The first sample is instant: validation runs the op on it in this process. An endless
+    # pass: at a finite pass's tail an item is handed on once the next one is known.
+    pipe = Pipeline(sources.from_sequence([0.0, 60.0, 60.0]), shuffle=False,
+                    num_epochs=None) \
         .map(slow_identity, parallelism=1) \
         .options(RuntimeOptions(runner="process", max_workers=1, shutdown_mode="hard"))
     it = iter(pipe)

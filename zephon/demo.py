@@ -56,7 +56,7 @@ def build(path: str) -> Pipeline:
 
 
 def digest(batch) -> str:
-    # the stream's last batch may hold the lane's last, shorter row: a list of rows then
+    # a lane's last, shorter row comes as a batch of its own: rows of another length
     h = hashlib.sha256(b"".join(np.asarray(row).tobytes() for row in batch["tokens"]))
     h.update(repr((batch.meta["lane"], batch.meta["lane_index"])).encode())
     return h.hexdigest()

@@ -1,10 +1,10 @@
 """Checkpoint bytes: a self-describing, versioned, checksummed envelope around a state dict.
 
-Format version 3 (all integers big-endian)::
+Format version 4 (all integers big-endian)::
 
     offset  size  field
     0       8     magic b"ZEPHONCK"
-    8       1     format version (3)
+    8       1     format version (4)
     9       1     serializer (0 msgpack, 1 json)
     10      1     compressor (0 none, 1 zstd)
     11      1     reserved, 0
@@ -27,9 +27,12 @@ costs more memory than the bounds below.
 - Every failure is a :class:`~zephon.errors.CheckpointError` saying what is wrong;
   nothing is partially decoded. A checkpoint of an older format version is refused
   with its version named: version 1 had no checksum; version 2 has the same envelope
-  but holds a state of the previous stream definition (partial batches at every flush
+  but holds a state of an earlier stream definition (partial batches at every flush
   boundary, no carry across boundaries, every run from epoch 0), which no restore
-  could continue as the same stream.
+  could continue as the same stream; version 3 has no ended lanes (a lane that
+  delivered its last item of the pass looks like one with more to come), so after
+  the pass's last item a restore could not tell every rank alike that the pass was
+  over.
 
 msgpack integers wider than 64 bits (a NumPy PCG64 state has them) travel as an
 extension type; JSON carries them natively. The schema of the pipeline state inside
@@ -60,7 +63,7 @@ __all__ = [
 ]
 
 MAGIC = b"ZEPHONCK"
-VERSION = 3
+VERSION = 4
 #: why an older format version cannot be read
 _OLDER = {
     1: " (written by an earlier zephon, without a checksum); re-create the checkpoint "
@@ -68,6 +71,9 @@ _OLDER = {
     2: ": the state is from the previous stream definition (partial batches at every "
        "flush boundary, each run from epoch 0) and cannot be restored as the same stream; "
        "start the run again from the beginning",
+    3: ": the state is from the previous stream definition (no ended lanes: whether the "
+       "pass was over was decided by each rank alone) and cannot be restored as the same "
+       "stream; start the run again from the beginning, or with set_epoch()",
 }
 #: Largest serialized state accepted (and written). A pipeline state of 4096 lanes is
 #: about 40 KB serialized; 16 MiB leaves room for any real state.
@@ -108,7 +114,7 @@ def _ext_hook(code, data):
 
 
 def encode_state(state: dict, serializer: str = "msgpack", compressor: str = "zstd") -> bytes:
-    """Encode a state dict into checkpoint bytes (format version 3).
+    """Encode a state dict into checkpoint bytes (format version 4).
 
     Args:
         state: a dict of str/int/float/bool/None, lists, tuples (stored as lists) and

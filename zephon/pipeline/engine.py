@@ -21,6 +21,11 @@ Every delivered item carries the lane state a restore would continue from
   records, replays the lane from that boundary (at most
   ``flush_every_k_chunks`` lane chunks back) and drops ``since`` items.
 
+- **ended** (:func:`ended_state`): ``(total,)``, a lane that has delivered its
+  last item of the pass (or that has none in it). A restore delivers nothing more
+  of it; a state whose every lane has ended restores to the next pass
+  (:func:`zephon.pipeline.state.check_run`), on every rank alike.
+
 ``total`` counts the lane's items since the start of the run (its pass, see
 :class:`~zephon.pipeline.Pipeline`); it gives ``meta["lane_index"]`` and the
 tail's order. A run covers the epochs ``[start_epoch, pass end)``: lanes
@@ -30,6 +35,17 @@ After a restore the lanes behind are first brought level (at most one item
 each, since every rank emits in round robin), then the ``LaneRoundRobin``
 kernel runs the rotation. Nothing here depends on timing: which worker
 finishes first can only change when a result is ready, never where it goes.
+
+**Stamps.** Every item goes out as ``(value, stamp)``; a stamp is a flat tuple of
+``lane, lane state`` pairs: the item's own lane and state, then every lane found
+ended since the previous item (:func:`ended_state`). In a finite pass the tail
+(once every lane has been handed its last unit: no item before can be the
+rank's last) looks one item ahead, so the rank's last item already says that
+all of the rank's lanes have ended: a checkpoint taken right after it tells
+every rank, on any world size, that this rank's part of the pass is done. A rank whose lanes
+hold nothing at all ends its stream with one :data:`NOTHING` item carrying their
+ended states (the iterator records it and hands nothing over). An error of the
+run is raised after the item held back has been handed on.
 
 ``deterministic=False``: results of a parallel stage are released in
 completion order (throughput over order; checkpoints are then best effort).
@@ -54,8 +70,26 @@ from zephon.pipeline.records import Batch, BatchList, Boundary
 from zephon.pipeline.stats import RunStats
 from zephon.runners import InlineExecutor, ProcessExecutor, ThreadExecutor
 
-__all__ = ["Engine", "Plan", "accumulate", "cursor_state", "ordered_map",
-           "replay_state"]
+__all__ = ["NOTHING", "Engine", "Plan", "accumulate", "cursor_state", "ended_state",
+           "is_ended", "ordered_map", "replay_state"]
+
+
+class _Nothing:
+    """The value of a stamp-only item (see :data:`NOTHING`); one object, also after a
+    trip through pickle (the MTP subprocess sends it)."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> str:
+        return "NOTHING"
+
+    def __repr__(self) -> str:
+        return "NOTHING"
+
+
+#: The value of an item that only carries lane states (ended lanes of a rank that
+#: delivers nothing): the iterator records its stamp and hands nothing over.
+NOTHING = _Nothing()
 
 
 def _held_records(rebuild, step: int, held: list, holds: str):
@@ -80,6 +114,40 @@ def replay_state(epoch: int, k: int, since: int, total: int, carry: tuple = ()) 
     holding ``carry`` (encoded, :mod:`zephon.pipeline.carry`) and drop the ``since`` items
     already delivered from it; ``total`` items were delivered from the lane so far."""
     return (epoch, k, since, total, *carry)
+
+
+def _issuing(units: Iterator, lane: int, issued: set) -> Iterator:
+    """``units`` (a lane's, cheap to make: indices and markers) with ``lane`` added to
+    ``issued`` just before the last one is handed on: no item of the lane can be its last
+    before that."""
+    it = iter(units)
+    for unit in it:
+        for following in it:
+            yield unit
+            unit = following
+        issued.add(lane)
+        yield unit
+    issued.add(lane)
+
+
+def _stamped(item: tuple, ended: list) -> tuple:
+    """``item`` with the ``lane, ended state`` pairs of ``ended`` added to its stamp (and
+    ``ended`` emptied)."""
+    value, stamp = item
+    out = (value, stamp + tuple(ended))
+    ended.clear()
+    return out
+
+
+def ended_state(total: int) -> tuple[int]:
+    """Lane state of a lane that has delivered its last item of the pass: ``total`` items
+    in all (0 for a lane with nothing in the pass)."""
+    return (total,)
+
+
+def is_ended(state: tuple | None) -> bool:
+    """Whether a lane state is :func:`ended_state`'s (cursor and replay states are longer)."""
+    return state is not None and len(state) == 1
 
 
 def accumulate(op: SerialOp, upstream: Iterator, seed: int, lane: int, stats=None,
@@ -148,6 +216,8 @@ class Engine:
 
     def __init__(self, plan: Plan, states: dict[int, tuple], start_epoch: int = 0) -> None:
         self.plan, self.states = plan, dict(states)
+        #: lanes whose last unit of the run has been handed to their chain
+        self._issued: set[int] = set()
         #: the run covers epochs [start_epoch, end_epoch): lanes without a state start at
         #: start_epoch's beginning
         self.start_epoch, self.end_epoch = start_epoch, plan.pass_end(start_epoch)
@@ -183,11 +253,14 @@ class Engine:
         """``(record, lane state after it)`` for every item of ``lane`` from its state."""
         plan, p = self.plan, self.plan.pipeline
         state = self.states.get(lane)
+        if is_ended(state):
+            return iter(())
         n, end = len(p.source), self.end_epoch
         if plan.cursor_resume:
             epoch, pos, total = state if state else (self.start_epoch, 0, 0)
             it = lane_units(n, p.seed, p.permute, p.chunk_size, plan.lanes, lane,
                             plan.flush_every, end, Boundary(epoch, 0), pos)
+            it = _issuing(it, lane, self._issued)
             return self._cursor_stream(self._chain(it, lane, None), lane, total)
         replay = tuple(state) if state else (self.start_epoch, 0, 0, 0)
         held = None
@@ -197,6 +270,7 @@ class Engine:
                                              self.start_epoch))
         it = lane_units(n, p.seed, p.permute, p.chunk_size, plan.lanes, lane,
                         plan.flush_every, end, Boundary(replay[0], replay[1]))
+        it = _issuing(it, lane, self._issued)
         return self._replay_stream(self._chain(it, lane, held, Boundary(replay[0], replay[1])),
                                    lane, replay, plan.carry_layout)
 
@@ -275,18 +349,54 @@ class Engine:
         return it
 
     def items(self) -> Iterator:
-        """``(value, (lane, lane state))`` in the rank's round-robin order."""
+        """``(value, stamp)`` in the rank's round-robin order (see "Stamps" in the module
+        docstring). In a finite pass, once every lane has been handed its last unit (the
+        pass's tail), each item is held until the next one is known, so that the rank's
+        last item carries the ended state of all its lanes."""
+        ended: list = []
+        rotation = self._rotation(ended)
+        if self.end_epoch is None:  # an endless pass: no lane ever ends
+            yield from rotation
+            return
+        streaming = sum(1 for lane in self.plan.owned if not is_ended(self.states.get(lane)))
+        issued = self._issued
+        held = None  # in the tail: the item before the one being made
+        while True:
+            try:
+                item = next(rotation)
+            except StopIteration:
+                break
+            except Exception:
+                if held is not None:  # everything before the failure is handed on first
+                    yield _stamped(held, ended) if ended else held
+                raise
+            if held is not None:
+                yield _stamped(held, ended) if ended else held
+                held = None
+            if len(issued) < streaming:  # not the tail: no item can be the rank's last
+                yield _stamped(item, ended) if ended else item
+            else:
+                held = item
+        if held is not None:
+            yield _stamped(held, ended) if ended else held
+        elif ended:
+            yield NOTHING, tuple(ended)
+
+    def _rotation(self, ended: list) -> Iterator:
+        """``(value, (lane, lane state))`` in the rank's round-robin order; appends ``lane,
+        ended state`` to ``ended`` for every lane found exhausted."""
         owned = self.plan.owned
         total_at = self._total_at
-        streams = {lane: self.lane_stream(lane) for lane in owned}
+        live = {lane for lane in owned if not is_ended(self.states.get(lane))}
+        streams = {lane: self.lane_stream(lane) for lane in owned if lane in live}
         produced = {lane: self._total(lane) for lane in owned}
-        live = set(owned)
 
         def pull(lane: int):
             try:
                 record, stamp = next(streams[lane])
             except StopIteration:
                 live.discard(lane)
+                ended.extend((lane, ended_state(produced[lane])))
                 return None
             produced[lane] += 1
             value = record.value
@@ -324,7 +434,9 @@ class Engine:
 
     def _total(self, lane: int) -> int:
         state = self.states.get(lane)
-        return state[self._total_at] if state else 0
+        if not state:
+            return 0
+        return state[0] if is_ended(state) else state[self._total_at]
 
     def close(self) -> None:
         if self.stats is not None:

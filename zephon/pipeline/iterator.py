@@ -42,10 +42,12 @@ Where a run starts and ends (its record): a run covers one *pass*
 of the pipeline (``num_epochs`` epochs from ``start_epoch``, see
 :class:`~zephon.pipeline.Pipeline`), from the lane states it was given. When it
 reaches the end of its stream its record says ``finished`` (the pipeline's next
-run is then the next pass). A run that starts from lane states and finds
-nothing left (the previous run delivered the pass's last item without being
-asked for one more) goes on with the next pass at once, so a new run always
-continues after the last item delivered.
+run is then the next pass). Each item's stamp also says which lanes have ended
+(:mod:`zephon.pipeline.engine`), so lane states record when a lane has
+delivered its last item of the pass: a start whose every lane has ended is the
+next pass (:func:`~zephon.pipeline.state.settle`, decided from the state alone,
+the same on every rank), and a rank whose own lanes have ended while others
+have not runs the (empty) rest of the pass, as the ranks still in it do.
 
 Nothing on the pump side refers to the iterator: the thread holds only the
 hand-off and the engine's item generator, so a dropped iterator is
@@ -66,7 +68,7 @@ from zephon.checkpoint import decode_state, encode_state
 from zephon.errors import IteratorClosedError
 from zephon.options import resolve_mtp_prefetch
 from zephon.pipeline.dispatch import approx_nbytes
-from zephon.pipeline.engine import Engine
+from zephon.pipeline.engine import NOTHING, Engine
 from zephon.pipeline.progress import Progress, RunRecord
 from zephon.pipeline.state import RunStart, check_run, rank_state
 
@@ -291,7 +293,6 @@ class PipelineIterator:
         self.remote: Any = None  # the MTP subprocess's end (MtpSource), in MTP mode
         self.thread: threading.Thread | None = None
         self.handoff: Handoff | None = None
-        self._fresh = True  # nothing delivered since the run (re)started
         self._closed_by = "close()"  # what stopped the run, for next()'s error
         self._start()
 
@@ -299,7 +300,6 @@ class PipelineIterator:
     def _start(self) -> None:
         plan, opts = self.plan, self.plan.opts
         states = dict(self.record.states)
-        self._fresh = True
         if opts.mtp_mode:
             from zephon.runners.mtp import MtpSource
 
@@ -336,17 +336,15 @@ class PipelineIterator:
         called = time.perf_counter() if stats is not None else 0.0
         try:
             if self.thread is None:
-                value, (lane, state) = next(self._source)
+                value, stamp = next(self._source)
             else:
-                value, (lane, state) = self.handoff.get()  # type: ignore[union-attr]
+                value, stamp = self.handoff.get()  # type: ignore[union-attr]
         except HandoffClosed:  # closed (or restarted) from another thread while waiting
             if self.closed:
                 self._refuse()
             return self.__next__()
         except StopIteration:
             self.close()
-            if self._next_pass():
-                return self.__next__()
             self.record.finished = True
             self._finished()
             raise
@@ -354,8 +352,12 @@ class PipelineIterator:
             self.close()
             self._closed_by = f"the {type(exc).__name__} its run raised"
             raise
-        self.record.states[lane] = state
-        self._fresh = False
+        states = self.record.states
+        states[stamp[0]] = stamp[1]
+        for i in range(2, len(stamp), 2):  # lanes found ended since the previous item
+            states[stamp[i]] = stamp[i + 1]
+        if value is NOTHING:  # lane states only: nothing to hand over
+            return self.__next__()
         if stats is not None:  # the consumer's wait: from next() called to the batch
             stats.delivered(called)
         return value
@@ -369,16 +371,6 @@ class PipelineIterator:
             f"next() on a closed PipelineIterator (stopped by {self._closed_by}): "
             "restore() or set_state() starts it again; iter(pipe) starts the pipeline's "
             "next run")
-
-    def _next_pass(self) -> bool:
-        """A run that started from lane states and found nothing left goes on with the
-        next pass (True: restarted there)."""
-        record = self.record
-        end = self.plan.pass_end(record.start_epoch)
-        if not self._fresh or not record.states or end is None:
-            return False
-        self._restart(RunStart({}, end))
-        return True
 
     def _restart(self, start: RunStart) -> None:
         """Stop the current run and start one from ``start``."""

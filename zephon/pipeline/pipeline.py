@@ -236,13 +236,17 @@ class Pipeline:
         stay a list; tuple or list samples of unequal length raise an
         :class:`~zephon.errors.OpError` of the batch op. A batch never mixes lanes.
         Every batch has exactly ``microbatch_size`` samples, across flush boundaries and
-        epochs, except a lane's last batch of the run (its pass). The ``meta`` of a Batch
+        epochs, except a lane's last batch of the run (its pass); after ``pack_tokens``
+        the lane's short last row is a batch of its own after it, never stacked with
+        full rows (``drop_last=True`` drops both: every batch is then
+        ``(microbatch_size, seq_len)``). The ``meta`` of a Batch
         or BatchList holds ``sample_ids`` (``(source, index, epoch)`` per sample),
         ``lane`` and ``lane_index``.
 
         Args:
             microbatch_size: samples per batch (an int >= 1).
-            drop_last: drop a lane's partial last batch instead of emitting it.
+            drop_last: drop a lane's partial last batch (and a packer's short row)
+                instead of emitting it.
             collate_fn: ``collate_fn(values) -> batch`` in place of the default
                 collation, called with the list of the batch's sample values (as a
                 DataLoader's ``collate_fn``), in the worker that read the samples when
@@ -269,7 +273,8 @@ class Pipeline:
 
         Each output sample is ``{field: ndarray[seq_len]}``, across flush boundaries and
         epochs: no token is dropped. Only the lane's last row of the run (its pass) can be
-        shorter: the tokens left at the end, or nothing with ``drop_remainder=True``. Like
+        shorter: the tokens left at the end, or nothing with ``drop_remainder=True``; a
+        ``batch()`` after it makes that row a batch of its own (see :meth:`batch`). Like
         :meth:`shuffle` it carries history, so the pipeline resumes by replay.
 
         Args:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from zephon.pipeline.state import RunStart, local_state
+from zephon.pipeline.state import RunStart, local_state, settle
 
 if TYPE_CHECKING:
     from zephon.pipeline.iterator import PipelineIterator
@@ -91,12 +91,13 @@ class Progress:
 
     def next_start(self, plan) -> RunStart:
         """Where a new run starts: the next pass after a complete pass (``plan`` says
-        where a pass ends), else after the last item the latest run delivered."""
+        where a pass ends), else after the last item the latest run delivered (the next
+        pass too when its states say every lane has ended: :func:`settle`)."""
         latest = self.latest
         if latest.finished:
             end = plan.pass_end(latest.start_epoch)
             return RunStart({}, latest.start_epoch if end is None else end)
-        return latest.start()
+        return settle(latest.start(), plan)
 
     def begin(self, it: "PipelineIterator") -> None:
         """Record ``it`` as the latest run: the next run continues from its record."""

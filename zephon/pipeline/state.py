@@ -7,16 +7,28 @@ A run's local state is a dict::
      "group": dp group (one rank's state) | "world": ranks (a merged state),
      "dp_degree": G, "mapping": "contiguous" | "interleaved"  (a rank's own state),
      "lanes": {"<lane>": [epoch, pos, total]                 (cursor resume)
-                         [epoch, k, since, total, *carry]}}  (replay)
+                         [epoch, k, since, total, *carry]    (replay)
+                         [total]}}                           (ended)
 
 holding the delivered position of every owned lane that delivered something
 (see :mod:`zephon.pipeline.engine` for what the numbers mean, and
 :mod:`zephon.pipeline.carry` for the carry: what the accumulators held at the
-boundary, as flat non-negative ints). A run covers the epochs of one pass,
-``[start_epoch, pass end)`` (``Plan.pass_end``). The bytes around it (magic,
-version, checksum, compression) belong to :mod:`zephon.checkpoint`; a state of
-the previous stream definition (format version 2: partial batches at every
-boundary, no carry, every run from epoch 0) is refused by name there.
+boundary, as flat non-negative ints), or that has ended: ``[total]`` says the
+lane delivered its last item of the pass (``total`` items; 0 for a lane with
+none), so nothing more of it comes in this pass. A run covers the epochs of one
+pass, ``[start_epoch, pass end)`` (``Plan.pass_end``). The bytes around it
+(magic, version, checksum, compression) belong to :mod:`zephon.checkpoint`;
+states of earlier stream definitions (format version 2: partial batches at every
+boundary, no carry, every run from epoch 0; version 3: no ended lanes, each rank
+deciding alone whether the pass was over) are refused by name there.
+
+Where a run starts (:func:`settle`): the lane states it was given, except that a
+start whose every lane has ended (or holds no sample at all) is the next pass's
+beginning. It is decided from the state alone, so every rank restoring the same
+merged state agrees: a rank whose own lanes have ended while other ranks' have not
+runs the (empty) rest of the pass, and the next run of every rank is the next
+pass. A rank's own state (or a live run's record on several dp groups) does not
+say whether the other groups' lanes have ended, so it never skips to the next pass.
 
 Two kinds of state restore: a merged one (``checkpoint()``: every lane, from
 the multi-rank exchange, or from the one rank) restores under any rank layout;
@@ -40,8 +52,10 @@ from typing import Any, NamedTuple
 
 from zephon.errors import CheckpointError
 from zephon.pipeline.carry import carry_bounds, decode_carry
+from zephon.pipeline.engine import is_ended
 
-__all__ = ["MAX_COUNT", "RunStart", "check_run", "check_state", "local_state", "rank_state"]
+__all__ = ["MAX_COUNT", "RunStart", "check_run", "check_state", "local_state", "rank_state",
+           "settle"]
 
 #: No count in a state can be larger (items, positions, epochs): 2**48 items is far
 #: beyond any real run, and keeps every figure exact in JSON and msgpack alike.
@@ -56,6 +70,20 @@ class RunStart(NamedTuple):
 
     states: dict
     start_epoch: int
+
+
+def settle(start: RunStart, plan) -> RunStart:
+    """Where a run from ``start`` goes on: ``start`` itself, or the next pass's beginning
+    when it has lane states and every one of the plan's ``C`` lanes has ended (or is
+    dealt no sample), which only a state of every lane can say."""
+    end = plan.pass_end(start.start_epoch)
+    states = start.states
+    if end is None or not states:
+        return start
+    for lane in range(plan.lanes):
+        if not is_ended(states.get(lane)) and plan.lane_length(lane) > 0:
+            return start
+    return RunStart({}, end)
 
 
 def local_state(plan, fingerprint: str, states: dict[int, tuple], start_epoch: int = 0) -> dict:
@@ -115,11 +143,13 @@ def check_run(decoded: Any, plan, fingerprint: str) -> RunStart:
         if not isinstance(value, list):
             raise CheckpointError(f"corrupt checkpoint: {where} must be a list, got "
                                   f"{type(value).__name__}")
-        if mode == "cursor":
+        if len(value) == 1:
+            states[lane] = _ended_lane(value, where, plan, lane, (start, end))
+        elif mode == "cursor":
             states[lane] = _cursor_lane(value, where, plan.lane_length(lane), epochs)
         else:
             states[lane] = _replay_lane(value, where, plan, lane, epochs)
-    return RunStart(states, start)
+    return settle(RunStart(states, start), plan)
 
 
 def _check_header(decoded: Any, plan, fingerprint: str) -> tuple[int, str]:
@@ -169,6 +199,16 @@ def _check_layout(decoded: dict, plan, lanes: int) -> None:
             f"checkpoint is one rank's own state (dp group {theirs[0]} of dp_degree "
             f"{theirs[1]!r:.20}, {theirs[2]!r:.20} mapping), this rank reads dp group "
             f"{ours[0]} of {ours[1]} ({ours[2]!r}): restore the merged checkpoint() instead")
+
+
+def _ended_lane(value: list, where: str, plan, lane: int, run: tuple) -> tuple:
+    """An ended lane entry: ``[items delivered]`` in a pass that ends."""
+    start, end = run
+    if end is None:
+        raise CheckpointError(f"corrupt checkpoint: {where} is marked ended, but this "
+                              "pipeline's pass never ends (num_epochs=None)")
+    bound = MAX_COUNT if plan.expands else min(MAX_COUNT, (end - start) * plan.lane_length(lane))
+    return (_int(value[0], f"{where} items delivered", 0, bound),)
 
 
 def _cursor_lane(value: list, where: str, length: int, epochs: tuple) -> tuple:

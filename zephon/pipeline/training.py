@@ -58,7 +58,15 @@ def check_options(options) -> dict:
 def _column(batch, name: str, shape: tuple | None = None) -> np.ndarray | None:
     if name not in batch:
         return None
-    value = np.asarray(batch[name])
+    column = batch[name]
+    if isinstance(column, list) and len({np.shape(row) for row in column}) > 1:
+        lengths = sorted({len(row) for row in column})
+        raise ZephonConfigError(
+            f"to_training: column {name!r} is ragged (rows of {lengths[0]} to {lengths[-1]} "
+            "items, so batch() kept them as a list): pack the documents into rows of one "
+            "length first (pack_tokens or pack_documents), or pad them with "
+            "batch(collate_fn=...)")
+    value = np.asarray(column)
     if shape is not None and value.shape != shape:
         raise ZephonConfigError(f"to_training: column {name!r} has shape {value.shape}, "
                                 f"expected {shape}")

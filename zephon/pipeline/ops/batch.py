@@ -5,8 +5,13 @@ Collates samples as torch's ``default_collate`` does (see
 :class:`~zephon.pipeline.records.Batch`, tuples and lists into a
 :class:`~zephon.pipeline.records.BatchList`. The accumulator keeps what it
 holds across boundaries and epoch starts (it is the boundary's carry), so only
-the stream's last batch can be partial; ``drop_last`` drops it. It preserves
-cursor order: right after it emits, it holds nothing. A ``batch`` right after
+the stream's last batch can be partial; ``drop_last`` drops it. A packer's short
+last row (:class:`~zephon.pipeline.ops.pack_tokens.ShortRow`, fewer than
+``seq_len`` tokens) is never stacked with full rows, which would make a ragged
+batch (a list of rows, not an array): it is set aside and becomes a batch of its
+own after the lane's last batch of full rows; ``drop_last`` drops it too, so that
+``pack_tokens(n).batch(b, drop_last=True)`` gives only ``(b, n)`` batches. It
+preserves cursor order: right after it emits, it holds nothing. A ``batch`` right after
 a stage that only reads and maps is fused into that stage (the plan decides,
 :func:`~zephon.pipeline.plan.build_plan`), which then calls :func:`make_batch`.
 """
@@ -19,6 +24,7 @@ from zephon.errors import OpError, ZephonConfigError
 from zephon.pipeline.collate import collate
 from zephon.pipeline.fingerprint import fn_identity, fn_name
 from zephon.pipeline.ops.base import CarryingAccumulator, HoldsRecords, check_int
+from zephon.pipeline.ops.pack_tokens import ShortRow
 from zephon.pipeline.records import Batch, BatchList, Boundary, Record
 
 __all__ = ["BatchOp", "make_batch"]
@@ -91,12 +97,14 @@ class BatchOp(HoldsRecords):
 
 class _BatchState(CarryingAccumulator):
     """Fills batches of exactly ``size`` records; what it holds at a boundary stays (it is
-    the boundary's carry), so only the stream's last batch can be short."""
+    the boundary's carry), so only the stream's last batch can be short. A packer's short
+    row waits in ``short`` for the end (it comes after every boundary: never carried)."""
 
     def __init__(self, size: int, drop_last: bool, op: BatchOp) -> None:
         super().__init__()
         self.size, self.drop_last, self.op = size, drop_last, op
         self.buf: list = []
+        self.short: list = []
 
     def _make(self, records: list) -> Record:
         out = self.op.make(records)
@@ -107,6 +115,9 @@ class _BatchState(CarryingAccumulator):
     def push(self, records: list) -> list:
         out = []
         for r in records:
+            if type(r) is ShortRow:
+                self.short.append(r)
+                continue
             self.buf.append(r)
             if len(self.buf) == self.size:
                 out.append(self._make(self.buf))
@@ -123,7 +134,7 @@ class _BatchState(CarryingAccumulator):
         self.buf = list(held)
 
     def drain(self) -> list:
-        buf, self.buf = self.buf, []
-        if not buf or self.drop_last:
+        buf, short, self.buf, self.short = self.buf, self.short, [], []
+        if self.drop_last:
             return []
-        return [self._make(buf)]
+        return [self._make(part) for part in (buf, short) if part]

@@ -5,7 +5,10 @@ Concatenates the token arrays (``value[field]``, flattened) of the lane's
 records and cuts rows of exactly ``seq_len`` tokens, each a
 ``{field: array}`` record; the pieces of an unfinished row stay across
 boundaries and epoch starts (they are the boundary's carry). The stream's final
-remainder is a last short row, dropped with ``drop_remainder=True``. A row may
+remainder is a last short row, dropped with ``drop_remainder=True``; it is a
+:class:`ShortRow` record, which a ``batch`` after the packer (directly, or through a
+``shuffle``) never stacks with full rows: it is a batch of its own after them, and
+``drop_last=True`` drops it (:mod:`zephon.pipeline.ops.batch`). A row may
 hold tokens of several records and a record's tokens may span several rows:
 the op does not preserve cursor order (replay resume) and may give more items
 than it reads (``expands``). A record with no tokens contributes nothing (and is
@@ -22,7 +25,16 @@ from zephon.errors import OpError, ZephonConfigError
 from zephon.pipeline.ops.base import CarryingAccumulator, HoldsPieces, check_int
 from zephon.pipeline.records import Boundary, Record
 
-__all__ = ["PackTokensOp"]
+__all__ = ["PackTokensOp", "ShortRow"]
+
+
+class ShortRow(Record):
+    """The lane's last packed row of the run when it has fewer than ``seq_len`` tokens (a
+    record like any other; its type is the mark ``batch`` reads). It lives in the
+    engine's process, where serial ops run: a stage after the packer makes new records,
+    which are plain again."""
+
+    __slots__ = ()
 
 
 class PackTokensOp(HoldsPieces):
@@ -148,4 +160,5 @@ class _PackState(CarryingAccumulator):
         if not self.arrays or self.op.drop_remainder:
             self.arrays, self.recs, self.starts, self.count = [], [], [], 0
             return []
-        return [self._row()]
+        row = self._row()
+        return [ShortRow(row.value, row.ids, row.pos, row.lin)]
