@@ -42,7 +42,9 @@ from typing import Any, Iterator
 
 from zephon.errors import CheckpointError
 from zephon.kernels import LaneRoundRobin
+from zephon.options import resolve_autotune_cpu_budget, resolve_autotune_memory_bytes
 from zephon.options.metrics import effective_tracking
+from zephon.pipeline.autotune import Controller
 from zephon.pipeline.carry import Rebuilder, carry_bounds, decode_carry, encode_carry, held_units
 from zephon.pipeline.dispatch import ordered_map
 from zephon.pipeline.lanes import batched_units, grouped_units, lane_units
@@ -178,6 +180,12 @@ class Engine:
         except BaseException:
             self.close()
             raise
+        #: the autotune controller (zephon.pipeline.autotune), None unless
+        #: worker_allocation="autotune" and some stage runs on threads or processes
+        self.tuner: Controller | None = None
+        if o.worker_allocation == "autotune" and plan.runners != {"inline"}:
+            self.tuner = Controller(self.executors, resolve_autotune_cpu_budget(o),
+                                    resolve_autotune_memory_bytes(o))
 
     def lane_stream(self, lane: int) -> Iterator:
         """``(record, lane state after it)`` for every item of ``lane`` from its state."""
@@ -278,6 +286,7 @@ class Engine:
         """``(value, (lane, lane state))`` in the rank's round-robin order."""
         owned = self.plan.owned
         total_at = self._total_at
+        tuner = self.tuner
         streams = {lane: self.lane_stream(lane) for lane in owned}
         produced = {lane: self._total(lane) for lane in owned}
         live = set(owned)
@@ -289,6 +298,8 @@ class Engine:
                 live.discard(lane)
                 return None
             produced[lane] += 1
+            if tuner is not None:
+                tuner.tick()
             value = record.value
             if isinstance(value, (Batch, BatchList)):  # raw meta: .meta would make the ids
                 meta = value._meta
@@ -327,6 +338,8 @@ class Engine:
         return state[self._total_at] if state else 0
 
     def close(self) -> None:
+        if self.tuner is not None:
+            self.tuner.close()
         if self.stats is not None:
             self.stats.close()
         for ex in self.executors.values():
