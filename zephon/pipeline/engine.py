@@ -162,6 +162,9 @@ class Engine:
             collate_fn=plan.fused_batch and plan.fused_batch.collate_fn,
             worker_compute_threads=o.worker_compute_threads)
         self.executors = {}
+        #: the autotune controller (zephon.pipeline.autotune), None unless
+        #: worker_allocation="autotune" and some stage runs on threads or processes
+        self.tuner: Controller | None = None
         try:
             for stage in plan.stages:
                 name = f"stage{stage.index}"
@@ -180,9 +183,6 @@ class Engine:
         except BaseException:
             self.close()
             raise
-        #: the autotune controller (zephon.pipeline.autotune), None unless
-        #: worker_allocation="autotune" and some stage runs on threads or processes
-        self.tuner: Controller | None = None
         if o.worker_allocation == "autotune" and plan.runners != {"inline"}:
             self.tuner = Controller(self.executors, resolve_autotune_cpu_budget(o),
                                     resolve_autotune_memory_bytes(o))
