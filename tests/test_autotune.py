@@ -99,7 +99,7 @@ def test_rule_shrinks_an_idle_stage_only_after_several_periods():
 # -- runs -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("runner", ["inline", "threads", "process"])
 def test_stream_is_the_fixed_one(runner):
-    n = 600
+    n = 300 if runner == "process" else 600
     pipe = _pipe(n, runner, worker_allocation="autotune", max_workers=3)
     try:
         got = [b.tolist() for b in pipe]
@@ -163,7 +163,7 @@ def test_a_workload_that_turns_cheap_is_shrunk(gate):
 
 
 def test_a_process_workload_that_turns_cheap_is_shrunk():
-    n = 40_000
+    n = 20_000
     pipe = _pipe(n, "process", op=F.slow_then_fast, shuffle=False,
                  worker_allocation="autotune", max_workers=3)
     got: list = []
@@ -191,7 +191,7 @@ def test_close_mid_run_leaves_no_process():
 
 
 def test_checkpoint_under_autotune_restores_exactly():
-    n = 3_000
+    n = 1_500
     ref = _reference(n)
     got: list = []
     with iter(_pipe(n, "process", worker_allocation="autotune", max_workers=3)) as it:

@@ -434,6 +434,9 @@ class WorkerPool:
             self._selector.unregister(handle.channel.fileno())
         except (KeyError, ValueError):
             pass
+        # its slabs are unmapped here as their last view goes (views held stay valid)
+        self.registry.drop_owner(handle.index + 1)
+        self._frees.get(handle.index + 1, collections.deque()).clear()
         log.debug("pool %s: worker %d retired", self.name, handle.index)
 
     def _forget(self, old: _WorkerHandle) -> None:
