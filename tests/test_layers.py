@@ -42,6 +42,7 @@ PIPELINE_ALLOWED = {
     "fingerprint": set(),
     "collate": set(),
     "stats": set(),
+    "autotune": set(),
     "sources": {"fingerprint", "collate"},
     "ops": {"records", "fingerprint", "collate"},
     "shards": set(),
@@ -52,7 +53,8 @@ PIPELINE_ALLOWED = {
     "plan": {"ops", "lanes", "dispatch"},
     "carry": {"records", "ops", "lanes", "plan"},
     "program": {"records", "ops", "lanes", "columnar", "sources", "collate"},
-    "engine": {"records", "ops", "lanes", "dispatch", "plan", "carry", "program", "stats"},
+    "engine": {"records", "ops", "lanes", "dispatch", "plan", "carry", "program", "stats",
+               "autotune"},
     "text": {"records", "ops"},
     "training": {"records"},
 }

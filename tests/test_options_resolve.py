@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from zephon import RunPolicy, RuntimeOptions, ZephonConfigError
 from zephon import options as zo
+from zephon.options.resolve import available_cpus
 
 
 def cascade(opts: RuntimeOptions, cpu_count: int) -> dict:
@@ -128,12 +131,29 @@ def test_global_allocation_sums_to_max_workers_when_possible():
         assert sum(zo.resolve_stage_workers(o, weights)) == 13
 
 
-def test_autotune_names_the_alternatives():
-    o = RuntimeOptions(worker_allocation="autotune")
-    with pytest.raises(NotImplementedError, match="fit_to_ops.*per_stage_fixed.*global"):
-        zo.resolve_stage_workers(o, [1])
+def test_autotune_starts_every_stage_at_one_worker():
+    o = RuntimeOptions(worker_allocation="autotune", max_workers=8)
+    assert zo.resolve_stage_workers(o, [1, 8, 3]) == [1, 1, 1]
     with pytest.raises(ZephonConfigError):
         zo.resolve_stage_workers(RuntimeOptions(), [0])
+
+
+def test_autotune_cpu_budget_is_max_workers_else_the_cores_available(tmp_path):
+    assert zo.resolve_autotune_cpu_budget(RuntimeOptions(max_workers=5), cpu_count=2) == 5
+    assert zo.resolve_autotune_cpu_budget(RuntimeOptions(), cpu_count=6) == 6
+    affinity = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text("150000 100000\n")  # 1.5 cores of quota: 2
+    assert available_cpus(str(cpu_max)) == min(affinity, 2)
+    cpu_max.write_text("max 100000\n")
+    assert available_cpus(str(cpu_max)) == affinity
+    assert available_cpus(str(tmp_path / "absent")) == affinity
+
+
+def test_autotune_memory_budget_is_the_option_else_half_the_available():
+    o = RuntimeOptions(autotune_memory_bytes=3 << 30)
+    assert zo.resolve_autotune_memory_bytes(o, memory_bytes=1 << 40) == 3 << 30
+    assert zo.resolve_autotune_memory_bytes(RuntimeOptions(), memory_bytes=8 << 30) == 4 << 30
 
 
 @pytest.mark.parametrize("kwargs,backend,why", [

@@ -33,6 +33,7 @@ BAD = {
         "mp_context": ["spork", 1, None],
         "worker_allocation": ["fit", None, 0],
         "max_workers": [0, -1, True, 2.0, "4", 128, 2**70, 10**400],
+        "autotune_memory_bytes": [0, -1, True, 1.5, "1G", 2**51],
         "worker_compute_threads": [-1, True, None, 1.0, 4097],
         "deterministic": [1, "yes", None],
         "prefetch_batches": [0, False, 1.5, 65537, 2**64],

@@ -199,8 +199,6 @@ def test_pipeline_config_errors():
         Pipeline(src).shuffle(3).options(RuntimeOptions(flush_every_k_chunks=0)).explain()
     with pytest.raises(ZephonConfigError, match="batch"):
         Pipeline(src).batch(0)
-    with pytest.raises(NotImplementedError, match="fit_to_ops"):
-        Pipeline(src).options(RuntimeOptions(worker_allocation="autotune")).explain()
 
 
 def test_mtp_prefetch_thread_runs_at_low_priority():

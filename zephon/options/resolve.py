@@ -25,12 +25,15 @@ Notes on the two places where this goes beyond the bare formulas:
 
 Only ``resolve_max_workers`` reads the machine (``os.cpu_count()``); every
 resolver that depends on it takes the same optional ``cpu_count`` so a caller
-(or a test) can pin it. Functions here duck-type their argument and import
+(or a test) can pin it. The autotune budgets read it too, the cgroup-aware way
+(:func:`available_cpus`, :func:`available_memory_bytes`), with the same kind of
+override (``cpu_count``, ``memory_bytes``). Functions here duck-type their argument and import
 nothing above the options layer.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any, NamedTuple, Sequence
@@ -43,10 +46,14 @@ __all__ = [
     "CLOUD_AGGREGATE_MIN_TIMEOUT_S",
     "STAGE_RUNNERS",
     "ResolvedValue",
+    "available_cpus",
+    "available_memory_bytes",
     "backend_reason",
     "is_cloud_path",
     "resolve_aggregate_timeout_s",
     "resolve_all",
+    "resolve_autotune_cpu_budget",
+    "resolve_autotune_memory_bytes",
     "resolve_backend",
     "resolve_canonical_replicas",
     "resolve_default_stage_prefetch",
@@ -388,7 +395,9 @@ def resolve_stage_workers(opts, stage_parallelism: Sequence[int], *,
       weighted by parallelism (ties to the earlier stage); a stage never gets
       fewer than one worker, so with more stages than workers the total exceeds
       ``max_workers`` by the number of stages bumped to one;
-    - ``autotune``: not implemented (NotImplementedError naming the others).
+    - ``autotune``: every stage starts with one worker; the run's controller
+      (:mod:`zephon.pipeline.autotune`) grows and shrinks them within
+      :func:`resolve_autotune_cpu_budget` workers in total.
 
     Args:
         opts: a :class:`~zephon.RuntimeOptions`.
@@ -400,7 +409,6 @@ def resolve_stage_workers(opts, stage_parallelism: Sequence[int], *,
 
     Raises:
         ZephonConfigError: a parallelism below 1.
-        NotImplementedError: ``worker_allocation="autotune"``.
 
     Example:
         >>> resolve_stage_workers(RuntimeOptions(max_workers=4), [1, 8])
@@ -432,10 +440,130 @@ def resolve_stage_workers(opts, stage_parallelism: Sequence[int], *,
         for i in order[:left]:
             shares[i] += 1
         return [max(1, s) for s in shares]
-    raise NotImplementedError(
-        f"worker_allocation={mode!r} is reserved for a future probe-based tuner; "
-        "use 'fit_to_ops', 'per_stage_fixed' or 'global'"
-    )
+    if mode == "autotune":
+        return [1] * len(weights)
+    raise ZephonConfigError(f"resolve_stage_workers: unknown worker_allocation {mode!r}",
+                            field="RuntimeOptions.worker_allocation")
+
+
+def _cgroup_cpu_limit(path: str = "/sys/fs/cgroup/cpu.max") -> float | None:
+    """The cgroup v2 CPU quota in cores (``quota / period``), None when unlimited or
+    unreadable."""
+    try:
+        with open(path, encoding="ascii") as fh:
+            quota, period = fh.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def available_cpus(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """Cores this process may run on: its CPU affinity (``os.sched_getaffinity``, else
+    ``os.cpu_count()``), lowered to the cgroup's CPU quota (``cpu.max``, rounded up).
+
+    Returns:
+        An int >= 1.
+
+    Example:
+        >>> available_cpus() >= 1
+        True
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    quota = _cgroup_cpu_limit(cgroup_cpu_max)
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return max(1, cores)
+
+
+def _read_int(path: str, key: str | None = None) -> int | None:
+    """An int from a cgroup file (``max``: None) or a ``key: N kB`` line of a proc file."""
+    try:
+        with open(path, encoding="ascii") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    if key is None:
+        word = text.strip()
+        return None if word == "max" or not word.isdigit() else int(word)
+    for line in text.splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process may still take: ``MemAvailable`` (``/proc/meminfo``), lowered
+    to the cgroup's room (``memory.max - memory.current``); None when neither is known.
+
+    Example:
+        >>> m = available_memory_bytes()
+        >>> m is None or m > 0
+        True
+    """
+    room = [m for m in (_read_int("/proc/meminfo", "MemAvailable"),) if m is not None]
+    limit = _read_int("/sys/fs/cgroup/memory.max")
+    used = _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None:
+        room.append(max(0, limit - (used or 0)))
+    return min(room) if room else None
+
+
+def resolve_autotune_cpu_budget(opts, cpu_count: int | None = None) -> int:
+    """Workers the autotune controller may run in total, over every stage: an explicit
+    ``max_workers``, else the cores available to the process (:func:`available_cpus`).
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+        cpu_count: the cores to assume (None: :func:`available_cpus`).
+
+    Returns:
+        An int >= 1.
+
+    Example:
+        >>> resolve_autotune_cpu_budget(RuntimeOptions(max_workers=3))
+        3
+        >>> resolve_autotune_cpu_budget(RuntimeOptions(), cpu_count=6)
+        6
+    """
+    if opts.max_workers is not None:
+        return opts.max_workers
+    return max(1, cpu_count if cpu_count is not None else available_cpus())
+
+
+#: Used when the machine says nothing of its memory (not Linux): 4 GiB for the workers.
+AUTOTUNE_FALLBACK_MEMORY_BYTES = 4 << 30
+
+
+def resolve_autotune_memory_bytes(opts, memory_bytes: int | None = None) -> int:
+    """Resident bytes the autotune controller lets the process workers use together:
+    ``autotune_memory_bytes``, else half the memory available (:func:`available_memory_bytes`;
+    4 GiB when unknown).
+
+    Args:
+        opts: a :class:`~zephon.RuntimeOptions`.
+        memory_bytes: the available memory to assume (None: read it).
+
+    Returns:
+        An int >= 1.
+
+    Example:
+        >>> resolve_autotune_memory_bytes(RuntimeOptions(autotune_memory_bytes=1 << 30))
+        1073741824
+        >>> resolve_autotune_memory_bytes(RuntimeOptions(), memory_bytes=8 << 30) >> 30
+        4
+    """
+    if opts.autotune_memory_bytes is not None:
+        return opts.autotune_memory_bytes
+    room = memory_bytes if memory_bytes is not None else available_memory_bytes()
+    return max(1, room // 2) if room is not None else AUTOTUNE_FALLBACK_MEMORY_BYTES
 
 
 def resolve_backend(policy) -> str:

@@ -40,6 +40,7 @@ from zephon.options._spec import (
 )
 from zephon.options.limits import (
     MAX_BYTES,
+    MAX_CACHE_BYTES,
     MAX_CANONICAL_REPLICAS,
     MAX_MTP_BUFFER,
     MAX_QUEUE_DEPTH,
@@ -120,13 +121,21 @@ class RuntimeOptions(OptionsBase):
         "fit_to_ops", check=Str(choices=WORKER_ALLOCATIONS),
         doc="fit_to_ops: stage cap = sum of op parallelism; per_stage_fixed: every stage gets "
             "max_workers; global: max_workers split over stages by parallelism; autotune: "
-            "reserved (NotImplementedError).",
+            "every stage starts at 1 and a controller grows and shrinks the stages at run "
+            "time within a CPU budget (max_workers, else the cores available to the "
+            "process) and autotune_memory_bytes.",
     )
     max_workers: int | None = option(
         None, check=Int(min=1, max=MAX_WORKERS, optional=True),
         doc="Workers per stage or in total (see worker_allocation); None = cpu_count "
             "clamped to [4, 16]. At most 127: a shared-memory region token has 7 bits "
             "for its owning worker.",
+    )
+    autotune_memory_bytes: int | None = option(
+        None, check=Int(min=1, max=MAX_CACHE_BYTES, optional=True),
+        doc="worker_allocation='autotune': resident memory the process workers may use "
+            "together (the controller starts no worker past it); None = half the memory "
+            "available when the run starts (MemAvailable, and the cgroup's memory.max).",
     )
     worker_compute_threads: int = option(
         1, check=Int(min=0, max=MAX_COMPUTE_THREADS),

@@ -47,6 +47,12 @@ stage's ``budget_bytes`` (the lane's part of a worker's shared-memory arena, see
 fill the arena whatever the item size; one part is always allowed, so an item
 larger than the budget still flows (alone).
 
+Worker counts may change during the run (``worker_allocation="autotune"``, see
+:mod:`zephon.pipeline.autotune`): the bounds and the spreading of a unit over workers
+read the executor's current ``workers`` at each decision, and the reorder window is
+sized once for the most the executor may grow to (``max_workers``). None of this
+changes which records come out or their order, only how many parts are in flight.
+
 ``deterministic=False``: results are released in completion order (markers
 still keep their place).
 """
@@ -205,7 +211,7 @@ class _Feeder:
         self.stats, self.node = stats, f"stage{stage.index}"
         if stats is not None:  # times the input wait; workers report their op time
             self.upstream = stats.attach(self.node, executor, stage, upstream)
-        self.state = _LaneDispatch(stage)
+        self.state = _LaneDispatch(stage, executor)
         self.buffer = ReorderBuffer(self.state.window)
         self.lookahead: collections.deque = collections.deque()  # read ahead by merging
         # units read and not yet sent in full, as [unit, spread] (see _LaneDispatch.split_off):
@@ -278,13 +284,13 @@ class _LaneDispatch:
     """The sizing and the bounds of one lane of one stage: how units become parts, and
     whether one more part may go out (parts, items and bytes in flight)."""
 
-    def __init__(self, stage) -> None:
+    def __init__(self, stage, executor=None) -> None:
         self.depth, self.item_cap = stage.depth, stage.item_cap
-        self.workers = max(1, stage.workers)
-        # parts in flight: depth queued beyond one per worker (an inline stage runs a part
-        # when it is submitted: nothing to keep busy, and reading ahead delays the first)
-        self.limit = self.depth if stage.runner == "inline" else self.depth + self.workers
-        self.window = 2 * self.depth * self.workers + 8
+        self.executor = executor  # its ``workers`` may change during the run (autotune)
+        self.fixed = max(1, stage.workers)
+        self.inline = stage.runner == "inline"
+        most = max(self.fixed, getattr(executor, "max_workers", self.fixed))
+        self.window = 2 * self.depth * most + 8
         self.split = stage.split
         self.merges = stage.split and stage.index == 0  # read units: merging reads nothing
         self.budget: int | None = stage.budget_bytes
@@ -297,6 +303,18 @@ class _LaneDispatch:
         self.sizes: dict[int, int] = {}  # seq -> samples of a part in flight
         self.estimate: dict[int, float] = {}  # seq -> bytes counted for a part in flight
         self.buffered: dict[int, float] = {}  # seq -> bytes of a result not yet handed on
+
+    @property
+    def workers(self) -> int:
+        """The stage's workers now (the executor's count when it has one)."""
+        return max(1, getattr(self.executor, "workers", self.fixed))
+
+    @property
+    def limit(self) -> int:
+        """Parts in flight at most: depth queued beyond one per worker (an inline stage
+        runs a part when it is submitted: nothing to keep busy, and reading ahead delays
+        the first)."""
+        return self.depth if self.inline else self.depth + self.workers
 
     def target(self) -> int:
         """Samples per part: ~DISPATCH_TARGET_BYTES of output (1 until a result says)."""

@@ -58,7 +58,9 @@ from typing import Any, Iterator
 
 from zephon.errors import CheckpointError
 from zephon.kernels import LaneRoundRobin
+from zephon.options import resolve_autotune_cpu_budget, resolve_autotune_memory_bytes
 from zephon.options.metrics import effective_tracking
+from zephon.pipeline.autotune import Controller
 from zephon.pipeline.carry import Rebuilder, carry_bounds, decode_carry, encode_carry, held_units
 from zephon.pipeline.dispatch import ordered_map
 from zephon.pipeline.lanes import batched_units, grouped_units, lane_units
@@ -230,6 +232,9 @@ class Engine:
             collate_fn=plan.fused_batch and plan.fused_batch.collate_fn,
             worker_compute_threads=o.worker_compute_threads)
         self.executors = {}
+        #: the autotune controller (zephon.pipeline.autotune), None unless
+        #: worker_allocation="autotune" and some stage runs on threads or processes
+        self.tuner: Controller | None = None
         try:
             for stage in plan.stages:
                 name = f"stage{stage.index}"
@@ -248,6 +253,9 @@ class Engine:
         except BaseException:
             self.close()
             raise
+        if o.worker_allocation == "autotune" and plan.runners != {"inline"}:
+            self.tuner = Controller(self.executors, resolve_autotune_cpu_budget(o),
+                                    resolve_autotune_memory_bytes(o))
 
     def lane_stream(self, lane: int) -> Iterator:
         """``(record, lane state after it)`` for every item of ``lane`` from its state."""
@@ -387,6 +395,7 @@ class Engine:
         ended state`` to ``ended`` for every lane found exhausted."""
         owned = self.plan.owned
         total_at = self._total_at
+        tuner = self.tuner
         live = {lane for lane in owned if not is_ended(self.states.get(lane))}
         streams = {lane: self.lane_stream(lane) for lane in owned if lane in live}
         produced = {lane: self._total(lane) for lane in owned}
@@ -399,6 +408,8 @@ class Engine:
                 ended.extend((lane, ended_state(produced[lane])))
                 return None
             produced[lane] += 1
+            if tuner is not None:
+                tuner.tick()
             value = record.value
             if isinstance(value, (Batch, BatchList)):  # raw meta: .meta would make the ids
                 meta = value._meta
@@ -439,6 +450,8 @@ class Engine:
         return state[0] if is_ended(state) else state[self._total_at]
 
     def close(self) -> None:
+        if self.tuner is not None:
+            self.tuner.close()
         if self.stats is not None:
             self.stats.close()
         for ex in self.executors.values():

@@ -311,6 +311,7 @@ class PipelineIterator:
         else:
             self.engine = Engine(plan, states, self.record.start_epoch)
             self.record.stats = self.engine.stats
+            self.record.autotune = self.engine.tuner
             self._source = self.engine.items()
             threaded = plan.runners != {"inline"}
             depth = plan.prefetch
@@ -333,7 +334,8 @@ class PipelineIterator:
         if self.closed:
             self._refuse()
         stats = self.engine.stats if self.engine is not None else None
-        called = time.perf_counter() if stats is not None else 0.0
+        tuner = self.engine.tuner if self.engine is not None else None
+        called = time.perf_counter() if stats is not None or tuner is not None else 0.0
         try:
             if self.thread is None:
                 value, stamp = next(self._source)
@@ -360,6 +362,8 @@ class PipelineIterator:
             return self.__next__()
         if stats is not None:  # the consumer's wait: from next() called to the batch
             stats.delivered(called)
+        if tuner is not None:  # the autotune controller's signal of the same wait
+            tuner.waited(time.perf_counter() - called)
         return value
 
     def _refuse(self) -> NoReturn:

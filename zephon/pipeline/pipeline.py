@@ -535,8 +535,13 @@ class Pipeline:
             >>> text = Pipeline(sources.from_sequence([1, 2])).map(abs).explain()
             >>> "stage 0: read, map(abs)" in text
             True
+
+        Under ``worker_allocation="autotune"`` it ends with the latest run's worker
+        counts and the controller's decisions (:mod:`zephon.pipeline.autotune`).
         """
-        return self.plan().explain()
+        text = self.plan().explain()
+        tuner = self._progress.latest.autotune
+        return text if tuner is None else "\n".join([text, *tuner.explain()])
 
     def _spec(self) -> "Pipeline":
         """A copy without run state (what the MTP subprocess rebuilds)."""

@@ -39,6 +39,8 @@ from dataclasses import dataclass, replace
 from typing import Union
 
 from zephon.options import (
+    resolve_autotune_cpu_budget,
+    resolve_autotune_memory_bytes,
     resolve_canonical_replicas,
     resolve_dp_degree,
     resolve_dp_group_id,
@@ -384,6 +386,12 @@ def _workers_why(opts, runner: str, parallelism: int, workers: int) -> str:
     if runner == "inline":
         return "inline: the consumer's thread"
     mode, cap = opts.worker_allocation, opts.max_workers
+    if mode == "autotune":
+        budget = resolve_autotune_cpu_budget(opts)
+        memory = resolve_autotune_memory_bytes(opts)
+        return (f"autotune: starts at 1; grown and shrunk at run time within {budget} "
+                f"worker(s) in all ({'max_workers' if cap is not None else 'cores available'}"
+                f") and {memory >> 20} MiB of worker memory")
     if mode == "fit_to_ops":
         why = f"fit_to_ops: sum of op parallelism {parallelism}"
         if cap is not None and parallelism > cap:

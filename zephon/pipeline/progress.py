@@ -49,7 +49,7 @@ class RunRecord:
     Its iterator creates and writes it; :class:`Progress` refers to the latest one.
     """
 
-    __slots__ = ("final_state", "finished", "start_epoch", "states", "stats")
+    __slots__ = ("autotune", "final_state", "finished", "start_epoch", "states", "stats")
 
     def __init__(self, start: RunStart | None = None) -> None:
         start = start if start is not None else RunStart({}, 0)
@@ -58,6 +58,7 @@ class RunRecord:
         self.finished = False  # the run reached the end of its pass
         self.final_state: bytes | None = None
         self.stats: Any = None  # the run's RunStats while it runs with tracking on
+        self.autotune: Any = None  # the run's autotune Controller (zephon.pipeline.autotune)
 
     def start(self) -> RunStart:
         """Where the record's states say a run goes on."""
@@ -65,8 +66,13 @@ class RunRecord:
 
     def stats_snapshot(self, report: bool = False) -> dict:
         """The run's counters as a dict (empty without tracking, or without a run);
-        ``report``: the report-grade snapshot (:mod:`zephon.pipeline.stats`)."""
-        return {} if self.stats is None else self.stats.snapshot(report)
+        ``report``: the report-grade snapshot (:mod:`zephon.pipeline.stats`). Under
+        ``worker_allocation="autotune"`` it has an ``"autotune"`` entry, tracking or not:
+        the controller's budgets, worker counts and decisions."""
+        snap = {} if self.stats is None else self.stats.snapshot(report)
+        if self.autotune is not None:
+            snap = {**snap, "autotune": self.autotune.snapshot()}
+        return snap
 
 
 class Progress:

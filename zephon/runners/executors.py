@@ -24,6 +24,15 @@ does, not when it happens to finish first.
   ``close()`` (or at interpreter exit) are not crashes: ``get()`` then raises
   :class:`~zephon.errors.TransportError` ("closed") and nothing is re-dispatched.
 
+Resizing (the autotune controller, :mod:`zephon.pipeline.autotune`): thread and
+process executors have ``grow()`` and ``shrink()`` (one worker more or fewer)
+and a ``meter`` (None, or an object whose ``ran(seconds)`` receives each unit's
+op time, tracking or not). A shrunk thread ends after the units queued before
+its stop; a shrunk process worker finishes its tasks in flight and is then
+stopped (never a crash, nothing re-dispatched); a grown process worker boots
+while the others work (``booting`` counts those not ready yet). ``workers`` is
+the current count, ``max_workers`` the most the executor may be grown to.
+
 With execution tracking on, the engine sets an executor's ``probe``
 (:class:`~zephon.pipeline.stats.StageProbe`): each unit's op time is reported to it
 (a process worker measures it and sends it with the result), and worker restarts
@@ -75,7 +84,8 @@ class TaskFailed:
 
 class InlineExecutor:
     runner = "inline"
-    workers = 1
+    workers = max_workers = 1
+    booting = 0
 
     def __init__(self, program: Callable, name: str = "stage") -> None:
         self.program, self.name = program, name
@@ -129,10 +139,22 @@ class _DaemonThreads:
         self._queue.put((future, fn, arg))
         return future
 
+    def resize(self, workers: int) -> None:
+        """``workers`` threads from now on: more start on the next submits; each one fewer
+        ends after the calls queued before its stop (nothing queued is lost)."""
+        with self._lock:
+            fewer = max(0, len(self._threads) - workers)
+            self._workers = workers
+        for _ in range(fewer):
+            self._queue.put(None)
+
     def _run(self) -> None:
         while True:
             job = self._queue.get()
             if job is None or self.closed:
+                with self._lock:
+                    if threading.current_thread() in self._threads:
+                        self._threads.remove(threading.current_thread())
                 return
             future, fn, arg = job
             if not future.set_running_or_notify_cancel():
@@ -171,11 +193,13 @@ class ThreadExecutor:
         self.pool = _DaemonThreads(workers, f"zephon-{name}")
         self._pending: dict[Any, dict] = collections.defaultdict(dict)
         self._closed: cf.Future = cf.Future()  # done once close() ran: wakes get()
-        self.workers = workers
+        self.workers = self.max_workers = workers
+        self.booting = 0
         self.probe: Any = None
+        self.meter: Any = None
 
     def submit(self, lane, seq: int, payload) -> None:
-        run = self.program if self.probe is None else self._timed
+        run = self.program if self.probe is None and self.meter is None else self._timed
         self._pending[lane][self.pool.submit(run, payload)] = seq
 
     def _timed(self, payload):
@@ -183,9 +207,23 @@ class ThreadExecutor:
         try:
             return self.program(payload)
         finally:
-            probe = self.probe
+            took = time.perf_counter() - started
+            probe, meter = self.probe, self.meter
             if probe is not None:
-                probe.ran(time.perf_counter() - started)
+                probe.ran(took)
+            if meter is not None:
+                meter.ran(took)
+
+    def grow(self) -> None:
+        """One thread more (started on the next submit)."""
+        self.workers += 1
+        self.pool.resize(self.workers)
+
+    def shrink(self) -> None:
+        """One thread fewer (it ends after the units queued before its stop)."""
+        if self.workers > 1:
+            self.workers -= 1
+            self.pool.resize(self.workers)
 
     def get(self, lane):
         pending = self._pending[lane]
@@ -222,8 +260,38 @@ class ProcessExecutor:
         self._task: dict[int, tuple] = {}  # task id -> (lane, seq, payload)
         self._retries: collections.Counter = collections.Counter()
         self._done: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
-        self.workers = workers
+        self.workers = self.max_workers = workers
         self.probe: Any = None
+        self.meter: Any = None
+
+    @property
+    def booting(self) -> int:
+        """Workers grown and not ready yet."""
+        return self.pool.booting
+
+    def pids(self) -> list[int]:
+        """The process ids of the workers in service or booting."""
+        return [h.pid for h in self.pool.workers if (h.alive and not h.retiring) or h.booting]
+
+    def grow(self) -> None:
+        """One worker more: it boots while the others work (see WorkerPool.add_worker)."""
+        slot = self.pool.add_worker()
+        self.workers += 1
+        if self.probe is not None:
+            self.probe.event("start", slot)
+
+    def shrink(self) -> None:
+        """One worker fewer: the live one with the least in flight (the highest slot on a
+        tie) finishes its tasks and is stopped; nothing is re-dispatched."""
+        live = [(len(h.inflight), -h.index) for h in self.pool.workers
+                if h.alive and not h.retiring]
+        if self.workers <= 1 or len(live) <= 1:
+            return
+        slot = -min(live)[1]
+        self.pool.retire_worker(slot)
+        self.workers -= 1
+        if self.probe is not None:
+            self.probe.event("stop", slot)
 
     def submit(self, lane, seq: int, payload) -> None:
         task = self.pool.submit(payload)
@@ -245,8 +313,11 @@ class ProcessExecutor:
                 self._done[owner].append((seq, TaskFailed(exc)))
                 continue
             owner, seq, _ = self._task.pop(result.task_id)
-            if result.timing is not None and self.probe is not None:
-                self.probe.ran(*result.timing)
+            if result.timing is not None:
+                if self.probe is not None:
+                    self.probe.ran(*result.timing)
+                if self.meter is not None:
+                    self.meter.ran(result.timing[0])
             self._done[owner].append((seq, result.value))
         return done.popleft()
 

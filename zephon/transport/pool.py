@@ -31,6 +31,18 @@ as ``__cause__``, the task's id as its ``zephon_task_id`` attribute), a
 and the tasks it had in flight. A crashed worker's slabs are released (views
 the consumer still holds stay valid until dropped); the other workers go on.
 
+Resizing (the autotune controller's "grow by one" and "shrink by one"):
+``add_worker()`` launches one more worker without waiting for it (in a slot a
+retired worker left, with a fresh slab range, else in a new slot): it boots
+while ``get()`` serves the others, and ``submit()`` gives it tasks from the
+moment ``get()`` has read its READY. One that dies or fails while booting is
+logged and forgotten (never a crash: it held no task). ``retire_worker(k)``
+takes a live worker out of ``submit()``'s choice; it finishes the tasks it has
+in flight (their results come back as any others) and is sent STOP once it has
+none, marked stopped first, so its exit is never reported as a crash and
+nothing of it is re-dispatched. ``close()`` stops booting and retiring workers
+with the rest.
+
 Deaths: the pool's :class:`~zephon.transport.deaths.DeathWatch` (the detector
 the jobs backend uses too) notices a worker's exit as it happens, even while
 nobody is in ``get()`` or a process an op forked holds the worker's sentinel and
@@ -129,6 +141,8 @@ from zephon.transport.supervisor import (
     ShutdownPolicy,
     await_ready,
     crash_error,
+    exit_text,
+    handshake,
     stop_children,
     sweep_groups,
 )
@@ -184,8 +198,8 @@ class _WorkerHandle:
     """Slot ``index`` of a pool: its supervised child (``child.stopped``: zephon stopped
     it, its exit is not a crash) and the tasks it has in flight."""
 
-    __slots__ = ("alive", "channel", "child", "exited", "generation", "index", "inflight",
-                 "peer", "pid", "process")
+    __slots__ = ("alive", "booting", "channel", "child", "exited", "generation", "index",
+                 "inflight", "peer", "pid", "process", "retiring")
 
     def __init__(self, index: int, child: Child, peer) -> None:
         self.index, self.child, self.peer = index, child, peer
@@ -194,6 +208,8 @@ class _WorkerHandle:
         self.alive = True
         self.exited = False  # the death watch saw the process die (get() has not reported it)
         self.generation = 0
+        self.booting = False  # added by add_worker(), READY not read yet (not alive yet)
+        self.retiring = False  # retire_worker(): no new tasks, STOP once it has none
 
 
 class WorkerPool:
@@ -253,7 +269,9 @@ class WorkerPool:
         from zephon.options.metrics import effective_tracking  # parent only
 
         mode = getattr(self.options, "execution_tracking", "off")
-        return effective_tracking(mode) != "off"
+        # the autotune controller reads the workers' op time (zephon.pipeline.autotune)
+        return effective_tracking(mode) != "off" or \
+            getattr(self.options, "worker_allocation", None) == "autotune"
 
     def start(self, wait: bool = True) -> "WorkerPool":
         """Launch the workers; with ``wait=False`` return at once and wait for their READY on
@@ -329,12 +347,16 @@ class WorkerPool:
     def restart(self, k: int) -> None:
         """Start a new process in slot ``k`` after its worker died (crash retries). Its slabs
         take a fresh index range, so regions the consumer still holds from the dead worker
-        can never be confused with the new worker's."""
+        can never be confused with the new worker's. A worker that was retiring
+        (:meth:`retire_worker`) is not restarted: its slot stays free for
+        :meth:`add_worker`."""
         if self._closed:
             raise TransportError(f"pool {self.name!r} is closed")
         old = self.workers[k]
         if old.alive:
             raise TransportError(f"worker {k} of pool {self.name!r} is still alive")
+        if old.retiring:
+            return
         generation = old.generation + 1
         if generation * SLABS_PER_GENERATION >= SLAB_INDICES:
             raise TransportError(f"worker slot {k} of pool {self.name!r} restarted too often")
@@ -351,6 +373,109 @@ class WorkerPool:
             raise
         self._selector.register(handle.channel.fileno(), selectors.EVENT_READ, handle)
         self._deaths.watch(k, handle.child)
+
+    # -- resizing (see "Resizing") -------------------------------------------------------
+    @property
+    def booting(self) -> int:
+        """Workers added by :meth:`add_worker` whose READY has not been read yet."""
+        return sum(1 for h in self.workers if h.booting)
+
+    def add_worker(self) -> int:
+        """Launch one more worker without waiting for its start-up; returns its slot.
+
+        Raises:
+            TransportError: the pool is not running, or it has no slot left.
+        """
+        if self._closed or not self._started:
+            raise TransportError(f"pool {self.name!r} is not running")
+        self._ensure_ready()
+        slot = next((h.index for h in self.workers
+                     if h.retiring and not h.alive and not h.booting), None)
+        if slot is None:
+            if len(self.workers) >= MAX_OWNER:
+                raise TransportError(f"pool {self.name!r} has no worker slot left")
+            slot, generation = len(self.workers), 0
+        else:
+            old = self.workers[slot]
+            generation = old.generation + 1
+            if generation * SLABS_PER_GENERATION >= SLAB_INDICES:
+                raise TransportError(f"worker slot {slot} of pool {self.name!r} reused too "
+                                     "often")
+            self._forget(old)
+        handle = self._launch(slot, generation)
+        handle.alive, handle.booting = False, True
+        if slot == len(self.workers):
+            self.workers.append(handle)
+            self._frees[slot + 1] = collections.deque()
+        else:
+            self.workers[slot] = handle
+        self.num_workers += 1
+        self._selector.register(handle.channel.fileno(), selectors.EVENT_READ, handle)
+        log.debug("pool %s: worker %d booting", self.name, slot)
+        return slot
+
+    def retire_worker(self, k: int) -> None:
+        """Take live worker ``k`` out of service: no new task goes to it; it is stopped
+        (never a crash) once the tasks it has in flight have come back."""
+        handle = self.workers[k]
+        if not handle.alive or handle.retiring:
+            raise TransportError(f"worker {k} of pool {self.name!r} is not in service")
+        handle.retiring = True
+        self.num_workers -= 1
+        self._retire_if_idle(handle)
+
+    def _retire_if_idle(self, handle: _WorkerHandle) -> None:
+        """STOP a retiring worker that has nothing in flight (its exit is no crash)."""
+        if not handle.retiring or not handle.alive or handle.inflight:
+            return
+        handle.alive = False
+        handle.child.send_stop()  # marks it stopped first: the death watch stays silent
+        try:
+            self._selector.unregister(handle.channel.fileno())
+        except (KeyError, ValueError):
+            pass
+        # its slabs are unmapped here as their last view goes (views held stay valid)
+        self.registry.drop_owner(handle.index + 1)
+        self._frees.get(handle.index + 1, collections.deque()).clear()
+        log.debug("pool %s: worker %d retired", self.name, handle.index)
+
+    def _forget(self, old: _WorkerHandle) -> None:
+        """Reap a retired worker whose slot is taken again, with what it left behind."""
+        if old.child.reap(REAP_JOIN_S) is None:
+            old.child.signal(signal.SIGKILL)
+            old.child.reap(REAP_JOIN_S)
+        if old.child.group:
+            signal_group(old.pid, signal.SIGKILL)
+        old.channel.close()
+        self.registry.drop_owner(old.index + 1)  # views still held stay valid
+        self._frees.get(old.index + 1, collections.deque()).clear()
+
+    def _booted(self, handle: _WorkerHandle, header, frames) -> None:
+        """A booting worker's start-up message: READY puts it in service; a failure is
+        logged and the worker forgotten (it held no task: nothing is lost)."""
+        try:
+            ready = handshake(header, frames, "setting up the worker")
+        except Exception as exc:  # noqa: BLE001 - a failed grow, not the run's error
+            log.warning("pool %s: worker %d failed to start: %s", self.name, handle.index,
+                        exc)
+            ready = False
+        if ready:
+            handle.booting, handle.alive = False, True
+            self._deaths.watch(handle.index, handle.child)
+            log.debug("pool %s: worker %d ready", self.name, handle.index)
+            return
+        self._boot_failed(handle)
+
+    def _boot_failed(self, handle: _WorkerHandle) -> None:
+        handle.booting, handle.alive, handle.retiring = False, False, True
+        handle.child.stopped = True
+        try:
+            self._selector.unregister(handle.channel.fileno())
+        except (KeyError, ValueError):
+            pass
+        self.num_workers -= 1
+        log.warning("pool %s: worker %d died while starting (%s); the stage goes on without "
+                    "it", self.name, handle.index, exit_text(handle.child.reap(REAP_JOIN_S)))
 
     def _await_ready(self, handles) -> None:
         await_ready({h.index: h.child for h in handles}, self.spawn_timeout_s,
@@ -491,7 +616,7 @@ class WorkerPool:
             raise TransportError(f"pool {self.name!r} is not running")
         self._ensure_ready()
         if worker is None:
-            live = [h for h in self.workers if h.alive]
+            live = [h for h in self.workers if h.alive and not h.retiring]
             if not live:
                 raise TransportError(f"pool {self.name!r} has no live worker")
             handle = min(live, key=lambda h: len(h.inflight))
@@ -570,10 +695,21 @@ class WorkerPool:
         try:
             header, frames, fds = handle.channel.recv()
         except (ChannelClosed, OSError, ValueError):
-            if self._closed or handle.child.stopped:  # stopped by close(): not a crash
+            if self._closed:  # stopped by close(): not a crash
+                raise self._closed_error() from None
+            if handle.booting:  # a grow that failed: it held no task
+                self._boot_failed(handle)
+                return None
+            if handle.child.stopped:
                 raise self._closed_error() from None
             raise self._worker_died(handle) from None
-        return self._handle_message(handle, header, frames, fds)
+        if handle.booting:
+            self._booted(handle, header, frames)
+            return None
+        try:
+            return self._handle_message(handle, header, frames, fds)
+        finally:
+            self._retire_if_idle(handle)
 
     def _receive_from_dead(self, handle: _WorkerHandle) -> TaskResult:
         """One message a worker the watchdog saw die had sent, or its crash report.

@@ -1,0 +1,47 @@
+"""Ops for the autotune tests (module level: spawn workers import them).
+
+Their cost is CPU work or a blocking wait on an Event the test controls; none of
+them changes a sample's value, so any worker count gives the same stream."""
+
+from __future__ import annotations
+
+import threading
+
+#: While clear, ``gated`` blocks for a while on each sample (a slow op whose worker
+#: waits, as one reading from storage does); once the test sets it the op is instant.
+GATE = threading.Event()
+
+
+def spin(n: int) -> int:
+    s = 0
+    for i in range(n):
+        s += i
+    return s
+
+
+def slow(x):
+    """A CPU-bound op (a few ms per sample)."""
+    return x + (spin(30_000) & 0)
+
+
+def cheap(x):
+    return x * 2
+
+
+def slow_then_fast(x):
+    """CPU-bound for the samples below 400, nearly free for the others."""
+    if x < 400:
+        spin(30_000)
+    return x + 1
+
+
+def gated(x):
+    """Blocks up to 10 ms per sample until the test sets GATE."""
+    GATE.wait(0.01)
+    return x + 1
+
+
+def echo(x):
+    """A pool handler: ``(x, a little CPU work)``."""
+    spin(20_000)
+    return x

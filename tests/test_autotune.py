@@ -1,0 +1,202 @@
+"""worker_allocation="autotune" (zephon.pipeline.autotune): the stream is the one any
+fixed worker count gives, the slow stage is grown and not the cheap one, the budget
+holds, a workload that turns cheap is shrunk, close() leaves no process, and a
+checkpoint taken under autotune restores exactly.
+
+Runs stop as soon as what they wait for is in the controller's record (or the stream
+ends, which fails the test): no timing is asserted, only decisions."""
+
+from __future__ import annotations
+
+import pytest
+
+import _autotune_fns as F
+from _procs import HANG_S, wait_gone
+from zephon import Pipeline, RuntimeOptions, sources
+from zephon.pipeline.autotune import BUSY_GROW, SHRINK_PERIODS, WAIT_GROW, choose, _Signals
+
+
+def _pipe(n, runner, op=F.slow, second=F.cheap, shuffle=True, **kw):
+    return (Pipeline(sources.from_sequence(list(range(n)), name=f"at{n}"), seed=3,
+                     chunk_size=8, shuffle=shuffle)
+            .map(op).shuffle(16).map(second).batch(4)
+            .options(RuntimeOptions(runner=runner, **kw)))
+
+
+def _reference(n, **kw):
+    return [b.tolist() for b in _pipe(n, "inline", **kw)]
+
+
+def _tuned(it) -> dict:
+    return it.stats()["autotune"]
+
+
+def _consume_until(it, done, got=None, each=None):
+    """Take batches from ``it`` until ``done(snapshot)`` holds; False if the stream ended
+    first."""
+    for batch in it:
+        if got is not None:
+            got.append(batch.tolist())
+        if each is not None:
+            each(_tuned(it))
+        if done(_tuned(it)):
+            return True
+    return False
+
+
+def _grows(snap, stage):
+    return [d for d in snap["decisions"] if d["stage"] == stage and d["after"] > d["before"]]
+
+
+@pytest.fixture
+def gate():
+    F.GATE.clear()
+    yield F.GATE
+    F.GATE.clear()
+
+
+# -- the rule ---------------------------------------------------------------------------------
+def _sig(workers, busy, wait):
+    return _Signals(dict(enumerate(workers)), dict(enumerate(busy)), wait)
+
+
+def test_rule_grows_the_busiest_stage_while_the_consumer_waits():
+    caps = {0: 3, 1: 3}
+    assert choose(_sig([1, 1], [0.95, 0.2], 0.5), caps, 4, {}, lambda s: True)[:2] == (0, 1)
+    # no wait: nothing to gain
+    assert choose(_sig([1, 1], [0.95, 0.2], WAIT_GROW / 2), caps, 4, {}, lambda s: True) is None
+    # nobody busy: the bottleneck is elsewhere
+    assert choose(_sig([1, 1], [BUSY_GROW / 2, 0.1], 0.9), caps, 4, {}, lambda s: True) is None
+    # memory refuses the grow
+    assert choose(_sig([1, 1], [0.95, 0.2], 0.5), caps, 4, {}, lambda s: False) is None
+
+
+def test_rule_never_exceeds_the_cpu_budget_and_moves_a_spare_worker():
+    caps = {0: 2, 1: 2}
+    # budget full, no stage can spare a worker: nothing
+    assert choose(_sig([2, 1], [0.99, 0.99], 0.9), caps, 3, {}, lambda s: True) is None
+    # budget full, stage 1 would stay below BUSY_GROW with one fewer: it gives one up
+    stage, delta, reason = choose(_sig([1, 2], [0.99, 0.1], 0.9), caps, 3, {}, lambda s: True)
+    assert (stage, delta) == (1, -1) and "gives a worker to stage 0" in reason
+    # at its cap a stage is not grown
+    assert choose(_sig([2, 1], [0.99, 0.1], 0.9), {0: 2, 1: 2}, 8, {}, lambda s: True) is None
+
+
+def test_rule_shrinks_an_idle_stage_only_after_several_periods():
+    idle: dict = {}
+    for _ in range(SHRINK_PERIODS - 1):
+        assert choose(_sig([3, 1], [0.1, 0.5], 0.0), {0: 3, 1: 3}, 4, idle, lambda s: True) \
+            is None
+    assert choose(_sig([3, 1], [0.1, 0.5], 0.0), {0: 3, 1: 3}, 4, idle,
+                  lambda s: True)[:2] == (0, -1)
+    # a busy period in between starts the count again
+    idle = {}
+    choose(_sig([3, 1], [0.1, 0.5], 0.0), {0: 3, 1: 3}, 4, idle, lambda s: True)
+    choose(_sig([3, 1], [0.9, 0.5], 0.0), {0: 3, 1: 3}, 4, idle, lambda s: True)
+    assert idle[0] == 0
+
+
+# -- runs -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("runner", ["inline", "threads", "process"])
+def test_stream_is_the_fixed_one(runner):
+    n = 300 if runner == "process" else 600
+    pipe = _pipe(n, runner, worker_allocation="autotune", max_workers=3)
+    try:
+        got = [b.tolist() for b in pipe]
+    finally:
+        pipe.close()
+    assert got == _reference(n)
+    fixed = _pipe(n, runner, max_workers=2, worker_allocation="per_stage_fixed")
+    assert [b.tolist() for b in fixed] == got
+
+
+def test_slow_stage_gets_more_workers_than_the_cheap_one_threads(gate):
+    with iter(_pipe(20_000, "threads", op=F.gated, worker_allocation="autotune",
+                    max_workers=4)) as it:
+        assert _consume_until(it, lambda s: s["workers"][0] >= 3), _tuned(it)
+        snap = _tuned(it)
+    assert _grows(snap, 0) and not _grows(snap, 1), snap
+    assert snap["workers"][0] > snap["workers"][1] == 1
+    assert "autotune (latest run): stage 0: 3, stage 1: 1" in it.pipeline.explain()
+
+
+def test_slow_stage_gets_more_workers_than_the_cheap_one_process():
+    with iter(_pipe(6_000, "process", worker_allocation="autotune", max_workers=3)) as it:
+        assert _consume_until(it, lambda s: s["workers"][0] >= 2), _tuned(it)
+        snap = _tuned(it)
+    assert _grows(snap, 0) and not _grows(snap, 1), snap
+
+
+def test_total_workers_never_exceed_the_budget(gate):
+    seen = []
+    with iter(_pipe(20_000, "threads", op=F.gated, second=F.gated,
+                    worker_allocation="autotune", max_workers=3)) as it:
+        check = lambda s: seen.append(sum(s["workers"].values()))  # noqa: E731
+        assert _consume_until(it, lambda s: sum(s["workers"].values()) >= 3, each=check)
+        for _, batch in zip(range(200), it):  # and stays there, full, for a while
+            seen.append(sum(_tuned(it)["workers"].values()))
+        snap = _tuned(it)
+    assert max(seen) == 3 and snap["cpu_budget"] == 3, (seen, snap)
+    running = {0: 1, 1: 1}
+    for d in snap["decisions"]:
+        running[d["stage"]] = d["after"]
+        assert sum(running.values()) <= 3, snap
+
+
+def test_a_workload_that_turns_cheap_is_shrunk(gate):
+    """The op blocks (a slow op) until the test opens the gate, then costs nothing; the
+    consumer does a little work per batch, so the run lasts while the stage idles."""
+    with iter(_pipe(200_000, "threads", op=F.gated, worker_allocation="autotune",
+                    max_workers=4)) as it:
+        assert _consume_until(it, lambda s: s["workers"][0] >= 2), _tuned(it)
+        gate.set()
+        grown = _tuned(it)["workers"][0]
+
+        def training_step(snap):
+            F.spin(20_000)
+
+        assert _consume_until(it, lambda s: s["workers"][0] < grown, each=training_step), \
+            _tuned(it)
+        snap = _tuned(it)
+    shrinks = [d for d in snap["decisions"] if d["stage"] == 0 and d["after"] < d["before"]]
+    assert shrinks and "periods" in shrinks[0]["reason"], snap
+
+
+def test_a_process_workload_that_turns_cheap_is_shrunk():
+    n = 20_000
+    pipe = _pipe(n, "process", op=F.slow_then_fast, shuffle=False,
+                 worker_allocation="autotune", max_workers=3)
+    got: list = []
+    with iter(pipe) as it:
+        assert _consume_until(it, lambda s: s["workers"][0] >= 2, got), _tuned(it)
+
+        def training_step(snap):
+            F.spin(20_000)
+
+        assert _consume_until(it, lambda s: s["workers"][0] < 2, got, each=training_step), \
+            _tuned(it)
+        got += [b.tolist() for b in it]  # nothing lost or repeated across the shrink
+    assert got == _reference(n, op=F.slow_then_fast, shuffle=False)
+
+
+def test_close_mid_run_leaves_no_process():
+    it = iter(_pipe(6_000, "process", worker_allocation="autotune", max_workers=3))
+    try:
+        assert _consume_until(it, lambda s: bool(s["decisions"])), _tuned(it)
+        pids = [p for ex in it.engine.executors.values() for p in ex.pids()]
+        assert len(pids) >= 3  # the grown worker (perhaps still booting) among them
+    finally:
+        it.close()
+    assert not wait_gone(pids, HANG_S)
+
+
+def test_checkpoint_under_autotune_restores_exactly():
+    n = 1_500
+    ref = _reference(n)
+    got: list = []
+    with iter(_pipe(n, "process", worker_allocation="autotune", max_workers=3)) as it:
+        _consume_until(it, lambda s: bool(s["decisions"]) and len(got) >= 20, got)
+        state = it.checkpoint()
+    again = _pipe(n, "threads", worker_allocation="autotune", max_workers=3)
+    again.restore(state)
+    assert got + [b.tolist() for b in again] == ref

@@ -1,0 +1,323 @@
+"""The autotune controller: per-stage worker counts adjusted while a run goes on.
+
+``RuntimeOptions(worker_allocation="autotune")`` starts every parallel stage (threads
+or process) with one worker; the run's :class:`Controller` then grows and shrinks
+the stages one worker at a time. What it owns:
+
+**Where it runs.** It has no thread of its own: the engine calls :meth:`Controller.tick`
+each time it hands an item on (from the thread that runs the engine, the one that
+also submits to and reads from the executors), and a tick does something at most
+once per sampling period (:data:`PERIOD_S`). So a grow or a shrink never races a
+``submit()`` or a ``get()``, and stopping the controller is only forgetting it:
+``close()`` (and the end of the stream, and an error) cannot hang on it. A run
+that is blocked (the consumer does not take items, or a stage has nothing ready)
+makes no decision until it moves again; the next period is measured from the last
+decision point, however long ago that was.
+
+**Signals**, over one period, per stage: its *busy fraction*, the op seconds its
+workers reported (each executor's ``meter``; a process worker times its tasks
+when autotune is on, tracking or not) over ``workers x elapsed`` (clamped to 1);
+the *consumer's wait*: the seconds ``next()`` spent waiting for an item over the
+elapsed time (the iterator reports them through :meth:`Controller.waited`; under
+``mtp_mode`` nothing reports them, so the controller only shrinks there). The
+counters are the controller's own (:class:`StageMeter`): it does not need
+``execution_tracking`` and reads nothing of :mod:`zephon.pipeline.stats`.
+
+**The rule** (one decision per period at most, hill-climbing):
+
+- *grow*: the consumer waited at least :data:`WAIT_GROW` of the period: the stage
+  with the highest busy fraction, if that is at least :data:`BUSY_GROW` and the
+  stage is below its cap, gets one worker if the budgets allow; if the CPU budget
+  is full, a stage that could lose one worker and stay below :data:`BUSY_GROW`
+  gives one up instead (the grow follows at a later period);
+- *shrink*: a stage with more than one worker that would stay below
+  :data:`BUSY_SHRINK` busy with one worker fewer, for :data:`SHRINK_PERIODS`
+  periods in a row, loses one (the busiest-first grow and the lower shrink
+  threshold are the hysteresis: a stage is not grown and shrunk on alternate
+  periods);
+- after any change, and while a grown process worker is still booting, the
+  controller measures nothing (the period restarts once every worker is ready),
+  so each decision is judged on a full period of the new setting.
+
+**Bounds.** At least one worker per stage; at most the CPU budget in all, over the
+stages (:func:`~zephon.options.resolve_autotune_cpu_budget`: an explicit
+``max_workers``, else the cores the process may use, affinity and cgroup
+``cpu.max``); a stage at most ``budget - (stages - 1)``; a new process worker only
+while the resident memory of the stage's workers (``/proc/<pid>/statm``) plus one
+more of the largest stays within the memory budget
+(:func:`~zephon.options.resolve_autotune_memory_bytes`: ``autotune_memory_bytes``,
+else half of what is available at start). Thread workers count against the CPU
+budget only.
+
+**Lifecycle.** Made by the engine with its executors (none when no stage is
+threads or process), it sets each executor's ``meter`` and ``max_workers``;
+``close()`` (the engine's) detaches the meters. A shrunk worker is not a crash
+and loses nothing: a thread ends after the units queued before its stop, a
+process worker finishes the tasks it has in flight and is then stopped
+(:meth:`~zephon.transport.WorkerPool.retire_worker`).
+
+**The stream** never depends on this: the engine's output depends on the seed,
+the source and the ops, never on worker counts or timing (dispatch reads the
+current worker count only to bound what is in flight). Decisions themselves are
+not deterministic.
+
+**Record.** Every decision is one ``logging`` line (logger ``zephon.autotune``,
+INFO) and a :class:`Decision` in :attr:`Controller.decisions`; ``stats()`` shows
+them with the budgets and the counts now (``snapshot()``), and ``explain()``
+shows the latest run's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, NamedTuple
+
+__all__ = ["BUSY_GROW", "BUSY_SHRINK", "PERIOD_S", "SHRINK_PERIODS", "WAIT_GROW",
+           "Controller", "Decision", "StageMeter", "choose"]
+
+log = logging.getLogger("zephon.autotune")
+
+#: Seconds between two decisions (a sampling period).
+PERIOD_S = 0.25
+#: The consumer's waiting fraction from which the pipeline is input bound (grow).
+WAIT_GROW = 0.05
+#: The busy fraction from which a stage may get one more worker.
+BUSY_GROW = 0.6
+#: A stage loses one worker when, with one fewer, it would stay below this busy fraction
+#: (for SHRINK_PERIODS periods in a row).
+BUSY_SHRINK = 0.45
+SHRINK_PERIODS = 3
+#: Most workers of a process stage (a region token's owner field).
+MAX_PROCESS_WORKERS = 127
+
+
+class Decision(NamedTuple):
+    """One change: ``stage`` went from ``before`` to ``after`` workers ``at`` seconds
+    into the run, for ``reason``."""
+
+    at: float
+    stage: int
+    before: int
+    after: int
+    reason: str
+
+    def text(self) -> str:
+        return (f"{self.at:6.2f} s: stage {self.stage} {self.before} -> {self.after} "
+                f"worker(s): {self.reason}")
+
+
+class StageMeter:
+    """The op seconds a stage's workers reported since the last read (written by worker
+    threads or the engine's thread, read by the engine's thread)."""
+
+    __slots__ = ("_lock", "busy")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.busy = 0.0
+
+    def ran(self, seconds: float, *_ignored: Any) -> None:
+        with self._lock:
+            self.busy += seconds
+
+    def take(self) -> float:
+        with self._lock:
+            busy, self.busy = self.busy, 0.0
+        return busy
+
+
+class _Signals(NamedTuple):
+    workers: dict[int, int]
+    busy: dict[int, float]  # busy fraction, 0..1
+    wait: float  # the consumer's waiting fraction, 0..1
+
+
+def choose(sig: _Signals, caps: dict[int, int], budget: int, idle: dict[int, int],
+           memory_ok: Callable[[int], bool]) -> tuple[int, int, str] | None:
+    """The decision of one period: ``(stage, +1 or -1, reason)`` or None. ``idle`` (the
+    consecutive periods each stage could have lost a worker) is updated here."""
+    total = sum(sig.workers.values())
+    for s, w in sig.workers.items():
+        spare = w > 1 and sig.busy[s] * w / (w - 1) < BUSY_SHRINK
+        idle[s] = idle.get(s, 0) + 1 if spare else 0
+    if sig.wait >= WAIT_GROW:
+        grow = _grow(sig, caps, budget, total, memory_ok)
+        if grow is not None:
+            return grow
+    for s in sorted(sig.workers, key=lambda x: sig.busy[x]):
+        if idle[s] >= SHRINK_PERIODS:
+            idle[s] = 0
+            return s, -1, (f"busy {sig.busy[s]:.0%} with {sig.workers[s]} for "
+                           f"{SHRINK_PERIODS} periods")
+    return None
+
+
+def _grow(sig: _Signals, caps: dict[int, int], budget: int, total: int,
+          memory_ok: Callable[[int], bool]) -> tuple[int, int, str] | None:
+    open_ = [s for s in sig.workers if sig.workers[s] < caps[s] and sig.busy[s] >= BUSY_GROW]
+    if not open_:
+        return None
+    s = max(open_, key=lambda x: (sig.busy[x], -x))
+    why = f"the consumer waited {sig.wait:.0%}, stage {s} busy {sig.busy[s]:.0%}"
+    if total < budget:
+        if memory_ok(s):
+            return s, +1, why
+        return None
+    donors = [d for d in sig.workers if d != s and sig.workers[d] > 1
+              and sig.busy[d] * sig.workers[d] / (sig.workers[d] - 1) < BUSY_GROW]
+    if donors:
+        d = min(donors, key=lambda x: (sig.busy[x], x))
+        return d, -1, f"CPU budget {budget} full: gives a worker to stage {s} ({why})"
+    return None
+
+
+def _rss(pid: int) -> int:
+    """Resident bytes of ``pid`` (0 when unknown)."""
+    try:
+        with open(f"/proc/{pid}/statm", encoding="ascii") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class Controller:
+    """The controller of one run (see the module docstring).
+
+    Args:
+        executors: stage index -> executor (only threads and process ones are tuned).
+        cpu_budget: workers in all, over the tuned stages.
+        memory_bytes: resident bytes the process workers may use together.
+        period: seconds between decisions.
+        clock: the time source (seconds).
+    """
+
+    def __init__(self, executors: dict[int, Any], cpu_budget: int, memory_bytes: int, *,
+                 period: float = PERIOD_S, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.executors = {s: ex for s, ex in executors.items() if ex.runner != "inline"}
+        self.cpu_budget = max(cpu_budget, len(self.executors))
+        self.memory_bytes, self.period, self.clock = memory_bytes, period, clock
+        self.meters = {s: StageMeter() for s in self.executors}
+        most = self.cpu_budget - (len(self.executors) - 1)
+        self.caps = {s: min(most, MAX_PROCESS_WORKERS) if ex.runner == "process" else most
+                     for s, ex in self.executors.items()}
+        for s, ex in self.executors.items():
+            ex.meter, ex.max_workers = self.meters[s], self.caps[s]
+        self.decisions: list[Decision] = []
+        self.held = ""  # why the last wanted grow did not happen (shown once per cause)
+        self._idle: dict[int, int] = {}
+        self._wait_lock = threading.Lock()
+        self._waited = 0.0
+        self.started = self.clock()
+        self._since = self.started
+        self.last: _Signals | None = None
+        self._final: dict[int, int] | None = None
+
+    # -- signals ---------------------------------------------------------------------------
+    def waited(self, seconds: float) -> None:
+        """The consumer waited ``seconds`` in one ``next()`` (any thread)."""
+        with self._wait_lock:
+            self._waited += seconds
+
+    def _restart_period(self, now: float) -> None:
+        for meter in self.meters.values():
+            meter.take()
+        with self._wait_lock:
+            self._waited = 0.0
+        self._since = now
+
+    def _sample(self, elapsed: float) -> _Signals:
+        workers = {s: ex.workers for s, ex in self.executors.items()}
+        busy = {s: min(1.0, self.meters[s].take() / (workers[s] * elapsed))
+                for s in self.executors}
+        with self._wait_lock:
+            wait, self._waited = self._waited, 0.0
+        return _Signals(workers, busy, min(1.0, wait / elapsed))
+
+    def _memory_ok(self, stage: int) -> bool:
+        ex = self.executors[stage]
+        if ex.runner != "process":
+            return True
+        used = [_rss(pid) for e in self.executors.values() if e.runner == "process"
+                for pid in e.pids()]
+        mine = [_rss(pid) for pid in ex.pids()]
+        need = sum(used) + max(mine, default=0)
+        if need <= self.memory_bytes:
+            return True
+        self._hold(f"memory budget: {need >> 20} MiB with one more worker of stage {stage} "
+                   f"> {self.memory_bytes >> 20} MiB")
+        return False
+
+    def _hold(self, why: str) -> None:
+        if why != self.held:
+            self.held = why
+            log.info("autotune: not growing: %s", why)
+
+    # -- the loop --------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Called by the engine per item: decide when a period has passed."""
+        now = self.clock()
+        if now - self._since < self.period or not self.executors:
+            return
+        if any(ex.booting for ex in self.executors.values()):
+            self._restart_period(now)  # judge the new setting on a full period of it
+            return
+        sig = self._sample(now - self._since)
+        self.last = sig
+        self._since = now
+        choice = choose(sig, self.caps, self.cpu_budget, self._idle, self._memory_ok)
+        if choice is None:
+            return
+        stage, delta, reason = choice
+        ex = self.executors[stage]
+        before = ex.workers
+        try:
+            ex.grow() if delta > 0 else ex.shrink()
+        except Exception as exc:  # noqa: BLE001 - a failed resize leaves the stage as it was
+            log.warning("autotune: stage %d: resizing failed: %s", stage, exc)
+            return
+        decision = Decision(round(now - self.started, 3), stage, before, ex.workers, reason)
+        self.decisions.append(decision)
+        self.held = ""
+        log.info("autotune: %s", decision.text())
+        self._restart_period(self.clock())
+
+    def snapshot(self) -> dict:
+        """The budgets, the worker counts now, the last period's signals and every
+        decision, as plain values (``stats()["autotune"]``)."""
+        last = self.last
+        return {
+            "cpu_budget": self.cpu_budget,
+            "memory_bytes": self.memory_bytes,
+            "period_s": self.period,
+            "workers": self.counts(),
+            "busy": dict(last.busy) if last else {},
+            "consumer_wait": last.wait if last else None,
+            "held": self.held,
+            "decisions": [d._asdict() for d in self.decisions],
+        }
+
+    def explain(self) -> list[str]:
+        """Lines for ``explain()``: the counts now and each decision."""
+        counts = ", ".join(f"stage {s}: {n}" for s, n in self.counts().items())
+        lines = [f"autotune (latest run): {counts}; {len(self.decisions)} decision(s)"]
+        lines += [f"  {d.text()}" for d in self.decisions[-20:]]
+        return lines
+
+    def counts(self) -> dict[int, int]:
+        """Workers per tuned stage now (at the end, once closed)."""
+        if self._final is not None:
+            return dict(self._final)
+        return {s: ex.workers for s, ex in self.executors.items()}
+
+    def close(self) -> None:
+        """Detach from the executors (they are closed with the engine); what was decided
+        stays readable."""
+        if self._final is None:
+            self._final = self.counts()
+        for ex in self.executors.values():
+            ex.meter = None
+        self.executors = {}
