@@ -19,7 +19,8 @@ A run, in order:
    ``on_bad_entry="fail"`` the subject is failed with that
    :class:`~zephon.errors.CheckpointError` instead. Never a reason to abort.
    The store is looked up :data:`RESUME_CHUNK` subjects at a time and the
-   results a chunk settles are yielded before the next lookup;
+   results a chunk settles are yielded before the next lookup; a store that
+   was empty when opened is not looked up at all;
 4. rounds: every remaining subject runs once, then failed ones again for up to
    ``auto_retry_rounds`` extra rounds (the backend, and so a lowered OOM
    concurrency, lives across rounds). Each attempt's outcome is written to the
@@ -29,7 +30,10 @@ A run, in order:
 5. results are yielded in input order (``ordered=False``: as they become
    final); a failure is final after the last round. The driver keeps only the
    results it cannot release yet, and of those not the successes the store
-   holds (see :class:`_Output`);
+   holds (see :class:`_Output`); nothing else per subject while the rounds
+   run (attempts follow from the round number; a round's items are drawn
+   lazily: the serial backend holds only the one running, the process and ray
+   backends queue the round);
 6. with ``clear_checkpoint_on_success`` the store is removed only when every
    subject's final outcome, replayed ones included, is a success.
 

@@ -32,6 +32,13 @@ default) and of the commit under way, never more than ``2 * commit_every`` entri
 a resumed run recomputes their subjects. A transaction is atomic, so a torn entry
 is never served.
 
+Per-entry cost: a save packs the value and the record with packers the store keeps
+(one per kind of bytes), and queues it under one lock; a commit is one
+``executemany`` per kind of statement. A store that held no entry when it was
+opened (``empty_at_open``) holds no failure record but those this run saved (their
+keys are remembered), so a success queues no DELETE of one; a store with entries
+queues one per success. The run does not look up a store that was empty at open.
+
 Trust: the store uses nothing it did not write. The directory is opened once with
 ``O_NOFOLLOW`` and must be a real directory owned by the current user and not
 writable by group or others, else opening raises
