@@ -80,7 +80,7 @@ import pickle
 import selectors
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Final, NamedTuple
 
 from zephon.errors import (
@@ -284,7 +284,7 @@ class ProcessBackend:
             subject_id=None if self.names is None else self.names[index])
 
     # -- one round -----------------------------------------------------------------------
-    def run_round(self, items: list[tuple[int, Any]]) -> Iterator[Outcome]:
+    def run_round(self, items: Iterable[tuple[int, Any]]) -> Iterator[Outcome]:
         """Run ``(index, subject)`` items; yields exactly one :class:`Outcome` per item."""
         queue = collections.deque(items)
         self._running = {}

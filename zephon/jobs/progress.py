@@ -30,9 +30,12 @@ class Progress:
 
     def update(self, *, ok: bool, cached: bool) -> None:
         self.finished += 1
-        self.failed += 0 if ok else 1
-        self.cached += 1 if cached else 0
-        self._tick()
+        if not ok:
+            self.failed += 1
+        if cached:
+            self.cached += 1
+        if self.enabled:
+            self._tick()
 
     def _line(self) -> str:
         elapsed = time.monotonic() - self._start

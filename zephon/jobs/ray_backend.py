@@ -76,7 +76,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from zephon.errors import (
     SerializationError,
@@ -460,7 +460,7 @@ class RayBackend:
         self.stats["batched_calls"] += len(items) > 1
         return None
 
-    def run_round(self, items: list[tuple[int, Any]]) -> Iterator[Outcome]:
+    def run_round(self, items: Iterable[tuple[int, Any]]) -> Iterator[Outcome]:
         """Run ``(index, subject)`` items; yields one :class:`Outcome` per item, in
         completion order."""
         queue = collections.deque(items)

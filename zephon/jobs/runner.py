@@ -19,7 +19,8 @@ A run, in order:
    ``on_bad_entry="fail"`` the subject is failed with that
    :class:`~zephon.errors.CheckpointError` instead. Never a reason to abort.
    The store is looked up :data:`RESUME_CHUNK` subjects at a time and the
-   results a chunk settles are yielded before the next lookup;
+   results a chunk settles are yielded before the next lookup; a store that
+   was empty when opened is not looked up at all;
 4. rounds: every remaining subject runs once, then failed ones again for up to
    ``auto_retry_rounds`` extra rounds (the backend, and so a lowered OOM
    concurrency, lives across rounds). Each attempt's outcome is written to the
@@ -29,7 +30,10 @@ A run, in order:
 5. results are yielded in input order (``ordered=False``: as they become
    final); a failure is final after the last round. The driver keeps only the
    results it cannot release yet, and of those not the successes the store
-   holds (see :class:`_Output`);
+   holds (see :class:`_Output`); nothing else per subject while the rounds
+   run (attempts follow from the round number; a round's items are drawn
+   lazily: the serial backend holds only the one running, the process and ray
+   backends queue the round);
 6. with ``clear_checkpoint_on_success`` the store is removed only when every
    subject's final outcome, replayed ones included, is a success.
 
@@ -41,6 +45,7 @@ subject interrupted this way is not recorded as a failure.
 
 from __future__ import annotations
 
+import array
 import collections
 import logging
 import multiprocessing
@@ -182,11 +187,7 @@ class JobRun:
         self.on_bad_entry = on_bad_entry
         self.fn, self.policy, self.fingerprint = fn, policy, fingerprint
         self.subjects = list(subjects)
-        self.ids = [s if type(s) is str and s else subject_id_of(s, i)
-                    for i, s in enumerate(self.subjects)]
-        if len(set(self.ids)) != len(self.ids):
-            dupes = [sid for sid, n in collections.Counter(self.ids).items() if n > 1]
-            raise ZephonConfigError(f"duplicate subject ids: {sorted(dupes)[:10]}")
+        self.ids = _subject_ids(self.subjects)
         self.keys = self._cache_keys()
         self.backend_name = resolve_backend(policy)
         self.backend_reason = backend_reason(policy)
@@ -310,8 +311,10 @@ class JobRun:
         progress = Progress(len(self.subjects), self.progress)
         interrupted = False
         try:
-            todo: list[int] = []
-            yield from self._resume(store, out, counts, progress, todo)
+            todo: Sequence[int] = range(len(self.subjects))
+            if store is not None and self.policy.resume and not store.empty_at_open:
+                todo = array.array("q")  # 8 bytes per subject to run, no int objects
+                yield from self._resume(store, out, counts, progress, todo)
             yield from self._rounds(todo, store, out, counts, progress)
             if self.policy.clear_checkpoint_on_success and store is not None and \
                     out.not_ok == 0:
@@ -330,17 +333,15 @@ class JobRun:
                                strict=self.policy.strict_checkpoint_hash,
                                allow_pickle=self.allow_pickle)
 
-    def _resume(self, store: CheckpointStore | None, out: _Output,
+    def _resume(self, store: CheckpointStore, out: _Output,
                 counts: collections.Counter[str], progress: Progress,
-                todo: list[int]) -> Iterator[SubjectResult]:
+                todo: array.array) -> Iterator[SubjectResult]:
         """Finish every subject the store already settles (a cached success, a replayed
         failure, an entry that fails under ``on_bad_entry="fail"``), looking the store up
         :data:`RESUME_CHUNK` subjects at a time and yielding what may be released after
-        each lookup; appends the indexes still to run to ``todo``, in order."""
+        each lookup; appends the indexes still to run to ``todo``, in order. (Not called
+        for a store that was empty when opened: it settles nothing.)"""
         n = len(self.subjects)
-        if store is None or not self.policy.resume:
-            todo.extend(range(n))
-            return
         force = set(self.policy.force_rerun_subjects)
         for start in range(0, n, RESUME_CHUNK):
             chunk = [i for i in range(start, min(n, start + RESUME_CHUNK))
@@ -380,39 +381,57 @@ class JobRun:
                             error_type=err["type"], traceback=err.get("traceback", "")),
             True, entry.attempts, entry.duration_s)
 
-    def _rounds(self, todo: list[int], store: CheckpointStore | None, out: _Output,
+    def _rounds(self, todo: Sequence[int], store: CheckpointStore | None, out: _Output,
                 counts: collections.Counter[str], progress: Progress
                 ) -> Iterator[SubjectResult]:
         """Run ``todo`` on the backend, then its failures again for each retry round; a
-        failure of the last round that ran is final."""
-        attempts: collections.Counter[int] = collections.Counter()
-        self.backend = backend = self._make_backend() if todo else None
+        failure of the last round that ran is final. Every subject of round ``r`` (from
+        0) has run ``r`` times before (a backend yields one outcome per item), so its
+        attempt is ``r + 1``: no per-subject count is kept."""
+        self.backend = backend = self._make_backend() if len(todo) else None
         rounds = 1 + self.policy.auto_retry_rounds
-        pending = todo
+        pending: Sequence[int] = todo
         failures: dict[int, SubjectResult] = {}  # the latest failure of a subject
         for round_no in range(rounds):
             if not pending or backend is None:
                 break
-            last = round_no == rounds - 1
-            failed = []
-            for outcome in backend.run_round([(i, self.subjects[i]) for i in pending]):
-                i = outcome.index
-                attempts[i] += 1
-                result, stored = self._settle(outcome, attempts[i], store, counts)
-                if result.ok:
-                    failures.pop(i, None)
-                    self._final(i, result, stored, counts, progress, out)
-                else:
-                    failed.append(i)
-                    failures[i] = result
-                    if last:
-                        self._final(i, failures.pop(i), False, counts, progress, out)
-                yield from out.drain()
+            if round_no == 1:
+                counts["retried"] = len(pending)  # every subject run more than once
+            failed: list[int] = []
+            yield from self._round(backend, pending, round_no + 1, round_no == rounds - 1,
+                                   store, out, counts, progress, failures, failed)
             pending = failed
         for i, result in failures.items():  # failures of the last round that ran
             self._final(i, result, False, counts, progress, out)
         yield from out.drain()
-        counts["retried"] = sum(1 for a in attempts.values() if a > 1)
+
+    def _round(self, backend, pending: Sequence[int], attempt: int, last: bool,
+               store: CheckpointStore | None, out: _Output, counts: collections.Counter[str],
+               progress: Progress, failures: dict[int, SubjectResult], failed: list[int]
+               ) -> Iterator[SubjectResult]:
+        """One round over ``pending``: settle each outcome, yield what may be released;
+        a failure is final only in the ``last`` round (else kept in ``failures`` and its
+        index added to ``failed``)."""
+        subjects, settle = self.subjects, self._settle
+        for outcome in backend.run_round((i, subjects[i]) for i in pending):
+            i = outcome.index
+            result, stored = settle(outcome, attempt, store, counts)
+            if result.ok:
+                if failures:
+                    failures.pop(i, None)
+            else:
+                failed.append(i)
+                failures[i] = result
+                if not last:
+                    continue
+                del failures[i]
+            counts["done" if result.ok else "failed"] += 1
+            progress.update(ok=result.ok, cached=False)
+            released = out.release(i, result, stored=stored)
+            if released is not None:
+                yield released
+            else:
+                yield from out.drain()
 
     def _settle(self, outcome, attempt: int, store: CheckpointStore | None,
                 counts: collections.Counter[str]) -> tuple[SubjectResult, bool]:
@@ -462,6 +481,25 @@ class JobRun:
         if interrupted:
             self.summary["interrupted"] = 1
         progress.close(self.summary)
+
+
+def _subject_ids(subjects: list) -> list[str]:
+    """Every subject's id, checked unique. Subjects that are all strings are their own
+    ids: the list itself, not a copy, checked in C-level passes (a million subjects in
+    well under the resume's first-result budget)."""
+    ids = None
+    if set(map(type, subjects)) <= {str}:
+        unique = set(subjects)
+        if "" not in unique:
+            ids = subjects
+    if ids is None:
+        ids = [s if type(s) is str and s else subject_id_of(s, i)
+               for i, s in enumerate(subjects)]
+        unique = set(ids)
+    if len(unique) != len(ids):
+        dupes = [sid for sid, n in collections.Counter(ids).items() if n > 1]
+        raise ZephonConfigError(f"duplicate subject ids: {sorted(dupes)[:10]}")
+    return ids
 
 
 class _PrefixedKeys(Sequence):
@@ -516,6 +554,35 @@ class _Output:
             self._held[i] = result
         while self._frontier < len(state) and state[self._frontier]:
             self._frontier += 1
+
+    def release(self, i: int, result: SubjectResult, *, stored: bool
+                ) -> SubjectResult | None:
+        """:meth:`finish`, then: ``result`` itself when it is the one result that may be
+        released now (the caller yields it, nothing is kept), else None (the caller
+        drains). The common case of a run in order, without a dict entry or a generator
+        per subject."""
+        if self.ordered:
+            if i != self._cursor or i != self._frontier:
+                self.finish(i, result, stored=stored)
+                return None
+            self.not_ok += not result.ok
+            state = self._state
+            state[i] = self._HELD
+            frontier = i + 1
+            if frontier < len(state) and state[frontier]:
+                self._held[i] = result  # later subjects are final too: drain them all
+                while frontier < len(state) and state[frontier]:
+                    frontier += 1
+                self._frontier = frontier
+                return None
+            self._frontier = self._cursor = frontier
+            return result
+        if self._ready:
+            self.finish(i, result, stored=stored)
+            return None
+        self.not_ok += not result.ok
+        self._state[i] = self._HELD
+        return result
 
     def drain(self) -> Iterator[SubjectResult]:
         """The results that may be released now."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from zephon.jobs.process import Outcome
 
@@ -26,21 +26,24 @@ class SerialBackend:
         self.concurrency = 1
         self.stats: collections.Counter[str] = collections.Counter()
 
-    def run_round(self, items: list[tuple[int, Any]]) -> Iterator[Outcome]:
+    def run_round(self, items: Iterable[tuple[int, Any]]) -> Iterator[Outcome]:
+        """Run ``(index, subject)`` items as they are drawn (a lazy iterable stays lazy:
+        nothing per subject is held beyond the one running)."""
         if not self._set_up:
             setup = getattr(self.fn, "setup", None)
             if callable(setup):
                 setup()
             self._set_up = True
+        fn, clock = self.fn, time.perf_counter
         for index, subject in items:
-            start = time.perf_counter()
+            start = clock()
             try:
-                value = self.fn(subject)
+                value = fn(subject)
             except Exception as exc:  # noqa: BLE001 - the subject's failure; Ctrl-C is not one
                 kind = "oom" if isinstance(exc, MemoryError) else "error"
-                yield Outcome(index, False, None, exc, time.perf_counter() - start, kind)
+                yield Outcome(index, False, None, exc, clock() - start, kind)
                 continue
-            yield Outcome(index, True, value, None, time.perf_counter() - start, "ok")
+            yield Outcome(index, True, value, None, clock() - start, "ok")
 
     def shutdown(self, grace: float) -> None:
         """Nothing to stop."""

@@ -32,6 +32,13 @@ default) and of the commit under way, never more than ``2 * commit_every`` entri
 a resumed run recomputes their subjects. A transaction is atomic, so a torn entry
 is never served.
 
+Per-entry cost: a save packs the value and the record with packers the store keeps
+(one per kind of bytes), and queues it under one lock; a commit is one
+``executemany`` per kind of statement. A store that held no entry when it was
+opened (``empty_at_open``) holds no failure record but those this run saved (their
+keys are remembered), so a success queues no DELETE of one; a store with entries
+queues one per success. The run does not look up a store that was empty at open.
+
 Trust: the store uses nothing it did not write. The directory is opened once with
 ``O_NOFOLLOW`` and must be a real directory owned by the current user and not
 writable by group or others, else opening raises
@@ -164,7 +171,9 @@ class CheckpointStore:
         self.allow_pickle = allow_pickle
         self.commit_every = int(commit_every or self.COMMIT_EVERY)
         self.commit_interval_s = float(commit_interval_s or self.COMMIT_INTERVAL_S)
-        self._codec = RecordCodec()
+        self._codec = RecordCodec(allow_pickle)
+        self.empty_at_open = False  # the database held no entry when this run opened it
+        self._failed_keys: set[str] = set()  # keys given a failure since (empty_at_open)
         self._lock_fd: int | None = None
         self._dir_fd: int | None = None
         self._db: sqlite3.Connection | None = None
@@ -190,6 +199,8 @@ class CheckpointStore:
             if has_legacy_layout(self._dir_fd):
                 migrate(self._db, self.root, self._dir_fd, self._codec)
             self._check_fingerprint(strict)
+            self.empty_at_open = self._db.execute(
+                "SELECT 1 FROM entries LIMIT 1").fetchone() is None
         except BaseException:
             self._release()
             raise
@@ -347,11 +358,15 @@ class CheckpointStore:
             with self._mutex:
                 self._committing = {}
 
-    def _queue(self, key: str, kind: int, blob: bytes | None) -> None:
+    def _queue(self, key: str, kind: int, blob: bytes, clear_failure: bool = False) -> None:
+        """Queue ``blob`` as the ``kind`` entry of ``key`` (and the removal of its failure
+        record with ``clear_failure``); commit or wake the commit thread when due."""
         self._raise_thread_error()
         if self._db is None:
             raise CheckpointError(f"checkpoint store {self.root} is closed")
         with self._mutex:
+            if clear_failure:
+                self._pending[(key, KIND_FAILED)] = None
             self._pending[(key, kind)] = blob
             waiting = len(self._pending)
         if waiting >= 2 * self.commit_every:
@@ -473,14 +488,17 @@ class CheckpointStore:
             [0, 1, 2]
             >>> store.close()
         """
-        data = encode_value(value, allow_pickle=self.allow_pickle)
-        record = {"key": key, "subject": subject_id, "fingerprint": self.fingerprint,
-                  "value": data, "attempts": attempts, "duration_s": duration_s,
-                  "time": time.time()}
-        blob = self._codec.pack(record)
-        with self._mutex:
-            self._pending[(key, KIND_FAILED)] = None
-        self._queue(key, KIND_OK, blob)
+        data = self._codec.encode(value)
+        blob = self._codec.pack({"key": key, "subject": subject_id,
+                                 "fingerprint": self.fingerprint, "value": data,
+                                 "attempts": attempts, "duration_s": duration_s,
+                                 "time": time.time()})
+        # A store that was empty at open holds no failure but those this run saved: no
+        # DELETE per success for a failure record that cannot exist.
+        clear_failure = not self.empty_at_open or key in self._failed_keys
+        if clear_failure:
+            self._failed_keys.discard(key)
+        self._queue(key, KIND_OK, blob, clear_failure=clear_failure)
 
     def save_failure(self, key: str, subject_id: str, error: dict, attempts: int,
                      duration_s: float) -> None:
@@ -505,7 +523,10 @@ class CheckpointStore:
         record = {"key": key, "subject": subject_id, "fingerprint": self.fingerprint,
                   "error": error, "attempts": attempts, "duration_s": duration_s,
                   "time": time.time()}
-        self._queue(key, KIND_FAILED, self._codec.pack(record))
+        blob = self._codec.pack(record)
+        if self.empty_at_open:
+            self._failed_keys.add(key)
+        self._queue(key, KIND_FAILED, blob)
 
     def keys(self, kind: int = KIND_OK) -> list[str]:
         """The keys holding an entry of ``kind``, of any fingerprint (what is queued is

@@ -37,7 +37,9 @@ _EXT_ARRAY, _EXT_BIGINT, _EXT_TUPLE, _EXT_SCALAR, _EXT_PICKLE = 1, 2, 3, 4, 5
 
 
 def _encoder(allow_pickle: bool):
-    """The msgpack ``default`` hook and packer of :func:`encode_value` (built once)."""
+    """The msgpack ``default`` hook of :func:`encode_value` and a one-shot packer (a
+    nested value, a tuple's items, is packed by a packer of its own: a msgpack Packer
+    is not reentrant)."""
     def default(obj):
         if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
             data = np.ascontiguousarray(obj)
@@ -60,7 +62,7 @@ def _encoder(allow_pickle: bool):
     def pack(obj):
         return msgpack.packb(obj, default=default, use_bin_type=True, strict_types=True)
 
-    return pack
+    return pack, default
 
 
 def _decoder(allow_pickle: bool):
@@ -90,7 +92,8 @@ def _decoder(allow_pickle: bool):
     return unpack
 
 
-_PACK = {flag: _encoder(flag) for flag in (False, True)}
+_ENCODERS = {flag: _encoder(flag) for flag in (False, True)}
+_PACK = {flag: pack for flag, (pack, _default) in _ENCODERS.items()}
 _UNPACK = {flag: _decoder(flag) for flag in (False, True)}
 
 
@@ -121,17 +124,30 @@ def _check_fields(record: dict, kind: int, where: str) -> None:
 
 
 class RecordCodec:
-    """Packs and judges records (one zstd context pair per store: not thread-safe)."""
+    """Packs and judges records: one zstd context pair and one reusable msgpack packer
+    per kind of bytes, per store (``msgpack.packb`` builds a packer per call, which
+    costs more than packing a small record); not thread-safe, like the store's saves.
 
-    def __init__(self) -> None:
+    Args:
+        allow_pickle: what :meth:`encode` may store with pickle.
+    """
+
+    def __init__(self, allow_pickle: bool = False) -> None:
         self._cctx = zstandard.ZstdCompressor(level=3)
         self._dctx = zstandard.ZstdDecompressor()
+        self._records = msgpack.Packer(use_bin_type=True)
+        self._values = msgpack.Packer(default=_ENCODERS[bool(allow_pickle)][1],
+                                      use_bin_type=True, strict_types=True)
+
+    def encode(self, value: Any) -> bytes:
+        """:func:`encode_value` of ``value`` under this codec's ``allow_pickle``."""
+        return self._values.pack(value)
 
     def pack(self, record: dict) -> bytes:
         """The record's bytes: msgpack, zstd-compressed from :data:`COMPRESS_FROM` bytes
         on (a small record is not worth a zstd frame; :meth:`unpack` tells them apart by
         the zstd magic number, which no msgpack map starts with)."""
-        raw = msgpack.packb(record, use_bin_type=True)
+        raw = self._records.pack(record)
         return self._cctx.compress(raw) if len(raw) >= COMPRESS_FROM else raw
 
     def unpack(self, blob: Any, where: str) -> dict:
