@@ -30,9 +30,10 @@ and reused):
    map(read_file + numpy_function(the same Python transform), AUTOTUNE) -> batch(64) ->
    prefetch``) and ``torchvision`` (its transforms in the torch row's dataset) when
    importable. Rate: steady images/s from a warm-up (10 % of the batches, at least 6) to the last batch,
-   and the whole epoch (build to exhausted). Grain reads far ahead (``to_iter_dataset``: 16
-   threads and 500 elements of prefetch per worker, 1,000 of the 2,560 images), so much of
-   its work is done before the steady window: its steady rate then exceeds what two
+   and the whole epoch (build to exhausted). Grain reads far ahead (``to_iter_dataset``'s
+   defaults: 16 threads and 500 elements of prefetch per worker; its elements are the
+   batches here, so the whole epoch may be read ahead), so much of its work is done before
+   the steady window: its steady rate then exceeds what two
    workers can decode (``bench/cpu_per_image.py --grain``: its workers' CPU in the window
    was a fifth of the transform's), and only the epoch compares it.
 2. **tokenize**: a Parquet corpus (20,000 documents of log-normal length over a Zipf
@@ -739,8 +740,9 @@ def print_tables(rows: list[dict], table: dict) -> None:
 
 def _image_epoch_ratios(table: dict) -> list[tuple[str, float]]:
     """The image bar on whole epochs (a peer's epoch seconds / zephon defaults'): the
-    steady rate flatters a loader that reads far ahead (Grain prefetches 500 elements
-    per worker, 1,000 of 2,560 images, before and during the warm-up), the epoch does not."""
+    steady rate flatters a loader that reads far ahead (Grain prefetches 500 elements,
+    here batches, per worker: the whole epoch, before and during the warm-up), the epoch
+    does not."""
     mine = table.get(("image", "zephon defaults"))
     peers = {n: r["epoch_s"] for (w, n), r in table.items()
              if w == "image" and not n.startswith("zephon")}

@@ -13,7 +13,7 @@ time (user + system, ``/proc``) of the consumer's process (every thread) and of 
 descendants (the workers), per image, and the wall-clock images/s. On a loaded machine the
 CPU per image is the stable figure; wall rates are compared within one round only. A
 loader that reads far ahead of its consumer (Grain's ``to_iter_dataset`` prefetches 500
-elements per worker with 16 threads) does much of its work before that window, so the
+elements, here batches, per worker with 16 threads) does much of its work before that window, so the
 window understates its CPU and overstates its rate; ``epoch`` is every process's CPU from
 building the loader to 2 batches before the end, per image of the epoch (start-up and
 read-ahead included), the figure to compare across such loaders. The
