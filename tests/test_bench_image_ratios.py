@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("numpy")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "bench"))
-import compare_workloads as cw  # noqa: E402
+import compare_workloads as cw  # the script under test
 
 
 def _row(rate: float, epoch: float) -> dict:
