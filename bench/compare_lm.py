@@ -232,7 +232,7 @@ def _tokens_of(batch) -> int:
     array of one short row when the last batch holds only that row)."""
     if isinstance(batch, np.ndarray):
         assert batch.ndim == 2 and (batch.shape[1] == SEQ or
-                                    batch.shape[0] == 1 and batch.shape[1] < SEQ), batch.shape
+                                    (batch.shape[0] == 1 and batch.shape[1] < SEQ)), batch.shape
         float(batch[0, 0])  # touch one element
         return int(batch.size)
     assert all(len(row) <= SEQ for row in batch)
