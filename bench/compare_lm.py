@@ -228,9 +228,11 @@ def run_row(spec: dict) -> dict:
 
 
 def _tokens_of(batch) -> int:
-    """Tokens in a batch of rows of 1024 (a lane's last rows may be shorter: a list)."""
+    """Tokens in a batch of rows of 1024 (a lane's last rows may be shorter: a list, or an
+    array of one short row when the last batch holds only that row)."""
     if isinstance(batch, np.ndarray):
-        assert batch.ndim == 2 and batch.shape[1] == SEQ, batch.shape
+        assert batch.ndim == 2 and (batch.shape[1] == SEQ or
+                                    (batch.shape[0] == 1 and batch.shape[1] < SEQ)), batch.shape
         float(batch[0, 0])  # touch one element
         return int(batch.size)
     assert all(len(row) <= SEQ for row in batch)

@@ -60,6 +60,11 @@ def text_or_missing(i: int) -> dict:
     return {"id": i} if i == 3 else text_sample(i)
 
 
+def text_or_missing_at_40(i: int) -> dict:
+    """Sample 40 (in the second encode slice of a part) has no text field."""
+    return {"id": i} if i == 40 else text_sample(i)
+
+
 class LockedFastTokenizer:
     """Shaped as a ``transformers`` fast tokenizer (``backend_tokenizer``, special ids,
     ``chat_template``) and, like one holding a lock, not picklable."""

@@ -64,11 +64,15 @@ def test_equal_to_direct_calls_on_every_runner(tok_dir, tok, runner, workers):
     assert [s["id"] for s in out] == [s["id"] for s in inline]
 
 
-def test_a_part_is_one_encode_batch_call(tok_dir, tok):
-    """The stage program hands the op a whole part: one call tokenizes all of it."""
+def test_a_part_is_encoded_in_slices_of_encode_slice_texts(tok_dir, tok):
+    """The stage program hands the op a whole part; it is encoded in order, in calls of
+    ENCODE_SLICE texts (a whole part of a process worker in one call outgrew the CPU
+    cache), each text once."""
     from zephon.pipeline.lanes import ReadUnit
     from zephon.pipeline.program import StageProgram
-    from zephon.pipeline.text.tokenize import TokenizeOp
+    from zephon.pipeline.text.tokenize import ENCODE_SLICE, TokenizeOp
+
+    assert ENCODE_SLICE == 32
 
     op = TokenizeOp(tok_dir)
     real = op.tokenizer.get()
@@ -82,11 +86,11 @@ def test_a_part_is_one_encode_batch_call(tok_dir, tok):
     tokenizer_mod._LOADED[op.tokenizer.identity] = Counting()
     try:
         program = StageProgram(sources.from_callable(N, T.text_sample), [[op]], seed=0)
-        out = program((0, ReadUnit(0, 0, np.arange(40, dtype=np.int64))))
+        out = program((0, ReadUnit(0, 0, np.arange(70, dtype=np.int64))))
     finally:
         tokenizer_mod._LOADED[op.tokenizer.identity] = real
-    assert calls == [40]
-    assert [r.value["tokens"].tolist() for r in out] == [direct(tok, i) for i in range(40)]
+    assert calls == [32, 32, 6]
+    assert [r.value["tokens"].tolist() for r in out] == [direct(tok, i) for i in range(70)]
 
 
 def test_truncation_keeps_bos_and_eos_within_max_length(tok_dir, tok):
@@ -224,6 +228,21 @@ def test_a_bad_sample_fails_first_in_sample_order_after_the_samples_before_it(to
         for s in later:
             got.append(s["id"])
     assert got == list(range(7))
+
+
+@pytest.mark.parametrize("runner", ["inline", "process"])
+def test_a_bad_sample_past_the_first_slice_fails_after_every_sample_before_it(
+        tok_dir, tok, runner):
+    """Sample 40 has no text: the 40 samples before it (a whole encode slice and part of
+    the next) come out tokenized, then its error."""
+    pipe = Pipeline(sources.from_callable(70, T.text_or_missing_at_40), shuffle=False,
+                    chunk_size=70).tokenize(tok_dir, keep_fields=True, parallelism=2) \
+        .options(RuntimeOptions(runner=runner, max_workers=2))
+    got = []
+    with pytest.raises(OpError, match=r"op tokenize failed on sample .*40.*no text field"):
+        for s in pipe:
+            got.append((s["id"], s["tokens"].tolist()))
+    assert got == [(i, direct(tok, i)) for i in range(40)]
 
 
 @pytest.mark.parametrize("runner", ["process", "threads"])

@@ -5,8 +5,10 @@ What it owns: :class:`TokenizeOp` and the options every tokenize op shares
 
 - **Batched.** The op is *batched* (``batched = True``): a stage program hands it every
   record of a dispatch part at once (:meth:`TokenizeOp.apply_many`, see
-  :meth:`~zephon.pipeline.program.StageProgram.run_ops`), and it makes one
-  ``encode_batch_fast`` call for them, which runs in Rust with the GIL released (the
+  :meth:`~zephon.pipeline.program.StageProgram.run_ops`), and it tokenizes them in order
+  with ``encode_batch_fast`` calls of :data:`ENCODE_SLICE` texts (a whole part in one call
+  outgrew the CPU cache and cost up to 1.5x the CPU per text), which run in Rust with the
+  GIL released (the
   threads runner gains from it) and, unless ``TOKENIZERS_PARALLELISM`` is off, on the
   tokenizer's own thread pool. It is still a per-sample op: sample ``i``'s output depends
   on sample ``i`` alone (the tokenizer's padding is switched off,
@@ -38,9 +40,17 @@ from zephon.pipeline.records import Record
 from zephon.pipeline.text.tokenizer import TokenizerRef
 from zephon.transport.remote_errors import put_done
 
-__all__ = ["TokenPolicy", "TokenizeOp", "sample_error"]
+__all__ = ["ENCODE_SLICE", "TokenPolicy", "TokenizeOp", "sample_error"]
 
 OVERFLOWS = ("keep", "truncate")
+#: Texts per ``encode_batch`` call. A part of a process worker holds hundreds of texts
+#: (dispatch parts aim at megabytes of output); encoded in one call, their ``Encoding``
+#: objects (ids, offsets, token strings: tens of bytes per token) outgrow the core's cache
+#: and every text cost more: on 4,000 documents of ~400 tokens, one CPU, 2.2-2.6 s in
+#: calls of 32 texts against 2.5-3.7 s in calls of 512 (``bench/compare_lm.py``'s
+#: corpus). 32 texts still give the tokenizer's own thread pool, when it is on, work to
+#: share.
+ENCODE_SLICE = 32
 
 
 def sample_error(op: str, record: Record, what: str) -> OpError:
@@ -215,15 +225,20 @@ class TokenizeOp(StatelessOp):
         return {self.output_field: tokens}
 
     def apply_many(self, records: list, seed: int) -> list:
-        """Every record of a part tokenized with one ``encode_batch`` call; the first
-        failing record raises after the records before it are made (they ride on the
-        error)."""
+        """Every record of a part tokenized with ``encode_batch`` calls of at most
+        :data:`ENCODE_SLICE` texts, in order; the first failing record raises after the
+        records before it are made (they ride on the error)."""
         texts, failure = prepared(records, self._text)
-        encoded = self.tokenizer.get().encode_batch_fast(
-            texts, add_special_tokens=self.add_special_tokens) if texts else []
+        encode, special = self.tokenizer.get().encode_batch_fast, self.add_special_tokens
         row, make = self.policy.row, self._value
-        return finished([Record(make(r.value, row(e.ids)), r.ids, r.pos, r.lin)
-                         for r, e in zip(records, encoded, strict=False)], failure)
+        out: list = []
+        for a in range(0, len(texts), ENCODE_SLICE):
+            # the slice's Encoding objects die before the next slice is encoded
+            chunk = texts[a:a + ENCODE_SLICE]
+            encoded = encode(chunk, add_special_tokens=special)
+            out += [Record(make(r.value, row(e.ids)), r.ids, r.pos, r.lin)
+                    for r, e in zip(records[a:a + len(chunk)], encoded, strict=True)]
+        return finished(out, failure)
 
     def apply_one(self, r: Record, seed: int) -> Record | None:
         """One record (what :meth:`apply_many` gives it in a part of its own)."""
