@@ -63,6 +63,22 @@ run ends: to the ``zephon.metrics`` logger (``log``; one JSON object per line wi
 ``json_logs``), as statsd gauges over UDP (``statsd``; datagrams of at most
 ``max_batch_size`` lines, ``default_tags`` as DogStatsD tags), or both.
 
+Recording cost (the hot path). Every counter has exactly one writer and is a plain
+attribute or dict entry, updated without a lock: a stage's counters (parts submitted
+and completed, latency, input and result waits, and the op time the workers measured)
+are written by the engine's thread only -- process workers send their timing in the
+header of the result message they send anyway, thread workers return it with the
+result, and the executor reports it when ``get()`` takes the result; serial ops'
+counters by the engine's thread; the consumer's by the thread calling ``next()`` (one
+consumer per iterator). Each writer keeps an open time bucket (:class:`_Bucket`: the
+series sums it added since its last roll) and rolls it into the series once per bucket,
+the first time it records after the bucket's end: that is the only time it takes the
+lock, so a part costs a few attribute updates and one clock read per event, whatever
+the part's size. Readers (``stats()``, the sink) take the lock, read the counters as
+they are (each exact; rows may be a part apart while the run goes) and add every
+writer's open bucket to a copy of the series, so the series always sums to the
+counters. Worker start/stop/restart events are rare and take the lock.
+
 :func:`recording` collects every RunStats made while it is active (``python -m
 zephon profile`` reports on the runs of the script it runs).
 """
