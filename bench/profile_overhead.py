@@ -3,10 +3,15 @@
     python bench/profile_overhead.py                       # threads, 15 rounds
     python bench/profile_overhead.py --runner process --rounds 9
     python bench/profile_overhead.py --baseline-tree ../other-checkout   # also: off in another tree
+    python bench/profile_overhead.py --workload realistic --runner process --rounds 5
+    python bench/profile_overhead.py --tree ../other-checkout   # the same figures, another tree
 
 The workload is the case where tracking costs most: cheap samples (an int through
 ``map(add_one)``, ``batch(64)``), so the per-part and per-batch bookkeeping is the
-largest share of the work it can be. Off and on run in one process, one pass each,
+largest share of the work it can be. ``--workload realistic`` is a training-shaped
+one: a 3 KiB uint8 image-like sample decoded from bytes, normalised to float32 (about
+20 us of NumPy per sample), ``batch(32)``. ``--tree`` imports zephon from another
+checkout (to measure a baseline with this same script). Off and on run in one process, one pass each,
 alternating (off, on, on, off, ...) after a warm-up pass of each, so that the machine's
 load drifts over both alike; with ``--baseline-tree`` a third figure per round is a
 fresh process of that tree with tracking off (process start-up excluded: it times
@@ -34,12 +39,28 @@ def add_one(x):
     return x + 1
 
 
-def build(runner: str, n: int, tracking: str):
+def load_image(i):
+    import numpy as np
+
+    return (np.arange(3072, dtype=np.uint8) + i % 251).tobytes()
+
+
+def decode(raw):
+    import numpy as np
+
+    img = np.frombuffer(raw, dtype=np.uint8).reshape(32, 32, 3).astype(np.float32)
+    return (img - img.mean()) / (img.std() + 1e-6)
+
+
+def build(runner: str, n: int, tracking: str, workload: str = "tiny"):
     from zephon import Pipeline, RuntimeOptions, sources
 
+    opts = RuntimeOptions(runner=runner, execution_tracking=tracking)
+    if workload == "realistic":
+        return Pipeline(sources.from_callable(n, load_image), chunk_size=64) \
+            .map(decode).batch(32).options(opts)
     return Pipeline(sources.from_sequence(list(range(n))), chunk_size=256) \
-        .map(add_one).batch(64) \
-        .options(RuntimeOptions(runner=runner, execution_tracking=tracking))
+        .map(add_one).batch(64).options(opts)
 
 
 def timed_pass(pipe, n: int) -> tuple[float, float]:
@@ -78,12 +99,17 @@ def main() -> int:
     ap.add_argument("--runner", default="threads", choices=("inline", "threads", "process"))
     ap.add_argument("--items", type=int, default=200_000)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--workload", default="tiny", choices=("tiny", "realistic"))
+    ap.add_argument("--tree", type=Path, default=ROOT, help="the zephon checkout to import")
     ap.add_argument("--baseline-tree", type=Path, default=None,
                     help="another zephon checkout to run with tracking off beside these")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
-    pipes = {"off": build(args.runner, args.items, "off"),
-             "on": build(args.runner, args.items, "nodes")}
+    sys.path.insert(0, str(args.tree.resolve()))
+    import zephon
+
+    print(f"zephon from {Path(zephon.__file__).parent}", flush=True)
+    pipes = {"off": build(args.runner, args.items, "off", args.workload),
+             "on": build(args.runner, args.items, "nodes", args.workload)}
     for pipe in pipes.values():  # warm-up
         timed_pass(pipe, args.items)
     names = ["off", "on"] + (["baseline off"] if args.baseline_tree is not None else [])
@@ -101,7 +127,8 @@ def main() -> int:
         print(f"round {r + 1}: " + ", ".join(f"{k} {rates[k][-1]:,.0f}/s "
                                              f"({cpus[k][-1]:.3f} s CPU)" for k in names),
               flush=True)
-    print(f"runner={args.runner} items={args.items} rounds={args.rounds}")
+    print(f"runner={args.runner} workload={args.workload} items={args.items} "
+          f"rounds={args.rounds}")
     for k in names:
         print(f"  median {k:>12}: {statistics.median(rates[k]):,.0f} samples/s, "
               f"{statistics.median(cpus[k]):.3f} s CPU per pass")
@@ -109,9 +136,14 @@ def main() -> int:
     def ratio(a: list[float], b: list[float]) -> float:
         return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
+    def spread(a: list[float], b: list[float]) -> str:
+        got = [x / y for x, y in zip(a, b, strict=True)]
+        return f"[{min(got):.3f}-{max(got):.3f}]"
+
     wall, cpu = ratio(rates["on"], rates["off"]), ratio(cpus["off"], cpus["on"])
-    print(f"  on / off, throughput (median of the rounds' ratios): {wall:.3f}; "
-          f"by CPU per pass: {cpu:.3f}")
+    print(f"  on / off, throughput (median of the rounds' ratios): {wall:.3f} "
+          f"{spread(rates['on'], rates['off'])}; by CPU per pass: {cpu:.3f} "
+          f"{spread(cpus['off'], cpus['on'])}")
     if "baseline off" in names:
         print(f"  off / baseline off, throughput: {ratio(rates['off'], rates['baseline off']):.3f}"
               f"; by CPU per pass: {ratio(cpus['baseline off'], cpus['off']):.3f}")

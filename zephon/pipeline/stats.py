@@ -63,6 +63,22 @@ run ends: to the ``zephon.metrics`` logger (``log``; one JSON object per line wi
 ``json_logs``), as statsd gauges over UDP (``statsd``; datagrams of at most
 ``max_batch_size`` lines, ``default_tags`` as DogStatsD tags), or both.
 
+Recording cost (the hot path). Every counter has exactly one writer and is a plain
+attribute or dict entry, updated without a lock: a stage's counters (parts submitted
+and completed, latency, input and result waits, and the op time the workers measured)
+are written by the engine's thread only -- process workers send their timing in the
+header of the result message they send anyway, thread workers return it with the
+result, and the executor reports it when ``get()`` takes the result; serial ops'
+counters by the engine's thread; the consumer's by the thread calling ``next()`` (one
+consumer per iterator). Each writer keeps an open time bucket (:class:`_Bucket`: the
+series sums it added since its last roll) and rolls it into the series once per bucket,
+the first time it records after the bucket's end: that is the only time it takes the
+lock, so a part costs a few attribute updates and one clock read per event, whatever
+the part's size. Readers (``stats()``, the sink) take the lock, read the counters as
+they are (each exact; rows may be a part apart while the run goes) and add every
+writer's open bucket to a copy of the series, so the series always sums to the
+counters. Worker start/stop/restart events are rare and take the lock.
+
 :func:`recording` collects every RunStats made while it is active (``python -m
 zephon profile`` reports on the runs of the script it runs).
 """
@@ -74,8 +90,9 @@ import contextlib
 import json
 import logging
 import socket
-import threading
 import time
+from threading import Lock
+from time import perf_counter
 from typing import Iterator
 
 import numpy as np
@@ -107,15 +124,6 @@ def recording() -> Iterator[list]:
         _recorders.remove(runs)
 
 
-class _Node:
-    __slots__ = ("counters", "inflight", "latency")
-
-    def __init__(self) -> None:
-        self.counters: dict[str, float] = collections.defaultdict(int)  # "seconds" is a float
-        self.latency: collections.deque[float] = collections.deque(maxlen=1024)
-        self.inflight = 0
-
-
 class _Series:
     """Per-bucket sums (and peaks, for keys ending in ``.depth``) over run time."""
 
@@ -123,6 +131,13 @@ class _Series:
         self.t0, self.bucket_s = t0, FIRST_BUCKET_S
         self.data: dict[str, list[float]] = {}
         self._i, self._start, self._end = 0, t0, t0 + FIRST_BUCKET_S  # the last bucket
+
+    def copy(self) -> "_Series":
+        out = _Series(self.t0)
+        out.bucket_s, out._i, out._start, out._end = \
+            self.bucket_s, self._i, self._start, self._end
+        out.data = {key: list(values) for key, values in self.data.items()}
+        return out
 
     def _index(self, now: float) -> int:
         if self._start <= now < self._end:  # the bucket of the previous call
@@ -135,6 +150,11 @@ class _Series:
         self._i, self._start = i, self.t0 + i * self.bucket_s
         self._end = self._start + self.bucket_s
         return i
+
+    def bounds(self, now: float) -> tuple[float, float]:
+        """``(start, end)`` of the bucket of ``now`` (with the current bucket length)."""
+        self._index(now)
+        return self._start, self._end
 
     def _halve(self) -> None:
         self.bucket_s *= 2
@@ -168,6 +188,15 @@ class _Series:
         if value > values[i]:
             values[i] = value
 
+    def take(self, bucket: "_Bucket") -> None:
+        """Add what ``bucket`` (one writer's open bucket) holds to the bucket it covers
+        (found by its midpoint: ``t0 + i * bucket_s - t0`` may round below ``i``)."""
+        at = 0.5 * (bucket.start + bucket.end)
+        self.add(at, *[(k, v) for k, v in bucket.sums.copy().items() if v])
+        for key, value in bucket.peaks.copy().items():
+            if value:
+                self.peak(at, key, value)
+
     def export(self, now: float, workers: dict[str, int]) -> dict:
         n = self._index(now) + 1
         out: dict = {"bucket_s": self.bucket_s,
@@ -183,29 +212,98 @@ class _Series:
         return out
 
 
+class _Bucket:
+    """One writer's open time bucket ``[start, end)``: what it recorded there and has not
+    yet rolled into the series (``sums``; ``peaks`` of ``.depth`` keys). Its keys are
+    made when it is: the hot path only adds to them. ``end`` 0 until the first roll."""
+
+    __slots__ = ("end", "peaks", "start", "sums")
+
+    def __init__(self, sums: tuple[str, ...], peaks: tuple[str, ...] = ()) -> None:
+        self.start = self.end = 0.0
+        self.sums: dict[str, float] = dict.fromkeys(sums, 0.0)
+        self.peaks: dict[str, float] = dict.fromkeys(peaks, 0.0)
+
+    def clear(self) -> None:
+        for key in self.sums:
+            self.sums[key] = 0.0
+        for key in self.peaks:
+            self.peaks[key] = 0.0
+
+
+def _percentiles(values: collections.deque, qs: list[int]) -> list[float]:
+    # list() copies the deque in one C call: its writer may append meanwhile
+    return [float(v) for v in np.percentile(np.asarray(list(values), dtype=float), qs)]
+
+
+class _Node:
+    """A serial op's counters (or the tail's): items in and out, seconds, a packer's
+    rows and tokens."""
+
+    __slots__ = ("counters",)
+
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = collections.defaultdict(int)  # "seconds" is a float
+
+    def row(self) -> dict[str, float]:
+        row = dict(self.counters)
+        row["inflight"] = 0
+        if row.get("rows"):  # a packer: the share of its row slots that is padding
+            row["padding_fraction"] = row["padding_tokens"] / (
+                row["tokens"] + row["padding_tokens"])
+        return row
+
+
 class _Stage:
-    """What the engine and the workers measured of one parallel stage."""
+    """What the engine and the workers measured of one parallel stage (written by the
+    engine's thread alone, see the module docstring)."""
 
     __slots__ = (
         "arena_bytes",
+        "bucket",
         "busy_s",
         "events",
         "first",
+        "inflight",
+        "inflight_peak",
+        "items_in",
+        "items_out",
+        "k_busy",
+        "k_depth",
+        "k_items",
+        "k_samples",
         "label",
+        "latency",
         "runner",
+        "units",
         "wait_input_s",
         "wait_result_s",
         "worker_blocked_s",
         "workers",
     )
 
-    def __init__(self, label: str, runner: str, workers: int) -> None:
+    def __init__(self, node: str, label: str, runner: str, workers: int) -> None:
         self.label, self.runner, self.workers = label, runner, workers
+        self.units = self.items_in = self.items_out = self.inflight = self.inflight_peak = 0
+        self.latency: collections.deque[float] = collections.deque(maxlen=1024)
         self.busy_s = self.worker_blocked_s = 0.0
         self.wait_input_s = self.wait_result_s = 0.0
         self.arena_bytes = 0
         self.events: collections.Counter = collections.Counter()
         self.first: float | None = None  # when its first result came (its clock starts)
+        self.k_items, self.k_samples = node + ".items", node + ".samples"
+        self.k_busy, self.k_depth = node + ".busy", node + ".depth"
+        self.bucket = _Bucket((self.k_items, self.k_samples, self.k_busy), (self.k_depth,))
+
+    def counters(self) -> dict[str, float]:
+        row: dict[str, float] = {"units": self.units, "items_in": self.items_in,
+                                 "inflight_peak": self.inflight_peak,
+                                 "items_out": self.items_out, "inflight": self.inflight}
+        if self.latency:
+            p50, p90, p99 = _percentiles(self.latency, [50, 90, 99])
+            row.update(latency_p50_ms=p50 * 1e3, latency_p90_ms=p90 * 1e3,
+                       latency_p99_ms=p99 * 1e3)
+        return row
 
     def shares(self, end: float) -> dict[str, float]:
         """busy, idle and blocked fractions from the first result to ``end``."""
@@ -224,15 +322,24 @@ class _Stage:
 
 
 class StageProbe:
-    """An executor's link to the run's statistics: workers report op time with results."""
+    """An executor's link to the run's statistics: workers report op time with results
+    (:meth:`ran` is called in the engine's thread, as results are taken)."""
 
-    __slots__ = ("node", "stats")
+    __slots__ = ("node", "stage", "stats")
 
     def __init__(self, stats: "RunStats", node: str) -> None:
         self.stats, self.node = stats, node
+        self.stage = stats.stages[node]
 
     def ran(self, busy_s: float, blocked_s: float = 0.0, nbytes: int = 0) -> None:
-        self.stats.worker_ran(self.node, busy_s, blocked_s, nbytes)
+        st = self.stage
+        st.busy_s += busy_s
+        st.worker_blocked_s += blocked_s
+        st.arena_bytes += nbytes
+        bucket, now = st.bucket, perf_counter()
+        if now >= bucket.end:
+            self.stats.roll(bucket, now)
+        bucket.sums[st.k_busy] += busy_s
 
     def event(self, kind: str, worker: int) -> None:
         self.stats.worker_event(self.node, kind, worker)
@@ -251,15 +358,18 @@ class _TimedInput:
         return self
 
     def __next__(self):
-        t = time.perf_counter()
+        t = perf_counter()
         try:
             return next(self.it)
         finally:
-            self.stage.wait_input_s += time.perf_counter() - t
+            self.stage.wait_input_s += perf_counter() - t
 
 
 class _Consumer:
-    __slots__ = ("batches", "compute_s", "last", "startup_s", "wait_s", "waited_steps", "waits")
+    """The consumer's side (written by the thread calling ``next()`` alone)."""
+
+    __slots__ = ("batches", "bucket", "compute_s", "last", "startup_s", "wait_s",
+                 "waited_steps", "waits")
 
     def __init__(self) -> None:
         self.batches = self.waited_steps = 0
@@ -267,6 +377,7 @@ class _Consumer:
         self.last: float | None = None
         self.startup_s: float | None = None  # run start to the first batch
         self.waits: collections.deque[float] = collections.deque(maxlen=4096)
+        self.bucket = _Bucket(("batches", "steps", "wait_s"))
 
     def row(self) -> dict[str, float]:
         steps = self.batches - 1  # the first batch waits for the start-up, not a step
@@ -274,7 +385,7 @@ class _Consumer:
                "startup_s": self.startup_s or 0.0, "input_bound_steps": self.waited_steps,
                "input_bound_fraction": self.waited_steps / steps if steps > 0 else 0.0}
         if self.waits:
-            p50, p99 = np.percentile(np.fromiter(self.waits, float), [50, 99])
+            p50, p99 = _percentiles(self.waits, [50, 99])
             row.update(wait_mean_ms=self.wait_s / steps * 1e3,
                        wait_p50_ms=p50 * 1e3, wait_p99_ms=p99 * 1e3)
         return row
@@ -283,161 +394,177 @@ class _Consumer:
 class RunStats:
     def __init__(self, mode: str, sink=None) -> None:
         self.mode, self.sink = mode, sink
-        self.nodes: dict[str, _Node] = collections.defaultdict(_Node)
-        self.lock = threading.Lock()
+        self._nodes_mode = mode == "nodes"
+        #: node -> its counters: a parallel stage (from attach) or a serial op, the tail
+        self.nodes: dict[str, _Stage | _Node] = {}
+        self.lock = Lock()
         self._last_flush = time.monotonic()
         self._socket: socket.socket | None = None
-        self.t0 = time.perf_counter()
+        self.t0 = perf_counter()
         self.t_end: float | None = None
         self.series = _Series(self.t0)
         self.stages: dict[str, _Stage] = {}
         self.consumer = _Consumer()
+        self._tail: dict[str, float] | None = None  # the tail's counters (nodes mode)
         self.events: list[dict] = []
-        self._keys: dict[tuple[str, str], str] = {}
         for runs in _recorders:
             runs.append(self)
 
     @property
     def nodes_enabled(self) -> bool:
-        return self.mode == "nodes"
+        return self._nodes_mode
 
     # -- recording (engine side) -----------------------------------------------------------
     def attach(self, node: str, executor, stage, upstream: Iterator) -> Iterator:
         """Link ``executor`` (stage ``node``) to these statistics, once; returns
         ``upstream`` timed as the stage's input wait."""
-        with self.lock:
-            if node not in self.stages:
-                label = " -> ".join(getattr(op, "name", type(op).__name__)
-                                    for op in getattr(stage, "ops", ()))
-                runner = getattr(executor, "runner", "inline")
-                workers = 1 if runner == "inline" else max(1, stage.workers)
-                self.stages[node] = _Stage(label or node, runner, workers)
-            info = self.stages[node]
+        info = self.stages.get(node)
+        if info is None:  # the engine's thread alone adds stages
+            label = " -> ".join(getattr(op, "name", type(op).__name__)
+                                for op in getattr(stage, "ops", ()))
+            runner = getattr(executor, "runner", "inline")
+            workers = 1 if runner == "inline" else max(1, stage.workers)
+            info = _Stage(node, label or node, runner, workers)
+            with self.lock:
+                self.stages[node] = self.nodes[node] = info
         if getattr(executor, "probe", None) is None:
             executor.probe = StageProbe(self, node)
             for k in range(info.workers):
                 self.worker_event(node, "start", k)
         return _TimedInput(upstream, info)
 
-    def _key(self, node: str, what: str) -> str:
-        """The series key ``node + what`` (made once: this runs per part)."""
-        key = self._keys.get((node, what))
-        if key is None:
-            key = self._keys[(node, what)] = node + what
-        return key
+    def roll(self, bucket: _Bucket, now: float) -> None:
+        """Move what ``bucket`` holds into the series and open it at the bucket of ``now``
+        (its writer calls this once per bucket, the only time it takes the lock)."""
+        with self.lock:
+            if bucket.end:
+                self.series.take(bucket)
+                bucket.clear()
+            bucket.start, bucket.end = self.series.bounds(now)
 
     def submitted(self, node: str, items: int) -> None:
-        with self.lock:
-            n = self.nodes[node]
-            n.counters["units"] += 1
-            n.counters["items_in"] += items
-            n.inflight += 1
-            n.counters["inflight_peak"] = max(n.counters["inflight_peak"], n.inflight)
-            self.series.peak(time.perf_counter(), self._key(node, ".depth"), n.inflight)
-        self._maybe_flush()
+        st = self.stages[node]
+        st.units += 1
+        st.items_in += items
+        st.inflight = inflight = st.inflight + 1
+        if inflight > st.inflight_peak:
+            st.inflight_peak = inflight
+        bucket, now = st.bucket, perf_counter()
+        if now >= bucket.end:
+            self.roll(bucket, now)
+        if inflight > bucket.peaks[st.k_depth]:
+            bucket.peaks[st.k_depth] = inflight
+        if self.sink is not None:
+            self._maybe_flush()
 
     def completed(self, node: str, items: int, seconds: float, waited: float = 0.0,
                   samples: int = 0) -> None:
         """A part of ``samples`` input samples came back with ``items`` items after
         ``seconds``; the engine waited ``waited`` of them for it."""
-        now = time.perf_counter()
-        with self.lock:
-            n = self.nodes[node]
-            n.counters["items_out"] += items
-            n.inflight -= 1
-            n.latency.append(seconds)
-            stage = self.stages.get(node)
-            if stage is not None and stage.first is None:  # start-up ends: its clock starts
-                stage.first, stage.wait_input_s, stage.wait_result_s = now, 0.0, 0.0
-            elif stage is not None:
-                stage.wait_result_s += waited
-            self.series.add(now, (self._key(node, ".items"), items),
-                            (self._key(node, ".samples"), samples))
+        now = perf_counter()
+        st = self.stages[node]
+        st.items_out += items
+        st.inflight -= 1
+        st.latency.append(seconds)
+        if st.first is None:  # start-up ends: its clock starts
+            st.first, st.wait_input_s, st.wait_result_s = now, 0.0, 0.0
+        else:
+            st.wait_result_s += waited
+        bucket = st.bucket
+        if now >= bucket.end:
+            self.roll(bucket, now)
+        sums = bucket.sums
+        sums[st.k_items] += items
+        sums[st.k_samples] += samples
 
     def worker_ran(self, node: str, busy_s: float, blocked_s: float, nbytes: int) -> None:
-        with self.lock:
-            stage = self.stages[node]
-            stage.busy_s += busy_s
-            stage.worker_blocked_s += blocked_s
-            stage.arena_bytes += nbytes
-            self.series.add(time.perf_counter(), (self._key(node, ".busy"), busy_s))
+        StageProbe(self, node).ran(busy_s, blocked_s, nbytes)
 
     def worker_event(self, node: str, kind: str, worker: int) -> None:
         with self.lock:
             self.stages[node].events[kind] += 1
             if len(self.events) < MAX_EVENTS:
-                self.events.append({"t": time.perf_counter() - self.t0, "node": node,
+                self.events.append({"t": perf_counter() - self.t0, "node": node,
                                     "kind": kind, "worker": worker})
 
+    def _counters(self, node: str) -> dict[str, float]:
+        n = self.nodes.get(node)
+        if not isinstance(n, _Node):  # (stage names never name a serial op or the tail)
+            n = self.nodes[node] = _Node()
+        return n.counters
+
     def serial(self, node: str, items_in: int, items_out: int, seconds: float) -> None:
-        with self.lock:
-            n = self.nodes[node]
-            n.counters["items_in"] += items_in
-            n.counters["items_out"] += items_out
-            n.counters["seconds"] += seconds
+        counters = self._counters(node)
+        counters["items_in"] += items_in
+        counters["items_out"] += items_out
+        counters["seconds"] += seconds
 
     def add(self, node: str, **counts: int) -> None:
         """Add ``counts`` to ``node``'s counters (a packer's rows, tokens and padding)."""
-        with self.lock:
-            counters = self.nodes[node].counters
-            for name, value in counts.items():
-                counters[name] += value
+        counters = self._counters(node)
+        for name, value in counts.items():
+            counters[name] += value
 
     def delivered(self, called: float | None = None) -> None:
         """One batch went to the consumer; ``called``: when its ``next()`` was called."""
-        now = time.perf_counter()
-        with self.lock:
-            if self.nodes_enabled:
-                self.nodes["tail"].counters["delivered"] += 1
-            if called is None:
-                return
-            c, wait = self.consumer, now - called
-            c.batches += 1
-            if c.last is None:
-                c.startup_s = now - self.t0
-                self.series.add(now, ("batches", 1))
-            else:  # a step: its compute since the previous batch, then its wait
-                compute = max(0.0, called - c.last)
-                c.wait_s += wait
-                c.compute_s += compute
-                c.waited_steps += wait >= INPUT_BOUND_SHARE * (wait + compute)
-                c.waits.append(wait)
-                self.series.add(now, ("batches", 1), ("steps", 1), ("wait_s", wait))
-            c.last = now
+        now = perf_counter()
+        if self._nodes_mode:
+            if self._tail is None:
+                self._tail = self._counters("tail")
+            self._tail["delivered"] += 1
+        if called is None:
+            return
+        c, wait = self.consumer, now - called
+        bucket = c.bucket
+        if now >= bucket.end:
+            self.roll(bucket, now)
+        sums = bucket.sums
+        c.batches += 1
+        sums["batches"] += 1
+        if c.last is None:
+            c.startup_s = now - self.t0
+        else:  # a step: its compute since the previous batch, then its wait
+            compute = called - c.last
+            if compute < 0.0:
+                compute = 0.0
+            c.wait_s += wait
+            c.compute_s += compute
+            c.waited_steps += wait >= INPUT_BOUND_SHARE * (wait + compute)
+            c.waits.append(wait)
+            sums["steps"] += 1
+            sums["wait_s"] += wait
+        c.last = now
 
     def ended(self) -> None:
         """The run ended: its clock stops."""
         with self.lock:
             if self.t_end is None:
-                self.t_end = time.perf_counter()
+                self.t_end = perf_counter()
 
     # -- reading ---------------------------------------------------------------------------
     def _elapsed(self) -> float:
-        return (self.t_end or time.perf_counter()) - self.t0
+        return (self.t_end or perf_counter()) - self.t0
 
     def snapshot(self, report: bool = False) -> dict:
-        """``node -> row`` (see the module docstring); ``report``: the schema-1 report."""
+        """``node -> row`` (see the module docstring); ``report``: the schema-1 report.
+
+        Taken from any thread while the run goes: the counters are read as they are (each
+        exact, rows a moment apart), the series under the lock with each writer's open
+        bucket added to a copy."""
         out = {}
         elapsed = self._elapsed()
         with self.lock:
-            for name, n in self.nodes.items():
-                row = dict(n.counters)
-                row["inflight"] = n.inflight
-                if row.get("rows"):  # a packer: the share of its row slots that is padding
-                    row["padding_fraction"] = row["padding_tokens"] / (
-                        row["tokens"] + row["padding_tokens"])
-                if n.latency:
-                    p50, p90, p99 = np.percentile(np.fromiter(n.latency, float), [50, 90, 99])
-                    row.update(latency_p50_ms=p50 * 1e3, latency_p90_ms=p90 * 1e3,
-                               latency_p99_ms=p99 * 1e3)
-                stage = self.stages.get(name)
-                if stage is not None:
-                    row.update(self._stage_row(stage, self.t0, elapsed))
+            for name, n in list(self.nodes.items()):  # one C call: writers may add nodes
+                if isinstance(n, _Stage):
+                    row = {**n.counters(), **self._stage_row(n, self.t0, elapsed)}
+                else:
+                    row = n.row()
                 if name == "tail":
                     row.update(self.consumer.row())
                 out[name] = row
             if not report:
                 return out
+            stages = dict(self.stages)
             return {"schema": 1, "mode": self.mode, "elapsed_s": elapsed, "nodes": out,
                     "stages": {name: {"label": st.label, "runner": st.runner,
                                       **{k.removesuffix("_fraction"): v for k, v in
@@ -445,12 +572,19 @@ class RunStats:
                                       "worker_blocked_s": st.worker_blocked_s,
                                       "wait_input_s": st.wait_input_s,
                                       "wait_result_s": st.wait_result_s}
-                               for name, st in self.stages.items()},
+                               for name, st in stages.items()},
                     "consumer": self.consumer.row(),
-                    "series": self.series.export(
-                        self.t0 + elapsed,
-                        {name: st.workers for name, st in self.stages.items()}),
+                    "series": self._series_now().export(
+                        self.t0 + elapsed, {name: st.workers for name, st in stages.items()}),
                     "events": list(self.events)}
+
+    def _series_now(self) -> _Series:
+        """The series with every writer's open bucket in it (a copy; under the lock)."""
+        series = self.series.copy()
+        for bucket in [self.consumer.bucket, *(st.bucket for st in self.stages.values())]:
+            if bucket.end:
+                series.take(bucket)
+        return series
 
     @staticmethod
     def _stage_row(stage: _Stage, t0: float, elapsed: float) -> dict[str, float]:

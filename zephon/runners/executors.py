@@ -35,8 +35,10 @@ the current count, ``max_workers`` the most the executor may be grown to.
 
 With execution tracking on, the engine sets an executor's ``probe``
 (:class:`~zephon.pipeline.stats.StageProbe`): each unit's op time is reported to it
-(a process worker measures it and sends it with the result), and worker restarts
-and stops. With ``probe`` None (tracking off) nothing is timed.
+in the engine's thread, when ``get()`` takes the result (a process or thread worker
+measures it and returns it with the result: no extra messages, and no worker writes
+to the statistics), and worker restarts and stops. With ``probe`` None (tracking off)
+nothing is timed.
 """
 
 from __future__ import annotations
@@ -179,6 +181,15 @@ class _DaemonThreads:
             self._queue.put(None)
 
 
+class _Timed:
+    """A thread worker's result with its op time (execution tracking on)."""
+
+    __slots__ = ("busy_s", "value")
+
+    def __init__(self, value, busy_s: float) -> None:
+        self.value, self.busy_s = value, busy_s
+
+
 class ThreadExecutor:
     """A stage on daemon threads (see :class:`_DaemonThreads`). ``close()`` returns at
     once: a ``get()`` blocked in another thread raises
@@ -202,17 +213,15 @@ class ThreadExecutor:
         run = self.program if self.probe is None and self.meter is None else self._timed
         self._pending[lane][self.pool.submit(run, payload)] = seq
 
-    def _timed(self, payload):
+    def _timed(self, payload) -> "_Timed":
+        """``program(payload)`` with its op time, which the engine's thread reports to
+        the probe when it takes the result (a worker thread never touches the stats)."""
         started = time.perf_counter()
         try:
-            return self.program(payload)
-        finally:
-            took = time.perf_counter() - started
-            probe, meter = self.probe, self.meter
-            if probe is not None:
-                probe.ran(took)
-            if meter is not None:
-                meter.ran(took)
+            value = self.program(payload)
+        except Exception as exc:  # noqa: BLE001 - raised by the engine in stream order
+            value = TaskFailed(exc)
+        return _Timed(value, time.perf_counter() - started)
 
     def grow(self) -> None:
         """One thread more (started on the next submit)."""
@@ -233,9 +242,16 @@ class ThreadExecutor:
         future = next(iter(done))
         seq = pending.pop(future)
         try:
-            return seq, future.result()
+            result = future.result()
         except Exception as exc:  # noqa: BLE001 - raised by the engine in stream order
             return seq, TaskFailed(exc)
+        if type(result) is _Timed:
+            if self.probe is not None:
+                self.probe.ran(result.busy_s)
+            if self.meter is not None:
+                self.meter.ran(result.busy_s)
+            result = result.value
+        return seq, result
 
     def close(self) -> None:
         self.pool.close()
