@@ -16,6 +16,11 @@ def double(s):
     return {**s, "x": s["x"] * 2}
 
 
+def double_with(s, pad=None):
+    """``double``, with a keyword that lets a test make the op as large as it likes."""
+    return double(s)
+
+
 def noisy(s, ctx):
     return {**s, "noise": float(ctx.rng.random())}
 

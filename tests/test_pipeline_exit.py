@@ -113,9 +113,20 @@ UNGUARDED = textwrap.dedent("""
 """)
 
 
-def test_a_script_without_the_main_guard_is_told_how_to_fix_it(tmp_path):
+#: a stage program far larger than a pipe holds (its map carries 8 MiB): spawn's
+#: preparation data once carried it, and the parent blocked for ever writing it to a child
+#: that had died re-running the script
+BIG_PROGRAM = ("import functools, numpy as np\n"
+               "F.double = functools.partial(F.double_with, pad=np.zeros(1 << 20))\n")
+
+
+@pytest.mark.parametrize("program", ["small", "large"])
+def test_a_script_without_the_main_guard_is_told_how_to_fix_it(tmp_path, program):
     path = tmp_path / "unguarded.py"
-    path.write_text(UNGUARDED.format(tests=TESTS))
+    text = UNGUARDED.format(tests=TESTS)
+    if program == "large":
+        text = text.replace("from zephon import", BIG_PROGRAM + "from zephon import")
+    path.write_text(text)
     proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode != 0

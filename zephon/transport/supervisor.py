@@ -13,7 +13,14 @@ Lifecycle of a :class:`Child`
    started with SIGINT blocked so that a Ctrl-C during the child's interpreter
    start-up stays pending (the child then ignores it: Ctrl-C to the process
    group is the parent's to handle). The parent closes its copy of the child's
-   end at once.
+   end at once. The target and its arguments travel as the channel's first
+   message (parent to child), not in the spawn preparation data: a child that
+   dies while spawn prepares it (a script re-run without its ``__main__`` guard
+   exits there) never reads that data, and the parent, which keeps the read end
+   of that pipe open, would block for ever writing arguments larger than a pipe
+   holds (a worker's pickled stage program with its tokenizer). On the channel a
+   dead child is an error on the write (ignored: its death is reported as every
+   death is).
 2. **Handshake**: the child's first message is READY (``{"k": "ready", "pid"}``)
    or FAIL (``{"k": "fail", "tb"}`` and the pickled exception) when it could not
    set itself up. :func:`await_ready` waits for a set of children within a
@@ -65,6 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import selectors
 import signal
 import threading
@@ -234,6 +242,14 @@ def exit_text(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
+def _spawned(channel) -> None:
+    """Every child's process entry: its target and arguments are the channel's first
+    message (see the module docstring, step 1), then ``target(channel, *args)``."""
+    _, frames, _ = channel.recv()
+    target, args = pickle.loads(frames[0])
+    target(channel, *args)
+
+
 class Child:
     """One supervised child process and the parent's end of its channel.
 
@@ -273,8 +289,9 @@ class Child:
             daemon: a daemon process cannot start processes of its own.
             group: the child makes itself a process-group leader (see :class:`Child`).
         """
+        entry = pickle.dumps((target, tuple(args)), protocol=5)
         parent_end, child_end = channel_pair(transport, buffer_bytes)
-        process = mp_context.Process(target=target, args=(child_end, *args), name=name,
+        process = mp_context.Process(target=_spawned, args=(child_end,), name=name,
                                      daemon=daemon)
         # The child inherits the signal mask through exec: SIGINT stays blocked until it
         # has set it to ignored (ignore_sigint), so a Ctrl-C during its start-up prints no
@@ -288,6 +305,10 @@ class Child:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
             child_end.close()  # the child has its own copy now
+        try:
+            parent_end.send({"k": "entry"}, [entry])
+        except (OSError, ChannelClosed):  # it died starting: reported as every death is
+            pass
         return cls(process, parent_end, group=group)
 
     @property
