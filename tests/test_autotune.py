@@ -162,6 +162,11 @@ def test_a_workload_that_turns_cheap_is_shrunk(gate):
     assert shrinks and "periods" in shrinks[0]["reason"], snap
 
 
+# Left out of the default run: whether the cheap phase reads as idle enough to shrink
+# depends on CPU time measured on the machine, and a loaded 2-core machine (two suites at
+# once) kept the stage above the threshold until the pass ended. The threads variant
+# above pins the shrink with an Event the test controls.
+@pytest.mark.slow
 def test_a_process_workload_that_turns_cheap_is_shrunk():
     n = 20_000
     pipe = _pipe(n, "process", op=F.slow_then_fast, shuffle=False,

@@ -222,3 +222,29 @@ def test_no_item_waits_for_the_next_before_the_tail_of_the_pass(tail):
         return out
 
     assert reads_per_item(1) == reads_per_item(None)
+
+
+@pytest.mark.parametrize("runner", ["inline", "threads"])
+def test_a_state_after_the_last_item_with_a_lane_dealt_nothing_restores_to_the_next_pass(
+        runner):
+    from zephon import Pipeline, RuntimeOptions, sources
+
+    # 3 samples over 4 lanes of one-sample chunks: lane 3 is dealt nothing. The state after
+    # the pass's last item must say every lane has ended (the empty one never held the
+    # tail back, so lane 2's last item carries its ended state), and restore to epoch 1.
+    def pipe():
+        return (Pipeline(sources.from_callable(3, F.make_sample), seed=5, chunk_size=1,
+                         num_epochs=1).map(F.double, parallelism=2)
+                .options(RuntimeOptions(runner=runner, canonical_replicas=4)))
+
+    it = iter(pipe())
+    first = [int(next(it)["id"]) for _ in range(3)]  # the last item, not past it
+    state = it.checkpoint()
+    it.close()
+    nxt = pipe()
+    nxt.set_epoch(1)
+    expected = [int(s["id"]) for s in nxt]
+    again = pipe()
+    again.restore(state)
+    assert sorted(first) == [0, 1, 2]
+    assert [int(s["id"]) for s in again] == expected

@@ -366,7 +366,10 @@ class Engine:
         if self.end_epoch is None:  # an endless pass: no lane ever ends
             yield from rotation
             return
-        streaming = sum(1 for lane in self.plan.owned if not is_ended(self.states.get(lane)))
+        # the lanes whose last unit is still to come (a lane dealt no sample has none: it
+        # never holds back the tail, as it never counts against an ended pass)
+        streaming = {lane for lane in self.plan.owned if not is_ended(self.states.get(lane))
+                     and self.plan.lane_length(lane) > 0}
         issued = self._issued
         held = None  # in the tail: the item before the one being made
         while True:
@@ -381,7 +384,7 @@ class Engine:
             if held is not None:
                 yield _stamped(held, ended) if ended else held
                 held = None
-            if len(issued) < streaming:  # not the tail: no item can be the rank's last
+            if not streaming <= issued:  # not the tail: no item can be the rank's last
                 yield _stamped(item, ended) if ended else item
             else:
                 held = item
