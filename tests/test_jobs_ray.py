@@ -342,7 +342,6 @@ def test_a_batch_that_hangs_or_dies_is_split_and_blames_one_subject(tmp_path, on
         assert r.summary["timeouts"] == 0 and r.summary["oom_backoffs"] == 1
 
 
-@pytest.mark.ci
 def test_the_store_is_shared_with_the_process_backend(tmp_path, on_ray):
     store = str(tmp_path / "ckpt")
     subs = subjects(tmp_path, 4, "ok")
@@ -383,7 +382,6 @@ INTERRUPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.ci
 def test_ctrl_c_cancels_the_tasks_and_keeps_the_store(tmp_path):
     log_dir = tmp_path / "log"
     log_dir.mkdir()
@@ -436,7 +434,6 @@ def test_cap_workers_to_gpu_pool_uses_the_cluster_gpus(tmp_path, clusters):
 
 # -- two nodes (last: it replaces the local cluster) -----------------------------------
 
-@pytest.mark.ci
 def test_subjects_land_on_both_nodes_and_survive_losing_one(tmp_path, clusters):
     cluster, second = clusters.two_nodes()
     head = ray.get_runtime_context().get_node_id()
