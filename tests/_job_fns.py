@@ -291,3 +291,19 @@ def interval_overlap(directory: str, ids=None) -> int:
         level += delta
         peak = max(peak, level)
     return peak
+
+
+def count_store_lookups(monkeypatch) -> list[int]:
+    """Count the store's batched lookups from now on: a list that gets the number of keys
+    of every ``CheckpointStore.load_many`` call (the calls still happen)."""
+    from zephon.jobs import store as store_mod
+
+    looked_up: list[int] = []
+    original = store_mod.CheckpointStore.load_many
+
+    def counting(self, keys):
+        looked_up.append(len(keys))
+        return original(self, keys)
+
+    monkeypatch.setattr(store_mod.CheckpointStore, "load_many", counting)
+    return looked_up

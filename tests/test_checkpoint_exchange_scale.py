@@ -281,3 +281,13 @@ def test_leftovers_of_an_earlier_launch_are_never_merged(tmp_path, store_worlds,
     assert not lead["errors"] and not out["errors"], (lead["errors"], out["errors"])
     out["results"].update(lead["results"])
     check_merged_round(out, world)
+
+
+def test_a_group_holding_a_rank_outside_its_subtree_is_refused():
+    from zephon.checkpoint.media import _Tree
+    from zephon.errors import CheckpointError
+
+    tree = _Tree(2048)  # leader 1024 leads ranks 1024 .. 2047 at level 2
+    tree.check_group(1024, 2, {1025: b"x", 2047: b"y"}, "here")
+    with pytest.raises(CheckpointError, match="outside its subtree"):
+        tree.check_group(1024, 2, {1025: b"x", 5: b"forged"}, "here")

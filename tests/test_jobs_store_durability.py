@@ -27,6 +27,7 @@ import time
 import msgpack
 import pytest
 import zstandard
+from _job_fns import count_store_lookups
 
 from zephon.jobs import CheckpointStore, RunPolicy, run
 from zephon.jobs import runner as runner_mod
@@ -252,14 +253,7 @@ def test_a_resume_yields_its_first_cached_result_before_reading_the_whole_store(
     subjects = [f"S{i:05d}" for i in range(5 * runner_mod.RESUME_CHUNK)]
     policy = RunPolicy(subject_timeout_sec=None, checkpoint_dir=root)
     assert all(r.ok for r in run(len, subjects, policy, progress=False))
-    looked_up: list[int] = []
-    original = store_mod.CheckpointStore.load_many
-
-    def counting(self, keys):
-        looked_up.append(len(keys))
-        return original(self, keys)
-
-    monkeypatch.setattr(store_mod.CheckpointStore, "load_many", counting)
+    looked_up = count_store_lookups(monkeypatch)
     it = iter(run(len, subjects, policy, progress=False))
     first = next(it)
     assert first.subject_id == "S00000" and first.from_cache

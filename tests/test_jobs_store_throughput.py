@@ -18,6 +18,7 @@ import os
 import tracemalloc
 
 import pytest
+from _job_fns import count_store_lookups
 
 from zephon.errors import ZephonConfigError
 from zephon.jobs import CheckpointStore, RunPolicy, run
@@ -63,14 +64,7 @@ def test_a_fresh_store_is_not_looked_up_and_a_resume_serves_everything(tmp_path,
     root = str(tmp_path / "ckpt")
     subjects = [str(tmp_path / f"s{i:03d}") for i in range(40)]
     policy = RunPolicy(subject_timeout_sec=None, checkpoint_dir=root)
-    looked_up: list[int] = []
-    original = store_mod.CheckpointStore.load_many
-
-    def counting(self, keys):
-        looked_up.append(len(keys))
-        return original(self, keys)
-
-    monkeypatch.setattr(store_mod.CheckpointStore, "load_many", counting)
+    looked_up = count_store_lookups(monkeypatch)
     first = list(run(_flaky, subjects, policy, progress=False))
     assert looked_up == []  # nothing to settle in an empty store
     assert [r.subject_id for r in first] == subjects

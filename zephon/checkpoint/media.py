@@ -164,7 +164,9 @@ class _PollingMedium(abc.ABC):
                     if level == 1:
                         got[child] = blob
                     else:
-                        _merge_new(got, read_frames(blob, tree.world, where), where)
+                        group = read_frames(blob, tree.world, where)
+                        tree.check_group(child, level - 1, group, where)
+                        _merge_new(got, group, where)
                 if not kids:
                     del pending[level]
             if not pending:
@@ -217,6 +219,13 @@ class _Tree:
     def children(self, rank: int, level: int) -> set[int]:
         step = FAN_IN ** (level - 1)
         return {rank + j * step for j in range(1, FAN_IN) if rank + j * step < self.world}
+
+    def check_group(self, leader: int, level: int, group: dict, where: str) -> None:
+        """A group a leader of ``level`` published holds only ranks of its own subtree."""
+        outside = [r for r in group if not leader <= r < leader + FAN_IN ** level]
+        if outside:
+            raise CheckpointError(f"submissions at {where}: the group of rank {leader} "
+                                  f"holds rank(s) {outside[:5]} outside its subtree")
 
     @staticmethod
     def child_of(name: str, level: int) -> int | None:

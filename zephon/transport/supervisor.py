@@ -283,7 +283,9 @@ class Child:
         Args:
             mp_context: a ``multiprocessing`` context (spawn).
             target: a module-level function (spawn imports it).
-            args: its arguments after the channel.
+            args: its arguments after the channel: plain picklable values (they are
+                pickled here and sent as the channel's first message, so a socket or a
+                file descriptor among them does not travel; pass those on the channel).
             transport, buffer_bytes: the channel (see :func:`channel_pair`).
             name: the process name.
             daemon: a daemon process cannot start processes of its own.
