@@ -22,6 +22,15 @@ the file open keeps reading the file it indexed when another one is renamed over
 its path.) A remote file with the cache enabled is read the same way from its
 cached copy (checked against the copy's identity when first opened); with the
 cache disabled it is read window by window with exact ranged requests.
+
+A fused ``read -> batch`` reads a batch's windows together
+(:meth:`TokenWindows.get_batch`: one ``fstat`` per batch, one ``os.preadv`` per run
+of consecutive windows, straight into the batch's rows), and on the process runner
+many such batches travel in one message (:func:`~zephon.pipeline.program.batches_per_message`):
+the windows are a few KiB each, so moving them one by one cost more than reading
+them. The batches are exactly those of reading window by window; any check that
+fails in the batched read sends the batch back to the window-by-window read, so
+each error is the same either way.
 """
 
 from __future__ import annotations
@@ -165,6 +174,44 @@ class TokenWindows(FileSource):
             raise SourceError(f"token_windows: {self.path}, window {i}: truncated: expected "
                               f"{self.nbytes} bytes at offset {at}, read {got}")
         return {"tokens": out}
+
+    def get_batch(self, indices) -> dict | None:
+        """Windows ``indices`` collated (see :meth:`Source.get_batch`): one ``(n, seq_len)``
+        array, each run of consecutive windows read with one ``os.preadv`` straight into its
+        rows, after one ``fstat`` check of the whole batch.
+
+        None (the windows are then read one by one, each with its own check and error)
+        when the file is streamed (ranged requests per window), an index is out of range,
+        the file changed since the source was built, or a read comes back short."""
+        idx = np.asarray(indices, dtype=np.int64)
+        n = idx.size
+        if n == 0 or int(idx.min()) < 0 or int(idx.max()) >= len(self):
+            return None
+        fd = self._fd
+        if fd < 0:
+            if self.reader(0).streamed:
+                return None
+            try:
+                fd = self._open(int(idx[0]))
+            except SourceError:
+                return None
+        st = os.fstat(fd)
+        if st.st_size != self.stat[2] or st.st_mtime_ns != self.stat[3]:  # type: ignore[index]
+            return None
+        out = np.empty((n, self.seq_len), dtype=self.dtype)
+        rows = out.data.cast("B")
+        size = self.nbytes
+        cuts = (np.flatnonzero(np.diff(idx) != 1) + 1).tolist()
+        for a, b in zip([0, *cuts], [*cuts, n], strict=True):
+            want = (b - a) * size
+            if os.preadv(fd, [rows[a * size:b * size]], self.offset + int(idx[a]) * size) \
+                    != want:
+                return None
+        return {"tokens": out}
+
+    def sample_nbytes(self) -> float | None:
+        """Bytes of one window: ``seq_len`` tokens of the file's dtype."""
+        return float(self.nbytes)
 
     def describe(self) -> str:
         where = self.path if is_remote(self.path) else os.path.basename(self.path)
