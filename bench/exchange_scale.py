@@ -13,9 +13,10 @@ files left afterwards.
 ``--procs P`` (P > 1) runs the ranks in P spawned processes, each with W / P rank threads
 (contiguous blocks of ranks, rank 0 in the first): no process holds thousands of threads
 and connections. The TCPStore server is then hosted by this process and every rank's
-client lives in its rank's process; ``round s`` is the longest round a process saw (from
-its threads' start, after its connections were made), every rank's merged record is
-checked to be the same bytes.
+client lives in its rank's process. Every process makes its connections and starts its
+threads, which wait; once all processes are there (a barrier) every rank enters the round
+at once. ``round s`` is the longest round a process saw from then; every rank's merged
+record is checked to be the same bytes.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from _exchange_ranks import (
 )
 
 
-def _rank_group(medium: str, where: str, world: int, ranks: list[int],
-                timeout_s: float) -> dict:
+def _rank_group(medium: str, where: str, world: int, ranks: list[int], timeout_s: float,
+                barrier, out) -> None:
     """In a spawned process: ``ranks`` of one round as threads, each on its own connection
-    (``where``: the store's port, or the directory)."""
+    (``where``: the store's port, or the directory), entering the round once every
+    process has its threads waiting (``barrier``); puts its figures on ``out``."""
     import datetime
     import hashlib
     from concurrent.futures import ThreadPoolExecutor
@@ -65,18 +67,18 @@ def _rank_group(medium: str, where: str, world: int, ranks: list[int],
     else:
         media = {r: CountingDir(os.path.join(where, "run")) for r in ranks}
         counted = media
-    out = run_round(media, world, ranks=ranks, timeout_s=timeout_s)
-    return {"calls": {r: sum(c.calls.values()) for r, c in counted.items()},
-            "errors": {r: repr(e) for r, e in out["errors"].items()},
-            "digests": sorted({hashlib.sha256(b).hexdigest() for b in out["results"].values()}),
-            "size": max((len(b) for b in out["results"].values()), default=0),
-            "seconds": out["seconds"]}
+    got = run_round(media, world, ranks=ranks, timeout_s=timeout_s, ready=barrier.wait)
+    out.put({"calls": {r: sum(c.calls.values()) for r, c in counted.items()},
+             "errors": {r: repr(e)[:300] for r, e in got["errors"].items()},
+             "digests": sorted({hashlib.sha256(b).hexdigest()
+                                for b in got["results"].values()}),
+             "size": max((len(b) for b in got["results"].values()), default=0),
+             "seconds": got["seconds"]})
 
 
 def measure_procs(medium: str, world: int, procs: int, timeout_s: float = 900.0) -> dict:
     """One round of ``world`` ranks in ``procs`` spawned processes (see the docstring)."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
     blocks = [list(range(world * i // procs, world * (i + 1) // procs)) for i in range(procs)]
     ctx = multiprocessing.get_context("spawn")
@@ -92,9 +94,20 @@ def measure_procs(medium: str, world: int, procs: int, timeout_s: float = 900.0)
             where = str(server.port)
         else:
             where = root
-        with ProcessPoolExecutor(procs, mp_context=ctx) as pool:
-            groups = list(pool.map(_rank_group, [medium] * procs, [where] * procs,
-                                   [world] * procs, blocks, [timeout_s] * procs))
+        barrier, out = ctx.Barrier(procs), ctx.Queue()
+        children = [ctx.Process(target=_rank_group, daemon=True,
+                                args=(medium, where, world, block, timeout_s, barrier, out))
+                    for block in blocks]
+        try:
+            for child in children:
+                child.start()
+            groups = [out.get(timeout=timeout_s + 600) for _ in children]
+        finally:
+            for child in children:
+                child.join(30)
+                if child.is_alive():
+                    child.kill()
+                    child.join()
         if server is not None:
             left = len([k for k in server.list_keys() if k.startswith("zephon/")])
             del server
