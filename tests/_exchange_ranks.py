@@ -80,12 +80,13 @@ def submission(rank: int, world: int) -> dict:
 
 
 def run_round(media, world: int, *, round_no: int = 1, timeout_s: float = 120.0,
-              scope: str = "s", ranks=None, ready=None) -> dict:
+              scope: str = "s", ranks=None, ready=None, grace_s: float | None = None) -> dict:
     """One round, rank ``r`` on ``media[r]`` for each of ``ranks`` (default: all); returns
     ``{"results", "errors", "seconds"}``. With ``ready`` (a callable), every rank's thread
     is started first and waits; ``ready()`` is called (a barrier with the other processes
     of a simulated world) and then all of them enter the round at once, so that the
-    round's clock does not include starting thousands of threads."""
+    round's clock does not include starting thousands of threads. ``grace_s``: rank 0's
+    wait for arrivals (default: the protocol's, from ``timeout_s``)."""
     results: dict = {}
     errors: dict = {}
     gate = threading.Event()
@@ -97,7 +98,7 @@ def run_round(media, world: int, *, round_no: int = 1, timeout_s: float = 120.0,
         try:
             results[r] = exchange(media[r], submission(r, world), round_no=round_no, rank=r,
                                   world=world, timeout_s=timeout_s, serializer="msgpack",
-                                  compressor="zstd", scope=scope)
+                                  compressor="zstd", scope=scope, grace_s=grace_s)
         except Exception as exc:  # noqa: BLE001 - handed to the caller
             errors[r] = exc
 
