@@ -1,18 +1,24 @@
 """What the epoch order costs at scale: first batch, epoch boundary, 4096 lanes (Linux).
 
-    PYTHONPATH=$PWD python bench/scale.py       # every row, n = 10^6 ... 10^10, 3 runs
+    PYTHONPATH=$PWD python bench/scale.py       # every row, n = 10^3, 10^6 ... 10^10, 3 runs
     python bench/scale.py --max-n 1e8 --runs 1  # a quick subset
-    python bench/scale.py --rows lanes,boundary
+    python bench/scale.py --rows lanes,boundary,mixture
 
-Each row runs in a fresh process (``--row``, internal) ``--runs`` times; the table shows
-medians. Every row builds ``Pipeline(sources.from_callable(n, sample), seed=0)`` with
-the default shuffle and ``.batch(8)``:
+Each row runs in a fresh process (``--row``, internal) ``--runs`` times, the runs of all
+rows interleaved (run 1 of every row, then run 2 of every row in reverse order, ...: load
+that drifts falls on every row alike); the table shows medians. Every row but ``mixture`` builds
+``Pipeline(sources.from_callable(n, sample), seed=0)`` with the default shuffle and
+``.batch(8)``:
 
 - ``first``: time from ``iter(pipe)`` to the first batch and the main process's peak RSS
   (``ru_maxrss``: the interpreter and NumPy included), inline and on processes
   (``RuntimeOptions(runner="process", max_workers=2)``: the time then includes
-  starting the workers). ``order`` is the part of that time spent in
-  :func:`zephon.pipeline.lanes.epoch_slice` (the epoch order), measured by wrapping it.
+  starting the workers, a cost that does not grow with n), with the largest peak RSS
+  of a worker (``RUSAGE_CHILDREN`` once the pool has reaped them). ``order`` is the part
+  of that time spent in :func:`zephon.pipeline.lanes.epoch_slice` (the epoch order),
+  measured by wrapping it. n = 10^3 is the baseline: below the table, the process row's
+  first batch at each n minus its first batch at 10^3 (medians) is the part of the time
+  that depends on n.
 - ``boundary``: the epoch boundary at n = 10^9 without reading 10^9 samples: with
   ``chunk_size = n - 10`` and two canonical lanes, lane 1 holds one chunk of 10 samples
   per epoch; rank 1 of a world of 2 owns only lane 1 and runs ``num_epochs=None``, so
@@ -25,6 +31,11 @@ the default shuffle and ``.batch(8)``:
 - ``lanes``: ``canonical_replicas=4096`` on one rank (it owns all 4096 lanes), n = 2^18,
   ``chunk_size`` 64 (one chunk per lane): time to the first batch, time until every
   lane delivered its first batch (4096 batches), and the peak RSS.
+- ``mixture``: ``sources.mixture`` of K = 1024 ``from_callable`` components of 10^6
+  samples each (10^9 in all), ``MixtureReadConfig(mode="weighted_random")``,
+  ``chunk_size`` 64, ``.batch(64)``, inline and on processes (2 workers): start-up is the
+  time from building the components to the first batch; the main process's peak RSS and
+  a worker's.
 
 Rows whose n exceeds ``--max-n`` are skipped (the order before the index shuffle needed
 about 16 bytes per sample). A row that fails or exceeds ``--timeout`` shows its error.
@@ -92,7 +103,31 @@ def row_first(n: int, runner: str) -> dict:
     peak = _peak_mib()
     it.close()
     assert len(first["x"]) == 8
-    return {"first_s": t1 - t0, "order_s": order, "peak_mib": peak, "base_mib": base}
+    return {"first_s": t1 - t0, "order_s": order, "peak_mib": peak, "base_mib": base,
+            "worker_mib": _children_peak_mib()}
+
+
+def _children_peak_mib() -> float:
+    """The largest peak RSS of a reaped child (a pool's workers, once it is closed)."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def row_mixture(k: int, n_each: int, runner: str) -> dict:
+    from zephon import MixtureReadConfig, Pipeline, RuntimeOptions, sources
+
+    timer = _OrderTimer()
+    opts = RuntimeOptions(runner=runner, max_workers=2) if runner == "process" else \
+        RuntimeOptions(runner="inline")
+    t0 = time.perf_counter()
+    comps = {f"c{i}": sources.from_callable(n_each, sample, name=f"c{i}") for i in range(k)}
+    mix = sources.mixture(comps, config=MixtureReadConfig(mode="weighted_random"))
+    it = iter(Pipeline(mix, seed=0, chunk_size=64).batch(64).options(opts))
+    first = next(it)
+    t1 = time.perf_counter()
+    it.close()
+    assert len(first["x"]) == 64
+    return {"first_s": t1 - t0, "order_s": timer.total(), "peak_mib": _peak_mib(),
+            "worker_mib": _children_peak_mib()}
 
 
 def row_boundary(n: int) -> dict:
@@ -144,6 +179,8 @@ def run_row(spec: dict) -> dict:
         return row_first(spec["n"], spec["runner"])
     if kind == "boundary":
         return row_boundary(spec["n"])
+    if kind == "mixture":
+        return row_mixture(spec["k"], spec["n_each"], spec["runner"])
     return row_lanes(spec["n"], spec["lanes"])
 
 
@@ -179,13 +216,16 @@ def specs(rows: set[str], max_n: float) -> list[dict]:
     out: list[dict] = []
     if "first" in rows:
         for runner in ("inline", "process"):
-            out += [{"kind": "first", "n": 10 ** e, "runner": runner} for e in range(6, 11)
-                    if 10 ** e <= max_n]
+            out += [{"kind": "first", "n": 10 ** e, "runner": runner}
+                    for e in (3, 6, 7, 8, 9, 10) if 10 ** e <= max_n]
     if "boundary" in rows:
         n = 10 ** 9 if max_n >= 10 ** 9 else int(max_n)
         out.append({"kind": "boundary", "n": n})
     if "lanes" in rows:
         out.append({"kind": "lanes", "n": 1 << 18, "lanes": 4096})
+    if "mixture" in rows:
+        out += [{"kind": "mixture", "k": 1024, "n_each": 10 ** 6, "runner": runner}
+                for runner in ("inline", "process")]
     return out
 
 
@@ -194,12 +234,33 @@ def _label(spec: dict) -> str:
         return f"first batch, {spec['runner']:<7} n=10^{int(np.log10(spec['n']))}"
     if spec["kind"] == "boundary":
         return f"epoch boundary, n={spec['n']:.0e}"
+    if spec["kind"] == "mixture":
+        return f"mixture K={spec['k']} x 10^{int(np.log10(spec['n_each']))}, {spec['runner']}"
     return f"{spec['lanes']} lanes, n=2^{spec['n'].bit_length() - 1}"
+
+
+def _n_dependent(todo: list[dict], runs: list[list[dict]]) -> None:
+    """Per runner, the first batch at each n minus the first batch at n = 10^3: the
+    median of the per-run differences (run r of both rows ran side by side)."""
+    for runner in ("inline", "process"):
+        rows = {s["n"]: got for s, got in zip(todo, runs, strict=True)
+                if s["kind"] == "first" and s["runner"] == runner}
+        base = rows.get(10 ** 3)
+        if base is None:
+            continue
+        parts = []
+        for n, got in sorted(rows.items()):
+            diffs = [b["first_s"] - a["first_s"] for a, b in zip(base, got, strict=True)
+                     if "error" not in a and "error" not in b]
+            if n != 10 ** 3 and diffs:
+                parts.append(f"10^{int(np.log10(n))} {statistics.median(diffs) * 1e3:+.1f} ms")
+        if parts:
+            print(f"first batch minus n=10^3, {runner}: " + ", ".join(parts))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="first,boundary,lanes")
+    parser.add_argument("--rows", default="first,boundary,lanes,mixture")
     parser.add_argument("--max-n", type=float, default=1e10)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900)
@@ -210,10 +271,17 @@ def main(argv=None) -> int:
         return 0
     import zephon
 
-    print(f"zephon from {os.path.dirname(zephon.__file__)}")
+    print(f"zephon from {os.path.dirname(zephon.__file__)}; load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    todo = specs(set(args.rows.split(",")), args.max_n)
+    runs: list[list[dict]] = [[] for _ in todo]
+    for r in range(args.runs):  # interleaved: run r of every row, then run r + 1 ...
+        order = list(zip(todo, runs, strict=True))
+        for spec, got in order if r % 2 == 0 else order[::-1]:  # ... in reverse order
+            got.append(_child(spec, args.timeout))
     print(f"{'row':<34} {'time':>12} {'order part':>12} {'peak RSS':>13}  extra")
-    for spec in specs(set(args.rows.split(",")), args.max_n):
-        got = _medians([_child(spec, args.timeout) for _ in range(args.runs)])
+    medians = [_medians(got) for got in runs]
+    for spec, got in zip(todo, medians, strict=True):
         if "error" in got:
             print(f"{_label(spec):<34} {got['error']}", flush=True)
             continue
@@ -223,8 +291,12 @@ def main(argv=None) -> int:
             extra = f"every lane's first batch {_fmt(got['every_lane_s'], 's').strip()}"
         elif "base_mib" in got:
             extra = f"RSS before iter {got['base_mib']:.0f} MiB"
+        if got.get("worker_mib"):
+            extra += f"{'; ' if extra else ''}worker peak {got['worker_mib']:.0f} MiB"
         print(f"{_label(spec):<34} {_fmt(main_time, 's')} {_fmt(got['order_s'], 's')} "
               f"{_fmt(got['peak_mib'], 'MiB')}  {extra}", flush=True)
+    _n_dependent(todo, runs)
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
 

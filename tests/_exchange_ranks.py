@@ -79,25 +79,38 @@ def submission(rank: int, world: int) -> dict:
             "world": world, "dp_degree": world, "mapping": "contiguous"}
 
 
-def run_round(media: list, world: int, *, round_no: int = 1, timeout_s: float = 120.0,
-              scope: str = "s", ranks=None) -> dict:
+def run_round(media, world: int, *, round_no: int = 1, timeout_s: float = 120.0,
+              scope: str = "s", ranks=None, ready=None, grace_s: float | None = None) -> dict:
     """One round, rank ``r`` on ``media[r]`` for each of ``ranks`` (default: all); returns
-    ``{"results", "errors", "seconds"}``."""
+    ``{"results", "errors", "seconds"}``. With ``ready`` (a callable), every rank's thread
+    is started first and waits; ``ready()`` is called (a barrier with the other processes
+    of a simulated world) and then all of them enter the round at once, so that the
+    round's clock does not include starting thousands of threads. ``grace_s``: rank 0's
+    wait for arrivals (default: the protocol's, from ``timeout_s``)."""
     results: dict = {}
     errors: dict = {}
+    gate = threading.Event()
+    if ready is None:
+        gate.set()
 
     def rank(r: int) -> None:
+        gate.wait()
         try:
             results[r] = exchange(media[r], submission(r, world), round_no=round_no, rank=r,
                                   world=world, timeout_s=timeout_s, serializer="msgpack",
-                                  compressor="zstd", scope=scope)
+                                  compressor="zstd", scope=scope, grace_s=grace_s)
         except Exception as exc:  # noqa: BLE001 - handed to the caller
             errors[r] = exc
 
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (range(world) if ranks is None else ranks)]
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True)
+               for r in (range(world) if ranks is None else ranks)]
     start = time.perf_counter()
     for t in threads:
         t.start()
+    if ready is not None:
+        ready()
+        start = time.perf_counter()
+        gate.set()
     for t in threads:
         t.join(timeout_s + 30)
     return {"results": results, "errors": errors, "seconds": time.perf_counter() - start}

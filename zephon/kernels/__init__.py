@@ -20,6 +20,8 @@ specification the compiled version must match):
   reference counts for the exclusivity walk of :mod:`zephon.transport.heap`)
 - ``fit_place``, ``segment_layout``    (:mod:`zephon.kernels.pack_docs_ref`; called by
   :mod:`zephon.pipeline.ops.pack_documents` to place documents in open bins and lay out packed rows)
+- ``distinct_str_ids``                 (:mod:`zephon.kernels.ids_ref`; called by
+  :mod:`zephon.jobs.runner` to check that a run's subject ids are unique)
 - result types and helpers              (:mod:`zephon.kernels.types`)
 
 Leaves are rebuilt on the receiving side by the codec's decoder with one
@@ -70,6 +72,7 @@ __all__ = [
     "byte_extent",
     "compaction_plan",
     "compiled_module",
+    "distinct_str_ids",
     "fit_place",
     "inverse_positions",
     "item_refcount",
@@ -91,6 +94,7 @@ _EXPORTS = {
     "item_refcounts": "refcount", "item_refcount": "refcount",
     "base_refcount": "refcount", "attr_refcount": "refcount",
     "fit_place": "pack_docs", "segment_layout": "pack_docs",
+    "distinct_str_ids": "ids",
 }
 _selection: tuple[dict, str] | None = None
 
@@ -108,7 +112,7 @@ def _select() -> tuple[dict, str]:
     global _selection
     if _selection is not None:
         return _selection
-    names = ("pack", "compaction", "reorder", "shuffle", "refcount", "pack_docs")
+    names = ("pack", "compaction", "reorder", "shuffle", "refcount", "pack_docs", "ids")
     if os.environ.get("ZEPHON_PURE_PYTHON") == "1":
         _selection = ({name: _reference(name) for name in names}, "reference")
         return _selection
