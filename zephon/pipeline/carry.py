@@ -26,18 +26,24 @@ records entering it:
   ``[a, b)`` of that input record);
 - ``("bins", size, bins, inner)``: a record a serial op holding bins made
   (a ``pack_documents`` row of 1 to ``size`` tokens), pieces as for
-  ``pieces``; what such an op holds is up to ``bins`` open bins of pieces.
+  ``pieces``; what such an op holds is up to ``bins`` open bins of pieces;
+- ``("queue", most, inner)``: what a reorder buffer holds (``ensure_mixture``,
+  :class:`~zephon.pipeline.ops.base.HoldsQueue`): up to ``most`` of its input
+  records, in the order it holds them. It makes no records (it hands on those it
+  reads), so the records after it have the shape of those before it.
 
 A fused batch's slot holds the count of samples held (always the lane positions
 just before the boundary); a ``batch`` slot the lineages of fewer than ``size``
 records; a ``pack_tokens`` slot the pieces of fewer than ``seq_len`` tokens; a
-``pack_documents`` slot its open bins (each of 1 to ``seq_len - 1`` tokens). An
+``pack_documents`` slot its open bins (each of 1 to ``seq_len - 1`` tokens); an
+``ensure_mixture`` slot the lineages of up to its buffer's bound of records. An
 op that holds nothing (a ``shuffle`` drains at a boundary) has no slot.
 
 Encoding (:func:`encode_carry`) is a flat list of non-negative ints appended to
 the lane's replay entry (``[epoch, k, since, total, *carry]``): a record is
 ``epoch, p`` or ``m`` followed by its ``m`` members (pieces: member, ``a``,
-``b``; a ``bins`` slot: the count of bins, then each bin as a row).
+``b``; a ``bins`` slot: the count of bins, then each bin as a row; a ``queue``
+slot: the count of records, then each record).
 :func:`decode_carry` reads it back strictly against the plan: every
 count exact (a held batch record has exactly ``size`` members, a packed row
 exactly ``seq_len`` tokens), every position inside the lane, at or after the
@@ -57,7 +63,7 @@ import numpy as np
 from zephon.errors import CheckpointError
 from zephon.pipeline.lanes import ReadUnit, _joined, lane_source_index, positions_before
 from zephon.pipeline.ops import HoldsBins, HoldsPieces, HoldsRecords
-from zephon.pipeline.plan import SerialStep, carrier
+from zephon.pipeline.plan import SerialStep, carrier, maker
 from zephon.pipeline.records import Record
 
 __all__ = ["Rebuilder", "carry_bounds", "decode_carry", "encode_carry", "held_units"]
@@ -87,6 +93,10 @@ def encode_carry(layout: tuple, carry: tuple) -> tuple:
     for (where, shape), held in zip(layout, carry, strict=True):
         if where == "count":
             out.append(int(held))
+        elif shape[0] == "queue":  # a reorder buffer's records, in its order
+            out.append(len(held))
+            for member in held:
+                _encode(shape[2], member, out)
         elif shape[0] == "bins":  # the packer's open bins, each a row of pieces
             out.append(len(held))
             for pieces in held:
@@ -132,6 +142,9 @@ class _Reader:
         if kind in ("sample", "run"):
             return self.position(shape)
         size = shape[1]
+        if kind == "queue":  # only ever what a reorder buffer holds
+            m = self.int("queued records", 0, min(size, MAX_ITEMS))
+            return [self.record(shape[2]) for _ in range(m)]
         if kind == "records":
             m = self.int("batch members", 0, size - 1) if held else \
                 self.int("batch members", size, size)
@@ -235,7 +248,7 @@ class Rebuilder:
         while j >= 0:
             step = steps[j]
             if isinstance(step, SerialStep):
-                op = carrier(step)
+                op = maker(step)  # a queue hands on the records it read: look past it
                 if op is not None:
                     break
             else:
