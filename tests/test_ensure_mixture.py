@@ -41,7 +41,8 @@ def items(pipe, size=50):
     out = []
     for b in pipe.batch(size):
         lengths = [int(np.asarray(t).size) for t in b["tokens"]]
-        out += [(comp(s), tuple(s), n) for s, n in zip(b.meta["sample_ids"], lengths)]
+        out += [(comp(s), tuple(s), n) for s, n in zip(b.meta["sample_ids"], lengths,
+                                                              strict=True)]
     return out
 
 
@@ -193,7 +194,7 @@ def test_restore_on_another_runner_and_lane_count_of_ranks():
 def test_a_carry_holding_more_than_max_buffer_is_refused():
     _, state = _take(small(max_buffer=256), 30)
     decoded = decode_state(state)
-    lane, entry = next((k, v) for k, v in decoded["lanes"].items() if len(v) > 4)
+    entry = next(v for _, v in decoded["lanes"].items() if len(v) > 4)
     entry[4] = 10_000
     with pytest.raises(CheckpointError):
         small(max_buffer=256).restore(encode_state(decoded))

@@ -56,6 +56,7 @@ pipeline's).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -95,8 +96,11 @@ def encode_carry(layout: tuple, carry: tuple) -> tuple:
             out.append(int(held))
         elif shape[0] == "queue":  # a reorder buffer's records, in its order
             out.append(len(held))
-            for member in held:
-                _encode(shape[2], member, out)
+            if shape[2][0] in ("sample", "run"):  # positions: thousands at each boundary
+                out.extend(map(int, itertools.chain.from_iterable(held)))
+            else:
+                for member in held:
+                    _encode(shape[2], member, out)
         elif shape[0] == "bins":  # the packer's open bins, each a row of pieces
             out.append(len(held))
             for pieces in held:

@@ -65,7 +65,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from zephon.errors import OpError, ZephonConfigError
-from zephon.pipeline.ops.base import CarryingAccumulator, HoldsQueue, check_int
+from zephon.pipeline.ops.base import CarryingAccumulator, HoldsQueue, check_int, pos_lineage
 from zephon.pipeline.records import Boundary, Record
 
 __all__ = ["LEFTOVER_POLICIES", "EnsureMixtureOp"]
@@ -134,8 +134,11 @@ class EnsureMixtureOp(HoldsQueue):
 
     def target(self, epoch: int) -> list[float]:
         """The target shares of ``epoch``, in the components' order (sum to 1)."""
-        w = self.fixed if self.schedule is None else np.asarray(self.schedule.at(epoch),
-                                                                dtype=np.float64)
+        if self.schedule is None:
+            assert self.fixed is not None
+            w = self.fixed
+        else:
+            w = np.asarray(self.schedule.at(epoch), dtype=np.float64)
         return (w / w.sum()).tolist()
 
     def describe(self) -> str:
@@ -261,6 +264,8 @@ class _EnsureState(CarryingAccumulator):
         return out
 
     def carry(self) -> list:
+        if self.lineage is pos_lineage:  # sample records: thousands at each boundary
+            return [r.pos for q in self.queues for r, _ in q]
         return [self.lineage(r) for q in self.queues for r, _ in q]
 
     def load(self, held: list) -> None:
