@@ -87,6 +87,14 @@ def test_drop_holds_the_token_shares_within_one_percent():
     assert abs(share(got, "tokens") - 0.5) < 0.01
 
 
+def test_under_a_schedule_each_epoch_holds_its_own_weights():
+    steps = [(0, {"a": 0.7, "b": 0.3}), (1, {"a": 0.4, "b": 0.6})]
+    pipe = Pipeline(mixture(steps, n=3000), seed=3, num_epochs=2).filter(F.drop_half_of_a)
+    got = items(pipe.ensure_mixture(leftover="drop"))
+    for epoch, weights in steps:
+        assert abs(share([x for x in got if x[1][2] == epoch]) - weights["a"]) < 0.01
+
+
 def test_tokens_of_a_mixture_by_samples_are_put_back_to_the_target():
     """Shares by samples are not shares by tokens (``b``'s documents are longer): given
     token weights, the op holds them."""
@@ -186,7 +194,28 @@ def test_restore_at_any_cut_equals_the_uninterrupted_stream(take, leftover):
         assert any(len(v) > 4 and v[4] > 0 for v in lanes.values())
 
 
-def test_restore_on_another_runner_and_lane_count_of_ranks():
+def packed(runner=None):
+    opts = dict(canonical_replicas=2, flush_every_k_chunks=1)
+    if runner:
+        opts.update(runner=runner, max_workers=2)
+    return filtered(mixture(n=300), chunk_size=16, **opts).ensure_mixture(
+        by="tokens", max_buffer=64).pack_tokens(32).batch(2)
+
+
+def packed_key(batch):
+    return (batch.meta["lane"], tuple(map(tuple, batch.meta["sample_ids"])),
+            tuple(batch["tokens"].reshape(-1).tolist()))
+
+
+@pytest.mark.parametrize("take", [3, 20, 47])
+def test_a_packer_after_it_resumes_exactly(take):
+    """The packer's pieces are records the queue handed on: their lineage is the samples'."""
+    ref = keys_of(packed(), packed_key)
+    assert keys_of(packed("threads"), packed_key) == ref
+    assert_resumes(packed, take, key=packed_key, reference=ref)
+
+
+def test_restore_on_another_runner():
     ref = keys_of(small(), key)
     assert_resumes(small, 40, again=lambda: small(runner="threads"), key=key, reference=ref)
 
@@ -212,6 +241,7 @@ def _take(pipe, k):
     ({"field": ""}, "field must be"),
     ({"max_buffer": 0}, "max_buffer"),
     ({"max_buffer": 1.5}, "max_buffer"),
+    ({"max_buffer": (1 << 20) + 1}, "at most"),
     ({"leftover": "keep"}, "leftover must be"),
     ({"weights": {"a": 0.0, "b": 1.0}}, "positive"),
     ({"weights": {"a": "x"}}, "positive"),

@@ -68,9 +68,12 @@ from zephon.errors import OpError, ZephonConfigError
 from zephon.pipeline.ops.base import CarryingAccumulator, HoldsQueue, check_int, pos_lineage
 from zephon.pipeline.records import Boundary, Record
 
-__all__ = ["LEFTOVER_POLICIES", "EnsureMixtureOp"]
+__all__ = ["LEFTOVER_POLICIES", "MAX_BUFFER", "EnsureMixtureOp"]
 
 LEFTOVER_POLICIES = ("emit", "drop")
+#: the largest ``max_buffer``: the most records one entry of a carry may list
+#: (:data:`zephon.pipeline.carry.MAX_ITEMS`)
+MAX_BUFFER = 1 << 20
 _BY = ("samples", "tokens")
 
 
@@ -119,6 +122,9 @@ class EnsureMixtureOp(HoldsQueue):
             raise ZephonConfigError(f"ensure_mixture: leftover must be one of "
                                     f"{LEFTOVER_POLICIES}, got {leftover!r:.40}")
         self.max_buffer = check_int("ensure_mixture", "max_buffer", max_buffer, 1)
+        if self.max_buffer > MAX_BUFFER:
+            raise ZephonConfigError(f"ensure_mixture: max_buffer must be at most {MAX_BUFFER} "
+                                    f"(what a checkpoint's carry may list), got {max_buffer}")
         self.by, self.field, self.leftover = by, field, leftover
         if hasattr(weights, "at") and hasattr(weights, "names"):  # a mixture's schedule
             self.schedule, self.names = weights, list(weights.names)
