@@ -155,6 +155,17 @@ def test_a_bounded_buffer_holds_at_most_max_buffer_and_then_follows_the_input():
     assert held_at_most(base, got, 16) and not held_at_most(base, got, 15)
 
 
+@pytest.mark.parametrize("leftover", ["emit", "drop"])
+def test_stats_count_the_forced_the_flushed_and_the_dropped(leftover):
+    base = items(filtered(mixture(n=1000)))
+    pipe = filtered(mixture(n=1000)).ensure_mixture(max_buffer=16, leftover=leftover)
+    it = iter(pipe.options(RuntimeOptions(execution_tracking="nodes")).batch(50))
+    got = sum(len(b.meta["sample_ids"]) for b in it)
+    node = it.stats()["serial1_ensure_mixture"]
+    assert node["forced"] > 0 and node[{"emit": "flushed", "drop": "dropped"}[leftover]] == 16
+    assert got == len(base) - (16 if leftover == "drop" else 0)
+
+
 def test_a_component_that_runs_dry_does_not_stall_the_stream():
     """Every ``a`` filtered out: the op waits for it while its buffer has room, then lets
     ``b`` through; nothing is lost."""

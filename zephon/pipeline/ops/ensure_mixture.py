@@ -43,6 +43,11 @@ running share is furthest below its target.
   ``leftover="drop"`` discards it instead (the epoch then holds the target's shares,
   and loses the surplus: a filter of its own).
 
+Statistics (``execution_tracking="nodes"``): the op's node counts ``forced`` (records
+emitted off the rule because the buffer was full: a buffer too small for the
+surplus, or a component that ran dry), ``flushed`` (emitted at an epoch's end) and
+``dropped`` (``leftover="drop"``).
+
 State and resume
 ----------------
 The queues stay across a mid-epoch flush boundary: they are the boundary's carry (a
@@ -182,7 +187,13 @@ class _EnsureState(CarryingAccumulator):
         self.queues: list[deque] = [deque() for _ in range(k)]
         self.index: dict[str, int] = {n: i for i, n in enumerate(op.names)}
         self.held = 0
+        self.stats: Any = None
+        self.node = ""
         self._epoch(epoch)
+
+    def count_into(self, stats, node: str) -> None:
+        """Count forced, flushed and dropped records in ``stats`` under ``node``."""
+        self.stats, self.node = stats, node
 
     def _epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -243,6 +254,8 @@ class _EnsureState(CarryingAccumulator):
                     if d > best:
                         pick, best = k, d
             self._take(pick, out)
+            if limit and self.stats is not None:
+                self.stats.add(self.node, forced=1)
 
     def push(self, records: list) -> list:
         out: list = []
@@ -253,12 +266,16 @@ class _EnsureState(CarryingAccumulator):
 
     def _flush(self) -> list:
         out: list = []
+        held = self.held
         if self.op.leftover == "drop":
             for q in self.queues:
                 q.clear()
             self.held = 0
         else:
             self._emit(0, out)
+        if held and self.stats is not None:
+            self.stats.add(self.node, **{"dropped" if self.op.leftover == "drop"
+                                         else "flushed": held})
         return out
 
     def boundary(self, marker: Boundary) -> list:
