@@ -166,6 +166,15 @@ def test_stats_count_the_forced_the_flushed_and_the_dropped(leftover):
     assert got == len(base) - (16 if leftover == "drop" else 0)
 
 
+@pytest.mark.parametrize("order", [("a", "b"), ("b", "a")])
+def test_ties_go_to_the_first_component_of_the_weights(order):
+    """At a lane's start every deficit is 0: the first component named goes first, and
+    then they alternate (equal weights)."""
+    got = items(Pipeline(mixture({"a": 0.5, "b": 0.5}, n=50), seed=3)
+                .ensure_mixture({k: 0.5 for k in order}))
+    assert [x[0] for x in got[:6]] == list(order) * 3
+
+
 def test_a_component_that_runs_dry_does_not_stall_the_stream():
     """Every ``a`` filtered out: the op waits for it while its buffer has room, then lets
     ``b`` through; nothing is lost."""
