@@ -1,7 +1,7 @@
 """What the accumulators hold at a boundary: its lineage, its encoding, its rebuilding.
 
-A flush boundary is a resume point (a replay starts there), but ``batch`` and
-``pack_tokens`` keep what they hold across it (see :mod:`zephon.pipeline.ops`).
+A flush boundary is a resume point (a replay starts there), but ``batch``,
+the packers and ``ensure_mixture`` keep what they hold across it (see :mod:`zephon.pipeline.ops`).
 So a replay state records, with its boundary, the *carry*: for each carrying
 accumulator of the lane, in chain order, the lineage of what it held when the
 boundary marker passed it. A restore rebuilds those records from their lineage
@@ -12,8 +12,10 @@ sample's identity) and puts them back before the segment replays.
 Layout (:func:`~zephon.pipeline.plan.carry_layout`, ``plan.carry_layout``) is a
 pure function of the plan's steps: one
 slot per carrying accumulator (an op that
-:class:`~zephon.pipeline.ops.base.HoldsRecords` or
-:class:`~zephon.pipeline.ops.base.HoldsPieces`), each with the *shape* of the
+:class:`~zephon.pipeline.ops.base.HoldsRecords`,
+:class:`~zephon.pipeline.ops.base.HoldsPieces`,
+:class:`~zephon.pipeline.ops.base.HoldsBins` or
+:class:`~zephon.pipeline.ops.base.HoldsQueue`), each with the *shape* of the
 records entering it:
 
 - ``("sample",)``: a sample through the stateless ops; lineage ``(epoch, p)``;
