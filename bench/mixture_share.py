@@ -7,7 +7,10 @@ component is 100x smaller; a 0.7/0.3 mixture after a filter that drops half of t
 first component, without and with ``ensure_mixture`` (default buffer, a buffer large
 enough for the surplus of 10^5 samples, and ``leftover="drop"``), with the time per
 10^5 samples of each (medians of 3, interleaved, as a ratio to no ensure_mixture;
-the load average beside them); then building and reading the first batch of a mixture of
+the load average beside them; ``shuffle(1)`` is the cost of replay resume alone, which
+any op that reorders brings: the pipeline without it resumes from the cursor); the
+rows with ensure_mixture read more samples for the same output (the share of the
+filtered component is higher); then building and reading the first batch of a mixture of
 K = 1024 components of 10^6 samples each (10^9 in all): seconds and the process's peak
 RSS. Run it on two checkouts (``PYTHONPATH=<checkout>``) to compare. Shares are exact
 counts over the first 10^5 samples; times are one measurement on a shared machine.
@@ -51,14 +54,16 @@ def row_b(i):
     return {"i": np.int64(1_000_000 + i)}
 
 
-def filtered_share(ensure: dict | None, n: int = 100_000) -> tuple[dict, float]:
+def filtered_share(ensure: dict | str | None, n: int = 100_000) -> tuple[dict, float]:
     """Shares of the first ``n`` samples of a 0.7/0.3 mixture after :func:`keep`, and the
     seconds they took."""
     mix = sources.mixture({"a": sources.from_callable(200_000, row, name="a"),
                            "b": sources.from_callable(200_000, row_b, name="b")},
                           {"a": 0.7, "b": 0.3})
     pipe = Pipeline(mix, seed=0, chunk_size=256).filter(keep)
-    if ensure is not None:
+    if ensure == "shuffle":  # replay resume and its boundaries, without a reorder
+        pipe = pipe.shuffle(1)
+    elif ensure is not None:
         pipe = pipe.ensure_mixture(**ensure)
     counts: collections.Counter = collections.Counter()
     start = time.perf_counter()
@@ -75,6 +80,7 @@ def filtered_share(ensure: dict | None, n: int = 100_000) -> tuple[dict, float]:
 
 def ensure_rows() -> None:
     cases = {"filter, no ensure_mixture": None,
+             "shuffle(1) (replay resume, no reorder)": "shuffle",
              "ensure_mixture()": {},
              "ensure_mixture(max_buffer=65536)": {"max_buffer": 65536},
              "ensure_mixture(leftover='drop')": {"leftover": "drop"}}
