@@ -248,7 +248,8 @@ class Pipeline:
             max_buffer: the most samples one lane holds (an int >= 1; memory bound).
             leftover: ``"emit"`` (default: every sample is delivered; the surplus at the
                 end of an epoch) or ``"drop"`` (the surplus is discarded: the epoch holds the
-                target's shares).
+                target's shares when ``max_buffer`` held all of it; a full buffer lets
+                it through by the rule before the epoch ends).
 
         Returns:
             A new pipeline with the op appended.

@@ -40,8 +40,9 @@ running share is furthest below its target.
   same rule (the queues emptied by largest deficit), so the multiset of an epoch's
   output is its input's: a reorder cannot make an epoch whose input holds too few of
   a component hold more, and the surplus of the others comes out at the epoch's end;
-  ``leftover="drop"`` discards it instead (the epoch then holds the target's shares,
-  and loses the surplus: a filter of its own).
+  ``leftover="drop"`` discards it instead (a filter of its own: the epoch then holds
+  the target's shares, as far as the buffer held the surplus; what a full buffer
+  forced out before the epoch's end was delivered).
 
 Statistics (``execution_tracking="nodes"``): the op's node counts ``forced`` (records
 emitted off the rule because the buffer was full: a buffer too small for the
