@@ -31,3 +31,29 @@ def ramp(epoch):
 def ramp_faster(epoch):
     b = min(0.5, 0.1 + 0.3 * epoch)
     return {"a": 1.0 - b, "b": b}
+
+
+#: ids of component ``b`` start here, so that every sample of a two-part mixture has
+#: its own id
+B_IDS = 1_000_000
+
+
+def doc_a(i):
+    """A document of component ``a``: 4 to 15 tokens."""
+    return {"id": np.int64(i), "tokens": np.full(4 + (i * 7919) % 12, 1, dtype=np.int32)}
+
+
+def doc_b(i):
+    """A document of component ``b``: 10 to 39 tokens."""
+    return {"id": np.int64(B_IDS + i),
+            "tokens": np.full(10 + (i * 104729) % 30, 2, dtype=np.int32)}
+
+
+def drop_half_of_a(sample):
+    """A filter that keeps every ``b`` and every other ``a``."""
+    return int(sample["id"]) >= B_IDS or int(sample["id"]) % 2 == 0
+
+
+def only_b(sample):
+    """A filter that drops every ``a``."""
+    return int(sample["id"]) >= B_IDS

@@ -17,14 +17,24 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 C = 4
 #: the flush cadence each chain runs with
 FLUSH = {"replay": None, "cursor": None, "pack": 1, "docs_greedy": 1, "docs_best_fit": 1,
-         "shards": None}
+         "shards": None, "ensure": 1}
 
 
 def pipeline(chain: str = "replay"):
     """``replay``: a shuffle buffer (restore replays from a flush boundary); ``cursor``:
     only cursor-preserving ops (restore reads on from the source cursor); ``pack``: a
     packer then a batch, both carrying what they hold across flush boundaries;
-    ``shards``: the shard-window order over uneven shards, then a shuffle buffer."""
+    ``shards``: the shard-window order over uneven shards, then a shuffle buffer;
+    ``ensure``: a mixture, a filter that drops half of one component and
+    ``ensure_mixture``, whose queues carry across flush boundaries."""
+    if chain == "ensure":  # run with flush_every_k_chunks=1 (FLUSH)
+        import _mixture_fns as M
+
+        mix = sources.mixture({"a": sources.from_callable(40, M.doc_a, name="a"),
+                               "b": sources.from_callable(40, M.doc_b, name="b")},
+                              {"a": 0.7, "b": 0.3})
+        return Pipeline(mix, seed=11, chunk_size=3).filter(M.drop_half_of_a).ensure_mixture(
+            max_buffer=16).batch(2)
     if chain == "shards":
         import _shard_fns as S
 
@@ -122,7 +132,7 @@ def run_ranks(tmp_path, world, takes, timeout=60.0, only=None, chain="replay"):
 
 
 @pytest.mark.parametrize("chain", ["replay", "cursor", "pack", "docs_greedy", "docs_best_fit",
-                                   "shards"])
+                                   "shards", "ensure"])
 def test_checkpoint_from_2_ranks_restores_on_1_and_on_4(tmp_path, chain):
     results = run_ranks(tmp_path, 2, takes=[6, 6], chain=chain)
     assert all(code == 0 for _, _, code in results), [err for _, err, _ in results]

@@ -1,7 +1,7 @@
 """What the accumulators hold at a boundary: its lineage, its encoding, its rebuilding.
 
-A flush boundary is a resume point (a replay starts there), but ``batch`` and
-``pack_tokens`` keep what they hold across it (see :mod:`zephon.pipeline.ops`).
+A flush boundary is a resume point (a replay starts there), but ``batch``,
+the packers and ``ensure_mixture`` keep what they hold across it (see :mod:`zephon.pipeline.ops`).
 So a replay state records, with its boundary, the *carry*: for each carrying
 accumulator of the lane, in chain order, the lineage of what it held when the
 boundary marker passed it. A restore rebuilds those records from their lineage
@@ -12,8 +12,10 @@ sample's identity) and puts them back before the segment replays.
 Layout (:func:`~zephon.pipeline.plan.carry_layout`, ``plan.carry_layout``) is a
 pure function of the plan's steps: one
 slot per carrying accumulator (an op that
-:class:`~zephon.pipeline.ops.base.HoldsRecords` or
-:class:`~zephon.pipeline.ops.base.HoldsPieces`), each with the *shape* of the
+:class:`~zephon.pipeline.ops.base.HoldsRecords`,
+:class:`~zephon.pipeline.ops.base.HoldsPieces`,
+:class:`~zephon.pipeline.ops.base.HoldsBins` or
+:class:`~zephon.pipeline.ops.base.HoldsQueue`), each with the *shape* of the
 records entering it:
 
 - ``("sample",)``: a sample through the stateless ops; lineage ``(epoch, p)``;
@@ -26,18 +28,24 @@ records entering it:
   ``[a, b)`` of that input record);
 - ``("bins", size, bins, inner)``: a record a serial op holding bins made
   (a ``pack_documents`` row of 1 to ``size`` tokens), pieces as for
-  ``pieces``; what such an op holds is up to ``bins`` open bins of pieces.
+  ``pieces``; what such an op holds is up to ``bins`` open bins of pieces;
+- ``("queue", most, inner)``: what a reorder buffer holds (``ensure_mixture``,
+  :class:`~zephon.pipeline.ops.base.HoldsQueue`): up to ``most`` of its input
+  records, in the order it holds them. It makes no records (it hands on those it
+  reads), so the records after it have the shape of those before it.
 
 A fused batch's slot holds the count of samples held (always the lane positions
 just before the boundary); a ``batch`` slot the lineages of fewer than ``size``
 records; a ``pack_tokens`` slot the pieces of fewer than ``seq_len`` tokens; a
-``pack_documents`` slot its open bins (each of 1 to ``seq_len - 1`` tokens). An
+``pack_documents`` slot its open bins (each of 1 to ``seq_len - 1`` tokens); an
+``ensure_mixture`` slot the lineages of up to its buffer's bound of records. An
 op that holds nothing (a ``shuffle`` drains at a boundary) has no slot.
 
 Encoding (:func:`encode_carry`) is a flat list of non-negative ints appended to
 the lane's replay entry (``[epoch, k, since, total, *carry]``): a record is
 ``epoch, p`` or ``m`` followed by its ``m`` members (pieces: member, ``a``,
-``b``; a ``bins`` slot: the count of bins, then each bin as a row).
+``b``; a ``bins`` slot: the count of bins, then each bin as a row; a ``queue``
+slot: the count of records, then each record).
 :func:`decode_carry` reads it back strictly against the plan: every
 count exact (a held batch record has exactly ``size`` members, a packed row
 exactly ``seq_len`` tokens), every position inside the lane, at or after the
@@ -50,6 +58,7 @@ pipeline's).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -57,7 +66,7 @@ import numpy as np
 from zephon.errors import CheckpointError
 from zephon.pipeline.lanes import ReadUnit, _joined, lane_source_index, positions_before
 from zephon.pipeline.ops import HoldsBins, HoldsPieces, HoldsRecords
-from zephon.pipeline.plan import SerialStep, carrier
+from zephon.pipeline.plan import SerialStep, carrier, maker
 from zephon.pipeline.records import Record
 
 __all__ = ["Rebuilder", "carry_bounds", "decode_carry", "encode_carry", "held_units"]
@@ -87,6 +96,13 @@ def encode_carry(layout: tuple, carry: tuple) -> tuple:
     for (where, shape), held in zip(layout, carry, strict=True):
         if where == "count":
             out.append(int(held))
+        elif shape[0] == "queue":  # a reorder buffer's records, in its order
+            out.append(len(held))
+            if shape[2][0] in ("sample", "run"):  # positions: thousands at each boundary
+                out.extend(map(int, itertools.chain.from_iterable(held)))
+            else:
+                for member in held:
+                    _encode(shape[2], member, out)
         elif shape[0] == "bins":  # the packer's open bins, each a row of pieces
             out.append(len(held))
             for pieces in held:
@@ -132,6 +148,9 @@ class _Reader:
         if kind in ("sample", "run"):
             return self.position(shape)
         size = shape[1]
+        if kind == "queue":  # only ever what a reorder buffer holds
+            m = self.int("queued records", 0, min(size, MAX_ITEMS))
+            return [self.record(shape[2]) for _ in range(m)]
         if kind == "records":
             m = self.int("batch members", 0, size - 1) if held else \
                 self.int("batch members", size, size)
@@ -235,7 +254,7 @@ class Rebuilder:
         while j >= 0:
             step = steps[j]
             if isinstance(step, SerialStep):
-                op = carrier(step)
+                op = maker(step)  # a queue hands on the records it read: look past it
                 if op is not None:
                     break
             else:

@@ -66,7 +66,7 @@ from zephon.pipeline.dispatch import ordered_map
 from zephon.pipeline.lanes import batched_units, grouped_units, lane_units
 from zephon.pipeline.ops import CarryingAccumulator, SerialOp
 from zephon.pipeline.ops.base import made_lineage, pos_lineage
-from zephon.pipeline.plan import INFLIGHT_PER_WORKER, Plan, StageStep, carrier
+from zephon.pipeline.plan import INFLIGHT_PER_WORKER, Plan, StageStep, carrier, maker
 from zephon.pipeline.program import StageProgram, batches_per_message
 from zephon.pipeline.records import Batch, BatchList, Boundary
 from zephon.pipeline.stats import RunStats
@@ -96,8 +96,8 @@ NOTHING = _Nothing()
 
 def _held_records(rebuild, step: int, held: list, holds: str):
     """A callable rebuilding what the accumulator at ``step`` held (``holds``: records, a
-    packer's ``(record, a, b)`` pieces, or a bin packer's open bins of pieces), called
-    when the replay reaches it."""
+    packer's ``(record, a, b)`` pieces, a bin packer's open bins of pieces, or a reorder
+    buffer's queued input records), called when the replay reaches it."""
     if holds == "bins":
         return lambda: [[rebuild.piece(step, m) for m in pieces] for pieces in held]
     if holds == "pieces":
@@ -339,6 +339,7 @@ class Engine:
             it = grouped_units(it, batches_per_message(
                 plan.pipeline.source, plan.fused_batch.size, plan.stages[0]))
         carriers = [i for i, step in enumerate(plan.steps) if carrier(step) is not None]
+        makers = [i for i, step in enumerate(plan.steps) if maker(step) is not None]
         for step_no, step in enumerate(plan.steps):
             if isinstance(step, StageStep):
                 it = ordered_map(self.executors[step.stage], plan.stages[step.stage], it, lane,
@@ -353,7 +354,7 @@ class Engine:
             it = accumulate(op, it, plan.pipeline.seed, lane, node_stats,
                             f"serial{step_no}_{op.kind}", capture=capture and carries,
                             tracks=capture and any(c > step_no for c in carriers),
-                            made_input=any(c < step_no for c in carriers), held=restore)
+                            made_input=any(c < step_no for c in makers), held=restore)
         return it
 
     def items(self) -> Iterator:

@@ -40,6 +40,7 @@ Dropping an iterator (leaving a ``for`` loop with ``break``) closes its run at o
 from __future__ import annotations
 
 import hashlib
+from typing import Mapping
 
 from zephon.checkpoint import decode_state
 from zephon.errors import ZephonConfigError
@@ -221,6 +222,81 @@ class Pipeline:
             True
         """
         return self._with(O.ShuffleOp(buffer_size))
+
+    # ensure_mixture: a reorder buffer holding mixture shares (zephon.pipeline.ops.ensure_mixture)
+    def ensure_mixture(self, weights: Mapping[str, float] | None = None, *,
+                       by: str = "samples", field: str = "tokens", max_buffer: int = 4096,
+                       leftover: str = "emit") -> "Pipeline":
+        """Reorder samples so that the running share of each mixture component tracks its
+        target, after a filter or a tokenizer made the delivered shares drift.
+
+        Per lane it queues each component's samples and always emits from the component
+        furthest below its target share, waiting for a scarce component while it holds
+        at most ``max_buffer`` samples; at the end of each epoch it flushes what it holds
+        (see :mod:`zephon.pipeline.ops.ensure_mixture` for the rule, what happens when a
+        component runs dry, and what resumes). It reorders: over an epoch the output holds
+        the same samples as its input (``leftover="emit"``), so it restores the target's
+        shares only as far as its buffer can hold the surplus of the other components.
+        Place it after the filters and the tokenizer, before ``batch`` and the packers.
+
+        Args:
+            weights: ``{component: weight}``; None (default): the mixture's own weights
+                (the pipeline's source must be a mixture), of each epoch under a schedule.
+            by: ``"samples"`` (each sample counts 1) or ``"tokens"`` (a sample counts the
+                length of its flattened ``field``).
+            field: the token field for ``by="tokens"``.
+            max_buffer: the most samples one lane holds (an int >= 1; memory bound).
+            leftover: ``"emit"`` (default: every sample is delivered; the surplus at the
+                end of an epoch) or ``"drop"`` (the surplus is discarded: the epoch holds the
+                target's shares when ``max_buffer`` held all of it; a full buffer lets
+                it through by the rule before the epoch ends).
+
+        Returns:
+            A new pipeline with the op appended.
+
+        Raises:
+            ZephonConfigError: a bad argument, no weights for a source that is not a
+                mixture, weights naming no component of the mixture, or the op placed
+                after ``batch`` or a packer.
+
+        Example:
+            >>> a = sources.from_callable(40, lambda i: {"x": i})
+            >>> b = sources.from_callable(40, lambda i: {"x": 100 + i})
+            >>> mix = sources.mixture({"a": a, "b": b}, weights={"a": 0.5, "b": 0.5})
+            >>> keep = lambda s: s["x"] >= 100 or s["x"] % 2 == 0  # half of "a" only
+            >>> pipe = Pipeline(mix, shuffle=False).filter(keep)
+            >>> def a_per_batch(p):
+            ...     return [sum(sid[0].startswith("a") for sid in bt.meta["sample_ids"])
+            ...             for bt in p.batch(8)]
+            >>> a_per_batch(pipe)
+            [3, 3, 2, 3, 3, 2, 3, 1]
+            >>> a_per_batch(pipe.ensure_mixture(max_buffer=64))  # the surplus comes last
+            [4, 4, 4, 4, 4, 0, 0, 0]
+        """
+        from zephon.pipeline.sources.mixture import MixtureSource
+
+        mixture = self.source if isinstance(self.source, MixtureSource) else None
+        if weights is None:
+            if mixture is None:
+                raise ZephonConfigError(
+                    f"ensure_mixture: the pipeline's source {type(self.source).__name__} is "
+                    "not a mixture: give weights={component: weight}")
+            op = O.EnsureMixtureOp(mixture.schedule, by, field, max_buffer, leftover)
+        else:
+            op = O.EnsureMixtureOp(weights, by, field, max_buffer, leftover)
+            if mixture is not None:
+                known = _component_names(mixture)
+                unknown = sorted(set(op.names) - known)
+                if unknown:
+                    raise ZephonConfigError(
+                        f"ensure_mixture: weights name {unknown}, which are not components "
+                        f"of the mixture ({sorted(known)})")
+        for before in self.ops:
+            if isinstance(before, (O.HoldsRecords, O.HoldsPieces, O.HoldsBins)):
+                raise ZephonConfigError(
+                    f"ensure_mixture reorders samples: place it before {before.kind}, whose "
+                    "records hold several samples")
+        return self._with(op)
 
     def batch(self, microbatch_size: int, drop_last: bool = False,
               collate_fn=None) -> "Pipeline":
@@ -718,3 +794,15 @@ class Pipeline:
             [2, 3, 4, 5]
         """
         self._progress.move_to(check_run(decode_state(state), self.plan(), self.fingerprint()))
+
+
+def _component_names(mixture) -> set[str]:
+    """The names a mixture's samples can carry: its components', and those of the
+    components of a nested mixture."""
+    from zephon.pipeline.sources.mixture import MixtureSource
+
+    names = set(mixture.names)
+    for component in mixture.components:
+        if isinstance(component, MixtureSource):
+            names |= _component_names(component)
+    return names

@@ -58,6 +58,7 @@ from zephon.pipeline.ops import (
     BatchOp,
     HoldsBins,
     HoldsPieces,
+    HoldsQueue,
     HoldsRecords,
     Op,
     SerialOp,
@@ -68,7 +69,7 @@ from zephon.transport.budget import MemoryBudget, pipeline_budget
 
 __all__ = ["INFLIGHT_PER_WORKER", "Plan", "SerialStep", "Stage", "StageStep", "Step",
            "build_stages", "carrier", "carry_layout", "cut_steps", "fused_batch",
-           "input_shape", "with_arena"]
+           "input_shape", "maker", "with_arena"]
 
 #: tasks a process stage's pool keeps in flight per worker
 INFLIGHT_PER_WORKER = 4
@@ -150,13 +151,20 @@ def fused_batch(groups: list[tuple[StatelessOp, ...]], steps: list[Step],
     return step.op
 
 
-def carrier(step: Step) -> HoldsRecords | HoldsPieces | HoldsBins | None:
-    """The op of ``step`` when it holds records, pieces or bins across a boundary, else
-    None."""
-    if isinstance(step, SerialStep) and isinstance(step.op,
-                                                  (HoldsRecords, HoldsPieces, HoldsBins)):
+def carrier(step: Step) -> HoldsRecords | HoldsPieces | HoldsBins | HoldsQueue | None:
+    """The op of ``step`` when it holds records, pieces, bins or queued records across a
+    boundary, else None."""
+    if isinstance(step, SerialStep) and isinstance(
+            step.op, (HoldsRecords, HoldsPieces, HoldsBins, HoldsQueue)):
         return step.op
     return None
+
+
+def maker(step: Step) -> HoldsRecords | HoldsPieces | HoldsBins | None:
+    """The op of ``step`` when it holds data across a boundary and makes new records of it
+    (a :class:`HoldsQueue` op hands on its input records: it makes none), else None."""
+    op = carrier(step)
+    return None if isinstance(op, HoldsQueue) else op
 
 
 def _shape(op: HoldsRecords | HoldsPieces | HoldsBins, inner: tuple) -> tuple:
@@ -168,9 +176,10 @@ def _shape(op: HoldsRecords | HoldsPieces | HoldsBins, inner: tuple) -> tuple:
 
 def input_shape(steps: tuple[Step, ...], fused: BatchOp | None, i: int) -> tuple:
     """The shape of the records entering ``steps[i]`` (``fused``: the plan's fused batch;
-    see :mod:`zephon.pipeline.carry`)."""
+    see :mod:`zephon.pipeline.carry`). A queue (:class:`HoldsQueue`) is transparent: its
+    records are those it read."""
     for j in range(i - 1, -1, -1):
-        op = carrier(steps[j])
+        op = maker(steps[j])
         if op is not None:
             return _shape(op, input_shape(steps, fused, j))
     if fused is not None:
@@ -181,13 +190,16 @@ def input_shape(steps: tuple[Step, ...], fused: BatchOp | None, i: int) -> tuple
 def carry_layout(steps: tuple[Step, ...], fused: BatchOp | None) -> tuple:
     """The carry slots of a plan's ``steps``, in chain order: ``("count", size)`` for the
     fused batch ``fused``, ``(step, shape)`` for a serial op holding records (shape
-    ``("records", size, input)``) or pieces (``("pieces", size, input)``)."""
+    ``("records", size, input)``), pieces (``("pieces", size, input)``), bins (``("bins",
+    size, bins, input)``) or queued input records (``("queue", most held, input)``)."""
     slots: list = []
     if fused is not None:
         slots.append(("count", fused.size))
     for i, step in enumerate(steps):
         op = carrier(step)
-        if op is not None:
+        if isinstance(op, HoldsQueue):
+            slots.append((i, ("queue", op.carried_records, input_shape(steps, fused, i))))
+        elif op is not None:
             slots.append((i, _shape(op, input_shape(steps, fused, i))))
     return tuple(slots)
 

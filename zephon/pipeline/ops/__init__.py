@@ -5,6 +5,7 @@
 - :mod:`.batch`: ``batch`` and :func:`make_batch` (HoldsRecords)
 - :mod:`.pack_tokens`: ``pack_tokens`` (HoldsPieces)
 - :mod:`.pack_documents`: ``pack_documents`` (HoldsBins)
+- :mod:`.ensure_mixture`: ``ensure_mixture`` (HoldsQueue: a reorder buffer)
 
 ``tokenize`` and ``tokenize_chat`` (batched StatelessOps) live in
 :mod:`zephon.pipeline.text` and register themselves there with :func:`register`,
@@ -17,7 +18,8 @@ Adding an op
    :class:`~.base.StatelessOp` (``apply_one``) or :class:`~.base.SerialOp`
    (``start`` returning an :class:`~.base.Accumulator`; an op that keeps data
    across a boundary subclasses :class:`~.base.HoldsRecords` or
-   :class:`~.base.HoldsPieces` or :class:`~.base.HoldsBins` and returns a
+   :class:`~.base.HoldsPieces`, :class:`~.base.HoldsBins` or
+   :class:`~.base.HoldsQueue` and returns a
    :class:`~.base.CarryingAccumulator`), with a unique ``kind``, its traits and a
    ``describe()`` that names everything defining its output (the fingerprint).
 2. Register it: add the class to :data:`BUILTIN_OPS` below (an op defined
@@ -42,6 +44,7 @@ from zephon.pipeline.ops.base import (
     CarryingAccumulator,
     HoldsBins,
     HoldsPieces,
+    HoldsQueue,
     HoldsRecords,
     Op,
     OpContext,
@@ -49,13 +52,15 @@ from zephon.pipeline.ops.base import (
     StatelessOp,
 )
 from zephon.pipeline.ops.batch import BatchOp, make_batch
+from zephon.pipeline.ops.ensure_mixture import EnsureMixtureOp
 from zephon.pipeline.ops.map import FilterOp, MapBatchOp, MapOp
 from zephon.pipeline.ops.pack_documents import PackDocumentsOp
 from zephon.pipeline.ops.pack_tokens import PackTokensOp
 from zephon.pipeline.ops.shuffle import ShuffleOp
 
 __all__ = ["BUILTIN_OPS", "REGISTRY", "Accumulator", "BatchOp", "CarryingAccumulator",
-           "FilterOp", "HoldsBins", "HoldsPieces", "HoldsRecords", "MapBatchOp", "MapOp",
+           "EnsureMixtureOp", "FilterOp", "HoldsBins", "HoldsPieces", "HoldsQueue",
+           "HoldsRecords", "MapBatchOp", "MapOp",
            "Op", "OpContext", "OpError", "PackDocumentsOp", "PackTokensOp", "SerialOp",
            "ShuffleOp", "StatelessOp",
            "check_registered", "make_batch", "register"]
@@ -107,6 +112,6 @@ def check_registered(op: Op) -> None:
 
 #: The ops zephon defines, registered at import (the one place an op is added).
 BUILTIN_OPS: tuple[type[Op], ...] = (MapOp, FilterOp, MapBatchOp, ShuffleOp, BatchOp,
-                                     PackTokensOp, PackDocumentsOp)
+                                     PackTokensOp, PackDocumentsOp, EnsureMixtureOp)
 for _op in BUILTIN_OPS:
     register(_op)

@@ -21,10 +21,11 @@ stateless op ``one_to_one`` (one output per input, never dropped), and for a
 serial op ``expands`` (it may give more items than it reads) and what its
 accumulator holds across a boundary: nothing (it drains there, like a
 shuffle), whole records (:class:`HoldsRecords`, like a batch remainder) or
-pieces of records (:class:`HoldsPieces`, like a packer's unfinished row) or
-open bins of pieces (:class:`HoldsBins`, a bin packer's open rows).
-Those three shapes are the checkpoint's carry vocabulary: a new op that keeps
-data across a boundary holds one of them.
+pieces of records (:class:`HoldsPieces`, like a packer's unfinished row),
+open bins of pieces (:class:`HoldsBins`, a bin packer's open rows) or its input
+records themselves, to hand them on unchanged later (:class:`HoldsQueue`, a
+reorder buffer: ``ensure_mixture``). Those four shapes are the checkpoint's carry
+vocabulary: a new op that keeps data across a boundary holds one of them.
 
 Accumulator lifecycle (per lane): ``start`` at the first Boundary; then
 ``push(records) -> emitted`` per unit and ``boundary(marker) -> emitted`` at
@@ -47,7 +48,8 @@ import numpy as np
 from zephon.errors import OpError, ZephonConfigError
 from zephon.pipeline.records import Boundary, Record
 
-__all__ = ["Accumulator", "CarryingAccumulator", "HoldsBins", "HoldsPieces", "HoldsRecords", "Op",
+__all__ = ["Accumulator", "CarryingAccumulator", "HoldsBins", "HoldsPieces", "HoldsQueue",
+           "HoldsRecords", "Op",
            "OpContext", "SerialOp", "StatelessOp", "check_int", "made_lineage", "op_error",
            "pos_lineage", "wants_ctx"]
 
@@ -155,8 +157,8 @@ class SerialOp(Op):
     """An op run by one accumulator per lane in the engine's process."""
 
     stateless = False
-    #: what its accumulator holds across a boundary: None (nothing), "records", "pieces"
-    #: or "bins"
+    #: what its accumulator holds across a boundary: None (nothing), "records", "pieces",
+    #: "bins" or "queue"
     holds: ClassVar[str | None] = None
     #: True: it may give more items than it reads samples (no static bound per segment)
     expands: ClassVar[bool] = False
@@ -226,6 +228,20 @@ class HoldsBins(SerialOp):
         """The record it made of ``pieces`` (rebuilt on a restore), with lineage ``lin``."""
 
 
+class HoldsQueue(SerialOp):
+    """A serial op whose accumulator holds up to :attr:`carried_records` of its input
+    records across a boundary and emits its input records themselves, unchanged, in an
+    order of its own (a reorder buffer: ``ensure_mixture``). What it emits has the shape
+    of what it reads: to the carry it is transparent, except for what it holds."""
+
+    holds = "queue"
+
+    @property
+    @abc.abstractmethod
+    def carried_records(self) -> int:
+        """The most records a lane holds at a boundary."""
+
+
 class Accumulator(abc.ABC):
     """One lane's state of a :class:`SerialOp` (see the module docstring)."""
 
@@ -260,7 +276,8 @@ def made_lineage(record: Record) -> Any:
 
 class CarryingAccumulator(Accumulator):
     """An accumulator that keeps what it holds across boundaries (its op
-    :class:`HoldsRecords`, :class:`HoldsPieces` or :class:`HoldsBins`).
+    :class:`HoldsRecords`, :class:`HoldsPieces`, :class:`HoldsBins` or
+    :class:`HoldsQueue`).
 
     The engine sets, before any push: ``lineage`` (how to take an input record's
     lineage: :func:`pos_lineage` for sample records, :func:`made_lineage` for records
