@@ -1,18 +1,40 @@
-"""worker_allocation="autotune" against fixed settings on one slow and one cheap map.
+"""worker_allocation="autotune" against the default and a grid of fixed settings.
 
-    python bench/autotune_compare.py [--samples N] [--reps 3] [--spin K]
+    python bench/autotune_compare.py --workload NAME [--reps 3] [--scale 1.0]
+    python bench/autotune_compare.py --workload all          # every workload in turn
+    python bench/autotune_compare.py --list                  # the workloads and grids
 
-Pipeline: ``map(slow) -> shuffle(16) -> map(cheap) -> batch(16)`` on the process
-runner, ``slow`` a pure-Python loop of K iterations per sample, ``cheap`` a few
-arithmetic operations. Rows, each in a fresh interpreter (bench/_fresh.py), run
-interleaved (row 1, 2, 3, ..., then again) ``--reps`` times; the table gives the
-median items/s (the whole run, worker start-up included), every raw value, and
-each row's ratio to ``fit_to_ops`` (the default: one worker per stage here):
+Workloads (each a pipeline of a different shape; module-level ops, so spawn workers
+import them):
 
-- ``fit_to_ops``: the defaults (parallelism 1 on both maps);
-- ``hand pN``: ``map(slow, parallelism=N)``, cheap at 1 (the hand settings);
-- ``autotune``: the CPU budget of this machine (its cores);
-- ``autotune max_workers=M``: a budget of M workers in all.
+- ``cpu_map``: ``map(spin 20k)`` over ints, ``batch(16)``: a CPU-heavy map;
+- ``large_cheap``: 1 MiB float32 arrays made by the source, ``map(x * 2 + 1)``,
+  ``batch(4)``: a cheap map over large items (moving them costs more than the op);
+- ``two_stage``: ``map(spin 20k) -> shuffle(16) -> map(spin 5k)``, ``batch(16)``: two
+  stages of unequal cost;
+- ``read_bound``: a source whose read blocks 4 ms per sample (storage latency, no
+  CPU), ``map(cheap)``, ``batch(16)``: the read stage is the bottleneck and is not
+  CPU-bound;
+- ``small_batched``: 100k ints, ``map(+1)``, ``batch(256)``: small items batched;
+- ``phase_change``: ``map`` that spins 40k for the first half of the samples and 1k
+  for the second half: an op whose cost changes mid-run.
+
+Rows, each in a fresh interpreter (bench/_fresh.py), run interleaved (row 1, 2, ...,
+then again) ``--reps`` times; the table gives the median items/s (the whole run,
+worker start-up included) with every raw value:
+
+- ``default``: ``RuntimeOptions()`` (``fit_to_ops``; a map of parallelism 1 runs
+  inline, in the consumer's thread);
+- the grid: ``inline`` and ``process`` stages with the parallelism per stage, the
+  pipeline's ``chunk_size`` and ``prefetch_batches`` of each point (``pN`` or
+  ``pN,M`` for two stages, ``cC``, ``fF``);
+- ``autotune``: ``RuntimeOptions(runner="process", worker_allocation="autotune")``
+  at the workload's own chunk size (a chunk size is part of the stream's definition,
+  so no controller may change it; the grid's other chunk sizes are other streams).
+
+Printed per workload: each row's ratio to the default, the grid's best row and its
+setting, and ``autotune / best`` and ``autotune / default`` (the bars: >= 0.9 and
+>= 1.0). The last line of each workload is machine-readable ``key=value`` pairs.
 """
 
 from __future__ import annotations
@@ -27,76 +49,221 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def spin_slow(x, k=20_000):
+# -- ops (module level: picklable into spawn workers) ----------------------------------------
+
+def spin(k: int) -> int:
     s = 0
     for i in range(k):
         s += i
-    return x + (s & 0)
+    return s
+
+
+def spin_20k(x):
+    return x + (spin(20_000) & 0)
+
+
+def spin_5k(x):
+    return x + (spin(5_000) & 0)
 
 
 def cheap(x):
     return x * 3 + 1
 
 
-def _row(spec: dict) -> dict:
+def add_one(x):
+    return x + 1
+
+
+def scale_array(a):
+    return a * 2.0 + 1.0
+
+
+def make_array(i):
+    import numpy as np
+
+    return np.full(262_144, float(i % 97), dtype=np.float32)  # 1 MiB
+
+
+def read_slow(i):
+    time.sleep(0.004)
+    return i
+
+
+
+
+def phased(x, at):
+    spin(40_000 if x < at else 1_000)
+    return x + 1
+
+
+# -- workloads -------------------------------------------------------------------------------
+
+#: name -> (samples at scale 1, the workload's chunk size, the grid: list of
+#: (label, runner, parallelism per stage, chunk, prefetch_batches or None))
+def _grid(stages: int, ps: list, chunks=(16, 64), prefetch_p=None) -> list:
+    out = [("inline", "inline", (1,) * stages, 64, None)]
+    for p in ps:
+        p = p if isinstance(p, tuple) else (p,) * 1 + (1,) * (stages - 1)
+        for c in chunks:
+            label = "p" + ",".join(map(str, p)) + f" c{c}"
+            out.append((label, "process", p, c, None))
+    if prefetch_p is not None:
+        p = prefetch_p if isinstance(prefetch_p, tuple) else (prefetch_p,) + (1,) * (stages - 1)
+        out.append(("p" + ",".join(map(str, p)) + " c64 f32", "process", p, 64, 32))
+    return out
+
+
+WORKLOADS = {
+    "cpu_map": (3000, 64, _grid(1, [1, 2, 3], prefetch_p=2)),
+    "large_cheap": (1200, 64, _grid(1, [1, 2], prefetch_p=2)),
+    "two_stage": (2000, 64, _grid(2, [(1, 1), (2, 1), (2, 2), (3, 1)], chunks=(64,),
+                                 prefetch_p=(2, 1))),
+    "read_bound": (2000, 64, _grid(1, [1, 2, 4, 8], chunks=(64,), prefetch_p=8)),
+    "small_batched": (100_000, 64, _grid(1, [1, 2], chunks=(64, 1024), prefetch_p=2)),
+    "phase_change": (2000, 64, _grid(1, [1, 2, 3], chunks=(64,), prefetch_p=2)),
+}
+
+
+def build(spec: dict):
     import functools
 
     from zephon import Pipeline, RuntimeOptions, sources
 
-    slow = functools.partial(spin_slow, k=spec["spin"])
-    kw = dict(runner="process")
+    name, n = spec["workload"], spec["samples"]
+    chunk = spec["chunk"]
+    ps = list(spec.get("p") or (1, 1))
     if spec["mode"] == "autotune":
-        kw["worker_allocation"] = "autotune"
-        if spec.get("max_workers"):
-            kw["max_workers"] = spec["max_workers"]
-    pipe = (Pipeline(sources.from_sequence(list(range(spec["samples"]))), seed=0, chunk_size=16)
-            .map(slow, parallelism=spec.get("p", 1)).shuffle(16).map(cheap).batch(16)
-            .options(RuntimeOptions(**kw)))
+        opts = RuntimeOptions(runner="process", worker_allocation="autotune",
+                              **({"max_workers": spec["max_workers"]}
+                                 if spec.get("max_workers") else {}))
+    elif spec["mode"] == "default":
+        opts = RuntimeOptions()
+    else:
+        kw = {"runner": spec["runner"]}
+        if spec.get("prefetch"):
+            kw["prefetch_batches"] = spec["prefetch"]
+            kw["default_stage_prefetch"] = spec["prefetch"]
+        opts = RuntimeOptions(**kw)
+        if spec["runner"] == "inline":
+            ps = [1, 1]
+    if spec["mode"] != "fixed":
+        ps = [1, 1]
+
+    def src_seq():
+        return sources.from_sequence(list(range(n)))
+
+    if name == "cpu_map":
+        pipe = Pipeline(src_seq(), seed=0, chunk_size=chunk).map(spin_20k, parallelism=ps[0]) \
+            .batch(16)
+    elif name == "large_cheap":
+        pipe = Pipeline(sources.from_callable(n, make_array), seed=0, chunk_size=chunk) \
+            .map(scale_array, parallelism=ps[0]).batch(4)
+    elif name == "two_stage":
+        pipe = Pipeline(src_seq(), seed=0, chunk_size=chunk).map(spin_20k, parallelism=ps[0]) \
+            .shuffle(16).map(spin_5k, parallelism=ps[1]).batch(16)
+    elif name == "read_bound":
+        pipe = Pipeline(sources.from_callable(n, read_slow), seed=0, chunk_size=chunk) \
+            .map(cheap, parallelism=ps[0]).batch(16)
+    elif name == "small_batched":
+        pipe = Pipeline(src_seq(), seed=0, chunk_size=chunk).map(add_one, parallelism=ps[0]) \
+            .batch(256)
+    elif name == "phase_change":
+        # shuffle=False: the cheap phase is the second half of the run, not spread over it
+        pipe = Pipeline(src_seq(), seed=0, chunk_size=chunk, shuffle=False) \
+            .map(functools.partial(phased, at=n // 2), parallelism=ps[0]).batch(16)
+    else:
+        raise SystemExit(f"unknown workload {name!r}: one of {', '.join(WORKLOADS)}")
+    return pipe.options(opts)
+
+
+def _row(spec: dict) -> dict:
+    pipe = build(spec)
     started = time.perf_counter()
-    n = sum(len(b) for b in pipe)
+    n = 0
+    for b in pipe:
+        n += len(b)
     took = time.perf_counter() - started
     snap = pipe.stats().get("autotune", {})
     return {"items_s": n / took, "items": n, "workers": snap.get("workers"),
             "decisions": len(snap.get("decisions", []))}
 
 
+def rows_of(name: str, scale: float) -> dict[str, dict]:
+    n, chunk, grid = WORKLOADS[name]
+    base = {"workload": name, "samples": max(64, int(n * scale))}
+    rows = {"default": {**base, "mode": "default", "chunk": chunk}}
+    for label, runner, p, c, f in grid:
+        rows[label] = {**base, "mode": "fixed", "runner": runner, "p": list(p), "chunk": c,
+                       "prefetch": f}
+    rows["autotune"] = {**base, "mode": "autotune", "chunk": chunk}
+    return rows
+
+
+def run_workload(name: str, reps: int, scale: float) -> dict:
+    from _fresh import run_in_child
+
+    rows = rows_of(name, scale)
+    results: dict[str, list] = {k: [] for k in rows}
+    extra: dict[str, list] = {k: [] for k in rows}
+    for _ in range(reps):
+        for label, spec in rows.items():
+            out, _err = run_in_child(__file__, spec, 900, dict(os.environ), f"{name}: {label}")
+            if out is not None:
+                results[label].append(out["items_s"])
+                extra[label].append((out["workers"], out["decisions"]))
+                print(f"  {name}: {label}: {out['items_s']:.0f}/s", file=sys.stderr, flush=True)
+    med = {k: statistics.median(v) for k, v in results.items() if v}
+    ref = med.get("default")
+    print(f"\n== {name}: {rows['default']['samples']} samples, {reps} rep(s), "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"{'row':18} {'median items/s':>15} {'vs default':>11}  raw")
+    for label, vals in results.items():
+        if not vals:
+            print(f"{label:18} failed")
+            continue
+        ratio = f"{med[label] / ref:.2f}x" if ref else "-"
+        raw = ", ".join(f"{v:.0f}" for v in vals)
+        tail = f"; end workers, decisions: {extra[label]}" if label == "autotune" else ""
+        print(f"{label:18} {med[label]:15.0f} {ratio:>11}  [{raw}]{tail}")
+    grid = {k: v for k, v in med.items() if k not in ("default", "autotune")}
+    out = {"workload": name}
+    if grid and "autotune" in med and ref:
+        best = max(grid, key=grid.__getitem__)
+        out.update(best=best, best_items_s=grid[best], autotune_items_s=med["autotune"],
+                   vs_best=med["autotune"] / grid[best], vs_default=med["autotune"] / ref)
+        print(f"grid best: {best} ({grid[best]:.0f}/s); autotune / best = "
+              f"{out['vs_best']:.2f} (bar 0.9), autotune / default = {out['vs_default']:.2f}"
+              " (bar 1.0)")
+        print(f"{name}: autotune_vs_best={out['vs_best']:.3f} "
+              f"autotune_vs_default={out['vs_default']:.3f} best={best.replace(' ', '_')}")
+    sys.stdout.flush()
+    return out
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--samples", type=int, default=4000)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="cpu_map", help=f"one of {', '.join(WORKLOADS)}, "
+                    "or all")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--spin", type=int, default=20_000)
+    ap.add_argument("--scale", type=float, default=1.0, help="samples x this")
+    ap.add_argument("--list", action="store_true")
     ap.add_argument("--row")
     args = ap.parse_args()
     if args.row:
         print(json.dumps(_row(json.loads(args.row))))
         return
-    from _fresh import run_in_child
-
-    base = {"samples": args.samples, "spin": args.spin}
-    rows = {"fit_to_ops": {"mode": "fixed"},
-            "hand p2": {"mode": "fixed", "p": 2},
-            "hand p3": {"mode": "fixed", "p": 3},
-            "autotune": {"mode": "autotune"},
-            "autotune max_workers=3": {"mode": "autotune", "max_workers": 3}}
-    results: dict[str, list] = {k: [] for k in rows}
-    extra: dict[str, list] = {k: [] for k in rows}
-    for rep in range(args.reps):
-        for label, spec in rows.items():
-            out, _ = run_in_child(__file__, {**base, **spec}, 600, dict(os.environ), label)
-            if out is not None:
-                results[label].append(out["items_s"])
-                extra[label].append((out["workers"], out["decisions"]))
-    ref = statistics.median(results["fit_to_ops"]) if results["fit_to_ops"] else None
-    print(f"{'row':26} {'median items/s':>15} {'vs fit_to_ops':>14}  raw; autotune end counts")
-    for label, vals in results.items():
-        if not vals:
-            print(f"{label:26} failed")
-            continue
-        med = statistics.median(vals)
-        ratio = f"{med / ref:.2f}x" if ref else "-"
-        raw = ", ".join(f"{v:.0f}" for v in vals)
-        tail = f"; {extra[label]}" if label.startswith("autotune") else ""
-        print(f"{label:26} {med:15.0f} {ratio:>14}  [{raw}]{tail}")
+    if args.list:
+        for name in WORKLOADS:
+            print(f"{name}: {', '.join(rows_of(name, 1.0))}")
+        return
+    names = list(WORKLOADS) if args.workload == "all" else args.workload.split(",")
+    summary = [run_workload(name, args.reps, args.scale) for name in names]
+    if len(summary) > 1:
+        print("\nsummary (autotune / grid best, autotune / default):")
+        for s in summary:
+            if "vs_best" in s:
+                print(f"  {s['workload']:14} {s['vs_best']:.2f}  {s['vs_default']:.2f}  "
+                      f"(best {s['best']})")
 
 
 if __name__ == "__main__":

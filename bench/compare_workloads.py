@@ -23,7 +23,10 @@ and reused):
    (602 KB); batches of 64. The crop and flip draw from zephon's ``ctx.rng`` (seeded from
    the sample's identity); each peer draws from its own RNG. Rows: ``zephon`` defaults
    (``Pipeline(from_sequence(files)).map(decode, parallelism=2).batch(64)``: the process
-   runner, 2 workers), ``zephon webdataset`` (the same over ``sources.webdataset``),
+   runner, 2 workers), ``zephon autotune`` (the same map without a parallelism, under
+   ``RuntimeOptions(runner="process", worker_allocation="autotune")``: the controller
+   picks the workers within the process's cores), ``zephon webdataset`` (the same over
+   ``sources.webdataset``),
    ``torch`` (``DataLoader(num_workers=2, batch_size=64, shuffle=True, spawn)`` over an
    ImageFolder-like dataset), ``grain`` (``MapDataset.source -> shuffle -> random_map ->
    batch(64) -> mp_prefetch(2 workers)``), ``tf.data`` (``from_tensor_slices -> shuffle ->
@@ -65,7 +68,8 @@ and reused):
 
 Ratios (> 1 means zephon is ahead): ``image_defaults_vs_best_peer`` (zephon defaults /
 the fastest peer row), ``image_defaults_vs_best_peer_epoch`` (the fastest peer's epoch
-seconds / zephon defaults'), ``tokenize_process2_vs_hf`` (HF's epoch seconds / zephon 2
+seconds / zephon defaults'), ``image_autotune_vs_tfdata`` (zephon autotune / tf.data,
+steady) and ``image_autotune_vs_tfdata_epoch`` (by epoch seconds), ``tokenize_process2_vs_hf`` (HF's epoch seconds / zephon 2
 workers'), ``windows_process_vs_get_batch``, ``windows_best_vs_get_batch`` (zephon's
 faster runner / get_batch), and each zephon row against each peer row of its table.
 
@@ -231,15 +235,20 @@ def _tf_decode(data: bytes, seed) -> np.ndarray:
 
 # -- image loaders: each returns (iterable of image batches, close) ---------------------------
 
-def image_zephon(paths: dict, source: str = "files"):
-    from zephon import Pipeline, sources
+def image_zephon(paths: dict, source: str = "files", autotune: bool = False):
+    from zephon import Pipeline, RuntimeOptions, sources
 
+    # autotune: no parallelism given, the controller picks the workers (CPU budget: the
+    # cores this process may use)
+    par = {} if autotune else {"parallelism": 2}
     if source == "webdataset":
         pipe = Pipeline(sources.webdataset(os.path.join(paths["wds"], "*.tar"))) \
-            .map(decode_wds, parallelism=2)
+            .map(decode_wds, **par)
     else:
         pipe = Pipeline(sources.from_sequence(image_files(paths["folder"]))) \
-            .map(decode_file, parallelism=2)
+            .map(decode_file, **par)
+    if autotune:
+        pipe = pipe.options(RuntimeOptions(runner="process", worker_allocation="autotune"))
     it = iter(pipe.batch(IMAGE_BATCH))
     return (b["image"] for b in it), it.close
 
@@ -631,6 +640,7 @@ def plan(sizes: dict, peers: dict[str, str]) -> list[dict]:
                 "kw": kw, "python": python, "batches": _expected_batches(workload, sizes)}
 
     rows = [row("zephon defaults", "image", "zephon"),
+            row("zephon autotune", "image", "zephon", autotune=True),
             row("zephon webdataset", "image", "zephon", source="webdataset")]
     if "torch" in peers:
         rows.append(row("torch DataLoader", "image", "torch", peers["torch"]))
@@ -775,6 +785,10 @@ def ratios(table: dict) -> list[tuple[str, float]]:
             out.append((f"image_defaults_vs_{name.split()[0].replace('.', '')}",
                         zephon_img / value))
         out += _image_epoch_ratios(table)
+    auto, tf = table.get(("image", "zephon autotune")), table.get(("image", "tf.data"))
+    if auto and tf:
+        out.append(("image_autotune_vs_tfdata", auto["items_per_s"] / tf["items_per_s"]))
+        out.append(("image_autotune_vs_tfdata_epoch", tf["epoch_s"] / auto["epoch_s"]))
     a, b = seconds("zephon op 2 workers"), seconds("zephon op inline")
     if a and b:
         out.append(("tokenize_op_process2_vs_op_inline", b / a))
@@ -802,7 +816,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller data, one repetition")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per row (3)")
     parser.add_argument("--only", default="",
-                        help="rows whose 'workload: name' contains this (e.g. image, hf)")
+                        help="rows whose 'workload: name' contains this (e.g. image, hf; "
+                             "several, comma-separated: any of them)")
     parser.add_argument("--no-peers", action="store_true", help="zephon rows only")
     parser.add_argument("--python", action="append", default=[],
                         help="an interpreter for peers missing here; PEER=PATH names one "
@@ -818,7 +833,9 @@ def main(argv=None) -> int:
     reps = args.reps or (1 if args.quick else 3)
     sizes = QUICK if args.quick else FULL
     peers, missing = ({}, []) if args.no_peers else find_peers(args.python)
-    rows = [r for r in plan(sizes, peers) if args.only in f"{r['workload']}: {r['name']}"]
+    wanted = args.only.split(",")
+    rows = [r for r in plan(sizes, peers)
+            if any(w in f"{r['workload']}: {r['name']}" for w in wanted)]
     t = time.perf_counter()
     paths = ensure_data(Path(args.data), sizes, {r["workload"] for r in rows})
     print(f"data ready in {time.perf_counter() - t:.1f} s under {args.data}", file=sys.stderr)

@@ -13,7 +13,18 @@ import pytest
 import _autotune_fns as F
 from _procs import HANG_S, wait_gone
 from zephon import Pipeline, RuntimeOptions, sources
-from zephon.pipeline.autotune import BUSY_GROW, SHRINK_PERIODS, WAIT_GROW, choose, _Signals
+from zephon.pipeline.autotune import (
+    BUSY_GROW,
+    HOLD_S,
+    PERIOD_S,
+    SHRINK_PERIODS,
+    TRIAL_ITEMS,
+    WAIT_GROW,
+    Controller,
+    _Signals,
+    choose,
+    judge,
+)
 
 
 def _pipe(n, runner, op=F.slow, second=F.cheap, shuffle=True, **kw):
@@ -94,6 +105,94 @@ def test_rule_shrinks_an_idle_stage_only_after_several_periods():
     choose(_sig([3, 1], [0.1, 0.5], 0.0), {0: 3, 1: 3}, 4, idle, lambda s: True)
     choose(_sig([3, 1], [0.9, 0.5], 0.0), {0: 3, 1: 3}, 4, idle, lambda s: True)
     assert idle[0] == 0
+
+
+def test_rule_grows_a_waiting_process_stage_past_the_cpu_budget():
+    waiting = {0: 8}
+    # budget 2 full, stage 0's two workers busy but asking 5 % of a core: a third one
+    sig = _Signals({0: 2}, {0: 0.99}, 0.9, {0: 0.05})
+    stage, delta, reason = choose(sig, {0: 2}, 2, {}, lambda s: True, waiting)
+    assert (stage, delta) == (0, 1) and "past the CPU budget" in reason
+    # without a waiting cap (a thread stage) the budget holds
+    assert choose(sig, {0: 2}, 2, {}, lambda s: True) is None
+    # a CPU-bound stage (its workers ask a core all the time they are busy): it holds
+    assert choose(_Signals({0: 2}, {0: 0.99}, 0.9, {0: 0.95}), {0: 2}, 2, {},
+                  lambda s: True, waiting) is None
+    # the measured demand of all workers, plus one more, must fit in the budget
+    assert choose(_Signals({0: 6}, {0: 0.99}, 0.9, {0: 0.29}), {0: 2}, 2, {},
+                  lambda s: True, waiting) is None
+    # and the waiting cap
+    assert choose(_Signals({0: 8}, {0: 0.99}, 0.9, {0: 0.01}), {0: 2}, 2, {},
+                  lambda s: True, waiting) is None
+
+
+def test_judge_keeps_only_a_grow_that_paid():
+    assert judge(100.0, 110.0)
+    assert not judge(100.0, 100.0) and not judge(100.0, 90.0)
+
+
+class _FakeExecutor:
+    runner, booting = "threads", 0
+
+    def __init__(self):
+        self.workers, self.meter, self.max_workers = 1, None, 1
+
+    def grow(self):
+        self.workers += 1
+
+    def shrink(self):
+        self.workers -= 1
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _drive(tuner, clock, ex, seconds, per_item, until=None):
+    """Items handed on every ``per_item`` seconds for ``seconds`` (or until ``until``
+    decisions), the stage's workers all busy, the consumer waiting all the time."""
+    end = clock.now + seconds
+    while clock.now < end and (until is None or len(tuner.decisions) < until):
+        clock.now += per_item
+        tuner.meters[0].ran(per_item * ex.workers)
+        tuner.waited(per_item)
+        tuner.tick()
+
+
+def test_a_grow_that_does_not_pay_is_taken_back_and_held():
+    """The stage looks like the bottleneck (busy, the consumer waits), but a worker more
+    gives no more items per second (the cores are used by something else): it is taken
+    back, and not tried again for HOLD_S."""
+    clock, ex = _Clock(), _FakeExecutor()
+    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
+    per_item = PERIOD_S / TRIAL_ITEMS  # TRIAL_ITEMS per period, whatever the workers
+    _drive(tuner, clock, ex, 10 * PERIOD_S, per_item, until=1)
+    assert ex.workers == 2
+    _drive(tuner, clock, ex, 10 * PERIOD_S, per_item, until=2)
+    assert ex.workers == 1 and "did not pay" in tuner.decisions[-1].reason, tuner.decisions
+    undone = clock.now
+    _drive(tuner, clock, ex, HOLD_S - 2 * PERIOD_S, per_item)
+    assert ex.workers == 1 and len(tuner.decisions) == 2  # held
+    _drive(tuner, clock, ex, 4 * PERIOD_S, per_item, until=3)
+    assert ex.workers == 2 and tuner.decisions[-1].at >= undone + HOLD_S - PERIOD_S
+
+
+def test_a_grow_that_pays_is_kept():
+    clock, ex = _Clock(), _FakeExecutor()
+    tuner = Controller({0: ex}, cpu_budget=2, memory_bytes=1 << 40, clock=clock)
+    base = PERIOD_S / TRIAL_ITEMS
+    end = clock.now + 8 * PERIOD_S
+    while clock.now < end:  # items come twice as fast with two workers
+        per_item = base / ex.workers
+        clock.now += per_item
+        tuner.meters[0].ran(per_item * ex.workers)
+        tuner.waited(per_item)
+        tuner.tick()
+    assert ex.workers == 2 and len(tuner.decisions) == 1, tuner.decisions
 
 
 # -- runs -------------------------------------------------------------------------------------

@@ -32,3 +32,13 @@ def test_the_epoch_bar_follows_epoch_seconds_not_the_steady_rate():
 
 def test_no_epoch_bar_without_a_peer_row():
     assert cw._image_epoch_ratios({("image", "zephon defaults"): _row(580.0, 6.0)}) == []
+
+
+def test_the_autotune_row_is_compared_with_tf_data_and_is_no_peer():
+    table = {("image", "zephon defaults"): _row(580.0, 6.0),
+             ("image", "zephon autotune"): _row(600.0, 5.0),
+             ("image", "tf.data"): _row(500.0, 8.0)}
+    got = dict(cw.ratios(table))
+    assert got["image_autotune_vs_tfdata"] == pytest.approx(600.0 / 500.0)
+    assert got["image_autotune_vs_tfdata_epoch"] == pytest.approx(8.0 / 5.0)
+    assert got["image_defaults_vs_best_peer(tf.data)"] == pytest.approx(580.0 / 500.0)

@@ -23,13 +23,35 @@ elapsed time (the iterator reports them through :meth:`Controller.waited`; under
 counters are the controller's own (:class:`StageMeter`): it does not need
 ``execution_tracking`` and reads nothing of :mod:`zephon.pipeline.stats`.
 
+For a process stage the controller also reads its workers' *CPU fraction*: the
+seconds their threads ran on a core or waited in a run queue for one
+(``/proc/<pid>/task/*/schedstat``: what they asked of the CPUs, so a CPU-bound worker
+on a machine other processes load still counts as CPU-bound) over ``workers x
+elapsed``; a stage whose workers are busy but ask little CPU waits on something
+else (storage, the network, a sleep). Thread stages have no such reading (their
+CPU is the consumer's process's) and count as CPU-bound. The *throughput* is the
+items the engine handed on (its ticks) per second of the period.
+
 **The rule** (one decision per period at most, hill-climbing):
 
 - *grow*: the consumer waited at least :data:`WAIT_GROW` of the period: the stage
   with the highest busy fraction, if that is at least :data:`BUSY_GROW` and the
   stage is below its cap, gets one worker if the budgets allow; if the CPU budget
   is full, a stage that could lose one worker and stay below :data:`BUSY_GROW`
-  gives one up instead (the grow follows at a later period);
+  gives one up instead (the grow follows at a later period), and a process stage
+  whose workers' CPU fraction is below :data:`WAITING_CPU` times their busy fraction
+  grows past the CPU budget (up to its waiting cap, :data:`WAITING_FACTOR` times the budget) as long
+  as the CPU all workers are measured to use, plus one more of this stage's, stays
+  within the budget;
+- *trial*: a grow is kept only if it paid: once the new worker is ready, the new
+  setting must hand on at least :data:`TRIAL_GAIN` more items per second than the
+  previous one did (over the whole time it ran); the judgement waits for
+  :data:`TRIAL_ITEMS` items or :data:`TRIAL_S` seconds, whichever comes first, and
+  makes no other decision meanwhile; with fewer than :data:`TRIAL_MIN_ITEMS` items on
+  either side there is no evidence and the grow stays. A grow that did not pay is
+  taken back and the stage is not grown for :data:`HOLD_S` seconds (on a machine whose cores other processes
+  use, or past the point where the stage is the bottleneck, a worker more costs
+  more than it gives);
 - *shrink*: a stage with more than one worker that would stay below
   :data:`BUSY_SHRINK` busy with one worker fewer, for :data:`SHRINK_PERIODS`
   periods in a row, loses one (the busiest-first grow and the lower shrink
@@ -42,7 +64,9 @@ counters are the controller's own (:class:`StageMeter`): it does not need
 **Bounds.** At least one worker per stage; at most the CPU budget in all, over the
 stages (:func:`~zephon.options.resolve_autotune_cpu_budget`: an explicit
 ``max_workers``, else the cores the process may use, affinity and cgroup
-``cpu.max``); a stage at most ``budget - (stages - 1)``; a new process worker only
+``cpu.max``), except for the waiting process stages above, whose measured CPU is
+what counts against the budget; a stage at most ``budget - (stages - 1)`` (a
+waiting process stage: ``WAITING_FACTOR x budget``, at most 127); a new process worker only
 while the resident memory of the stage's workers (``/proc/<pid>/statm``) plus one
 more of the largest stays within the memory budget
 (:func:`~zephon.options.resolve_autotune_memory_bytes`: ``autotune_memory_bytes``,
@@ -73,10 +97,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["BUSY_GROW", "BUSY_SHRINK", "PERIOD_S", "SHRINK_PERIODS", "WAIT_GROW",
-           "Controller", "Decision", "StageMeter", "choose"]
+__all__ = ["BUSY_GROW", "BUSY_SHRINK", "HOLD_S", "PERIOD_S", "SHRINK_PERIODS", "TRIAL_GAIN",
+           "TRIAL_ITEMS", "TRIAL_MIN_ITEMS", "TRIAL_S", "WAITING_CPU", "WAITING_FACTOR",
+           "WAIT_GROW",
+           "Controller", "Decision", "StageMeter", "choose", "judge"]
 
 log = logging.getLogger("zephon.autotune")
 
@@ -90,6 +118,20 @@ BUSY_GROW = 0.6
 #: (for SHRINK_PERIODS periods in a row).
 BUSY_SHRINK = 0.45
 SHRINK_PERIODS = 3
+#: A process stage whose workers ask a core for less than this fraction of the time
+#: they are busy waits on something else: it may grow past the CPU budget (the rule).
+WAITING_CPU = 0.3
+#: A waiting process stage's cap: this many times the CPU budget.
+WAITING_FACTOR = 4
+#: A grow is kept when the throughput after it is at least (1 + TRIAL_GAIN) x before.
+TRIAL_GAIN = 0.03
+#: The items a trial waits for (at most TRIAL_S seconds) before it is judged; with fewer
+#: than TRIAL_MIN_ITEMS before or after the grow there is no evidence and the grow stays.
+TRIAL_ITEMS = 24
+TRIAL_S = 4.0
+TRIAL_MIN_ITEMS = 4
+#: Seconds a stage whose grow did not pay is not grown again.
+HOLD_S = 5.0
 #: Most workers of a process stage (a region token's owner field).
 MAX_PROCESS_WORKERS = 127
 
@@ -133,18 +175,30 @@ class _Signals(NamedTuple):
     workers: dict[int, int]
     busy: dict[int, float]  # busy fraction, 0..1
     wait: float  # the consumer's waiting fraction, 0..1
+    #: CPU fraction per worker, 0..1 (process stages; a stage absent: CPU-bound)
+    cpu: Mapping[int, float] = MappingProxyType({})
+    rate: float = 0.0  # items handed on per second
+
+
+def judge(before: float, after: float) -> bool:
+    """Whether a grow paid: the throughput ``after`` it is at least TRIAL_GAIN above
+    ``before``."""
+    return after >= before * (1.0 + TRIAL_GAIN)
 
 
 def choose(sig: _Signals, caps: dict[int, int], budget: int, idle: dict[int, int],
-           memory_ok: Callable[[int], bool]) -> tuple[int, int, str] | None:
+           memory_ok: Callable[[int], bool], waiting_caps: dict[int, int] | None = None
+           ) -> tuple[int, int, str] | None:
     """The decision of one period: ``(stage, +1 or -1, reason)`` or None. ``idle`` (the
-    consecutive periods each stage could have lost a worker) is updated here."""
+    consecutive periods each stage could have lost a worker) is updated here;
+    ``waiting_caps``: the caps of the stages that may grow past the budget while their
+    workers wait (process stages; default: none)."""
     total = sum(sig.workers.values())
     for s, w in sig.workers.items():
         spare = w > 1 and sig.busy[s] * w / (w - 1) < BUSY_SHRINK
         idle[s] = idle.get(s, 0) + 1 if spare else 0
     if sig.wait >= WAIT_GROW:
-        grow = _grow(sig, caps, budget, total, memory_ok)
+        grow = _grow(sig, caps, budget, total, memory_ok, waiting_caps or {})
         if grow is not None:
             return grow
     for s in sorted(sig.workers, key=lambda x: sig.busy[x]):
@@ -155,23 +209,71 @@ def choose(sig: _Signals, caps: dict[int, int], budget: int, idle: dict[int, int
     return None
 
 
+def _waiting(sig: _Signals, s: int) -> bool:
+    return s in sig.cpu and sig.cpu[s] < WAITING_CPU * sig.busy[s]
+
+
 def _grow(sig: _Signals, caps: dict[int, int], budget: int, total: int,
-          memory_ok: Callable[[int], bool]) -> tuple[int, int, str] | None:
-    open_ = [s for s in sig.workers if sig.workers[s] < caps[s] and sig.busy[s] >= BUSY_GROW]
+          memory_ok: Callable[[int], bool], waiting_caps: dict[int, int]
+          ) -> tuple[int, int, str] | None:
+    def cap(x: int) -> int:
+        return max(caps[x], waiting_caps.get(x, 0)) if _waiting(sig, x) else caps[x]
+
+    open_ = [s for s in sig.workers if sig.workers[s] < cap(s) and sig.busy[s] >= BUSY_GROW]
     if not open_:
         return None
     s = max(open_, key=lambda x: (sig.busy[x], -x))
     why = f"the consumer waited {sig.wait:.0%}, stage {s} busy {sig.busy[s]:.0%}"
-    if total < budget:
+    if total < budget and sig.workers[s] < caps[s]:
         if memory_ok(s):
             return s, +1, why
         return None
+    if _waiting(sig, s):
+        used = sum(sig.workers[x] * sig.cpu.get(x, 1.0) for x in sig.workers)
+        if used + sig.cpu[s] <= budget:
+            if memory_ok(s):
+                return s, +1, (f"{why}, its workers use {sig.cpu[s]:.0%} of a core each "
+                               f"(all: {used:.1f} of {budget}): past the CPU budget")
+            return None
     donors = [d for d in sig.workers if d != s and sig.workers[d] > 1
               and sig.busy[d] * sig.workers[d] / (sig.workers[d] - 1) < BUSY_GROW]
     if donors:
         d = min(donors, key=lambda x: (sig.busy[x], x))
         return d, -1, f"CPU budget {budget} full: gives a worker to stage {s} ({why})"
     return None
+
+
+def _cpu_demand(pid: int) -> float:
+    """The seconds ``pid``'s threads ran on a core or waited in a run queue for one so far
+    (``/proc/<pid>/task/*/schedstat``; where the kernel has none, the CPU seconds of
+    ``/proc/<pid>/stat``; 0 when unknown)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    total, found = 0, False
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", encoding="ascii") as fh:
+                ran, queued = fh.read().split()[:2]
+            total += int(ran) + int(queued)
+            found = True
+        except (OSError, ValueError):
+            continue
+    return total / 1e9 if found else _cpu_seconds(pid)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` so far (0 when unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _rss(pid: int) -> int:
@@ -204,8 +306,12 @@ class Controller:
         most = self.cpu_budget - (len(self.executors) - 1)
         self.caps = {s: min(most, MAX_PROCESS_WORKERS) if ex.runner == "process" else most
                      for s, ex in self.executors.items()}
+        #: a process stage's cap while its workers wait (see the rule)
+        self.waiting_caps = {s: min(WAITING_FACTOR * self.cpu_budget, MAX_PROCESS_WORKERS)
+                             for s, ex in self.executors.items() if ex.runner == "process"}
         for s, ex in self.executors.items():
-            ex.meter, ex.max_workers = self.meters[s], self.caps[s]
+            ex.meter = self.meters[s]
+            ex.max_workers = max(self.caps[s], self.waiting_caps.get(s, 0))
         self.decisions: list[Decision] = []
         self.held = ""  # why the last wanted grow did not happen (shown once per cause)
         self._idle: dict[int, int] = {}
@@ -215,6 +321,13 @@ class Controller:
         self._since = self.started
         self.last: _Signals | None = None
         self._final: dict[int, int] | None = None
+        self._items = 0  # ticks (items handed on) since the period started
+        #: ticks since the current setting started (the last resize, a worker ready)
+        self._run_items, self._run_since = 0, self.started
+        self._cpu_seen: dict[int, float] = {}  # pid -> CPU seconds at the period start
+        #: the grow on trial: (stage, throughput before it, the items that rate is of)
+        self._trial: tuple[int, float, int] | None = None
+        self._held_until: dict[int, float] = {}  # stage -> no grow before this time
 
     # -- signals ---------------------------------------------------------------------------
     def waited(self, seconds: float) -> None:
@@ -228,14 +341,36 @@ class Controller:
         with self._wait_lock:
             self._waited = 0.0
         self._since = now
+        self._items = 0
+        self._cpu_take()
+
+    def _cpu_take(self) -> dict[int, float]:
+        """CPU seconds each process stage's workers used since the last call (a worker
+        new since then counts from now)."""
+        out: dict[int, float] = {}
+        seen: dict[int, float] = {}
+        for s, ex in self.executors.items():
+            if ex.runner != "process":
+                continue
+            used = 0.0
+            for pid in ex.pids():
+                now = _cpu_demand(pid)
+                seen[pid] = now
+                used += max(0.0, now - self._cpu_seen.get(pid, now))
+            out[s] = used
+        self._cpu_seen = seen
+        return out
 
     def _sample(self, elapsed: float) -> _Signals:
         workers = {s: ex.workers for s, ex in self.executors.items()}
         busy = {s: min(1.0, self.meters[s].take() / (workers[s] * elapsed))
                 for s in self.executors}
+        cpu = {s: min(1.0, used / (workers[s] * elapsed))
+               for s, used in self._cpu_take().items()}
         with self._wait_lock:
             wait, self._waited = self._waited, 0.0
-        return _Signals(workers, busy, min(1.0, wait / elapsed))
+        rate, self._items = self._items / elapsed, 0
+        return _Signals(workers, busy, min(1.0, wait / elapsed), cpu, rate)
 
     def _memory_ok(self, stage: int) -> bool:
         ex = self.executors[stage]
@@ -259,31 +394,61 @@ class Controller:
     # -- the loop --------------------------------------------------------------------------
     def tick(self) -> None:
         """Called by the engine per item: decide when a period has passed."""
+        self._items += 1
+        self._run_items += 1
         now = self.clock()
-        if now - self._since < self.period or not self.executors:
+        elapsed = now - self._since
+        if elapsed < self.period or not self.executors:
             return
         if any(ex.booting for ex in self.executors.values()):
             self._restart_period(now)  # judge the new setting on a full period of it
+            self._run_items, self._run_since = 0, now
             return
-        sig = self._sample(now - self._since)
+        sig = self._sample(elapsed)
         self.last = sig
         self._since = now
-        choice = choose(sig, self.caps, self.cpu_budget, self._idle, self._memory_ok)
+        if self._trial is not None:
+            run = now - self._run_since
+            if self._run_items < TRIAL_ITEMS and run < TRIAL_S:
+                return  # too few items yet to judge the grow on trial
+            stage, before_rate, before_items = self._trial
+            self._trial = None
+            after_rate = self._run_items / run
+            evidence = min(before_items, self._run_items) >= TRIAL_MIN_ITEMS
+            if evidence and not judge(before_rate, after_rate):
+                self._held_until[stage] = now + HOLD_S
+                self._resize(now, stage, -1, f"the grow did not pay: {after_rate:.2f} items/s "
+                             f"after it, {before_rate:.2f} before (held {HOLD_S:g} s)")
+                return
+        caps = {s: (self.executors[s].workers if self._held_until.get(s, 0.0) > now else c)
+                for s, c in self.caps.items()}
+        waiting = {s: (self.executors[s].workers if self._held_until.get(s, 0.0) > now else c)
+                   for s, c in self.waiting_caps.items()}
+        choice = choose(sig, caps, self.cpu_budget, self._idle, self._memory_ok, waiting)
         if choice is None:
             return
         stage, delta, reason = choice
+        run = max(now - self._run_since, 1e-9)
+        before = (stage, self._run_items / run, self._run_items)
+        if self._resize(now, stage, delta, reason) and delta > 0:
+            self._trial = before
+
+    def _resize(self, now: float, stage: int, delta: int, reason: str) -> bool:
+        """One worker more or fewer for ``stage``, recorded; False if it failed."""
         ex = self.executors[stage]
         before = ex.workers
         try:
             ex.grow() if delta > 0 else ex.shrink()
         except Exception as exc:  # noqa: BLE001 - a failed resize leaves the stage as it was
             log.warning("autotune: stage %d: resizing failed: %s", stage, exc)
-            return
+            return False
         decision = Decision(round(now - self.started, 3), stage, before, ex.workers, reason)
         self.decisions.append(decision)
         self.held = ""
         log.info("autotune: %s", decision.text())
         self._restart_period(self.clock())
+        self._run_items, self._run_since = 0, self._since
+        return True
 
     def snapshot(self) -> dict:
         """The budgets, the worker counts now, the last period's signals and every
@@ -295,6 +460,8 @@ class Controller:
             "period_s": self.period,
             "workers": self.counts(),
             "busy": dict(last.busy) if last else {},
+            "cpu": dict(last.cpu) if last else {},
+            "items_per_s": last.rate if last else None,
             "consumer_wait": last.wait if last else None,
             "held": self.held,
             "decisions": [d._asdict() for d in self.decisions],
