@@ -3,7 +3,8 @@
 What it owns: :class:`OpClock`, the one clock every executor (the inline and thread
 executors, a process worker) times a unit's program with. The pipeline's dispatch sizes
 its parts by the result (:mod:`zephon.pipeline.dispatch`: a part holds about
-``DISPATCH_TARGET_SECONDS`` of work); execution tracking and autotune read it too.
+``DISPATCH_TARGET_SECONDS`` of work). Execution tracking and autotune keep reading the
+plain wall time of the op (their busy fractions are shares of wall-clock capacity).
 
 What it measures: the wall time of the call in the calling thread, minus what that
 thread spent *runnable but not running* (waiting in the scheduler's run queue, from
