@@ -270,3 +270,8 @@ def readme_keep(sample):
 def some_empty_tokens(i):
     """Token arrays of 0, 1 or 2 tokens: every third sample has none."""
     return {"tokens": np.arange(i % 3, dtype=np.int64) + 10 * i}
+
+
+def square_unit(x):
+    """An executor's program in the executor tests: a number in, its square out."""
+    return x * x

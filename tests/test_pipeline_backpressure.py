@@ -132,6 +132,68 @@ def test_samples_of_unseen_size_are_bounded_by_time():
     assert d.target() == DISPATCH_TARGET_BYTES // MIN_SAMPLE_BYTES
 
 
+def test_parts_are_sized_by_the_op_time_the_workers_report_not_by_queueing():
+    # A part's time from send to result counts its wait behind the parts queued before it
+    # (depth / workers parts, more on a loaded machine): a tokenizer's ~1 ms per document
+    # looked like 10-40 ms, and its parts shrank to one to three documents (a message
+    # each). With the op time the executor reports, the part holds the documents that
+    # fit DISPATCH_TARGET_SECONDS of work, however long it queued.
+    from zephon.pipeline.dispatch import DISPATCH_TARGET_SECONDS
+
+    d = _lane_dispatch()
+    d.cap = 1 << 30
+    d.sent(0, 4)
+    d.sent_at[0] -= 10.0  # it came back 10 s after it was sent (queued behind others)
+    d.done(0, [], deterministic=False, busy_s=4 * 1.25e-3)  # 1.25 ms of work per sample
+    assert d.op_timed and d.per_sample_s == pytest.approx(1.25e-3)
+    d.per_item = 800.0  # 400 uint16 tokens a document: the byte target allows thousands
+    assert d.target() == int(DISPATCH_TARGET_SECONDS / 1.25e-3)
+    # without an op time the time since sending stands in (and overstates the work)
+    d.sent(1, 4)
+    d.sent_at[1] -= 10.0
+    d.done(1, [], deterministic=False)
+    assert not d.op_timed and d.per_sample_s >= 2.5
+    assert d.target() == 1
+
+
+def test_op_time_bounds_parts_of_samples_faster_than_the_queueing_threshold():
+    # SLOW_SAMPLE_S exists because send-to-result time overstates fast samples; a measured
+    # op time does not, so 0.5 ms samples are bounded by time too (not by bytes alone,
+    # which would make a part of 5,000 of them: 2.5 s of one worker's time).
+    from zephon.pipeline.dispatch import DISPATCH_TARGET_SECONDS, SLOW_SAMPLE_S
+
+    d = _lane_dispatch()
+    d.cap, d.per_item = 1 << 30, 800.0
+    d.sent(0, 10)
+    d.done(0, [], deterministic=False, busy_s=10 * SLOW_SAMPLE_S / 2)
+    assert d.target() == int(DISPATCH_TARGET_SECONDS / (SLOW_SAMPLE_S / 2))
+
+
+@pytest.mark.parametrize("runner", ["inline", "threads", "process"])
+def test_every_executor_reports_op_time_without_execution_tracking(runner):
+    # The dispatch needs the op time whatever the tracking: each executor's get() returns
+    # it with the result (tracking off: no probe, no meter).
+    from _pipeline_fns import square_unit
+
+    from zephon import RuntimeOptions
+    from zephon.runners.executors import InlineExecutor, ProcessExecutor, ThreadExecutor
+
+    if runner == "inline":
+        ex = InlineExecutor(square_unit)
+    elif runner == "threads":
+        ex = ThreadExecutor(square_unit, 1)
+    else:
+        ex = ProcessExecutor(square_unit, 1, options=RuntimeOptions())
+    try:
+        assert ex.probe is None and getattr(ex, "meter", None) is None
+        ex.submit(0, 7, 3)
+        seq, result, busy_s = ex.get(0)
+    finally:
+        ex.close()
+    assert (seq, result) == (7, 9)
+    assert busy_s is not None and busy_s >= 0
+
+
 def test_large_samples_travel_several_per_part_up_to_the_byte_ceiling():
     # One message per 4 MiB sample spent about two thirds of the consumer's process on
     # messages: a part holds MIN_PART_SAMPLES of them, as long as that stays within

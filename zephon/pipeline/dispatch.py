@@ -11,13 +11,20 @@ in one message decides only speed and memory. Cutting a unit never changes
 what comes out, because every stateless op works sample by sample and the
 serial accumulators downstream see the records in the same order either way.
 A part aims at :data:`DISPATCH_TARGET_BYTES` of output, or :data:`MIN_PART_SAMPLES`
-samples when those are larger (up to :data:`DISPATCH_MAX_BYTES`), and, for slow samples, at
-most :data:`DISPATCH_TARGET_SECONDS` of a worker's time, both estimated from the
+samples when those are larger (up to :data:`DISPATCH_MAX_BYTES`), and at most
+:data:`DISPATCH_TARGET_SECONDS` of a worker's time, both estimated from the
 results seen so far (until the first result arrives, parts hold one sample; a
 sample counts for at least :data:`MIN_SAMPLE_BYTES`, so samples whose size the
 estimate cannot see are bounded by time; and a part is at most twice as large as
 the previous result allowed, so a run of slow samples after fast ones is not sent
-as one part);
+as one part). The time per sample is the **op time** the executor reports with each
+result (what the worker spent on the part, see :mod:`zephon.runners.executors`), never
+the time from send to result: that one counts the part's wait behind the parts queued
+before it, ``depth / workers`` parts and more on a loaded machine, so it overstated a
+tokenizer's ~1 ms per document up to 30-fold and cut its parts to one to three
+documents, a message each (a third of the workers' CPU and most of the consumer's went
+to messages). Only an executor that reports no op time falls back to send-to-result,
+and then only for samples slower than :data:`SLOW_SAMPLE_S`;
 with several workers a large unit is cut into at least as many parts as there
 are workers, so that all of them get work. Units are not cut where the stage
 must see them whole: a batch-shape sensitive op (``map_batch``), a stage that
@@ -93,13 +100,15 @@ MIN_PART_SAMPLES = 4
 #: The ceiling of a part's output when it grows past DISPATCH_TARGET_BYTES to hold
 #: MIN_PART_SAMPLES samples (beyond it the parts' memory costs more than it saves).
 DISPATCH_MAX_BYTES = 16 << 20
-#: ... and, for samples slower than :data:`SLOW_SAMPLE_S`, at most this much of a worker's
-#: time: a part of slow samples is small, so that results arrive steadily and closing the
-#: run waits for one slow op, not for a whole part of them.
+#: ... and at most this much of a worker's op time: a part of slow samples is small, so
+#: that results arrive steadily and closing the run waits for one slow op, not for a
+#: whole part of them. (A message costs well under a millisecond at each end: 50 ms of
+#: work per part keeps that within a few percent.)
 DISPATCH_TARGET_SECONDS = 0.05
-#: Seconds per sample from which the time bound applies. The time is measured from send
-#: to result, queueing included, so for fast samples it overstates the work many times
-#: over (bounding 4 KiB samples by it cost a third of their throughput).
+#: Seconds per sample from which the time bound applies when the executor reports no op
+#: time and only the time from send to result is known: that counts queueing too, so for
+#: fast samples it overstates the work many times over (bounding 4 KiB samples by it cost
+#: a third of their throughput).
 SLOW_SAMPLE_S = 1e-3
 #: The least output bytes a sample is taken to have when sizing parts (a sample whose
 #: size the estimate cannot see, e.g. plain Python values, is not taken as free).
@@ -167,15 +176,15 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
                 return
             continue
         if stats is None:
-            done_seq, result = executor.get(lane)
+            done_seq, result, busy_s = executor.get(lane)
         else:
             waited = time.perf_counter()
-            done_seq, result = executor.get(lane)
+            done_seq, result, busy_s = executor.get(lane)
             now = time.perf_counter()
             sent, samples = feed.sent.pop(done_seq)
             stats.completed(feed.node, len(result), now - sent, now - waited, samples)
         feed.inflight -= 1
-        state.done(done_seq, result, deterministic)
+        state.done(done_seq, result, deterministic, busy_s)
         if deterministic:
             buffer.push(done_seq, result)
         else:
@@ -296,6 +305,7 @@ class _LaneDispatch:
         self.budget: int | None = stage.budget_bytes
         self.per_item: float | None = None  # output bytes per input sample, from results
         self.per_sample_s: float | None = None  # seconds per input sample, from results
+        self.op_timed = False  # per_sample_s is op time (else send-to-result time)
         self.sent_at: dict[int, float] = {}  # seq -> when a part in flight was sent
         self.cap = 1  # samples per part at most: doubles with each result (see target)
         self.items = 0  # input samples in flight
@@ -323,8 +333,9 @@ class _LaneDispatch:
         per_item = max(self.per_item, MIN_SAMPLE_BYTES)
         want = min(max(DISPATCH_TARGET_BYTES, MIN_PART_SAMPLES * per_item), DISPATCH_MAX_BYTES)
         size = want // per_item
-        if self.per_sample_s is not None and self.per_sample_s > SLOW_SAMPLE_S:
-            size = min(size, DISPATCH_TARGET_SECONDS / self.per_sample_s)
+        per_s = self.per_sample_s
+        if per_s is not None and per_s > 0 and (self.op_timed or per_s > SLOW_SAMPLE_S):
+            size = min(size, DISPATCH_TARGET_SECONDS / per_s)
         # Parts grow at most twofold per result: the estimates come from the samples seen
         # so far, and a run of slow samples after fast ones must not go out as one part.
         return max(1, int(min(size, self.cap)))
@@ -390,7 +401,10 @@ class _LaneDispatch:
         self.estimate[seq] = guess
         self.held += guess
 
-    def done(self, seq: int, result: list, deterministic: bool) -> None:
+    def done(self, seq: int, result: list, deterministic: bool,
+             busy_s: float | None = None) -> None:
+        """A part's result came back; ``busy_s``: the op seconds the executor measured
+        for it (None: unknown, then the time since it was sent stands in)."""
         consumed = self.sizes.pop(seq)
         elapsed = time.perf_counter() - self.sent_at.pop(seq)
         self.items -= consumed
@@ -399,10 +413,15 @@ class _LaneDispatch:
             self.per_item = approx_nbytes(result[0].value) * len(result) / consumed
         self.cap = min(2 * self.cap, 1 << 30)
         if consumed:
-            # Send to result, queueing included: an over-estimate, so parts err small.
-            s = elapsed / consumed
-            self.per_sample_s = s if self.per_sample_s is None else \
-                0.5 * (self.per_sample_s + s)
+            if busy_s is not None:  # what the part cost its worker
+                s, timed = busy_s / consumed, True
+            else:  # send to result, queueing included: an over-estimate, parts err small
+                s, timed = elapsed / consumed, False
+            if self.per_sample_s is None or timed != self.op_timed:
+                self.per_sample_s = s
+            else:
+                self.per_sample_s = 0.5 * (self.per_sample_s + s)
+            self.op_timed = timed
         if deterministic:
             nbytes = (self.per_item or 0.0) * consumed
             self.buffered[seq] = nbytes

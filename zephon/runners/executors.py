@@ -2,7 +2,12 @@
 
 One interface for every runner: ``submit(lane, seq, payload)`` starts
 ``program(payload)``; ``get(lane)`` blocks for *some* finished unit of that
-lane and returns ``(seq, result)``. Results of other lanes that arrive while a
+lane and returns ``(seq, result, busy_s)``: ``busy_s`` is the seconds the program
+took on that unit where it ran (measured by the worker thread or process with
+:class:`~zephon.transport.optime.OpClock`, always, with or without execution
+tracking: the dispatch sizes its parts by it, since the time from submit to result
+also counts the unit's wait in queues; None when unknown, e.g. a unit lost to a
+crash). Results of other lanes that arrive while a
 lane waits are kept for them. Ordering is not the executor's job: the engine
 puts results back in sequence order (the ReorderBuffer kernel). A unit whose
 program raised comes back as a :class:`TaskFailed` result in its place, so the
@@ -38,7 +43,8 @@ With execution tracking on, the engine sets an executor's ``probe``
 in the engine's thread, when ``get()`` takes the result (a process or thread worker
 measures it and returns it with the result: no extra messages, and no worker writes
 to the statistics), and worker restarts and stops. With ``probe`` None (tracking off)
-nothing is timed.
+the op time still comes back with each result (two clock reads per unit), for the
+dispatch alone.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from typing import Any, Callable
 
 from zephon.errors import TransportError, WorkerCrashedError
 from zephon.transport import WorkerPool
+from zephon.transport.optime import OpClock
 from zephon.transport.remote_errors import take_done
 
 __all__ = ["InlineExecutor", "ProcessExecutor", "TaskFailed", "ThreadExecutor"]
@@ -95,14 +102,15 @@ class InlineExecutor:
         self.probe: Any = None
 
     def submit(self, lane, seq: int, payload) -> None:
-        started = time.perf_counter() if self.probe is not None else 0.0
+        clock = OpClock()
         try:
             result = self.program(payload)
         except Exception as exc:  # noqa: BLE001 - raised by the engine in stream order
             result = TaskFailed(exc)
+        wall, busy = time.perf_counter() - clock.started, clock.seconds()
         if self.probe is not None:
-            self.probe.ran(time.perf_counter() - started)
-        self._done[lane].append((seq, result))
+            self.probe.ran(wall)
+        self._done[lane].append((seq, result, busy))
 
     def get(self, lane):
         return self._done[lane].popleft()
@@ -182,12 +190,14 @@ class _DaemonThreads:
 
 
 class _Timed:
-    """A thread worker's result with its op time (execution tracking on)."""
+    """A thread worker's result with its op time: ``wall_s`` for the probe and the meter,
+    ``busy_s`` (less the thread's wait for a CPU, :class:`~zephon.transport.optime.OpClock`)
+    for the dispatch."""
 
-    __slots__ = ("busy_s", "value")
+    __slots__ = ("busy_s", "value", "wall_s")
 
-    def __init__(self, value, busy_s: float) -> None:
-        self.value, self.busy_s = value, busy_s
+    def __init__(self, value, wall_s: float, busy_s: float) -> None:
+        self.value, self.wall_s, self.busy_s = value, wall_s, busy_s
 
 
 class ThreadExecutor:
@@ -210,18 +220,18 @@ class ThreadExecutor:
         self.meter: Any = None
 
     def submit(self, lane, seq: int, payload) -> None:
-        run = self.program if self.probe is None and self.meter is None else self._timed
-        self._pending[lane][self.pool.submit(run, payload)] = seq
+        self._pending[lane][self.pool.submit(self._timed, payload)] = seq
 
     def _timed(self, payload) -> "_Timed":
         """``program(payload)`` with its op time, which the engine's thread reports to
-        the probe when it takes the result (a worker thread never touches the stats)."""
-        started = time.perf_counter()
+        the probe when it takes the result (a worker thread never touches the stats) and
+        hands to the dispatch."""
+        clock = OpClock()
         try:
             value = self.program(payload)
         except Exception as exc:  # noqa: BLE001 - raised by the engine in stream order
             value = TaskFailed(exc)
-        return _Timed(value, time.perf_counter() - started)
+        return _Timed(value, time.perf_counter() - clock.started, clock.seconds())
 
     def grow(self) -> None:
         """One thread more (started on the next submit)."""
@@ -242,16 +252,14 @@ class ThreadExecutor:
         future = next(iter(done))
         seq = pending.pop(future)
         try:
-            result = future.result()
+            timed = future.result()
         except Exception as exc:  # noqa: BLE001 - raised by the engine in stream order
-            return seq, TaskFailed(exc)
-        if type(result) is _Timed:
-            if self.probe is not None:
-                self.probe.ran(result.busy_s)
-            if self.meter is not None:
-                self.meter.ran(result.busy_s)
-            result = result.value
-        return seq, result
+            return seq, TaskFailed(exc), None
+        if self.probe is not None:
+            self.probe.ran(timed.wall_s)
+        if self.meter is not None:
+            self.meter.ran(timed.wall_s)
+        return seq, timed.value, timed.busy_s
 
     def close(self) -> None:
         self.pool.close()
@@ -326,7 +334,7 @@ class ProcessExecutor:
                 if task not in self._task:
                     raise
                 owner, seq, _ = self._task.pop(task)
-                self._done[owner].append((seq, TaskFailed(exc)))
+                self._done[owner].append((seq, TaskFailed(exc), None))
                 continue
             owner, seq, _ = self._task.pop(result.task_id)
             if result.timing is not None:
@@ -334,7 +342,7 @@ class ProcessExecutor:
                     self.probe.ran(*result.timing)
                 if self.meter is not None:
                     self.meter.ran(result.timing[0])
-            self._done[owner].append((seq, result.value))
+            self._done[owner].append((seq, result.value, result.busy_s))
         return done.popleft()
 
     def _recover(self, crash: WorkerCrashedError) -> None:
@@ -353,12 +361,12 @@ class ProcessExecutor:
                     if not self.deterministic:
                         warnings.warn(f"zephon: dropping it: {message}", RuntimeWarning,
                                       stacklevel=2)
-                        self._done[lane].append((seq, []))
+                        self._done[lane].append((seq, [], None))
                         continue
                     # raised in its place in the stream, after the results before it
                     error = WorkerCrashedError(message, seq=seq, signal=crash.signal,
                                                op=self.name, worker=crash.worker)
-                    self._done[lane].append((seq, TaskFailed(error)))
+                    self._done[lane].append((seq, TaskFailed(error), None))
                     continue
             log.warning("stage %s: re-dispatching sequence %d of lane %s after a worker crash",
                         self.name, seq, lane)

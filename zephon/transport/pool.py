@@ -181,12 +181,14 @@ atexit.register(_close_live_pools)
 class TaskResult(NamedTuple):
     """A task's result; ``timing``: ``(op seconds, seconds placing and sending the
     result, bytes placed in the arena)`` as the worker measured them, when the pool's
-    options track execution (else None)."""
+    options track execution (else None); ``busy_s``: the op seconds the worker measured,
+    always (None only from a worker that did not send them)."""
 
     task_id: int
     worker: int
     value: Any
     timing: tuple | None = None
+    busy_s: float | None = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -738,7 +740,8 @@ class WorkerPool:
                 if "w" in header:
                     self._warn_fallback(header["w"])
                 value = self.decoder.decode(header, frames, fds)
-                return TaskResult(task_id, handle.index, value, header.get("t"))
+                return TaskResult(task_id, handle.index, value, header.get("t"),
+                                  header.get("b"))
             if kind == MsgKind.ERROR:
                 error = decode_exception(frames[0], header.get("tb", ""),
                                          f"task {task_id} on worker {handle.index}")

@@ -13,7 +13,10 @@ handlers: :mod:`zephon.transport.threads`), then:
   and STOP; if the parent dies (EOF, or the parent pid changes) it unlinks the
   segment names the worker owns and kills its process group (itself and what its
   ops started) at once;
-- the main thread runs tasks in order and sends each result or error. A result
+- the main thread runs tasks in order and sends each result or error, a result
+  with the seconds the handler took (header ``b``, always, as
+  :class:`~zephon.transport.optime.OpClock` measures them: the pipeline's dispatch
+  sizes its parts by the work they cost, not by their time in queues). A result
   the encoder refuses (it cannot be pickled) becomes the error the handler's
   ``unencodable(result, error)`` makes of it, if it has that method (a pipeline
   stage: the op, the sample, the path, and the records before it). A send
@@ -41,6 +44,7 @@ from zephon.transport.arena import LeaseTable, ShmArena, SlabRegistry
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
 from zephon.transport.heap import WorkerHeap
+from zephon.transport.optime import OpClock
 from zephon.transport.remote_errors import encode_exception, take_done
 from zephon.transport.stopping import STOPPING, TaskAbandoned
 from zephon.transport.supervisor import PARENT_POLL_S, MsgKind, ignore_sigint, parent_changed
@@ -201,14 +205,15 @@ class _Worker:
         box: list = []
         try:
             payload = self.decoder.decode(header, frames, fds)
-            started = time.perf_counter() if self.timing else 0.0
+            clock = OpClock()
             box.append(handler(payload))  # held by nothing else: see Encoder.encode_owned
-            ran = time.perf_counter() if self.timing else 0.0
+            ran, busy = time.perf_counter(), clock.seconds()
             del payload
             out, out_frames, out_fds, _ = self.encoder.encode_owned(box, self.peer)
             box.clear()
+            out["b"] = busy  # op seconds, always: the dispatch sizes parts by them
             if self.timing:  # op seconds, seconds placing the result, bytes in the arena
-                out["t"] = (ran - started, time.perf_counter() - ran,
+                out["t"] = (ran - clock.started, time.perf_counter() - ran,
                             sum(int(r[3]) for r in out.get("r", ())))
         except ChannelClosed:
             raise
