@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import abc
 import inspect
+import math
 import zlib
 from typing import Any, Callable, ClassVar
 
@@ -90,6 +91,19 @@ def check_int(op: str, name: str, value, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ZephonConfigError(f"{op}: {name} must be an int >= {minimum}, got {value!r}")
     return int(value)
+
+
+def check_positive(op: str, what: str, value) -> float:
+    """``value`` as a positive finite float (not a bool), else a ZephonConfigError naming
+    the op and ``what``."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = float("nan")
+    if isinstance(value, bool) or not math.isfinite(v) or v <= 0:
+        raise ZephonConfigError(f"{op}: {what} must be a positive finite number, "
+                                f"got {value!r:.40}")
+    return v
 
 
 def op_error(op: Op, record: Record, exc: BaseException) -> OpError:

@@ -71,7 +71,13 @@ from typing import Any, Mapping
 import numpy as np
 
 from zephon.errors import OpError, ZephonConfigError
-from zephon.pipeline.ops.base import CarryingAccumulator, HoldsQueue, check_int, pos_lineage
+from zephon.pipeline.ops.base import (
+    CarryingAccumulator,
+    HoldsQueue,
+    check_int,
+    check_positive,
+    pos_lineage,
+)
 from zephon.pipeline.records import Boundary, Record
 
 __all__ = ["LEFTOVER_POLICIES", "MAX_BUFFER", "EnsureMixtureOp"]
@@ -95,14 +101,7 @@ def _target_weights(weights: Any) -> dict[str, float]:
         if not isinstance(name, str) or not name:
             raise ZephonConfigError(f"ensure_mixture: a component name must be a non-empty "
                                     f"string, got {name!r:.40}")
-        try:
-            v = float(w)
-        except (TypeError, ValueError):
-            v = float("nan")
-        if isinstance(w, bool) or not math.isfinite(v) or v <= 0:
-            raise ZephonConfigError(f"ensure_mixture: the weight of {name!r} must be a "
-                                    f"positive finite number, got {w!r:.40}")
-        out[name] = v
+        out[name] = check_positive("ensure_mixture", f"the weight of {name!r}", w)
     return out
 
 

@@ -97,6 +97,7 @@ from zephon.errors import ZephonConfigError
 from zephon.kernels import order_key as _key
 from zephon.kernels import permute_positions
 from zephon.pipeline.fingerprint import fn_identity
+from zephon.pipeline.ops.base import check_positive
 from zephon.pipeline.sources.base import Source
 
 __all__ = ["EXHAUSTION_POLICIES", "TOKEN_PROBE", "MixtureSource", "WeightSchedule"]
@@ -553,14 +554,7 @@ def _round_robin(counts: np.ndarray, length: int, positions: np.ndarray):
 
 
 def _positive(value, what: str) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        v = float("nan")
-    if isinstance(value, bool) or not math.isfinite(v) or v <= 0:
-        raise ZephonConfigError(f"mixture: {what} must be a positive finite number, "
-                                f"got {value!r}")
-    return v
+    return check_positive("mixture", what, value)
 
 
 def _non_negative(value, what: str) -> float:
