@@ -51,6 +51,8 @@ __all__ = [
     "Check",
     "FrozenMap",
     "OptionsBase",
+    "check_int",
+    "check_positive",
     "fail",
     "field_default",
     "option",
@@ -83,6 +85,28 @@ def fail(owner: str, name: str, value: Any, allowed: str) -> ZephonConfigError:
     return ZephonConfigError(
         f"{owner}.{name}: got {_show(value)}; expected {allowed}", field=f"{owner}.{name}"
     )
+
+
+def check_int(op: str, name: str, value: Any, minimum: int) -> int:
+    """``value`` as an int >= ``minimum`` (numpy integers too, never a bool), else a
+    ZephonConfigError naming the op and ``name``: the one argument check of the ops'
+    and sources' constructors, which are not option classes."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ZephonConfigError(f"{op}: {name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_positive(op: str, what: str, value: Any) -> float:
+    """``value`` as a positive finite float (not a bool), else a ZephonConfigError naming
+    the op and ``what`` (mixture and ``ensure_mixture`` weights)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError, OverflowError):
+        v = float("nan")
+    if isinstance(value, bool) or not math.isfinite(v) or v <= 0:
+        raise ZephonConfigError(f"{op}: {what} must be a positive finite number, "
+                                f"got {value!r:.40}")
+    return v
 
 
 class FrozenMap(Mapping):

@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import abc
 import inspect
-import math
 import zlib
 from typing import Any, Callable, ClassVar
 
 import numpy as np
 
-from zephon.errors import OpError, ZephonConfigError
+from zephon.errors import OpError
+from zephon.options._spec import check_int
 from zephon.pipeline.records import Boundary, Record
 
 __all__ = ["Accumulator", "CarryingAccumulator", "HoldsBins", "HoldsPieces", "HoldsQueue",
@@ -84,26 +84,6 @@ def wants_ctx(fn: Callable) -> bool:
     except (TypeError, ValueError):
         return False
     return len(params) >= 2
-
-
-def check_int(op: str, name: str, value, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``, else a ZephonConfigError naming the op and ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ZephonConfigError(f"{op}: {name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def check_positive(op: str, what: str, value) -> float:
-    """``value`` as a positive finite float (not a bool), else a ZephonConfigError naming
-    the op and ``what``."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        v = float("nan")
-    if isinstance(value, bool) or not math.isfinite(v) or v <= 0:
-        raise ZephonConfigError(f"{op}: {what} must be a positive finite number, "
-                                f"got {value!r:.40}")
-    return v
 
 
 def op_error(op: Op, record: Record, exc: BaseException) -> OpError:

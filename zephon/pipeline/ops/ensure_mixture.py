@@ -71,11 +71,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from zephon.errors import OpError, ZephonConfigError
+from zephon.options._spec import check_positive
 from zephon.pipeline.ops.base import (
     CarryingAccumulator,
     HoldsQueue,
     check_int,
-    check_positive,
     pos_lineage,
 )
 from zephon.pipeline.records import Boundary, Record

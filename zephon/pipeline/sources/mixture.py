@@ -96,8 +96,8 @@ import numpy as np
 from zephon.errors import ZephonConfigError
 from zephon.kernels import order_key as _key
 from zephon.kernels import permute_positions
+from zephon.options._spec import check_positive
 from zephon.pipeline.fingerprint import fn_identity
-from zephon.pipeline.ops.base import check_positive
 from zephon.pipeline.sources.base import Source
 
 __all__ = ["EXHAUSTION_POLICIES", "TOKEN_PROBE", "MixtureSource", "WeightSchedule"]
