@@ -31,8 +31,10 @@ and reused):
    ImageFolder-like dataset), ``grain`` (``MapDataset.source -> shuffle -> random_map ->
    batch(64) -> mp_prefetch(2 workers)``), ``tf.data`` (``from_tensor_slices -> shuffle ->
    map(read_file + numpy_function(the same Python transform), AUTOTUNE) -> batch(64) ->
-   prefetch``) and ``torchvision`` (its transforms in the torch row's dataset) when
-   importable. Rate: steady images/s from a warm-up (10 % of the batches, at least 6) to the last batch,
+   prefetch``) and ``torchvision`` when importable: its transforms (RandomResizedCrop,
+   flip, ToTensor, Normalize) in the torch row's dataset and in zephon's map (``zephon +
+   torchvision``: the default runner's one compute thread per worker is what keeps
+   torch's intra-op threads from oversubscribing the cores). Rate: steady images/s from a warm-up (10 % of the batches, at least 6) to the last batch,
    and the whole epoch (build to exhausted). Grain reads far ahead (``to_iter_dataset``'s
    defaults: 16 threads and 500 elements of prefetch per worker; its elements are the
    batches here, so the whole epoch may be read ahead), so much of its work is done before
@@ -110,7 +112,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the shared row runner
-from _fresh import run_in_child  # noqa: E402
+from _fresh import run_in_child
 
 # -- sizes -------------------------------------------------------------------------------------
 
@@ -180,6 +182,26 @@ def decode_wds(sample: dict, ctx) -> dict:
     return {"image": transform_image(sample["jpg"], ctx.rng), "label": int(sample["cls"])}
 
 
+_TV = None
+
+
+def decode_file_tv(sample: dict) -> dict:
+    """zephon's map with torchvision's transforms (the torch + torchvision row's, made
+    once per worker): image (a CHW float32 array), label. The crop and flip draw from
+    torch's generator, as they do in torch's workers."""
+    global _TV
+    from PIL import Image
+
+    if _TV is None:
+        import torchvision.transforms as T
+
+        _TV = T.Compose([T.RandomResizedCrop(CROP), T.RandomHorizontalFlip(), T.ToTensor(),
+                         T.Normalize(MEAN.tolist(), STD.tolist())])
+    with open(sample["path"], "rb") as f:
+        image = Image.open(io.BytesIO(f.read())).convert("RGB")
+    return {"image": _TV(image).numpy(), "label": sample["label"]}
+
+
 def image_files(root: str) -> list[dict]:
     """The ImageFolder layout as ``[{"path", "label"}]``, classes and files sorted."""
     out = []
@@ -235,13 +257,17 @@ def _tf_decode(data: bytes, seed) -> np.ndarray:
 
 # -- image loaders: each returns (iterable of image batches, close) ---------------------------
 
-def image_zephon(paths: dict, source: str = "files", autotune: bool = False):
+def image_zephon(paths: dict, source: str = "files", autotune: bool = False,
+                 torchvision: bool = False):
     from zephon import Pipeline, RuntimeOptions, sources
 
     # autotune: no parallelism given, the controller picks the workers (CPU budget: the
     # cores this process may use)
     par = {} if autotune else {"parallelism": 2}
-    if source == "webdataset":
+    if torchvision:
+        pipe = Pipeline(sources.from_sequence(image_files(paths["folder"]))) \
+            .map(decode_file_tv, **par)
+    elif source == "webdataset":
         pipe = Pipeline(sources.webdataset(os.path.join(paths["wds"], "*.tar"))) \
             .map(decode_wds, **par)
     else:
@@ -645,6 +671,9 @@ def plan(sizes: dict, peers: dict[str, str]) -> list[dict]:
     if "torch" in peers:
         rows.append(row("torch DataLoader", "image", "torch", peers["torch"]))
     if "torchvision" in peers:
+        # zephon must be importable there too (an editable install, or PYTHONPATH)
+        rows.append(row("zephon + torchvision", "image", "zephon", peers["torchvision"],
+                        torchvision=True))
         rows.append(row("torch + torchvision", "image", "torch", peers["torchvision"],
                         torchvision=True))
     if "grain" in peers:
@@ -755,12 +784,42 @@ def _image_epoch_ratios(table: dict) -> list[tuple[str, float]]:
     does not."""
     mine = table.get(("image", "zephon defaults"))
     peers = {n: r["epoch_s"] for (w, n), r in table.items()
-             if w == "image" and not n.startswith("zephon")}
+             if w == "image" and not n.startswith("zephon") and "torchvision" not in n}
     if mine is None or not peers:
         return []
     best = min(peers, key=lambda n: peers[n])
     return [(f"image_defaults_vs_best_peer_epoch({best.split()[0]})",
              peers[best] / mine["epoch_s"])]
+
+
+def _image_ratios(table: dict) -> list[tuple[str, float]]:
+    """The image rows' ratios (> 1: zephon ahead): defaults against every PIL peer and
+    the best, autotune against tf.data, and the two torchvision rows."""
+    out: list[tuple[str, float]] = []
+
+    def rate(name: str) -> float | None:
+        row = table.get(("image", name))
+        return None if row is None else row["items_per_s"]
+
+    zephon_img = rate("zephon defaults")
+    # the PIL transform's peers; the torchvision rows compare with each other below
+    peers = {n: r["items_per_s"] for (w, n), r in table.items()
+             if w == "image" and not n.startswith("zephon") and "torchvision" not in n}
+    if zephon_img and peers:
+        best = max(peers, key=lambda n: peers[n])
+        out.append((f"image_defaults_vs_best_peer({best.split()[0]})", zephon_img / peers[best]))
+        for name, value in peers.items():
+            out.append((f"image_defaults_vs_{name.split()[0].replace('.', '')}",
+                        zephon_img / value))
+        out += _image_epoch_ratios(table)
+    ztv, ttv = rate("zephon + torchvision"), rate("torch + torchvision")
+    if ztv and ttv:
+        out.append(("image_torchvision_zephon_vs_torch", ztv / ttv))
+    auto, tf = table.get(("image", "zephon autotune")), table.get(("image", "tf.data"))
+    if auto and tf:
+        out.append(("image_autotune_vs_tfdata", auto["items_per_s"] / tf["items_per_s"]))
+        out.append(("image_autotune_vs_tfdata_epoch", tf["epoch_s"] / auto["epoch_s"]))
+    return out
 
 
 def ratios(table: dict) -> list[tuple[str, float]]:
@@ -775,20 +834,7 @@ def ratios(table: dict) -> list[tuple[str, float]]:
         row = table.get(("tokenize", name))
         return None if row is None else row["epoch_s"]
 
-    zephon_img = rate("image", "zephon defaults")
-    peers = {n: r["items_per_s"] for (w, n), r in table.items()
-             if w == "image" and not n.startswith("zephon")}
-    if zephon_img and peers:
-        best = max(peers, key=lambda n: peers[n])
-        out.append((f"image_defaults_vs_best_peer({best.split()[0]})", zephon_img / peers[best]))
-        for name, value in peers.items():
-            out.append((f"image_defaults_vs_{name.split()[0].replace('.', '')}",
-                        zephon_img / value))
-        out += _image_epoch_ratios(table)
-    auto, tf = table.get(("image", "zephon autotune")), table.get(("image", "tf.data"))
-    if auto and tf:
-        out.append(("image_autotune_vs_tfdata", auto["items_per_s"] / tf["items_per_s"]))
-        out.append(("image_autotune_vs_tfdata_epoch", tf["epoch_s"] / auto["epoch_s"]))
+    out += _image_ratios(table)
     a, b = seconds("zephon op 2 workers"), seconds("zephon op inline")
     if a and b:
         out.append(("tokenize_op_process2_vs_op_inline", b / a))

@@ -42,3 +42,15 @@ def test_the_autotune_row_is_compared_with_tf_data_and_is_no_peer():
     assert got["image_autotune_vs_tfdata"] == pytest.approx(600.0 / 500.0)
     assert got["image_autotune_vs_tfdata_epoch"] == pytest.approx(8.0 / 5.0)
     assert got["image_defaults_vs_best_peer(tf.data)"] == pytest.approx(580.0 / 500.0)
+
+
+def test_the_torchvision_rows_compare_with_each_other_and_are_no_pil_peer():
+    table = {("image", "zephon defaults"): _row(580.0, 6.0),
+             ("image", "grain"): _row(500.0, 9.0),
+             ("image", "torch + torchvision"): _row(900.0, 3.0),  # another transform
+             ("image", "zephon + torchvision"): _row(1200.0, 2.5)}
+    got = dict(cw.ratios(table))
+    assert got["image_torchvision_zephon_vs_torch"] == pytest.approx(1200.0 / 900.0)
+    assert got["image_defaults_vs_best_peer(grain)"] == pytest.approx(580.0 / 500.0)
+    assert got["image_defaults_vs_best_peer_epoch(grain)"] == pytest.approx(9.0 / 6.0)
+    assert "image_defaults_vs_torch" not in got  # the PIL row is not set against it
