@@ -185,13 +185,17 @@ def decode_wds(sample: dict, ctx) -> dict:
 _TV = None
 
 
-def decode_file_tv(sample: dict) -> dict:
+def decode_file_tv(sample: dict, ctx) -> dict:
     """zephon's map with torchvision's transforms (the torch + torchvision row's, made
     once per worker): image (a CHW float32 array), label. The crop and flip draw from
-    torch's generator, as they do in torch's workers."""
+    torch's global generator, seeded per sample from ``ctx.rng`` so that the stream is
+    reproducible (zephon's validation refuses an op whose output differs between two
+    runs on one sample)."""
     global _TV
+    import torch
     from PIL import Image
 
+    torch.manual_seed(int(ctx.rng.integers(2**63)))
     if _TV is None:
         import torchvision.transforms as T
 
