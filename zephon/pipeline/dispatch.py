@@ -57,7 +57,10 @@ larger than the budget still flows (alone).
 Worker counts may change during the run (``worker_allocation="autotune"``, see
 :mod:`zephon.pipeline.autotune`): the bounds and the spreading of a unit over workers
 read the executor's current ``workers`` at each decision, and the reorder window is
-sized once for the most the executor may grow to (``max_workers``). None of this
+sized once for the most the executor may grow to (``max_workers``). An adaptive stage
+(:class:`~zephon.runners.executors.AdaptiveExecutor`) is planned with the process
+runner's bounds (depth, byte budget, splitting) and keeps to one part at a time,
+handing over what is ready before it reads on, while its executor runs inline. None of this
 changes which records come out or their order, only how many parts are in flight.
 
 ``deterministic=False``: results are released in completion order (markers
@@ -162,10 +165,10 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
     feed = _Feeder(executor, stage, upstream, lane, stats)
     state, buffer = feed.state, feed.buffer
     # An inline executor runs a part when it is submitted: hand over what is ready first,
-    # so that nothing is read before it is needed.
-    eager = stage.runner != "inline"
+    # so that nothing is read before it is needed. (An adaptive stage's executor says its
+    # mode now: inline until the autotune controller moves it to processes.)
     while True:
-        if not eager:
+        if getattr(executor, "runner", stage.runner) == "inline":
             yield from _in_order(buffer)
             state.release(buffer.cursor)
         feed.fill()
@@ -297,7 +300,7 @@ class _LaneDispatch:
         self.depth, self.item_cap = stage.depth, stage.item_cap
         self.executor = executor  # its ``workers`` may change during the run (autotune)
         self.fixed = max(1, stage.workers)
-        self.inline = stage.runner == "inline"
+        self.planned_runner = stage.runner
         most = max(self.fixed, getattr(executor, "max_workers", self.fixed))
         self.window = 2 * self.depth * most + 8
         self.split = stage.split
@@ -320,11 +323,18 @@ class _LaneDispatch:
         return max(1, getattr(self.executor, "workers", self.fixed))
 
     @property
+    def inline(self) -> bool:
+        """Whether the stage's units run inline now (an adaptive stage's executor says its
+        mode; see :class:`~zephon.runners.executors.AdaptiveExecutor`)."""
+        return getattr(self.executor, "runner", self.planned_runner) == "inline"
+
+    @property
     def limit(self) -> int:
         """Parts in flight at most: depth queued beyond one per worker (an inline stage
         runs a part when it is submitted: nothing to keep busy, and reading ahead delays
-        the first)."""
-        return self.depth if self.inline else self.depth + self.workers
+        the first: one part; an adaptive stage planned with the process runner's depth
+        keeps to one part while it runs inline)."""
+        return 1 if self.inline else self.depth + self.workers
 
     def target(self) -> int:
         """Samples per part: ~DISPATCH_TARGET_BYTES of output (1 until a result says)."""
