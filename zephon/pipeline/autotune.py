@@ -537,6 +537,7 @@ class Controller:
                 hold = self._fail(self._fails_in, self._held_in, stage, now)
                 self._switch(now, stage, 0, f"the move to processes did not pay: {rates} "
                              f"(held {hold:g} s)")
+                ex.release()  # its pool is stopped once its units are back
                 return True
             self._fails_in[stage] = 0
             return False
