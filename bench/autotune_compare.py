@@ -128,29 +128,34 @@ WORKLOADS = {
 }
 
 
+def _options(spec: dict):
+    from zephon import RuntimeOptions
+
+    if spec["mode"] in ("autotune", "autotune_process"):
+        pinned = {"runner": "process"} if spec["mode"] == "autotune_process" else {}
+        return RuntimeOptions(worker_allocation="autotune", **pinned,
+                              **({"max_workers": spec["max_workers"]}
+                                 if spec.get("max_workers") else {}))
+    if spec["mode"] == "default":
+        return RuntimeOptions()
+    kw = {"runner": spec["runner"]}
+    if spec.get("prefetch"):
+        kw["prefetch_batches"] = spec["prefetch"]
+        kw["default_stage_prefetch"] = spec["prefetch"]
+    return RuntimeOptions(**kw)
+
+
 def build(spec: dict):
     import functools
 
-    from zephon import Pipeline, RuntimeOptions, sources
+    from zephon import Pipeline, sources
 
     name, n = spec["workload"], spec["samples"]
     chunk = spec["chunk"]
     ps = list(spec.get("p") or (1, 1))
-    if spec["mode"] in ("autotune", "autotune_process"):
-        pinned = {"runner": "process"} if spec["mode"] == "autotune_process" else {}
-        opts = RuntimeOptions(worker_allocation="autotune", **pinned,
-                              **({"max_workers": spec["max_workers"]}
-                                 if spec.get("max_workers") else {}))
-    elif spec["mode"] == "default":
-        opts = RuntimeOptions()
-    else:
-        kw = {"runner": spec["runner"]}
-        if spec.get("prefetch"):
-            kw["prefetch_batches"] = spec["prefetch"]
-            kw["default_stage_prefetch"] = spec["prefetch"]
-        opts = RuntimeOptions(**kw)
-        if spec["runner"] == "inline":
-            ps = [1, 1]
+    opts = _options(spec)
+    if spec["mode"] == "fixed" and spec["runner"] == "inline":
+        ps = [1, 1]
     if spec["mode"] != "fixed":
         ps = [1, 1]
 
