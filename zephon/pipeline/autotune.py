@@ -1,8 +1,12 @@
 """The autotune controller: per-stage worker counts adjusted while a run goes on.
 
-``RuntimeOptions(worker_allocation="autotune")`` starts every parallel stage (threads
-or process) with one worker; the run's :class:`Controller` then grows and shrinks
-the stages one worker at a time. What it owns:
+``RuntimeOptions(worker_allocation="autotune")`` starts a parallel stage whose runner
+the user did not pin (no ``runner``, no ``per_stage_runner`` entry: an *adaptive*
+stage, :class:`~zephon.runners.executors.AdaptiveExecutor`) inline, nothing spawned,
+and a pinned threads or process stage with one worker; the run's :class:`Controller`
+moves adaptive stages to process workers and back (the moves, below) and grows and
+shrinks the stages on workers one worker at a time. A pinned stage never runs inline:
+the user chose its runner. What it owns:
 
 **Where it runs.** It has no thread of its own: the engine calls :meth:`Controller.tick`
 each time it hands an item on (from the thread that runs the engine, the one that
@@ -61,7 +65,36 @@ items the engine handed on (its ticks) per second of the period.
   controller measures nothing (the period restarts once every worker is ready),
   so each decision is judged on a full period of the new setting.
 
-**Bounds.** At least one worker per stage; at most the CPU budget in all, over the
+**The moves** (adaptive stages; they come before the rule above, which sees only the
+stages on workers). An inline stage counts as one worker for its busy fraction (its op
+seconds over the elapsed time: the engine's thread) and as none against the CPU budget
+(the engine's thread is not a worker).
+
+- *to processes*: not before the run has lasted :data:`MOVE_AFTER_S` (starting workers
+  costs about half a second of two cores), an inline stage that is busy at least
+  :data:`BUSY_GROW` while the consumer waits at least :data:`WAIT_GROW`, for
+  :data:`MOVE_PERIODS` periods in a row, is moved to :data:`MOVE_WORKERS` workers (fewer
+  if the CPU budget, less the other stages' workers, leaves fewer): one process worker
+  alone rarely beats inline. Its workers boot while its units go on running inline (the
+  controller measures nothing meanwhile); the move is then on trial as a grow is: kept
+  if the throughput rose by :data:`TRIAL_GAIN` over the inline one, else the stage goes
+  back inline, its pool stopped, and is not moved again for :data:`HOLD_S` seconds,
+  doubled with each failed move in a row, at most :data:`HOLD_MAX_S` (so a workload
+  that processes never pay for loses little to the trials);
+- *back inline*: a moved stage whose workers' busy fractions add up to less than
+  :data:`BUSY_SHRINK` of one core for :data:`SHRINK_PERIODS` periods (its work would fit
+  in the engine's thread: the op turned cheap) is run inline again, on trial: its pool
+  is parked (nothing new goes to it; its units in flight come back as any others) and
+  stopped once the trial keeps inline (:func:`judge_inline`: at most TRIAL_GAIN slower:
+  inline holds no process and no memory), else the stage takes the parked pool back at
+  once with the workers it had, and moves back inline are held as failed moves to
+  processes are;
+- a stage whose pool cannot start (an op that does not pickle, a worker that fails to
+  start) stays inline for the rest of the run (logged once);
+- under ``mtp_mode`` the consumer's wait is not reported: adaptive stages stay inline.
+
+**Bounds.** At least one worker per stage on workers (an adaptive stage running
+inline holds none: the caps of the others are that much larger); at most the CPU budget in all, over the
 stages (:func:`~zephon.options.resolve_autotune_cpu_budget`: an explicit
 ``max_workers``, else the cores the process may use, affinity and cgroup
 ``cpu.max``), except for the waiting process stages above, whose measured CPU is
@@ -74,19 +107,22 @@ else half of what is available at start). Thread workers count against the CPU
 budget only.
 
 **Lifecycle.** Made by the engine with its executors (none when no stage is
-threads or process), it sets each executor's ``meter`` and ``max_workers``;
+threads, process or adaptive), it sets each executor's ``meter`` and ``max_workers``;
 ``close()`` (the engine's) detaches the meters. A shrunk worker is not a crash
 and loses nothing: a thread ends after the units queued before its stop, a
 process worker finishes the tasks it has in flight and is then stopped
 (:meth:`~zephon.transport.WorkerPool.retire_worker`).
 
 **The stream** never depends on this: the engine's output depends on the seed,
-the source and the ops, never on worker counts or timing (dispatch reads the
-current worker count only to bound what is in flight). Decisions themselves are
-not deterministic.
+the source and the ops, never on runners, worker counts or timing (dispatch reads the
+current worker count and mode only to bound what is in flight; results of inline and
+process units are re-ordered by sequence alike). Decisions themselves are not
+deterministic; a test forces moves through :attr:`Controller.script` (made in the
+engine's thread at a given item) with :attr:`Controller.frozen` set.
 
-**Record.** Every decision is one ``logging`` line (logger ``zephon.autotune``,
-INFO) and a :class:`Decision` in :attr:`Controller.decisions`; ``stats()`` shows
+**Record.** Every decision (grows, shrinks and moves: 0 workers is inline) is one
+``logging`` line (logger ``zephon.autotune``, INFO) and a :class:`Decision` in
+:attr:`Controller.decisions`; ``stats()`` shows
 them with the budgets and the counts now (``snapshot()``), and ``explain()``
 shows the latest run's.
 """

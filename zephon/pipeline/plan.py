@@ -10,7 +10,10 @@ A step is a frozen :class:`StageStep` (run by the stage's executor, results
 put back in sequence order) or :class:`SerialStep` (one accumulator per lane
 in the engine's process); a lane's chain is its steps in order. Each
 :class:`Stage` gets a runner (``per_stage_runner`` > ``runner`` > auto:
-``process`` when its ops ask for parallelism > 1, else ``inline``), a worker
+``process`` when its ops ask for parallelism > 1, else ``inline``; under
+``worker_allocation="autotune"`` a stage with neither pinned is *adaptive*:
+planned with the process runner's bounds, ``adaptive=True``, and run inline until
+the autotune controller moves it to process workers), a worker
 cap (``worker_allocation``), a lookahead depth in units per lane
 (``per_stage_prefetch`` > ``default_stage_prefetch``) and, on the process
 runner, its arena bound and the bytes one lane may hold in flight.
