@@ -275,26 +275,26 @@ def test_a_process_worker_crash_after_a_move_is_recovered():
     assert got == _reference(n)
 
 
-def test_a_cpu_heavy_map_ends_with_processes():
-    """Each sample costs a few ms of CPU and nothing else runs in the consumer: a move to
+@pytest.mark.parametrize("op", [
+    F.gated,  # 10 ms a sample, waiting: two workers pay whatever loads the cores
+    pytest.param(F.slow, marks=pytest.mark.slow),  # CPU: pays only on cores left free
+])
+def test_a_slow_map_ends_with_processes(op):
+    """Each sample costs the op a few ms and nothing else runs in the consumer: a move to
     processes is tried once MOVE_AFTER_S has passed, and the run stops once a trial of it
-    has been judged (the stream ending first fails the test)."""
-    with iter(_pipe(50_000, worker_allocation="autotune", max_workers=2)) as it:
+    has been judged (the stream ending first fails the test). The CPU-bound variant is
+    left out of the default run: on a 2-core machine other processes load, two workers
+    may rightly not pay."""
+    with iter(_pipe(50_000, op=op, worker_allocation="autotune", max_workers=2)) as it:
         tuner = it.engine.tuner
-        moved = None
         for _ in it:
-            moves = [d for d in tuner.decisions if d.stage == 0 and d.before == 0]
-            if moves and moved is None:
-                moved = len(tuner.decisions)
-            if moved is not None and tuner._trial is None:
+            trials = [t for t in tuner.trials if t[:2] == ("process", 0)]
+            if trials:
                 break
         else:
             pytest.fail(f"no move judged: {tuner.decisions}")
-        decisions = list(tuner.decisions)
-        workers = it.stats()["autotune"]["workers"][0]
-    assert decisions[moved - 1].after >= 2
-    assert workers >= 1 and "did not pay" not in " ".join(d.reason for d in decisions), \
-        decisions
+        moves = [d for d in tuner.decisions if d.stage == 0 and d.before == 0]
+    assert moves[0].after == 2 and trials[0][2], tuner.decisions
 
 
 def test_close_after_moves_leaves_nothing():

@@ -410,6 +410,8 @@ class Controller:
         self._held_out: dict[int, float] = {}
         self._fails_in: dict[int, int] = {}
         self._fails_out: dict[int, int] = {}
+        #: every judged trial: (kind, stage, kept), kind "grow", "process" or "inline"
+        self.trials: list[tuple[str, int, bool]] = []
         self._ripe: dict[int, int] = {}  # periods in a row an inline stage was the bottleneck
         self._spare: dict[int, int] = {}  # periods in a row a moved stage's work fit inline
         #: a test sets it: no decision of its own (moves only by :meth:`force` and
@@ -559,6 +561,10 @@ class Controller:
         after_rate = self._run_items / run
         evidence = min(before_items, self._run_items) >= TRIAL_MIN_ITEMS
         rates = f"{after_rate:.2f} items/s after it, {before_rate:.2f} before"
+        kept = not evidence or (judge_inline if kind == "inline" else judge)(
+            before_rate, after_rate)
+        if kind != "process" or ex.runner != "inline":  # (a move that failed to start)
+            self.trials.append((kind, stage, kept))
         if kind == "grow":
             if evidence and not judge(before_rate, after_rate):
                 self._held_until[stage] = now + HOLD_S

@@ -443,6 +443,7 @@ class AdaptiveExecutor:
         self._inline = InlineExecutor(program, name=name)
         self._proc: ProcessExecutor | None = None  # booting, in service or parked
         self._in_process = False  # units go to _proc (else they run inline)
+        self._parked = False  # _proc is kept, nothing new sent to it, after a move back
         self._release = False  # stop _proc once its units are back
         self._meter: Any = None
         self._probe: Any = None
@@ -497,14 +498,6 @@ class AdaptiveExecutor:
             if not self._in_process:
                 return max(1, proc.workers)
         return proc.booting
-
-    @property
-    def moving(self) -> bool:
-        """A move to processes is under way (its workers boot)."""
-        return self._proc is not None and not self._in_process and not self._parked \
-            and not self._release
-
-    _parked = False  # the pool is kept, idle, after a move back inline
 
     def pids(self) -> list[int]:
         """The process ids of the pool's workers (booting, in service or parked)."""
