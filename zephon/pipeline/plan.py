@@ -424,7 +424,7 @@ def _workers_why(opts, runner: str, parallelism: int, workers: int,
                   f"({'max_workers' if cap is not None else 'cores available'}) and "
                   f"{memory >> 20} MiB of worker memory")
         if adaptive:
-            return ("autotune, runner not pinned: starts inline (the consumer's thread, "
+            return ("autotune, runner not pinned: starts inline (the engine's thread, "
                     "nothing spawned); moved to process workers when a trial shows it pays, "
                     f"then grown and shrunk, and moved back inline when they stop paying; {within}")
         return f"autotune: starts at 1; grown and shrunk at run time {within}"
