@@ -24,6 +24,8 @@ from zephon.pipeline.autotune import (
     BUSY_SHRINK,
     HOLD_S,
     MOVE_AFTER_S,
+    MOVE_MIN_BYTE_S,
+    MOVE_MIN_SAMPLE_S,
     MOVE_WORKERS,
     PERIOD_S,
     TRIAL_ITEMS,
@@ -48,6 +50,7 @@ class _FakeAdaptive:
     """An adaptive executor's controls without processes: ``workers`` 1 while inline."""
 
     adaptive, booting, unable = True, 0, ""
+    profile = (1e-3, 8.0)  # 1 ms and 8 bytes a sample: worth moving
 
     def __init__(self):
         self.procs, self.meter, self.max_workers = 0, None, 1
@@ -117,6 +120,19 @@ def test_a_busy_inline_stage_is_moved_straight_to_two_workers_and_kept_when_it_p
     _drive(tuner, clock, ex, 4 * PERIOD_S, rate, busy=0.55)  # judged: kept
     assert ex.procs >= MOVE_WORKERS and tuner._trial is None, tuner.decisions
     assert not [d for d in tuner.decisions if d.after == 0]
+
+
+@pytest.mark.parametrize("profile", [
+    None,  # nothing known yet
+    (MOVE_MIN_SAMPLE_S / 2, 8.0),  # too cheap a sample: messages would cost more
+    (1e-3, 1e-3 / (MOVE_MIN_BYTE_S / 2)),  # too cheap a byte: moving it costs as much
+])
+def test_a_busy_inline_stage_whose_samples_are_cheap_is_not_moved(profile):
+    clock, ex = _Clock(), _FakeAdaptive()
+    ex.profile = profile
+    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
+    _drive(tuner, clock, ex, MOVE_AFTER_S + 20 * PERIOD_S, lambda e: TRIAL_ITEMS / PERIOD_S)
+    assert ex.procs == 0 and not tuner.decisions
 
 
 def test_a_move_that_does_not_pay_is_undone_and_the_hold_doubles():

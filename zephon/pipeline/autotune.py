@@ -137,7 +137,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["BUSY_GROW", "BUSY_SHRINK", "HOLD_MAX_S", "HOLD_S", "MOVE_AFTER_S", "MOVE_PERIODS", "MOVE_WORKERS",
+__all__ = ["BUSY_GROW", "BUSY_SHRINK", "HOLD_MAX_S", "HOLD_S", "MOVE_AFTER_S", "MOVE_MIN_BYTE_S", "MOVE_MIN_SAMPLE_S", "MOVE_PERIODS", "MOVE_WORKERS",
            "PERIOD_S", "SHRINK_PERIODS", "TRIAL_GAIN",
            "TRIAL_ITEMS", "TRIAL_MIN_ITEMS", "TRIAL_S", "WAITING_CPU", "WAITING_FACTOR",
            "WAIT_GROW",
@@ -179,7 +179,16 @@ MOVE_WORKERS = 2
 MOVE_PERIODS = 2
 #: No move to processes before the run has lasted this long: starting two workers costs
 #: about half a second of two cores (spawn, imports), which a shorter run cannot win back.
-MOVE_AFTER_S = 1.0
+MOVE_AFTER_S = 0.5
+#: An inline stage is moved only while its op costs at least this many seconds per
+#: input sample (the dispatch's estimate, op time less the waits for a CPU): below it,
+#: the messages and copies between processes cost more than a worker could take off
+#: the engine's thread (100k ints with a map(+1) ran 5x slower on processes) ...
+MOVE_MIN_SAMPLE_S = 1e-4
+#: ... and at least this many seconds per output byte: an op as cheap per byte as moving
+#: the byte between processes gains nothing from them (1 MiB arrays made and scaled at
+#: under 1 ns a byte ran 2.5x slower on processes).
+MOVE_MIN_BYTE_S = 2e-9
 #: A move that did not pay holds that stage's next move of the same kind HOLD_S seconds,
 #: doubled with each such failure in a row, at most HOLD_MAX_S.
 HOLD_MAX_S = 40.0
@@ -242,6 +251,18 @@ def judge_inline(before: float, after: float) -> bool:
     TRIAL_GAIN below ``before`` (inline costs no process and no memory: it may be a
     little slower and still win)."""
     return after * (1.0 + TRIAL_GAIN) >= before
+
+
+def _worth_moving(ex: Any) -> bool:
+    """Whether an inline stage's samples cost enough for processes to pay (see
+    MOVE_MIN_SAMPLE_S, MOVE_MIN_BYTE_S); unknown costs (no profile yet): not yet."""
+    profile = getattr(ex, "profile", None)
+    if profile is None or profile[0] is None:
+        return False
+    per_sample_s, per_sample_bytes = profile
+    if per_sample_s < MOVE_MIN_SAMPLE_S:
+        return False
+    return not per_sample_bytes or per_sample_s / per_sample_bytes >= MOVE_MIN_BYTE_S
 
 
 def _held(until: dict[int, float], stage: int, now: float) -> bool:
@@ -608,7 +629,7 @@ class Controller:
             if s in inline:
                 hot = sig.wait >= WAIT_GROW and sig.busy[s] >= BUSY_GROW and not ex.unable \
                     and not _held(self._held_in, s, now) and \
-                    now - self.started >= MOVE_AFTER_S
+                    now - self.started >= MOVE_AFTER_S and _worth_moving(ex)
                 self._ripe[s] = self._ripe.get(s, 0) + 1 if hot else 0
                 self._spare[s] = 0
             else:

@@ -164,6 +164,7 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
     units, in sequence order (see the module docstring)."""
     feed = _Feeder(executor, stage, upstream, lane, stats)
     state, buffer = feed.state, feed.buffer
+    profiled = getattr(executor, "adaptive", False)
     # An inline executor runs a part when it is submitted: hand over what is ready first,
     # so that nothing is read before it is needed. (An adaptive stage's executor says its
     # mode now: inline until the autotune controller moves it to processes.)
@@ -188,6 +189,8 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
             stats.completed(feed.node, len(result), now - sent, now - waited, samples)
         feed.inflight -= 1
         state.done(done_seq, result, deterministic, busy_s)
+        if profiled and busy_s is not None and result and not isinstance(result, TaskFailed):
+            _profile(executor, result, busy_s)
         if deterministic:
             buffer.push(done_seq, result)
         else:
@@ -195,6 +198,18 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
                 yield from _failed(result)
             yield result
             buffer.push(done_seq, None)  # keeps markers in place; None is skipped below
+
+
+def _profile(executor, result: list, busy_s: float) -> None:
+    """Update an adaptive stage's ``profile`` (op seconds and output bytes per sample, an
+    average over its recent units) from one unit's result: what the autotune controller
+    weighs before a move to processes (:mod:`zephon.pipeline.autotune`)."""
+    samples = sum(len(getattr(r, "ids", ())) or 1 for r in result)
+    nbytes = approx_nbytes(getattr(result[0], "value", None)) * len(result)
+    s, b = busy_s / samples, nbytes / samples
+    old = executor.profile
+    executor.profile = (s, b) if old is None or old[0] is None else \
+        (0.5 * (old[0] + s), 0.5 * ((old[1] or 0.0) + b))
 
 
 def _in_order(buffer) -> Iterator:

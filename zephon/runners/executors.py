@@ -450,6 +450,9 @@ class AdaptiveExecutor:
         self.max_workers = 1
         #: why the stage cannot move to processes (it stays inline); "" while it can
         self.unable = ""
+        #: (op seconds per input sample, output bytes per input sample), the dispatch's
+        #: latest estimates (None until known): what a move to processes could win
+        self.profile: tuple[float | None, float | None] | None = None
         #: pools made so far, and units sent to process workers (tests read them)
         self.pools_made = self.process_units = 0
 
