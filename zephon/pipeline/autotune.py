@@ -73,7 +73,10 @@ seconds over the elapsed time: the engine's thread) and as none against the CPU 
 - *to processes*: not before the run has lasted :data:`MOVE_AFTER_S` (starting workers
   costs about half a second of two cores), an inline stage that is busy at least
   :data:`BUSY_GROW` while the consumer waits at least :data:`WAIT_GROW`, for
-  :data:`MOVE_PERIODS` periods in a row, is moved to :data:`MOVE_WORKERS` workers (fewer
+  :data:`MOVE_PERIODS` periods in a row, and whose samples cost its ops at least
+  :data:`MOVE_MIN_SAMPLE_S` each and :data:`MOVE_MIN_BYTE_S` per output byte (the
+  executor's ``profile``, which the dispatch keeps from each unit's op time and
+  output size; unknown: not yet), is moved to :data:`MOVE_WORKERS` workers (fewer
   if the CPU budget, less the other stages' workers, leaves fewer): one process worker
   alone rarely beats inline. Its workers boot while its units go on running inline (the
   controller measures nothing meanwhile); the move is then on trial as a grow is: kept

@@ -41,7 +41,9 @@ does, not when it happens to finish first.
   the mode now (``"inline"`` or ``"process"``), ``workers`` the process workers in
   process mode, 1 (the engine's thread) inline. A stage whose pool cannot start (an op
   that cannot be pickled, a worker that fails to start) stays inline for the rest of
-  the run (``unable`` says why). Units of both modes come back as ``(seq, result,
+  the run (``unable`` says why). ``profile`` is the dispatch's estimate of what its
+  samples cost (op seconds and output bytes per sample), for the controller. Units of
+  both modes come back as ``(seq, result,
   busy_s)``; the engine re-orders them by ``seq``, so the stream is the one any runner
   gives, whatever the moves.
 
