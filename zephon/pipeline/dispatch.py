@@ -60,7 +60,9 @@ read the executor's current ``workers`` at each decision, and the reorder window
 sized once for the most the executor may grow to (``max_workers``). An adaptive stage
 (:class:`~zephon.runners.executors.AdaptiveExecutor`) is planned with the process
 runner's bounds (depth, byte budget, splitting) and keeps to one part at a time,
-handing over what is ready before it reads on, while its executor runs inline. None of this
+handing over what is ready before it reads on, while its executor runs inline; its
+executor's ``profile`` (op seconds and output bytes per sample, averaged over its recent
+units) is kept here, for the controller's moves. None of this
 changes which records come out or their order, only how many parts are in flight.
 
 ``deterministic=False``: results are released in completion order (markers
