@@ -193,11 +193,14 @@ def _children():
     return [p.pid for p in multiprocessing.active_children()]
 
 
-def test_a_run_that_never_moves_spawns_nothing(monkeypatch):
-    """The controller never decides to move (MOVE_AFTER_S far away): every unit runs
-    inline, no pool is made, no process started."""
-    monkeypatch.setattr(A, "MOVE_AFTER_S", 1e9)
-    n = 400
+@pytest.mark.parametrize("n, never", [
+    (400, True),  # the controller never decides to move (MOVE_AFTER_S far away)
+    (40_000, False),  # a cheap op: its samples cost too little to try processes
+])
+def test_a_run_that_never_moves_spawns_nothing(monkeypatch, n, never):
+    """Every unit runs inline, no pool is made, no process started."""
+    if never:
+        monkeypatch.setattr(A, "MOVE_AFTER_S", 1e9)
     before = set(_children())
     with iter(_pipe(n, op=F.cheap, worker_allocation="autotune")) as it:
         executors = dict(it.engine.executors)
