@@ -166,7 +166,7 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
     units, in sequence order (see the module docstring)."""
     feed = _Feeder(executor, stage, upstream, lane, stats)
     state, buffer = feed.state, feed.buffer
-    profiled = getattr(executor, "adaptive", False)
+    profiled = 1 if getattr(executor, "adaptive", False) else 0  # 1 + units profiled
     # An inline executor runs a part when it is submitted: hand over what is ready first,
     # so that nothing is read before it is needed. (An adaptive stage's executor says its
     # mode now: inline until the autotune controller moves it to processes.)
@@ -192,7 +192,9 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
         feed.inflight -= 1
         state.done(done_seq, result, deterministic, busy_s)
         if profiled and busy_s is not None and result and not isinstance(result, TaskFailed):
-            _profile(executor, result, busy_s)
+            profiled += 1  # every unit of the first 8, then one in 16: sizing a result
+            if profiled <= 9 or profiled % 16 == 0:  # costs up to ~50 us
+                _profile(executor, result, busy_s)
         if deterministic:
             buffer.push(done_seq, result)
         else:
