@@ -28,9 +28,13 @@ worker start-up included) with every raw value:
 - the grid: ``inline`` and ``process`` stages with the parallelism per stage, the
   pipeline's ``chunk_size`` and ``prefetch_batches`` of each point (``pN`` or
   ``pN,M`` for two stages, ``cC``, ``fF``);
-- ``autotune``: ``RuntimeOptions(runner="process", worker_allocation="autotune")``
-  at the workload's own chunk size (a chunk size is part of the stream's definition,
-  so no controller may change it; the grid's other chunk sizes are other streams).
+- ``autotune``: ``RuntimeOptions(worker_allocation="autotune")`` (the runner not
+  pinned: each stage starts inline and is moved to process workers when a trial shows
+  it pays) at the workload's own chunk size (a chunk size is part of the stream's
+  definition, so no controller may change it; the grid's other chunk sizes are other
+  streams);
+- ``autotune_process``: ``RuntimeOptions(runner="process", worker_allocation="autotune")``
+  (pinned to processes: tuned from one worker, never inline), for comparison.
 
 Printed per workload: each row's ratio to the default, the grid's best row and its
 setting, and ``autotune / best`` and ``autotune / default`` (the bars: >= 0.9 and
@@ -124,28 +128,34 @@ WORKLOADS = {
 }
 
 
+def _options(spec: dict):
+    from zephon import RuntimeOptions
+
+    if spec["mode"] in ("autotune", "autotune_process"):
+        pinned = {"runner": "process"} if spec["mode"] == "autotune_process" else {}
+        return RuntimeOptions(worker_allocation="autotune", **pinned,
+                              **({"max_workers": spec["max_workers"]}
+                                 if spec.get("max_workers") else {}))
+    if spec["mode"] == "default":
+        return RuntimeOptions()
+    kw = {"runner": spec["runner"]}
+    if spec.get("prefetch"):
+        kw["prefetch_batches"] = spec["prefetch"]
+        kw["default_stage_prefetch"] = spec["prefetch"]
+    return RuntimeOptions(**kw)
+
+
 def build(spec: dict):
     import functools
 
-    from zephon import Pipeline, RuntimeOptions, sources
+    from zephon import Pipeline, sources
 
     name, n = spec["workload"], spec["samples"]
     chunk = spec["chunk"]
     ps = list(spec.get("p") or (1, 1))
-    if spec["mode"] == "autotune":
-        opts = RuntimeOptions(runner="process", worker_allocation="autotune",
-                              **({"max_workers": spec["max_workers"]}
-                                 if spec.get("max_workers") else {}))
-    elif spec["mode"] == "default":
-        opts = RuntimeOptions()
-    else:
-        kw = {"runner": spec["runner"]}
-        if spec.get("prefetch"):
-            kw["prefetch_batches"] = spec["prefetch"]
-            kw["default_stage_prefetch"] = spec["prefetch"]
-        opts = RuntimeOptions(**kw)
-        if spec["runner"] == "inline":
-            ps = [1, 1]
+    opts = _options(spec)
+    if spec["mode"] == "fixed" and spec["runner"] == "inline":
+        ps = [1, 1]
     if spec["mode"] != "fixed":
         ps = [1, 1]
 
@@ -196,6 +206,7 @@ def rows_of(name: str, scale: float) -> dict[str, dict]:
         rows[label] = {**base, "mode": "fixed", "runner": runner, "p": list(p), "chunk": c,
                        "prefetch": f}
     rows["autotune"] = {**base, "mode": "autotune", "chunk": chunk}
+    rows["autotune_process"] = {**base, "mode": "autotune_process", "chunk": chunk}
     return rows
 
 
@@ -223,9 +234,11 @@ def run_workload(name: str, reps: int, scale: float) -> dict:
             continue
         ratio = f"{med[label] / ref:.2f}x" if ref else "-"
         raw = ", ".join(f"{v:.0f}" for v in vals)
-        tail = f"; end workers, decisions: {extra[label]}" if label == "autotune" else ""
+        tail = f"; end workers, decisions: {extra[label]}" if label.startswith("autotune") \
+            else ""
         print(f"{label:18} {med[label]:15.0f} {ratio:>11}  [{raw}]{tail}")
-    grid = {k: v for k, v in med.items() if k not in ("default", "autotune")}
+    grid = {k: v for k, v in med.items()
+            if k not in ("default", "autotune", "autotune_process")}
     out = {"workload": name}
     if grid and "autotune" in med and ref:
         best = max(grid, key=grid.__getitem__)
@@ -234,8 +247,17 @@ def run_workload(name: str, reps: int, scale: float) -> dict:
         print(f"grid best: {best} ({grid[best]:.0f}/s); autotune / best = "
               f"{out['vs_best']:.2f} (bar 0.9), autotune / default = {out['vs_default']:.2f}"
               " (bar 1.0)")
+        pinned = ""
+        if "autotune_process" in med:
+            out.update(pinned_vs_best=med["autotune_process"] / grid[best],
+                       pinned_vs_default=med["autotune_process"] / ref)
+            print(f"autotune_process / best = {out['pinned_vs_best']:.2f}, / default = "
+                  f"{out['pinned_vs_default']:.2f}")
+            pinned = (f" pinned_vs_best={out['pinned_vs_best']:.3f} "
+                      f"pinned_vs_default={out['pinned_vs_default']:.3f}")
         print(f"{name}: autotune_vs_best={out['vs_best']:.3f} "
-              f"autotune_vs_default={out['vs_default']:.3f} best={best.replace(' ', '_')}")
+              f"autotune_vs_default={out['vs_default']:.3f} best={best.replace(' ', '_')}"
+              + pinned)
     sys.stdout.flush()
     return out
 

@@ -1,8 +1,12 @@
 """The autotune controller: per-stage worker counts adjusted while a run goes on.
 
-``RuntimeOptions(worker_allocation="autotune")`` starts every parallel stage (threads
-or process) with one worker; the run's :class:`Controller` then grows and shrinks
-the stages one worker at a time. What it owns:
+``RuntimeOptions(worker_allocation="autotune")`` starts a parallel stage whose runner
+the user did not pin (no ``runner``, no ``per_stage_runner`` entry: an *adaptive*
+stage, :class:`~zephon.runners.executors.AdaptiveExecutor`) inline, nothing spawned,
+and a pinned threads or process stage with one worker; the run's :class:`Controller`
+moves adaptive stages to process workers and back (the moves, below) and grows and
+shrinks the stages on workers one worker at a time. A pinned stage never runs inline:
+the user chose its runner. What it owns:
 
 **Where it runs.** It has no thread of its own: the engine calls :meth:`Controller.tick`
 each time it hands an item on (from the thread that runs the engine, the one that
@@ -61,7 +65,39 @@ items the engine handed on (its ticks) per second of the period.
   controller measures nothing (the period restarts once every worker is ready),
   so each decision is judged on a full period of the new setting.
 
-**Bounds.** At least one worker per stage; at most the CPU budget in all, over the
+**The moves** (adaptive stages; they come before the rule above, which sees only the
+stages on workers). An inline stage counts as one worker for its busy fraction (its op
+seconds over the elapsed time: the engine's thread) and as none against the CPU budget
+(the engine's thread is not a worker).
+
+- *to processes*: not before the run has lasted :data:`MOVE_AFTER_S` (starting workers
+  costs about half a second of two cores), an inline stage that is busy at least
+  :data:`BUSY_GROW` while the consumer waits at least :data:`WAIT_GROW`, for
+  :data:`MOVE_PERIODS` periods in a row, and whose samples cost its ops at least
+  :data:`MOVE_MIN_SAMPLE_S` each and :data:`MOVE_MIN_BYTE_S` per output byte (the
+  executor's ``profile``, which the dispatch keeps from each unit's op time and
+  output size; unknown: not yet), is moved to :data:`MOVE_WORKERS` workers (fewer
+  if the CPU budget, less the other stages' workers, leaves fewer): one process worker
+  alone rarely beats inline. Its workers boot while its units go on running inline (the
+  controller measures nothing meanwhile); the move is then on trial as a grow is: kept
+  if the throughput rose by :data:`TRIAL_GAIN` over the inline one, else the stage goes
+  back inline, its pool stopped, and is not moved again for :data:`HOLD_S` seconds,
+  doubled with each failed move in a row, at most :data:`HOLD_MAX_S` (so a workload
+  that processes never pay for loses little to the trials);
+- *back inline*: a moved stage whose workers' busy fractions add up to less than
+  :data:`BUSY_SHRINK` of one core for :data:`SHRINK_PERIODS` periods (its work would fit
+  in the engine's thread: the op turned cheap) is run inline again, on trial: its pool
+  is parked (nothing new goes to it; its units in flight come back as any others) and
+  stopped once the trial keeps inline (:func:`judge_inline`: at most TRIAL_GAIN slower:
+  inline holds no process and no memory), else the stage takes the parked pool back at
+  once with the workers it had, and moves back inline are held as failed moves to
+  processes are;
+- a stage whose pool cannot start (an op that does not pickle, a worker that fails to
+  start) stays inline for the rest of the run (logged once);
+- under ``mtp_mode`` the consumer's wait is not reported: adaptive stages stay inline.
+
+**Bounds.** At least one worker per stage on workers (an adaptive stage running
+inline holds none: the caps of the others are that much larger); at most the CPU budget in all, over the
 stages (:func:`~zephon.options.resolve_autotune_cpu_budget`: an explicit
 ``max_workers``, else the cores the process may use, affinity and cgroup
 ``cpu.max``), except for the waiting process stages above, whose measured CPU is
@@ -74,19 +110,22 @@ else half of what is available at start). Thread workers count against the CPU
 budget only.
 
 **Lifecycle.** Made by the engine with its executors (none when no stage is
-threads or process), it sets each executor's ``meter`` and ``max_workers``;
+threads, process or adaptive), it sets each executor's ``meter`` and ``max_workers``;
 ``close()`` (the engine's) detaches the meters. A shrunk worker is not a crash
 and loses nothing: a thread ends after the units queued before its stop, a
 process worker finishes the tasks it has in flight and is then stopped
 (:meth:`~zephon.transport.WorkerPool.retire_worker`).
 
 **The stream** never depends on this: the engine's output depends on the seed,
-the source and the ops, never on worker counts or timing (dispatch reads the
-current worker count only to bound what is in flight). Decisions themselves are
-not deterministic.
+the source and the ops, never on runners, worker counts or timing (dispatch reads the
+current worker count and mode only to bound what is in flight; results of inline and
+process units are re-ordered by sequence alike). Decisions themselves are not
+deterministic; a test forces moves through :attr:`Controller.script` (made in the
+engine's thread at a given item) with :attr:`Controller.frozen` set.
 
-**Record.** Every decision is one ``logging`` line (logger ``zephon.autotune``,
-INFO) and a :class:`Decision` in :attr:`Controller.decisions`; ``stats()`` shows
+**Record.** Every decision (grows, shrinks and moves: 0 workers is inline) is one
+``logging`` line (logger ``zephon.autotune``, INFO) and a :class:`Decision` in
+:attr:`Controller.decisions`; ``stats()`` shows
 them with the budgets and the counts now (``snapshot()``), and ``explain()``
 shows the latest run's.
 """
@@ -101,10 +140,11 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["BUSY_GROW", "BUSY_SHRINK", "HOLD_S", "PERIOD_S", "SHRINK_PERIODS", "TRIAL_GAIN",
+__all__ = ["BUSY_GROW", "BUSY_SHRINK", "HOLD_MAX_S", "HOLD_S", "MOVE_AFTER_S", "MOVE_MIN_BYTE_S", "MOVE_MIN_SAMPLE_S", "MOVE_PERIODS", "MOVE_WORKERS",
+           "PERIOD_S", "SHRINK_PERIODS", "TRIAL_GAIN",
            "TRIAL_ITEMS", "TRIAL_MIN_ITEMS", "TRIAL_S", "WAITING_CPU", "WAITING_FACTOR",
            "WAIT_GROW",
-           "Controller", "Decision", "StageMeter", "choose", "judge"]
+           "Controller", "Decision", "StageMeter", "choose", "judge", "judge_inline"]
 
 log = logging.getLogger("zephon.autotune")
 
@@ -134,11 +174,32 @@ TRIAL_MIN_ITEMS = 4
 HOLD_S = 5.0
 #: Most workers of a process stage (a region token's owner field).
 MAX_PROCESS_WORKERS = 127
+#: An adaptive stage moved to processes gets this many workers at once (at most what the
+#: CPU budget leaves it): one process worker alone rarely beats the inline run it replaces.
+MOVE_WORKERS = 2
+#: Periods in a row an inline adaptive stage must look like the bottleneck before it is
+#: moved.
+MOVE_PERIODS = 2
+#: No move to processes before the run has lasted this long: starting two workers costs
+#: about half a second of two cores (spawn, imports), which a shorter run cannot win back.
+MOVE_AFTER_S = 0.5
+#: An inline stage is moved only while its op costs at least this many seconds per
+#: input sample (the dispatch's estimate, op time less the waits for a CPU): below it,
+#: the messages and copies between processes cost more than a worker could take off
+#: the engine's thread (100k ints with a map(+1) ran 5x slower on processes) ...
+MOVE_MIN_SAMPLE_S = 1e-4
+#: ... and at least this many seconds per output byte: an op as cheap per byte as moving
+#: the byte between processes gains nothing from them (1 MiB arrays made and scaled at
+#: under 1 ns a byte ran 2.5x slower on processes).
+MOVE_MIN_BYTE_S = 2e-9
+#: A move that did not pay holds that stage's next move of the same kind HOLD_S seconds,
+#: doubled with each such failure in a row, at most HOLD_MAX_S.
+HOLD_MAX_S = 40.0
 
 
 class Decision(NamedTuple):
     """One change: ``stage`` went from ``before`` to ``after`` workers ``at`` seconds
-    into the run, for ``reason``."""
+    into the run, for ``reason`` (0 workers: an adaptive stage running inline)."""
 
     at: float
     stage: int
@@ -147,8 +208,10 @@ class Decision(NamedTuple):
     reason: str
 
     def text(self) -> str:
-        return (f"{self.at:6.2f} s: stage {self.stage} {self.before} -> {self.after} "
-                f"worker(s): {self.reason}")
+        def count(n: int) -> str:
+            return "inline" if n == 0 else f"{n} worker(s)"
+        return (f"{self.at:6.2f} s: stage {self.stage} {count(self.before)} -> "
+                f"{count(self.after)}: {self.reason}")
 
 
 class StageMeter:
@@ -184,6 +247,29 @@ def judge(before: float, after: float) -> bool:
     """Whether a grow paid: the throughput ``after`` it is at least TRIAL_GAIN above
     ``before``."""
     return after >= before * (1.0 + TRIAL_GAIN)
+
+
+def judge_inline(before: float, after: float) -> bool:
+    """Whether a move back inline is kept: the throughput ``after`` it is at most
+    TRIAL_GAIN below ``before`` (inline costs no process and no memory: it may be a
+    little slower and still win)."""
+    return after * (1.0 + TRIAL_GAIN) >= before
+
+
+def _worth_moving(ex: Any) -> bool:
+    """Whether an inline stage's samples cost enough for processes to pay (see
+    MOVE_MIN_SAMPLE_S, MOVE_MIN_BYTE_S); unknown costs (no profile yet): not yet."""
+    profile = getattr(ex, "profile", None)
+    if profile is None or profile[0] is None:
+        return False
+    per_sample_s, per_sample_bytes = profile
+    if per_sample_s < MOVE_MIN_SAMPLE_S:
+        return False
+    return not per_sample_bytes or per_sample_s / per_sample_bytes >= MOVE_MIN_BYTE_S
+
+
+def _held(until: dict[int, float], stage: int, now: float) -> bool:
+    return until.get(stage, 0.0) > now
 
 
 def choose(sig: _Signals, caps: dict[int, int], budget: int, idle: dict[int, int],
@@ -299,19 +385,31 @@ class Controller:
     def __init__(self, executors: dict[int, Any], cpu_budget: int, memory_bytes: int, *,
                  period: float = PERIOD_S, clock: Callable[[], float] = time.monotonic
                  ) -> None:
-        self.executors = {s: ex for s, ex in executors.items() if ex.runner != "inline"}
+        #: the adaptive stages (inline until moved to processes, see the rule)
+        self.adaptive = {s for s, ex in executors.items() if getattr(ex, "adaptive", False)}
+        self.executors = {s: ex for s, ex in executors.items()
+                          if ex.runner != "inline" or s in self.adaptive}
         self.cpu_budget = max(cpu_budget, len(self.executors))
         self.memory_bytes, self.period, self.clock = memory_bytes, period, clock
         self.meters = {s: StageMeter() for s in self.executors}
+        procs = {s for s, ex in self.executors.items()
+                 if ex.runner == "process" or s in self.adaptive}
+        self._procs = procs
+        #: each stage's cap when every other stage holds one worker (an inline stage
+        #: holds none: the caps of the moment, _caps_now, are larger then)
         most = self.cpu_budget - (len(self.executors) - 1)
-        self.caps = {s: min(most, MAX_PROCESS_WORKERS) if ex.runner == "process" else most
-                     for s, ex in self.executors.items()}
+        self.caps = {s: min(most, MAX_PROCESS_WORKERS) if s in procs else most
+                     for s in self.executors}
         #: a process stage's cap while its workers wait (see the rule)
         self.waiting_caps = {s: min(WAITING_FACTOR * self.cpu_budget, MAX_PROCESS_WORKERS)
-                             for s, ex in self.executors.items() if ex.runner == "process"}
+                             for s in procs}
+        pinned = len(self.executors) - len(self.adaptive)
         for s, ex in self.executors.items():
             ex.meter = self.meters[s]
-            ex.max_workers = max(self.caps[s], self.waiting_caps.get(s, 0))
+            others = pinned - (s not in self.adaptive)  # adaptive ones may all be inline
+            top = self.cpu_budget - others
+            ex.max_workers = max(min(top, MAX_PROCESS_WORKERS) if s in procs else top,
+                                 self.waiting_caps.get(s, 0))
         self.decisions: list[Decision] = []
         self.held = ""  # why the last wanted grow did not happen (shown once per cause)
         self._idle: dict[int, int] = {}
@@ -325,9 +423,28 @@ class Controller:
         #: ticks since the current setting started (the last resize, a worker ready)
         self._run_items, self._run_since = 0, self.started
         self._cpu_seen: dict[int, float] = {}  # pid -> CPU seconds at the period start
-        #: the grow on trial: (stage, throughput before it, the items that rate is of)
-        self._trial: tuple[int, float, int] | None = None
+        #: the change on trial: (kind, stage, throughput before it, the items that rate is
+        #: of, the workers before it); kind "grow", "process" (a move to processes) or
+        #: "inline" (a move back inline)
+        self._trial: tuple[str, int, float, int, int] | None = None
         self._held_until: dict[int, float] = {}  # stage -> no grow before this time
+        #: adaptive stages: no move to processes (back inline) before this time, and the
+        #: failed moves in a row of each kind (the hold doubles with each)
+        self._held_in: dict[int, float] = {}
+        self._held_out: dict[int, float] = {}
+        self._fails_in: dict[int, int] = {}
+        self._fails_out: dict[int, int] = {}
+        #: every judged trial: (kind, stage, kept), kind "grow", "process" or "inline"
+        self.trials: list[tuple[str, int, bool]] = []
+        self._ripe: dict[int, int] = {}  # periods in a row an inline stage was the bottleneck
+        self._spare: dict[int, int] = {}  # periods in a row a moved stage's work fit inline
+        #: a test sets it: no decision of its own (moves only by :meth:`force` and
+        #: :attr:`script`)
+        self.frozen = False
+        #: a test's hook: tick (items handed on since the start) -> ``(stage, workers,
+        #: wait)``, forced (:meth:`force`) in the engine's thread at that tick
+        self.script: dict[int, tuple[int, int, bool]] = {}
+        self.ticks = 0
 
     # -- signals ---------------------------------------------------------------------------
     def waited(self, seconds: float) -> None:
@@ -350,7 +467,7 @@ class Controller:
         out: dict[int, float] = {}
         seen: dict[int, float] = {}
         for s, ex in self.executors.items():
-            if ex.runner != "process":
+            if s not in self._procs:  # process stages, and adaptive ones (a pool or none)
                 continue
             used = 0.0
             for pid in ex.pids():
@@ -396,6 +513,9 @@ class Controller:
         """Called by the engine per item: decide when a period has passed."""
         self._items += 1
         self._run_items += 1
+        self.ticks += 1
+        if self.script and self.ticks in self.script:
+            self.force(*self.script.pop(self.ticks))
         now = self.clock()
         elapsed = now - self._since
         if elapsed < self.period or not self.executors:
@@ -407,31 +527,171 @@ class Controller:
         sig = self._sample(elapsed)
         self.last = sig
         self._since = now
+        if self.frozen:
+            return
         if self._trial is not None:
             run = now - self._run_since
             if self._run_items < TRIAL_ITEMS and run < TRIAL_S:
-                return  # too few items yet to judge the grow on trial
-            stage, before_rate, before_items = self._trial
-            self._trial = None
-            after_rate = self._run_items / run
-            evidence = min(before_items, self._run_items) >= TRIAL_MIN_ITEMS
-            if evidence and not judge(before_rate, after_rate):
-                self._held_until[stage] = now + HOLD_S
-                self._resize(now, stage, -1, f"the grow did not pay: {after_rate:.2f} items/s "
-                             f"after it, {before_rate:.2f} before (held {HOLD_S:g} s)")
+                return  # too few items yet to judge the change on trial
+            if self._judge(now, run):
                 return
-        caps = {s: (self.executors[s].workers if self._held_until.get(s, 0.0) > now else c)
-                for s, c in self.caps.items()}
-        waiting = {s: (self.executors[s].workers if self._held_until.get(s, 0.0) > now else c)
-                   for s, c in self.waiting_caps.items()}
-        choice = choose(sig, caps, self.cpu_budget, self._idle, self._memory_ok, waiting)
+        if self._moves(sig, now):
+            return
+        inline = {s for s in self.adaptive if self.executors[s].runner == "inline"}
+        tuned = [s for s in self.executors if s not in inline]
+        if not tuned:
+            return
+        sub = _Signals({s: sig.workers[s] for s in tuned}, {s: sig.busy[s] for s in tuned},
+                       sig.wait, {s: c for s, c in sig.cpu.items() if s in tuned}, sig.rate)
+        now_caps = self._caps_now(inline)
+        caps = {s: (self.executors[s].workers if _held(self._held_until, s, now) else c)
+                for s, c in now_caps.items() if s in sub.workers}
+        waiting = {s: (self.executors[s].workers if _held(self._held_until, s, now) else c)
+                   for s, c in self.waiting_caps.items() if s in sub.workers}
+        choice = choose(sub, caps, self.cpu_budget, self._idle, self._memory_ok, waiting)
         if choice is None:
             return
         stage, delta, reason = choice
-        run = max(now - self._run_since, 1e-9)
-        before = (stage, self._run_items / run, self._run_items)
+        before = self._before(stage, now)
         if self._resize(now, stage, delta, reason) and delta > 0:
-            self._trial = before
+            self._trial = ("grow", *before)
+
+    def _before(self, stage: int, now: float) -> tuple[int, float, int, int]:
+        """``(stage, throughput of the setting now, the items that is of, its workers)``."""
+        run = max(now - self._run_since, 1e-9)
+        return stage, self._run_items / run, self._run_items, self._count(stage)
+
+    def _count(self, stage: int) -> int:
+        """The stage's workers now; 0 for an adaptive stage running inline."""
+        ex = self.executors[stage]
+        return 0 if stage in self.adaptive and ex.runner == "inline" else ex.workers
+
+    def _caps_now(self, inline: set[int]) -> dict[int, int]:
+        """Each stage's cap now: the budget less one worker per other stage that is not
+        inline."""
+        out = {}
+        for s in self.executors:
+            others = sum(1 for t in self.executors if t != s and t not in inline)
+            most = max(1, self.cpu_budget - others)
+            out[s] = min(most, MAX_PROCESS_WORKERS) if s in self._procs else most
+        return out
+
+    def _judge(self, now: float, run: float) -> bool:
+        """Judge the change on trial; True if it was undone (nothing else this period)."""
+        assert self._trial is not None
+        kind, stage, before_rate, before_items, back = self._trial
+        self._trial = None
+        ex = self.executors[stage]
+        after_rate = self._run_items / run
+        evidence = min(before_items, self._run_items) >= TRIAL_MIN_ITEMS
+        rates = f"{after_rate:.2f} items/s after it, {before_rate:.2f} before"
+        kept = not evidence or (judge_inline if kind == "inline" else judge)(
+            before_rate, after_rate)
+        if kind != "process" or ex.runner != "inline":  # (a move that failed to start)
+            self.trials.append((kind, stage, kept))
+        if kind == "grow":
+            if evidence and not judge(before_rate, after_rate):
+                self._held_until[stage] = now + HOLD_S
+                self._resize(now, stage, -1, f"the grow did not pay: {rates} "
+                             f"(held {HOLD_S:g} s)")
+                return True
+            return False
+        if kind == "process":
+            if ex.runner == "inline":  # the move failed (the pool did not start)
+                return False
+            if evidence and not judge(before_rate, after_rate):
+                hold = self._fail(self._fails_in, self._held_in, stage, now)
+                self._switch(now, stage, 0, f"the move to processes did not pay: {rates} "
+                             f"(held {hold:g} s)")
+                ex.release()  # its pool is stopped once its units are back
+                return True
+            self._fails_in[stage] = 0
+            return False
+        if evidence and not judge_inline(before_rate, after_rate):  # kind == "inline"
+            hold = self._fail(self._fails_out, self._held_out, stage, now)
+            self._switch(now, stage, back, f"inline was slower: {rates} (held {hold:g} s)")
+            return True
+        self._fails_out[stage] = 0
+        ex.release()  # inline it stays: its pool is stopped
+        return False
+
+    @staticmethod
+    def _fail(fails: dict[int, int], until: dict[int, float], stage: int, now: float) -> float:
+        fails[stage] = fails.get(stage, 0) + 1
+        hold = min(HOLD_S * 2 ** (fails[stage] - 1), HOLD_MAX_S)
+        until[stage] = now + hold
+        return hold
+
+    def _moves(self, sig: _Signals, now: float) -> bool:
+        """The moves of the adaptive stages (see the rule); True if one was made."""
+        if not self.adaptive:
+            return False
+        inline = {s for s in self.adaptive if self.executors[s].runner == "inline"}
+        for s in self.adaptive:
+            ex = self.executors[s]
+            if s in inline:
+                hot = sig.wait >= WAIT_GROW and sig.busy[s] >= BUSY_GROW and not ex.unable \
+                    and not _held(self._held_in, s, now) and \
+                    now - self.started >= MOVE_AFTER_S and _worth_moving(ex)
+                self._ripe[s] = self._ripe.get(s, 0) + 1 if hot else 0
+                self._spare[s] = 0
+            else:
+                cool = sig.busy[s] * sig.workers[s] < BUSY_SHRINK and \
+                    not _held(self._held_out, s, now)
+                self._spare[s] = self._spare.get(s, 0) + 1 if cool else 0
+                self._ripe[s] = 0
+        ripe = [s for s in inline if self._ripe[s] >= MOVE_PERIODS]
+        if ripe:
+            s = max(ripe, key=lambda x: (sig.busy[x], -x))
+            taken = sum(sig.workers[t] for t in self.executors if t not in inline)
+            n = min(MOVE_WORKERS, self.cpu_budget - taken, MAX_PROCESS_WORKERS)
+            if n >= 1:
+                self._ripe[s] = 0
+                before = self._before(s, now)
+                if self._switch(now, s, n, f"the consumer waited {sig.wait:.0%}, stage {s} "
+                                f"busy {sig.busy[s]:.0%} inline: trying processes"):
+                    self._trial = ("process", *before)
+                return True
+            self._hold(f"CPU budget {self.cpu_budget} full: stage {s} stays inline")
+        spare = [s for s in self.adaptive if s not in inline and
+                 self._spare[s] >= SHRINK_PERIODS]
+        if spare:
+            s = min(spare, key=lambda x: (sig.busy[x] * sig.workers[x], x))
+            cores = sig.busy[s] * sig.workers[s]
+            self._spare[s] = 0
+            before = self._before(s, now)
+            if self._switch(now, s, 0, f"its workers used {cores:.2f} core(s) for "
+                            f"{SHRINK_PERIODS} periods: trying inline"):
+                self._trial = ("inline", *before)
+            return True
+        return False
+
+    def _switch(self, now: float, stage: int, workers: int, reason: str,
+                wait: bool = False) -> bool:
+        """Move adaptive ``stage`` to ``workers`` process workers (0: inline), recorded;
+        False if it failed."""
+        ex = self.executors[stage]
+        before = self._count(stage)
+        try:
+            if workers == 0:
+                ex.to_inline()
+            else:
+                ex.to_process(workers, wait=wait)
+        except Exception as exc:  # noqa: BLE001 - a failed move leaves the stage inline
+            log.warning("autotune: stage %d: moving failed: %s", stage, exc)
+            return False
+        self._record(now, stage, before, workers, reason)
+        return True
+
+    def force(self, stage: int, workers: int, wait: bool = False) -> bool:
+        """Move adaptive ``stage`` to ``workers`` process workers, or inline (0), now, in
+        the engine's thread (a test's hook, see :attr:`script`; with :attr:`frozen` set,
+        the only moves made; ``wait``: a move to processes waits for the workers; a forced
+        move back inline also stops the pool once its units are back)."""
+        done = self._switch(self.clock(), stage, workers, "forced", wait)
+        if done and workers == 0:
+            self.executors[stage].release()
+        return done
 
     def _resize(self, now: float, stage: int, delta: int, reason: str) -> bool:
         """One worker more or fewer for ``stage``, recorded; False if it failed."""
@@ -442,13 +702,16 @@ class Controller:
         except Exception as exc:  # noqa: BLE001 - a failed resize leaves the stage as it was
             log.warning("autotune: stage %d: resizing failed: %s", stage, exc)
             return False
-        decision = Decision(round(now - self.started, 3), stage, before, ex.workers, reason)
+        self._record(now, stage, before, ex.workers, reason)
+        return True
+
+    def _record(self, now: float, stage: int, before: int, after: int, reason: str) -> None:
+        decision = Decision(round(now - self.started, 3), stage, before, after, reason)
         self.decisions.append(decision)
         self.held = ""
         log.info("autotune: %s", decision.text())
         self._restart_period(self.clock())
         self._run_items, self._run_since = 0, self._since
-        return True
 
     def snapshot(self) -> dict:
         """The budgets, the worker counts now, the last period's signals and every
@@ -469,16 +732,18 @@ class Controller:
 
     def explain(self) -> list[str]:
         """Lines for ``explain()``: the counts now and each decision."""
-        counts = ", ".join(f"stage {s}: {n}" for s, n in self.counts().items())
+        counts = ", ".join(f"stage {s}: {n if n else 'inline'}"
+                           for s, n in self.counts().items())
         lines = [f"autotune (latest run): {counts}; {len(self.decisions)} decision(s)"]
         lines += [f"  {d.text()}" for d in self.decisions[-20:]]
         return lines
 
     def counts(self) -> dict[int, int]:
-        """Workers per tuned stage now (at the end, once closed)."""
+        """Workers per tuned stage now (at the end, once closed); 0 for an adaptive stage
+        running inline."""
         if self._final is not None:
             return dict(self._final)
-        return {s: ex.workers for s, ex in self.executors.items()}
+        return {s: self._count(s) for s in self.executors}
 
     def close(self) -> None:
         """Detach from the executors (they are closed with the engine); what was decided

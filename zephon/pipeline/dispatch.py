@@ -57,7 +57,12 @@ larger than the budget still flows (alone).
 Worker counts may change during the run (``worker_allocation="autotune"``, see
 :mod:`zephon.pipeline.autotune`): the bounds and the spreading of a unit over workers
 read the executor's current ``workers`` at each decision, and the reorder window is
-sized once for the most the executor may grow to (``max_workers``). None of this
+sized once for the most the executor may grow to (``max_workers``). An adaptive stage
+(:class:`~zephon.runners.executors.AdaptiveExecutor`) is planned with the process
+runner's bounds (depth, byte budget, splitting) and keeps to one part at a time,
+handing over what is ready before it reads on, while its executor runs inline; its
+executor's ``profile`` (op seconds and output bytes per sample, averaged over its recent
+units) is kept here, for the controller's moves. None of this
 changes which records come out or their order, only how many parts are in flight.
 
 ``deterministic=False``: results are released in completion order (markers
@@ -161,11 +166,12 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
     units, in sequence order (see the module docstring)."""
     feed = _Feeder(executor, stage, upstream, lane, stats)
     state, buffer = feed.state, feed.buffer
+    profiled = 1 if getattr(executor, "adaptive", False) else 0  # 1 + units profiled
     # An inline executor runs a part when it is submitted: hand over what is ready first,
-    # so that nothing is read before it is needed.
-    eager = stage.runner != "inline"
+    # so that nothing is read before it is needed. (An adaptive stage's executor says its
+    # mode now: inline until the autotune controller moves it to processes.)
     while True:
-        if not eager:
+        if getattr(executor, "runner", stage.runner) == "inline":
             yield from _in_order(buffer)
             state.release(buffer.cursor)
         feed.fill()
@@ -185,6 +191,10 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
             stats.completed(feed.node, len(result), now - sent, now - waited, samples)
         feed.inflight -= 1
         state.done(done_seq, result, deterministic, busy_s)
+        if profiled and busy_s is not None and result and not isinstance(result, TaskFailed):
+            profiled += 1  # every unit of the first 8, then one in 16: sizing a result
+            if profiled <= 9 or profiled % 16 == 0:  # costs up to ~50 us
+                _profile(executor, result, busy_s)
         if deterministic:
             buffer.push(done_seq, result)
         else:
@@ -192,6 +202,18 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
                 yield from _failed(result)
             yield result
             buffer.push(done_seq, None)  # keeps markers in place; None is skipped below
+
+
+def _profile(executor, result: list, busy_s: float) -> None:
+    """Update an adaptive stage's ``profile`` (op seconds and output bytes per sample, an
+    average over its recent units) from one unit's result: what the autotune controller
+    weighs before a move to processes (:mod:`zephon.pipeline.autotune`)."""
+    samples = sum(len(getattr(r, "ids", ())) or 1 for r in result)
+    nbytes = approx_nbytes(getattr(result[0], "value", None)) * len(result)
+    s, b = busy_s / samples, nbytes / samples
+    old = executor.profile
+    executor.profile = (s, b) if old is None or old[0] is None else \
+        (0.5 * (old[0] + s), 0.5 * ((old[1] or 0.0) + b))
 
 
 def _in_order(buffer) -> Iterator:
@@ -297,7 +319,7 @@ class _LaneDispatch:
         self.depth, self.item_cap = stage.depth, stage.item_cap
         self.executor = executor  # its ``workers`` may change during the run (autotune)
         self.fixed = max(1, stage.workers)
-        self.inline = stage.runner == "inline"
+        self.planned_runner = stage.runner
         most = max(self.fixed, getattr(executor, "max_workers", self.fixed))
         self.window = 2 * self.depth * most + 8
         self.split = stage.split
@@ -320,11 +342,18 @@ class _LaneDispatch:
         return max(1, getattr(self.executor, "workers", self.fixed))
 
     @property
+    def inline(self) -> bool:
+        """Whether the stage's units run inline now (an adaptive stage's executor says its
+        mode; see :class:`~zephon.runners.executors.AdaptiveExecutor`)."""
+        return getattr(self.executor, "runner", self.planned_runner) == "inline"
+
+    @property
     def limit(self) -> int:
         """Parts in flight at most: depth queued beyond one per worker (an inline stage
         runs a part when it is submitted: nothing to keep busy, and reading ahead delays
-        the first)."""
-        return self.depth if self.inline else self.depth + self.workers
+        the first: one part; an adaptive stage planned with the process runner's depth
+        keeps to one part while it runs inline)."""
+        return 1 if self.inline else self.depth + self.workers
 
     def target(self) -> int:
         """Samples per part: ~DISPATCH_TARGET_BYTES of output (1 until a result says)."""

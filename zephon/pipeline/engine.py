@@ -70,7 +70,7 @@ from zephon.pipeline.plan import INFLIGHT_PER_WORKER, Plan, StageStep, carrier, 
 from zephon.pipeline.program import StageProgram, batches_per_message
 from zephon.pipeline.records import Batch, BatchList, Boundary
 from zephon.pipeline.stats import RunStats
-from zephon.runners import InlineExecutor, ProcessExecutor, ThreadExecutor
+from zephon.runners import AdaptiveExecutor, InlineExecutor, ProcessExecutor, ThreadExecutor
 
 __all__ = ["NOTHING", "Engine", "Plan", "accumulate", "cursor_state", "ended_state",
            "is_ended", "ordered_map", "replay_state"]
@@ -233,18 +233,17 @@ class Engine:
             worker_compute_threads=o.worker_compute_threads)
         self.executors = {}
         #: the autotune controller (zephon.pipeline.autotune), None unless
-        #: worker_allocation="autotune" and some stage runs on threads or processes
+        #: worker_allocation="autotune" and some stage runs on threads or processes or is
+        #: adaptive (starts inline, moved to processes when that pays)
         self.tuner: Controller | None = None
         try:
             for stage in plan.stages:
                 name = f"stage{stage.index}"
-                ex: ProcessExecutor | ThreadExecutor | InlineExecutor
-                if stage.runner == "process":
-                    ex = ProcessExecutor(program, stage.workers, options=o, name=name,
-                                         max_retries=o.max_worker_retries,
-                                         deterministic=o.deterministic,
-                                         inflight_per_worker=INFLIGHT_PER_WORKER,
-                                         arena_max_bytes=stage.arena_bytes)
+                ex: ProcessExecutor | ThreadExecutor | InlineExecutor | AdaptiveExecutor
+                if stage.adaptive:  # inline until the controller moves it (autotune)
+                    ex = AdaptiveExecutor(program, self._process_maker(stage, name), name=name)
+                elif stage.runner == "process":
+                    ex = self._process_maker(stage, name)(stage.workers)
                 elif stage.runner == "threads":
                     ex = ThreadExecutor(program, stage.workers, name=name)
                 else:
@@ -256,6 +255,19 @@ class Engine:
         if o.worker_allocation == "autotune" and plan.runners != {"inline"}:
             self.tuner = Controller(self.executors, resolve_autotune_cpu_budget(o),
                                     resolve_autotune_memory_bytes(o))
+
+    def _process_maker(self, stage, name: str):
+        """``workers -> ProcessExecutor`` of ``stage`` (its pool starts at once; an adaptive
+        stage calls it at its first move to processes)."""
+        program, o = self.program, self.plan.opts
+
+        def make(workers: int) -> ProcessExecutor:
+            return ProcessExecutor(program, workers, options=o, name=name,
+                                   max_retries=o.max_worker_retries,
+                                   deterministic=o.deterministic,
+                                   inflight_per_worker=INFLIGHT_PER_WORKER,
+                                   arena_max_bytes=stage.arena_bytes)
+        return make
 
     def lane_stream(self, lane: int) -> Iterator:
         """``(record, lane state after it)`` for every item of ``lane`` from its state."""

@@ -15,9 +15,11 @@ Lifecycle
 ---------
 - start: workers start booting at construction (``validate`` checks the ops
   while they do);
-- ``__next__``: where the engine runs inline, in the consumer's thread;
-  otherwise from a :class:`Handoff` of ``prefetch_batches`` items filled by a
-  pump thread (MTP: a low-priority thread of ``mtp_prefetch`` items). With
+- ``__next__``: where the engine runs inline, in the consumer's thread (also
+  while every parallel stage is inline or adaptive and none of them has been moved
+  to process workers yet: the pump starts with the first such move, the same item
+  source going on in its thread); otherwise from a :class:`Handoff` of
+  ``prefetch_batches`` items filled by a pump thread (MTP: a low-priority thread of ``mtp_prefetch`` items). With
   process stages the hand-off is bounded in bytes as well (the plan's
   ``prefetch_bytes``, a share of a worker's shared-memory arena; one item
   always fits), so that large items waiting there can never fill the arena the
@@ -293,6 +295,8 @@ class PipelineIterator:
         self.remote: Any = None  # the MTP subprocess's end (MtpSource), in MTP mode
         self.thread: threading.Thread | None = None
         self.handoff: Handoff | None = None
+        #: the pump thread starts once an adaptive stage is moved to processes
+        self._lazy_pump = False
         self._closed_by = "close()"  # what stopped the run, for next()'s error
         self._start()
 
@@ -300,6 +304,7 @@ class PipelineIterator:
     def _start(self) -> None:
         plan, opts = self.plan, self.plan.opts
         states = dict(self.record.states)
+        self._lazy_pump = False
         if opts.mtp_mode:
             from zephon.runners.mtp import MtpSource
 
@@ -313,19 +318,35 @@ class PipelineIterator:
             self.record.stats = self.engine.stats
             self.record.autotune = self.engine.tuner
             self._source = self.engine.items()
-            threaded = plan.runners != {"inline"}
+            # adaptive stages (autotune) run inline until moved: the engine stays in the
+            # consumer's thread until one is on process workers (see __next__)
+            threaded = any(s.runner != "inline" and not s.adaptive for s in plan.stages)
+            self._lazy_pump = not threaded and any(s.adaptive for s in plan.stages)
             depth = plan.prefetch
         if threaded:
-            limit = None if opts.mtp_mode else plan.prefetch_bytes
-            self.handoff = Handoff(depth, limit or None)
-            self.thread = threading.Thread(
-                target=_pump, args=(self._source, self.handoff,
-                                    10 if opts.mtp_mode else 0, bool(limit)),
-                name="zephon-pump", daemon=True)
-            self.thread.start()
+            self._start_pump(depth)
         self.closed = False
         self._closed_by = "close()"
         _live.add(self)
+
+    def _start_pump(self, depth: int) -> None:
+        """Hand the item source to a pump thread filling a :class:`Handoff` of ``depth``
+        items (the source is the same generator: it goes on where ``next()`` left it)."""
+        opts = self.plan.opts
+        limit = None if opts.mtp_mode else self.plan.prefetch_bytes
+        self._lazy_pump = False
+        self.handoff = Handoff(depth, limit or None)
+        self.thread = threading.Thread(
+            target=_pump, args=(self._source, self.handoff,
+                                10 if opts.mtp_mode else 0, bool(limit)),
+            name="zephon-pump", daemon=True)
+        self.thread.start()
+
+    def _moved(self) -> bool:
+        """Whether an adaptive stage runs on process workers now (the pump starts then)."""
+        engine = self.engine
+        return engine is not None and any(
+            getattr(ex, "runner", "inline") == "process" for ex in engine.executors.values())
 
     def __iter__(self) -> "PipelineIterator":
         return self
@@ -336,6 +357,8 @@ class PipelineIterator:
         stats = self.engine.stats if self.engine is not None else None
         tuner = self.engine.tuner if self.engine is not None else None
         called = time.perf_counter() if stats is not None or tuner is not None else 0.0
+        if self._lazy_pump and self.thread is None and self._moved():
+            self._start_pump(self.plan.prefetch)
         try:
             if self.thread is None:
                 value, stamp = next(self._source)

@@ -10,7 +10,10 @@ A step is a frozen :class:`StageStep` (run by the stage's executor, results
 put back in sequence order) or :class:`SerialStep` (one accumulator per lane
 in the engine's process); a lane's chain is its steps in order. Each
 :class:`Stage` gets a runner (``per_stage_runner`` > ``runner`` > auto:
-``process`` when its ops ask for parallelism > 1, else ``inline``), a worker
+``process`` when its ops ask for parallelism > 1, else ``inline``; under
+``worker_allocation="autotune"`` a stage with neither pinned is *adaptive*:
+planned with the process runner's bounds, ``adaptive=True``, and run inline until
+the autotune controller moves it to process workers), a worker
 cap (``worker_allocation``), a lookahead depth in units per lane
 (``per_stage_prefetch`` > ``default_stage_prefetch``) and, on the process
 runner, its arena bound and the bytes one lane may hold in flight.
@@ -95,6 +98,10 @@ class Stage:
     #: one lane may have in flight or waiting to be reordered (a share of it)
     arena_bytes: int | None = None
     budget_bytes: int | None = None
+    #: autotune with the runner not pinned: the stage starts inline and the controller
+    #: moves it to process workers when that pays (planned with the process runner's
+    #: bounds, ``runner="process"``, so that it can)
+    adaptive: bool = False
 
 
 @dataclass(frozen=True)
@@ -206,7 +213,15 @@ def carry_layout(steps: tuple[Step, ...], fused: BatchOp | None) -> tuple:
 
 def _runner(opts, index: int, parallelism: int) -> str:
     return opts.per_stage_runner.get(index) or opts.runner or (
-        "process" if parallelism > 1 else "inline")
+        "process" if parallelism > 1 or _adaptive(opts, index) else "inline")
+
+
+def _adaptive(opts, index: int) -> bool:
+    """Whether stage ``index`` is adaptive: autotune, and no runner pinned for it (neither
+    ``runner`` nor a ``per_stage_runner`` entry). A pinned runner is kept: a stage pinned
+    to threads or processes is tuned within it and never runs inline."""
+    return opts.worker_allocation == "autotune" and not opts.runner and \
+        not opts.per_stage_runner.get(index)
 
 
 def build_stages(opts, groups: list[tuple[StatelessOp, ...]], fused: bool) -> list[Stage]:
@@ -229,8 +244,10 @@ def build_stages(opts, groups: list[tuple[StatelessOp, ...]], fused: bool) -> li
         # would keep small samples to one part (one busy worker) at a time.
         item_cap = None if runner == "process" and opts.op_queue_capacity is None \
             else resolve_op_queue_capacity(opts)
+        adaptive = _adaptive(opts, i)
         stage = Stage(i, ops, runner, workers, depth, split, item_cap,
-                      _workers_why(opts, runner, parallelism[i], workers))
+                      _workers_why(opts, runner, parallelism[i], workers, adaptive),
+                      adaptive=adaptive)
         if fused and i == 0:
             stage = replace(stage, collates=True, split=False)
         stages.append(stage)
@@ -381,8 +398,9 @@ class Plan:
             ops += (", " if ops else "") + \
                 f"{self.fused_batch.describe()} (collated in the stage)"
         reads = "read" + (", " if ops else "") if s.index == 0 else ""
+        runner = "adaptive (inline <-> process)" if s.adaptive else s.runner
         return (
-            f"  stage {s.index}: {reads}{ops}: runner={s.runner}, "
+            f"  stage {s.index}: {reads}{ops}: runner={runner}, "
             f"workers={s.workers} ({s.workers_why}), depth={s.depth} units/lane "
             f"(+1 per worker in flight), "
             + (f"op_queue={s.item_cap} items/lane, " if s.item_cap is not None
@@ -393,7 +411,8 @@ class Plan:
             + f"latency_flush={'on' if s.split else 'off'}")
 
 
-def _workers_why(opts, runner: str, parallelism: int, workers: int) -> str:
+def _workers_why(opts, runner: str, parallelism: int, workers: int,
+                 adaptive: bool = False) -> str:
     """How a stage's worker count was derived, for ``explain()``."""
     if runner == "inline":
         return "inline: the consumer's thread"
@@ -401,9 +420,14 @@ def _workers_why(opts, runner: str, parallelism: int, workers: int) -> str:
     if mode == "autotune":
         budget = resolve_autotune_cpu_budget(opts)
         memory = resolve_autotune_memory_bytes(opts)
-        return (f"autotune: starts at 1; grown and shrunk at run time within {budget} "
-                f"worker(s) in all ({'max_workers' if cap is not None else 'cores available'}"
-                f") and {memory >> 20} MiB of worker memory")
+        within = (f"within {budget} worker(s) in all "
+                  f"({'max_workers' if cap is not None else 'cores available'}) and "
+                  f"{memory >> 20} MiB of worker memory")
+        if adaptive:
+            return ("autotune, runner not pinned: starts inline (the engine's thread, "
+                    "nothing spawned); moved to process workers when a trial shows it pays, "
+                    f"then grown and shrunk, and moved back inline when they stop paying; {within}")
+        return f"autotune: starts at 1; grown and shrunk at run time {within}"
     if mode == "fit_to_ops":
         why = f"fit_to_ops: sum of op parallelism {parallelism}"
         if cap is not None and parallelism > cap:

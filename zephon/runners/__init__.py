@@ -1,6 +1,11 @@
 """Runners: where pipeline stages execute (inline, threads, process; MTP in
 :mod:`zephon.runners.mtp`)."""
 
-from zephon.runners.executors import InlineExecutor, ProcessExecutor, ThreadExecutor
+from zephon.runners.executors import (
+    AdaptiveExecutor,
+    InlineExecutor,
+    ProcessExecutor,
+    ThreadExecutor,
+)
 
-__all__ = ["InlineExecutor", "ProcessExecutor", "ThreadExecutor"]
+__all__ = ["AdaptiveExecutor", "InlineExecutor", "ProcessExecutor", "ThreadExecutor"]

@@ -28,6 +28,24 @@ does, not when it happens to finish first.
   warning instead (an empty result). Workers stopped by the executor's own
   ``close()`` (or at interpreter exit) are not crashes: ``get()`` then raises
   :class:`~zephon.errors.TransportError` ("closed") and nothing is re-dispatched.
+- :class:`AdaptiveExecutor`: an *adaptive* stage (``worker_allocation="autotune"``, its
+  runner not pinned): its units run inline, as :class:`InlineExecutor` runs them, until
+  the autotune controller moves it to process workers (:meth:`~AdaptiveExecutor.to_process`),
+  and back (:meth:`~AdaptiveExecutor.to_inline`). Nothing is spawned before the first
+  move. A move to processes starts a :class:`ProcessExecutor` whose workers boot while
+  the units go on running inline; the stage submits to them once every one of them is
+  ready (``booting`` counts them until then). A move back parks the pool: nothing new
+  goes to it, the units it has in flight come back through ``get()`` as any others,
+  and a move to processes while it is parked takes it back at once;
+  :meth:`~AdaptiveExecutor.release` stops it (once its units are back). ``runner`` is
+  the mode now (``"inline"`` or ``"process"``), ``workers`` the process workers in
+  process mode, 1 (the engine's thread) inline. A stage whose pool cannot start (an op
+  that cannot be pickled, a worker that fails to start) stays inline for the rest of
+  the run (``unable`` says why). ``profile`` is the dispatch's estimate of what its
+  samples cost (op seconds and output bytes per sample), for the controller. Units of
+  both modes come back as ``(seq, result,
+  busy_s)``; the engine re-orders them by ``seq``, so the stream is the one any runner
+  gives, whatever the moves.
 
 Resizing (the autotune controller, :mod:`zephon.pipeline.autotune`): thread and
 process executors have ``grow()`` and ``shrink()`` (one worker more or fewer)
@@ -53,6 +71,8 @@ import collections
 import concurrent.futures as cf
 import logging
 import queue
+import select
+import signal
 import threading
 import time
 import warnings
@@ -63,7 +83,7 @@ from zephon.transport import WorkerPool
 from zephon.transport.optime import OpClock
 from zephon.transport.remote_errors import take_done
 
-__all__ = ["InlineExecutor", "ProcessExecutor", "TaskFailed", "ThreadExecutor"]
+__all__ = ["AdaptiveExecutor", "InlineExecutor", "ProcessExecutor", "TaskFailed", "ThreadExecutor"]
 
 log = logging.getLogger("zephon.runners")
 
@@ -321,6 +341,40 @@ class ProcessExecutor:
         task = self.pool.submit(payload)
         self._task[task] = (lane, seq, payload)
 
+    def holds(self, lane) -> bool:
+        """Whether a unit of ``lane`` is in flight here or its result waits to be taken."""
+        return bool(self._done.get(lane)) or any(t[0] == lane for t in self._task.values())
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight and no result waiting to be taken."""
+        return not self._task and not any(self._done.values())
+
+    def stop_booting(self) -> None:
+        """Kill the workers still starting up (they hold no task): a worker reads STOP only
+        once it has started, so ``close()`` would wait for it (0.3 s) for nothing."""
+        pool = self.pool
+        for h in pool.workers:
+            if h.booting or (not pool._ready and h.alive):
+                h.child.stopped = True  # its exit is no crash
+                h.child.signal(signal.SIGKILL)
+
+    def ready_now(self) -> bool:
+        """Whether every worker of the pool is in service, without waiting: a freshly
+        started pool is, once each worker's READY has arrived (read here), and a grown
+        worker once ``get()`` has read its READY (``booting``)."""
+        pool = self.pool
+        if not pool._ready:
+            fds = [h.channel.fileno() for h in pool.workers]
+            try:
+                readable, _, _ = select.select(fds, [], [], 0)
+            except (OSError, ValueError):
+                readable = fds  # let _ensure_ready report what is wrong
+            if len(readable) < len(fds):
+                return False
+            pool._ensure_ready()  # reads the READYs (or raises a start-up failure)
+        return pool.booting == 0
+
     def get(self, lane):
         done = self._done[lane]
         while not done:
@@ -375,6 +429,222 @@ class ProcessExecutor:
     def close(self) -> None:
         self.pool.close()
         _stopped(self)
+
+
+class AdaptiveExecutor:
+    """An adaptive stage: inline until moved to process workers, and back (see the module
+    docstring). ``make_process(workers)`` makes the stage's :class:`ProcessExecutor`
+    (called at a move to processes, never before)."""
+
+    adaptive = True
+
+    def __init__(self, program: Callable, make_process: Callable[[int], ProcessExecutor],
+                 name: str = "stage") -> None:
+        self.program, self.name = program, name
+        self._make = make_process
+        self._inline = InlineExecutor(program, name=name)
+        self._proc: ProcessExecutor | None = None  # booting, in service or parked
+        self._in_process = False  # units go to _proc (else they run inline)
+        self._parked = False  # _proc is kept, nothing new sent to it, after a move back
+        self._release = False  # stop _proc once its units are back
+        self._meter: Any = None
+        self._probe: Any = None
+        self.max_workers = 1
+        #: why the stage cannot move to processes (it stays inline); "" while it can
+        self.unable = ""
+        #: (op seconds per input sample, output bytes per input sample), the dispatch's
+        #: latest estimates (None until known): what a move to processes could win
+        self.profile: tuple[float | None, float | None] | None = None
+        #: pools made so far, and units sent to process workers (tests read them)
+        self.pools_made = self.process_units = 0
+
+    # meter and probe reach the pool's executor too
+    @property
+    def meter(self) -> Any:
+        return self._meter
+
+    @meter.setter
+    def meter(self, value: Any) -> None:
+        self._meter = value
+        if self._proc is not None:
+            self._proc.meter = value
+
+    @property
+    def probe(self) -> Any:
+        return self._probe
+
+    @probe.setter
+    def probe(self, value: Any) -> None:
+        self._probe = self._inline.probe = value
+        if self._proc is not None:
+            self._proc.probe = value
+
+    @property
+    def runner(self) -> str:
+        """The mode now: ``"process"`` once a move's workers are all in service, else
+        ``"inline"``."""
+        return "process" if self._in_process else "inline"
+
+    @property
+    def workers(self) -> int:
+        return self._proc.workers if self._in_process and self._proc is not None else 1
+
+    @property
+    def booting(self) -> int:
+        """Workers of a move to processes not ready yet (the stage runs inline until then),
+        or grown and not ready yet."""
+        proc = self._proc
+        if proc is None or self._release:
+            return 0
+        if not self._in_process:
+            if self._parked:
+                return 0
+            self._poll()
+            if not self._in_process:
+                return max(1, proc.workers)
+        return proc.booting
+
+    def pids(self) -> list[int]:
+        """The process ids of the pool's workers (booting, in service or parked)."""
+        return self._proc.pids() if self._proc is not None else []
+
+    # -- moves (the controller's) ------------------------------------------------------------
+    def to_process(self, workers: int, wait: bool = False) -> None:
+        """Move to ``workers`` process workers: a parked pool is taken back at once (grown
+        or shrunk to ``workers``); else a pool is started and the stage submits to it once
+        its workers are ready (``wait``: wait for them here, a test's way to know the
+        next units go to processes).
+
+        Raises:
+            TransportError: the stage cannot run in processes (``unable`` says why).
+        """
+        if self.unable:
+            raise TransportError(f"stage {self.name!r} stays inline: {self.unable}")
+        proc = self._proc
+        if proc is not None and (self._parked or self._release):
+            self._parked = self._release = False
+            self._in_process = True
+            while proc.workers < workers:
+                proc.grow()
+            while proc.workers > workers and proc.workers > 1:
+                before = proc.workers
+                proc.shrink()
+                if proc.workers == before:
+                    break
+            return
+        if proc is not None:
+            return  # moving or in process mode already
+        try:
+            proc = self._make(workers)
+        except Exception as exc:
+            self.unable = f"{type(exc).__name__}: {exc}"
+            raise TransportError(f"stage {self.name!r} stays inline: {self.unable}") from exc
+        self.pools_made += 1
+        proc.meter, proc.probe = self._meter, self._probe
+        self._proc = proc
+        if wait:
+            try:
+                proc.pool._ensure_ready()
+            except Exception:  # noqa: BLE001 - reported (and the stage kept inline) below
+                pass
+            self._poll()
+
+    def to_inline(self) -> None:
+        """Run the units inline from now on; the pool is parked (its units in flight come
+        back through ``get()``) until :meth:`release` or a move back. A move still
+        booting is called off (its pool stopped)."""
+        proc = self._proc
+        if proc is None:
+            return
+        if not self._in_process:
+            if not self._parked:  # booting: nothing of it is in flight
+                self._proc = None
+                self._close(proc)
+            return
+        self._in_process = False
+        self._parked = True
+
+    def release(self) -> None:
+        """Stop a parked pool once the units it has in flight are back."""
+        if self._proc is not None and not self._in_process:
+            self._release = True
+            self._reap()
+
+    def grow(self) -> None:
+        if self._in_process and self._proc is not None:
+            self._proc.grow()
+
+    def shrink(self) -> None:
+        if self._in_process and self._proc is not None:
+            self._proc.shrink()
+
+    # -- units ---------------------------------------------------------------------------------
+    def _poll(self) -> None:
+        """A move under way: submit to the pool from now on if every worker is ready."""
+        proc = self._proc
+        if proc is None or self._in_process or self._parked or self._release:
+            return
+        try:
+            ready = proc.ready_now()
+        except Exception as exc:  # noqa: BLE001 - a move that failed: stay inline
+            log.warning("stage %s: process workers failed to start, staying inline: %s",
+                        self.name, exc)
+            self.unable = f"{type(exc).__name__}: {exc}"
+            self._proc = None
+            self._close(proc)
+            return
+        if ready:
+            self._in_process = True
+
+    def _reap(self) -> None:
+        proc = self._proc
+        if proc is not None and self._release and not self._in_process and proc.idle:
+            self._proc = None
+            self._parked = self._release = False
+            self._close(proc)
+
+    def _close(self, proc: ProcessExecutor) -> None:
+        proc.meter = None
+        proc.probe = None  # a stop of the pool is not the stage's
+        try:
+            proc.stop_booting()
+            proc.close()
+        except Exception as exc:  # noqa: BLE001 - the stage goes on inline
+            log.warning("stage %s: stopping its process workers: %s", self.name, exc)
+
+    def submit(self, lane, seq: int, payload) -> None:
+        self._poll()
+        if self._in_process and self._proc is not None:
+            self._proc.submit(lane, seq, payload)
+            self.process_units += 1
+            return
+        self._reap()
+        meter = self._meter
+        if meter is None:
+            self._inline.submit(lane, seq, payload)
+            return
+        started = time.perf_counter()
+        self._inline.submit(lane, seq, payload)
+        meter.ran(time.perf_counter() - started)
+
+    def get(self, lane):
+        done = self._inline._done.get(lane)
+        if done:
+            return done.popleft()
+        proc = self._proc
+        if proc is None or not proc.holds(lane):
+            raise TransportError(f"stage {self.name!r}: nothing of lane {lane} in flight")
+        out = proc.get(lane)
+        self._reap()
+        return out
+
+    def close(self) -> None:
+        self._inline.close()
+        proc, self._proc = self._proc, None
+        self._in_process = False
+        self._probe = None
+        if proc is not None:
+            self._close(proc)
 
 
 def _stopped(executor) -> None:

@@ -1,0 +1,332 @@
+"""Adaptive stages under worker_allocation="autotune" (the runner not pinned): a stage
+starts inline, nothing spawned; the controller moves it to process workers when a trial
+shows that pays and back inline when its work fits there; the stream is the one any fixed
+runner gives, across forced moves and a checkpoint taken right after one; nothing is
+left behind.
+
+Moves in the runs are forced through the controller's test hook (``script``: a move at a
+given item, made in the engine's thread), so nothing here depends on timing; the rule
+itself is driven with a fake clock and a fake executor."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+
+import _autotune_fns as F
+from _procs import HANG_S, wait_gone
+from conftest import zephon_shm_entries
+from zephon import Pipeline, RuntimeOptions, sources
+from zephon.pipeline import autotune as A
+from zephon.pipeline.autotune import (
+    BUSY_SHRINK,
+    HOLD_S,
+    MOVE_AFTER_S,
+    MOVE_MIN_BYTE_S,
+    MOVE_MIN_SAMPLE_S,
+    MOVE_WORKERS,
+    PERIOD_S,
+    TRIAL_ITEMS,
+    Controller,
+)
+from zephon.runners import AdaptiveExecutor
+
+
+def _pipe(n, op=F.slow, second=F.cheap, **kw):
+    return (Pipeline(sources.from_sequence(list(range(n)), name=f"ad{n}"), seed=5,
+                     chunk_size=8)
+            .map(op).shuffle(16).map(second).batch(4)
+            .options(RuntimeOptions(**kw)))
+
+
+def _reference(n, **kw):
+    return [b.tolist() for b in _pipe(n, runner="inline", **kw)]
+
+
+# -- the rule, on a fake clock -----------------------------------------------------------------
+class _FakeAdaptive:
+    """An adaptive executor's controls without processes: ``workers`` 1 while inline."""
+
+    adaptive, booting, unable = True, 0, ""
+    profile = (1e-3, 8.0)  # 1 ms and 8 bytes a sample: worth moving
+
+    def __init__(self):
+        self.procs, self.meter, self.max_workers = 0, None, 1
+        self.released = 0
+
+    @property
+    def runner(self):
+        return "process" if self.procs else "inline"
+
+    @property
+    def workers(self):
+        return self.procs or 1
+
+    def to_process(self, workers, wait=False):
+        self.procs = workers
+
+    def to_inline(self):
+        self.procs = 0
+
+    def release(self):
+        self.released += 1
+
+    def grow(self):
+        self.procs += 1
+
+    def shrink(self):
+        self.procs -= 1
+
+    def pids(self):
+        return []
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _drive(tuner, clock, ex, seconds, rate, busy=1.0, until=None):
+    """Items handed on at ``rate(ex)`` per second for ``seconds`` (or until ``until``
+    decisions): the stage busy ``busy`` of each worker (or of the engine's thread), the
+    consumer waiting all the time."""
+    end = clock.now + seconds
+    while clock.now < end and (until is None or len(tuner.decisions) < until):
+        per_item = 1.0 / rate(ex)
+        clock.now += per_item
+        tuner.meters[0].ran(per_item * ex.workers * busy)
+        tuner.waited(per_item)
+        tuner.tick()
+
+
+def test_a_busy_inline_stage_is_moved_straight_to_two_workers_and_kept_when_it_pays():
+    clock, ex = _Clock(), _FakeAdaptive()
+    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
+    per_period = TRIAL_ITEMS / PERIOD_S
+
+    def rate(e):  # twice the items per second with processes
+        return per_period * (2 if e.procs else 1)
+
+    _drive(tuner, clock, ex, MOVE_AFTER_S - PERIOD_S, rate)
+    assert ex.procs == 0 and not tuner.decisions  # not in the first MOVE_AFTER_S
+    _drive(tuner, clock, ex, 10 * PERIOD_S, rate, until=1)
+    first = tuner.decisions[0]
+    assert (first.before, first.after) == (0, MOVE_WORKERS) and ex.procs == MOVE_WORKERS
+    _drive(tuner, clock, ex, 4 * PERIOD_S, rate, busy=0.55)  # judged: kept
+    assert ex.procs >= MOVE_WORKERS and tuner._trial is None, tuner.decisions
+    assert not [d for d in tuner.decisions if d.after == 0]
+
+
+@pytest.mark.parametrize("profile", [
+    None,  # nothing known yet
+    (MOVE_MIN_SAMPLE_S / 2, 8.0),  # too cheap a sample: messages would cost more
+    (1e-3, 1e-3 / (MOVE_MIN_BYTE_S / 2)),  # too cheap a byte: moving it costs as much
+])
+def test_a_busy_inline_stage_whose_samples_are_cheap_is_not_moved(profile):
+    clock, ex = _Clock(), _FakeAdaptive()
+    ex.profile = profile
+    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
+    _drive(tuner, clock, ex, MOVE_AFTER_S + 20 * PERIOD_S, lambda e: TRIAL_ITEMS / PERIOD_S)
+    assert ex.procs == 0 and not tuner.decisions
+
+
+def test_a_move_that_does_not_pay_is_undone_and_the_hold_doubles():
+    clock, ex = _Clock(), _FakeAdaptive()
+    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
+    flat = lambda e: TRIAL_ITEMS / PERIOD_S  # noqa: E731 - processes give nothing more
+    _drive(tuner, clock, ex, 20 * PERIOD_S, flat, until=2)
+    assert ex.procs == 0 and "did not pay" in tuner.decisions[1].reason, tuner.decisions
+    assert ex.released >= 1  # the pool is stopped
+    undone = clock.now
+    _drive(tuner, clock, ex, 40 * HOLD_S, flat, until=4)
+    again, undone2 = tuner.decisions[2], tuner.decisions[3]
+    assert again.after == MOVE_WORKERS and again.at >= undone + HOLD_S - PERIOD_S
+    assert f"held {2 * HOLD_S:g} s" in undone2.reason, tuner.decisions
+    _drive(tuner, clock, ex, 2 * HOLD_S - 2 * PERIOD_S, flat)
+    assert len(tuner.decisions) == 4  # held twice as long now
+
+
+def test_a_moved_stage_whose_work_fits_inline_goes_back_and_returns_if_inline_is_slower():
+    clock, ex = _Clock(), _FakeAdaptive()
+    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
+    ex.to_process(2)
+    per_period = TRIAL_ITEMS / PERIOD_S
+    # the workers are nearly idle: their work fits in the engine's thread
+    idle = BUSY_SHRINK / 4
+    _drive(tuner, clock, ex, 20 * PERIOD_S, lambda e: per_period, busy=idle, until=1)
+    back = tuner.decisions[0]
+    assert (back.before, back.after) == (2, 0) and "trying inline" in back.reason
+    # inline is as fast: kept, and the pool released
+    _drive(tuner, clock, ex, 4 * PERIOD_S, lambda e: per_period, busy=idle)
+    assert ex.procs == 0 and ex.released and len(tuner.decisions) == 1, tuner.decisions
+    # another run: inline turns out slower -> back to the same workers, held
+    clock2, ex2 = _Clock(), _FakeAdaptive()
+    tuner2 = Controller({0: ex2}, cpu_budget=4, memory_bytes=1 << 40, clock=clock2)
+    ex2.to_process(2)
+
+    def slower_inline(e):
+        return per_period if e.procs else per_period / 2
+
+    _drive(tuner2, clock2, ex2, 20 * PERIOD_S, slower_inline, busy=idle, until=2)
+    assert ex2.procs == 2 and "inline was slower" in tuner2.decisions[1].reason, \
+        tuner2.decisions
+
+
+# -- runs ---------------------------------------------------------------------------------------
+def test_unpinned_stages_are_adaptive_and_pinned_ones_are_not():
+    plan = _pipe(64, worker_allocation="autotune").plan()
+    assert all(s.adaptive and s.runner == "process" for s in plan.stages)
+    assert "runner=adaptive (inline <-> process)" in plan.explain()
+    for kw in ({"runner": "process"}, {"runner": "threads"},
+               {"per_stage_runner": {0: "process", 1: "inline"}}):
+        stages = _pipe(64, worker_allocation="autotune", **kw).plan().stages
+        assert not any(s.adaptive for s in stages[:1]), kw
+    assert not any(s.adaptive for s in _pipe(64).plan().stages)
+
+
+def _children():
+    return [p.pid for p in multiprocessing.active_children()]
+
+
+@pytest.mark.parametrize("n, never", [
+    (400, True),  # the controller never decides to move (MOVE_AFTER_S far away)
+    (40_000, False),  # a cheap op: its samples cost too little to try processes
+])
+def test_a_run_that_never_moves_spawns_nothing(monkeypatch, n, never):
+    """Every unit runs inline, no pool is made, no process started."""
+    if never:
+        monkeypatch.setattr(A, "MOVE_AFTER_S", 1e9)
+    before = set(_children())
+    with iter(_pipe(n, op=F.cheap, worker_allocation="autotune")) as it:
+        executors = dict(it.engine.executors)
+        got = [b.tolist() for b in it]
+        assert set(_children()) == before
+    assert got == _reference(n, op=F.cheap)
+    assert all(isinstance(ex, AdaptiveExecutor) and ex.pools_made == 0
+               for ex in executors.values()), executors
+
+
+def _script(it, moves):
+    tuner = it.engine.tuner
+    tuner.frozen = True
+    tuner.script = dict(moves)
+    return tuner
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_stream_is_the_fixed_one_across_forced_moves(stage):
+    """inline -> processes (waited for: the next units go to the workers) -> inline (the
+    pool parked with units in flight, then stopped) -> processes again: the batches are
+    those of the inline and the fixed-process runs."""
+    n = 600
+    shm = zephon_shm_entries()
+    opts = {"worker_allocation": "autotune", "prefetch_batches": 2}
+    with iter(_pipe(n, **opts)) as it:
+        _script(it, {12: (stage, 2, True), 40: (stage, 0, False), 95: (stage, 2, True),
+                     120: (stage, 0, False)})
+        ex = it.engine.executors[stage]
+        pids: set = set()
+        got = []
+        first: list = []
+        for batch in it:
+            got.append(batch.tolist())
+            pids.update(ex.pids())
+            if len(got) == 30:  # the first pool works
+                first = ex.pids()
+            if first and ex.pids() and not set(first) & set(ex.pids()):
+                # the second pool: the first one was stopped when moved back inline (once
+                # its units in flight were back), not taken back
+                assert not wait_gone(first, HANG_S)
+                first = []
+        assert ex.pools_made == 2 and ex.process_units > 0, vars(ex)
+        decisions = it.stats()["autotune"]["decisions"]
+    assert [(d["before"], d["after"]) for d in decisions] == [(0, 2), (2, 0)] * 2, decisions
+    assert got == _reference(n)
+    fixed = _pipe(n, runner="process", max_workers=2, worker_allocation="per_stage_fixed")
+    assert [b.tolist() for b in fixed] == got
+    assert not wait_gone(pids, HANG_S)
+    assert zephon_shm_entries() <= shm
+
+
+@pytest.mark.parametrize("moves", [
+    {10: (0, 2, False)},  # the checkpoint is taken while the workers boot
+    {10: (0, 2, True)},  # ... once they work
+    {10: (0, 2, True), 20: (0, 0, False)},  # ... right after the move back inline
+])
+def test_checkpoint_right_after_a_forced_move_restores_exactly(moves):
+    n = 500
+    ref = _reference(n)
+    got: list = []
+    opts = {"worker_allocation": "autotune", "prefetch_batches": 2}
+    with iter(_pipe(n, **opts)) as it:
+        tuner = _script(it, moves)
+        last = max(moves)
+        for batch in it:
+            got.append(batch.tolist())
+            if tuner.ticks >= last and len(tuner.decisions) == len(moves):
+                break
+        state = it.checkpoint()
+    assert len(got) < len(ref)
+    again = _pipe(n, **opts)
+    again.restore(state)
+    assert got + [b.tolist() for b in again] == ref
+
+
+def test_a_process_worker_crash_after_a_move_is_recovered():
+    n = 300
+    opts = {"worker_allocation": "autotune", "prefetch_batches": 2}
+    got: list = []
+    killed = 0
+    with iter(_pipe(n, **opts)) as it:
+        tuner = _script(it, {5: (0, 2, True)})
+        for batch in it:
+            got.append(batch.tolist())
+            ex = it.engine.executors[0]
+            if tuner.decisions and ex.process_units and len(got) == 20:
+                killed = ex.pids()[0]
+                os.kill(killed, 9)
+        assert killed and ex.pools_made == 1
+    assert got == _reference(n)
+
+
+@pytest.mark.parametrize("op", [
+    F.gated,  # 10 ms a sample, waiting: two workers pay whatever loads the cores
+    pytest.param(F.slow, marks=pytest.mark.slow),  # CPU: pays only on cores left free
+])
+def test_a_slow_map_ends_with_processes(op):
+    """Each sample costs the op a few ms and nothing else runs in the consumer: a move to
+    processes is tried once MOVE_AFTER_S has passed, and the run stops once a trial of it
+    has been judged (the stream ending first fails the test). The CPU-bound variant is
+    left out of the default run: on a 2-core machine other processes load, two workers
+    may rightly not pay."""
+    with iter(_pipe(50_000, op=op, worker_allocation="autotune", max_workers=2)) as it:
+        tuner = it.engine.tuner
+        for _ in it:
+            trials = [t for t in tuner.trials if t[:2] == ("process", 0)]
+            if trials:
+                break
+        else:
+            pytest.fail(f"no move judged: {tuner.decisions}")
+        moves = [d for d in tuner.decisions if d.stage == 0 and d.before == 0]
+    assert moves[0].after == 2 and trials[0][2], tuner.decisions
+
+
+def test_close_after_moves_leaves_nothing():
+    shm = zephon_shm_entries()
+    it = iter(_pipe(6_000, worker_allocation="autotune", prefetch_batches=2))
+    try:
+        tuner = _script(it, {5: (0, 2, True), 10: (1, 2, False)})
+        for _ in it:
+            if tuner.ticks > 12:
+                break
+        pids = [p for ex in it.engine.executors.values() for p in ex.pids()]
+        assert len(pids) >= 3
+    finally:
+        it.close()
+    assert not wait_gone(pids, HANG_S)
+    assert zephon_shm_entries() <= shm
