@@ -110,9 +110,24 @@ def test_rule_shrinks_an_idle_stage_only_after_several_periods():
 def test_rule_grows_a_waiting_process_stage_past_the_cpu_budget():
     waiting = {0: 8}
     # budget 2 full, stage 0's two workers busy but asking 5 % of a core: a third one
+    # more: it doubles (two more), as the CPU the new ones need fits
     sig = _Signals({0: 2}, {0: 0.99}, 0.9, {0: 0.05})
-    stage, delta, reason = choose(sig, {0: 2}, 2, {}, lambda s: True, waiting)
-    assert (stage, delta) == (0, 1) and "past the CPU budget" in reason
+    stage, delta, reason = choose(sig, {0: 2}, 2, {}, lambda s, n=1: True, waiting)
+    assert (stage, delta) == (0, 2) and "past the CPU budget" in reason
+    # the doubling stops at the waiting cap (6 -> 8, not 12) ...
+    assert choose(_Signals({0: 6}, {0: 0.99}, 0.9, {0: 0.05}), {0: 2}, 2, {},
+                  lambda s, n=1: True, waiting)[:2] == (0, 2)
+    # ... at what the measured CPU leaves (4 workers at 28 % of a core use 1.12 of 2:
+    # room for 3 more; 5 at 29 % use 1.45: room for 1) ...
+    assert choose(_Signals({0: 4}, {0: 0.99}, 0.9, {0: 0.28}), {0: 2}, 2, {},
+                  lambda s, n=1: True, waiting)[:2] == (0, 3)
+    assert choose(_Signals({0: 5}, {0: 0.99}, 0.9, {0: 0.29}), {0: 2}, 2, {},
+                  lambda s, n=1: True, waiting)[:2] == (0, 1)
+    # ... and at what the memory budget holds (halved until it fits)
+    assert choose(_Signals({0: 4}, {0: 0.99}, 0.9, {0: 0.01}), {0: 2}, 2, {},
+                  lambda s, n=1: n <= 2, waiting)[:2] == (0, 2)
+    assert choose(_Signals({0: 4}, {0: 0.99}, 0.9, {0: 0.01}), {0: 2}, 2, {},
+                  lambda s, n=1: False, waiting) is None
     # without a waiting cap (a thread stage) the budget holds
     assert choose(sig, {0: 2}, 2, {}, lambda s: True) is None
     # a CPU-bound stage (its workers ask a core all the time they are busy): it holds
@@ -120,10 +135,10 @@ def test_rule_grows_a_waiting_process_stage_past_the_cpu_budget():
                   lambda s: True, waiting) is None
     # the measured demand of all workers, plus one more, must fit in the budget
     assert choose(_Signals({0: 6}, {0: 0.99}, 0.9, {0: 0.29}), {0: 2}, 2, {},
-                  lambda s: True, waiting) is None
+                  lambda s, n=1: True, waiting) is None
     # and the waiting cap
     assert choose(_Signals({0: 8}, {0: 0.99}, 0.9, {0: 0.01}), {0: 2}, 2, {},
-                  lambda s: True, waiting) is None
+                  lambda s, n=1: True, waiting) is None
 
 
 def test_judge_keeps_only_a_grow_that_paid():
@@ -179,6 +194,39 @@ def test_a_grow_that_does_not_pay_is_taken_back_and_held():
     assert ex.workers == 1 and len(tuner.decisions) == 2  # held
     _drive(tuner, clock, ex, 4 * PERIOD_S, per_item, until=3)
     assert ex.workers == 2 and tuner.decisions[-1].at >= undone + HOLD_S - PERIOD_S
+
+
+class _FakeWaitingProcess(_FakeExecutor):
+    runner = "process"
+
+    def pids(self):
+        return []
+
+
+class _WaitingController(Controller):
+    """Its process stage's workers ask 1 % of a core each (they wait on storage)."""
+
+    def _cpu_take(self):
+        return {s: 0.01 * self.executors[s].workers * PERIOD_S for s in self._procs}
+
+
+def test_a_waiting_stage_doubles_and_a_doubling_that_does_not_pay_is_taken_back_whole():
+    """Items per second rise with the workers up to two (what the storage gives), then not:
+    the stage grows to 2 (within the budget), doubles past it (2 -> 4: its workers ask
+    1 % of a core each) in one decision, and that grow is taken back whole (4 -> 2)."""
+    clock, ex = _Clock(), _FakeWaitingProcess()
+    tuner = _WaitingController({0: ex}, cpu_budget=2, memory_bytes=1 << 40, clock=clock)
+    base = PERIOD_S / TRIAL_ITEMS
+    while len(tuner.decisions) < 3 and clock.now < 20:
+        per_item = base / min(ex.workers, 2)
+        clock.now += per_item
+        tuner.meters[0].ran(per_item * ex.workers)
+        tuner.waited(per_item)
+        tuner.tick()
+    d = [(x.before, x.after) for x in tuner.decisions]
+    assert d == [(1, 2), (2, 4), (4, 2)], tuner.decisions
+    assert "past the CPU budget" in tuner.decisions[1].reason
+    assert "did not pay" in tuner.decisions[2].reason and ex.workers == 2
 
 
 def test_a_grow_that_pays_is_kept():

@@ -46,14 +46,16 @@ items the engine handed on (its ticks) per second of the period.
   whose workers' CPU fraction is below :data:`WAITING_CPU` times their busy fraction
   grows past the CPU budget (up to its waiting cap, :data:`WAITING_FACTOR` times the budget) as long
   as the CPU all workers are measured to use, plus one more of this stage's, stays
-  within the budget;
+  within the budget; such a stage doubles (as many workers more as it has, bounded by
+  its waiting cap, by the CPU the new ones are measured to need and by the memory
+  budget), so reaching tens of workers takes a few trials, not one per worker;
 - *trial*: a grow is kept only if it paid: once the new worker is ready, the new
   setting must hand on at least :data:`TRIAL_GAIN` more items per second than the
   previous one did (over the whole time it ran); the judgement waits for
   :data:`TRIAL_ITEMS` items or :data:`TRIAL_S` seconds, whichever comes first, and
   makes no other decision meanwhile; with fewer than :data:`TRIAL_MIN_ITEMS` items on
   either side there is no evidence and the grow stays. A grow that did not pay is
-  taken back and the stage is not grown for :data:`HOLD_S` seconds (on a machine whose cores other processes
+  taken back (every worker it added) and the stage is not grown for :data:`HOLD_S` seconds (on a machine whose cores other processes
   use, or past the point where the stage is the bottleneck, a worker more costs
   more than it gives);
 - *shrink*: a stage with more than one worker that would stay below
@@ -273,9 +275,10 @@ def _held(until: dict[int, float], stage: int, now: float) -> bool:
 
 
 def choose(sig: _Signals, caps: dict[int, int], budget: int, idle: dict[int, int],
-           memory_ok: Callable[[int], bool], waiting_caps: dict[int, int] | None = None
+           memory_ok: Callable[..., bool], waiting_caps: dict[int, int] | None = None
            ) -> tuple[int, int, str] | None:
-    """The decision of one period: ``(stage, +1 or -1, reason)`` or None. ``idle`` (the
+    """The decision of one period: ``(stage, workers more (> 0) or -1, reason)`` or
+    None; ``memory_ok(stage, n=1)``: whether ``n`` more workers fit. ``idle`` (the
     consecutive periods each stage could have lost a worker) is updated here;
     ``waiting_caps``: the caps of the stages that may grow past the budget while their
     workers wait (process stages; default: none)."""
@@ -300,7 +303,7 @@ def _waiting(sig: _Signals, s: int) -> bool:
 
 
 def _grow(sig: _Signals, caps: dict[int, int], budget: int, total: int,
-          memory_ok: Callable[[int], bool], waiting_caps: dict[int, int]
+          memory_ok: Callable[..., bool], waiting_caps: dict[int, int]
           ) -> tuple[int, int, str] | None:
     def cap(x: int) -> int:
         return max(caps[x], waiting_caps.get(x, 0)) if _waiting(sig, x) else caps[x]
@@ -317,8 +320,14 @@ def _grow(sig: _Signals, caps: dict[int, int], budget: int, total: int,
     if _waiting(sig, s):
         used = sum(sig.workers[x] * sig.cpu.get(x, 1.0) for x in sig.workers)
         if used + sig.cpu[s] <= budget:
-            if memory_ok(s):
-                return s, +1, (f"{why}, its workers use {sig.cpu[s]:.0%} of a core each "
+            # doubling: a stage waiting on storage may want tens of workers, which one
+            # at a time (a boot and a trial each) would take a minute to reach
+            room = int((budget - used) / sig.cpu[s]) if sig.cpu[s] > 0 else sig.workers[s]
+            k = max(1, min(sig.workers[s], cap(s) - sig.workers[s], room))
+            while k > 1 and not memory_ok(s, k):
+                k //= 2
+            if k > 1 or memory_ok(s):
+                return s, +k, (f"{why}, its workers use {sig.cpu[s]:.0%} of a core each "
                                f"(all: {used:.1f} of {budget}): past the CPU budget")
             return None
     donors = [d for d in sig.workers if d != s and sig.workers[d] > 1
@@ -489,18 +498,20 @@ class Controller:
         rate, self._items = self._items / elapsed, 0
         return _Signals(workers, busy, min(1.0, wait / elapsed), cpu, rate)
 
-    def _memory_ok(self, stage: int) -> bool:
+    def _memory_ok(self, stage: int, n: int = 1) -> bool:
+        """Whether ``n`` more workers of ``stage`` (each as large as its largest) fit in the
+        memory budget."""
         ex = self.executors[stage]
         if ex.runner != "process":
             return True
         used = [_rss(pid) for e in self.executors.values() if e.runner == "process"
                 for pid in e.pids()]
         mine = [_rss(pid) for pid in ex.pids()]
-        need = sum(used) + max(mine, default=0)
+        need = sum(used) + n * max(mine, default=0)
         if need <= self.memory_bytes:
             return True
-        self._hold(f"memory budget: {need >> 20} MiB with one more worker of stage {stage} "
-                   f"> {self.memory_bytes >> 20} MiB")
+        self._hold(f"memory budget: {need >> 20} MiB with {n} more worker(s) of stage "
+                   f"{stage} > {self.memory_bytes >> 20} MiB")
         return False
 
     def _hold(self, why: str) -> None:
@@ -592,8 +603,8 @@ class Controller:
         if kind == "grow":
             if evidence and not judge(before_rate, after_rate):
                 self._held_until[stage] = now + HOLD_S
-                self._resize(now, stage, -1, f"the grow did not pay: {rates} "
-                             f"(held {HOLD_S:g} s)")
+                self._resize(now, stage, min(-1, back - ex.workers),
+                             f"the grow did not pay: {rates} (held {HOLD_S:g} s)")
                 return True
             return False
         if kind == "process":
@@ -694,14 +705,18 @@ class Controller:
         return done
 
     def _resize(self, now: float, stage: int, delta: int, reason: str) -> bool:
-        """One worker more or fewer for ``stage``, recorded; False if it failed."""
+        """``delta`` workers more (> 0) or fewer (< 0) for ``stage``, recorded; False if
+        the first failed (a later failure keeps what was done)."""
         ex = self.executors[stage]
         before = ex.workers
-        try:
-            ex.grow() if delta > 0 else ex.shrink()
-        except Exception as exc:  # noqa: BLE001 - a failed resize leaves the stage as it was
-            log.warning("autotune: stage %d: resizing failed: %s", stage, exc)
-            return False
+        for i in range(abs(delta)):
+            try:
+                ex.grow() if delta > 0 else ex.shrink()
+            except Exception as exc:  # noqa: BLE001 - a failed resize leaves the stage as it was
+                log.warning("autotune: stage %d: resizing failed: %s", stage, exc)
+                if i == 0:
+                    return False
+                break
         self._record(now, stage, before, ex.workers, reason)
         return True
 
