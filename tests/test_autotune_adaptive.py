@@ -221,8 +221,9 @@ def _script(it, moves):
 @pytest.mark.parametrize("stage", [0, 1])
 def test_stream_is_the_fixed_one_across_forced_moves(stage):
     """inline -> processes (waited for: the next units go to the workers) -> inline (the
-    pool parked with units in flight, then stopped) -> processes again: the batches are
-    those of the inline and the fixed-process runs."""
+    pool parked with units in flight, then stopped once they are back) -> processes
+    again -> inline: the batches are those of the inline and the fixed-process runs, and
+    no worker outlives the run."""
     n = 600
     shm = zephon_shm_entries()
     opts = {"worker_allocation": "autotune", "prefetch_batches": 2}
@@ -243,7 +244,9 @@ def test_stream_is_the_fixed_one_across_forced_moves(stage):
                 # its units in flight were back), not taken back
                 assert not wait_gone(first, HANG_S)
                 first = []
-        assert ex.pools_made == 2 and ex.process_units > 0, vars(ex)
+        # the second move starts a pool, or takes the parked one back when its units were
+        # not all back yet (to_process): which one depends on timing, the stream does not
+        assert ex.pools_made in (1, 2) and ex.process_units > 0, vars(ex)
         decisions = it.stats()["autotune"]["decisions"]
     assert [(d["before"], d["after"]) for d in decisions] == [(0, 2), (2, 0)] * 2, decisions
     assert got == _reference(n)

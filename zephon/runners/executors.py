@@ -345,6 +345,13 @@ class ProcessExecutor:
         """Whether a unit of ``lane`` is in flight here or its result waits to be taken."""
         return bool(self._done.get(lane)) or any(t[0] == lane for t in self._task.values())
 
+    def oldest(self, lane) -> int | None:
+        """The lowest sequence number of ``lane`` in flight here or waiting to be taken
+        (None: none)."""
+        seqs = [t[1] for t in self._task.values() if t[0] == lane]
+        seqs += [r[0] for r in self._done.get(lane, ())]
+        return min(seqs, default=None)
+
     @property
     def idle(self) -> bool:
         """Nothing in flight and no result waiting to be taken."""
@@ -628,10 +635,16 @@ class AdaptiveExecutor:
         meter.ran(time.perf_counter() - started)
 
     def get(self, lane):
+        """The lane's oldest unit first, inline or in the pool: after a move back inline,
+        the units the parked pool still holds come before the inline ones made since
+        (the dispatch yields in sequence order, so a later unit taken first only waits in
+        its buffer), and the pool is stopped as soon as they are back."""
         done = self._inline._done.get(lane)
-        if done:
-            return done.popleft()
         proc = self._proc
+        if done:
+            oldest = proc.oldest(lane) if proc is not None else None
+            if oldest is None or oldest > done[0][0]:
+                return done.popleft()
         if proc is None or not proc.holds(lane):
             raise TransportError(f"stage {self.name!r}: nothing of lane {lane} in flight")
         out = proc.get(lane)
