@@ -322,7 +322,8 @@ def _grow(sig: _Signals, caps: dict[int, int], budget: int, total: int,
         if used + sig.cpu[s] <= budget:
             # doubling: a stage waiting on storage may want tens of workers, which one
             # at a time (a boot and a trial each) would take a minute to reach
-            room = int((budget - used) / sig.cpu[s]) if sig.cpu[s] > 0 else sig.workers[s]
+            spare_cpu = budget - used
+            room = int(spare_cpu / sig.cpu[s]) if sig.cpu[s] > 0 else sig.workers[s]
             k = max(1, min(sig.workers[s], cap(s) - sig.workers[s], room))
             while k > 1 and not memory_ok(s, k):
                 k //= 2
