@@ -333,3 +333,67 @@ def test_close_after_moves_leaves_nothing():
         it.close()
     assert not wait_gone(pids, HANG_S)
     assert zephon_shm_entries() <= shm
+
+
+# -- the order an adaptive executor hands its units back -----------------------------------------
+class _FakePool:
+    """A process executor's surface, without processes: a unit is done once submitted."""
+
+    runner, booting = "process", 0
+
+    def __init__(self, workers):
+        self.workers, self.meter, self.probe, self.closed = workers, None, None, False
+        self._done: dict = {}
+
+    def ready_now(self):
+        return True
+
+    def submit(self, lane, seq, payload):
+        self._done.setdefault(lane, []).append((seq, ("pool", payload), 0.0))
+
+    def holds(self, lane):
+        return bool(self._done.get(lane))
+
+    def oldest(self, lane):
+        return min((r[0] for r in self._done.get(lane, ())), default=None)
+
+    def get(self, lane):
+        return self._done[lane].pop(0)
+
+    @property
+    def idle(self):
+        return not any(self._done.values())
+
+    def pids(self):
+        return []
+
+    def stop_booting(self):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+def test_an_adaptive_stage_hands_back_each_lane_oldest_unit_first():
+    """Units made inline before a move to processes come before the pool's; after a move
+    back inline, the parked pool's units come before the inline ones made since, and the
+    pool is stopped as soon as the last of them is taken (not when the inline ones run
+    out)."""
+    pool = _FakePool(2)
+    ex = AdaptiveExecutor(lambda payload: ("inline", payload), lambda n: pool)
+    ex.submit(0, 0, "a")  # inline
+    ex.to_process(2)
+    ex.submit(0, 1, "b")  # to the pool (ready at once)
+    ex.submit(0, 2, "c")
+    ex.to_inline()
+    ex.release()
+    ex.submit(0, 3, "d")  # inline again
+    ex.submit(0, 4, "e")
+    got = []
+    for _ in range(5):
+        got.append(ex.get(0)[:2])
+        if len(got) == 3:
+            assert pool.closed  # the parked pool's last unit is back: it is stopped
+    assert got == [(0, ("inline", "a")), (1, ("pool", "b")), (2, ("pool", "c")),
+                   (3, ("inline", "d")), (4, ("inline", "e"))]
+    assert ex.pools_made == 1 and ex.process_units == 2
