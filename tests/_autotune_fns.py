@@ -41,6 +41,19 @@ def gated(x):
     return x + 1
 
 
+def sleep_then(seconds: float):
+    """Sleeps ``seconds`` (> 0), or spins for ``-seconds`` of CPU time (< 0)."""
+    import time
+
+    if seconds > 0:
+        time.sleep(seconds)
+    else:
+        end = time.thread_time() - seconds
+        while time.thread_time() < end:
+            pass
+    return seconds
+
+
 def echo(x):
     """A pool handler: ``(x, a little CPU work)``."""
     spin(20_000)

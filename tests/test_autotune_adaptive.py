@@ -91,15 +91,17 @@ class _Clock:
         return self.now
 
 
-def _drive(tuner, clock, ex, seconds, rate, busy=1.0, until=None):
+def _drive(tuner, clock, ex, seconds, rate, busy=1.0, until=None, demand=None):
     """Items handed on at ``rate(ex)`` per second for ``seconds`` (or until ``until``
     decisions): the stage busy ``busy`` of each worker (or of the engine's thread), the
-    consumer waiting all the time."""
+    consumer waiting all the time; ``demand``: the share of its op time an inline stage's
+    units ask of the CPU (None: not reported, as a stage on workers)."""
     end = clock.now + seconds
     while clock.now < end and (until is None or len(tuner.decisions) < until):
         per_item = 1.0 / rate(ex)
         clock.now += per_item
-        tuner.meters[0].ran(per_item * ex.workers * busy)
+        op_s = per_item * ex.workers * busy
+        tuner.meters[0].ran(op_s, None if demand is None or ex.procs else op_s * demand)
         tuner.waited(per_item)
         tuner.tick()
 
@@ -120,6 +122,41 @@ def test_a_busy_inline_stage_is_moved_straight_to_two_workers_and_kept_when_it_p
     _drive(tuner, clock, ex, 4 * PERIOD_S, rate, busy=0.55)  # judged: kept
     assert ex.procs >= MOVE_WORKERS and tuner._trial is None, tuner.decisions
     assert not [d for d in tuner.decisions if d.after == 0]
+
+
+@pytest.mark.parametrize("demand, memory, workers", [
+    (1.0, None, MOVE_WORKERS),  # CPU-bound: two workers, as a stage that reports nothing
+    (0.05, None, A.WAITING_FACTOR * 2),  # waiting: its whole waiting cap at once
+    (0.28, None, 7),  # asking 28 % of a core: the 2 cores feed 7 workers
+    (0.05, 4.5, 4),  # waiting, memory for 4.5 processes this size: halved once
+    (0.05, 1.5, MOVE_WORKERS),  # ... for fewer than two: no fewer than a CPU-bound stage
+])
+def test_a_waiting_inline_stage_is_moved_to_as_many_workers_as_its_demand_calls_for(
+        demand, memory, workers):
+    clock, ex = _Clock(), _FakeAdaptive()
+    size = A._rss(os.getpid())
+    budget = int(memory * size) if memory else 1 << 40
+    tuner = Controller({0: ex}, cpu_budget=2, memory_bytes=budget, clock=clock)
+    _drive(tuner, clock, ex, MOVE_AFTER_S + 10 * PERIOD_S,
+           lambda e: TRIAL_ITEMS / PERIOD_S, until=1, demand=demand)
+    first = tuner.decisions[0]
+    assert (first.before, first.after) == (0, workers) and ex.procs == workers, first
+    if workers > MOVE_WORKERS:
+        assert f"{workers} workers" in first.reason
+
+
+def test_an_inline_executor_reports_what_its_units_ask_of_the_cpu():
+    ex = AdaptiveExecutor(F.sleep_then, lambda n: None, name="t")
+    meter = A.StageMeter()
+    ex.meter = meter
+    ex.submit(0, 0, 0.05)  # sleeps 50 ms: asks almost nothing of the CPU
+    busy, demand = meter.take()
+    assert busy >= 0.05 and demand is not None and demand < 0.3 * busy, (busy, demand)
+    ex.submit(0, 1, -0.05)  # spins 50 ms
+    busy, demand = meter.take()
+    assert demand is not None and demand > 0.5 * busy, (busy, demand)
+    assert [ex.get(0)[0], ex.get(0)[0]] == [0, 1]
+    ex.close()
 
 
 @pytest.mark.parametrize("profile", [
@@ -297,16 +334,19 @@ def test_a_process_worker_crash_after_a_move_is_recovered():
     assert got == _reference(n)
 
 
-@pytest.mark.parametrize("op", [
-    F.gated,  # 10 ms a sample, waiting: two workers pay whatever loads the cores
-    pytest.param(F.slow, marks=pytest.mark.slow),  # CPU: pays only on cores left free
+@pytest.mark.parametrize("op, workers", [
+    # 10 ms a sample, waiting: its whole waiting cap at once (4 x the 2 cores), which pays
+    # whatever loads the cores
+    (F.gated, A.WAITING_FACTOR * 2),
+    # CPU: two workers, which pay only on cores left free
+    pytest.param(F.slow, MOVE_WORKERS, marks=pytest.mark.slow),
 ])
-def test_a_slow_map_ends_with_processes(op):
+def test_a_slow_map_ends_with_processes(op, workers):
     """Each sample costs the op a few ms and nothing else runs in the consumer: a move to
-    processes is tried once MOVE_AFTER_S has passed, and the run stops once a trial of it
-    has been judged (the stream ending first fails the test). The CPU-bound variant is
-    left out of the default run: on a 2-core machine other processes load, two workers
-    may rightly not pay."""
+    processes is tried (a CPU-bound op's once MOVE_AFTER_S has passed), and the run stops
+    once a trial of it has been judged (the stream ending first fails the test). The
+    CPU-bound variant is left out of the default run: on a 2-core machine other processes
+    load, two workers may rightly not pay."""
     with iter(_pipe(50_000, op=op, worker_allocation="autotune", max_workers=2)) as it:
         tuner = it.engine.tuner
         for _ in it:
@@ -316,7 +356,7 @@ def test_a_slow_map_ends_with_processes(op):
         else:
             pytest.fail(f"no move judged: {tuner.decisions}")
         moves = [d for d in tuner.decisions if d.stage == 0 and d.before == 0]
-    assert moves[0].after == 2 and trials[0][2], tuner.decisions
+    assert moves[0].after == workers and trials[0][2], tuner.decisions
 
 
 def test_close_after_moves_leaves_nothing():

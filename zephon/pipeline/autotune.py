@@ -32,8 +32,11 @@ seconds their threads ran on a core or waited in a run queue for one
 (``/proc/<pid>/task/*/schedstat``: what they asked of the CPUs, so a CPU-bound worker
 on a machine other processes load still counts as CPU-bound) over ``workers x
 elapsed``; a stage whose workers are busy but ask little CPU waits on something
-else (storage, the network, a sleep). Thread stages have no such reading (their
-CPU is the consumer's process's) and count as CPU-bound. The *throughput* is the
+else (storage, the network, a sleep). An adaptive stage running inline has the same
+reading, from its units: the process's CPU time while they ran plus the engine
+thread's waits for a core, over the elapsed time. Thread stages have no such reading
+(their CPU is the consumer's process's, shared with the consumer) and count as
+CPU-bound. The *throughput* is the
 items the engine handed on (its ticks) per second of the period.
 
 **The rule** (one decision per period at most, hill-climbing):
@@ -73,14 +76,21 @@ seconds over the elapsed time: the engine's thread) and as none against the CPU 
 (the engine's thread is not a worker).
 
 - *to processes*: not before the run has lasted :data:`MOVE_AFTER_S` (starting workers
-  costs about half a second of two cores), an inline stage that is busy at least
+  costs about half a second of two cores; a waiting stage, below, leaves the cores
+  free for that and is not held to it), an inline stage that is busy at least
   :data:`BUSY_GROW` while the consumer waits at least :data:`WAIT_GROW`, for
   :data:`MOVE_PERIODS` periods in a row, and whose samples cost its ops at least
   :data:`MOVE_MIN_SAMPLE_S` each and :data:`MOVE_MIN_BYTE_S` per output byte (the
   executor's ``profile``, which the dispatch keeps from each unit's op time and
   output size; unknown: not yet), is moved to :data:`MOVE_WORKERS` workers (fewer
   if the CPU budget, less the other stages' workers, leaves fewer): one process worker
-  alone rarely beats inline. Its workers boot while its units go on running inline (the
+  alone rarely beats inline. A stage whose units ask the CPU (the process's CPU time
+  while they run plus the engine thread's waits for a core: the inline executor's
+  ``demand_s``) for less than :data:`WAITING_CPU` of their time waits on storage or the
+  network, and is moved at once to as many workers as the CPU the other stages leave
+  can feed at that demand, up to its waiting cap (halved while that many workers the
+  size of the consumer's process would not fit the memory budget): one boot instead
+  of a boot and a trial per doubling. Its workers boot while its units go on running inline (the
   controller measures nothing meanwhile); the move is then on trial as a grow is: kept
   if the throughput rose by :data:`TRIAL_GAIN` over the inline one, else the stage goes
   back inline, its pool stopped, and is not moved again for :data:`HOLD_S` seconds,
@@ -218,22 +228,28 @@ class Decision(NamedTuple):
 
 class StageMeter:
     """The op seconds a stage's workers reported since the last read (written by worker
-    threads or the engine's thread, read by the engine's thread)."""
+    threads or the engine's thread, read by the engine's thread), and the CPU an inline
+    stage's units asked for meanwhile (the inline executor's ``demand_s``; a process
+    stage's CPU is read from its workers' ``/proc`` entries instead)."""
 
-    __slots__ = ("_lock", "busy")
+    __slots__ = ("_lock", "busy", "demand")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.busy = 0.0
+        self.demand: float | None = None  # None: nothing reported it
 
-    def ran(self, seconds: float, *_ignored: Any) -> None:
+    def ran(self, seconds: float, demand: float | None = None) -> None:
         with self._lock:
             self.busy += seconds
+            if demand is not None:
+                self.demand = (self.demand or 0.0) + demand
 
-    def take(self) -> float:
+    def take(self) -> tuple[float, float | None]:
+        """``(op seconds, CPU demand seconds or None)`` since the last take."""
         with self._lock:
-            busy, self.busy = self.busy, 0.0
-        return busy
+            busy, demand, self.busy, self.demand = self.busy, self.demand, 0.0, None
+        return busy, demand
 
 
 class _Signals(NamedTuple):
@@ -490,10 +506,17 @@ class Controller:
 
     def _sample(self, elapsed: float) -> _Signals:
         workers = {s: ex.workers for s, ex in self.executors.items()}
-        busy = {s: min(1.0, self.meters[s].take() / (workers[s] * elapsed))
-                for s in self.executors}
+        taken = {s: self.meters[s].take() for s in self.executors}
+        busy = {s: min(1.0, taken[s][0] / (workers[s] * elapsed)) for s in self.executors}
         cpu = {s: min(1.0, used / (workers[s] * elapsed))
                for s, used in self._cpu_take().items()}
+        for s in self.adaptive:  # inline: what its units asked of the CPU (one "worker")
+            if self.executors[s].runner == "inline":
+                demand = taken[s][1]
+                if demand is None:  # not reported: CPU-bound, as a thread stage
+                    cpu.pop(s, None)
+                else:
+                    cpu[s] = min(1.0, demand / elapsed)
         with self._wait_lock:
             wait, self._waited = self._waited, 0.0
         rate, self._items = self._items / elapsed, 0
@@ -642,9 +665,11 @@ class Controller:
         for s in self.adaptive:
             ex = self.executors[s]
             if s in inline:
+                # a waiting stage leaves the cores free for its workers to boot on:
+                # MOVE_AFTER_S is the price of a boot to a CPU-bound run
+                early = now - self.started >= MOVE_AFTER_S or _waiting(sig, s)
                 hot = sig.wait >= WAIT_GROW and sig.busy[s] >= BUSY_GROW and not ex.unable \
-                    and not _held(self._held_in, s, now) and \
-                    now - self.started >= MOVE_AFTER_S and _worth_moving(ex)
+                    and not _held(self._held_in, s, now) and early and _worth_moving(ex)
                 self._ripe[s] = self._ripe.get(s, 0) + 1 if hot else 0
                 self._spare[s] = 0
             else:
@@ -657,11 +682,14 @@ class Controller:
             s = max(ripe, key=lambda x: (sig.busy[x], -x))
             taken = sum(sig.workers[t] for t in self.executors if t not in inline)
             n = min(MOVE_WORKERS, self.cpu_budget - taken, MAX_PROCESS_WORKERS)
+            why = ""
+            if n >= 1 and _waiting(sig, s):
+                n, why = self._waiting_width(sig, s, inline, n)
             if n >= 1:
                 self._ripe[s] = 0
                 before = self._before(s, now)
                 if self._switch(now, s, n, f"the consumer waited {sig.wait:.0%}, stage {s} "
-                                f"busy {sig.busy[s]:.0%} inline: trying processes"):
+                                f"busy {sig.busy[s]:.0%} inline{why}: trying processes"):
                     self._trial = ("process", *before)
                 return True
             self._hold(f"CPU budget {self.cpu_budget} full: stage {s} stays inline")
@@ -677,6 +705,29 @@ class Controller:
                 self._trial = ("inline", *before)
             return True
         return False
+
+    def _waiting_width(self, sig: _Signals, s: int, inline: set[int], n: int
+                       ) -> tuple[int, str]:
+        """The workers a move to processes starts for inline stage ``s`` whose units ask
+        the CPU for less than WAITING_CPU of the time they run (they wait on storage or
+        the network): as many as the CPU the others leave can feed at the demand measured
+        inline, at most its waiting cap and at least ``n`` (what a CPU-bound stage gets),
+        halved while that many workers as large as this process would not fit in the
+        memory budget (no worker exists yet to measure). Starting them together costs
+        one boot instead of one boot and one trial per doubling."""
+        used = sum(sig.workers[t] * sig.cpu.get(t, 1.0) for t in self.executors
+                   if t not in inline)
+        per = max(sig.cpu[s], 1e-3)
+        k = min(int((self.cpu_budget - used) / per), self.waiting_caps.get(s, n))
+        if k <= n:
+            return n, ""
+        others = sum(_rss(pid) for t, ex in self.executors.items()
+                     if t != s and t in self._procs for pid in ex.pids())
+        size = _rss(os.getpid())
+        while k > n and others + k * size > self.memory_bytes:
+            k //= 2
+        k = max(k, n)
+        return k, f", its units asking {sig.cpu[s]:.0%} of a core: {k} workers"
 
     def _switch(self, now: float, stage: int, workers: int, reason: str,
                 wait: bool = False) -> bool:

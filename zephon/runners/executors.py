@@ -120,14 +120,21 @@ class InlineExecutor:
         self.program, self.name = program, name
         self._done: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
         self.probe: Any = None
+        #: the CPU the units asked for so far, in seconds: the process's CPU time while
+        #: they ran plus the time this thread waited for a core meanwhile (what a CPU-bound
+        #: op asks of the machine however loaded it is; an op that waits on storage asks
+        #: little): the autotune controller's reading of an inline stage
+        self.demand_s = 0.0
 
     def submit(self, lane, seq: int, payload) -> None:
+        cpu = time.process_time()
         clock = OpClock()
         try:
             result = self.program(payload)
         except Exception as exc:  # noqa: BLE001 - raised by the engine in stream order
             result = TaskFailed(exc)
         wall, busy = time.perf_counter() - clock.started, clock.seconds()
+        self.demand_s += time.process_time() - cpu + (wall - busy)
         if self.probe is not None:
             self.probe.ran(wall)
         self._done[lane].append((seq, result, busy))
@@ -630,9 +637,9 @@ class AdaptiveExecutor:
         if meter is None:
             self._inline.submit(lane, seq, payload)
             return
-        started = time.perf_counter()
+        started, demand = time.perf_counter(), self._inline.demand_s
         self._inline.submit(lane, seq, payload)
-        meter.ran(time.perf_counter() - started)
+        meter.ran(time.perf_counter() - started, self._inline.demand_s - demand)
 
     def get(self, lane):
         """The lane's oldest unit first, inline or in the pool: after a move back inline,
