@@ -61,6 +61,9 @@ items the engine handed on (its ticks) per second of the period.
   taken back (every worker it added) and the stage is not grown for :data:`HOLD_S` seconds (on a machine whose cores other processes
   use, or past the point where the stage is the bottleneck, a worker more costs
   more than it gives);
+- *back within the budget*: a process stage holding more workers than its cap whose
+  workers do not read as waiting (any more: the op turned CPU-bound, or a wide move
+  was made on a wait that passed) is cut to its cap at once;
 - *shrink*: a stage with more than one worker that would stay below
   :data:`BUSY_SHRINK` busy with one worker fewer, for :data:`SHRINK_PERIODS`
   periods in a row, loses one (the busiest-first grow and the lower shrink
@@ -77,20 +80,24 @@ seconds over the elapsed time: the engine's thread) and as none against the CPU 
 
 - *to processes*: not before the run has lasted :data:`MOVE_AFTER_S` (starting workers
   costs about half a second of two cores; a waiting stage, below, leaves the cores
-  free for that and is not held to it), an inline stage that is busy at least
+  free for that: its periods count from the start, so it moves one period sooner), an
+  inline stage that is busy at least
   :data:`BUSY_GROW` while the consumer waits at least :data:`WAIT_GROW`, for
   :data:`MOVE_PERIODS` periods in a row, and whose samples cost its ops at least
   :data:`MOVE_MIN_SAMPLE_S` each and :data:`MOVE_MIN_BYTE_S` per output byte (the
   executor's ``profile``, which the dispatch keeps from each unit's op time and
   output size; unknown: not yet), is moved to :data:`MOVE_WORKERS` workers (fewer
   if the CPU budget, less the other stages' workers, leaves fewer): one process worker
-  alone rarely beats inline. A stage whose units ask the CPU (the process's CPU time
-  while they run plus the engine thread's waits for a core: the inline executor's
-  ``demand_s``) for less than :data:`WAITING_CPU` of their time waits on storage or the
-  network, and is moved at once to as many workers as the CPU the other stages leave
-  can feed at that demand, up to its waiting cap (halved while that many workers the
-  size of the consumer's process would not fit the memory budget): one boot instead
-  of a boot and a trial per doubling. Its workers boot while its units go on running inline (the
+  alone rarely beats inline. A stage whose units asked the CPU (the process's CPU time
+  while they ran, every thread of it, plus the engine thread's waits for a core: the
+  inline executor's ``demand_s``) for less than :data:`WAITING_CPU` of their time in
+  every one of those periods waits on storage or the network, and is moved at once to
+  as many workers as the CPU budget, less what the other stages are measured to use,
+  feeds at the most it asked per second of op time, up to its waiting cap (halved
+  while that many workers the size of the consumer's process would not fit the memory
+  budget; never fewer than a CPU-bound stage gets): one boot instead of a boot and a
+  trial per doubling. Should its workers then not read as waiting, the rule's *back
+  within the budget* cuts them to the stage's cap. Its workers boot while its units go on running inline (the
   controller measures nothing meanwhile); the move is then on trial as a grow is: kept
   if the throughput rose by :data:`TRIAL_GAIN` over the inline one, else the stage goes
   back inline, its pool stopped, and is not moved again for :data:`HOLD_S` seconds,
@@ -463,6 +470,9 @@ class Controller:
         #: every judged trial: (kind, stage, kept), kind "grow", "process" or "inline"
         self.trials: list[tuple[str, int, bool]] = []
         self._ripe: dict[int, int] = {}  # periods in a row an inline stage was the bottleneck
+        #: over those periods, the most CPU its units asked per second of op time, while
+        #: every one of them read as waiting (else None: a CPU-bound move)
+        self._asked: dict[int, float | None] = {}
         self._spare: dict[int, int] = {}  # periods in a row a moved stage's work fit inline
         #: a test sets it: no decision of its own (moves only by :meth:`force` and
         #: :attr:`script`)
@@ -570,8 +580,11 @@ class Controller:
                 return  # too few items yet to judge the change on trial
             if self._judge(now, run):
                 return
-        if self._moves(sig, now):
-            return
+        if not self._moves(sig, now):
+            self._tune(sig, now)
+
+    def _tune(self, sig: _Signals, now: float) -> None:
+        """The rule's decision of this period over the stages on workers (see the rule)."""
         inline = {s for s in self.adaptive if self.executors[s].runner == "inline"}
         tuned = [s for s in self.executors if s not in inline]
         if not tuned:
@@ -579,6 +592,8 @@ class Controller:
         sub = _Signals({s: sig.workers[s] for s in tuned}, {s: sig.busy[s] for s in tuned},
                        sig.wait, {s: c for s, c in sig.cpu.items() if s in tuned}, sig.rate)
         now_caps = self._caps_now(inline)
+        if self._back_within(sub, now_caps, now):
+            return
         caps = {s: (self.executors[s].workers if _held(self._held_until, s, now) else c)
                 for s, c in now_caps.items() if s in sub.workers}
         waiting = {s: (self.executors[s].workers if _held(self._held_until, s, now) else c)
@@ -590,6 +605,17 @@ class Controller:
         before = self._before(stage, now)
         if self._resize(now, stage, delta, reason) and delta > 0:
             self._trial = ("grow", *before)
+
+    def _back_within(self, sig: _Signals, caps: dict[int, int], now: float) -> bool:
+        """A process stage past its cap whose workers do not read as waiting (any more) is
+        cut to its cap (the rule's *back within the budget*); True if one was."""
+        for s in sig.workers:
+            if s in sig.cpu and sig.workers[s] > caps[s] and not _waiting(sig, s):
+                return self._resize(now, s, caps[s] - sig.workers[s],
+                                    f"its workers ask {sig.cpu[s]:.0%} of a core each, busy "
+                                    f"{sig.busy[s]:.0%}: not waiting, back within the CPU "
+                                    "budget")
+        return False
 
     def _before(self, stage: int, now: float) -> tuple[int, float, int, int]:
         """``(stage, throughput of the setting now, the items that is of, its workers)``."""
@@ -671,6 +697,7 @@ class Controller:
                 hot = sig.wait >= WAIT_GROW and sig.busy[s] >= BUSY_GROW and not ex.unable \
                     and not _held(self._held_in, s, now) and early and _worth_moving(ex)
                 self._ripe[s] = self._ripe.get(s, 0) + 1 if hot else 0
+                self._streak(sig, s, hot)
                 self._spare[s] = 0
             else:
                 cool = sig.busy[s] * sig.workers[s] < BUSY_SHRINK and \
@@ -683,8 +710,9 @@ class Controller:
             taken = sum(sig.workers[t] for t in self.executors if t not in inline)
             n = min(MOVE_WORKERS, self.cpu_budget - taken, MAX_PROCESS_WORKERS)
             why = ""
-            if n >= 1 and _waiting(sig, s):
-                n, why = self._waiting_width(sig, s, inline, n)
+            asked = self._asked.pop(s, None)
+            if asked is not None:  # waiting in every period of its streak
+                n, why = self._waiting_width(sig, s, inline, max(n, 1), asked)
             if n >= 1:
                 self._ripe[s] = 0
                 before = self._before(s, now)
@@ -706,28 +734,42 @@ class Controller:
             return True
         return False
 
-    def _waiting_width(self, sig: _Signals, s: int, inline: set[int], n: int
-                       ) -> tuple[int, str]:
-        """The workers a move to processes starts for inline stage ``s`` whose units ask
-        the CPU for less than WAITING_CPU of the time they run (they wait on storage or
-        the network): as many as the CPU the others leave can feed at the demand measured
-        inline, at most its waiting cap and at least ``n`` (what a CPU-bound stage gets),
-        halved while that many workers as large as this process would not fit in the
-        memory budget (no worker exists yet to measure). Starting them together costs
+    def _streak(self, sig: _Signals, s: int, hot: bool) -> None:
+        """Keep, over the periods in a row inline stage ``s`` was hot, the most CPU its
+        units asked per second of op time; None once one of them did not read as
+        waiting (or had no reading)."""
+        asked = sig.cpu[s] / sig.busy[s] if _waiting(sig, s) else None
+        if not hot:
+            self._asked.pop(s, None)
+        elif self._ripe[s] == 1:
+            self._asked[s] = asked
+        else:
+            before = self._asked.get(s)
+            self._asked[s] = None if asked is None or before is None else max(before, asked)
+
+    def _waiting_width(self, sig: _Signals, s: int, inline: set[int], n: int,
+                       asked: float) -> tuple[int, str]:
+        """The workers a move to processes starts for inline stage ``s`` whose units asked
+        the CPU for ``asked`` (< WAITING_CPU) of each second they ran, the most of the
+        periods that made it ripe (they wait on storage or the network): as many as the
+        CPU the other stages are measured to use leaves can feed at that demand (a worker
+        busy all the time asks ``asked`` of a core), at most its waiting cap and at least
+        ``n`` (what a CPU-bound stage gets), halved while that many workers as large as
+        this process would not fit in the memory budget (no worker exists yet to
+        measure; no reading of its size: no more than ``n``). Starting them together costs
         one boot instead of one boot and one trial per doubling."""
         used = sum(sig.workers[t] * sig.cpu.get(t, 1.0) for t in self.executors
                    if t not in inline)
-        per = max(sig.cpu[s], 1e-3)
-        k = min(int((self.cpu_budget - used) / per), self.waiting_caps.get(s, n))
-        if k <= n:
+        k = min(int((self.cpu_budget - used) / max(asked, 1e-3)), self.waiting_caps.get(s, n))
+        size = _rss(os.getpid())
+        if k <= n or size == 0:
             return n, ""
         others = sum(_rss(pid) for t, ex in self.executors.items()
                      if t != s and t in self._procs for pid in ex.pids())
-        size = _rss(os.getpid())
         while k > n and others + k * size > self.memory_bytes:
             k //= 2
         k = max(k, n)
-        return k, f", its units asking {sig.cpu[s]:.0%} of a core: {k} workers"
+        return k, f", its units asking {asked:.0%} of a core: {k} workers"
 
     def _switch(self, now: float, stage: int, workers: int, reason: str,
                 wait: bool = False) -> bool:

@@ -480,7 +480,7 @@ class AdaptiveExecutor:
     @meter.setter
     def meter(self, value: Any) -> None:
         self._meter = value
-        if self._proc is not None:
+        if self._proc is not None and not self._parked:
             self._proc.meter = value
 
     @property
@@ -538,6 +538,7 @@ class AdaptiveExecutor:
         if proc is not None and (self._parked or self._release):
             self._parked = self._release = False
             self._in_process = True
+            proc.meter = self._meter
             while proc.workers < workers:
                 proc.grow()
             while proc.workers > workers and proc.workers > 1:
@@ -577,6 +578,9 @@ class AdaptiveExecutor:
             return
         self._in_process = False
         self._parked = True
+        # the stage's meter reads the inline units from now on: a parked pool's units
+        # would add op seconds without the CPU demand that tells a waiting stage
+        proc.meter = None
 
     def release(self) -> None:
         """Stop a parked pool once the units it has in flight are back."""
