@@ -158,9 +158,10 @@ def test_a_stage_waiting_in_only_one_of_its_periods_is_moved_as_a_cpu_bound_one(
     clock, ex = _Clock(), _FakeAdaptive()
     tuner = Controller({0: ex}, cpu_budget=2, memory_bytes=1 << 40, clock=clock)
     rate = lambda e: TRIAL_ITEMS / PERIOD_S  # noqa: E731
-    _drive(tuner, clock, ex, MOVE_AFTER_S + PERIOD_S / 2, rate, demand=1.0)
-    assert not tuner.decisions and tuner._ripe[0] == 1
-    _drive(tuner, clock, ex, 4 * PERIOD_S, rate, until=1, demand=0.05)
+    while tuner._ripe.get(0, 0) < 1 and clock.now < 10:  # to the end of a CPU-bound one
+        _drive(tuner, clock, ex, 1 / rate(ex), rate, demand=1.0)
+    assert not tuner.decisions and tuner._asked[0] is None
+    _drive(tuner, clock, ex, 4 * PERIOD_S, rate, until=1, demand=0.05)  # a waiting one
     assert tuner.decisions[0].after == MOVE_WORKERS, tuner.decisions
 
 
@@ -508,3 +509,21 @@ def test_an_adaptive_stage_hands_back_each_lane_oldest_unit_first():
     assert got == [(0, ("inline", "a")), (1, ("pool", "b")), (2, ("pool", "c")),
                    (3, ("inline", "d")), (4, ("inline", "e"))]
     assert ex.pools_made == 1 and ex.process_units == 2
+
+
+def test_a_parked_pool_reports_nothing_to_the_stage_meter_until_it_is_taken_back():
+    """While parked, the pool's units would add op seconds without the CPU demand the
+    inline units report, and a CPU-bound stage would read as waiting."""
+    pool = _FakePool(2)
+    ex = AdaptiveExecutor(lambda payload: payload, lambda n: pool)
+    meter = A.StageMeter()
+    ex.meter = meter
+    ex.to_process(2)
+    ex.submit(0, 0, "a")  # starts the pool, which is ready at once
+    assert ex.runner == "process" and pool.meter is meter
+    ex.to_inline()  # parked
+    assert pool.meter is None
+    ex.meter = meter  # set again (the engine does so at a new run): still detached
+    assert pool.meter is None
+    ex.to_process(2)  # taken back
+    assert pool.meter is meter
