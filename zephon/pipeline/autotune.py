@@ -760,7 +760,8 @@ class Controller:
         one boot instead of one boot and one trial per doubling."""
         used = sum(sig.workers[t] * sig.cpu.get(t, 1.0) for t in self.executors
                    if t not in inline)
-        k = min(int((self.cpu_budget - used) / max(asked, 1e-3)), self.waiting_caps.get(s, n))
+        spare_cpu = self.cpu_budget - used
+        k = min(int(spare_cpu / max(asked, 1e-3)), self.waiting_caps.get(s, n))
         size = _rss(os.getpid())
         if k <= n or size == 0:
             return n, ""
