@@ -135,9 +135,10 @@ def test_a_busy_inline_stage_is_moved_straight_to_two_workers_and_kept_when_it_p
     (0.05, 1.0, 1.5, MOVE_WORKERS),  # ... for fewer than two: no fewer than a CPU-bound one
 ])
 def test_a_waiting_inline_stage_is_moved_to_as_many_workers_as_its_demand_calls_for(
-        demand, busy, memory, workers):
+        demand, busy, memory, workers, monkeypatch):
     clock, ex = _Clock(), _FakeAdaptive()
-    size = A._rss(os.getpid())
+    size = 200 << 20  # this process's size, as the controller reads it
+    monkeypatch.setattr(A, "_rss", lambda pid: size)
     budget = int(memory * size) if memory else 1 << 40
     tuner = Controller({0: ex}, cpu_budget=2, memory_bytes=budget, clock=clock)
     _drive(tuner, clock, ex, MOVE_AFTER_S + 10 * PERIOD_S,
@@ -187,6 +188,32 @@ def test_a_wide_move_whose_workers_turn_out_cpu_bound_is_cut_back_to_the_budget(
     assert (cut.before, cut.after) == (A.WAITING_FACTOR * 2, 2) and ex.procs == 2, \
         tuner.decisions
     assert "back within the CPU budget" in cut.reason
+    assert cut.at - tuner.decisions[0].at >= A.SHRINK_PERIODS * PERIOD_S  # not on one period
+    assert tuner._held_until[0] > clock.now  # and not grown again at once
+
+
+class _FlickeringController(Controller):
+    """Its process workers ask a whole core in every other period, little in the others
+    (a wait that comes and goes)."""
+
+    periods = 0
+
+    def _cpu_take(self):
+        self.periods += 1
+        share = 1.0 if self.periods % 2 else 0.01
+        return {s: share * self.executors[s].procs * (self.clock() - self._since)
+                for s in self._procs}
+
+
+def test_a_wide_stage_whose_wait_comes_and_goes_is_not_cut():
+    clock, ex = _Clock(), _FakeAdaptive()
+    tuner = _FlickeringController({0: ex}, cpu_budget=2, memory_bytes=1 << 40, clock=clock)
+    per_period = TRIAL_ITEMS / PERIOD_S
+    rate = lambda e: per_period * (2 if e.procs else 1)  # noqa: E731
+    _drive(tuner, clock, ex, MOVE_AFTER_S + 10 * PERIOD_S, rate, until=1, demand=0.05)
+    assert ex.procs == A.WAITING_FACTOR * 2, tuner.decisions
+    _drive(tuner, clock, ex, 40 * PERIOD_S, rate)
+    assert ex.procs == A.WAITING_FACTOR * 2 and len(tuner.decisions) == 1, tuner.decisions
 
 
 _DEMAND_PROBE = """
@@ -217,6 +244,10 @@ def test_an_inline_executor_reports_what_its_units_ask_of_the_cpu():
     import subprocess
     import sys
 
+    from zephon.transport.optime import run_queue_wait_s
+
+    if run_queue_wait_s() is None:  # a CPU-bound unit's waits for a core would not count
+        pytest.skip("the kernel reports no run-queue wait (/proc/thread-self/schedstat)")
     here = os.path.dirname(os.path.abspath(__file__))
     run = subprocess.run([sys.executable, "-c", _DEMAND_PROBE, here], capture_output=True,
                          text=True, timeout=HANG_S)
@@ -403,8 +434,7 @@ def test_a_process_worker_crash_after_a_move_is_recovered():
 
 
 @pytest.mark.parametrize("op, workers", [
-    # 10 ms a sample, waiting: more than two at once (its waiting cap, 4 x the 2 cores, or
-    # fewer where half the memory available holds fewer processes this size), which pays
+    # 10 ms a sample, waiting: up to its waiting cap (4 x the 2 cores) at once, which pays
     # whatever loads the cores
     (F.gated, A.WAITING_FACTOR * 2),
     # CPU: two workers, which pay only on cores left free
@@ -425,10 +455,9 @@ def test_a_slow_map_ends_with_processes(op, workers):
         else:
             pytest.fail(f"no move judged: {tuner.decisions}")
         moves = [d for d in tuner.decisions if d.stage == 0 and d.before == 0]
-    if workers > MOVE_WORKERS:
-        assert MOVE_WORKERS < moves[0].after <= workers and trials[0][2], tuner.decisions
-    else:
-        assert moves[0].after == workers and trials[0][2], tuner.decisions
+    # the waiting op's width depends on what its units were measured to ask (every thread
+    # of this process counts) and on the memory free here: the fake-clock tests pin it
+    assert MOVE_WORKERS <= moves[0].after <= workers and trials[0][2], tuner.decisions
 
 
 def test_close_after_moves_leaves_nothing():

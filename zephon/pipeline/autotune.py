@@ -61,9 +61,12 @@ items the engine handed on (its ticks) per second of the period.
   taken back (every worker it added) and the stage is not grown for :data:`HOLD_S` seconds (on a machine whose cores other processes
   use, or past the point where the stage is the bottleneck, a worker more costs
   more than it gives);
-- *back within the budget*: a process stage holding more workers than its cap whose
-  workers do not read as waiting (any more: the op turned CPU-bound, or a wide move
-  was made on a wait that passed) is cut to its cap at once;
+- *back within the budget*: a process stage that went past its cap because its
+  workers waited (a waiting grow above, or a wide move below) and whose workers then
+  read as busy (at least :data:`BUSY_SHRINK`) and not waiting for
+  :data:`SHRINK_PERIODS` periods in a row (the op turned CPU-bound, or the move was
+  made on a wait that passed) is cut to its cap and not grown for :data:`HOLD_S`
+  seconds (so a stage whose wait comes and goes is not cut and doubled by turns);
 - *shrink*: a stage with more than one worker that would stay below
   :data:`BUSY_SHRINK` busy with one worker fewer, for :data:`SHRINK_PERIODS`
   periods in a row, loses one (the busiest-first grow and the lower shrink
@@ -95,9 +98,9 @@ seconds over the elapsed time: the engine's thread) and as none against the CPU 
   as many workers as the CPU budget, less what the other stages are measured to use,
   feeds at the most it asked per second of op time, up to its waiting cap (halved
   while that many workers the size of the consumer's process would not fit the memory
-  budget; never fewer than a CPU-bound stage gets): one boot instead of a boot and a
-  trial per doubling. Should its workers then not read as waiting, the rule's *back
-  within the budget* cuts them to the stage's cap. Its workers boot while its units go on running inline (the
+  budget, counting the other stages' workers; never fewer than a CPU-bound stage gets):
+  one boot instead of a boot and a trial per doubling. Should its workers then not read
+  as waiting, the rule's *back within the budget* cuts them to the stage's cap. Its workers boot while its units go on running inline (the
   controller measures nothing meanwhile); the move is then on trial as a grow is: kept
   if the throughput rose by :data:`TRIAL_GAIN` over the inline one, else the stage goes
   back inline, its pool stopped, and is not moved again for :data:`HOLD_S` seconds,
@@ -473,6 +476,10 @@ class Controller:
         #: over those periods, the most CPU its units asked per second of op time, while
         #: every one of them read as waiting (else None: a CPU-bound move)
         self._asked: dict[int, float | None] = {}
+        #: process stages past their cap because their workers waited (a waiting grow or
+        #: a wide move), and the periods in a row each one's workers did not read as
+        #: waiting (the rule's *back within the budget*)
+        self._wide: dict[int, int] = {}
         self._spare: dict[int, int] = {}  # periods in a row a moved stage's work fit inline
         #: a test sets it: no decision of its own (moves only by :meth:`force` and
         #: :attr:`script`)
@@ -605,16 +612,27 @@ class Controller:
         before = self._before(stage, now)
         if self._resize(now, stage, delta, reason) and delta > 0:
             self._trial = ("grow", *before)
+            if self.executors[stage].workers > now_caps[stage]:
+                self._wide.setdefault(stage, 0)  # past its cap: it waits (see _grow)
 
     def _back_within(self, sig: _Signals, caps: dict[int, int], now: float) -> bool:
-        """A process stage past its cap whose workers do not read as waiting (any more) is
-        cut to its cap (the rule's *back within the budget*); True if one was."""
-        for s in sig.workers:
-            if s in sig.cpu and sig.workers[s] > caps[s] and not _waiting(sig, s):
+        """A stage that went past its cap because its workers waited, whose workers have
+        not read as waiting for SHRINK_PERIODS periods in a row (busy, asking a core), is
+        cut to its cap and not grown for HOLD_S (the rule's *back within the budget*);
+        True if one was."""
+        for s in list(self._wide):
+            if s not in sig.workers or sig.workers[s] <= caps[s]:
+                del self._wide[s]
+                continue
+            cpu_bound = s in sig.cpu and sig.busy[s] >= BUSY_SHRINK and not _waiting(sig, s)
+            self._wide[s] = self._wide[s] + 1 if cpu_bound else 0
+            if self._wide[s] >= SHRINK_PERIODS:
+                del self._wide[s]
+                self._held_until[s] = now + HOLD_S
                 return self._resize(now, s, caps[s] - sig.workers[s],
                                     f"its workers ask {sig.cpu[s]:.0%} of a core each, busy "
-                                    f"{sig.busy[s]:.0%}: not waiting, back within the CPU "
-                                    "budget")
+                                    f"{sig.busy[s]:.0%}, for {SHRINK_PERIODS} periods: not "
+                                    f"waiting, back within the CPU budget (held {HOLD_S:g} s)")
         return False
 
     def _before(self, stage: int, now: float) -> tuple[int, float, int, int]:
@@ -712,13 +730,15 @@ class Controller:
             why = ""
             asked = self._asked.pop(s, None)
             if asked is not None:  # waiting in every period of its streak
-                n, why = self._waiting_width(sig, s, inline, max(n, 1), asked)
+                n, why = self._waiting_width(sig, s, inline, n, asked)
             if n >= 1:
                 self._ripe[s] = 0
                 before = self._before(s, now)
                 if self._switch(now, s, n, f"the consumer waited {sig.wait:.0%}, stage {s} "
                                 f"busy {sig.busy[s]:.0%} inline{why}: trying processes"):
                     self._trial = ("process", *before)
+                    if n > self._caps_now(inline - {s})[s]:
+                        self._wide[s] = 0
                 return True
             self._hold(f"CPU budget {self.cpu_budget} full: stage {s} stays inline")
         spare = [s for s in self.adaptive if s not in inline and
@@ -763,7 +783,7 @@ class Controller:
         spare_cpu = self.cpu_budget - used
         k = min(int(spare_cpu / max(asked, 1e-3)), self.waiting_caps.get(s, n))
         size = _rss(os.getpid())
-        if k <= n or size == 0:
+        if k <= max(n, 0) or size == 0:
             return n, ""
         others = sum(_rss(pid) for t, ex in self.executors.items()
                      if t != s and t in self._procs for pid in ex.pids())
@@ -812,6 +832,8 @@ class Controller:
                 if i == 0:
                     return False
                 break
+        if ex.workers == before:  # (a pool that keeps its last live worker: no change)
+            return False
         self._record(now, stage, before, ex.workers, reason)
         return True
 
