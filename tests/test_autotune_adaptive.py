@@ -556,3 +556,18 @@ def test_a_parked_pool_reports_nothing_to_the_stage_meter_until_it_is_taken_back
     assert pool.meter is None
     ex.to_process(2)  # taken back
     assert pool.meter is meter
+
+
+def test_only_an_adaptive_stage_measures_its_units_cpu_demand():
+    """A plain inline stage pays no CPU-time reads per unit; an adaptive one's inline
+    executor keeps the reading the controller needs."""
+    from zephon.runners.executors import InlineExecutor
+
+    plain = InlineExecutor(F.sleep_then)
+    plain.submit(0, 0, -0.01)  # spins 10 ms
+    assert plain.measures_demand is False and plain.demand_s == 0.0
+    ex = AdaptiveExecutor(F.sleep_then, lambda n: None)
+    ex.submit(0, 0, -0.01)
+    assert ex._inline.measures_demand and ex._inline.demand_s > 0.0
+    plain.close()
+    ex.close()

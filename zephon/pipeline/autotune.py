@@ -539,16 +539,17 @@ class Controller:
         rate, self._items = self._items / elapsed, 0
         return _Signals(workers, busy, min(1.0, wait / elapsed), cpu, rate)
 
-    def _memory_ok(self, stage: int, n: int = 1) -> bool:
-        """Whether ``n`` more workers of ``stage`` (each as large as its largest) fit in the
-        memory budget."""
+    def _memory_ok(self, stage: int, n: int = 1, size: int | None = None) -> bool:
+        """Whether ``n`` more workers of ``stage`` (each as large as its largest, or
+        ``size`` bytes: a stage with no worker yet to measure) fit in the memory budget."""
         ex = self.executors[stage]
-        if ex.runner != "process":
+        if ex.runner != "process" and size is None:
             return True
         used = [_rss(pid) for e in self.executors.values() if e.runner == "process"
                 for pid in e.pids()]
-        mine = [_rss(pid) for pid in ex.pids()]
-        need = sum(used) + n * max(mine, default=0)
+        if size is None:
+            size = max((_rss(pid) for pid in ex.pids()), default=0)
+        need = sum(used) + n * size
         if need <= self.memory_bytes:
             return True
         self._hold(f"memory budget: {need >> 20} MiB with {n} more worker(s) of stage "
@@ -785,9 +786,7 @@ class Controller:
         size = _rss(os.getpid())
         if k <= max(n, 0) or size == 0:
             return n, ""
-        others = sum(_rss(pid) for t, ex in self.executors.items()
-                     if t != s and t in self._procs for pid in ex.pids())
-        while k > n and others + k * size > self.memory_bytes:
+        while k > n and not self._memory_ok(s, k, size):
             k //= 2
         k = max(k, n)
         return k, f", its units asking {asked:.0%} of a core: {k} workers"

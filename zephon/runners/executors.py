@@ -120,21 +120,24 @@ class InlineExecutor:
         self.program, self.name = program, name
         self._done: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
         self.probe: Any = None
-        #: the CPU the units asked for so far, in seconds: the process's CPU time while
-        #: they ran plus the time this thread waited for a core meanwhile (what a CPU-bound
-        #: op asks of the machine however loaded it is; an op that waits on storage asks
-        #: little): the autotune controller's reading of an inline stage
+        #: with ``measures_demand`` set (an adaptive stage's: the autotune controller's
+        #: reading of it; nothing else pays for it), the CPU the units asked for so far, in
+        #: seconds: the process's CPU time while they ran plus the time this thread waited
+        #: for a core meanwhile (what a CPU-bound op asks of the machine however loaded it
+        #: is; an op that waits on storage asks little)
+        self.measures_demand = False
         self.demand_s = 0.0
 
     def submit(self, lane, seq: int, payload) -> None:
-        cpu = time.process_time()
+        cpu = time.process_time() if self.measures_demand else 0.0
         clock = OpClock()
         try:
             result = self.program(payload)
         except Exception as exc:  # noqa: BLE001 - raised by the engine in stream order
             result = TaskFailed(exc)
         wall, busy = time.perf_counter() - clock.started, clock.seconds()
-        self.demand_s += time.process_time() - cpu + (wall - busy)
+        if self.measures_demand:
+            self.demand_s += time.process_time() - cpu + (wall - busy)
         if self.probe is not None:
             self.probe.ran(wall)
         self._done[lane].append((seq, result, busy))
@@ -457,6 +460,7 @@ class AdaptiveExecutor:
         self.program, self.name = program, name
         self._make = make_process
         self._inline = InlineExecutor(program, name=name)
+        self._inline.measures_demand = True
         self._proc: ProcessExecutor | None = None  # booting, in service or parked
         self._in_process = False  # units go to _proc (else they run inline)
         self._parked = False  # _proc is kept, nothing new sent to it, after a move back
