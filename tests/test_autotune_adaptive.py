@@ -476,6 +476,28 @@ def test_close_after_moves_leaves_nothing():
     assert zephon_shm_entries() <= shm
 
 
+def test_leaving_the_loop_while_a_wide_move_boots_leaves_nothing():
+    """A waiting op moves at once to several workers; the loop is left the moment that
+    move is made, while they boot: close() stops every one of them and frees the heap."""
+    shm = zephon_shm_entries()
+    it = iter(_pipe(50_000, op=F.gated, worker_allocation="autotune", max_workers=2))
+    pids: list[int] = []
+    try:
+        tuner = it.engine.tuner
+        for _ in it:
+            if tuner.decisions:
+                break
+        else:
+            pytest.fail("no move")
+        assert tuner.decisions[0].after > 0, tuner.decisions
+        pids = [p for ex in it.engine.executors.values() for p in ex.pids()]
+        assert pids
+    finally:
+        it.close()
+    assert not wait_gone(pids, HANG_S)
+    assert zephon_shm_entries() <= shm
+
+
 # -- the order an adaptive executor hands its units back -----------------------------------------
 class _FakePool:
     """A process executor's surface, without processes: a unit is done once submitted."""
