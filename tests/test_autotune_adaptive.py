@@ -23,12 +23,13 @@ from zephon.pipeline import autotune as A
 from zephon.pipeline.autotune import (
     BUSY_SHRINK,
     HOLD_S,
-    MOVE_AFTER_S,
     MOVE_MIN_BYTE_S,
     MOVE_MIN_SAMPLE_S,
+    MOVE_PAYBACK_S,
     MOVE_WORKERS,
     PERIOD_S,
     TRIAL_ITEMS,
+    WIDE_PERIODS,
     Controller,
 )
 from zephon.runners import AdaptiveExecutor
@@ -114,14 +115,53 @@ def test_a_busy_inline_stage_is_moved_straight_to_two_workers_and_kept_when_it_p
     def rate(e):  # twice the items per second with processes
         return per_period * (2 if e.procs else 1)
 
-    _drive(tuner, clock, ex, MOVE_AFTER_S - PERIOD_S, rate)
-    assert ex.procs == 0 and not tuner.decisions  # not in the first MOVE_AFTER_S
     _drive(tuner, clock, ex, 10 * PERIOD_S, rate, until=1)
     first = tuner.decisions[0]
     assert (first.before, first.after) == (0, MOVE_WORKERS) and ex.procs == MOVE_WORKERS
+    assert first.at < PERIOD_S * 1.5, first  # on the first period: it counts from the start
     _drive(tuner, clock, ex, 4 * PERIOD_S, rate, busy=0.55)  # judged: kept
     assert ex.procs >= MOVE_WORKERS and tuner._trial is None, tuner.decisions
     assert not [d for d in tuner.decisions if d.after == 0]
+
+
+@pytest.mark.parametrize("left, moved", [
+    (None, True),  # a run that goes on for ever
+    (int(2 * MOVE_PAYBACK_S / 1e-3), True),  # 2 x the payback of work left at 1 ms a sample
+    (int(MOVE_PAYBACK_S / 1e-3 / 2), False),  # half of it: the boot would not pay
+])
+def test_an_inline_stage_is_moved_only_when_the_work_left_in_the_run_pays_the_boot(
+        left, moved):
+    clock, ex = _Clock(), _FakeAdaptive()  # 1 ms a sample
+    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock,
+                       left=lambda: left)
+    _drive(tuner, clock, ex, 10 * PERIOD_S, lambda e: TRIAL_ITEMS / PERIOD_S, until=1)
+    assert bool(tuner.decisions) == moved and (ex.procs > 0) == moved, tuner.decisions
+
+
+def test_the_engine_counts_down_the_source_samples_left_in_the_run():
+    """``left`` starts at the rank's samples of the run (two epochs here), ends at 0, and
+    after a restore starts from the checkpoint's positions."""
+    n = 100
+
+    def pipe():
+        return (Pipeline(sources.from_sequence(list(range(n)), name="left"), seed=5,
+                         chunk_size=8, num_epochs=2)
+                .map(F.cheap).batch(4).options(RuntimeOptions(worker_allocation="autotune")))
+
+    with iter(pipe()) as it:
+        left = it.engine.tuner.left
+        assert left() == 2 * n
+        got = [next(it) for _ in range(20)]  # 80 samples
+        assert 2 * n - 80 - 64 <= left() <= 2 * n - 80  # units read ahead of the consumer
+        state = it.checkpoint()
+        rest = list(it)
+        assert left() == 0
+    assert len(got) + len(rest) == 2 * n // 4
+    again = pipe()
+    again.restore(state)
+    with iter(again) as it:
+        next(it)  # the restored run's engine starts from the checkpoint's positions
+        assert 2 * n - 84 - 64 <= it.engine.tuner.left() <= 2 * n - 84
 
 
 @pytest.mark.parametrize("demand, busy, memory, workers", [
@@ -141,28 +181,27 @@ def test_a_waiting_inline_stage_is_moved_to_as_many_workers_as_its_demand_calls_
     monkeypatch.setattr(A, "_rss", lambda pid: size)
     budget = int(memory * size) if memory else 1 << 40
     tuner = Controller({0: ex}, cpu_budget=2, memory_bytes=budget, clock=clock)
-    _drive(tuner, clock, ex, MOVE_AFTER_S + 10 * PERIOD_S,
+    _drive(tuner, clock, ex, 10 * PERIOD_S,
            lambda e: TRIAL_ITEMS / PERIOD_S, busy=busy, until=1, demand=demand)
     first = tuner.decisions[0]
     assert (first.before, first.after) == (0, workers) and ex.procs == workers, first
     if workers > MOVE_WORKERS:
         assert f"{workers} workers" in first.reason
-    if demand < A.WAITING_CPU:  # its periods count from the start: one period sooner
-        assert first.at < MOVE_AFTER_S + PERIOD_S / 2, first
-    else:
-        assert first.at >= MOVE_AFTER_S, first
+    # a waiting stage moves on WIDE_PERIODS periods of evidence, a CPU-bound one on one
+    periods = WIDE_PERIODS if demand < A.WAITING_CPU else 1
+    assert periods * PERIOD_S <= first.at < (periods + 0.5) * PERIOD_S, first
 
 
 def test_a_stage_waiting_in_only_one_of_its_periods_is_moved_as_a_cpu_bound_one():
-    """CPU-bound for the first ripe period, waiting (a shard being opened, say) in the
-    second: two workers, not the waiting cap."""
+    """Waiting in the first period (a shard being opened, say), CPU-bound in the second:
+    no wide move on the first, two workers on the second, not the waiting cap."""
     clock, ex = _Clock(), _FakeAdaptive()
     tuner = Controller({0: ex}, cpu_budget=2, memory_bytes=1 << 40, clock=clock)
     rate = lambda e: TRIAL_ITEMS / PERIOD_S  # noqa: E731
-    while tuner._ripe.get(0, 0) < 1 and clock.now < 10:  # to the end of a CPU-bound one
-        _drive(tuner, clock, ex, 1 / rate(ex), rate, demand=1.0)
-    assert not tuner.decisions and tuner._asked[0] is None
-    _drive(tuner, clock, ex, 4 * PERIOD_S, rate, until=1, demand=0.05)  # a waiting one
+    while tuner._ripe.get(0, 0) < 1 and clock.now < 10:  # to the end of a waiting one
+        _drive(tuner, clock, ex, 1 / rate(ex), rate, demand=0.05)
+    assert not tuner.decisions and tuner._asked[0] is not None  # no wide move on one
+    _drive(tuner, clock, ex, 4 * PERIOD_S, rate, until=1, demand=1.0)  # a CPU-bound one
     assert tuner.decisions[0].after == MOVE_WORKERS, tuner.decisions
 
 
@@ -181,7 +220,7 @@ def test_a_wide_move_whose_workers_turn_out_cpu_bound_is_cut_back_to_the_budget(
     def rate(e):
         return per_period * (2 if e.procs else 1)
 
-    _drive(tuner, clock, ex, MOVE_AFTER_S + 10 * PERIOD_S, rate, until=1, demand=0.05)
+    _drive(tuner, clock, ex, 10 * PERIOD_S, rate, until=1, demand=0.05)
     assert ex.procs == A.WAITING_FACTOR * 2, tuner.decisions
     _drive(tuner, clock, ex, 10 * PERIOD_S, rate, until=2)
     cut = tuner.decisions[1]
@@ -210,7 +249,7 @@ def test_a_wide_stage_whose_wait_comes_and_goes_is_not_cut():
     tuner = _FlickeringController({0: ex}, cpu_budget=2, memory_bytes=1 << 40, clock=clock)
     per_period = TRIAL_ITEMS / PERIOD_S
     rate = lambda e: per_period * (2 if e.procs else 1)  # noqa: E731
-    _drive(tuner, clock, ex, MOVE_AFTER_S + 10 * PERIOD_S, rate, until=1, demand=0.05)
+    _drive(tuner, clock, ex, 10 * PERIOD_S, rate, until=1, demand=0.05)
     assert ex.procs == A.WAITING_FACTOR * 2, tuner.decisions
     _drive(tuner, clock, ex, 40 * PERIOD_S, rate)
     assert ex.procs == A.WAITING_FACTOR * 2 and len(tuner.decisions) == 1, tuner.decisions
@@ -267,7 +306,7 @@ def test_a_busy_inline_stage_whose_samples_are_cheap_is_not_moved(profile):
     clock, ex = _Clock(), _FakeAdaptive()
     ex.profile = profile
     tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
-    _drive(tuner, clock, ex, MOVE_AFTER_S + 20 * PERIOD_S, lambda e: TRIAL_ITEMS / PERIOD_S)
+    _drive(tuner, clock, ex, 20 * PERIOD_S, lambda e: TRIAL_ITEMS / PERIOD_S)
     assert ex.procs == 0 and not tuner.decisions
 
 
@@ -330,13 +369,13 @@ def _children():
 
 
 @pytest.mark.parametrize("n, never", [
-    (400, True),  # the controller never decides to move (MOVE_AFTER_S far away)
+    (400, True),  # the controller never decides to move (the payback out of reach)
     (40_000, False),  # a cheap op: its samples cost too little to try processes
 ])
 def test_a_run_that_never_moves_spawns_nothing(monkeypatch, n, never):
     """Every unit runs inline, no pool is made, no process started."""
     if never:
-        monkeypatch.setattr(A, "MOVE_AFTER_S", 1e9)
+        monkeypatch.setattr(A, "MOVE_PAYBACK_S", 1e9)
     before = set(_children())
     with iter(_pipe(n, op=F.cheap, worker_allocation="autotune")) as it:
         executors = dict(it.engine.executors)
@@ -442,7 +481,7 @@ def test_a_process_worker_crash_after_a_move_is_recovered():
 ])
 def test_a_slow_map_ends_with_processes(op, workers):
     """Each sample costs the op a few ms and nothing else runs in the consumer: a move to
-    processes is tried (a CPU-bound op's once MOVE_AFTER_S has passed), and the run stops
+    processes is tried, and the run stops
     once a trial of it has been judged (the stream ending first fails the test). The
     CPU-bound variant is left out of the default run: on a 2-core machine other processes
     load, two workers may rightly not pay."""

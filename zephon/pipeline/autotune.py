@@ -81,20 +81,21 @@ stages on workers). An inline stage counts as one worker for its busy fraction (
 seconds over the elapsed time: the engine's thread) and as none against the CPU budget
 (the engine's thread is not a worker).
 
-- *to processes*: not before the run has lasted :data:`MOVE_AFTER_S` (starting workers
-  costs about half a second of two cores; a waiting stage, below, leaves the cores
-  free for that: its periods count from the start, so it moves one period sooner), an
-  inline stage that is busy at least
-  :data:`BUSY_GROW` while the consumer waits at least :data:`WAIT_GROW`, for
-  :data:`MOVE_PERIODS` periods in a row, and whose samples cost its ops at least
+- *to processes*: an inline stage that is busy at least :data:`BUSY_GROW` while the
+  consumer waits at least :data:`WAIT_GROW`, for :data:`MOVE_PERIODS` period(s) in a row
+  (counted from the start of the run), whose samples cost its ops at least
   :data:`MOVE_MIN_SAMPLE_S` each and :data:`MOVE_MIN_BYTE_S` per output byte (the
   executor's ``profile``, which the dispatch keeps from each unit's op time and
-  output size; unknown: not yet), is moved to :data:`MOVE_WORKERS` workers (fewer
-  if the CPU budget, less the other stages' workers, leaves fewer): one process worker
-  alone rarely beats inline. A stage whose units asked the CPU (the process's CPU time
-  while they ran, every thread of it, plus the engine thread's waits for a core: the
-  inline executor's ``demand_s``) for less than :data:`WAITING_CPU` of their time in
-  every one of those periods waits on storage or the network, and is moved at once to
+  output size; unknown: not yet), and whose work left in the run (the source samples
+  the engine has yet to hand to the lanes, ``left``, at that cost each) would take at
+  least :data:`MOVE_PAYBACK_S` inline (starting workers costs about half a second of
+  two cores, which a shorter rest of the run cannot win back), is moved to
+  :data:`MOVE_WORKERS` workers (fewer if the CPU budget, less the other stages'
+  workers, leaves fewer): one process worker alone rarely beats inline. A stage whose
+  units asked the CPU (the process's CPU time while they ran, every thread of it, plus
+  the engine thread's waits for a core: the inline executor's ``demand_s``) for less
+  than :data:`WAITING_CPU` of their time in every one of :data:`WIDE_PERIODS` periods
+  in a row waits on storage or the network, and is moved at once to
   as many workers as the CPU budget, less what the other stages are measured to use,
   feeds at the most it asked per second of op time, up to its waiting cap (halved
   while that many workers the size of the consumer's process would not fit the memory
@@ -162,10 +163,10 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["BUSY_GROW", "BUSY_SHRINK", "HOLD_MAX_S", "HOLD_S", "MOVE_AFTER_S", "MOVE_MIN_BYTE_S", "MOVE_MIN_SAMPLE_S", "MOVE_PERIODS", "MOVE_WORKERS",
-           "PERIOD_S", "SHRINK_PERIODS", "TRIAL_GAIN",
-           "TRIAL_ITEMS", "TRIAL_MIN_ITEMS", "TRIAL_S", "WAITING_CPU", "WAITING_FACTOR",
-           "WAIT_GROW",
+__all__ = ["BUSY_GROW", "BUSY_SHRINK", "HOLD_MAX_S", "HOLD_S", "MOVE_MIN_BYTE_S",
+           "MOVE_MIN_SAMPLE_S", "MOVE_PAYBACK_S", "MOVE_PERIODS", "MOVE_WORKERS", "PERIOD_S",
+           "SHRINK_PERIODS", "TRIAL_GAIN", "TRIAL_ITEMS", "TRIAL_MIN_ITEMS", "TRIAL_S",
+           "WAITING_CPU", "WAITING_FACTOR", "WAIT_GROW", "WIDE_PERIODS",
            "Controller", "Decision", "StageMeter", "choose", "judge", "judge_inline"]
 
 log = logging.getLogger("zephon.autotune")
@@ -200,11 +201,16 @@ MAX_PROCESS_WORKERS = 127
 #: CPU budget leaves it): one process worker alone rarely beats the inline run it replaces.
 MOVE_WORKERS = 2
 #: Periods in a row an inline adaptive stage must look like the bottleneck before it is
-#: moved.
-MOVE_PERIODS = 2
-#: No move to processes before the run has lasted this long: starting two workers costs
-#: about half a second of two cores (spawn, imports), which a shorter run cannot win back.
-MOVE_AFTER_S = 0.5
+#: moved (its periods count from the start of the run) ...
+MOVE_PERIODS = 1
+#: ... and before it is moved past its cap because its units wait (a wide move starts
+#: many processes at once: one period of evidence, start-up included, is not enough).
+WIDE_PERIODS = 2
+#: No move to processes unless the stage's work left in the run, at its inline cost per
+#: sample, would take at least this long: starting two workers costs about half a second
+#: of two cores (spawn, imports), which a shorter rest of the run cannot win back (a run
+#: that goes on for ever always has enough left).
+MOVE_PAYBACK_S = 1.0
 #: An inline stage is moved only while its op costs at least this many seconds per
 #: input sample (the dispatch's estimate, op time less the waits for a CPU): below it,
 #: the messages and copies between processes cost more than a worker could take off
@@ -294,6 +300,13 @@ def _worth_moving(ex: Any) -> bool:
     if per_sample_s < MOVE_MIN_SAMPLE_S:
         return False
     return not per_sample_bytes or per_sample_s / per_sample_bytes >= MOVE_MIN_BYTE_S
+
+
+def _pays(ex: Any, left: int | None) -> bool:
+    """Whether ``left`` source samples (None: for ever) at the inline stage's cost per
+    sample (its profile, known: see _worth_moving) are enough work for a move to processes
+    to win its boot back (MOVE_PAYBACK_S)."""
+    return left is None or left * ex.profile[0] >= MOVE_PAYBACK_S
 
 
 def _held(until: dict[int, float], stage: int, now: float) -> bool:
@@ -419,8 +432,11 @@ class Controller:
     """
 
     def __init__(self, executors: dict[int, Any], cpu_budget: int, memory_bytes: int, *,
-                 period: float = PERIOD_S, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
+                 period: float = PERIOD_S, clock: Callable[[], float] = time.monotonic,
+                 left: Callable[[], int | None] | None = None) -> None:
+        #: the source samples the run has yet to read (None, or a call giving None: for
+        #: ever); the engine counts them (see MOVE_PAYBACK_S)
+        self.left = left
         #: the adaptive stages (inline until moved to processes, see the rule)
         self.adaptive = {s for s, ex in executors.items() if getattr(ex, "adaptive", False)}
         self.executors = {s: ex for s, ex in executors.items()
@@ -707,14 +723,13 @@ class Controller:
         if not self.adaptive:
             return False
         inline = {s for s in self.adaptive if self.executors[s].runner == "inline"}
+        left = self.left() if self.left is not None else None
         for s in self.adaptive:
             ex = self.executors[s]
             if s in inline:
-                # a waiting stage leaves the cores free for its workers to boot on:
-                # MOVE_AFTER_S is the price of a boot to a CPU-bound run
-                early = now - self.started >= MOVE_AFTER_S or _waiting(sig, s)
                 hot = sig.wait >= WAIT_GROW and sig.busy[s] >= BUSY_GROW and not ex.unable \
-                    and not _held(self._held_in, s, now) and early and _worth_moving(ex)
+                    and not _held(self._held_in, s, now) and _worth_moving(ex) \
+                    and _pays(ex, left)
                 self._ripe[s] = self._ripe.get(s, 0) + 1 if hot else 0
                 self._streak(sig, s, hot)
                 self._spare[s] = 0
@@ -723,7 +738,9 @@ class Controller:
                     not _held(self._held_out, s, now)
                 self._spare[s] = self._spare.get(s, 0) + 1 if cool else 0
                 self._ripe[s] = 0
-        ripe = [s for s in inline if self._ripe[s] >= MOVE_PERIODS]
+        # a streak that waited in every period so far moves wide, on more evidence
+        ripe = [s for s in inline if self._ripe[s] >= MOVE_PERIODS and
+                (self._asked.get(s) is None or self._ripe[s] >= WIDE_PERIODS)]
         if ripe:
             s = max(ripe, key=lambda x: (sig.busy[x], -x))
             taken = sum(sig.workers[t] for t in self.executors if t not in inline)

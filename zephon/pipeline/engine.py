@@ -63,7 +63,7 @@ from zephon.options.metrics import effective_tracking
 from zephon.pipeline.autotune import Controller
 from zephon.pipeline.carry import Rebuilder, carry_bounds, decode_carry, encode_carry, held_units
 from zephon.pipeline.dispatch import ordered_map
-from zephon.pipeline.lanes import batched_units, grouped_units, lane_units
+from zephon.pipeline.lanes import ReadUnit, batched_units, grouped_units, lane_units
 from zephon.pipeline.ops import CarryingAccumulator, SerialOp
 from zephon.pipeline.ops.base import made_lineage, pos_lineage
 from zephon.pipeline.plan import INFLIGHT_PER_WORKER, Plan, StageStep, carrier, maker
@@ -118,16 +118,21 @@ def replay_state(epoch: int, k: int, since: int, total: int, carry: tuple = ()) 
     return (epoch, k, since, total, *carry)
 
 
-def _issuing(units: Iterator, lane: int, issued: set) -> Iterator:
+def _issuing(units: Iterator, lane: int, issued: set, read: list | None = None) -> Iterator:
     """``units`` (a lane's, cheap to make: indices and markers) with ``lane`` added to
     ``issued`` just before the last one is handed on: no item of the lane can be its last
-    before that."""
+    before that; ``read`` (a one-element list, or None): the source samples of the units
+    handed on are added to ``read[0]``."""
     it = iter(units)
     for unit in it:
         for following in it:
+            if read is not None and type(unit) is ReadUnit:
+                read[0] += len(unit.indices)
             yield unit
             unit = following
         issued.add(lane)
+        if read is not None and type(unit) is ReadUnit:
+            read[0] += len(unit.indices)
         yield unit
     issued.add(lane)
 
@@ -220,6 +225,9 @@ class Engine:
         self.plan, self.states = plan, dict(states)
         #: lanes whose last unit of the run has been handed to their chain
         self._issued: set[int] = set()
+        #: source samples of the units handed to the lanes' chains (counted only for the
+        #: autotune controller's ``left``)
+        self._read = [0]
         #: the run covers epochs [start_epoch, end_epoch): lanes without a state start at
         #: start_epoch's beginning
         self.start_epoch, self.end_epoch = start_epoch, plan.pass_end(start_epoch)
@@ -253,8 +261,30 @@ class Engine:
             self.close()
             raise
         if o.worker_allocation == "autotune" and plan.runners != {"inline"}:
-            self.tuner = Controller(self.executors, resolve_autotune_cpu_budget(o),
-                                    resolve_autotune_memory_bytes(o))
+            todo = self._samples_to_go()
+            read = self._read
+            self.tuner = Controller(
+                self.executors, resolve_autotune_cpu_budget(o), resolve_autotune_memory_bytes(o),
+                left=None if todo is None else lambda: max(0, todo - read[0]))
+
+    def _samples_to_go(self) -> int | None:
+        """The source samples this rank's lanes read in the run, from their states (None:
+        the run goes on for ever): what the controller's ``left`` counts down from (the
+        samples of the units handed to the lanes' chains, :attr:`_read`)."""
+        if self.end_epoch is None:
+            return None
+        plan = self.plan
+        total = 0
+        for lane in plan.owned:
+            state = self.states.get(lane)
+            if is_ended(state):
+                continue
+            epoch, at = self.start_epoch, 0
+            if state:  # a cursor state's second field is a lane position, a replay's a chunk
+                epoch = state[0]
+                at = state[1] if plan.cursor_resume else state[1] * plan.pipeline.chunk_size
+            total += max(0, (self.end_epoch - epoch) * plan.lane_length(lane) - at)
+        return total
 
     def _process_maker(self, stage, name: str):
         """``workers -> ProcessExecutor`` of ``stage`` (its pool starts at once; an adaptive
@@ -280,7 +310,7 @@ class Engine:
             epoch, pos, total = state if state else (self.start_epoch, 0, 0)
             it = lane_units(n, p.seed, p.permute, p.chunk_size, plan.lanes, lane,
                             plan.flush_every, end, Boundary(epoch, 0), pos)
-            it = _issuing(it, lane, self._issued)
+            it = _issuing(it, lane, self._issued, self._read if self.tuner else None)
             return self._cursor_stream(self._chain(it, lane, None), lane, total)
         replay = tuple(state) if state else (self.start_epoch, 0, 0, 0)
         held = None
@@ -290,7 +320,7 @@ class Engine:
                                              self.start_epoch))
         it = lane_units(n, p.seed, p.permute, p.chunk_size, plan.lanes, lane,
                         plan.flush_every, end, Boundary(replay[0], replay[1]))
-        it = _issuing(it, lane, self._issued)
+        it = _issuing(it, lane, self._issued, self._read if self.tuner else None)
         return self._replay_stream(self._chain(it, lane, held, Boundary(replay[0], replay[1])),
                                    lane, replay, plan.carry_layout)
 
