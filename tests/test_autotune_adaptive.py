@@ -32,6 +32,7 @@ from zephon.pipeline.autotune import (
     WIDE_PERIODS,
     Controller,
 )
+from zephon.pipeline.engine import is_ended
 from zephon.runners import AdaptiveExecutor
 
 
@@ -124,44 +125,82 @@ def test_a_busy_inline_stage_is_moved_straight_to_two_workers_and_kept_when_it_p
     assert not [d for d in tuner.decisions if d.after == 0]
 
 
+@pytest.mark.parametrize("inflated", [
+    1,
+    10,  # a filter keeping 1 sample of 10 makes each one it keeps cost 10x
+])
 @pytest.mark.parametrize("left, moved", [
     (None, True),  # a run that goes on for ever
-    (int(2 * MOVE_PAYBACK_S / 1e-3), True),  # 2 x the payback of work left at 1 ms a sample
-    (int(MOVE_PAYBACK_S / 1e-3 / 2), False),  # half of it: the boot would not pay
+    (2.0, True),  # 2 x the payback of work left, at what the stage spent per sample read
+    (0.5, False),  # half of it: the boot would not pay
 ])
 def test_an_inline_stage_is_moved_only_when_the_work_left_in_the_run_pays_the_boot(
-        left, moved):
-    clock, ex = _Clock(), _FakeAdaptive()  # 1 ms a sample
+        left, moved, inflated):
+    """The work left is the source samples left at the op seconds the stage spent per
+    source sample read (here one per item handed on), whatever its per-output-sample
+    profile says."""
+    clock, ex = _Clock(), _FakeAdaptive()
+    per_item = PERIOD_S / TRIAL_ITEMS  # op seconds per item at the rate driven below
+    ex.profile = (per_item * inflated, 8.0)  # the op seconds per sample it made
+    samples = None if left is None else int(left * MOVE_PAYBACK_S / per_item)
     tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock,
-                       left=lambda: left)
+                       progress=lambda: None if samples is None else (tuner.ticks, samples))
     _drive(tuner, clock, ex, 10 * PERIOD_S, lambda e: TRIAL_ITEMS / PERIOD_S, until=1)
     assert bool(tuner.decisions) == moved and (ex.procs > 0) == moved, tuner.decisions
 
 
-def test_the_engine_counts_down_the_source_samples_left_in_the_run():
-    """``left`` starts at the rank's samples of the run (two epochs here), ends at 0, and
-    after a restore starts from the checkpoint's positions."""
+def _left(it):
+    return it.engine.tuner.progress()[1]
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"canonical_replicas": 3},  # lanes of unequal lengths, which end at different items
+    {"canonical_replicas": 5, "dp_degree": 2, "dp_group_id": 1, "world_size": 2,
+     "global_rank": 1},  # a rank that owns 2 of the 5 lanes
+])
+@pytest.mark.parametrize("replay", [False, True])  # cursor or replay lane states
+def test_the_engine_counts_down_the_source_samples_left_in_the_run(kw, replay):
+    """``progress`` starts at the samples this rank reads in the run (two epochs; the
+    samples it delivers: nothing is filtered), ends at 0, and after a restore from a
+    checkpoint taken near the end (some lanes ended) starts from the checkpoint's
+    positions: at least what the restored run delivers (a replay state re-reads its
+    segment from the boundary), and ends at 0 again."""
     n = 100
 
     def pipe():
-        return (Pipeline(sources.from_sequence(list(range(n)), name="left"), seed=5,
-                         chunk_size=8, num_epochs=2)
-                .map(F.cheap).batch(4).options(RuntimeOptions(worker_allocation="autotune")))
+        p = (Pipeline(sources.from_sequence(list(range(n)), name="left"), seed=5,
+                      chunk_size=8, num_epochs=2).map(F.cheap))
+        if replay:
+            p = p.shuffle(8)
+        return p.batch(4).options(RuntimeOptions(
+            worker_allocation="autotune", flush_every_k_chunks=2 if replay else None, **kw))
 
     with iter(pipe()) as it:
-        left = it.engine.tuner.left
-        assert left() == 2 * n
-        got = [next(it) for _ in range(20)]  # 80 samples
-        assert 2 * n - 80 - 64 <= left() <= 2 * n - 80  # units read ahead of the consumer
-        state = it.checkpoint()
-        rest = list(it)
-        assert left() == 0
-    assert len(got) + len(rest) == 2 * n // 4
+        assert it.engine.plan.cursor_resume != replay
+        total = _left(it)
+        sizes = []
+        for batch in it:
+            sizes.append(len(batch))
+        assert _left(it) == 0 and it.engine.tuner.progress()[0] == total
+    assert total == sum(sizes) and total > 0
+    late = len(sizes) - 1  # the last batch is left to the restored run
+    with iter(pipe()) as it:
+        for _ in range(late):
+            next(it)
+        state = it.get_state()  # this rank's own (a world of 2 would merge through a store)
     again = pipe()
     again.restore(state)
     with iter(again) as it:
-        next(it)  # the restored run's engine starts from the checkpoint's positions
-        assert 2 * n - 84 - 64 <= it.engine.tuner.left() <= 2 * n - 84
+        if kw.get("canonical_replicas") == 3:  # two of the three lanes have ended there
+            assert sum(map(is_ended, it.engine.states.values())) == 2, it.engine.states
+        start = _left(it)
+        rest = sum(len(b) for b in it)
+        assert _left(it) == 0
+    assert rest == sum(sizes[late:])
+    # a replay state re-reads from the boundary of its segment: a few chunks a lane
+    assert rest <= start <= rest + (32 * kw.get("canonical_replicas", 1) if replay else 0), \
+        (start, rest)
 
 
 @pytest.mark.parametrize("demand, busy, memory, workers", [

@@ -87,8 +87,8 @@ seconds over the elapsed time: the engine's thread) and as none against the CPU 
   :data:`MOVE_MIN_SAMPLE_S` each and :data:`MOVE_MIN_BYTE_S` per output byte (the
   executor's ``profile``, which the dispatch keeps from each unit's op time and
   output size; unknown: not yet), and whose work left in the run (the source samples
-  the engine has yet to hand to the lanes, ``left``, at that cost each) would take at
-  least :data:`MOVE_PAYBACK_S` inline (starting workers costs about half a second of
+  the engine has yet to hand to the lanes, at the op seconds the stage spent so far per
+  source sample read: ``progress``) would take at least :data:`MOVE_PAYBACK_S` inline (starting workers costs about half a second of
   two cores, which a shorter rest of the run cannot win back), is moved to
   :data:`MOVE_WORKERS` workers (fewer if the CPU budget, less the other stages'
   workers, leaves fewer): one process worker alone rarely beats inline. A stage whose
@@ -302,11 +302,15 @@ def _worth_moving(ex: Any) -> bool:
     return not per_sample_bytes or per_sample_s / per_sample_bytes >= MOVE_MIN_BYTE_S
 
 
-def _pays(ex: Any, left: int | None) -> bool:
-    """Whether ``left`` source samples (None: for ever) at the inline stage's cost per
-    sample (its profile, known: see _worth_moving) are enough work for a move to processes
-    to win its boot back (MOVE_PAYBACK_S)."""
-    return left is None or left * ex.profile[0] >= MOVE_PAYBACK_S
+def _pays(spent: float, progress: tuple[int, int] | None) -> bool:
+    """Whether the stage's work left in the run (``progress``: the source samples read and
+    left, None: for ever), at the op seconds it ``spent`` so far per source sample read
+    (not per sample it made: a filter in or before it would inflate that), would take at
+    least MOVE_PAYBACK_S, long enough for a move to processes to win its boot back."""
+    if progress is None:
+        return True
+    read, left = progress
+    return read > 0 and spent / read * left >= MOVE_PAYBACK_S
 
 
 def _held(until: dict[int, float], stage: int, now: float) -> bool:
@@ -433,10 +437,12 @@ class Controller:
 
     def __init__(self, executors: dict[int, Any], cpu_budget: int, memory_bytes: int, *,
                  period: float = PERIOD_S, clock: Callable[[], float] = time.monotonic,
-                 left: Callable[[], int | None] | None = None) -> None:
-        #: the source samples the run has yet to read (None, or a call giving None: for
-        #: ever); the engine counts them (see MOVE_PAYBACK_S)
-        self.left = left
+                 progress: Callable[[], tuple[int, int] | None] | None = None) -> None:
+        #: ``(source samples read, source samples left)`` in the run, None: for ever (no
+        #: call either); the engine counts them (see MOVE_PAYBACK_S)
+        self.progress = progress
+        #: op seconds each stage reported since the start (the payback's cost per sample)
+        self.spent: dict[int, float] = {}
         #: the adaptive stages (inline until moved to processes, see the rule)
         self.adaptive = {s for s, ex in executors.items() if getattr(ex, "adaptive", False)}
         self.executors = {s: ex for s, ex in executors.items()
@@ -512,8 +518,8 @@ class Controller:
             self._waited += seconds
 
     def _restart_period(self, now: float) -> None:
-        for meter in self.meters.values():
-            meter.take()
+        for s, meter in self.meters.items():
+            self.spent[s] = self.spent.get(s, 0.0) + meter.take()[0]
         with self._wait_lock:
             self._waited = 0.0
         self._since = now
@@ -540,6 +546,8 @@ class Controller:
     def _sample(self, elapsed: float) -> _Signals:
         workers = {s: ex.workers for s, ex in self.executors.items()}
         taken = {s: self.meters[s].take() for s in self.executors}
+        for s, (seconds, _) in taken.items():
+            self.spent[s] = self.spent.get(s, 0.0) + seconds
         busy = {s: min(1.0, taken[s][0] / (workers[s] * elapsed)) for s in self.executors}
         cpu = {s: min(1.0, used / (workers[s] * elapsed))
                for s, used in self._cpu_take().items()}
@@ -723,13 +731,13 @@ class Controller:
         if not self.adaptive:
             return False
         inline = {s for s in self.adaptive if self.executors[s].runner == "inline"}
-        left = self.left() if self.left is not None else None
+        progress = self.progress() if self.progress is not None else None
         for s in self.adaptive:
             ex = self.executors[s]
             if s in inline:
                 hot = sig.wait >= WAIT_GROW and sig.busy[s] >= BUSY_GROW and not ex.unable \
                     and not _held(self._held_in, s, now) and _worth_moving(ex) \
-                    and _pays(ex, left)
+                    and _pays(self.spent.get(s, 0.0), progress)
                 self._ripe[s] = self._ripe.get(s, 0) + 1 if hot else 0
                 self._streak(sig, s, hot)
                 self._spare[s] = 0

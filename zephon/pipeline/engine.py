@@ -226,7 +226,7 @@ class Engine:
         #: lanes whose last unit of the run has been handed to their chain
         self._issued: set[int] = set()
         #: source samples of the units handed to the lanes' chains (counted only for the
-        #: autotune controller's ``left``)
+        #: autotune controller's ``progress``)
         self._read = [0]
         #: the run covers epochs [start_epoch, end_epoch): lanes without a state start at
         #: start_epoch's beginning
@@ -265,11 +265,11 @@ class Engine:
             read = self._read
             self.tuner = Controller(
                 self.executors, resolve_autotune_cpu_budget(o), resolve_autotune_memory_bytes(o),
-                left=None if todo is None else lambda: max(0, todo - read[0]))
+                progress=None if todo is None else lambda: (read[0], max(0, todo - read[0])))
 
     def _samples_to_go(self) -> int | None:
         """The source samples this rank's lanes read in the run, from their states (None:
-        the run goes on for ever): what the controller's ``left`` counts down from (the
+        the run goes on for ever): what the controller's ``progress`` counts down from (the
         samples of the units handed to the lanes' chains, :attr:`_read`)."""
         if self.end_epoch is None:
             return None
