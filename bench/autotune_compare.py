@@ -5,24 +5,29 @@
     python bench/autotune_compare.py --list                  # the workloads and grids
 
 Workloads (each a pipeline of a different shape; module-level ops, so spawn workers
-import them):
+import them). Each is sized so that its best fixed setting runs for about 4-6 s on a
+2-core machine: the controller is to converge "within a few seconds", and a run of 1 s
+measures its start (half a second of evidence, then a boot) more than where it gets to
+(``--scale 0.2`` gives the earlier 1-2 s runs, which show that start):
 
-- ``cpu_map``: ``map(spin 20k)`` over ints, ``batch(16)``: a CPU-heavy map;
-- ``large_cheap``: 1 MiB float32 arrays made by the source, ``map(x * 2 + 1)``,
+- ``cpu_map``: ``map(spin 20k)`` over 15k ints, ``batch(16)``: a CPU-heavy map;
+- ``large_cheap``: 24k 1 MiB float32 arrays made by the source, ``map(x * 2 + 1)``,
   ``batch(4)``: a cheap map over large items (moving them costs more than the op);
-- ``two_stage``: ``map(spin 20k) -> shuffle(16) -> map(spin 5k)``, ``batch(16)``: two
-  stages of unequal cost;
-- ``read_bound``: a source whose read blocks 4 ms per sample (storage latency, no
-  CPU), ``map(cheap)``, ``batch(16)``: the read stage is the bottleneck and is not
-  CPU-bound;
-- ``small_batched``: 400k ints, ``map(+1)``, ``batch(256)``: small items batched (at
-  100k the run lasted under half a second and identical runs varied by +-30 %);
-- ``phase_change``: ``map`` that spins 40k for the first half of the samples and 1k
+- ``two_stage``: ``map(spin 20k) -> shuffle(16) -> map(spin 5k)`` over 10k ints,
+  ``batch(16)``: two stages of unequal cost;
+- ``read_bound``: 6000 samples from a source whose read blocks 4 ms each (storage
+  latency, no CPU), ``map(cheap)``, ``batch(16)``: the read stage is the bottleneck
+  and is not CPU-bound;
+- ``small_batched``: 2M ints, ``map(+1)``, ``batch(256)``: small items batched;
+- ``phase_change``: ``map`` that spins 40k for the first half of 12k samples and 1k
   for the second half: an op whose cost changes mid-run.
 
 Rows, each in a fresh interpreter (bench/_fresh.py), run interleaved (row 1, 2, ...,
-then again) ``--reps`` times; the table gives the median items/s (the whole run,
-worker start-up included) with every raw value:
+then again) ``--reps`` times; the table gives the median items/s over the whole run
+(worker start-up included) with every raw value, and the median items/s over the
+middle half of the samples (a quarter to three quarters: where a tuned run has settled,
+and before the queues read ahead drain at the end, which inflates the last items' rate
+of a deep prefetch):
 
 - ``default``: ``RuntimeOptions()`` (``fit_to_ops``; a map of parallelism 1 runs
   inline, in the consumer's thread);
@@ -38,8 +43,10 @@ worker start-up included) with every raw value:
   (pinned to processes: tuned from one worker, never inline), for comparison.
 
 Printed per workload: each row's ratio to the default, the grid's best row and its
-setting, and ``autotune / best`` and ``autotune / default`` (the bars: >= 0.9 and
->= 1.0). The last line of each workload is machine-readable ``key=value`` pairs.
+setting, and ``autotune / best`` and ``autotune / default`` over the whole run (the
+bars: >= 0.9 and >= 1.0), and ``autotune / best`` over the middle half (the grid's best
+there may be another setting). The last line of each workload is machine-readable
+``key=value`` pairs.
 """
 
 from __future__ import annotations
@@ -119,13 +126,13 @@ def _grid(stages: int, ps: list, chunks=(16, 64), prefetch_p=None) -> list:
 
 
 WORKLOADS = {
-    "cpu_map": (3000, 64, _grid(1, [1, 2, 3], prefetch_p=2)),
-    "large_cheap": (1200, 64, _grid(1, [1, 2], prefetch_p=2)),
-    "two_stage": (2000, 64, _grid(2, [(1, 1), (2, 1), (2, 2), (3, 1)], chunks=(64,),
-                                 prefetch_p=(2, 1))),
-    "read_bound": (2000, 64, _grid(1, [1, 2, 4, 8], chunks=(64,), prefetch_p=8)),
-    "small_batched": (400_000, 64, _grid(1, [1, 2], chunks=(64, 1024), prefetch_p=2)),
-    "phase_change": (2000, 64, _grid(1, [1, 2, 3], chunks=(64,), prefetch_p=2)),
+    "cpu_map": (15_000, 64, _grid(1, [1, 2, 3], prefetch_p=2)),
+    "large_cheap": (24_000, 64, _grid(1, [1, 2], prefetch_p=2)),
+    "two_stage": (10_000, 64, _grid(2, [(1, 1), (2, 1), (2, 2), (3, 1)], chunks=(64,),
+                                   prefetch_p=(2, 1))),
+    "read_bound": (6000, 64, _grid(1, [1, 2, 4, 8], chunks=(64,), prefetch_p=8)),
+    "small_batched": (2_000_000, 64, _grid(1, [1, 2], chunks=(64, 1024), prefetch_p=2)),
+    "phase_change": (12_000, 64, _grid(1, [1, 2, 3], chunks=(64,), prefetch_p=2)),
 }
 
 
@@ -190,13 +197,18 @@ def build(spec: dict):
 def _row(spec: dict) -> dict:
     pipe = build(spec)
     started = time.perf_counter()
-    n = 0
+    n, marks = 0, []  # (seconds, samples) at a quarter and at three quarters of the run
+    quarter = [spec["samples"] // 4, 3 * spec["samples"] // 4]
     for b in pipe:
         n += len(b)
-    took = time.perf_counter() - started
+        if len(marks) < 2 and n >= quarter[len(marks)]:
+            marks.append((time.perf_counter(), n))
+    ended = time.perf_counter()
     snap = pipe.stats().get("autotune", {})
-    return {"items_s": n / took, "items": n, "workers": snap.get("workers"),
-            "decisions": len(snap.get("decisions", []))}
+    steady = (marks[1][1] - marks[0][1]) / (marks[1][0] - marks[0][0]) \
+        if len(marks) == 2 and marks[1][0] > marks[0][0] else None
+    return {"items_s": n / (ended - started), "steady_s": steady, "items": n,
+            "workers": snap.get("workers"), "decisions": len(snap.get("decisions", []))}
 
 
 def rows_of(name: str, scale: float) -> dict[str, dict]:
@@ -211,54 +223,65 @@ def rows_of(name: str, scale: float) -> dict[str, dict]:
     return rows
 
 
+def _median(vals: list) -> float | None:
+    vals = [v for v in vals if v is not None]
+    return statistics.median(vals) if vals else None
+
+
 def run_workload(name: str, reps: int, scale: float) -> dict:
     from _fresh import run_in_child
 
     rows = rows_of(name, scale)
-    results: dict[str, list] = {k: [] for k in rows}
-    extra: dict[str, list] = {k: [] for k in rows}
+    runs: dict[str, list[dict]] = {k: [] for k in rows}
     for _ in range(reps):
         for label, spec in rows.items():
             out, _err = run_in_child(__file__, spec, 900, dict(os.environ), f"{name}: {label}")
             if out is not None:
-                results[label].append(out["items_s"])
-                extra[label].append((out["workers"], out["decisions"]))
+                runs[label].append(out)
                 print(f"  {name}: {label}: {out['items_s']:.0f}/s", file=sys.stderr, flush=True)
-    med = {k: statistics.median(v) for k, v in results.items() if v}
-    ref = med.get("default")
+    whole = {k: _median([r["items_s"] for r in v]) for k, v in runs.items() if v}
+    steady = {k: _median([r["steady_s"] for r in v]) for k, v in runs.items() if v}
+    ref = whole.get("default")
     print(f"\n== {name}: {rows['default']['samples']} samples, {reps} rep(s), "
           f"load average {os.getloadavg()[0]:.2f}")
-    print(f"{'row':18} {'median items/s':>15} {'vs default':>11}  raw")
-    for label, vals in results.items():
-        if not vals:
+    print(f"{'row':18} {'whole items/s':>13} {'vs default':>10} {'mid half/s':>11}  raw (whole)")
+    for label, got in runs.items():
+        if not got:
             print(f"{label:18} failed")
             continue
-        ratio = f"{med[label] / ref:.2f}x" if ref else "-"
-        raw = ", ".join(f"{v:.0f}" for v in vals)
-        tail = f"; end workers, decisions: {extra[label]}" if label.startswith("autotune") \
-            else ""
-        print(f"{label:18} {med[label]:15.0f} {ratio:>11}  [{raw}]{tail}")
-    grid = {k: v for k, v in med.items()
-            if k not in ("default", "autotune", "autotune_process")}
-    out = {"workload": name}
-    if grid and "autotune" in med and ref:
-        best = max(grid, key=grid.__getitem__)
-        out.update(best=best, best_items_s=grid[best], autotune_items_s=med["autotune"],
-                   vs_best=med["autotune"] / grid[best], vs_default=med["autotune"] / ref)
-        print(f"grid best: {best} ({grid[best]:.0f}/s); autotune / best = "
-              f"{out['vs_best']:.2f} (bar 0.9), autotune / default = {out['vs_default']:.2f}"
-              " (bar 1.0)")
-        pinned = ""
-        if "autotune_process" in med:
-            out.update(pinned_vs_best=med["autotune_process"] / grid[best],
-                       pinned_vs_default=med["autotune_process"] / ref)
-            print(f"autotune_process / best = {out['pinned_vs_best']:.2f}, / default = "
-                  f"{out['pinned_vs_default']:.2f}")
-            pinned = (f" pinned_vs_best={out['pinned_vs_best']:.3f} "
-                      f"pinned_vs_default={out['pinned_vs_default']:.3f}")
-        print(f"{name}: autotune_vs_best={out['vs_best']:.3f} "
-              f"autotune_vs_default={out['vs_default']:.3f} best={best.replace(' ', '_')}"
-              + pinned)
+        ratio = f"{whole[label] / ref:.2f}x" if ref else "-"
+        half = f"{steady[label]:.0f}" if steady[label] else "-"
+        raw = ", ".join(f"{r['items_s']:.0f}" for r in got)
+        tail = "; end workers, decisions: " + str([(r["workers"], r["decisions"]) for r in got]) \
+            if label.startswith("autotune") else ""
+        print(f"{label:18} {whole[label]:13.0f} {ratio:>10} {half:>11}  [{raw}]{tail}")
+    fixed = [k for k in whole if k not in ("default", "autotune", "autotune_process")]
+    out: dict = {"workload": name}
+    if not (fixed and "autotune" in whole and ref):
+        return out
+    best = max(fixed, key=whole.__getitem__)
+    out.update(best=best, best_items_s=whole[best], autotune_items_s=whole["autotune"],
+               vs_best=whole["autotune"] / whole[best], vs_default=whole["autotune"] / ref)
+    print(f"grid best (whole run): {best} ({whole[best]:.0f}/s); autotune / best = "
+          f"{out['vs_best']:.2f} (bar 0.9), autotune / default = {out['vs_default']:.2f} (bar 1.0)")
+    halves = [k for k in fixed if steady.get(k)]
+    if halves and steady.get("autotune"):
+        sbest = max(halves, key=steady.__getitem__)
+        out.update(steady_best=sbest, steady_vs_best=steady["autotune"] / steady[sbest])
+        print(f"grid best (mid half): {sbest} ({steady[sbest]:.0f}/s); autotune / best = "
+              f"{out['steady_vs_best']:.2f}")
+    pinned = ""
+    if "autotune_process" in whole:
+        out.update(pinned_vs_best=whole["autotune_process"] / whole[best],
+                   pinned_vs_default=whole["autotune_process"] / ref)
+        print(f"autotune_process / best = {out['pinned_vs_best']:.2f}, / default = "
+              f"{out['pinned_vs_default']:.2f}")
+        pinned = (f" pinned_vs_best={out['pinned_vs_best']:.3f} "
+                  f"pinned_vs_default={out['pinned_vs_default']:.3f}")
+    print(f"{name}: autotune_vs_best={out['vs_best']:.3f} "
+          f"autotune_vs_default={out['vs_default']:.3f} best={best.replace(' ', '_')}"
+          + (f" steady_vs_best={out['steady_vs_best']:.3f}" if "steady_vs_best" in out else "")
+          + pinned)
     sys.stdout.flush()
     return out
 
@@ -286,7 +309,7 @@ def main() -> None:
         for s in summary:
             if "vs_best" in s:
                 print(f"  {s['workload']:14} {s['vs_best']:.2f}  {s['vs_default']:.2f}  "
-                      f"(best {s['best']})")
+                      f"(best {s['best']}; middle half: {s.get('steady_vs_best', 0):.2f})")
 
 
 if __name__ == "__main__":
