@@ -29,6 +29,7 @@ from zephon.pipeline.autotune import (
     MOVE_WORKERS,
     PERIOD_S,
     TRIAL_ITEMS,
+    TRIAL_MIN_S,
     WIDE_PERIODS,
     Controller,
 )
@@ -123,6 +124,31 @@ def test_a_busy_inline_stage_is_moved_straight_to_two_workers_and_kept_when_it_p
     _drive(tuner, clock, ex, 4 * PERIOD_S, rate, busy=0.55)  # judged: kept
     assert ex.procs >= MOVE_WORKERS and tuner._trial is None, tuner.decisions
     assert not [d for d in tuner.decisions if d.after == 0]
+
+
+def test_a_move_is_judged_after_its_settling_period():
+    """The first period on processes is the switch (inline parts finish, the workers'
+    queues fill) and hands on a quarter of what inline did; the rate after it is 1.5 x
+    inline's.
+    The trial skips that period and judges on TRIAL_MIN_S of what follows: the move is
+    kept (judged on its first TRIAL_ITEMS items, it was taken back)."""
+    clock, ex = _Clock(), _FakeAdaptive()
+    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
+    per_period = TRIAL_ITEMS / PERIOD_S
+    moved_at: list[float] = []
+
+    def rate(e):
+        if not e.procs:
+            return per_period
+        if not moved_at:
+            moved_at.append(clock.now)
+        return per_period * (0.25 if clock.now - moved_at[0] < PERIOD_S else 1.5)
+
+    _drive(tuner, clock, ex, 10 * PERIOD_S, rate, until=1)
+    assert ex.procs == MOVE_WORKERS, tuner.decisions
+    _drive(tuner, clock, ex, 3 * PERIOD_S + TRIAL_MIN_S, rate, busy=0.5)
+    assert tuner.trials == [("process", 0, True)], tuner.decisions
+    assert ex.procs == MOVE_WORKERS and len(tuner.decisions) == 1, tuner.decisions
 
 
 @pytest.mark.parametrize("inflated", [

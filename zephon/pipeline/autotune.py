@@ -53,11 +53,14 @@ items the engine handed on (its ticks) per second of the period.
   its waiting cap, by the CPU the new ones are measured to need and by the memory
   budget), so reaching tens of workers takes a few trials, not one per worker;
 - *trial*: a grow is kept only if it paid: once the new worker is ready, the new
-  setting must hand on at least :data:`TRIAL_GAIN` more items per second than the
-  previous one did (over the whole time it ran); the judgement waits for
-  :data:`TRIAL_ITEMS` items or :data:`TRIAL_S` seconds, whichever comes first, and
-  makes no other decision meanwhile; with fewer than :data:`TRIAL_MIN_ITEMS` items on
-  either side there is no evidence and the grow stays. A grow that did not pay is
+  setting's first period is its settling (the parts in flight under the old setting
+  come back, queues refill: not counted), then it must hand on at least
+  :data:`TRIAL_GAIN` more items per second than the previous setting did (over the
+  whole time that one ran); the judgement waits for :data:`TRIAL_ITEMS` items and
+  :data:`TRIAL_MIN_S` seconds after the settling, or :data:`TRIAL_S` seconds, and makes
+  no other decision meanwhile (a longer trial costs nothing when the change pays: it
+  is in force meanwhile); with fewer than :data:`TRIAL_MIN_ITEMS` items on either side
+  there is no evidence and the grow stays. A grow that did not pay is
   taken back (every worker it added) and the stage is not grown for :data:`HOLD_S` seconds (on a machine whose cores other processes
   use, or past the point where the stage is the bottleneck, a worker more costs
   more than it gives);
@@ -165,7 +168,8 @@ from typing import Any, Callable, NamedTuple
 
 __all__ = ["BUSY_GROW", "BUSY_SHRINK", "HOLD_MAX_S", "HOLD_S", "MOVE_MIN_BYTE_S",
            "MOVE_MIN_SAMPLE_S", "MOVE_PAYBACK_S", "MOVE_PERIODS", "MOVE_WORKERS", "PERIOD_S",
-           "SHRINK_PERIODS", "TRIAL_GAIN", "TRIAL_ITEMS", "TRIAL_MIN_ITEMS", "TRIAL_S",
+           "SHRINK_PERIODS", "TRIAL_GAIN", "TRIAL_ITEMS", "TRIAL_MIN_ITEMS", "TRIAL_MIN_S",
+           "TRIAL_S",
            "WAITING_CPU", "WAITING_FACTOR", "WAIT_GROW", "WIDE_PERIODS",
            "Controller", "Decision", "StageMeter", "choose", "judge", "judge_inline"]
 
@@ -193,6 +197,10 @@ TRIAL_GAIN = 0.03
 TRIAL_ITEMS = 24
 TRIAL_S = 4.0
 TRIAL_MIN_ITEMS = 4
+#: ... and at least this many seconds after the new setting's settling period (a move
+#: to processes judged on its first 0.2 s, the switch itself included, was taken back
+#: as "not paying" although it doubled the rate)
+TRIAL_MIN_S = 0.5
 #: Seconds a stage whose grow did not pay is not grown again.
 HOLD_S = 5.0
 #: Most workers of a process stage (a region token's owner field).
@@ -485,6 +493,7 @@ class Controller:
         #: of, the workers before it); kind "grow", "process" (a move to processes) or
         #: "inline" (a move back inline)
         self._trial: tuple[str, int, float, int, int] | None = None
+        self._settled = True  # the setting on trial has had its settling period
         self._held_until: dict[int, float] = {}  # stage -> no grow before this time
         #: adaptive stages: no move to processes (back inline) before this time, and the
         #: failed moves in a row of each kind (the hold doubles with each)
@@ -607,9 +616,13 @@ class Controller:
         if self.frozen:
             return
         if self._trial is not None:
+            if not self._settled:  # the new setting's first period: not its evidence
+                self._settled = True
+                self._run_items, self._run_since = 0, now
+                return
             run = now - self._run_since
-            if self._run_items < TRIAL_ITEMS and run < TRIAL_S:
-                return  # too few items yet to judge the change on trial
+            if (self._run_items < TRIAL_ITEMS or run < TRIAL_MIN_S) and run < TRIAL_S:
+                return  # too little evidence yet to judge the change on trial
             if self._judge(now, run):
                 return
         if not self._moves(sig, now):
@@ -864,6 +877,7 @@ class Controller:
     def _record(self, now: float, stage: int, before: int, after: int, reason: str) -> None:
         decision = Decision(round(now - self.started, 3), stage, before, after, reason)
         self.decisions.append(decision)
+        self._settled = False
         self.held = ""
         log.info("autotune: %s", decision.text())
         self._restart_period(self.clock())
