@@ -58,3 +58,12 @@ def echo(x):
     """A pool handler: ``(x, a little CPU work)``."""
     spin(20_000)
     return x
+
+
+def with_lock(x):
+    """A map whose output holds a lock: fine inline, cannot go back from a process."""
+    return {"x": x, "lock": threading.Lock()}
+
+
+def drop_lock(sample):
+    return sample["x"]

@@ -451,6 +451,45 @@ def test_a_run_that_never_moves_spawns_nothing(monkeypatch, n, never):
                for ex in executors.values()), executors
 
 
+@pytest.mark.parametrize("ops", ["output", "op"])
+def test_a_stage_that_cannot_go_to_processes_stays_inline_and_the_run_goes_on(caplog, ops):
+    """Under autotune, a pipeline that runs inline runs: an op whose output holds a lock
+    (it cannot come back from a worker, nor go to the next stage's), or an op that cannot
+    be pickled (a lambda), raises no ValidationError (no stage is pinned to processes);
+    the stage stays inline, says why, a forced move is refused and nothing is spawned;
+    the stream is the inline one."""
+    n = 200
+    op, second = (F.with_lock, F.drop_lock) if ops == "output" else \
+        ((lambda x: x + 1), F.cheap)
+    before = set(_children())
+    with caplog.at_level("WARNING", logger="zephon"), \
+            iter(_pipe(n, op=op, second=second, worker_allocation="autotune")) as it:
+        tuner = _script(it, {5: (0, 2, True), 6: (1, 2, True)})
+        executors = dict(it.engine.executors)
+        got = [b.tolist() for b in it]
+        assert set(_children()) == before
+    assert got == _reference(n, op=op, second=second)
+    assert tuner.decisions == [], tuner.decisions
+    # every pool gets the whole program (the ops of every stage): a lambda in stage 0
+    # keeps stage 1 inline too; a lock leaves stage 0's output and stage 1's input
+    for s in (0, 1):
+        why = executors[s].unable
+        assert why and executors[s].pools_made == 0, vars(executors[s])
+        assert ("output" if s == 0 else "input") in why if ops == "output" else \
+            "pickle" in why.lower(), why
+        assert f"stage{s}" in caplog.text
+
+
+def test_a_pinned_process_stage_whose_output_cannot_be_pickled_is_still_refused():
+    """The checks stand where a stage is pinned to processes, autotune or not."""
+    from zephon.errors import ValidationError
+
+    pipe = _pipe(50, op=F.with_lock, second=F.drop_lock, worker_allocation="autotune",
+                 runner="process")
+    with pytest.raises(ValidationError, match="Z004"):
+        iter(pipe)
+
+
 def _script(it, moves):
     tuner = it.engine.tuner
     tuner.frozen = True

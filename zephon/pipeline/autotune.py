@@ -119,7 +119,8 @@ seconds over the elapsed time: the engine's thread) and as none against the CPU 
   once with the workers it had, and moves back inline are held as failed moves to
   processes are;
 - a stage whose pool cannot start (an op that does not pickle, a worker that fails to
-  start) stays inline for the rest of the run (logged once);
+  start), or whose samples do not pickle (the executor's ``unable``), stays inline for
+  the rest of the run (logged once);
 - under ``mtp_mode`` the consumer's wait is not reported: adaptive stages stay inline.
 
 **Bounds.** At least one worker per stage on workers (an adaptive stage running

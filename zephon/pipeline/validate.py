@@ -3,12 +3,14 @@
 Checks, each with an error code, run on the first sample of the source:
 
 - Z001  an op (or the source) cannot be pickled but a stage runs on the
-        process runner (or in MTP mode);
+        process runner (or in MTP mode); an *adaptive* stage (autotune, no runner
+        pinned) does not count: it stays inline instead;
 - Z002  a map/filter op is not deterministic: the same input twice gives
         different outputs (use ``ctx.rng``, seeded from the sample identity);
 - Z003  a map/filter op mutates its input in place;
 - Z004  a map/filter op's output cannot be pickled (a lock, a generator, an open
-        file) while a stage runs on the process runner (or in MTP mode); checked
+        file) while a stage runs on the process runner (or in MTP mode; adaptive
+        stages do not count, as for Z001); checked
         before Z002, which is not judged for such an output on any runner (its
         objects compare by identity; inline and threads never pickle, so there
         the op just works);
@@ -90,7 +92,10 @@ def find_issues(plan, checks: str = "all") -> list[ValidationIssue]:
     """``checks``: "pickle" (before workers start), "behaviour" (while they start), "all"."""
     pipeline, opts = plan.pipeline, plan.opts
     issues: list[ValidationIssue] = []
-    needs_pickle = opts.mtp_mode or "process" in plan.runners
+    # an adaptive stage (autotune, no runner pinned) is not a process stage: one whose ops
+    # or samples do not pickle stays inline (its executor finds out, see AdaptiveExecutor)
+    needs_pickle = opts.mtp_mode or any(s.runner == "process" and not s.adaptive
+                                        for s in plan.stages)
     if needs_pickle and checks in ("pickle", "all"):
         issues.extend(_pickle_issues(pipeline))
     if len(pipeline.source) == 0 or checks == "pickle":

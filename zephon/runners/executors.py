@@ -40,8 +40,9 @@ does, not when it happens to finish first.
   :meth:`~AdaptiveExecutor.release` stops it (once its units are back). ``runner`` is
   the mode now (``"inline"`` or ``"process"``), ``workers`` the process workers in
   process mode, 1 (the engine's thread) inline. A stage whose pool cannot start (an op
-  that cannot be pickled, a worker that fails to start) stays inline for the rest of
-  the run (``unable`` says why). ``profile`` is the dispatch's estimate of what its
+  that cannot be pickled, a worker that fails to start), or whose input or output
+  samples cannot be pickled (a sample of each is checked on the first inline units that
+  have one), stays inline for the rest of the run (``unable`` says why). ``profile`` is the dispatch's estimate of what its
   samples cost (op seconds and output bytes per sample), for the controller. Units of
   both modes come back as ``(seq, result,
   busy_s)``; the engine re-orders them by ``seq``, so the stream is the one any runner
@@ -80,6 +81,7 @@ from typing import Any, Callable
 
 from zephon.errors import TransportError, WorkerCrashedError
 from zephon.transport import WorkerPool
+from zephon.transport.codec import find_unpicklable
 from zephon.transport.optime import OpClock
 from zephon.transport.remote_errors import take_done
 
@@ -475,6 +477,8 @@ class AdaptiveExecutor:
         self.profile: tuple[float | None, float | None] | None = None
         #: pools made so far, and units sent to process workers (tests read them)
         self.pools_made = self.process_units = 0
+        #: what is still to be seen to pickle: a sample of the stage's input and output
+        self._unseen = {"input", "output"}
 
     # meter and probe reach the pool's executor too
     @property
@@ -641,13 +645,37 @@ class AdaptiveExecutor:
             self.process_units += 1
             return
         self._reap()
+        if "input" in self._unseen:  # before the program takes the part's records
+            self._check_sendable("input", payload[1] if isinstance(payload, tuple) and
+                                 len(payload) == 2 else None)
         meter = self._meter
         if meter is None:
             self._inline.submit(lane, seq, payload)
+        else:
+            started, demand = time.perf_counter(), self._inline.demand_s
+            self._inline.submit(lane, seq, payload)
+            meter.ran(time.perf_counter() - started, self._inline.demand_s - demand)
+        if "output" in self._unseen:
+            self._check_sendable("output", self._inline._done[lane][-1][1])
+
+    def _check_sendable(self, what: str, items) -> None:
+        """Until a sample of the stage's ``what`` ("input" or "output") has been seen (in
+        the first inline unit that had one): whether it can cross to or from a process
+        worker. One that cannot (a lock, an open file, a generator in it) would fail the
+        run once moved, where inline it goes on: the stage stays inline (``unable``,
+        logged once). A read unit (indices) always can."""
+        if isinstance(items, TaskFailed) or (items is not None and not items):
+            return  # nothing to look at in this unit (a failed one, one filtered empty)
+        if not isinstance(items, list):
+            self._unseen.discard(what)
             return
-        started, demand = time.perf_counter(), self._inline.demand_s
-        self._inline.submit(lane, seq, payload)
-        meter.ran(time.perf_counter() - started, self._inline.demand_s - demand)
+        self._unseen.discard(what)
+        found = find_unpicklable(getattr(items[0], "value", items[0]), what)
+        if found is not None:
+            self._unseen.clear()
+            self.unable = (f"its {what} cannot be pickled for process workers: "
+                           f"{found[0]} ({found[1]})")
+            log.warning("stage %s stays inline: %s", self.name, self.unable)
 
     def get(self, lane):
         """The lane's oldest unit first, inline or in the pool: after a move back inline,
