@@ -490,6 +490,74 @@ def test_a_pinned_process_stage_whose_output_cannot_be_pickled_is_still_refused(
         iter(pipe)
 
 
+class _FakePinned:
+    """A pinned process executor's controls without processes."""
+
+    adaptive, booting, runner = False, 0, "process"
+
+    def __init__(self):
+        self.workers, self.meter, self.max_workers = 1, None, 1
+
+    def grow(self):
+        self.workers += 1
+
+    def shrink(self):
+        self.workers -= 1
+
+    def pids(self):
+        return []
+
+
+def test_a_run_starts_where_the_previous_run_ended():
+    """``start`` (the counts the previous run's controller ended with): an adaptive stage
+    is moved, a pinned one grown, at once, each within the most its executor may have,
+    recorded as decisions at 0 s and not on trial; an inline one stays inline."""
+    clock = _Clock()
+    moved, pinned, inline = _FakeAdaptive(), _FakePinned(), _FakeAdaptive()
+    tuner = Controller({0: moved, 1: pinned, 2: inline}, cpu_budget=4, memory_bytes=1 << 40,
+                       clock=clock, start={0: 2, 1: 9, 2: 0})
+    top = pinned.max_workers  # its waiting cap: 4 x the budget
+    assert (moved.procs, pinned.workers, inline.procs) == (2, 9, 0) and top == 16
+    assert [(d.at, d.stage, d.before, d.after) for d in tuner.decisions] == \
+        [(0.0, 0, 0, 2), (0.0, 1, 1, 9)], tuner.decisions
+    assert all("previous run" in d.reason for d in tuner.decisions)
+    assert tuner._trial is None and 1 in tuner._wide  # past its cap: cut if not waiting
+    again = Controller({1: _FakePinned()}, cpu_budget=4, memory_bytes=1 << 40, clock=clock,
+                       start={1: 99})
+    assert again.executors[1].workers == top
+
+
+def test_a_new_iteration_of_the_pipeline_starts_on_the_workers_the_last_one_ended_with():
+    """Epoch 0's run is moved to processes (forced); epoch 1's run (a new ``iter(pipe)``)
+    starts there before its first item, and its stream is the inline runner's epoch 1;
+    a run that ended inline leaves the next one inline: nothing spawned."""
+    n = 300
+    inline = _pipe(n, runner="inline")
+    ref = [[b.tolist() for b in inline] for _ in range(3)]  # epochs 0, 1, 2
+    pipe = _pipe(n, worker_allocation="autotune", prefetch_batches=2)
+    pids: set = set()
+    with iter(pipe) as it:
+        _script(it, {5: (0, 2, True)})
+        first = [b.tolist() for b in it]
+        pids.update(it.engine.executors[0].pids() if it.engine.executors else [])
+    assert first == ref[0]
+    with iter(pipe) as it:
+        tuner, ex = it.engine.tuner, it.engine.executors[0]
+        assert [(d.stage, d.before, d.after) for d in tuner.decisions] == [(0, 0, 2)]
+        assert ex.pools_made == 1 and it.engine.executors[1].pools_made == 0
+        _script(it, {20: (0, 0, False)})  # ... and it ends inline
+        second = [b.tolist() for b in it]
+        pids.update(ex.pids())
+    assert second == ref[1]
+    before = set(_children())
+    with iter(pipe) as it:
+        assert it.engine.tuner.decisions == []
+        third = [b.tolist() for b in it]
+        assert set(_children()) == before
+    assert third == ref[2]
+    assert not wait_gone(pids, HANG_S)
+
+
 def _script(it, moves):
     tuner = it.engine.tuner
     tuner.frozen = True

@@ -137,7 +137,12 @@ else half of what is available at start). Thread workers count against the CPU
 budget only.
 
 **Lifecycle.** Made by the engine with its executors (none when no stage is
-threads, process or adaptive), it sets each executor's ``meter`` and ``max_workers``;
+threads, process or adaptive), it sets each executor's ``meter`` and ``max_workers``,
+and starts where the pipeline's previous run ended, if there was one (``start``: the
+worker counts that run's controller ended with, kept by the pipeline's
+:class:`~zephon.pipeline.progress.Progress`): adaptive stages moved, stages on workers
+grown to those counts at once, recorded as decisions at 0 s, so an epoch after the
+first (a new ``iter(pipe)``) does not measure and boot its way there again;
 ``close()`` (the engine's) detaches the meters. A shrunk worker is not a crash
 and loses nothing: a thread ends after the units queued before its stop, a
 process worker finishes the tasks it has in flight and is then stopped
@@ -446,7 +451,8 @@ class Controller:
 
     def __init__(self, executors: dict[int, Any], cpu_budget: int, memory_bytes: int, *,
                  period: float = PERIOD_S, clock: Callable[[], float] = time.monotonic,
-                 progress: Callable[[], tuple[int, int] | None] | None = None) -> None:
+                 progress: Callable[[], tuple[int, int] | None] | None = None,
+                 start: Mapping[int, int] | None = None) -> None:
         #: ``(source samples read, source samples left)`` in the run, None: for ever (no
         #: call either); the engine counts them (see MOVE_PAYBACK_S)
         self.progress = progress
@@ -520,6 +526,29 @@ class Controller:
         #: wait)``, forced (:meth:`force`) in the engine's thread at that tick
         self.script: dict[int, tuple[int, int, bool]] = {}
         self.ticks = 0
+        if start:
+            self._warm(start)
+
+    def _warm(self, start: Mapping[int, int]) -> None:
+        """Start where the pipeline's previous run ended (``start``: stage -> its workers
+        then, 0: inline): an adaptive stage is moved there at once (its workers boot while
+        its units run inline), a stage on workers grown to it, each within the most its
+        executor may have. Not on trial (there is no setting before it to compare with:
+        the previous run judged it); the rule goes on from there, a stage past its cap
+        included (it went there because its workers waited)."""
+        now = self.clock()
+        for s, n in sorted(start.items()):
+            ex = self.executors.get(s)
+            if ex is None:
+                continue
+            n = min(n, ex.max_workers)
+            why = "where the previous run of this pipeline ended"
+            if s in self.adaptive:
+                done = n > 0 and self._switch(now, s, n, why)
+            else:
+                done = n > ex.workers and self._resize(now, s, n - ex.workers, why)
+            if done and n > self.caps[s]:
+                self._wide[s] = 0
 
     # -- signals ---------------------------------------------------------------------------
     def waited(self, seconds: float) -> None:

@@ -221,7 +221,10 @@ def _open(op: SerialOp, seed: int, lane: int, marker: Boundary, tracks: bool,
 class Engine:
     """Runs a plan for this rank's lanes from the given delivered lane states."""
 
-    def __init__(self, plan: Plan, states: dict[int, tuple], start_epoch: int = 0) -> None:
+    def __init__(self, plan: Plan, states: dict[int, tuple], start_epoch: int = 0,
+                 tuned: dict[int, int] | None = None) -> None:
+        """``tuned``: the worker counts the pipeline's previous autotune run ended with
+        (stage -> workers, 0: inline), where this run's controller starts."""
         self.plan, self.states = plan, dict(states)
         #: lanes whose last unit of the run has been handed to their chain
         self._issued: set[int] = set()
@@ -265,7 +268,8 @@ class Engine:
             read = self._read
             self.tuner = Controller(
                 self.executors, resolve_autotune_cpu_budget(o), resolve_autotune_memory_bytes(o),
-                progress=None if todo is None else lambda: (read[0], max(0, todo - read[0])))
+                progress=None if todo is None else lambda: (read[0], max(0, todo - read[0])),
+                start=tuned)
 
     def _samples_to_go(self) -> int | None:
         """The source samples this rank's lanes read in the run, from their states (None:

@@ -314,7 +314,7 @@ class PipelineIterator:
             depth = resolve_mtp_prefetch(opts)
             threaded = depth > 0
         else:
-            self.engine = Engine(plan, states, self.record.start_epoch)
+            self.engine = Engine(plan, states, self.record.start_epoch, self.progress.tuned)
             self.record.stats = self.engine.stats
             self.record.autotune = self.engine.tuner
             self._source = self.engine.items()
@@ -614,6 +614,8 @@ class PipelineIterator:
             self.handoff.close()
         if self.engine is not None:
             self.engine.close()
+            if self.engine.tuner is not None:  # where the pipeline's next run starts
+                self.progress.tuned = self.engine.tuner.counts()
         if self.remote is not None:
             self.remote.close()
         if self.thread is not None:

@@ -1,7 +1,7 @@
 """``Progress``: what a pipeline remembers of its runs, the one mutable part of a Pipeline.
 
 A :class:`~zephon.pipeline.Pipeline` is an immutable definition and a
-:class:`~zephon.pipeline.iterator.PipelineIterator` owns one run. Three things
+:class:`~zephon.pipeline.iterator.PipelineIterator` owns one run. Four things
 outlive a run and belong to no single iterator, so they live here, and only here:
 
 - **where the next run starts** (the rule of :mod:`zephon.pipeline.pipeline`: a
@@ -13,7 +13,11 @@ outlive a run and belong to no single iterator, so they live here, and only here
   ``pipe.close()`` and for the shortcuts that act on the latest run;
 - **the multi-rank checkpoint round counter**: round ``n`` of the exchange is
   the ``n``-th ``checkpoint()`` of the pipeline, counted across its runs, so every
-  rank numbers it alike (:mod:`zephon.checkpoint.aggregate`).
+  rank numbers it alike (:mod:`zephon.checkpoint.aggregate`);
+- **where autotune starts**: ``tuned``, the worker counts per stage (0: an adaptive
+  stage inline) the latest run's autotune controller ended with, written when that
+  run closes; the next run's controller starts there
+  (:mod:`zephon.pipeline.autotune`). Performance only: the stream never depends on it.
 
 A :class:`RunRecord` is a run's own state (delivered lane states, the epoch it
 started at, whether it reached the end of its pass, its statistics, its MTP final
@@ -82,13 +86,16 @@ class Progress:
     Attributes:
         latest: the :class:`RunRecord` the next run continues from.
         rounds: the multi-rank checkpoint rounds taken so far.
+        tuned: the worker counts the latest autotune run ended with, or None.
     """
 
-    __slots__ = ("_latest_run", "_runs", "latest", "rounds")
+    __slots__ = ("_latest_run", "_runs", "latest", "rounds", "tuned")
 
     def __init__(self) -> None:
         self.latest = RunRecord()
         self.rounds = 0
+        #: worker counts the latest autotune run ended with (None: no such run yet)
+        self.tuned: dict[int, int] | None = None
         self._runs: list[weakref.ref] = []  # the pipeline's iterators, oldest first
         self._latest_run: weakref.ref | None = None  # the iterator writing ``latest``
 
