@@ -20,7 +20,10 @@ measures its start (half a second of evidence, then a boot) more than where it g
   and is not CPU-bound;
 - ``small_batched``: 2M ints, ``map(+1)``, ``batch(256)``: small items batched;
 - ``phase_change``: ``map`` that spins 40k for the first half of 12k samples and 1k
-  for the second half: an op whose cost changes mid-run.
+  for the second half: an op whose cost changes mid-run;
+- ``epochs``: ``cpu_map``'s pipeline over 5000 ints, iterated three times (three
+  ``iter(pipe)``, epochs 0 to 2, as a training loop does): every fixed row starts its
+  workers again each epoch; autotune's later epochs start where the previous one ended.
 
 Rows, each in a fresh interpreter (bench/_fresh.py), run interleaved (row 1, 2, ...,
 then again) ``--reps`` times; the table gives the median items/s over the whole run
@@ -133,7 +136,10 @@ WORKLOADS = {
     "read_bound": (6000, 64, _grid(1, [1, 2, 4, 8], chunks=(64,), prefetch_p=8)),
     "small_batched": (2_000_000, 64, _grid(1, [1, 2], chunks=(64, 1024), prefetch_p=2)),
     "phase_change": (12_000, 64, _grid(1, [1, 2, 3], chunks=(64,), prefetch_p=2)),
+    "epochs": (5000, 64, _grid(1, [1, 2, 3], chunks=(64,), prefetch_p=2)),
 }
+#: workloads iterated more than once (one run per epoch), and how many times
+PASSES = {"epochs": 3}
 
 
 def _options(spec: dict):
@@ -170,7 +176,7 @@ def build(spec: dict):
     def src_seq():
         return sources.from_sequence(list(range(n)))
 
-    if name == "cpu_map":
+    if name in ("cpu_map", "epochs"):
         pipe = Pipeline(src_seq(), seed=0, chunk_size=chunk).map(spin_20k, parallelism=ps[0]) \
             .batch(16)
     elif name == "large_cheap":
@@ -198,11 +204,13 @@ def _row(spec: dict) -> dict:
     pipe = build(spec)
     started = time.perf_counter()
     n, marks = 0, []  # (seconds, samples) at a quarter and at three quarters of the run
-    quarter = [spec["samples"] // 4, 3 * spec["samples"] // 4]
-    for b in pipe:
-        n += len(b)
-        if len(marks) < 2 and n >= quarter[len(marks)]:
-            marks.append((time.perf_counter(), n))
+    total = spec["samples"] * PASSES.get(spec["workload"], 1)
+    quarter = [total // 4, 3 * total // 4]
+    for _ in range(PASSES.get(spec["workload"], 1)):
+        for b in pipe:
+            n += len(b)
+            if len(marks) < 2 and n >= quarter[len(marks)]:
+                marks.append((time.perf_counter(), n))
     ended = time.perf_counter()
     snap = pipe.stats().get("autotune", {})
     steady = (marks[1][1] - marks[0][1]) / (marks[1][0] - marks[0][0]) \
@@ -242,7 +250,8 @@ def run_workload(name: str, reps: int, scale: float) -> dict:
     whole = {k: _median([r["items_s"] for r in v]) for k, v in runs.items() if v}
     steady = {k: _median([r["steady_s"] for r in v]) for k, v in runs.items() if v}
     ref = whole.get("default")
-    print(f"\n== {name}: {rows['default']['samples']} samples, {reps} rep(s), "
+    passes = f" x {PASSES[name]} runs" if name in PASSES else ""
+    print(f"\n== {name}: {rows['default']['samples']} samples{passes}, {reps} rep(s), "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'row':18} {'whole items/s':>13} {'vs default':>10} {'mid half/s':>11}  raw (whole)")
     for label, got in runs.items():
