@@ -26,7 +26,8 @@ measures its start (half a second of evidence, then a boot) more than where it g
   workers again each epoch; autotune's later epochs start where the previous one ended.
 
 Rows, each in a fresh interpreter (bench/_fresh.py), run interleaved (row 1, 2, ...,
-then again) ``--reps`` times; the table gives the median items/s over the whole run
+then again; ``default`` and ``autotune`` first, one after the other) ``--reps`` times; the
+table gives the median items/s over the whole run
 (worker start-up included) with every raw value, and the median items/s over the
 middle half of the samples (a quarter to three quarters: where a tuned run has settled,
 and before the queues read ahead drain at the end, which inflates the last items' rate
@@ -48,8 +49,11 @@ of a deep prefetch):
 Printed per workload: each row's ratio to the default, the grid's best row and its
 setting, and ``autotune / best`` and ``autotune / default`` over the whole run (the
 bars: >= 0.9 and >= 1.0), and ``autotune / best`` over the middle half (the grid's best
-there may be another setting). The last line of each workload is machine-readable
-``key=value`` pairs.
+there may be another setting); and the same two whole-run ratios taken within each
+repetition (autotune over that repetition's default and best-setting rows), with their
+median: rows that do the same work (a workload autotune keeps inline) differ by the
+machine's drift between repetitions, which these cancel. The last line of each workload
+is machine-readable ``key=value`` pairs.
 """
 
 from __future__ import annotations
@@ -222,11 +226,13 @@ def _row(spec: dict) -> dict:
 def rows_of(name: str, scale: float) -> dict[str, dict]:
     n, chunk, grid = WORKLOADS[name]
     base = {"workload": name, "samples": max(64, int(n * scale))}
-    rows = {"default": {**base, "mode": "default", "chunk": chunk}}
+    # default and autotune run one after the other in each repetition: their ratio per
+    # repetition is the least disturbed by the machine's drift
+    rows = {"default": {**base, "mode": "default", "chunk": chunk},
+            "autotune": {**base, "mode": "autotune", "chunk": chunk}}
     for label, runner, p, c, f in grid:
         rows[label] = {**base, "mode": "fixed", "runner": runner, "p": list(p), "chunk": c,
                        "prefetch": f}
-    rows["autotune"] = {**base, "mode": "autotune", "chunk": chunk}
     rows["autotune_process"] = {**base, "mode": "autotune_process", "chunk": chunk}
     return rows
 
@@ -241,11 +247,14 @@ def run_workload(name: str, reps: int, scale: float) -> dict:
 
     rows = rows_of(name, scale)
     runs: dict[str, list[dict]] = {k: [] for k in rows}
+    per_rep: list[dict[str, float]] = []  # each repetition's items/s per row
     for _ in range(reps):
+        per_rep.append({})
         for label, spec in rows.items():
             out, _err = run_in_child(__file__, spec, 900, dict(os.environ), f"{name}: {label}")
             if out is not None:
                 runs[label].append(out)
+                per_rep[-1][label] = out["items_s"]
                 print(f"  {name}: {label}: {out['items_s']:.0f}/s", file=sys.stderr, flush=True)
     whole = {k: _median([r["items_s"] for r in v]) for k, v in runs.items() if v}
     steady = {k: _median([r["steady_s"] for r in v]) for k, v in runs.items() if v}
@@ -273,6 +282,15 @@ def run_workload(name: str, reps: int, scale: float) -> dict:
                vs_best=whole["autotune"] / whole[best], vs_default=whole["autotune"] / ref)
     print(f"grid best (whole run): {best} ({whole[best]:.0f}/s); autotune / best = "
           f"{out['vs_best']:.2f} (bar 0.9), autotune / default = {out['vs_default']:.2f} (bar 1.0)")
+    paired = [(r["autotune"] / r["default"], r["autotune"] / r[best]) for r in per_rep
+              if {"autotune", "default", best} <= set(r)]
+    if paired:
+        out.update(paired_vs_default=_median([d for d, _ in paired]),
+                   paired_vs_best=_median([b for _, b in paired]))
+        print(f"  per repetition (median of the ratios within each): autotune / default = "
+              f"{out['paired_vs_default']:.2f} [{', '.join(f'{d:.2f}' for d, _ in paired)}], "
+              f"autotune / {best} = {out['paired_vs_best']:.2f} "
+              f"[{', '.join(f'{b:.2f}' for _, b in paired)}]")
     halves = [k for k in fixed if steady.get(k)]
     if halves and steady.get("autotune"):
         sbest = max(halves, key=steady.__getitem__)
@@ -318,7 +336,9 @@ def main() -> None:
         for s in summary:
             if "vs_best" in s:
                 print(f"  {s['workload']:14} {s['vs_best']:.2f}  {s['vs_default']:.2f}  "
-                      f"(best {s['best']}; middle half: {s.get('steady_vs_best', 0):.2f})")
+                      f"(best {s['best']}; middle half: {s.get('steady_vs_best', 0):.2f}; "
+                      f"per repetition: {s.get('paired_vs_best', 0):.2f}  "
+                      f"{s.get('paired_vs_default', 0):.2f})")
 
 
 if __name__ == "__main__":
