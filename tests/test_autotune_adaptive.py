@@ -151,6 +151,57 @@ def test_a_move_is_judged_after_its_settling_period():
     assert ex.procs == MOVE_WORKERS and len(tuner.decisions) == 1, tuner.decisions
 
 
+class _Booting(_FakeAdaptive):
+    """A fake adaptive stage whose workers are ready ``boot`` seconds after a move (it
+    runs inline until then)."""
+
+    def __init__(self, clock, boot):
+        super().__init__()
+        self.clock, self.boot, self.ready_at = clock, boot, 0.0
+
+    def to_process(self, workers, wait=False):
+        super().to_process(workers)
+        self.ready_at = self.clock() + self.boot
+
+    @property
+    def ready(self):
+        return self.procs > 0 and self.clock() >= self.ready_at
+
+    @property
+    def booting(self):
+        return int(self.procs > 0 and not self.ready)
+
+    @property
+    def runner(self):
+        return "process" if self.ready else "inline"
+
+    @property
+    def workers(self):
+        return self.procs if self.ready else 1
+
+
+@pytest.mark.parametrize("boot", [0.26, 0.49, 0.74])  # ready early, mid, late in a period
+def test_the_settling_period_is_a_whole_period_after_the_workers_are_ready(boot):
+    """Wherever in a period the workers become ready, the switch that follows (a quarter
+    of inline's rate for a period, then 1.5 x) is not judged: the move is kept (when the
+    period they were ready in counted as the settling, a boot ending late in a period
+    left the switch in the evidence, and the move was taken back)."""
+    clock = _Clock()
+    ex = _Booting(clock, boot)
+    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
+    per_period = TRIAL_ITEMS / PERIOD_S
+
+    def rate(e):
+        if not e.ready:
+            return per_period
+        return per_period * (0.25 if clock.now - e.ready_at < PERIOD_S else 1.5)
+
+    _drive(tuner, clock, ex, 10 * PERIOD_S, rate, until=1)
+    _drive(tuner, clock, ex, 3.0, rate, busy=0.5)
+    assert tuner.trials[:1] == [("process", 0, True)], tuner.decisions
+    assert ex.procs == MOVE_WORKERS, tuner.decisions
+
+
 @pytest.mark.parametrize("inflated", [
     1,
     10,  # a filter keeping 1 sample of 10 makes each one it keeps cost 10x

@@ -76,8 +76,9 @@ items the engine handed on (its ticks) per second of the period.
   threshold are the hysteresis: a stage is not grown and shrunk on alternate
   periods);
 - after any change, and while a grown process worker is still booting, the
-  controller measures nothing (the period restarts once every worker is ready),
-  so each decision is judged on a full period of the new setting.
+  controller measures nothing (the period in which the last worker became ready is not
+  measured either: the next one starts at its end, whenever in it they were ready), so
+  each decision is judged on full periods of the new setting.
 
 **The moves** (adaptive stages; they come before the rule above, which sees only the
 stages on workers). An inline stage counts as one worker for its busy fraction (its op
@@ -501,6 +502,7 @@ class Controller:
         #: "inline" (a move back inline)
         self._trial: tuple[str, int, float, int, int] | None = None
         self._settled = True  # the setting on trial has had its settling period
+        self._booted = False  # workers were booting at the last period's end
         self._held_until: dict[int, float] = {}  # stage -> no grow before this time
         #: adaptive stages: no move to processes (back inline) before this time, and the
         #: failed moves in a row of each kind (the hold doubles with each)
@@ -638,6 +640,12 @@ class Controller:
             return
         if any(ex.booting for ex in self.executors.values()):
             self._restart_period(now)  # judge the new setting on a full period of it
+            self._run_items, self._run_since = 0, now
+            self._booted = True
+            return
+        if self._booted:  # ready at some point of this period: from now on it counts
+            self._booted = False
+            self._restart_period(now)
             self._run_items, self._run_since = 0, now
             return
         sig = self._sample(elapsed)
