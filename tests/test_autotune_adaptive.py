@@ -179,6 +179,10 @@ class _Booting(_FakeAdaptive):
     def workers(self):
         return self.procs if self.ready else 1
 
+    @property
+    def moving_to(self):
+        return self.procs if self.procs and not self.ready else None
+
 
 @pytest.mark.parametrize("boot", [0.26, 0.49, 0.74])  # ready early, mid, late in a period
 def test_the_settling_period_is_a_whole_period_after_the_workers_are_ready(boot):
@@ -560,13 +564,13 @@ class _FakePinned:
 
 
 def test_a_run_starts_where_the_previous_run_ended():
-    """``start`` (the counts the previous run's controller ended with): an adaptive stage
-    is moved, a pinned one grown, at once, each within the most its executor may have,
-    recorded as decisions at 0 s and not on trial; an inline one stays inline."""
+    """``start`` (the previous run's resume point): an adaptive stage is moved, a pinned
+    one grown, at once, each within the most its executor may have, recorded as decisions
+    at 0 s and not on trial; an inline one stays inline."""
     clock = _Clock()
     moved, pinned, inline = _FakeAdaptive(), _FakePinned(), _FakeAdaptive()
     tuner = Controller({0: moved, 1: pinned, 2: inline}, cpu_budget=4, memory_bytes=1 << 40,
-                       clock=clock, start={0: 2, 1: 9, 2: 0})
+                       clock=clock, start={0: (2, None), 1: (9, None), 2: (0, None)})
     top = pinned.max_workers  # its waiting cap: 4 x the budget
     assert (moved.procs, pinned.workers, inline.procs) == (2, 9, 0) and top == 16
     assert [(d.at, d.stage, d.before, d.after) for d in tuner.decisions] == \
@@ -574,14 +578,73 @@ def test_a_run_starts_where_the_previous_run_ended():
     assert all("previous run" in d.reason for d in tuner.decisions)
     assert tuner._trial is None and 1 in tuner._wide  # past its cap: cut if not waiting
     again = Controller({1: _FakePinned()}, cpu_budget=4, memory_bytes=1 << 40, clock=clock,
-                       start={1: 99})
+                       start={1: (99, None)})
     assert again.executors[1].workers == top
 
 
-def test_a_new_iteration_of_the_pipeline_starts_on_the_workers_the_last_one_ended_with():
+def test_a_change_still_on_trial_when_a_run_ends_is_not_carried_to_the_next():
+    """A run closed while its move to processes was on trial (not judged yet) leaves the
+    next run where the stage was before it: inline; a judged, kept move is carried."""
+    clock, ex = _Clock(), _FakeAdaptive()
+    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
+    per_period = TRIAL_ITEMS / PERIOD_S
+
+    def rate(e):
+        return per_period * (2 if e.procs else 1)
+
+    _drive(tuner, clock, ex, 10 * PERIOD_S, rate, until=1)
+    assert ex.procs == MOVE_WORKERS and tuner._trial is not None
+    assert tuner.resume_point()[0][0] == 0
+    _drive(tuner, clock, ex, 3 * PERIOD_S + TRIAL_MIN_S, rate, busy=0.55)
+    assert tuner._trial is None and tuner.trials == [("process", 0, True)]
+    tuner.close()
+    workers, cost = tuner.resume_point()[0]
+    assert workers == MOVE_WORKERS and cost is None  # (no progress counted: no cost)
+
+
+def test_a_setting_carried_in_is_kept_by_a_run_that_decided_nothing():
+    """A warm move whose workers are still booting when the run ends, and a run too short
+    to decide anything, leave the setting they carried in for the next run; a tail too
+    short to pay a boot (the work left at the carried op seconds per sample under
+    MOVE_PAYBACK_S) is not moved at all, and still hands the setting on."""
+    clock = _Clock()
+    booting = _Booting(clock, boot=60.0)
+    tuner = Controller({0: booting}, cpu_budget=4, memory_bytes=1 << 40, clock=clock,
+                       start={0: (3, 2e-3)})
+    assert booting.procs == 3 and booting.booting
+    clock.now += 1.0
+    tuner.close()
+    assert tuner.resume_point() == {0: (3, 2e-3)}
+    tail, left = _FakeAdaptive(), MOVE_PAYBACK_S / 2e-3 / 4  # a quarter of a boot's worth
+    tuner = Controller({0: tail}, cpu_budget=4, memory_bytes=1 << 40, clock=clock,
+                       progress=lambda: (0, int(left)), start={0: (3, 2e-3)})
+    assert tail.procs == 0 and tuner.decisions == []
+    tuner.close()
+    assert tuner.resume_point() == {0: (3, 2e-3)}
+    long = _FakeAdaptive()
+    Controller({0: long}, cpu_budget=4, memory_bytes=1 << 40, clock=clock,
+               progress=lambda: (0, int(left * 8)), start={0: (3, 2e-3)})
+    assert long.procs == 3
+
+
+def test_a_forced_move_booting_when_the_run_ends_is_carried():
+    clock = _Clock()
+    booting = _Booting(clock, boot=60.0)
+    tuner = Controller({0: booting}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
+    tuner.force(0, 2)
+    assert booting.booting and tuner.counts() == {0: 0}
+    tuner.close()
+    assert tuner.resume_point()[0][0] == 2
+
+
+def test_a_new_iteration_of_the_pipeline_starts_on_the_workers_the_last_one_ended_with(
+        monkeypatch):
     """Epoch 0's run is moved to processes (forced); epoch 1's run (a new ``iter(pipe)``)
     starts there before its first item, and its stream is the inline runner's epoch 1;
-    a run that ended inline leaves the next one inline: nothing spawned."""
+    a run that ended inline leaves the next one inline: nothing spawned. (An epoch of
+    300 samples is under a second of work, which does not pay a boot: the payback is
+    lifted here, its rule has its own test.)"""
+    monkeypatch.setattr(A, "MOVE_PAYBACK_S", 0.0)
     n = 300
     inline = _pipe(n, runner="inline")
     ref = [[b.tolist() for b in inline] for _ in range(3)]  # epochs 0, 1, 2

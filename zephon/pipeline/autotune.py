@@ -453,7 +453,7 @@ class Controller:
     def __init__(self, executors: dict[int, Any], cpu_budget: int, memory_bytes: int, *,
                  period: float = PERIOD_S, clock: Callable[[], float] = time.monotonic,
                  progress: Callable[[], tuple[int, int] | None] | None = None,
-                 start: Mapping[int, int] | None = None) -> None:
+                 start: Mapping[int, tuple[int, float | None]] | None = None) -> None:
         #: ``(source samples read, source samples left)`` in the run, None: for ever (no
         #: call either); the engine counts them (see MOVE_PAYBACK_S)
         self.progress = progress
@@ -528,29 +528,69 @@ class Controller:
         #: wait)``, forced (:meth:`force`) in the engine's thread at that tick
         self.script: dict[int, tuple[int, int, bool]] = {}
         self.ticks = 0
+        #: the stages the rule (or a test) decided about in this run: the others resume
+        #: where ``start`` had them (see :meth:`resume_point`)
+        self._decided: set[int] = set()
+        self._carried = dict(start or {})
+        self._resume: dict[int, tuple[int, float | None]] | None = None  # set by close()
         if start:
             self._warm(start)
+            self._decided.clear()  # (a warm move is the carried setting, not a decision)
 
-    def _warm(self, start: Mapping[int, int]) -> None:
-        """Start where the pipeline's previous run ended (``start``: stage -> its workers
-        then, 0: inline): an adaptive stage is moved there at once (its workers boot while
-        its units run inline), a stage on workers grown to it, each within the most its
-        executor may have. Not on trial (there is no setting before it to compare with:
-        the previous run judged it); the rule goes on from there, a stage past its cap
+    def _warm(self, start: Mapping[int, tuple[int, float | None]]) -> None:
+        """Start where the pipeline's previous run ended (``start``: stage -> (its workers
+        then, 0: inline; the op seconds it spent per source sample read, None: unknown), from
+        that run's :meth:`resume_point`): an adaptive stage is moved there at once (its
+        workers boot while its units run inline), a stage on workers grown to it, each
+        within the most its executor may have, and only while the work left in this run,
+        at that cost, pays the boot (MOVE_PAYBACK_S: a short tail after a restore is not
+        worth starting processes for). Not on trial (there is no setting before it to
+        compare with: the previous run judged it; a change still on trial when it ended
+        left the setting before it); the rule goes on from there, a stage past its cap
         included (it went there because its workers waited)."""
         now = self.clock()
-        for s, n in sorted(start.items()):
+        progress = self.progress() if self.progress is not None else None
+        for s, (n, cost) in sorted(start.items()):
             ex = self.executors.get(s)
-            if ex is None:
+            if ex is None or n <= self._count(s):
+                continue
+            if cost is not None and progress is not None and cost * progress[1] < MOVE_PAYBACK_S:
                 continue
             n = min(n, ex.max_workers)
             why = "where the previous run of this pipeline ended"
             if s in self.adaptive:
-                done = n > 0 and self._switch(now, s, n, why)
+                done = self._switch(now, s, n, why)
             else:
-                done = n > ex.workers and self._resize(now, s, n - ex.workers, why)
+                done = self._resize(now, s, n - ex.workers, why)
             if done and n > self.caps[s]:
                 self._wide[s] = 0
+
+    def resume_point(self) -> dict[int, tuple[int, float | None]]:
+        """Where the pipeline's next run starts (its ``start``): per stage, the workers of
+        the last setting this run judged or carried (a change still on trial counts as not
+        made; a move to processes still booting, as made), and the op seconds the stage
+        spent per source sample read (this run's, else the carried one; None: unknown).
+        A stage this run never decided about keeps what it carried: a run closed before it
+        measured anything (a peek, a short tail) does not erase the setting. Once closed,
+        what it was at :meth:`close`."""
+        if self._resume is not None:
+            return dict(self._resume)
+        trial = self._trial
+        progress = self.progress() if self.progress is not None else None
+        read = progress[0] if progress else 0
+        out = {}
+        for s, ex in self.executors.items():
+            carried = self._carried.get(s)
+            spent = self.spent.get(s, 0.0)
+            cost = spent / read if read and spent else (carried[1] if carried else None)
+            if s not in self._decided and carried is not None:
+                out[s] = (min(carried[0], ex.max_workers), cost)
+            elif trial is not None and trial[1] == s:
+                out[s] = (trial[4], cost)
+            else:
+                target = getattr(ex, "moving_to", None)
+                out[s] = (target if target else self._count(s), cost)
+        return out
 
     # -- signals ---------------------------------------------------------------------------
     def waited(self, seconds: float) -> None:
@@ -913,6 +953,7 @@ class Controller:
         return True
 
     def _record(self, now: float, stage: int, before: int, after: int, reason: str) -> None:
+        self._decided.add(stage)
         decision = Decision(round(now - self.started, 3), stage, before, after, reason)
         self.decisions.append(decision)
         self._settled = False
@@ -957,6 +998,7 @@ class Controller:
         """Detach from the executors (they are closed with the engine); what was decided
         stays readable."""
         if self._final is None:
+            self._resume = self.resume_point()
             self._final = self.counts()
         for ex in self.executors.values():
             ex.meter = None

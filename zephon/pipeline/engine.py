@@ -222,9 +222,10 @@ class Engine:
     """Runs a plan for this rank's lanes from the given delivered lane states."""
 
     def __init__(self, plan: Plan, states: dict[int, tuple], start_epoch: int = 0,
-                 tuned: dict[int, int] | None = None) -> None:
-        """``tuned``: the worker counts the pipeline's previous autotune run ended with
-        (stage -> workers, 0: inline), where this run's controller starts."""
+                 tuned: dict[int, tuple[int, float | None]] | None = None) -> None:
+        """``tuned``: where the pipeline's previous autotune run left its stages (stage ->
+        (workers, 0: inline; op seconds per source sample read)), where this run's
+        controller starts (:meth:`Controller.resume_point`)."""
         self.plan, self.states = plan, dict(states)
         #: lanes whose last unit of the run has been handed to their chain
         self._issued: set[int] = set()

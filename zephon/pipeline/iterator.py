@@ -615,7 +615,7 @@ class PipelineIterator:
         if self.engine is not None:
             self.engine.close()
             if self.engine.tuner is not None:  # where the pipeline's next run starts
-                self.progress.tuned = self.engine.tuner.counts()
+                self.progress.tuned = self.engine.tuner.resume_point()
         if self.remote is not None:
             self.remote.close()
         if self.thread is not None:

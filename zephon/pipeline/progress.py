@@ -14,9 +14,10 @@ outlive a run and belong to no single iterator, so they live here, and only here
 - **the multi-rank checkpoint round counter**: round ``n`` of the exchange is
   the ``n``-th ``checkpoint()`` of the pipeline, counted across its runs, so every
   rank numbers it alike (:mod:`zephon.checkpoint.aggregate`);
-- **where autotune starts**: ``tuned``, the worker counts per stage (0: an adaptive
-  stage inline) the latest run's autotune controller ended with, written when that
-  run closes; the next run's controller starts there
+- **where autotune starts**: ``tuned``, per stage the workers (0: an adaptive stage
+  inline) and the op seconds per source sample the latest run's autotune controller
+  left it with (its resume point: a change still on trial counts as not made),
+  written when that run closes; the next run's controller starts there
   (:mod:`zephon.pipeline.autotune`). Performance only: the stream never depends on it.
 
 A :class:`RunRecord` is a run's own state (delivered lane states, the epoch it
@@ -86,7 +87,7 @@ class Progress:
     Attributes:
         latest: the :class:`RunRecord` the next run continues from.
         rounds: the multi-rank checkpoint rounds taken so far.
-        tuned: the worker counts the latest autotune run ended with, or None.
+        tuned: where the latest autotune run left its stages, or None.
     """
 
     __slots__ = ("_latest_run", "_runs", "latest", "rounds", "tuned")
@@ -94,8 +95,9 @@ class Progress:
     def __init__(self) -> None:
         self.latest = RunRecord()
         self.rounds = 0
-        #: worker counts the latest autotune run ended with (None: no such run yet)
-        self.tuned: dict[int, int] | None = None
+        #: stage -> (workers, op seconds per source sample) where the latest autotune run
+        #: left it (None: no such run yet)
+        self.tuned: dict[int, tuple[int, float | None]] | None = None
         self._runs: list[weakref.ref] = []  # the pipeline's iterators, oldest first
         self._latest_run: weakref.ref | None = None  # the iterator writing ``latest``
 

@@ -526,6 +526,14 @@ class AdaptiveExecutor:
                 return max(1, proc.workers)
         return proc.booting
 
+    @property
+    def moving_to(self) -> int | None:
+        """The workers of a move to processes still booting (None: no such move)."""
+        proc = self._proc
+        if proc is None or self._in_process or self._parked or self._release:
+            return None
+        return proc.workers
+
     def pids(self) -> list[int]:
         """The process ids of the pool's workers (booting, in service or parked)."""
         return self._proc.pids() if self._proc is not None else []
