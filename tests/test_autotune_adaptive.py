@@ -535,6 +535,21 @@ def test_a_stage_that_cannot_go_to_processes_stays_inline_and_the_run_goes_on(ca
         assert f"stage{s}" in caplog.text
 
 
+@pytest.mark.parametrize("kw", [{"runner": "inline"}, {"runner": "threads"},
+                                {"worker_allocation": "autotune"}])
+def test_source_samples_that_cannot_be_copied_run_where_they_need_not_be_pickled(kw):
+    """Validation probes the leading ops on copies of the first sample: a sample that
+    cannot be copied (a lock in it) ends the probe instead of failing ``iter(pipe)``
+    with the copy's TypeError, and the run delivers every sample."""
+    import threading
+
+    items = [{"x": i, "lock": threading.Lock()} for i in range(40)]
+    pipe = (Pipeline(sources.from_sequence(items, name="locks"), seed=1)
+            .map(F.drop_lock).batch(4).options(RuntimeOptions(**kw)))
+    got = sorted(x for b in pipe for x in b.tolist())
+    assert got == list(range(40))
+
+
 def test_a_pinned_process_stage_whose_output_cannot_be_pickled_is_still_refused():
     """The checks stand where a stage is pinned to processes, autotune or not."""
     from zephon.errors import ValidationError

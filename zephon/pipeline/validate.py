@@ -139,7 +139,10 @@ def _behaviour_issues(pipeline, needs_pickle: bool = False) -> list[ValidationIs
     for op in pipeline.ops:
         if not isinstance(op, MapOp) or type(op) not in (MapOp, FilterOp):
             break  # only the leading per-sample ops see raw samples
-        before = copy.deepcopy(sample)
+        try:
+            before = copy.deepcopy(sample)
+        except Exception:  # noqa: BLE001 - a sample that cannot be copied (a lock in it)
+            break  # the checks need copies of it; inline and threads run it as it is
         try:
             args = (lambda s: (s, OpContext(sid, pipeline.seed))) if op.with_ctx else \
                 (lambda s: (s,))
