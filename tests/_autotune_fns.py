@@ -67,3 +67,12 @@ def with_lock(x):
 
 def drop_lock(sample):
     return sample["x"]
+
+
+def lock_some(x):
+    """A map whose output holds a lock for the samples named in $ZEPHON_TEST_LOCKED
+    (comma-separated; set by the test before the run: workers inherit it)."""
+    import os
+
+    locked = {int(v) for v in os.environ.get("ZEPHON_TEST_LOCKED", "").split(",") if v}
+    return {"x": x, "lock": threading.Lock()} if x in locked else {"x": x}

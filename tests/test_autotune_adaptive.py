@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 
 import pytest
 
@@ -558,6 +559,99 @@ def test_a_pinned_process_stage_whose_output_cannot_be_pickled_is_still_refused(
                  runner="process")
     with pytest.raises(ValidationError, match="Z004"):
         iter(pipe)
+
+
+@pytest.mark.parametrize("side", ["output", "input"])
+def test_a_sample_that_cannot_be_pickled_after_a_move_brings_the_stage_back_inline(
+        monkeypatch, side):
+    """A stage moved to processes (forced, on samples that pickle) meets samples late in
+    the run that do not (a lock in them): in its output (stage 0: the worker cannot send
+    the unit back) or in its input (stage 1: the unit cannot be sent). Each such unit
+    runs again inline, the stage goes back inline for the rest of the run with a
+    decision that says why, the stream is the inline one, and no worker is left."""
+    n = 300
+    order = [v // 4 for b in _reference(n, op=F.cheap) for v in b]
+    monkeypatch.setenv("ZEPHON_TEST_LOCKED", ",".join(str(x) for x in order[-60:]))
+    stage = 0 if side == "output" else 1
+    reference = _reference(n, op=F.lock_some, second=F.drop_lock)
+    before = set(_children())
+    pipe = _pipe(n, op=F.lock_some, second=F.drop_lock, worker_allocation="autotune",
+                 prefetch_batches=2)
+    pids: set = set()
+    with iter(pipe) as it:
+        tuner = _script(it, {5: (stage, 2, True)})
+        ex = it.engine.executors[stage]
+        got = []
+        for batch in it:
+            got.append(batch.tolist())
+            pids.update(ex.pids())
+    assert got == reference
+    assert ex.process_units > 0 and side in ex.unable, (ex.process_units, ex.unable)
+    assert [(d.stage, d.before, d.after) for d in tuner.decisions] == \
+        [(stage, 0, 2), (stage, 2, 0)], tuner.decisions
+    assert "inline for the rest of the run" in tuner.decisions[-1].reason
+    assert pids and not wait_gone(pids, HANG_S)
+    assert set(_children()) <= before
+
+
+def test_a_carried_move_is_called_off_when_the_stage_turns_out_unable(monkeypatch):
+    """The next run starts a move (carried from the previous run) before its first
+    unit; that unit's output holds a lock: the booting pool is stopped and never used,
+    and the decisions say so."""
+    monkeypatch.setattr(A, "MOVE_PAYBACK_S", 0.0)
+    n = 200
+    pipe = _pipe(n, op=F.with_lock, second=F.drop_lock, worker_allocation="autotune")
+    pipe._progress.tuned = {0: (2, None)}  # where a previous run would have left it
+    before = set(_children())
+    with iter(pipe) as it:
+        tuner, ex = it.engine.tuner, it.engine.executors[0]
+        assert ex.moving_to == 2
+        got = [b.tolist() for b in it]
+    assert got == _reference(n, op=F.with_lock, second=F.drop_lock)
+    assert ex.process_units == 0 and "output" in ex.unable
+    assert [(d.stage, d.before, d.after) for d in tuner.decisions] == \
+        [(0, 0, 2), (0, 2, 0)], tuner.decisions
+    assert wait_gone_children(before)
+
+
+def wait_gone_children(before) -> bool:
+    deadline = time.monotonic() + HANG_S
+    while set(_children()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not set(_children()) - before
+
+
+def test_a_move_whose_workers_never_start_is_given_up_after_the_spawn_timeout(monkeypatch):
+    """The workers of a move hang in their set-up: after the pool's spawn timeout the
+    move is given up (the workers killed, the stage inline for the rest of the run, a
+    decision saying why), and the run, which went on inline meanwhile, delivers the
+    inline stream."""
+    import functools
+
+    import _hang_in_worker as H
+    from zephon.runners import executors as E
+    from zephon.transport import WorkerPool
+
+    monkeypatch.setattr(E, "WorkerPool", functools.partial(WorkerPool, spawn_timeout_s=1.0))
+    n = 400
+    before = set(_children())
+    pipe = _pipe(n, op=H.plus_one, second=F.cheap, worker_allocation="autotune")
+    with iter(pipe) as it:
+        tuner = _script(it, {3: (0, 2, False)})
+        ex = it.engine.executors[0]
+        got = []
+        for batch in it:
+            got.append(batch.tolist())
+            time.sleep(0.03)  # a training step: the run lasts past the timeout
+            if ex.unable:
+                break
+        assert "did not start within" in ex.unable, ex.unable
+        assert wait_gone_children(before)
+        got += [b.tolist() for b in it]
+    assert got == _reference(n, op=H.plus_one, second=F.cheap)
+    assert ex.process_units == 0
+    assert [(d.stage, d.before, d.after) for d in tuner.decisions] == \
+        [(0, 0, 2), (0, 2, 0)], tuner.decisions
 
 
 class _FakePinned:

@@ -678,6 +678,7 @@ class Controller:
         elapsed = now - self._since
         if elapsed < self.period or not self.executors:
             return
+        self._fallen(now)
         if any(ex.booting for ex in self.executors.values()):
             self._restart_period(now)  # judge the new setting on a full period of it
             self._run_items, self._run_since = 0, now
@@ -705,6 +706,18 @@ class Controller:
                 return
         if not self._moves(sig, now):
             self._tune(sig, now)
+
+    def _fallen(self, now: float) -> None:
+        """Record the moves to processes an adaptive stage undid by itself (its workers
+        did not start, or a sample of its input or output could not be pickled): it is
+        inline for the rest of the run, and a trial of that move is over."""
+        for s in self.adaptive:
+            fallen = getattr(self.executors[s], "fallen", None)
+            while fallen:
+                workers, why = fallen.pop(0)
+                if self._trial is not None and self._trial[1] == s:
+                    self._trial = None
+                self._record(now, s, workers, 0, f"inline for the rest of the run: {why}")
 
     def _tune(self, sig: _Signals, now: float) -> None:
         """The rule's decision of this period over the stages on workers (see the rule)."""
@@ -998,6 +1011,7 @@ class Controller:
         """Detach from the executors (they are closed with the engine); what was decided
         stays readable."""
         if self._final is None:
+            self._fallen(self.clock())  # (one the run ended before a period did)
             self._resume = self.resume_point()
             self._final = self.counts()
         for ex in self.executors.values():

@@ -142,6 +142,7 @@ class StageProgram:
                 "(arrays, numbers, strings, containers of them), or run the stage on "
                 "runner='threads' or 'inline', which never pickle", op=op, sample_id=sample)
             failure.__cause__ = error
+            failure.zephon_unsendable = True  # type: ignore[attr-defined]  # (rerun inline)
             put_done(failure, result[:i])
             return failure
         return None

@@ -79,7 +79,7 @@ import time
 import warnings
 from typing import Any, Callable
 
-from zephon.errors import TransportError, WorkerCrashedError
+from zephon.errors import SerializationError, TransportError, WorkerCrashedError
 from zephon.transport import WorkerPool
 from zephon.transport.codec import find_unpicklable
 from zephon.transport.optime import OpClock
@@ -100,11 +100,14 @@ class TaskFailed:
     depend on how the dispatch cut the stream into parts. An upstream failure a stage
     reads as its next unit is a TaskFailed too, with nothing done."""
 
-    __slots__ = ("done", "error")
+    __slots__ = ("done", "error", "payload")
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, payload: Any = None) -> None:
         self.error = error
         self.done = take_done(error) or []
+        #: the unit's payload, where a process worker's unit failed (None elsewhere): an
+        #: adaptive stage runs a unit whose result could not be sent again inline
+        self.payload = payload
 
     def __len__(self) -> int:
         return 0
@@ -313,6 +316,7 @@ class ProcessExecutor:
                                inflight_per_worker=inflight_per_worker,
                                arena_max_bytes=arena_max_bytes)
         self.pool.start(wait=False)  # READY is awaited on first use: the engine overlaps
+        self._boot_started = time.monotonic()  # ready_now's deadline counts from here
         self._task: dict[int, tuple] = {}  # task id -> (lane, seq, payload)
         self._retries: collections.Counter = collections.Counter()
         self._done: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
@@ -381,7 +385,12 @@ class ProcessExecutor:
     def ready_now(self) -> bool:
         """Whether every worker of the pool is in service, without waiting: a freshly
         started pool is, once each worker's READY has arrived (read here), and a grown
-        worker once ``get()`` has read its READY (``booting``)."""
+        worker once ``get()`` has read its READY (``booting``).
+
+        Raises:
+            TransportError: a fresh pool's workers are not all ready ``spawn_timeout_s``
+                after it started (a worker hangs in its set-up), or one failed to start.
+        """
         pool = self.pool
         if not pool._ready:
             fds = [h.channel.fileno() for h in pool.workers]
@@ -390,7 +399,11 @@ class ProcessExecutor:
             except (OSError, ValueError):
                 readable = fds  # let _ensure_ready report what is wrong
             if len(readable) < len(fds):
-                return False
+                if time.monotonic() - self._boot_started < pool.spawn_timeout_s:
+                    return False
+                late = [h.index for h in pool.workers if h.channel.fileno() not in readable]
+                raise TransportError(f"worker(s) {late} of pool {pool.name!r} did not start "
+                                     f"within {pool.spawn_timeout_s} s")
             pool._ensure_ready()  # reads the READYs (or raises a start-up failure)
         return pool.booting == 0
 
@@ -406,8 +419,8 @@ class ProcessExecutor:
                 task = getattr(exc, "zephon_task_id", None)  # set by WorkerPool.get
                 if task not in self._task:
                     raise
-                owner, seq, _ = self._task.pop(task)
-                self._done[owner].append((seq, TaskFailed(exc), None))
+                owner, seq, payload = self._task.pop(task)
+                self._done[owner].append((seq, TaskFailed(exc, payload), None))
                 continue
             owner, seq, _ = self._task.pop(result.task_id)
             if result.timing is not None:
@@ -479,6 +492,9 @@ class AdaptiveExecutor:
         self.pools_made = self.process_units = 0
         #: what is still to be seen to pickle: a sample of the stage's input and output
         self._unseen = {"input", "output"}
+        #: moves to processes undone by the stage itself, not by the controller: ``(the
+        #: workers it had or was booting, why)``, which the controller takes and records
+        self.fallen: list[tuple[int, str]] = []
 
     # meter and probe reach the pool's executor too
     @property
@@ -522,6 +538,8 @@ class AdaptiveExecutor:
             if self._parked:
                 return 0
             self._poll()
+            if self._proc is None:  # the move failed or was called off
+                return 0
             if not self._in_process:
                 return max(1, proc.workers)
         return proc.booting
@@ -614,21 +632,44 @@ class AdaptiveExecutor:
 
     # -- units ---------------------------------------------------------------------------------
     def _poll(self) -> None:
-        """A move under way: submit to the pool from now on if every worker is ready."""
+        """A move under way: submit to the pool from now on if every worker is ready; a
+        stage found unable meanwhile (its first inline units made what cannot be
+        pickled) calls the move off."""
         proc = self._proc
         if proc is None or self._in_process or self._parked or self._release:
+            return
+        if self.unable:
+            self._proc = None
+            self._close(proc)
+            self.fallen.append((proc.workers, self.unable))
             return
         try:
             ready = proc.ready_now()
         except Exception as exc:  # noqa: BLE001 - a move that failed: stay inline
             log.warning("stage %s: process workers failed to start, staying inline: %s",
                         self.name, exc)
-            self.unable = f"{type(exc).__name__}: {exc}"
+            self.unable = f"its process workers failed to start: {type(exc).__name__}: {exc}"
             self._proc = None
             self._close(proc)
+            self.fallen.append((proc.workers, self.unable))
             return
         if ready:
             self._in_process = True
+
+    def _cannot_send(self, what: str, error: BaseException) -> None:
+        """A unit's ``what`` ("input" or "output") could not cross to or from a worker
+        (a sample the first units' check did not see): the stage stays inline from now
+        on, its pool stopped once the units in flight are back; each such unit runs
+        again inline (the caller does)."""
+        if self.unable:
+            return
+        cause = error.__cause__ if isinstance(error.__cause__, SerializationError) else error
+        self.unable = f"its {what} cannot be pickled for process workers: {cause}"
+        log.warning("stage %s goes back inline and stays there: %s", self.name, self.unable)
+        workers = self.workers
+        self.to_inline()
+        self.release()
+        self.fallen.append((workers, self.unable))
 
     def _reap(self) -> None:
         proc = self._proc
@@ -649,9 +690,13 @@ class AdaptiveExecutor:
     def submit(self, lane, seq: int, payload) -> None:
         self._poll()
         if self._in_process and self._proc is not None:
-            self._proc.submit(lane, seq, payload)
-            self.process_units += 1
-            return
+            try:
+                self._proc.submit(lane, seq, payload)
+            except SerializationError as exc:  # nothing was sent: it runs inline below
+                self._cannot_send("input", exc)
+            else:
+                self.process_units += 1
+                return
         self._reap()
         if "input" in self._unseen:  # before the program takes the part's records
             self._check_sendable("input", payload[1] if isinstance(payload, tuple) and
@@ -699,6 +744,15 @@ class AdaptiveExecutor:
         if proc is None or not proc.holds(lane):
             raise TransportError(f"stage {self.name!r}: nothing of lane {lane} in flight")
         out = proc.get(lane)
+        failed = out[1]
+        if isinstance(failed, TaskFailed) and failed.payload is not None and \
+                getattr(failed.error, "zephon_unsendable", False):
+            # its result could not come back (what the first units' check did not see):
+            # the unit runs again inline, whole (the records the worker made before the
+            # failing one are made again, the same), and the stage stays inline
+            self._cannot_send("output", failed.error)
+            self._inline.submit(lane, out[0], failed.payload)
+            out = self._inline._done[lane].pop()
         self._reap()
         return out
 
