@@ -13,8 +13,10 @@ import pytest
 import _autotune_fns as F
 from _procs import HANG_S, wait_gone
 from zephon import Pipeline, RuntimeOptions, sources
+from zephon.pipeline import autotune as A
 from zephon.pipeline.autotune import (
     BUSY_GROW,
+    HOLD_MAX_S,
     HOLD_S,
     PERIOD_S,
     SHRINK_PERIODS,
@@ -194,6 +196,29 @@ def test_a_grow_that_does_not_pay_is_taken_back_and_held():
     assert ex.workers == 1 and len(tuner.decisions) == 2  # held
     _drive(tuner, clock, ex, 4 * PERIOD_S, per_item, until=3)
     assert ex.workers == 2 and tuner.decisions[-1].at >= undone + HOLD_S - PERIOD_S
+
+
+def test_grows_that_never_pay_are_held_longer_each_time_and_the_record_stays_bounded(
+        monkeypatch):
+    """An hour in which no worker more ever pays: each failed grow in a row doubles the
+    hold (5, 10, 20, 40, 40 ... s), so the stage is tried about once per HOLD_MAX_S, not
+    every HOLD_S; the controller keeps the latest KEEP_DECISIONS decisions and trials
+    and counts them all."""
+    monkeypatch.setattr(A, "KEEP_DECISIONS", 8)
+    clock, ex = _Clock(), _FakeExecutor()
+    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
+    per_item = PERIOD_S / TRIAL_ITEMS
+    _drive(tuner, clock, ex, 3600.0, per_item)
+    undone = [d for d in tuner.decisions if "did not pay" in d.reason]
+    holds = [float(d.reason.split("(held ")[1].split(" s")[0]) for d in undone]
+    assert holds[-3:] == [HOLD_MAX_S] * 3, tuner.decisions
+    grows = [d.at for d in tuner.decisions if d.after > d.before]
+    assert all(b - a >= HOLD_MAX_S for a, b in zip(grows, grows[1:])), grows
+    # first hour: 5 + 10 + 20 s of holds, then one failed grow per ~40 s: ~2 x 90 decisions
+    assert tuner.decided <= 2 * (3 + 3600 / HOLD_MAX_S) + 2, tuner.decided
+    assert len(tuner.decisions) < 16 and len(tuner.trials) < 16
+    assert tuner.decisions[-1].at > 3500 and tuner.snapshot()["decisions_total"] == tuner.decided
+    assert f"{tuner.decided} decision(s)" in tuner.explain()[0]
 
 
 class _FakeWaitingProcess(_FakeExecutor):

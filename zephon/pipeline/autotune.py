@@ -61,9 +61,10 @@ items the engine handed on (its ticks) per second of the period.
   no other decision meanwhile (a longer trial costs nothing when the change pays: it
   is in force meanwhile); with fewer than :data:`TRIAL_MIN_ITEMS` items on either side
   there is no evidence and the grow stays. A grow that did not pay is
-  taken back (every worker it added) and the stage is not grown for :data:`HOLD_S` seconds (on a machine whose cores other processes
-  use, or past the point where the stage is the bottleneck, a worker more costs
-  more than it gives);
+  taken back (every worker it added) and the stage is not grown for :data:`HOLD_S`
+  seconds, doubled with each such grow in a row, at most :data:`HOLD_MAX_S` (on a
+  machine whose cores other processes use, or past the point where the stage is the
+  bottleneck, a worker more costs more than it gives);
 - *back within the budget*: a process stage that went past its cap because its
   workers waited (a waiting grow above, or a wide move below) and whose workers then
   read as busy (at least :data:`BUSY_SHRINK`) and not waiting for
@@ -139,11 +140,13 @@ budget only.
 
 **Lifecycle.** Made by the engine with its executors (none when no stage is
 threads, process or adaptive), it sets each executor's ``meter`` and ``max_workers``,
-and starts where the pipeline's previous run ended, if there was one (``start``: the
-worker counts that run's controller ended with, kept by the pipeline's
-:class:`~zephon.pipeline.progress.Progress`): adaptive stages moved, stages on workers
-grown to those counts at once, recorded as decisions at 0 s, so an epoch after the
-first (a new ``iter(pipe)``) does not measure and boot its way there again;
+and starts where the pipeline's previous run left its stages, if there was one
+(``start``: that run's :meth:`Controller.resume_point`, kept by the pipeline's
+:class:`~zephon.pipeline.progress.Progress`: the last setting judged, a change still
+on trial counting as not made): adaptive stages moved, stages on workers grown to
+those counts at once, recorded as decisions at 0 s, if the work left pays a boot
+(MOVE_PAYBACK_S), so an epoch after the first (a new ``iter(pipe)``) does not
+measure and boot its way there again;
 ``close()`` (the engine's) detaches the meters. A shrunk worker is not a crash
 and loses nothing: a thread ends after the units queued before its stop, a
 process worker finishes the tasks it has in flight and is then stopped
@@ -158,7 +161,9 @@ engine's thread at a given item) with :attr:`Controller.frozen` set.
 
 **Record.** Every decision (grows, shrinks and moves: 0 workers is inline) is one
 ``logging`` line (logger ``zephon.autotune``, INFO) and a :class:`Decision` in
-:attr:`Controller.decisions`; ``stats()`` shows
+:attr:`Controller.decisions` (the latest :data:`KEEP_DECISIONS`; ``decided`` counts
+them all); a move an adaptive stage undid by itself (its workers did not start, a
+sample that cannot be pickled) is recorded too; ``stats()`` shows
 them with the budgets and the counts now (``snapshot()``), and ``explain()``
 shows the latest run's.
 """
@@ -173,7 +178,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["BUSY_GROW", "BUSY_SHRINK", "HOLD_MAX_S", "HOLD_S", "MOVE_MIN_BYTE_S",
+__all__ = ["BUSY_GROW", "BUSY_SHRINK", "HOLD_MAX_S", "HOLD_S", "KEEP_DECISIONS", "MOVE_MIN_BYTE_S",
            "MOVE_MIN_SAMPLE_S", "MOVE_PAYBACK_S", "MOVE_PERIODS", "MOVE_WORKERS", "PERIOD_S",
            "SHRINK_PERIODS", "TRIAL_GAIN", "TRIAL_ITEMS", "TRIAL_MIN_ITEMS", "TRIAL_MIN_S",
            "TRIAL_S",
@@ -208,7 +213,9 @@ TRIAL_MIN_ITEMS = 4
 #: to processes judged on its first 0.2 s, the switch itself included, was taken back
 #: as "not paying" although it doubled the rate)
 TRIAL_MIN_S = 0.5
-#: Seconds a stage whose grow did not pay is not grown again.
+#: Seconds a stage whose grow did not pay is not grown again, doubled with each such
+#: grow in a row (one that pays starts the count again), at most HOLD_MAX_S: a stage
+#: whose grows never pay is tried less and less often, not every 5 s for ever.
 HOLD_S = 5.0
 #: Most workers of a process stage (a region token's owner field).
 MAX_PROCESS_WORKERS = 127
@@ -238,6 +245,16 @@ MOVE_MIN_BYTE_S = 2e-9
 #: A move that did not pay holds that stage's next move of the same kind HOLD_S seconds,
 #: doubled with each such failure in a row, at most HOLD_MAX_S.
 HOLD_MAX_S = 40.0
+#: The decisions and judged trials a controller keeps (its latest ones; ``decided``
+#: counts them all): a run of days makes many, and each is kept for stats and explain.
+KEEP_DECISIONS = 1000
+
+
+def _trim(kept: list) -> None:
+    """Keep the latest KEEP_DECISIONS of ``kept`` (cut when it holds twice that: O(1) a
+    call, amortised)."""
+    if len(kept) >= 2 * KEEP_DECISIONS:
+        del kept[:-KEEP_DECISIONS]
 
 
 class Decision(NamedTuple):
@@ -484,7 +501,9 @@ class Controller:
             top = self.cpu_budget - others
             ex.max_workers = max(min(top, MAX_PROCESS_WORKERS) if s in procs else top,
                                  self.waiting_caps.get(s, 0))
+        #: the latest KEEP_DECISIONS decisions, oldest first; ``decided``: all of them
         self.decisions: list[Decision] = []
+        self.decided = 0
         self.held = ""  # why the last wanted grow did not happen (shown once per cause)
         self._idle: dict[int, int] = {}
         self._wait_lock = threading.Lock()
@@ -510,7 +529,9 @@ class Controller:
         self._held_out: dict[int, float] = {}
         self._fails_in: dict[int, int] = {}
         self._fails_out: dict[int, int] = {}
-        #: every judged trial: (kind, stage, kept), kind "grow", "process" or "inline"
+        self._fails_grow: dict[int, int] = {}  # grows in a row that did not pay
+        #: the latest judged trials (KEEP_DECISIONS): (kind, stage, kept), kind "grow",
+        #: "process" or "inline"
         self.trials: list[tuple[str, int, bool]] = []
         self._ripe: dict[int, int] = {}  # periods in a row an inline stage was the bottleneck
         #: over those periods, the most CPU its units asked per second of op time, while
@@ -797,12 +818,14 @@ class Controller:
             before_rate, after_rate)
         if kind != "process" or ex.runner != "inline":  # (a move that failed to start)
             self.trials.append((kind, stage, kept))
+            _trim(self.trials)
         if kind == "grow":
             if evidence and not judge(before_rate, after_rate):
-                self._held_until[stage] = now + HOLD_S
+                hold = self._fail(self._fails_grow, self._held_until, stage, now)
                 self._resize(now, stage, min(-1, back - ex.workers),
-                             f"the grow did not pay: {rates} (held {HOLD_S:g} s)")
+                             f"the grow did not pay: {rates} (held {hold:g} s)")
                 return True
+            self._fails_grow[stage] = 0
             return False
         if kind == "process":
             if ex.runner == "inline":  # the move failed (the pool did not start)
@@ -969,6 +992,8 @@ class Controller:
         self._decided.add(stage)
         decision = Decision(round(now - self.started, 3), stage, before, after, reason)
         self.decisions.append(decision)
+        self.decided += 1
+        _trim(self.decisions)
         self._settled = False
         self.held = ""
         log.info("autotune: %s", decision.text())
@@ -990,13 +1015,14 @@ class Controller:
             "consumer_wait": last.wait if last else None,
             "held": self.held,
             "decisions": [d._asdict() for d in self.decisions],
+            "decisions_total": self.decided,
         }
 
     def explain(self) -> list[str]:
         """Lines for ``explain()``: the counts now and each decision."""
         counts = ", ".join(f"stage {s}: {n if n else 'inline'}"
                            for s, n in self.counts().items())
-        lines = [f"autotune (latest run): {counts}; {len(self.decisions)} decision(s)"]
+        lines = [f"autotune (latest run): {counts}; {self.decided} decision(s)"]
         lines += [f"  {d.text()}" for d in self.decisions[-20:]]
         return lines
 
