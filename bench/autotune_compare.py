@@ -24,6 +24,9 @@ measures its start (half a second of evidence, then a boot) more than where it g
 - ``epochs``: ``cpu_map``'s pipeline over 5000 ints, iterated three times (three
   ``iter(pipe)``, epochs 0 to 2, as a training loop does): every fixed row starts its
   workers again each epoch; autotune's later epochs start where the previous one ended.
+  Its rates count the three runs together (the middle half, from 25 % to 75 % of their
+  samples, spans the second run's start); autotune's end workers and decisions are the
+  last run's.
 
 Rows, each in a fresh interpreter (bench/_fresh.py), run interleaved (row 1, 2, ...,
 then again; ``default`` and ``autotune`` first, one after the other) ``--reps`` times; the
@@ -220,7 +223,7 @@ def _row(spec: dict) -> dict:
     steady = (marks[1][1] - marks[0][1]) / (marks[1][0] - marks[0][0]) \
         if len(marks) == 2 and marks[1][0] > marks[0][0] else None
     return {"items_s": n / (ended - started), "steady_s": steady, "items": n,
-            "workers": snap.get("workers"), "decisions": len(snap.get("decisions", []))}
+            "workers": snap.get("workers"), "decisions": snap.get("decisions_total", 0)}
 
 
 def rows_of(name: str, scale: float) -> dict[str, dict]:
