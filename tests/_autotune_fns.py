@@ -76,3 +76,46 @@ def lock_some(x):
 
     locked = {int(v) for v in os.environ.get("ZEPHON_TEST_LOCKED", "").split(",") if v}
     return {"x": x, "lock": threading.Lock()} if x in locked else {"x": x}
+
+
+class HereOnly:
+    """Pickles anywhere, unpickles only in the process that made it (a handle to a
+    process-local resource): what a check of pickling alone does not see."""
+
+    def __init__(self, x):
+        import os
+
+        self.x, self.pid = x, os.getpid()
+
+    def __reduce__(self):
+        return _rebuild_here_only, (self.x, self.pid)
+
+
+def _rebuild_here_only(x, pid):
+    import os
+
+    if pid != os.getpid():
+        raise RuntimeError(f"HereOnly({x}) made in process {pid} cannot be rebuilt in "
+                           f"{os.getpid()}")
+    return HereOnly(x)
+
+
+def here_only_some(x):
+    """HereOnly(x) for the samples named in $ZEPHON_TEST_LOCKED, else x."""
+    import os
+
+    named = {int(v) for v in os.environ.get("ZEPHON_TEST_LOCKED", "").split(",") if v}
+    return HereOnly(x) if x in named else x
+
+
+def unwrap(v):
+    return v.x if isinstance(v, HereOnly) else v
+
+
+def fail_named(x):
+    """Raises ValueError for the samples named in $ZEPHON_TEST_LOCKED."""
+    import os
+
+    if str(x) in os.environ.get("ZEPHON_TEST_LOCKED", "").split(","):
+        raise ValueError(f"sample {x} is bad")
+    return x

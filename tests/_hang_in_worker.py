@@ -1,14 +1,15 @@
-"""An op whose module hangs when a worker process imports it (a set-up that never
-ends: a stuck import, a lock held forever); the test's own process imports it as
-usual. A process worker unpickles its stage's program, and so this module, before it
-says READY."""
+"""An op whose module hangs when another process than the test's imports it (a
+set-up that never ends: a stuck import, a lock held forever): a process worker
+unpickles its stage's program, and so this module, before it says READY. The test
+names its own process in $ZEPHON_TEST_MAIN_PID before the workers start (they
+inherit it)."""
 
 from __future__ import annotations
 
-import multiprocessing
+import os
 import time
 
-if multiprocessing.parent_process() is not None:
+if os.environ.get("ZEPHON_TEST_MAIN_PID", str(os.getpid())) != str(os.getpid()):
     time.sleep(600)
 
 

@@ -127,6 +127,34 @@ def test_a_busy_inline_stage_is_moved_straight_to_two_workers_and_kept_when_it_p
     assert not [d for d in tuner.decisions if d.after == 0]
 
 
+def test_a_move_starts_only_the_workers_the_memory_budget_has_room_for():
+    """A worker not started yet counts as this process, at most NEW_WORKER_BYTES: with
+    room for none, the stage stays inline and the hold says why; with room for one, the
+    move starts one."""
+    size = min(A._rss(os.getpid()), A.NEW_WORKER_BYTES)
+    assert size > 0  # (Linux: /proc)
+    per_period = TRIAL_ITEMS / PERIOD_S
+    for budget, want in [(size // 2, 0), (size + size // 2, 1), (1 << 40, MOVE_WORKERS)]:
+        clock, ex = _Clock(), _FakeAdaptive()
+        tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=budget, clock=clock)
+        _drive(tuner, clock, ex, 6 * PERIOD_S, lambda e: per_period, until=1)
+        assert ex.procs == want, (budget, tuner.decisions, tuner.held)
+        if not want:
+            assert tuner.held.startswith("memory budget"), tuner.held
+
+
+def test_a_budget_of_one_worker_moves_one_stage_to_one_worker():
+    """``max_workers=1`` over two adaptive stages (inline, they hold no worker): the
+    budget stays 1 and the move starts one worker."""
+    clock, first, second = _Clock(), _FakeAdaptive(), _FakeAdaptive()
+    tuner = Controller({0: first, 1: second}, cpu_budget=1, memory_bytes=1 << 40,
+                       clock=clock)
+    assert tuner.cpu_budget == 1
+    per_period = TRIAL_ITEMS / PERIOD_S
+    _drive(tuner, clock, first, 6 * PERIOD_S, lambda e: per_period, until=1)
+    assert first.procs + second.procs == 1, tuner.decisions
+
+
 def test_a_move_is_judged_after_its_settling_period():
     """The first period on processes is the switch (inline parts finish, the workers'
     queues fill) and hands on a quarter of what inline did; the rate after it is 1.5 x
@@ -293,7 +321,7 @@ def test_the_engine_counts_down_the_source_samples_left_in_the_run(kw, replay):
     # time asks 28 %), not the 10 that 28 % x 70 % of each elapsed second would give
     (0.28, 0.7, None, 7),
     (0.05, 1.0, 4.5, 4),  # waiting, memory for 4.5 processes this size: halved once
-    (0.05, 1.0, 1.5, MOVE_WORKERS),  # ... for fewer than two: no fewer than a CPU-bound one
+    (0.05, 1.0, 1.5, 1),  # ... for fewer than two: one (every move keeps to the budget)
 ])
 def test_a_waiting_inline_stage_is_moved_to_as_many_workers_as_its_demand_calls_for(
         demand, busy, memory, workers, monkeypatch):
@@ -562,21 +590,25 @@ def test_a_pinned_process_stage_whose_output_cannot_be_pickled_is_still_refused(
 
 
 @pytest.mark.parametrize("side", ["output", "input"])
-def test_a_sample_that_cannot_be_pickled_after_a_move_brings_the_stage_back_inline(
-        monkeypatch, side):
-    """A stage moved to processes (forced, on samples that pickle) meets samples late in
-    the run that do not (a lock in them): in its output (stage 0: the worker cannot send
-    the unit back) or in its input (stage 1: the unit cannot be sent). Each such unit
-    runs again inline, the stage goes back inline for the rest of the run with a
-    decision that says why, the stream is the inline one, and no worker is left."""
+@pytest.mark.parametrize("kind", ["lock", "rebuilt elsewhere"])
+def test_a_sample_that_cannot_cross_after_a_move_brings_the_stage_back_inline(
+        monkeypatch, side, kind):
+    """A stage moved to processes (forced, on samples that cross) meets samples late in
+    the run that cannot cross: a lock (it does not pickle) or an object that unpickles
+    only in the process that made it; in its output (stage 0: its unit cannot come back
+    from the worker) or in its input (stage 1: its unit cannot be sent, or rebuilt in
+    the worker). Each such unit runs again inline, the stage goes back inline for the
+    rest of the run with a decision that says why, the stream is the inline one, and no
+    worker is left."""
     n = 300
     order = [v // 4 for b in _reference(n, op=F.cheap) for v in b]
     monkeypatch.setenv("ZEPHON_TEST_LOCKED", ",".join(str(x) for x in order[-60:]))
     stage = 0 if side == "output" else 1
-    reference = _reference(n, op=F.lock_some, second=F.drop_lock)
+    op, second = (F.lock_some, F.drop_lock) if kind == "lock" else \
+        (F.here_only_some, F.unwrap)
+    reference = _reference(n, op=op, second=second)
     before = set(_children())
-    pipe = _pipe(n, op=F.lock_some, second=F.drop_lock, worker_allocation="autotune",
-                 prefetch_batches=2)
+    pipe = _pipe(n, op=op, second=second, worker_allocation="autotune", prefetch_batches=2)
     pids: set = set()
     with iter(pipe) as it:
         tuner = _script(it, {5: (stage, 2, True)})
@@ -586,12 +618,46 @@ def test_a_sample_that_cannot_be_pickled_after_a_move_brings_the_stage_back_inli
             got.append(batch.tolist())
             pids.update(ex.pids())
     assert got == reference
-    assert ex.process_units > 0 and side in ex.unable, (ex.process_units, ex.unable)
+    assert ex.process_units > 0 and ex.unable, (ex.process_units, ex.unable)
+    assert side in ex.unable if kind == "lock" else "HereOnly" in ex.unable, ex.unable
     assert [(d.stage, d.before, d.after) for d in tuner.decisions] == \
         [(stage, 0, 2), (stage, 2, 0)], tuner.decisions
     assert "inline for the rest of the run" in tuner.decisions[-1].reason
     assert pids and not wait_gone(pids, HANG_S)
     assert set(_children()) <= before
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_an_op_error_after_a_move_is_the_one_inline_raises(monkeypatch, stage):
+    """An op that raises on a sample late in the run, in a stage moved to processes:
+    the batches before it and the error (its type, message and cause: the op's own
+    ValueError, not a copy from the worker) are the inline runner's, and the stage is
+    not taken for one that cannot use processes (the unit failed inline too)."""
+    n = 300
+    order = [v // 4 for b in _reference(n, op=F.cheap) for v in b]
+    monkeypatch.setenv("ZEPHON_TEST_LOCKED", str(order[-40] * (1 + stage)))  # (x2: cheap)
+    ops = {"op": F.fail_named, "second": F.cheap} if stage == 0 else \
+        {"op": F.cheap, "second": F.fail_named}
+
+    def run(pipe, script=None):
+        got = []
+        with iter(pipe) as it:
+            executors = dict(it.engine.executors)
+            if script:
+                _script(it, script)
+            with pytest.raises(Exception) as raised:
+                for batch in it:
+                    got.append(batch.tolist())
+            return got, raised.value, executors
+
+    want, error, _ = run(_pipe(n, runner="inline", **ops))
+    got, same, executors = run(_pipe(n, worker_allocation="autotune", **ops),
+                               {5: (stage, 2, True)})
+    assert got == want
+    assert (type(same), str(same), type(same.__cause__)) == \
+        (type(error), str(error), ValueError), (same, same.__cause__)
+    ex = executors[stage]
+    assert ex.process_units > 0 and not ex.unable, (ex.process_units, ex.unable)
 
 
 def test_a_carried_move_is_called_off_when_the_stage_turns_out_unable(monkeypatch):
@@ -633,6 +699,7 @@ def test_a_move_whose_workers_never_start_is_given_up_after_the_spawn_timeout(mo
     from zephon.transport import WorkerPool
 
     monkeypatch.setattr(E, "WorkerPool", functools.partial(WorkerPool, spawn_timeout_s=1.0))
+    monkeypatch.setenv("ZEPHON_TEST_MAIN_PID", str(os.getpid()))
     n = 400
     before = set(_children())
     pipe = _pipe(n, op=H.plus_one, second=F.cheap, worker_allocation="autotune")

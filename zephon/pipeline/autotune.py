@@ -103,7 +103,8 @@ seconds over the elapsed time: the engine's thread) and as none against the CPU 
   in a row waits on storage or the network, and is moved at once to
   as many workers as the CPU budget, less what the other stages are measured to use,
   feeds at the most it asked per second of op time, up to its waiting cap (halved
-  while that many workers the size of the consumer's process would not fit the memory
+  while that many workers (each as large as the largest running, else as this process
+  up to :data:`NEW_WORKER_BYTES`) would not fit the memory
   budget, counting the other stages' workers; never fewer than a CPU-bound stage gets):
   one boot instead of a boot and a trial per doubling. Should its workers then not read
   as waiting, the rule's *back within the budget* cuts them to the stage's cap. Its workers boot while its units go on running inline (the
@@ -120,9 +121,12 @@ seconds over the elapsed time: the engine's thread) and as none against the CPU 
   inline holds no process and no memory), else the stage takes the parked pool back at
   once with the workers it had, and moves back inline are held as failed moves to
   processes are;
+- a move to processes starts only the workers the memory budget has room for (as
+  above; none: the stage stays inline and the hold says so);
 - a stage whose pool cannot start (an op that does not pickle, a worker that fails to
-  start), or whose samples do not pickle (the executor's ``unable``), stays inline for
-  the rest of the run (logged once);
+  start or is not ready within the spawn timeout), or whose samples do not pickle or
+  whose units fail in a worker and pass inline (the executor's ``unable``), stays
+  inline for the rest of the run (logged once, a recorded decision);
 - under ``mtp_mode`` the consumer's wait is not reported: adaptive stages stay inline.
 
 **Bounds.** At least one worker per stage on workers (an adaptive stage running
@@ -178,12 +182,12 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Callable, NamedTuple
 
-__all__ = ["BUSY_GROW", "BUSY_SHRINK", "HOLD_MAX_S", "HOLD_S", "KEEP_DECISIONS", "MOVE_MIN_BYTE_S",
-           "MOVE_MIN_SAMPLE_S", "MOVE_PAYBACK_S", "MOVE_PERIODS", "MOVE_WORKERS", "PERIOD_S",
-           "SHRINK_PERIODS", "TRIAL_GAIN", "TRIAL_ITEMS", "TRIAL_MIN_ITEMS", "TRIAL_MIN_S",
-           "TRIAL_S",
-           "WAITING_CPU", "WAITING_FACTOR", "WAIT_GROW", "WIDE_PERIODS",
-           "Controller", "Decision", "StageMeter", "choose", "judge", "judge_inline"]
+__all__ = ["BUSY_GROW", "BUSY_SHRINK", "HOLD_MAX_S", "HOLD_S", "KEEP_DECISIONS",
+           "MOVE_MIN_BYTE_S", "MOVE_MIN_SAMPLE_S", "MOVE_PAYBACK_S", "MOVE_PERIODS",
+           "MOVE_WORKERS", "NEW_WORKER_BYTES", "PERIOD_S", "SHRINK_PERIODS", "TRIAL_GAIN",
+           "TRIAL_ITEMS", "TRIAL_MIN_ITEMS", "TRIAL_MIN_S", "TRIAL_S", "WAITING_CPU",
+           "WAITING_FACTOR", "WAIT_GROW", "WIDE_PERIODS", "Controller", "Decision",
+           "StageMeter", "choose", "judge", "judge_inline"]
 
 log = logging.getLogger("zephon.autotune")
 
@@ -245,16 +249,19 @@ MOVE_MIN_BYTE_S = 2e-9
 #: A move that did not pay holds that stage's next move of the same kind HOLD_S seconds,
 #: doubled with each such failure in a row, at most HOLD_MAX_S.
 HOLD_MAX_S = 40.0
+#: A worker not started yet counts, against the memory budget, as large as the largest
+#: running one, else as this process up to this many bytes.
+NEW_WORKER_BYTES = 256 << 20
 #: The decisions and judged trials a controller keeps (its latest ones; ``decided``
 #: counts them all): a run of days makes many, and each is kept for stats and explain.
 KEEP_DECISIONS = 1000
 
 
 def _trim(kept: list) -> None:
-    """Keep the latest KEEP_DECISIONS of ``kept`` (cut when it holds twice that: O(1) a
-    call, amortised)."""
-    if len(kept) >= 2 * KEEP_DECISIONS:
-        del kept[:-KEEP_DECISIONS]
+    """Keep the latest KEEP_DECISIONS of ``kept`` (a decision comes at most once a
+    period: moving a thousand references then costs nothing)."""
+    if len(kept) > KEEP_DECISIONS:
+        del kept[:len(kept) - KEEP_DECISIONS]
 
 
 class Decision(NamedTuple):
@@ -480,7 +487,9 @@ class Controller:
         self.adaptive = {s for s, ex in executors.items() if getattr(ex, "adaptive", False)}
         self.executors = {s: ex for s, ex in executors.items()
                           if ex.runner != "inline" or s in self.adaptive}
-        self.cpu_budget = max(cpu_budget, len(self.executors))
+        #: (at least one worker per stage pinned to workers; an adaptive stage inline
+        #: holds none)
+        self.cpu_budget = max(cpu_budget, len(self.executors) - len(self.adaptive), 1)
         self.memory_bytes, self.period, self.clock = memory_bytes, period, clock
         self.meters = {s: StageMeter() for s in self.executors}
         procs = {s for s, ex in self.executors.items()
@@ -488,7 +497,7 @@ class Controller:
         self._procs = procs
         #: each stage's cap when every other stage holds one worker (an inline stage
         #: holds none: the caps of the moment, _caps_now, are larger then)
-        most = self.cpu_budget - (len(self.executors) - 1)
+        most = max(1, self.cpu_budget - (len(self.executors) - 1))
         self.caps = {s: min(most, MAX_PROCESS_WORKERS) if s in procs else most
                      for s in self.executors}
         #: a process stage's cap while its workers wait (see the rule)
@@ -580,7 +589,8 @@ class Controller:
             n = min(n, ex.max_workers)
             why = "where the previous run of this pipeline ended"
             if s in self.adaptive:
-                done = self._switch(now, s, n, why)
+                n = self._fitting(s, n)
+                done = n >= 1 and self._switch(now, s, n, why)
             else:
                 done = self._resize(now, s, n - ex.workers, why)
             if done and n > self.caps[s]:
@@ -681,6 +691,23 @@ class Controller:
         self._hold(f"memory budget: {need >> 20} MiB with {n} more worker(s) of stage "
                    f"{stage} > {self.memory_bytes >> 20} MiB")
         return False
+
+    def _new_worker_size(self) -> int:
+        """The resident bytes a worker not started yet is counted at: the largest process
+        worker running (any stage), else this process's, at most NEW_WORKER_BYTES (a
+        spawned worker imports the ops' modules, not the training script's model and
+        data). 0: unknown (no /proc)."""
+        sizes = [_rss(pid) for e in self.executors.values() if e.runner == "process"
+                 for pid in e.pids()]
+        return max(sizes, default=0) or min(_rss(os.getpid()), NEW_WORKER_BYTES)
+
+    def _fitting(self, stage: int, n: int) -> int:
+        """The most of ``n`` new workers of adaptive ``stage`` that fit in the memory
+        budget (0: none; the reason held)."""
+        size = self._new_worker_size()
+        while n >= 1 and not self._memory_ok(stage, n, size):
+            n = n - 1 if n <= MOVE_WORKERS else n // 2
+        return n
 
     def _hold(self, why: str) -> None:
         if why != self.held:
@@ -884,6 +911,7 @@ class Controller:
             asked = self._asked.pop(s, None)
             if asked is not None:  # waiting in every period of its streak
                 n, why = self._waiting_width(sig, s, inline, n, asked)
+            n = self._fitting(s, n)
             if n >= 1:
                 self._ripe[s] = 0
                 before = self._before(s, now)
@@ -893,7 +921,8 @@ class Controller:
                     if n > self._caps_now(inline - {s})[s]:
                         self._wide[s] = 0
                 return True
-            self._hold(f"CPU budget {self.cpu_budget} full: stage {s} stays inline")
+            if not self.held.startswith("memory"):
+                self._hold(f"CPU budget {self.cpu_budget} full: stage {s} stays inline")
         spare = [s for s in self.adaptive if s not in inline and
                  self._spare[s] >= SHRINK_PERIODS]
         if spare:
@@ -935,7 +964,7 @@ class Controller:
                    if t not in inline)
         spare_cpu = self.cpu_budget - used
         k = min(int(spare_cpu / max(asked, 1e-3)), self.waiting_caps.get(s, n))
-        size = _rss(os.getpid())
+        size = self._new_worker_size()
         if k <= max(n, 0) or size == 0:
             return n, ""
         while k > n and not self._memory_ok(s, k, size):

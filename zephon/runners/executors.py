@@ -40,9 +40,14 @@ does, not when it happens to finish first.
   :meth:`~AdaptiveExecutor.release` stops it (once its units are back). ``runner`` is
   the mode now (``"inline"`` or ``"process"``), ``workers`` the process workers in
   process mode, 1 (the engine's thread) inline. A stage whose pool cannot start (an op
-  that cannot be pickled, a worker that fails to start), or whose input or output
-  samples cannot be pickled (a sample of each is checked on the first inline units that
-  have one), stays inline for the rest of the run (``unable`` says why). ``profile`` is the dispatch's estimate of what its
+  that cannot be pickled, a worker that fails to start or is not ready within the
+  pool's spawn timeout), or whose input or output samples cannot be pickled (a sample
+  of each is checked on the first inline units that have one), stays inline for the
+  rest of the run (``unable`` says why). A unit that fails in a worker (a sample the
+  check did not see that cannot cross, or the op's own error) runs again inline: if it
+  passes there, the stage goes back inline for the rest of the run; if it fails there
+  too, that failure is handed on, as the inline runner hands it on. Such a fall-back
+  is listed in ``fallen`` for the controller to record. ``profile`` is the dispatch's estimate of what its
   samples cost (op seconds and output bytes per sample), for the controller. Units of
   both modes come back as ``(seq, result,
   busy_s)``; the engine re-orders them by ``seq``, so the stream is the one any runner
@@ -594,8 +599,9 @@ class AdaptiveExecutor:
         if wait:
             try:
                 proc.pool._ensure_ready()
-            except Exception:  # noqa: BLE001 - reported (and the stage kept inline) below
-                pass
+            except Exception as exc:  # noqa: BLE001 - the move failed: the stage stays inline
+                self._boot_failed(proc, exc)
+                return
             self._poll()
 
     def to_inline(self) -> None:
@@ -646,30 +652,33 @@ class AdaptiveExecutor:
         try:
             ready = proc.ready_now()
         except Exception as exc:  # noqa: BLE001 - a move that failed: stay inline
-            log.warning("stage %s: process workers failed to start, staying inline: %s",
-                        self.name, exc)
-            self.unable = f"its process workers failed to start: {type(exc).__name__}: {exc}"
-            self._proc = None
-            self._close(proc)
-            self.fallen.append((proc.workers, self.unable))
+            self._boot_failed(proc, exc)
             return
         if ready:
             self._in_process = True
 
-    def _cannot_send(self, what: str, error: BaseException) -> None:
-        """A unit's ``what`` ("input" or "output") could not cross to or from a worker
-        (a sample the first units' check did not see): the stage stays inline from now
-        on, its pool stopped once the units in flight are back; each such unit runs
-        again inline (the caller does)."""
+    def _boot_failed(self, proc: ProcessExecutor, exc: BaseException) -> None:
+        """The workers of a move did not start (``exc`` says why): the stage stays
+        inline."""
+        log.warning("stage %s: process workers failed to start, staying inline: %s",
+                    self.name, exc)
+        self.unable = f"its process workers failed to start: {type(exc).__name__}: {exc}"
+        self._proc = None
+        self._close(proc)
+        self.fallen.append((proc.workers, self.unable))
+
+    def _give_up(self, why: str) -> None:
+        """The stage's process workers cannot run what it has to run (``why``): it stays
+        inline from now on, its pool stopped once the units in flight are back (each
+        such unit runs again inline: the caller does)."""
         if self.unable:
             return
-        cause = error.__cause__ if isinstance(error.__cause__, SerializationError) else error
-        self.unable = f"its {what} cannot be pickled for process workers: {cause}"
-        log.warning("stage %s goes back inline and stays there: %s", self.name, self.unable)
+        self.unable = why
+        log.warning("stage %s goes back inline and stays there: %s", self.name, why)
         workers = self.workers
         self.to_inline()
         self.release()
-        self.fallen.append((workers, self.unable))
+        self.fallen.append((workers, why))
 
     def _reap(self) -> None:
         proc = self._proc
@@ -693,7 +702,7 @@ class AdaptiveExecutor:
             try:
                 self._proc.submit(lane, seq, payload)
             except SerializationError as exc:  # nothing was sent: it runs inline below
-                self._cannot_send("input", exc)
+                self._give_up(f"its input cannot be pickled for process workers: {exc}")
             else:
                 self.process_units += 1
                 return
@@ -744,17 +753,28 @@ class AdaptiveExecutor:
         if proc is None or not proc.holds(lane):
             raise TransportError(f"stage {self.name!r}: nothing of lane {lane} in flight")
         out = proc.get(lane)
-        failed = out[1]
-        if isinstance(failed, TaskFailed) and failed.payload is not None and \
-                getattr(failed.error, "zephon_unsendable", False):
-            # its result could not come back (what the first units' check did not see):
-            # the unit runs again inline, whole (the records the worker made before the
-            # failing one are made again, the same), and the stage stays inline
-            self._cannot_send("output", failed.error)
-            self._inline.submit(lane, out[0], failed.payload)
-            out = self._inline._done[lane].pop()
+        if isinstance(out[1], TaskFailed) and out[1].payload is not None:
+            out = self._again_inline(lane, out[0], out[1])
         self._reap()
         return out
+
+    def _again_inline(self, lane, seq: int, failed: TaskFailed):
+        """A unit that failed in a process worker runs again inline, whole (the records
+        the worker made before its failure are made again, the same): failing there too,
+        the failure is the op's and is handed on as the inline runner hands it on (the
+        op's own exception, not its worker's copy); passing, it was the worker's (a
+        result it could not send back, an input it could not rebuild: samples the first
+        units' check did not see), and the stage stays inline."""
+        self._inline.submit(lane, seq, failed.payload)
+        again = self._inline._done[lane].pop()
+        if not isinstance(again[1], TaskFailed):
+            error = failed.error
+            if getattr(error, "zephon_unsendable", False):
+                self._give_up(f"its output cannot be pickled for process workers: {error}")
+            else:
+                self._give_up(f"a unit failed in a process worker and passed inline: "
+                              f"{type(error).__name__}: {error}")
+        return again
 
     def close(self) -> None:
         self._inline.close()

@@ -739,7 +739,11 @@ class WorkerPool:
             if kind == MsgKind.RESULT:
                 if "w" in header:
                     self._warn_fallback(header["w"])
-                value = self.decoder.decode(header, frames, fds)
+                try:
+                    value = self.decoder.decode(header, frames, fds)
+                except Exception as exc:  # the result came but cannot be rebuilt here
+                    _tag_task(exc, task_id)
+                    raise
                 return TaskResult(task_id, handle.index, value, header.get("t"),
                                   header.get("b"))
             if kind == MsgKind.ERROR:
@@ -747,10 +751,7 @@ class WorkerPool:
                                          f"task {task_id} on worker {handle.index}")
                 if "done" in header:  # what the task made before it failed
                     put_done(error, self.decoder.decode(header["done"], frames[1:], fds))
-                try:  # which task failed, for callers that place errors in order
-                    error.zephon_task_id = task_id  # type: ignore[attr-defined]
-                except AttributeError:  # an exception type that refuses attributes
-                    pass
+                _tag_task(error, task_id)
                 raise error
             raise TransportError(f"unexpected message {kind!r} from worker {handle.index}")
         finally:
@@ -809,3 +810,12 @@ class WorkerPool:
         log.error("%s", error)
         self.crashes.append(error)
         return error
+
+
+def _tag_task(error: BaseException, task_id: int) -> None:
+    """Name the task ``error`` is about (``zephon_task_id``), for callers that place
+    errors in stream order."""
+    try:
+        error.zephon_task_id = task_id  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type that refuses attributes
+        pass
