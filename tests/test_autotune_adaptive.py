@@ -18,6 +18,7 @@ import pytest
 
 import _autotune_fns as F
 from _procs import HANG_S, wait_gone
+from test_autotune import _FakeWaitingProcess
 from conftest import zephon_shm_entries
 from zephon import Pipeline, RuntimeOptions, sources
 from zephon.pipeline import autotune as A
@@ -721,22 +722,8 @@ def test_a_move_whose_workers_never_start_is_given_up_after_the_spawn_timeout(mo
         [(0, 0, 2), (0, 2, 0)], tuner.decisions
 
 
-class _FakePinned:
-    """A pinned process executor's controls without processes."""
-
-    adaptive, booting, runner = False, 0, "process"
-
-    def __init__(self):
-        self.workers, self.meter, self.max_workers = 1, None, 1
-
-    def grow(self):
-        self.workers += 1
-
-    def shrink(self):
-        self.workers -= 1
-
-    def pids(self):
-        return []
+#: a pinned process executor's controls without processes
+_FakePinned = _FakeWaitingProcess
 
 
 def test_a_run_starts_where_the_previous_run_ended():
