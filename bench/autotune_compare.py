@@ -29,7 +29,9 @@ measures its start (half a second of evidence, then a boot) more than where it g
   last run's.
 
 Rows, each in a fresh interpreter (bench/_fresh.py), run interleaved (row 1, 2, ...,
-then again; ``default`` and ``autotune`` first, one after the other) ``--reps`` times; the
+then again; ``default`` and ``autotune`` first, one after the other, taking turns at
+going first: a row's place in a repetition moved its rate by a few per cent, the
+``inline`` row, which does the default's work, ran at 0.96 of it) ``--reps`` times; the
 table gives the median items/s over the whole run
 (worker start-up included) with every raw value, and the median items/s over the
 middle half of the samples (a quarter to three quarters: where a tuned run has settled,
@@ -251,9 +253,13 @@ def run_workload(name: str, reps: int, scale: float) -> dict:
     rows = rows_of(name, scale)
     runs: dict[str, list[dict]] = {k: [] for k in rows}
     per_rep: list[dict[str, float]] = []  # each repetition's items/s per row
-    for _ in range(reps):
+    for rep in range(reps):
         per_rep.append({})
-        for label, spec in rows.items():
+        order = list(rows)
+        if rep % 2:  # default and autotune take turns at going first
+            order[0], order[1] = order[1], order[0]
+        for label in order:
+            spec = rows[label]
             out, _err = run_in_child(__file__, spec, 900, dict(os.environ), f"{name}: {label}")
             if out is not None:
                 runs[label].append(out)
