@@ -43,6 +43,29 @@ def test_a_grown_worker_boots_then_takes_tasks(pool):
     assert workers == {0, 1}
 
 
+def test_a_grown_worker_boots_while_the_others_always_have_results_waiting(pool):
+    """Worker 0 is never idle and its results are always waiting (eight in flight, one
+    submitted per one taken): the grown worker's READY is still read as soon as it
+    arrives (it was starved: get() returned worker 0's result first every time, and the
+    grown worker never came into service, nor did autotune decide anything after it)."""
+    import time
+
+    inflight = {pool.submit(i): i for i in range(8)}
+    pool.add_worker()
+    deadline, k = time.monotonic() + HANG_S, 8
+    while pool.booting and time.monotonic() < deadline:
+        r = pool.get()
+        assert inflight.pop(r.task_id) == r.value
+        inflight[pool.submit(k)] = k
+        k += 1
+        time.sleep(0.002)  # a training step: worker 0's next results wait meanwhile
+    assert not pool.booting, "the grown worker's READY was never read"
+    while inflight:
+        r = pool.get()
+        assert inflight.pop(r.task_id) == r.value
+    assert {w for _, w in _run(pool, 20).values()} == {0, 1}
+
+
 def test_a_retired_worker_finishes_its_tasks_and_is_no_crash(pool):
     pool.add_worker()
     while pool.booting:

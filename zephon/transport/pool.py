@@ -258,6 +258,7 @@ class WorkerPool:
         self._closed = False
         self._started = False
         self._ready = False
+        self._turn = 0  # which ready result channel get() reads first (they take turns)
         self.crashes: list[WorkerCrashedError] = []
         self._deaths = DeathWatch(f"pool {name!r}", log)  # see zephon.transport.deaths
         self._selector.register(self._deaths.fileno(), selectors.EVENT_READ, None)
@@ -670,10 +671,28 @@ class WorkerPool:
                 raise
             if self._closed:
                 raise self._closed_error()
-            for key, _ in events:
-                result = self._receive(key.data)
-                if result is not None:
-                    return result
+            result = self._receive_ready([key.data for key, _ in events])
+            if result is not None:
+                return result
+
+    def _receive_ready(self, handles: list) -> TaskResult | None:
+        """Read the channels ``select`` found ready (None: the wake-up pipes) until one
+        gives a result. Wake-ups and booting workers' READYs first: a result returns at
+        once, so a channel behind one that always has a result waiting (a busy worker, a
+        slow consumer) would never be read, and a grown worker never served. The result
+        channels then take turns at being read first."""
+        first = [h for h in handles if h is None or h.booting]
+        for handle in first:
+            self._receive(handle)
+        ready = [h for h in handles if h not in first]
+        if not ready:
+            return None
+        self._turn = (self._turn + 1) % len(ready)
+        for handle in ready[self._turn:] + ready[:self._turn]:
+            result = self._receive(handle)
+            if result is not None:
+                return result
+        return None
 
     def _note_deaths(self) -> None:
         """Mark the workers the death watch saw die by themselves: ``get()`` reads what
