@@ -144,6 +144,28 @@ def test_a_move_starts_only_the_workers_the_memory_budget_has_room_for():
             assert tuner.held.startswith("memory budget"), tuner.held
 
 
+def test_a_worker_not_started_yet_counts_as_the_largest_one_running(monkeypatch):
+    """With a process stage's worker running at 1 GiB, a move of another stage counts
+    each new worker at 1 GiB too, not at this process's size (capped at
+    NEW_WORKER_BYTES): a budget of 2.5 GiB has room for one, not two."""
+    gib = 1 << 30
+    sizes = {111: gib}
+    monkeypatch.setattr(A, "_rss", lambda pid: sizes.get(pid, 100 << 20))
+
+    class Running(_FakeWaitingProcess):
+        def pids(self):
+            return [111]
+
+    clock, moved = _Clock(), _FakeAdaptive()
+    tuner = Controller({0: moved, 1: Running()}, cpu_budget=4, memory_bytes=int(2.5 * gib),
+                       clock=clock)
+    assert tuner._new_worker_size() == gib
+    assert tuner._fitting(0, 2) == 1  # 1 GiB running + 1 GiB new <= 2.5 GiB < + 2 GiB
+    alone = Controller({0: _FakeAdaptive()}, cpu_budget=4, memory_bytes=int(2.5 * gib),
+                       clock=clock)
+    assert alone._new_worker_size() == 100 << 20 and alone._fitting(0, 2) == 2
+
+
 def test_a_budget_of_one_worker_moves_one_stage_to_one_worker():
     """``max_workers=1`` over two adaptive stages (inline, they hold no worker): the
     budget stays 1 and the move starts one worker."""

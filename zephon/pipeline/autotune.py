@@ -911,7 +911,8 @@ class Controller:
             asked = self._asked.pop(s, None)
             if asked is not None:  # waiting in every period of its streak
                 n, why = self._waiting_width(sig, s, inline, n, asked)
-            n = self._fitting(s, n)
+            cpu_room = n >= 1
+            n = self._fitting(s, n)  # (none: the memory budget's hold says why)
             if n >= 1:
                 self._ripe[s] = 0
                 before = self._before(s, now)
@@ -921,7 +922,7 @@ class Controller:
                     if n > self._caps_now(inline - {s})[s]:
                         self._wide[s] = 0
                 return True
-            if not self.held.startswith("memory"):
+            if not cpu_room:
                 self._hold(f"CPU budget {self.cpu_budget} full: stage {s} stays inline")
         spare = [s for s in self.adaptive if s not in inline and
                  self._spare[s] >= SHRINK_PERIODS]
