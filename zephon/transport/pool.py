@@ -681,6 +681,8 @@ class WorkerPool:
         once, so a channel behind one that always has a result waiting (a busy worker, a
         slow consumer) would never be read, and a grown worker never served. The result
         channels then take turns at being read first."""
+        if len(handles) == 1:  # (the common case: nothing to order)
+            return self._receive(handles[0])
         first = [h for h in handles if h is None or h.booting]
         for handle in first:
             self._receive(handle)
