@@ -25,7 +25,9 @@ and reused):
    (``Pipeline(from_sequence(files)).map(decode, parallelism=2).batch(64)``: the process
    runner, 2 workers), ``zephon autotune`` (the same map without a parallelism, under
    ``RuntimeOptions(runner="process", worker_allocation="autotune")``: the controller
-   picks the workers within the process's cores), ``zephon webdataset`` (the same over
+   picks the workers within the process's cores), ``zephon autotune unpinned`` (the
+   option alone, ``RuntimeOptions(worker_allocation="autotune")``, as a user writes it:
+   the map starts inline and is moved to process workers once a trial shows they pay), ``zephon webdataset`` (the same over
    ``sources.webdataset``),
    ``torch`` (``DataLoader(num_workers=2, batch_size=64, shuffle=True, spawn)`` over an
    ImageFolder-like dataset), ``grain`` (``MapDataset.source -> shuffle -> random_map ->
@@ -71,7 +73,8 @@ and reused):
 Ratios (> 1 means zephon is ahead): ``image_defaults_vs_best_peer`` (zephon defaults /
 the fastest peer row), ``image_defaults_vs_best_peer_epoch`` (the fastest peer's epoch
 seconds / zephon defaults'), ``image_autotune_vs_tfdata`` (zephon autotune / tf.data,
-steady) and ``image_autotune_vs_tfdata_epoch`` (by epoch seconds), ``tokenize_process2_vs_hf`` (HF's epoch seconds / zephon 2
+steady) and ``image_autotune_vs_tfdata_epoch`` (by epoch seconds), the same two for
+``autotune_unpinned``, ``tokenize_process2_vs_hf`` (HF's epoch seconds / zephon 2
 workers'), ``windows_process_vs_get_batch``, ``windows_best_vs_get_batch`` (zephon's
 faster runner / get_batch), and each zephon row against each peer row of its table.
 
@@ -262,7 +265,7 @@ def _tf_decode(data: bytes, seed) -> np.ndarray:
 # -- image loaders: each returns (iterable of image batches, close) ---------------------------
 
 def image_zephon(paths: dict, source: str = "files", autotune: bool = False,
-                 torchvision: bool = False):
+                 torchvision: bool = False, pinned: bool = True):
     from zephon import Pipeline, RuntimeOptions, sources
 
     # autotune: no parallelism given, the controller picks the workers (CPU budget: the
@@ -277,8 +280,9 @@ def image_zephon(paths: dict, source: str = "files", autotune: bool = False,
     else:
         pipe = Pipeline(sources.from_sequence(image_files(paths["folder"]))) \
             .map(decode_file, **par)
-    if autotune:
-        pipe = pipe.options(RuntimeOptions(runner="process", worker_allocation="autotune"))
+    if autotune:  # pinned: runner="process" too; else the option alone, as a user writes it
+        pipe = pipe.options(RuntimeOptions(runner="process", worker_allocation="autotune")
+                            if pinned else RuntimeOptions(worker_allocation="autotune"))
     it = iter(pipe.batch(IMAGE_BATCH))
     return (b["image"] for b in it), it.close
 
@@ -671,6 +675,7 @@ def plan(sizes: dict, peers: dict[str, str]) -> list[dict]:
 
     rows = [row("zephon defaults", "image", "zephon"),
             row("zephon autotune", "image", "zephon", autotune=True),
+            row("zephon autotune unpinned", "image", "zephon", autotune=True, pinned=False),
             row("zephon webdataset", "image", "zephon", source="webdataset")]
     if "torch" in peers:
         rows.append(row("torch DataLoader", "image", "torch", peers["torch"]))
@@ -819,10 +824,13 @@ def _image_ratios(table: dict) -> list[tuple[str, float]]:
     ztv, ttv = rate("zephon + torchvision"), rate("torch + torchvision")
     if ztv and ttv:
         out.append(("image_torchvision_zephon_vs_torch", ztv / ttv))
-    auto, tf = table.get(("image", "zephon autotune")), table.get(("image", "tf.data"))
-    if auto and tf:
-        out.append(("image_autotune_vs_tfdata", auto["items_per_s"] / tf["items_per_s"]))
-        out.append(("image_autotune_vs_tfdata_epoch", tf["epoch_s"] / auto["epoch_s"]))
+    tf = table.get(("image", "tf.data"))
+    for name, key in (("zephon autotune", "autotune"), ("zephon autotune unpinned",
+                                                        "autotune_unpinned")):
+        auto = table.get(("image", name))
+        if auto and tf:
+            out.append((f"image_{key}_vs_tfdata", auto["items_per_s"] / tf["items_per_s"]))
+            out.append((f"image_{key}_vs_tfdata_epoch", tf["epoch_s"] / auto["epoch_s"]))
     return out
 
 
