@@ -37,11 +37,13 @@ lane, lane_index, sample ids, loss as a hex float) and, on rank 0, one per step
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 
 import numpy as np
 import torch
+import torch._dynamo  # noqa: F401 - before the process group exists: see shut_down_gloo
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -101,6 +103,13 @@ def main() -> None:
 
     torch.set_num_threads(1)  # deterministic kernels: same ops, same bits
     dist.init_process_group("gloo")
+    try:
+        train(args)
+    finally:
+        shut_down_gloo()
+
+
+def train(args: argparse.Namespace) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     if args.global_batches % world:
         raise SystemExit(f"--global-batches {args.global_batches} is not a multiple of the "
@@ -171,7 +180,29 @@ def main() -> None:
             dist.barrier()
     log.close()
     loader.close()
+
+
+def shut_down_gloo() -> None:
+    """Join gloo's worker threads before the interpreter finalizes.
+
+    A gloo worker thread drops its reference to a finished collective (and with
+    it the Python objects of the collective's tensors) after the caller has been
+    told the collective is done. On a busy machine that drop can come late: if
+    it asks for the GIL while the interpreter is finalizing, the thread is torn
+    down inside C++ code and the process aborts ("terminate called without an
+    active exception"; 2 runs in 8 on 4 ranks and 2 cores). The process group's
+    destructor releases the GIL and joins those threads, so the last reference
+    to the group is dropped here, while the interpreter is alive: torch's
+    registry holds one, the DDP model of ``train`` others (gone with its frame,
+    or with the collection below).
+
+    One more holder has to be kept away: importing ``torch._dynamo`` (DDP's
+    constructor does) while a process group exists keeps references to it for
+    good, and then no destructor ever runs. The import at the top of this file
+    comes before ``init_process_group``.
+    """
     dist.destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ torch.distributed.checkpoint) and ``spawn-dcp-restore`` (a spawn child loads it 
 rank, without a process group). Prints OK; anything else fails with a traceback.
 """
 
+import gc
 import multiprocessing
 import os
 import sys
@@ -79,6 +80,7 @@ def spawn_save(directory, torch_spawn):
 
 
 def dcp_save(directory):
+    import torch._dynamo  # noqa: F401 - before the group exists (examples/train_ddp.py, shut_down_gloo)
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -93,6 +95,7 @@ def dcp_save(directory):
     dcp.save({"data": loader}, checkpoint_id=os.path.join(directory, "dcp"))
     loader.close()
     dist.destroy_process_group()
+    gc.collect()  # joins gloo's threads while the interpreter is alive
 
 
 def _dcp_restore(directory, world):
