@@ -36,6 +36,11 @@ def work(subject):
             return arg
         if action == "raise":
             raise ValueError(f"subject {subject['subject_id']} failed on purpose")
+        if action == "raise_from":  # a subject's own error, raised from what caused it
+            try:
+                {}[subject["subject_id"]]
+            except KeyError as err:
+                raise ValueError(f"subject {subject['subject_id']} has no entry") from err
         if action == "raise_once_started":  # fail once `arg` subjects have started
             deadline = time.monotonic() + 60.0
             while time.monotonic() < deadline and sum(

@@ -171,6 +171,19 @@ class SlowFrom:
         return add_one(s)
 
 
+class LookupFailed(Exception):
+    """An op's own exception type, raised from the KeyError that caused it."""
+
+
+def lookup_7(s):
+    """Sample 7 is not in the table: a KeyError, re-raised as the op's own error."""
+    table = {i: i * 10 for i in range(20) if i != 7}
+    try:
+        return table[s]
+    except KeyError as err:
+        raise LookupFailed(f"no entry for {s}") from err
+
+
 def unreadable_from_5(i):
     """A source function: sample ``i`` is ``i``, and reading sample 5 or later fails."""
     if i >= 5:

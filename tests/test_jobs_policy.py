@@ -200,6 +200,22 @@ def test_auto_retry_rounds(tmp_path):
     assert not out[0].ok and out[0].attempts == 2
 
 
+@pytest.mark.parametrize("backend", ["serial", "process"])
+def test_a_failure_keeps_its_cause_and_its_record_keeps_the_traceback(tmp_path, backend):
+    # The subject's ValueError arrives raised from its KeyError on either backend; the
+    # record a later run replays holds the traceback of where the subject ran.
+    store = str(tmp_path / "ckpt")
+    subs = subjects(tmp_path, 1, "raise_from")
+    r, out = go(J.work, subs, checkpoint_dir=store, auto_retry_rounds=0, backend=backend)
+    err = out[0].error
+    assert type(err) is ValueError and "has no entry" in str(err)
+    assert type(err.__cause__) is KeyError and err.__cause__.args == ("S000",)
+    r, out = go(J.work, subs, checkpoint_dir=store)
+    replayed = out[0].error
+    assert isinstance(replayed, RecordedFailure) and replayed.error_type == "ValueError"
+    assert "raise ValueError" in replayed.traceback and "KeyError: 'S000'" in replayed.traceback
+
+
 def test_retry_failed_subjects_reruns_recorded_failures(tmp_path):
     store = str(tmp_path / "ckpt")
     subs = subjects(tmp_path, 2, "ok")

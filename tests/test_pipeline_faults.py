@@ -14,6 +14,7 @@ from zephon import (
     WorkerCrashedError, ZephonConfigError, sources,
 )
 from zephon.checkpoint import encode_state
+from zephon.transport.remote_errors import remote_traceback
 
 
 def ids(pipe):
@@ -256,6 +257,25 @@ def test_an_op_error_is_raised_in_stream_order_on_every_runner(runner):
         for x in pipe:
             got.append(x)
     assert got == [0, 1, 2]
+
+
+@pytest.mark.parametrize("runner", ["inline", "threads", "process"])
+def test_an_op_exception_and_its_cause_reach_the_loop_as_the_inline_runner_raises_them(runner):
+    # The op's own exception is the OpError's __cause__, and what it was raised from is
+    # that one's, on every runner; a process worker's traceback comes one link further.
+    pipe = Pipeline(sources.from_sequence(list(range(12))), shuffle=False, chunk_size=2) \
+        .map(F.lookup_7).options(RuntimeOptions(runner=runner, max_workers=2))
+    with pytest.raises(OpError, match="no entry for 7") as info:
+        list(pipe)
+    err = info.value
+    assert err.sample_id == ("sequence", 7, 0)
+    assert type(err.__cause__) is F.LookupFailed and err.__cause__.args == ("no entry for 7",)
+    assert type(err.__cause__.__cause__) is KeyError and err.__cause__.__cause__.args == (7,)
+    remote = remote_traceback(err)
+    if runner == "process":
+        assert "in lookup_7" in remote and "raise LookupFailed" in remote
+    else:
+        assert remote is None and err.__cause__.__cause__.__cause__ is None
 
 
 @pytest.mark.parametrize("runner", ["inline", "process"])

@@ -41,6 +41,7 @@ __all__ = [
     "WorkerCrashedError",
     "ZephonConfigError",
     "ZephonError",
+    "remote_traceback",
 ]
 
 
@@ -295,6 +296,28 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return self.tb
+
+
+def remote_traceback(exc: BaseException) -> str | None:
+    """The traceback text of the worker process that raised ``exc`` (the
+    :class:`RemoteTraceback` at the end of its ``__cause__`` chain), or None when
+    ``exc`` was raised in this process.
+
+    Example:
+        >>> try:
+        ...     raise ValueError("here")
+        ... except ValueError as err:
+        ...     print(remote_traceback(err))
+        None
+    """
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, RemoteTraceback):
+            return cur.tb
+        seen.add(id(cur))
+        cur = cur.__cause__
+    return None
 
 
 def _rebuild_kw(cls: type, message: str, kwargs: dict) -> ZephonError:

@@ -50,6 +50,7 @@ import collections
 import logging
 import multiprocessing
 import os
+import traceback
 from collections.abc import Sequence
 from typing import Any, Iterable, Iterator, NamedTuple
 
@@ -58,6 +59,7 @@ from zephon.errors import (
     RecordedFailure,
     SerializationError,
     ZephonConfigError,
+    remote_traceback,
 )
 from zephon.jobs.gpu import visible_gpu_count
 from zephon.jobs.process import TREE_POLICY, ProcessBackend
@@ -118,9 +120,12 @@ class SubjectResult(NamedTuple):
 
 
 def _error_record(error: BaseException) -> dict:
-    cause = error.__cause__
-    return {"type": type(error).__name__, "message": str(error),
-            "traceback": str(cause) if cause is not None else ""}
+    """What a failure's record keeps: type, message and the traceback, the worker's
+    where the subject ran in another process, else this process's."""
+    tb = remote_traceback(error)
+    if tb is None:
+        tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    return {"type": type(error).__name__, "message": str(error), "traceback": tb}
 
 
 def default_checkpoint_dir(fn) -> str:
