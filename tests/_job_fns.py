@@ -221,6 +221,16 @@ class WithServer:
         return {"value": value, "server_alive": server_alive}
 
 
+class ExitsInSetup:
+    """setup() gives up with sys.exit (a worker that finds no GPU, say)."""
+
+    def setup(self) -> None:
+        raise SystemExit("no GPU on this worker")
+
+    def __call__(self, subject):
+        return subject
+
+
 def square(x: int) -> int:
     return x * x
 

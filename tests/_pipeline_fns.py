@@ -184,6 +184,46 @@ def lookup_7(s):
         raise LookupFailed(f"no entry for {s}") from err
 
 
+class _PidBound(Exception):
+    """Pickles anywhere, rebuilds only in the process that made it (an error holding a
+    process-local handle)."""
+
+    def __init__(self, message, pid):
+        super().__init__(message, pid)
+
+    def __reduce__(self):
+        return _rebuild_pid_bound, self.args
+
+
+def _rebuild_pid_bound(message, pid):
+    if os.getpid() != pid:
+        raise RuntimeError(f"a handle of process {pid} cannot be rebuilt in {os.getpid()}")
+    return _PidBound(message, pid)
+
+
+class _StrRaises(Exception):
+    """Does not pickle (a lock) and its str() raises."""
+
+    def __init__(self):
+        super().__init__("x")
+        self.lock = _threading.Lock()
+
+    def __str__(self):
+        raise RuntimeError("no str")
+
+
+def cause_pid_bound_at_3(s):
+    if s == 3:
+        raise ValueError("sample 3 lost its connection") from _PidBound("conn", os.getpid())
+    return s
+
+
+def cause_str_raises_at_3(s):
+    if s == 3:
+        raise ValueError("sample 3 failed oddly") from _StrRaises()
+    return s
+
+
 def unreadable_from_5(i):
     """A source function: sample ``i`` is ``i``, and reading sample 5 or later fails."""
     if i >= 5:

@@ -55,6 +55,15 @@ def test_callable_the_worker_cannot_import_fails_within_the_spawn_timeout():
     assert isinstance(info.value.__cause__, ImportError)
 
 
+def test_a_setup_that_exits_fails_the_run_not_the_callers_process():
+    # The worker's SystemExit is its set-up failure: a JobSetupError here, whose cause is
+    # that SystemExit; re-raised as it came, it ended the user's own process.
+    with pytest.raises(JobSetupError, match="no GPU on this worker") as info:
+        list(run(J.ExitsInSetup(), ["S1"], RunPolicy(backend="process", resume=False, **FAST),
+                 progress=False))
+    assert type(info.value.__cause__) is SystemExit
+
+
 def test_recycled_worker_never_loses_its_last_result(tmp_path):
     out = list(run(J.work, subjects(tmp_path, 30, "pid"),
                    RunPolicy(workers=2, persistent_worker_recycle_after_tasks=1, resume=False,

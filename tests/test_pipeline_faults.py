@@ -278,6 +278,31 @@ def test_an_op_exception_and_its_cause_reach_the_loop_as_the_inline_runner_raise
         assert remote is None and err.__cause__.__cause__.__cause__ is None
 
 
+@pytest.mark.parametrize("runner", ["inline", "threads", "process"])
+@pytest.mark.parametrize("op,cause", [
+    (F.cause_pid_bound_at_3, "_PidBound"),  # rebuilds only in the process that made it
+    (F.cause_str_raises_at_3, "_StrRaises"),  # does not pickle, and str() raises
+])
+def test_a_cause_a_worker_cannot_send_whole_costs_that_link_only(runner, op, cause):
+    # The items before the failure and the OpError with the op's ValueError arrive as
+    # inline; only the odd link is replaced (by an error naming it) on the process runner.
+    pipe = Pipeline(sources.from_sequence(list(range(8))), shuffle=False, chunk_size=1) \
+        .map(op).options(RuntimeOptions(runner=runner, max_workers=2))
+    got = []
+    with pytest.raises(OpError, match="sample 3") as info:
+        for x in pipe:
+            got.append(x)
+    assert got == [0, 1, 2]
+    err = info.value
+    assert err.sample_id == ("sequence", 3, 0) and type(err.__cause__) is ValueError
+    odd = err.__cause__.__cause__
+    if runner == "process":
+        assert type(odd) is not getattr(F, cause) and cause in str(odd)
+        assert remote_traceback(err) is not None
+    else:
+        assert type(odd) is getattr(F, cause)
+
+
 @pytest.mark.parametrize("runner", ["inline", "process"])
 @pytest.mark.parametrize("chunk_size", [1, 3, 8])
 def test_the_first_failure_in_sample_order_is_raised_whatever_the_unit_size(runner,

@@ -105,3 +105,43 @@ def test_a_local_exception_has_no_remote_traceback():
         raise ValueError("outer") from KeyError("inner")
     except ValueError as caught:
         assert remote_traceback(caught) is None
+
+
+class KeywordOnly(Exception):
+    def __init__(self, message, *, status):
+        super().__init__(message)
+        self.status = status
+
+
+class RebuildsAsText(Exception):
+    def __reduce__(self):
+        return str, ("not an exception",)
+
+
+def test_a_link_whose_constructor_takes_other_arguments_keeps_its_type_and_fields():
+    got = across(raised(KeywordOnly("not found", status=404)))
+    assert type(got) is KeywordOnly and got.args == ("not found",) and got.status == 404
+
+
+def test_a_link_whose_pickle_rebuilds_something_else_still_arrives_as_an_exception():
+    try:
+        try:
+            raise RebuildsAsText("odd")
+        except RebuildsAsText as err:
+            raise ValueError("outer") from err
+    except ValueError as caught:
+        got = across(caught)
+    assert type(got) is ValueError and type(got.__cause__) is RebuildsAsText
+    assert got.__cause__.args == ("odd",)
+
+
+def test_the_traceback_found_is_the_one_of_the_nearest_process():
+    inner = across(raised(KeyError("far")), where="task 1 on a far worker")
+    try:
+        raise ValueError("near") from inner
+    except ValueError as caught:
+        got = across(caught, where="task 2 on a near worker")
+    links = chain(got)
+    assert [type(e) for e in links] == [ValueError, KeyError, RemoteTraceback, RemoteTraceback]
+    text = remote_traceback(got)
+    assert "near worker" in text and "far worker" in text and "ValueError: near" in text

@@ -299,9 +299,10 @@ class RemoteTraceback(Exception):
 
 
 def remote_traceback(exc: BaseException) -> str | None:
-    """The traceback text of the worker process that raised ``exc`` (the
-    :class:`RemoteTraceback` at the end of its ``__cause__`` chain), or None when
-    ``exc`` was raised in this process.
+    """The traceback text of the worker process that raised ``exc`` (the last
+    :class:`RemoteTraceback` of its ``__cause__`` chain: the one attached where it
+    crossed into this process, whose text holds any from processes further off), or
+    None when no link of the chain crossed a process boundary.
 
     Example:
         >>> try:
@@ -311,13 +312,14 @@ def remote_traceback(exc: BaseException) -> str | None:
         None
     """
     seen: set[int] = set()
+    found = None
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
         if isinstance(cur, RemoteTraceback):
-            return cur.tb
+            found = cur.tb
         seen.add(id(cur))
         cur = cur.__cause__
-    return None
+    return found
 
 
 def _rebuild_kw(cls: type, message: str, kwargs: dict) -> ZephonError:

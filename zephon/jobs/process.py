@@ -93,7 +93,7 @@ from zephon.jobs.subjects import subject_label
 from zephon.jobs.worker import job_worker_main, unpickle_value
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.deaths import DeathWatch, death_text
-from zephon.transport.remote_errors import decode_exception
+from zephon.transport.remote_errors import decode_exception, remote_traceback
 from zephon.transport.supervisor import (
     KILL_WAIT_S,
     Child,
@@ -550,7 +550,9 @@ class ProcessBackend:
         ``setup()`` raised) fails the run with :class:`JobSetupError`."""
         try:
             ready = handshake(header, frames, f"setting up job worker pid {slot.pid}")
-        except Exception as error:  # the worker's own set-up exception, whatever its type
+        except BaseException as error:  # the worker's own set-up exception, whatever its type
+            if not isinstance(error, Exception) and remote_traceback(error) is None:
+                raise  # this process's own interrupt, not the worker's SystemExit
             raise JobSetupError(
                 f"a job worker could not set up the callable: {type(error).__name__}: "
                 f"{error}") from error

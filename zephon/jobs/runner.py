@@ -120,9 +120,10 @@ class SubjectResult(NamedTuple):
 
 
 def _error_record(error: BaseException) -> dict:
-    """What a failure's record keeps: type, message and the traceback, the worker's
-    where the subject ran in another process, else this process's."""
-    tb = remote_traceback(error)
+    """What a failure's record keeps: type, message and the traceback of where the
+    subject ran: this process's when it ran here (the error has a traceback here; its
+    text shows any worker traceback of its chain), else the worker's."""
+    tb = remote_traceback(error) if error.__traceback__ is None else None
     if tb is None:
         tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     return {"type": type(error).__name__, "message": str(error), "traceback": tb}
