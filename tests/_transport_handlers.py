@@ -6,6 +6,7 @@ import dataclasses
 import os
 import weakref
 import signal
+import threading
 import time
 
 import numpy as np
@@ -372,7 +373,7 @@ class HeapOps:
         if op == "fail_after":  # fails, carrying what it made before (a stage does)
             n, count, unpicklable = arg
             made = [np.full(n // 8, v, dtype=np.int64) for v in range(count)]
-            error = TwoArgError("lost", 2) if unpicklable else ValueError("failed late")
+            error = LockedError("lost") if unpicklable else ValueError("failed late")
             error.zephon_done = made
             del made
             raise error
@@ -385,10 +386,10 @@ class HeapOps:
         raise ValueError(op)
 
 
-class TwoArgError(Exception):
-    """An exception that does not survive a pickle round trip (its __init__ takes two
-    arguments, its args hold one)."""
+class LockedError(Exception):
+    """An exception that does not pickle in any form (it holds a lock): it travels as a
+    RuntimeError with its text."""
 
-    def __init__(self, message, code):
+    def __init__(self, message):
         super().__init__(message)
-        self.code = code
+        self.lock = threading.Lock()
