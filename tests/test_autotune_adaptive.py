@@ -482,6 +482,43 @@ def test_a_busy_inline_stage_whose_samples_are_cheap_is_not_moved(profile):
     assert ex.procs == 0 and not tuner.decisions
 
 
+def test_the_bytes_a_move_weighs_are_those_a_worker_would_copy():
+    """Arrays a process worker makes in its shared heap (1 MiB and larger) reach the
+    consumer by reference: the profile that the per-byte rule reads counts them 0, so a
+    stage making large arrays is weighed by its per-sample cost alone. Smaller ones are
+    copied into the arena and count in full, as do bytes objects of any size."""
+    import numpy as np
+
+    from zephon.pipeline import dispatch
+    from zephon.transport.heap import DEFAULT_THRESHOLD_BYTES, by_reference_bytes
+
+    class _Rec:
+        def __init__(self, value):
+            self.value = value
+
+    class _Ex:
+        profile = None
+
+    large = np.ones(DEFAULT_THRESHOLD_BYTES // 4, dtype=np.float32)  # exactly the threshold
+    small = np.ones(DEFAULT_THRESHOLD_BYTES // 8, dtype=np.float32)
+    raw = bytes(DEFAULT_THRESHOLD_BYTES)
+    assert dispatch._BY_REFERENCE == by_reference_bytes() == DEFAULT_THRESHOLD_BYTES
+    cases = [(large, 0), ({"x": large, "y": small}, small.nbytes), (small, small.nbytes),
+             ([large, large], 0), (raw, len(raw))]
+    for value, copied in cases:
+        ex = _Ex()
+        dispatch._profile(ex, [_Rec(value), _Rec(value)], busy_s=2e-3)
+        assert ex.profile == (1e-3, copied), (type(value), ex.profile)
+    assert dispatch.approx_nbytes({"x": large, "y": small}) == large.nbytes + small.nbytes
+
+
+def test_without_the_shared_heap_every_array_counts_as_copied(monkeypatch):
+    from zephon.transport.heap import by_reference_bytes
+
+    monkeypatch.setenv("ZEPHON_WORKER_SHARED_HEAP", "0")
+    assert by_reference_bytes() == 0
+
+
 def test_a_move_that_does_not_pay_is_undone_and_the_hold_doubles():
     clock, ex = _Clock(), _FakeAdaptive()
     tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)

@@ -82,6 +82,7 @@ from zephon.kernels import ReorderBuffer
 from zephon.pipeline.lanes import BatchGroup, ReadUnit
 from zephon.pipeline.records import Boundary
 from zephon.runners.executors import TaskFailed
+from zephon.transport.heap import by_reference_bytes
 
 __all__ = [
     "DISPATCH_MAX_BYTES",
@@ -130,12 +131,19 @@ def merge_units(first, second):
     return ReadUnit(first.epoch, first.start, np.concatenate([first.indices, second.indices]))
 
 
-def approx_nbytes(value: Any, depth: int = 0) -> int:
+#: Arrays at least this large travel from a process worker by reference (0: the
+#: workers' shared heap is off, every result is copied), read once at import.
+_BY_REFERENCE = by_reference_bytes()
+
+
+def approx_nbytes(value: Any, depth: int = 0, by_reference: int = 0) -> int:
     """Payload bytes of a sample: arrays, tensors and bytes, a few levels into dicts,
     lists and tuples (a cheap estimate: it never walks large containers element by
-    element beyond the first 64 entries)."""
+    element beyond the first 64 entries). With ``by_reference``, NumPy arrays of at
+    least that many bytes count 0: those a process worker makes in its shared heap,
+    which reach the consumer without a copy."""
     if isinstance(value, np.ndarray):
-        return value.nbytes
+        return 0 if by_reference and value.nbytes >= by_reference else value.nbytes
     if isinstance(value, (bytes, bytearray, memoryview)):
         return len(value)
     nbytes = getattr(value, "nbytes", None)  # torch tensors and other array types
@@ -144,10 +152,11 @@ def approx_nbytes(value: Any, depth: int = 0) -> int:
     if depth >= 6:
         return 0
     if isinstance(value, dict):
-        return sum(approx_nbytes(v, depth + 1) for v in list(value.values())[:64])
+        return sum(approx_nbytes(v, depth + 1, by_reference)
+                   for v in list(value.values())[:64])
     if isinstance(value, (list, tuple)):
         head = value[:64]
-        total = sum(approx_nbytes(v, depth + 1) for v in head)
+        total = sum(approx_nbytes(v, depth + 1, by_reference) for v in head)
         return total * len(value) // max(1, len(head))
     return 0
 
@@ -207,9 +216,12 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
 def _profile(executor, result: list, busy_s: float) -> None:
     """Update an adaptive stage's ``profile`` (op seconds and output bytes per sample, an
     average over its recent units) from one unit's result: what the autotune controller
-    weighs before a move to processes (:mod:`zephon.pipeline.autotune`)."""
+    weighs before a move to processes (:mod:`zephon.pipeline.autotune`). The bytes are
+    those a worker would copy to send the result: arrays its shared heap would hold
+    (:func:`~zephon.transport.heap.by_reference_bytes` and larger) go by reference and
+    count 0."""
     samples = sum(len(getattr(r, "ids", ())) or 1 for r in result)
-    nbytes = approx_nbytes(getattr(result[0], "value", None)) * len(result)
+    nbytes = approx_nbytes(getattr(result[0], "value", None), 0, _BY_REFERENCE) * len(result)
     s, b = busy_s / samples, nbytes / samples
     old = executor.profile
     executor.profile = (s, b) if old is None or old[0] is None else \

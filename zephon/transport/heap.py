@@ -133,7 +133,8 @@ import numpy as np
 
 from zephon.kernels import attr_refcount, base_refcount, item_refcount, item_refcounts
 
-__all__ = ["DEFAULT_THRESHOLD_BYTES", "WorkerHeap", "exclusive_owner", "heap_enabled",
+__all__ = ["DEFAULT_THRESHOLD_BYTES", "WorkerHeap", "by_reference_bytes", "exclusive_owner",
+           "heap_enabled",
            "installed", "settle"]
 
 log = logging.getLogger("zephon.transport.heap")
@@ -150,6 +151,13 @@ def heap_enabled() -> bool:
     if gil is not None and not gil():
         return False
     return os.environ.get("ZEPHON_WORKER_SHARED_HEAP", "1") != "0"
+
+
+def by_reference_bytes() -> int:
+    """The smallest NumPy array a process worker's result carries by reference (made in
+    its shared heap, handed to the consumer without a copy): ``DEFAULT_THRESHOLD_BYTES``,
+    or 0 when the heap is off or the kernels are not compiled (every result is copied)."""
+    return DEFAULT_THRESHOLD_BYTES if heap_enabled() and _compiled() is not None else 0
 
 
 def _compiled() -> Any:
