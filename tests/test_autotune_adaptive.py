@@ -502,7 +502,7 @@ def test_the_bytes_a_move_weighs_are_those_a_worker_would_copy():
     large = np.ones(DEFAULT_THRESHOLD_BYTES // 4, dtype=np.float32)  # exactly the threshold
     small = np.ones(DEFAULT_THRESHOLD_BYTES // 8, dtype=np.float32)
     raw = bytes(DEFAULT_THRESHOLD_BYTES)
-    assert dispatch._BY_REFERENCE == by_reference_bytes() == DEFAULT_THRESHOLD_BYTES
+    assert by_reference_bytes() == DEFAULT_THRESHOLD_BYTES
     cases = [(large, 0), ({"x": large, "y": small}, small.nbytes), (small, small.nbytes),
              ([large, large], 0), (raw, len(raw))]
     for value, copied in cases:
@@ -513,10 +513,24 @@ def test_the_bytes_a_move_weighs_are_those_a_worker_would_copy():
 
 
 def test_without_the_shared_heap_every_array_counts_as_copied(monkeypatch):
-    from zephon.transport.heap import by_reference_bytes
+    """ZEPHON_WORKER_SHARED_HEAP=0 set after zephon was imported (as a script may,
+    before its first run) still counts: the workers it spawns copy every result."""
+    import numpy as np
+
+    from zephon.pipeline import dispatch
+    from zephon.transport.heap import DEFAULT_THRESHOLD_BYTES, by_reference_bytes
+
+    class _Rec:
+        value = np.ones(DEFAULT_THRESHOLD_BYTES, dtype=np.uint8)
+
+    class _Ex:
+        profile = None
 
     monkeypatch.setenv("ZEPHON_WORKER_SHARED_HEAP", "0")
     assert by_reference_bytes() == 0
+    ex = _Ex()
+    dispatch._profile(ex, [_Rec()], busy_s=1e-3)
+    assert ex.profile == (1e-3, DEFAULT_THRESHOLD_BYTES)
 
 
 def test_a_move_that_does_not_pay_is_undone_and_the_hold_doubles():

@@ -131,11 +131,6 @@ def merge_units(first, second):
     return ReadUnit(first.epoch, first.start, np.concatenate([first.indices, second.indices]))
 
 
-#: Arrays at least this large travel from a process worker by reference (0: the
-#: workers' shared heap is off, every result is copied), read once at import.
-_BY_REFERENCE = by_reference_bytes()
-
-
 def approx_nbytes(value: Any, depth: int = 0, by_reference: int = 0) -> int:
     """Payload bytes of a sample: arrays, tensors and bytes, a few levels into dicts,
     lists and tuples (a cheap estimate: it never walks large containers element by
@@ -221,7 +216,8 @@ def _profile(executor, result: list, busy_s: float) -> None:
     (:func:`~zephon.transport.heap.by_reference_bytes` and larger) go by reference and
     count 0."""
     samples = sum(len(getattr(r, "ids", ())) or 1 for r in result)
-    nbytes = approx_nbytes(getattr(result[0], "value", None), 0, _BY_REFERENCE) * len(result)
+    value = getattr(result[0], "value", None)
+    nbytes = approx_nbytes(value, 0, by_reference_bytes()) * len(result)
     s, b = busy_s / samples, nbytes / samples
     old = executor.profile
     executor.profile = (s, b) if old is None or old[0] is None else \

@@ -134,8 +134,7 @@ import numpy as np
 from zephon.kernels import attr_refcount, base_refcount, item_refcount, item_refcounts
 
 __all__ = ["DEFAULT_THRESHOLD_BYTES", "WorkerHeap", "by_reference_bytes", "exclusive_owner",
-           "heap_enabled",
-           "installed", "settle"]
+           "heap_enabled", "installed", "settle"]
 
 log = logging.getLogger("zephon.transport.heap")
 
