@@ -12,14 +12,19 @@ Commands:
   example-data DIR
             write the small data files the README's examples read into DIR
             (see zephon.example_data); prints one line per file written, and for a
-            format whose library is missing the line that installs its extra
+            format whose library is missing the line that installs its extra.
+            Existing files with other contents are refused unless ``--force``; a
+            symbolic link in the way is refused always; nothing is written outside DIR
   profile SCRIPT [ARGS...] [--out FILE]
             run SCRIPT (as ``python SCRIPT ARGS``) with execution tracking on for
             every pipeline it runs, then write a self-contained HTML report of
             those runs to FILE (default zephon-profile.html): plots of where the
             time goes and a diagnosis, whose text is also printed (see
-            zephon.report). Exit status: the script's (1 if it raised; the report
-            is written all the same)
+            zephon.report). ``--out FILE`` (or ``--out=FILE``) is zephon's wherever
+            it stands, before or after SCRIPT; arguments after a ``--`` that
+            follows SCRIPT all go to the script, an ``--out`` of its own too.
+            The report is never written through a symbolic link. Exit status: the
+            script's (1 if it raised; the report is written all the same)
 
 The CLI is the only part of zephon that prints. A mistake of the user (a missing or
 malformed config file, a config that is not a mapping, ``--set`` without ``=``, an
@@ -30,13 +35,39 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 from typing import Any, Sequence
 
-from zephon.errors import ZephonConfigError
-from zephon.options import RuntimeOptions
+
+def _regular_package() -> None:
+    """Make ``zephon`` in ``sys.modules`` the package this file belongs to.
+
+    Run from a directory that holds a directory named ``zephon`` (the parent of a
+    checkout, say), Python's path search finds that directory first and, with no
+    ``__init__.py`` in it, takes it for a namespace package; an editable install's
+    finder, which comes after the path search, is never asked, so ``zephon/__init__.py``
+    never runs and ``from zephon import __version__`` fails with "unknown location".
+    The command line loads the real package from beside this file instead.
+    """
+    package = sys.modules.get("zephon")
+    if package is not None and getattr(package, "__file__", None):
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location(
+        "zephon", os.path.join(here, "__init__.py"), submodule_search_locations=[here])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["zephon"] = module
+    spec.loader.exec_module(module)
+
+
+_regular_package()
+
+from zephon.errors import ZephonConfigError  # noqa: E402 - after the package is the real one
+from zephon.options import RuntimeOptions  # noqa: E402
 
 
 class UsageError(Exception):
@@ -46,6 +77,32 @@ class UsageError(Exception):
     It stays here rather than in :mod:`zephon.errors`: only the CLI raises it and the CLI
     always catches it (it becomes the exit status), so no library caller ever sees it.
     """
+
+
+def version_text() -> str:
+    """zephon's version, where it was imported from, and which kernels loaded."""
+    import warnings
+
+    import numpy
+
+    from zephon import kernels
+
+    with warnings.catch_warnings():  # said below, as a line of its own
+        warnings.simplefilter("ignore", RuntimeWarning)
+        per_kernel = kernels.loaded()
+        implementation = kernels.IMPLEMENTATION
+    package = sys.modules["zephon"]
+    lines = [f"zephon {package.__version__} ({os.path.dirname(package.__file__ or '?')})",
+             f"kernels: {implementation}"]
+    missing = sorted(k for k, v in per_kernel.items() if v != "compiled")
+    if os.environ.get("ZEPHON_PURE_PYTHON") == "1":
+        lines[-1] += " (ZEPHON_PURE_PYTHON=1 asks for the pure Python references)"
+    elif missing:
+        lines[-1] += (f" (not built: {', '.join(missing)}; the pure Python references run, "
+                      "much slower: build them with `python -m pip install -e .` in the "
+                      "checkout, or install a wheel)")
+    lines.append(f"python {sys.version.split()[0]}, numpy {numpy.__version__}")
+    return "\n".join(lines)
 
 
 def _one_line(text: str) -> str:
@@ -143,17 +200,66 @@ def cmd_example_data(args: argparse.Namespace) -> int:
     from zephon.example_data import write_examples
 
     try:
-        entries = write_examples(args.directory)
+        entries = write_examples(args.directory, force=args.force)
     except OSError as exc:
         raise UsageError(f"cannot write the example data to {args.directory!r}: "
                          f"{exc.strerror or exc}") from None
     for entry in entries:
         path = os.path.join(args.directory, entry.path)
-        if entry.written:
-            print(f"wrote   {path}: {entry.what}")
-        else:
+        if not entry.written:
             print(f"skipped {path}: needs its extra: {entry.install}")
+        elif entry.unchanged:
+            print(f"kept    {path}: {entry.what} (already there, the same bytes)")
+        else:
+            print(f"wrote   {path}: {entry.what}")
     return 0
+
+
+def split_profile_args(tail: Sequence[str]) -> tuple[str | None, list[str]]:
+    """zephon's ``--out`` and the script's arguments from what follows SCRIPT on the
+    command line: ``--out FILE`` and ``--out=FILE`` are zephon's wherever they stand
+    before a ``--``; everything after the first ``--`` is the script's, untouched."""
+    out: str | None = None
+    script_args: list[str] = []
+    k = 0
+    while k < len(tail):
+        arg = tail[k]
+        if arg == "--":
+            script_args += tail[k + 1:]
+            break
+        if arg == "--out" or arg.startswith("--out="):
+            if out is not None:
+                raise UsageError("profile: --out given twice (to pass an --out of the "
+                                 "script's own, put the script's arguments after --)")
+            if arg == "--out":
+                if k + 1 == len(tail):
+                    raise UsageError("profile: --out needs a FILE")
+                out, k = tail[k + 1], k + 2
+                continue
+            out = arg.partition("=")[2]
+        else:
+            script_args.append(arg)
+        k += 1
+    return out, script_args
+
+
+def _profile_script_tail(argv: Sequence[str]) -> list[str] | None:
+    """What follows SCRIPT in ``profile ... SCRIPT ...``, exactly as written (None when
+    ``argv`` is not the profile command or names no script)."""
+    if argv[:1] != ["profile"]:
+        return None
+    k = 1
+    while k < len(argv):
+        arg = argv[k]
+        if arg == "--out":
+            k += 2
+        elif arg == "--":
+            return list(argv[k + 2:]) if k + 1 < len(argv) else None
+        elif arg.startswith("-"):
+            k += 1
+        else:
+            return list(argv[k + 1:])
+    return None
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -161,16 +267,21 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     from zephon.report import profile_script
 
+    late_out, script_args = split_profile_args(args.args)
+    if late_out is not None and args.out is not None:
+        raise UsageError("profile: --out given twice (to pass an --out of the script's "
+                         "own, put the script's arguments after --)")
+    out = late_out or args.out or "zephon-profile.html"
     if not os.path.isfile(args.script):
         raise UsageError(f"profile: no script at {args.script!r}")
-    report, raised = profile_script(args.script, list(args.args))
+    report, raised = profile_script(args.script, script_args)
     try:
-        report.write(args.out)
+        report.write(out)
     except OSError as exc:
-        raise UsageError(f"cannot write the report to {args.out!r}: "
+        raise UsageError(f"cannot write the report to {out!r}: "
                          f"{exc.strerror or exc}") from None
     runs = len(report.runs)
-    print(f"wrote {args.out}: {runs} pipeline run(s)")
+    print(f"wrote {out}: {runs} pipeline run(s)")
     if runs:
         print(report.diagnosis.text)
     if isinstance(raised, SystemExit):
@@ -213,23 +324,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "JSON lines, a saved Hugging Face dataset) into DIR. A format whose "
                     "library is missing is skipped with the line that installs it.")
     p_data.add_argument("directory", metavar="DIR", help="where to write (created if missing)")
+    p_data.add_argument("--force", action="store_true",
+                        help="replace existing files of the same names whose contents "
+                             "differ (refused without it; a symbolic link is refused always)")
     p_data.set_defaults(func=cmd_example_data)
     p_prof = sub.add_parser(
         "profile", help="run a script with execution tracking on and write an HTML report",
         description="Run SCRIPT as `python SCRIPT ARGS` with execution tracking on for every "
                     "pipeline it runs, then write a self-contained HTML report of those runs "
                     "(plots of where the time goes, and a diagnosis, also printed).")
-    p_prof.add_argument("--out", default="zephon-profile.html", metavar="FILE",
-                        help="where to write the report (default zephon-profile.html)")
+    p_prof.add_argument("--out", default=None, metavar="FILE",
+                        help="where to write the report (default zephon-profile.html); "
+                             "also taken after SCRIPT, up to a --")
     p_prof.add_argument("script", metavar="SCRIPT", help="the Python script to run")
     p_prof.add_argument("args", nargs=argparse.REMAINDER, metavar="ARGS",
                         help="arguments for the script")
     p_prof.set_defaults(func=cmd_profile)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_tail = _profile_script_tail(argv)
+    if script_tail is not None:  # argparse would drop a "--" from it: kept as written
+        argv = argv[:len(argv) - len(script_tail)]
     args = parser.parse_args(argv)
+    if script_tail is not None:
+        args.args = script_tail
     if args.version:
-        from zephon import __version__
-
-        print(__version__)
+        print(version_text())
         return 0
     if args.command is None:
         parser.print_help()

@@ -21,19 +21,31 @@ Invariants:
 - A format whose library is missing is skipped, not an error: its entry comes back
   with ``written=False`` and the install line of its extra, and the other files are
   still written.
-- Only the listed paths are written (a file of that name is replaced); nothing else
-  in the directory is touched.
+- Nothing of the user's is lost or touched. Every file is written first into a fresh
+  staging directory inside the target, then moved into place; before anything moves,
+  each destination is checked: an existing file with other contents is refused unless
+  ``force=True`` (the CLI's ``--force``), one with exactly the bytes it would get is
+  left as it is, and a symbolic link anywhere on the way (at a file's path or at one of
+  the directories holding it) is refused even with ``force``: nothing is ever written
+  through a link, so nothing outside the target directory is written. A refusal moves
+  nothing (the staging directory is removed). Only the listed paths are written;
+  other files in the directory, also inside ``corpus/`` or ``shards/``, stay.
 
 Nothing here prints: the CLI (:mod:`zephon.__main__`) reports the returned entries.
 """
 
 from __future__ import annotations
 
+import errno
+import filecmp
 import importlib
 import io
 import json
 import os
+import shutil
+import stat
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
@@ -53,12 +65,15 @@ class ExampleFile:
         what: a one-line description of the contents.
         written: False when the library of its format is missing.
         install: the install line of the missing extra (empty when written).
+        unchanged: True when every file of it was already there with the same bytes
+            (nothing was written).
     """
 
     path: str
     what: str
     written: bool
     install: str = ""
+    unchanged: bool = False
 
 
 def _parquet_corpus(root: str) -> None:
@@ -161,25 +176,117 @@ def _importable(module: str) -> bool:
     return True
 
 
-def write_examples(directory: str) -> list[ExampleFile]:
+def _staged_files(staging: str, entry: str) -> list[str]:
+    """The files (relative to ``staging``) that the writer of ``entry`` made there."""
+    top = os.path.join(staging, entry.rstrip("/"))
+    if os.path.isfile(top):
+        return [entry]
+    return sorted(os.path.relpath(os.path.join(d, f), staging)
+                  for d, _, files in os.walk(top) for f in files)
+
+
+def _link_refused(path: str) -> OSError:
+    return OSError(errno.ELOOP, f"{path} is a symbolic link: zephon example-data never "
+                   "writes through a link (remove it, or pick another directory)")
+
+
+def _destination_state(root: str, rel: str, staged: str) -> str:
+    """``"new"``, ``"same"`` (identical bytes) or ``"differs"`` for ``root/rel``; raises
+    when a component of the way is a symbolic link or not of the kind needed."""
+    parts = rel.split("/")
+    path = root
+    for k, part in enumerate(parts):
+        path = os.path.join(path, part)
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return "new"
+        if stat.S_ISLNK(mode):
+            raise _link_refused(path)
+        last = k == len(parts) - 1
+        if not (stat.S_ISREG(mode) if last else stat.S_ISDIR(mode)):
+            kind = "a file" if last else "a directory"
+            raise FileExistsError(errno.EEXIST, f"{path} exists and is not {kind}: "
+                                  "example-data cannot write there")
+    return "same" if filecmp.cmp(staged, path, shallow=False) else "differs"
+
+
+def _open_dir_nofollow(root_fd: int, parts: list[str]) -> int:
+    """A descriptor of ``root/parts...``, each directory made if missing and opened with
+    O_NOFOLLOW, so that a link planted after the check is still never followed."""
+    fd = os.dup(root_fd)
+    try:
+        for part in parts:
+            try:
+                os.mkdir(part, 0o777, dir_fd=fd)
+            except FileExistsError:
+                pass
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _move_into_place(staging: str, root: str, files: list[str]) -> None:
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for rel in files:
+            *dirs, name = rel.split("/")
+            fd = _open_dir_nofollow(root_fd, dirs)
+            try:  # os.replace swaps a directory entry: it never writes through a link
+                os.replace(os.path.join(staging, rel), name, dst_dir_fd=fd)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(root_fd)
+
+
+def write_examples(directory: str, *, force: bool = False) -> list[ExampleFile]:
     """Write every example file into ``directory`` (created if missing).
 
     Args:
         directory: where to write; the README's examples run in it.
+        force: replace existing files of the listed names whose contents differ
+            (without it they are refused). A symbolic link is refused either way.
 
     Returns:
-        One :class:`ExampleFile` per entry of :data:`EXAMPLES`, in that order: written,
-        or skipped with the install line of its extra when its library is missing.
+        One :class:`ExampleFile` per entry of :data:`EXAMPLES`, in that order: written
+        (or found already there, ``unchanged``), or skipped with the install line of its
+        extra when its library is missing.
 
     Raises:
-        OSError: the directory cannot be created or a file cannot be written.
+        FileExistsError: files of the listed names exist with other contents and
+            ``force`` is False (the message lists them); nothing was written.
+        OSError: a symbolic link on the way to a file (``errno.ELOOP``), or the
+            directory cannot be created or written; nothing of the user's was changed.
     """
     os.makedirs(directory, exist_ok=True)
-    out = []
-    for ex in EXAMPLES:
-        if ex.module and not _importable(ex.module):
-            out.append(ExampleFile(ex.path, ex.what, False, install_line(ex.extra)))
-            continue
-        ex.write(directory)
-        out.append(ExampleFile(ex.path, ex.what, True))
+    root = os.path.realpath(directory)  # the directory the user named, links resolved
+    staging = tempfile.mkdtemp(prefix=".zephon-example-data-", dir=root)
+    try:
+        out, moves, taken = [], [], []
+        for ex in EXAMPLES:
+            if ex.module and not _importable(ex.module):
+                out.append(ExampleFile(ex.path, ex.what, False, install_line(ex.extra)))
+                continue
+            ex.write(staging)
+            files = _staged_files(staging, ex.path)
+            states = {rel: _destination_state(root, rel, os.path.join(staging, rel))
+                      for rel in files}
+            taken += [os.path.join(directory, rel) for rel, st in states.items()
+                      if st == "differs"]
+            moves += [rel for rel, st in states.items() if st != "same"]
+            unchanged = all(st == "same" for st in states.values())
+            out.append(ExampleFile(ex.path, ex.what, True, unchanged=unchanged))
+        if taken and not force:
+            raise FileExistsError(
+                errno.EEXIST, f"{len(taken)} file(s) exist with other contents: "
+                f"{', '.join(taken)}; nothing was written (pass --force, or "
+                "force=True, to replace them, or use an empty directory)")
+        _move_into_place(staging, root, moves)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out

@@ -34,7 +34,8 @@ imported on their own without an import cycle): with ``ZEPHON_PURE_PYTHON=1``
 the references are used everywhere; otherwise the compiled modules
 ``zephon._kernels.*``, and if one is missing (a source checkout that was never
 built) its reference with a single ``RuntimeWarning``. ``IMPLEMENTATION`` says
-which ran: ``"compiled"``, ``"reference"`` or ``"mixed"``.
+which ran: ``"compiled"``, ``"reference"`` or ``"mixed"``; :func:`loaded` says it per
+kernel (``python -m zephon --version`` prints both).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ __all__ = [
     "inverse_positions",
     "item_refcount",
     "item_refcounts",
+    "loaded",
     "order_key",
     "pack_copy",
     "pack_plan",
@@ -132,6 +134,14 @@ def _select() -> tuple[dict, str]:
                                            else "mixed")
     _selection = (chosen, kind)
     return _selection
+
+
+def loaded() -> dict[str, str]:
+    """Which implementation each kernel module runs: ``{name: "compiled" | "reference"}``
+    (selecting them if nothing has yet)."""
+    chosen = _select()[0]
+    return {name: "reference" if module.__name__.endswith("_ref") else "compiled"
+            for name, module in chosen.items()}
 
 
 def __getattr__(name: str):

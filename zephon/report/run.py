@@ -11,8 +11,11 @@ statistics with :func:`~zephon.pipeline.stats.recording`.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import runpy
+import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -48,10 +51,37 @@ class Profile:
         return render_html(list(self.runs))
 
     def write(self, path: str | os.PathLike) -> str:
-        """Write :meth:`html` to ``path``; returns the path."""
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(self.html())
-        return os.fspath(path)
+        """Write :meth:`html` to ``path``; returns the path.
+
+        The report is written to a new file beside ``path`` (mode 0666 less the
+        umask) and renamed over it, so a reader never sees half a report and a
+        symbolic link is never written through: a link at ``path`` is refused
+        (``OSError`` with ``errno.ELOOP``), whatever it points to.
+        """
+        return write_new_file(path, self.html().encode("utf-8"))
+
+
+def write_new_file(path: str | os.PathLike, data: bytes) -> str:
+    """Write ``data`` to ``path`` through a fresh file renamed over it: never through a
+    symbolic link (one at ``path`` is refused), created with the umask's mode."""
+    target = os.fspath(path)
+    if os.path.islink(target):
+        raise OSError(errno.ELOOP, f"{target} is a symbolic link: the report is not "
+                      "written through a link (remove it or choose another path)")
+    folder = os.path.dirname(target) or "."
+    tmp = os.path.join(folder, f".zephon-report-{secrets.token_hex(8)}.tmp")
+    # O_EXCL: a fresh file (never a planted one); mode 0666, which the kernel masks
+    # with the umask.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, target)  # replaces a directory entry: a link there is not followed
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return target
 
 
 def _title(k: int, snap: dict) -> str:
