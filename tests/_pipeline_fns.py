@@ -328,3 +328,42 @@ def some_empty_tokens(i):
 def square_unit(x):
     """An executor's program in the executor tests: a number in, its square out."""
     return x * x
+
+
+def np_global_noise(s):
+    """A map that draws from numpy's global RNG (not ctx.rng): not deterministic."""
+    return {**s, "noise": float(np.random.random())}
+
+
+def random_global_noise(s):
+    """A map that draws from the random module's global RNG."""
+    import random
+
+    return {**s, "noise": random.random()}
+
+
+def torch_global_noise(s):
+    """A map that draws from torch's global RNG (as torchvision's random transforms do)."""
+    import torch
+
+    return {**s, "noise": torch.rand(3)}
+
+
+def object_array(s):
+    """A map returning an object array (deterministic: the same objects every call)."""
+    return {"obj": np.array(["id", {"id": s["id"]}], dtype=object)}
+
+
+def object_array_random(s):
+    """A map returning an object array whose contents change every call."""
+    return {"obj": np.array(["id", {"noise": float(np.random.random())}], dtype=object)}
+
+
+def none_at_3(s):
+    """A map that returns None for sample 3 (a forgotten ``return``)."""
+    return None if s["id"] == 3 else s
+
+
+def return_none(value):
+    """A map_batch that forgets to return."""
+    return None

@@ -48,6 +48,7 @@ from zephon.options import RuntimeOptions
 from zephon.pipeline import ops as O
 from zephon.pipeline.engine import Plan
 from zephon.pipeline.iterator import PipelineIterator
+from zephon.pipeline.plan import upstream_aligned
 from zephon.pipeline.progress import Progress
 from zephon.pipeline.shards import resolve_order
 from zephon.pipeline.sources import Source
@@ -344,11 +345,12 @@ class Pipeline:
         return self._with(O.BatchOp(microbatch_size, drop_last, collate_fn))
 
     def pack_tokens(self, seq_len: int, field: str = "tokens",
-                    drop_remainder: bool = False) -> "Pipeline":
+                    drop_remainder: bool = False, *, aligned=None) -> "Pipeline":
         """Concatenate token arrays of consecutive samples and cut rows of ``seq_len``.
 
-        Each output sample is ``{field: ndarray[seq_len]}``, across flush boundaries and
-        epochs: no token is dropped. Only the lane's last row of the run (its pass) can be
+        Each output sample is ``{field: ndarray[seq_len], *aligned}``, across flush
+        boundaries and epochs: no token is dropped; each ``aligned`` field (one value per
+        token, e.g. ``tokenize_chat``'s ``loss_mask``) is cut as the tokens are. Only the lane's last row of the run (its pass) can be
         shorter: the tokens left at the end, or nothing with ``drop_remainder=True``; a
         ``batch()`` after it makes that row a batch of its own (see :meth:`batch`). Like
         :meth:`shuffle` it carries history, so the pipeline resumes by replay.
@@ -357,9 +359,17 @@ class Pipeline:
             seq_len: tokens per output row (an int >= 1).
             field: the key of the token array in each input sample.
             drop_remainder: drop the lane's final short row instead of emitting it.
+            aligned: fields packed like the tokens (e.g. ``("loss_mask",)``). None (the
+                default): those the op that made ``field`` declares aligned with it
+                (``tokenize_chat``: its ``mask_field``), else none.
 
         Returns:
             A new pipeline with the op appended.
+
+        Raises:
+            ZephonConfigError: a bad argument; or ``aligned`` not given while an op made
+                fields aligned with ``field`` and an op since (a ``map``) may have changed
+                them (give ``aligned=``: the fields to pack, or ``()``).
 
         Example:
             >>> src = sources.from_callable(3, lambda i: {"tokens": np.arange(5) + 10 * i})
@@ -369,11 +379,13 @@ class Pipeline:
             >>> len(list(Pipeline(src, shuffle=False).pack_tokens(4, drop_remainder=True)))
             3
         """
-        return self._with(O.PackTokensOp(seq_len, field, drop_remainder))
+        if aligned is None and isinstance(field, str):
+            aligned = upstream_aligned(self.ops, "pack_tokens", field)
+        return self._with(O.PackTokensOp(seq_len, field, drop_remainder, aligned))
 
     # pack_documents: document-aware packing (zephon.pipeline.ops.pack_documents)
     def pack_documents(self, seq_len: int, field: str = "tokens", *, algorithm: str = "greedy",
-                       open_bins: int = 32, pad_id: int = 0, aligned=(),
+                       open_bins: int = 32, pad_id: int = 0, aligned=None,
                        drop_remainder: bool = False) -> "Pipeline":
         """Pack documents into rows of ``seq_len`` that keep their boundaries.
 
@@ -397,10 +409,17 @@ class Pipeline:
             open_bins: rows a lane keeps open for bin packing (1 to 1024).
             pad_id: the token of the padding (an int >= 0).
             aligned: fields packed like the tokens (e.g. ``("loss_mask",)``), 0 on padding.
+                None (the default): those the op that made ``field`` declares aligned with
+                it (``tokenize_chat``: its ``mask_field``), else none.
             drop_remainder: drop what is open at the run's end instead of emitting it.
 
         Returns:
             A new pipeline with the op appended.
+
+        Raises:
+            ZephonConfigError: a bad argument; or ``aligned`` not given while an op made
+                fields aligned with ``field`` and an op since (a ``map``) may have changed
+                them (give ``aligned=``: the fields to pack, or ``()``).
 
         Example:
             >>> src = sources.from_sequence([{"tokens": np.arange(n) + 10 * n} for n in (3, 5, 2)])
@@ -412,6 +431,8 @@ class Pipeline:
         """
         from zephon.pipeline.ops.pack_documents import PackDocumentsOp
 
+        if aligned is None and isinstance(field, str):
+            aligned = upstream_aligned(self.ops, "pack_documents", field)
         return self._with(PackDocumentsOp(seq_len, field, algorithm, open_bins, pad_id, aligned,
                                           drop_remainder))
 

@@ -23,6 +23,13 @@ comes from :func:`~zephon.options.resolve_flush_every_k_chunks` and is part
 of the pipeline's identity (it decides where a replay can start; batches stay
 full across it).
 
+Fields: a packer built without ``aligned=`` packs, beside its tokens, the fields that
+the op which made its token field declares aligned with them (a chat op's
+``loss_mask``), when every op since hands its fields on (:func:`upstream_aligned`, from
+the ops' :meth:`~zephon.pipeline.ops.base.Op.aligned_with`); when an op since does not
+say what it makes (a ``map``), the packer is refused at construction, naming the field:
+the user says ``aligned=``. No field an op made aligned is dropped unasked.
+
 Invariants: :class:`Plan` is built once by pure functions of the pipeline's
 ops and the options (:func:`cut_steps`, :func:`fused_batch`,
 :func:`build_stages`, :func:`with_arena`, :func:`carry_layout`) and never
@@ -41,6 +48,7 @@ import copy
 from dataclasses import dataclass, replace
 from typing import Union
 
+from zephon.errors import ZephonConfigError
 from zephon.options import (
     resolve_autotune_cpu_budget,
     resolve_autotune_memory_bytes,
@@ -58,6 +66,7 @@ from zephon.options import (
 )
 from zephon.pipeline.lanes import lane_length, owned_lanes
 from zephon.pipeline.ops import (
+    PASSES_ON,
     BatchOp,
     HoldsBins,
     HoldsPieces,
@@ -72,7 +81,7 @@ from zephon.transport.budget import MemoryBudget, pipeline_budget
 
 __all__ = ["INFLIGHT_PER_WORKER", "Plan", "SerialStep", "Stage", "StageStep", "Step",
            "build_stages", "carrier", "carry_layout", "cut_steps", "fused_batch",
-           "input_shape", "maker", "with_arena"]
+           "input_shape", "maker", "upstream_aligned", "with_arena"]
 
 #: tasks a process stage's pool keeps in flight per worker
 INFLIGHT_PER_WORKER = 4
@@ -156,6 +165,35 @@ def fused_batch(groups: list[tuple[StatelessOp, ...]], steps: list[Step],
             not all(op.one_to_one for op in groups[0]):
         return None
     return step.op
+
+
+def upstream_aligned(ops: tuple[Op, ...], packer: str, field: str) -> tuple[str, ...]:
+    """The fields a packer (kind ``packer``) placed after ``ops`` packs with its token field
+    ``field`` when ``aligned=`` is not given: those the op that made ``field`` declares
+    aligned with it when every op since hands its fields on; ``()`` when the op that made
+    it declares none, or no op says it made it (a source's fields: as given).
+
+    Raises:
+        ZephonConfigError: an op declares fields aligned with ``field`` and an op since
+            does not say what it makes (a ``map``): naming the fields and the fix.
+    """
+    unsaid: Op | None = None  # the latest op that does not say what it makes
+    for op in reversed(ops):
+        said = op.aligned_with(field)
+        if said == PASSES_ON:
+            continue
+        if said is None:
+            unsaid = unsaid or op
+            continue
+        if not said or unsaid is None:
+            return tuple(said)
+        names = ", ".join(map(repr, said))
+        raise ZephonConfigError(
+            f"{packer}: {op.name} makes {names} aligned with the tokens {field!r}, and "
+            f"{unsaid.name} after it may have changed or dropped it: say what to pack with "
+            f"the tokens: {packer}(..., aligned={tuple(said)!r}) packs it (one value per "
+            f"token in every sample), {packer}(..., aligned=()) drops it")
+    return ()
 
 
 def carrier(step: Step) -> HoldsRecords | HoldsPieces | HoldsBins | HoldsQueue | None:

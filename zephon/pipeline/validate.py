@@ -6,7 +6,13 @@ Checks, each with an error code, run on the first sample of the source:
         process runner (or in MTP mode); an *adaptive* stage (autotune, no runner
         pinned) does not count: it stays inline instead;
 - Z002  a map/filter op is not deterministic: the same input twice gives
-        different outputs (use ``ctx.rng``, seeded from the sample identity);
+        different outputs. The message names the global RNG the op drew from when
+        one of numpy's, the ``random`` module's or torch's changed state during
+        the calls, and the ways out: draw from ``ctx.rng`` (seeding a third-party
+        library from it, one line each), or ``auto_validation="off"``. Values are
+        compared bit for bit (arrays, tensors), element by element (object arrays,
+        containers), by ``==``, and by their pickles for objects that compare by
+        identity (no ``__eq__``), so only a real difference counts;
 - Z003  a map/filter op mutates its input in place;
 - Z004  a map/filter op's output cannot be pickled (a lock, a generator, an open
         file) while a stage runs on the process runner (or in MTP mode; adaptive
@@ -28,6 +34,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import random
 import sys
 import warnings
 
@@ -60,16 +67,65 @@ def _same(a, b) -> bool:
         nan_a, nan_b = torch.isnan(a), torch.isnan(b)
         return bool(torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b]))
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and \
-            a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and
+                a.shape == b.shape and a.dtype == b.dtype):
+            return False
+        if a.dtype.hasobject:  # its bytes are pointers: compare the objects
+            return _same(a.tolist(), b.tolist())
+        return a.tobytes() == b.tobytes()
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if type(a) is type(b) and type(a).__eq__ is object.__eq__ and a is not b:
+        return _same_pickles(a, b)  # equal by identity only: compare what they hold
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001
         return a is b
+
+
+def _same_pickles(a, b) -> bool:
+    """Whether two objects that compare by identity pickle to the same bytes."""
+    try:
+        return pickle.dumps(a, protocol=5) == pickle.dumps(b, protocol=5)
+    except Exception:  # noqa: BLE001 - an object that cannot be pickled: nothing to judge
+        return True
+
+
+def _global_rng_states() -> dict[str, object]:
+    """The state of each global RNG an op could draw from by mistake, by the name the
+    Z002 message gives it: numpy's, the ``random`` module's and (when imported) torch's."""
+    legacy = np.random.get_state(legacy=True)
+    assert isinstance(legacy, tuple)
+    states: dict[str, object] = {
+        "numpy's global RNG (np.random)": (legacy[1].tobytes(), *legacy[2:]),
+        "the random module's global RNG": random.getstate(),
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        states["torch's global RNG (torch.rand, torchvision's random transforms)"] = \
+            torch.random.get_rng_state().numpy().tobytes()
+    return states
+
+
+def _drawn_from(before: dict, after: dict) -> list[str]:
+    """The global RNGs whose state changed between ``before`` and ``after``."""
+    return [name for name, state in after.items() if before.get(name, state) != state]
+
+
+#: Z002's ways out (``ctx`` is the op's second argument).
+WAYS_OUT = (
+    "take ctx as the op's second argument, fn(sample, ctx), and draw from ctx.rng (a "
+    "NumPy Generator seeded by the sample identity) instead: numpy: ctx.rng.random() for "
+    "np.random.random(); random: rnd = random.Random(int(ctx.rng.integers(2**63))); "
+    "torch: g = torch.Generator().manual_seed(int(ctx.rng.integers(2**63))) passed as "
+    "generator=g, or, for a library that takes no generator (torchvision's random "
+    "transforms), torch.manual_seed(int(ctx.rng.integers(2**63))) before calling it (it "
+    "reseeds the global RNG of the process the op runs in: run the stage on the process "
+    "runner, whose workers own theirs, not inline or on threads). Or switch this check "
+    "off: RuntimeOptions(auto_validation='off') (or 'warn'); the stream is then not "
+    "reproducible")
 
 
 def _unimportable_main(obj) -> str | None:
@@ -144,11 +200,7 @@ def _behaviour_issues(pipeline, needs_pickle: bool = False) -> list[ValidationIs
         except Exception:  # noqa: BLE001 - a sample that cannot be copied (a lock in it)
             break  # the checks need copies of it; inline and threads run it as it is
         try:
-            args = (lambda s: (s, OpContext(sid, pipeline.seed))) if op.with_ctx else \
-                (lambda s: (s,))
-            first = op.fn(*args(copy.deepcopy(sample)))
-            probe = copy.deepcopy(sample)
-            second = op.fn(*args(probe))
+            first, second, probe, drawn = _probe(op, sample, sid, pipeline.seed)
         except Exception:  # noqa: BLE001 - op errors surface at run time, with the sample id
             break
         unpicklable = find_unpicklable(first, "output")
@@ -159,7 +211,7 @@ def _behaviour_issues(pipeline, needs_pickle: bool = False) -> list[ValidationIs
                     f"{unpicklable[0]} ({unpicklable[1]}); return plain data (arrays, "
                     "numbers, strings, containers of them), or use runner='threads'"))
             break  # objects that do not pickle compare by identity: nothing more to judge
-        issues.extend(_output_issues(op, first, second))
+        issues.extend(_output_issues(op, first, second, drawn))
         if not _same(probe, before):
             issues.append(ValidationIssue(
                 "Z003", op.name, "mutates its input in place; return a new value instead"))
@@ -169,6 +221,18 @@ def _behaviour_issues(pipeline, needs_pickle: bool = False) -> list[ValidationIs
             continue
         sample = first
     return issues
+
+
+def _probe(op, sample, sid, seed: int) -> tuple:
+    """``(first, second, probe, drawn)``: ``op`` run twice on copies of ``sample`` (the
+    second copy, ``probe``, kept to see whether it mutated it), and the global RNGs it
+    drew from meanwhile."""
+    args = (lambda s: (s, OpContext(sid, seed))) if op.with_ctx else (lambda s: (s,))
+    before = _global_rng_states()
+    first = op.fn(*args(copy.deepcopy(sample)))
+    probe = copy.deepcopy(sample)
+    second = op.fn(*args(probe))
+    return first, second, probe, _drawn_from(before, _global_rng_states())
 
 
 def _arrays(value, depth: int = 0, limit: int = 64) -> list[np.ndarray]:
@@ -187,14 +251,18 @@ def _arrays(value, depth: int = 0, limit: int = 64) -> list[np.ndarray]:
     return out
 
 
-def _output_issues(op, first, second) -> list[ValidationIssue]:
+def _output_issues(op, first, second, drawn: list[str]) -> list[ValidationIssue]:
     """Z002 and Z005 from two outputs of ``op`` for the same sample (each call got its
-    own copy of the sample, so memory the outputs share is the op's own)."""
+    own copy of the sample, so memory the outputs share is the op's own; ``drawn``: the
+    global RNGs that changed state during the calls)."""
     issues = []
     if not _same(first, second):
+        cause = (f"it drew from {' and '.join(drawn)}" if drawn else
+                 "it draws from a global RNG (torch's, as torchvision's random transforms "
+                 "do, numpy's np.random, the random module's) or reads the clock")
         issues.append(ValidationIssue(
-            "Z002", op.name, "not deterministic: the same sample gave two different "
-            "outputs; draw randomness from ctx.rng (seeded by the sample identity)"))
+            "Z002", op.name, f"not deterministic: its output changed between two runs on "
+            f"the same sample: {cause}. Ways out: {WAYS_OUT}"))
     if any(np.may_share_memory(a, b) for a in _arrays(first) for b in _arrays(second)):
         issues.append(ValidationIssue(
             "Z005", op.name, "returns arrays that share memory between outputs (a buffer "

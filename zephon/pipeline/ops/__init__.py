@@ -21,7 +21,9 @@ Adding an op
    :class:`~.base.HoldsPieces`, :class:`~.base.HoldsBins` or
    :class:`~.base.HoldsQueue` and returns a
    :class:`~.base.CarryingAccumulator`), with a unique ``kind``, its traits and a
-   ``describe()`` that names everything defining its output (the fingerprint).
+   ``describe()`` that names everything defining its output (the fingerprint); an op
+   that makes token arrays with fields aligned to them, or hands its input's fields on
+   unchanged, says so with ``aligned_with()`` (what a packer after it packs).
 2. Register it: add the class to :data:`BUILTIN_OPS` below (an op defined
    outside zephon calls :func:`register`). The plan refuses an op whose class is
    not registered under its kind.
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 from zephon.errors import OpError, ZephonConfigError
 from zephon.pipeline.ops.base import (
+    PASSES_ON,
     Accumulator,
     CarryingAccumulator,
     HoldsBins,
@@ -58,7 +61,7 @@ from zephon.pipeline.ops.pack_documents import PackDocumentsOp
 from zephon.pipeline.ops.pack_tokens import PackTokensOp
 from zephon.pipeline.ops.shuffle import ShuffleOp
 
-__all__ = ["BUILTIN_OPS", "REGISTRY", "Accumulator", "BatchOp", "CarryingAccumulator",
+__all__ = ["BUILTIN_OPS", "PASSES_ON", "REGISTRY", "Accumulator", "BatchOp", "CarryingAccumulator",
            "EnsureMixtureOp", "FilterOp", "HoldsBins", "HoldsPieces", "HoldsQueue",
            "HoldsRecords", "MapBatchOp", "MapOp",
            "Op", "OpContext", "OpError", "PackDocumentsOp", "PackTokensOp", "SerialOp",

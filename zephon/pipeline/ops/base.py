@@ -27,6 +27,14 @@ records themselves, to hand them on unchanged later (:class:`HoldsQueue`, a
 reorder buffer: ``ensure_mixture``). Those four shapes are the checkpoint's carry
 vocabulary: a new op that keeps data across a boundary holds one of them.
 
+Fields (:meth:`Op.aligned_with`): an op may say which fields of the records it makes
+are aligned element by element with a token array (a chat op's ``loss_mask``, one value
+per token), or that it hands a field on as it got it (:data:`PASSES_ON`: a filter, a
+shuffle, a reorder buffer); by default it says nothing (a user ``map`` may keep, change
+or drop any field). A packer built without ``aligned=`` packs what the op that made its
+token field declares (:func:`~zephon.pipeline.plan.upstream_aligned`), so no field an
+upstream op made aligned is dropped unasked.
+
 Accumulator lifecycle (per lane): ``start`` at the first Boundary; then
 ``push(records) -> emitted`` per unit and ``boundary(marker) -> emitted`` at
 each later Boundary (what it gives up there); ``drain() -> emitted`` at the end
@@ -41,18 +49,25 @@ from __future__ import annotations
 import abc
 import inspect
 import zlib
-from typing import Any, Callable, ClassVar
+from collections.abc import Sequence
+from typing import Any, Callable, ClassVar, Final, Literal, Union
 
 import numpy as np
 
-from zephon.errors import OpError
+from zephon.errors import OpError, ZephonConfigError
 from zephon.options._spec import check_int
 from zephon.pipeline.records import Boundary, Record
 
-__all__ = ["Accumulator", "CarryingAccumulator", "HoldsBins", "HoldsPieces", "HoldsQueue",
-           "HoldsRecords", "Op",
-           "OpContext", "SerialOp", "StatelessOp", "check_int", "made_lineage", "op_error",
-           "pos_lineage", "wants_ctx"]
+__all__ = ["PASSES_ON", "Accumulator", "Aligned", "CarryingAccumulator", "HoldsBins",
+           "HoldsPieces", "HoldsQueue", "HoldsRecords", "Op",
+           "OpContext", "SerialOp", "StatelessOp", "check_aligned", "check_int",
+           "made_lineage", "op_error", "op_refusal", "pos_lineage", "wants_ctx"]
+
+#: What :meth:`Op.aligned_with` answers for a field the op hands on as it got it.
+PASSES_ON: Final = "passes on"
+#: An answer of :meth:`Op.aligned_with`: the aligned fields (a tuple), :data:`PASSES_ON`,
+#: or None (the op does not say).
+Aligned = Union[tuple[str, ...], Literal["passes on"], None]
 
 
 def _stable_hash(text: str) -> int:
@@ -86,13 +101,37 @@ def wants_ctx(fn: Callable) -> bool:
     return len(params) >= 2
 
 
-def op_error(op: Op, record: Record, exc: BaseException) -> OpError:
-    """The OpError of ``op`` failing on ``record`` with ``exc``, naming its sample(s)."""
+def op_refusal(op: Op, record: Record, what: str) -> OpError:
+    """The OpError of ``op`` failing on ``record`` for the reason ``what``, naming its
+    sample(s)."""
     sample = record.ids[0] if len(record.ids) == 1 else list(record.ids)  # a plain list
     shown = sample if not isinstance(sample, list) or len(sample) <= 4 else \
         f"[{sample[0]}, ..., {sample[-1]}] ({len(sample)} samples)"
-    return OpError(f"op {op.name} failed on sample {shown}: {type(exc).__name__}: {exc}",
-                   op=op.name, sample_id=sample)
+    return OpError(f"op {op.name} failed on sample {shown}: {what}", op=op.name,
+                   sample_id=sample)
+
+
+def op_error(op: Op, record: Record, exc: BaseException) -> OpError:
+    """The OpError of ``op`` failing on ``record`` with ``exc``, naming its sample(s)."""
+    return op_refusal(op, record, f"{type(exc).__name__}: {exc}")
+
+
+def check_aligned(kind: str, field: str, aligned: Sequence[str],
+                  reserved: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """A packer's ``aligned=`` checked: distinct non-empty field names, none of them its
+    token ``field`` or a key it makes itself (``reserved``)."""
+    if isinstance(aligned, str) or not isinstance(aligned, Sequence) or \
+            not all(isinstance(a, str) and a for a in aligned):
+        raise ZephonConfigError(f"{kind}: aligned must be a sequence of field names, "
+                                f"got {aligned!r}")
+    names = tuple(aligned)
+    clash = [a for a in names if a in (field, *reserved)] or \
+        [a for a in names if names.count(a) > 1]
+    if clash or field in reserved:
+        keys = ", ".join(map(repr, (field, *reserved)))
+        raise ZephonConfigError(f"{kind}: field {clash[0] if clash else field!r} is named "
+                                f"twice (the row's keys are {keys} and aligned {names})")
+    return names
 
 
 class Op(abc.ABC):
@@ -116,6 +155,14 @@ class Op(abc.ABC):
     def describe(self) -> str:
         """The op's part of the pipeline fingerprint: everything that defines its output."""
         return self.name
+
+    def aligned_with(self, field: str) -> Aligned:
+        """What the op says of the fields aligned with the token array ``field`` of the
+        records it gives: a tuple of field names when it makes ``field`` (each holds one
+        value per token, a chat op's ``loss_mask``; empty: none), :data:`PASSES_ON` when it
+        hands ``field`` and the fields beside it on as it got them, None when it does not
+        say (the default: a user function may keep, change or drop any field)."""
+        return None
 
 
 class StatelessOp(Op):
@@ -229,6 +276,9 @@ class HoldsQueue(SerialOp):
     of what it reads: to the carry it is transparent, except for what it holds."""
 
     holds = "queue"
+
+    def aligned_with(self, field: str) -> Aligned:
+        return PASSES_ON  # it emits its input records themselves
 
     @property
     @abc.abstractmethod

@@ -3,7 +3,10 @@
 Each wraps a user callable. ``map`` and ``filter`` pass ``ctx``
 (:class:`~zephon.pipeline.ops.base.OpContext`, whose ``rng`` is seeded by the
 sample identity) as a second argument to a function that takes two; a failure
-is an :class:`~zephon.errors.OpError` naming the op and the sample. The
+is an :class:`~zephon.errors.OpError` naming the op and the sample. A ``map`` or
+``map_batch`` function returns the new sample (batch): None is refused at the first
+sample it is returned for (a forgotten ``return``; a sample is dropped with ``filter``),
+the same on every runner (each runs :meth:`MapOp.apply_one`). The
 function's identity (:func:`~zephon.pipeline.fingerprint.fn_identity`) is the
 op's part of the fingerprint.
 """
@@ -14,7 +17,16 @@ from typing import Callable
 
 from zephon.errors import ZephonConfigError
 from zephon.pipeline.fingerprint import fn_identity, fn_name
-from zephon.pipeline.ops.base import OpContext, StatelessOp, check_int, op_error, wants_ctx
+from zephon.pipeline.ops.base import (
+    PASSES_ON,
+    Aligned,
+    OpContext,
+    StatelessOp,
+    check_int,
+    op_error,
+    op_refusal,
+    wants_ctx,
+)
 from zephon.pipeline.records import Batch, BatchList, Record
 
 __all__ = ["FilterOp", "MapBatchOp", "MapOp"]
@@ -45,6 +57,10 @@ class MapOp(StatelessOp):
                 else self.fn(r.value)
         except Exception as exc:
             raise op_error(self, r, exc) from exc
+        if value is None:
+            raise op_refusal(self, r, "the function returned None: a map returns the new "
+                             "sample (a dict, an array, ...; a missing `return`?); to drop "
+                             "samples use .filter(pred) instead")
         return Record(value, r.ids, r.pos, r.lin)
 
 
@@ -62,6 +78,9 @@ class FilterOp(MapOp):
             raise op_error(self, r, exc) from exc
         return r if keep else None
 
+    def aligned_with(self, field: str) -> Aligned:
+        return PASSES_ON  # it hands the records it keeps on as they are
+
 
 class MapBatchOp(MapOp):
     """``map_batch(fn, parallelism)``: ``fn(batch)`` on each unit's value (a batch after a
@@ -76,6 +95,9 @@ class MapBatchOp(MapOp):
             value = self.fn(r.value)
         except Exception as exc:
             raise op_error(self, r, exc) from exc
+        if value is None:
+            raise op_refusal(self, r, "the function returned None: a map_batch returns the "
+                             "new batch (a dict or a Batch; a missing `return`?)")
         if isinstance(r.value, Batch) and isinstance(value, dict) and \
                 not isinstance(value, Batch):
             value = Batch(value, meta=r.value.meta)

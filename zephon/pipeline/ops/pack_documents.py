@@ -57,7 +57,13 @@ import numpy as np
 from zephon.errors import OpError, ZephonConfigError
 from zephon.kernels import fit_place, segment_layout
 from zephon.kernels.pack_docs_ref import CU_SENTINEL
-from zephon.pipeline.ops.base import CarryingAccumulator, HoldsBins, check_int
+from zephon.pipeline.ops.base import (
+    Aligned,
+    CarryingAccumulator,
+    HoldsBins,
+    check_aligned,
+    check_int,
+)
 from zephon.pipeline.records import Batch, Boundary, Record
 
 __all__ = ["ALGORITHMS", "CU_SENTINEL", "MAX_OPEN_BINS", "PackDocumentsOp"]
@@ -68,20 +74,6 @@ ALGORITHMS = ("greedy", "wrap", "first_fit", "best_fit")
 MAX_OPEN_BINS = 1024
 #: Keys every packed row has besides its token field.
 LAYOUT_KEYS = ("positions", "cu_seqlens")
-
-
-def _check_aligned(field: str, aligned) -> tuple:
-    if isinstance(aligned, str) or not all(isinstance(a, str) and a for a in aligned):
-        raise ZephonConfigError(f"pack_documents: aligned must be a sequence of field names, "
-                                f"got {aligned!r}")
-    aligned = tuple(aligned)
-    clash = [a for a in aligned if a in (field, *LAYOUT_KEYS)] or \
-        [a for a in aligned if aligned.count(a) > 1]
-    if clash or field in LAYOUT_KEYS:
-        raise ZephonConfigError(f"pack_documents: field {clash[0] if clash else field!r} "
-                                f"is named twice (the row's keys are {field!r}, "
-                                f"{', '.join(map(repr, LAYOUT_KEYS))} and aligned {aligned})")
-    return aligned
 
 
 def _sample_error(record: Record, what: str) -> OpError:
@@ -115,7 +107,8 @@ class PackDocumentsOp(HoldsBins):
         if not isinstance(drop_remainder, bool):
             raise ZephonConfigError(f"pack_documents: drop_remainder must be True or False, "
                                     f"got {drop_remainder!r}")
-        self.field, self.aligned = field, _check_aligned(field, aligned)
+        self.field = field
+        self.aligned = check_aligned("pack_documents", field, aligned, LAYOUT_KEYS)
         self.algorithm = "greedy" if algorithm == "wrap" else algorithm
         self.drop_remainder = drop_remainder
 
@@ -130,6 +123,9 @@ class PackDocumentsOp(HoldsBins):
         tail = ", drop_remainder=True" if self.drop_remainder else ""
         return (f"pack_documents({self.seq_len}, {self.field!r}, {self.algorithm}{bins}, "
                 f"pad_id={self.pad_id}{aligned}{tail})")
+
+    def aligned_with(self, field: str) -> Aligned:
+        return self.aligned if field == self.field else ()
 
     def start(self, seed: int, lane: int, boundary: Boundary) -> "_DocPackState":
         return _DocPackState(self)

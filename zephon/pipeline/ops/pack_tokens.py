@@ -1,9 +1,12 @@
-"""``pack_tokens(seq_len, field, drop_remainder)``: rows of ``seq_len`` tokens (serial,
-holds pieces).
+"""``pack_tokens(seq_len, field, drop_remainder, aligned)``: rows of ``seq_len`` tokens
+(serial, holds pieces).
 
 Concatenates the token arrays (``value[field]``, flattened) of the lane's
 records and cuts rows of exactly ``seq_len`` tokens, each a
-``{field: array}`` record; the pieces of an unfinished row stay across
+``{field: array, *aligned}`` record: every ``aligned`` field (a chat ``loss_mask``, one
+number per token) is cut exactly as the tokens are (a record whose aligned field has
+not one value per token is an OpError naming it); the record's other fields are not
+part of a row. The pieces of an unfinished row stay across
 boundaries and epoch starts (they are the boundary's carry). The stream's final
 remainder is a last short row, dropped with ``drop_remainder=True``; it is a
 :class:`ShortRow` record, which a ``batch`` after the packer (directly, or through a
@@ -22,7 +25,14 @@ from typing import Any
 import numpy as np
 
 from zephon.errors import OpError, ZephonConfigError
-from zephon.pipeline.ops.base import CarryingAccumulator, HoldsPieces, check_int
+from zephon.pipeline.ops.base import (
+    Aligned,
+    CarryingAccumulator,
+    HoldsPieces,
+    check_aligned,
+    check_int,
+    op_refusal,
+)
 from zephon.pipeline.records import Boundary, Record
 
 __all__ = ["PackTokensOp", "ShortRow"]
@@ -44,7 +54,8 @@ class PackTokensOp(HoldsPieces):
     preserves_cursor_order = False
     expands = True
 
-    def __init__(self, seq_len: int, field: str = "tokens", drop_remainder: bool = False) -> None:
+    def __init__(self, seq_len: int, field: str = "tokens", drop_remainder: bool = False,
+                 aligned=()) -> None:
         self.seq_len = check_int("pack_tokens", "seq_len", seq_len, 1)
         if not isinstance(field, str) or not field:
             raise ZephonConfigError(f"pack_tokens: field must be a non-empty string, got {field!r}")
@@ -52,10 +63,15 @@ class PackTokensOp(HoldsPieces):
             raise ZephonConfigError(f"pack_tokens: drop_remainder must be True or False, got "
                                     f"{drop_remainder!r}")
         self.field, self.drop_remainder = field, drop_remainder
+        self.aligned = check_aligned("pack_tokens", field, aligned)
 
     def describe(self) -> str:
+        aligned = f", aligned={list(self.aligned)}" if self.aligned else ""
         tail = ", drop_remainder=True" if self.drop_remainder else ""
-        return f"pack_tokens({self.seq_len}, {self.field!r}{tail})"
+        return f"pack_tokens({self.seq_len}, {self.field!r}{aligned}{tail})"
+
+    def aligned_with(self, field: str) -> Aligned:
+        return self.aligned if field == self.field else ()
 
     def start(self, seed: int, lane: int, boundary: Boundary) -> _PackState:
         return _PackState(self)
@@ -70,6 +86,31 @@ class PackTokensOp(HoldsPieces):
                           f"{self.field!r} ({exc})", op="pack_tokens",
                           sample_id=record.ids[0]) from exc
 
+    def column(self, record: Record, name: str) -> np.ndarray:
+        """The flat aligned field ``name`` of an input record: numbers, one per token (an
+        OpError naming the sample and the field otherwise)."""
+        try:
+            values = np.asarray(record.value[name]).reshape(-1)
+        except (KeyError, TypeError, IndexError) as exc:
+            raise op_refusal(self, record, f"no aligned field {name!r} ({exc})") from exc
+        n = self.tokens(record).size
+        if values.size != n:
+            raise op_refusal(self, record, f"aligned field {name!r} has {values.size} "
+                             f"value(s) for {n} token(s) of {self.field!r}")
+        if values.dtype.kind not in "biuf" and values.size:
+            raise op_refusal(self, record, f"aligned field {name!r} holds {values.dtype} "
+                             "values, not numbers")
+        return values
+
+    def aligned_values(self, pieces) -> dict:
+        """The aligned fields of the row made of ``pieces`` (``(record, a, b)`` each: values
+        ``[a, b)`` of that record), cut as its tokens are."""
+        out = {}
+        for name in self.aligned:
+            parts = [self.column(r, name)[a:b] for r, a, b in pieces]
+            out[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return out
+
     def made_size(self) -> int:
         return self.seq_len
 
@@ -79,7 +120,10 @@ class PackTokensOp(HoldsPieces):
     def remake(self, pieces: list, lin: Any) -> Record:
         row = np.concatenate([self.tokens(r)[a:b] for r, a, b in pieces])
         ids = [i for r, _, _ in pieces for i in r.ids]
-        return Record({self.field: row}, ids, pieces[-1][0].pos, lin)
+        value = {self.field: row}
+        if self.aligned:
+            value.update(self.aligned_values(pieces))
+        return Record(value, ids, pieces[-1][0].pos, lin)
 
 
 class _PackState(CarryingAccumulator):
@@ -100,7 +144,11 @@ class _PackState(CarryingAccumulator):
         arrays, recs = self.arrays, self.recs
         row = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)  # one piece: a view
         ids = recs[0].ids if len(recs) == 1 else [i for r in recs for i in r.ids]
-        out = Record({self.field: row}, ids, recs[-1].pos)
+        value = {self.field: row}
+        if self.op.aligned:
+            value.update(self.op.aligned_values(
+                [(r, a, a + t.size) for t, r, a in zip(arrays, recs, self.starts, strict=True)]))
+        out = Record(value, ids, recs[-1].pos)
         if self.tracks:
             out.lin = self._pieces()
         self.arrays, self.recs, self.starts, self.count = [], [], [], 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from zephon.pipeline.ops.base import Accumulator, SerialOp, check_int
+from zephon.pipeline.ops.base import PASSES_ON, Accumulator, Aligned, SerialOp, check_int
 from zephon.pipeline.records import Boundary
 
 __all__ = ["ShuffleOp"]
@@ -28,6 +28,9 @@ class ShuffleOp(SerialOp):
 
     def describe(self) -> str:
         return f"shuffle({self.buffer_size})"
+
+    def aligned_with(self, field: str) -> Aligned:
+        return PASSES_ON  # it only reorders its input records
 
     def start(self, seed: int, lane: int, boundary: Boundary) -> _ShuffleState:
         return _ShuffleState(self.buffer_size, seed, lane, boundary)

@@ -33,7 +33,9 @@ spans of the assistant's turns) and :class:`TokenizeChatOp`.
   assistant span (by its character offsets), else 0: a token that joins the text before
   a turn to its first characters (a byte-level BPE's ``" ju"`` of ``": jumps"``) is the
   assistant's. BOS/EOS added by the op have mask 0; ``max_length`` truncates both
-  arrays alike.
+  arrays alike. The op declares the mask aligned with the tokens
+  (:meth:`TokenizeChatOp.aligned_with`), so a packer after it (``pack_tokens``,
+  ``pack_documents`` without ``aligned=``) packs the mask with the tokens.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import numpy as np
 
 from zephon.errors import ZephonConfigError
 from zephon.pipeline.ops import StatelessOp, register
+from zephon.pipeline.ops.base import PASSES_ON, Aligned
 from zephon.pipeline.records import Record
 from zephon.pipeline.text.tokenize import (
     TokenPolicy,
@@ -250,6 +253,13 @@ class TokenizeChatOp(StatelessOp):
                 f"messages_field={self.messages_field!r}, output_field={self.output_field!r}, "
                 f"mask_field={self.mask_field!r}, add_special_tokens={self.add_special_tokens}, "
                 f"{self.policy.describe()}, keep_fields={self.keep_fields})")
+
+    def aligned_with(self, field: str) -> Aligned:
+        """The mask is aligned with the tokens it makes (one value per token); another field
+        goes on as it came with ``keep_fields``."""
+        if field == self.output_field:
+            return (self.mask_field,)
+        return PASSES_ON if self.keep_fields and field != self.mask_field else ()
 
     def _rendered(self, record: Record) -> tuple[str, list]:
         messages = _messages(record, self.messages_field)

@@ -20,6 +20,9 @@ What it owns: :class:`TokenizeOp` and the options every tokenize op shares
   add_special_tokens=...)``; with ``max_length`` and ``overflow="truncate"`` the ids are
   cut so that the whole row, BOS and EOS included, has at most ``max_length`` tokens.
   The dtype is ``uint16`` when every id fits, else ``int32``, or the one given.
+- **Fields.** It makes ``output_field``, with no field aligned with it
+  (:meth:`TokenizeOp.aligned_with`); with ``keep_fields=True`` the input's other fields
+  go on as they came.
 - **Errors.** A sample without the text field, or whose text is not a string, is an
   :class:`~zephon.errors.OpError` naming the op and the sample; the records before it go
   on first, as for any op.
@@ -36,6 +39,7 @@ import numpy as np
 
 from zephon.errors import OpError, ZephonConfigError
 from zephon.pipeline.ops import StatelessOp, register
+from zephon.pipeline.ops.base import PASSES_ON, Aligned
 from zephon.pipeline.records import Record
 from zephon.pipeline.text.tokenizer import TokenizerRef
 from zephon.transport.remote_errors import put_done
@@ -202,6 +206,13 @@ class TokenizeOp(StatelessOp):
                 f"text_field={self.text_field!r}, output_field={self.output_field!r}, "
                 f"add_special_tokens={self.add_special_tokens}, {self.policy.describe()}, "
                 f"keep_fields={self.keep_fields})")
+
+    def aligned_with(self, field: str) -> Aligned:
+        """No field is aligned with the tokens it makes; another field goes on as it came
+        with ``keep_fields`` (else the op's output has none)."""
+        if field == self.output_field:
+            return ()
+        return PASSES_ON if self.keep_fields else ()
 
     def _text(self, record: Record) -> str:
         value = record.value
