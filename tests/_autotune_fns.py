@@ -119,3 +119,24 @@ def fail_named(x):
     if str(x) in os.environ.get("ZEPHON_TEST_LOCKED", "").split(","):
         raise ValueError(f"sample {x} is bad")
     return x
+
+
+#: What ``hoard`` keeps in the worker process that ran it (never in the test's process).
+KEPT: list = []
+#: Bytes ``hoard`` keeps per sample.
+HOARD_BYTES = 8 << 20
+
+
+def hoard(x):
+    """A CPU-bound op (a few ms per sample) that keeps HOARD_BYTES per sample in a module
+    list of the worker process running it (a cache, a leak), up to $ZEPHON_TEST_HOARD
+    samples per worker (set by the test before the run: workers inherit it); inline (in
+    the test's process) it keeps nothing. The sample's value is not changed."""
+    import multiprocessing
+    import os
+
+    spin(30_000)
+    if multiprocessing.parent_process() is not None and \
+            len(KEPT) < int(os.environ.get("ZEPHON_TEST_HOARD", "0")):
+        KEPT.append(b"\x01" * HOARD_BYTES)  # written: resident, not a zero page
+    return x + 1

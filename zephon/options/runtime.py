@@ -134,8 +134,10 @@ class RuntimeOptions(OptionsBase):
     autotune_memory_bytes: int | None = option(
         None, check=Int(min=1, max=MAX_CACHE_BYTES, optional=True),
         doc="worker_allocation='autotune': resident memory the process workers may use "
-            "together (the controller starts no worker past it); None = half the memory "
-            "available when the run starts (MemAvailable, and the cgroup's memory.max).",
+            "together (the controller starts no worker past it, and takes workers back, "
+            "an adaptive stage's last one included, when their measured resident memory "
+            "passes it); None = half the memory available when the run starts "
+            "(MemAvailable, and the cgroup's memory.max).",
     )
     worker_compute_threads: int = option(
         1, check=Int(min=0, max=MAX_COMPUTE_THREADS),

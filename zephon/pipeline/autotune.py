@@ -37,10 +37,29 @@ reading, from its units: the process's CPU time while they ran plus the engine
 thread's waits for a core, over the elapsed time. Thread stages have no such reading
 (their CPU is the consumer's process's, shared with the consumer) and count as
 CPU-bound. The *throughput* is the
-items the engine handed on (its ticks) per second of the period.
+items the engine handed on (its ticks) per second of the period. The *memory* signal is
+the resident bytes of each process worker (in service, booting, or parked by a move back
+inline; ``/proc/<pid>/statm``, shared pages it touched included) read at the period's end:
+what the memory budget is held to, after a move or a grow as much as before one.
 
 **The rule** (one decision per period at most, hill-climbing):
 
+- *within the memory budget* (first, before the moves below and before a trial is
+  judged; :func:`take_back`, a pure function of the memory signal, the budget and the
+  counts): while the workers' resident bytes add up to more than the memory budget (an op
+  that keeps memory in its workers: a cache, a leak), the stage holding the most gives
+  back the fewest workers after which the total fits, counting its smallest ones (the
+  executor picks which worker goes), down to one worker (an adaptive stage: to none, back
+  inline, its pool stopped once its units are back; a pool parked by a move back inline
+  is stopped first). The change on trial, if any, is over (kept), and the stage is not
+  grown (an adaptive stage inline: not moved to processes) for a hold, doubled as a failed
+  grow's (move's); each period measures again, so a stage whose workers keep growing
+  gives back one more at each period it passes the budget. With no worker left to take
+  back (a pinned stage at one worker that alone passes it) nothing is decided: the reason
+  is held (``stats()["autotune"]["held"]``, ``explain()``) and no grow fits meanwhile.
+  The budget is held at the periods (a period in which workers boot is not measured):
+  between two, the workers may pass it by what they keep meanwhile, and a worker taken
+  back frees its memory once the tasks it has in flight are back (it counts no more);
 - *grow*: the consumer waited at least :data:`WAIT_GROW` of the period: the stage
   with the highest busy fraction, if that is at least :data:`BUSY_GROW` and the
   stage is below its cap, gets one worker if the budgets allow; if the CPU budget
@@ -122,7 +141,8 @@ seconds over the elapsed time: the engine's thread) and as none against the CPU 
   once with the workers it had, and moves back inline are held as failed moves to
   processes are;
 - a move to processes starts only the workers the memory budget has room for (as
-  above; none: the stage stays inline and the hold says so);
+  above; none: the stage stays inline and the hold says so); once they run, the memory
+  signal is what counts (the rule's *within the memory budget*);
 - a stage whose pool cannot start (an op that does not pickle, a worker that fails to
   start or is not ready within the spawn timeout), or whose samples do not pickle or
   whose units fail in a worker and pass inline (the executor's ``unable``), stays
@@ -136,10 +156,11 @@ stages (:func:`~zephon.options.resolve_autotune_cpu_budget`: an explicit
 ``cpu.max``), except for the waiting process stages above, whose measured CPU is
 what counts against the budget; a stage at most ``budget - (stages - 1)`` (a
 waiting process stage: ``WAITING_FACTOR x budget``, at most 127); a new process worker only
-while the resident memory of the stage's workers (``/proc/<pid>/statm``) plus one
+while the resident memory of the process workers (the memory signal) plus one
 more of the largest stays within the memory budget
 (:func:`~zephon.options.resolve_autotune_memory_bytes`: ``autotune_memory_bytes``,
-else half of what is available at start). Thread workers count against the CPU
+else half of what is available at start), and workers taken back whenever the measured
+total passes it (the rule's first item). Thread workers count against the CPU
 budget only.
 
 **Lifecycle.** Made by the engine with its executors (none when no stage is
@@ -168,8 +189,9 @@ engine's thread at a given item) with :attr:`Controller.frozen` set.
 :attr:`Controller.decisions` (the latest :data:`KEEP_DECISIONS`; ``decided`` counts
 them all); a move an adaptive stage undid by itself (its workers did not start, a
 sample that cannot be pickled) is recorded too; ``stats()`` shows
-them with the budgets and the counts now (``snapshot()``), and ``explain()``
-shows the latest run's.
+them with the budgets, the counts now and the last period's signals, the workers'
+resident bytes per stage among them (``snapshot()``), and ``explain()`` shows the
+latest run's, with the workers' resident memory against the budget and the reason held.
 """
 
 from __future__ import annotations
@@ -187,7 +209,7 @@ __all__ = ["BUSY_GROW", "BUSY_SHRINK", "HOLD_MAX_S", "HOLD_S", "KEEP_DECISIONS",
            "MOVE_WORKERS", "NEW_WORKER_BYTES", "PERIOD_S", "SHRINK_PERIODS", "TRIAL_GAIN",
            "TRIAL_ITEMS", "TRIAL_MIN_ITEMS", "TRIAL_MIN_S", "TRIAL_S", "WAITING_CPU",
            "WAITING_FACTOR", "WAIT_GROW", "WIDE_PERIODS", "Controller", "Decision",
-           "StageMeter", "choose", "judge", "judge_inline"]
+           "StageMeter", "choose", "judge", "judge_inline", "take_back"]
 
 log = logging.getLogger("zephon.autotune")
 
@@ -314,6 +336,9 @@ class _Signals(NamedTuple):
     #: CPU fraction per worker, 0..1 (process stages; a stage absent: CPU-bound)
     cpu: Mapping[int, float] = MappingProxyType({})
     rate: float = 0.0  # items handed on per second
+    #: resident bytes of each process worker (in service, booting or parked) per stage
+    #: that has any, at the period's end (``/proc/<pid>/statm``)
+    rss: Mapping[int, tuple[int, ...]] = MappingProxyType({})
 
 
 def judge(before: float, after: float) -> bool:
@@ -378,6 +403,44 @@ def choose(sig: _Signals, caps: dict[int, int], budget: int, idle: dict[int, int
             return s, -1, (f"busy {sig.busy[s]:.0%} with {sig.workers[s]} for "
                            f"{SHRINK_PERIODS} periods")
     return None
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
+
+
+def take_back(rss: Mapping[int, tuple[int, ...]], budget: int, counts: Mapping[int, int],
+              floors: Mapping[int, int]) -> tuple[int, int, str] | None:
+    """The memory budget's decision of one period: None while the process workers'
+    resident bytes (``rss``: per stage, each worker's) add up to at most ``budget``; else
+    ``(stage, workers after, reason)``: the stage holding the most that has workers above
+    its floor (``counts``: its workers now; ``floors``: the fewest it may keep, 0 for an
+    adaptive stage: inline) gives back the fewest after which the total is within the
+    budget whichever of its workers go (its smallest ones are counted: the executor picks
+    which), down to its floor at most. A stage running inline (count 0) that still has
+    workers (a pool parked, or being stopped) comes first: ``(stage, 0, reason)``, its pool
+    is to be stopped. ``workers after`` equals ``counts[stage]`` (> 0) when no stage has
+    a worker left to give back (the reason says so: nothing to do)."""
+    total = sum(sum(sizes) for sizes in rss.values())
+    if total <= budget:
+        return None
+    over = f"memory budget: workers resident {_mib(total)} > {_mib(budget)}"
+    for s in sorted(rss, key=lambda x: (counts.get(x, 0) > 0, -sum(rss[x]), x)):
+        n, floor = counts.get(s, 0), floors.get(s, 1)
+        if n == 0:
+            return s, 0, f"{over}, stage {s}'s parked workers {_mib(sum(rss[s]))}: stopped"
+        if n <= floor:
+            continue
+        left, k = total, 0
+        for size in sorted(rss[s])[:n - floor]:
+            if left <= budget:
+                break
+            left, k = left - size, k + 1
+        return s, n - k, f"{over}, stage {s}'s {_mib(sum(rss[s]))}: takes {k} back"
+    s = max(rss, key=lambda x: (sum(rss[x]), -x))  # (a stable text: held, logged once)
+    return s, counts.get(s, 0), (f"memory budget {_mib(budget)} passed, stage {s} holding "
+                                 f"the most: no worker left to take back (raise "
+                                 f"autotune_memory_bytes, or keep less in the op's workers)")
 
 
 def _waiting(sig: _Signals, s: int) -> bool:
@@ -673,19 +736,30 @@ class Controller:
         with self._wait_lock:
             wait, self._waited = self._waited, 0.0
         rate, self._items = self._items / elapsed, 0
-        return _Signals(workers, busy, min(1.0, wait / elapsed), cpu, rate)
+        return _Signals(workers, busy, min(1.0, wait / elapsed), cpu, rate, self._resident())
 
-    def _memory_ok(self, stage: int, n: int = 1, size: int | None = None) -> bool:
+    def _resident(self) -> dict[int, tuple[int, ...]]:
+        """The memory signal, read now: per stage with process workers (in service,
+        booting or parked), the resident bytes of each (``/proc/<pid>/statm``)."""
+        out = {}
+        for s in self._procs:
+            pids = self.executors[s].pids()
+            if pids:
+                out[s] = tuple(_rss(pid) for pid in pids)
+        return out
+
+    def _memory_ok(self, stage: int, n: int = 1, size: int | None = None,
+                   rss: Mapping[int, tuple[int, ...]] | None = None) -> bool:
         """Whether ``n`` more workers of ``stage`` (each as large as its largest, or
-        ``size`` bytes: a stage with no worker yet to measure) fit in the memory budget."""
+        ``size`` bytes: a stage with no worker yet to measure) fit in the memory budget
+        beside the workers' resident bytes (``rss``: the period's signal; None: read now)."""
         ex = self.executors[stage]
         if ex.runner != "process" and size is None:
             return True
-        used = [_rss(pid) for e in self.executors.values() if e.runner == "process"
-                for pid in e.pids()]
+        rss = self._resident() if rss is None else rss
         if size is None:
-            size = max((_rss(pid) for pid in ex.pids()), default=0)
-        need = sum(used) + n * size
+            size = max(rss.get(stage, ()), default=0)
+        need = sum(sum(sizes) for sizes in rss.values()) + n * size
         if need <= self.memory_bytes:
             return True
         self._hold(f"memory budget: {need >> 20} MiB with {n} more worker(s) of stage "
@@ -697,8 +771,7 @@ class Controller:
         worker running (any stage), else this process's, at most NEW_WORKER_BYTES (a
         spawned worker imports the ops' modules, not the training script's model and
         data). 0: unknown (no /proc)."""
-        sizes = [_rss(pid) for e in self.executors.values() if e.runner == "process"
-                 for pid in e.pids()]
+        sizes = [size for each in self._resident().values() for size in each]
         return max(sizes, default=0) or min(_rss(os.getpid()), NEW_WORKER_BYTES)
 
     def _fitting(self, stage: int, n: int) -> int:
@@ -742,6 +815,8 @@ class Controller:
         self._since = now
         if self.frozen:
             return
+        if self._within_memory(sig, now):
+            return
         if self._trial is not None:
             if not self._settled:  # the new setting's first period: not its evidence
                 self._settled = True
@@ -754,6 +829,41 @@ class Controller:
                 return
         if not self._moves(sig, now):
             self._tune(sig, now)
+
+    def _within_memory(self, sig: _Signals, now: float) -> bool:
+        """The memory budget's decision (:func:`take_back` over the period's ``rss``), made
+        before any other, a trial's judgement included: the workers it takes back are
+        retired (all of an adaptive stage's: back inline, its pool stopped once its units
+        are back; a pool parked by a move back inline is stopped), the change on trial, if
+        any, is over (an inline one kept: its parked pool is stopped), and the stage is not
+        grown (moved to processes) again for a hold, doubled as a failed grow (move)'s;
+        True if a decision was made. With no worker left to take back, the reason is held
+        (grows are refused meanwhile)."""
+        verdict = take_back(sig.rss, self.memory_bytes,
+                            {s: self._count(s) for s in sig.rss},
+                            {s: 0 if s in self.adaptive else 1 for s in sig.rss})
+        if verdict is None:
+            return False
+        stage, after, why = verdict
+        before = self._count(stage)
+        if after >= before > 0:
+            self._hold(why)
+            return False
+        if before == 0:  # inline already: a parked pool, stopped now (not a decision)
+            if self._trial is not None and self._trial[:2] == ("inline", stage):
+                self._trial = None  # inline is kept
+            self.executors[stage].release()
+            return False
+        trial, self._trial = self._trial, None
+        if trial is not None and trial[0] == "inline":
+            self.executors[trial[1]].release()  # kept inline: its parked pool is stopped
+        if after == 0:
+            hold = self._fail(self._fails_in, self._held_in, stage, now)
+            done = self._switch(now, stage, 0, f"{why} (held {hold:g} s)")
+            self.executors[stage].release()
+            return done
+        hold = self._fail(self._fails_grow, self._held_until, stage, now)
+        return self._resize(now, stage, after - before, f"{why} (held {hold:g} s)")
 
     def _fallen(self, now: float) -> None:
         """Record the moves to processes an adaptive stage undid by itself (its workers
@@ -774,7 +884,8 @@ class Controller:
         if not tuned:
             return
         sub = _Signals({s: sig.workers[s] for s in tuned}, {s: sig.busy[s] for s in tuned},
-                       sig.wait, {s: c for s, c in sig.cpu.items() if s in tuned}, sig.rate)
+                       sig.wait, {s: c for s, c in sig.cpu.items() if s in tuned}, sig.rate,
+                       sig.rss)
         now_caps = self._caps_now(inline)
         if self._back_within(sub, now_caps, now):
             return
@@ -782,7 +893,10 @@ class Controller:
                 for s, c in now_caps.items() if s in sub.workers}
         waiting = {s: (self.executors[s].workers if _held(self._held_until, s, now) else c)
                    for s, c in self.waiting_caps.items() if s in sub.workers}
-        choice = choose(sub, caps, self.cpu_budget, self._idle, self._memory_ok, waiting)
+        def memory_ok(stage: int, n: int = 1) -> bool:  # over the period's signal
+            return self._memory_ok(stage, n, rss=sig.rss)
+
+        choice = choose(sub, caps, self.cpu_budget, self._idle, memory_ok, waiting)
         if choice is None:
             return
         stage, delta, reason = choice
@@ -1031,8 +1145,9 @@ class Controller:
         self._run_items, self._run_since = 0, self._since
 
     def snapshot(self) -> dict:
-        """The budgets, the worker counts now, the last period's signals and every
-        decision, as plain values (``stats()["autotune"]``)."""
+        """The budgets, the worker counts now, the last period's signals (the workers'
+        resident bytes per stage among them) and every decision, as plain values
+        (``stats()["autotune"]``)."""
         last = self.last
         return {
             "cpu_budget": self.cpu_budget,
@@ -1043,17 +1158,25 @@ class Controller:
             "cpu": dict(last.cpu) if last else {},
             "items_per_s": last.rate if last else None,
             "consumer_wait": last.wait if last else None,
+            "resident_bytes": {s: sum(r) for s, r in last.rss.items()} if last else {},
             "held": self.held,
             "decisions": [d._asdict() for d in self.decisions],
             "decisions_total": self.decided,
         }
 
     def explain(self) -> list[str]:
-        """Lines for ``explain()``: the counts now and each decision."""
+        """Lines for ``explain()``: the counts now, the workers' resident memory and the
+        budget, each decision, and why the last wanted change did not happen."""
         counts = ", ".join(f"stage {s}: {n if n else 'inline'}"
                            for s, n in self.counts().items())
         lines = [f"autotune (latest run): {counts}; {self.decided} decision(s)"]
+        if self.last is not None:
+            resident = sum(sum(r) for r in self.last.rss.values())
+            lines.append(f"  memory: workers resident {_mib(resident)} of the "
+                         f"{_mib(self.memory_bytes)} budget (the last period)")
         lines += [f"  {d.text()}" for d in self.decisions[-20:]]
+        if self.held:
+            lines.append(f"  held: {self.held}")
         return lines
 
     def counts(self) -> dict[int, int]:
