@@ -3,7 +3,9 @@
 
 Callers: :func:`zephon.pipeline.lanes.epoch_slice` and the Parquet source's
 row orders. Each position is walked through the Feistel network on its own in
-C, without the GIL: O(1) memory per position, no array of size ``n``.
+C, without the GIL: O(1) memory per position, no array of size ``n``. Its orders
+are the reference's, limits included (the parity of an order is biased: even for
+``n = 2**b >= 64``, leaning to the parity of ``2**b - n`` otherwise).
 """
 
 cimport cython

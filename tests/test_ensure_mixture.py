@@ -267,7 +267,8 @@ def _take(pipe, k):
     ({"weights": {"a": "x"}}, "positive"),
     ({"weights": {}}, "non-empty mapping"),
     ({"weights": [0.5, 0.5]}, "non-empty mapping"),
-    ({"weights": {"a": 0.5, "zz": 0.5}}, "not components"),
+    ({"weights": {"a": 0.5, "zz": 0.5}}, r"unknown component\(s\) \['zz'\] and leave out "
+                                         r"the component\(s\) \['b'\]"),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs, says):
     with pytest.raises(ZephonConfigError, match=says):

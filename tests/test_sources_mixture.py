@@ -73,7 +73,7 @@ def test_mixture_checkpoint_from_2_ranks_restores_on_1(tmp_path):
     def rank(r):
         pipe = pipeline(data).options(RuntimeOptions(
             world_size=2, global_rank=r, canonical_replicas=C, aggregate_dir=str(agg),
-            aggregate_timeout_s=60.0))
+            aggregate_timeout_s=60.0, run_id="mixture-2-ranks"))
         it = iter(pipe)
         heads[r] = [next(it) for _ in range(7)]
         states[r] = pipe.checkpoint()

@@ -257,7 +257,8 @@ class Pipeline:
 
         Raises:
             ZephonConfigError: a bad argument, no weights for a source that is not a
-                mixture, weights naming no component of the mixture, or the op placed
+                mixture, weights that do not name exactly the components the mixture's
+                samples carry (a nested mixture's own components, not its name), or the op placed
                 after ``batch`` or a packer.
 
         Example:
@@ -286,12 +287,7 @@ class Pipeline:
         else:
             op = O.EnsureMixtureOp(weights, by, field, max_buffer, leftover)
             if mixture is not None:
-                known = _component_names(mixture)
-                unknown = sorted(set(op.names) - known)
-                if unknown:
-                    raise ZephonConfigError(
-                        f"ensure_mixture: weights name {unknown}, which are not components "
-                        f"of the mixture ({sorted(known)})")
+                op.check_components(mixture.record_names())
         for before in self.ops:
             if isinstance(before, (O.HoldsRecords, O.HoldsPieces, O.HoldsBins)):
                 raise ZephonConfigError(
@@ -816,14 +812,3 @@ class Pipeline:
         """
         self._progress.move_to(check_run(decode_state(state), self.plan(), self.fingerprint()))
 
-
-def _component_names(mixture) -> set[str]:
-    """The names a mixture's samples can carry: its components', and those of the
-    components of a nested mixture."""
-    from zephon.pipeline.sources.mixture import MixtureSource
-
-    names = set(mixture.names)
-    for component in mixture.components:
-        if isinstance(component, MixtureSource):
-            names |= _component_names(component)
-    return names

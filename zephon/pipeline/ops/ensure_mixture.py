@@ -11,8 +11,12 @@ running share is furthest below its target.
 
 - **Component** of a record: the source name of its first sample id, which a mixture
   sets to the component's name (``"<name>#<r>"`` for a repeat within the epoch: the
-  suffix is read past); in a nested mixture it is the innermost component's name. A
-  record of a component the weights do not name is an
+  suffix is read past); in a nested mixture it is the innermost component's name,
+  which the mixture's own weights count for the nested mixture (its ``aliases``).
+  Explicit weights must name exactly the names the mixture's records carry
+  (:meth:`EnsureMixtureOp.check_components`, when the op is built on a mixture: a
+  ZephonConfigError naming the ones left out and the unknown ones); a record of a
+  component the weights do not name (a source that is no mixture) is an
   :class:`~zephon.errors.OpError`. The op reorders samples: it goes before ``batch``
   and the packers (the builder refuses it after them).
 - **Target** (``weights``): the mixture's own weights by default (under a weight
@@ -131,13 +135,36 @@ class EnsureMixtureOp(HoldsQueue):
             raise ZephonConfigError(f"ensure_mixture: max_buffer must be at most {MAX_BUFFER} "
                                     f"(what a checkpoint's carry may list), got {max_buffer}")
         self.by, self.field, self.leftover = by, field, leftover
+        #: names a record may carry for a target component: a nested mixture's
+        self.aliases: dict[str, str] = {}
         if hasattr(weights, "at") and hasattr(weights, "names"):  # a mixture's schedule
             self.schedule, self.names = weights, list(weights.names)
+            self.aliases = dict(getattr(weights, "aliases", {}))
             self.fixed = None
         else:
             fixed = _target_weights(weights)
             self.schedule, self.names = None, list(fixed)
             self.fixed = np.array([fixed[n] for n in self.names])
+
+    def check_components(self, carried: list[str]) -> None:
+        """Refuse explicit weights that do not name exactly the component names the
+        mixture's records carry (``carried``:
+        :meth:`~zephon.pipeline.sources.mixture.MixtureSource.record_names`, the innermost
+        names of a nested mixture): a record of a component the weights leave out would
+        stop the run when it arrives, and a named component no record carries would be
+        waited for in vain."""
+        if self.schedule is not None:
+            return  # the mixture's own weights, its nested names in aliases
+        missing = [n for n in carried if n not in self.names]
+        unknown = [n for n in self.names if n not in carried]
+        if not (missing or unknown):
+            return
+        wrong = " and ".join(([f"name unknown component(s) {unknown}"] if unknown else [])
+                             + ([f"leave out the component(s) {missing}"] if missing else []))
+        raise ZephonConfigError(
+            f"ensure_mixture: weights {wrong}: the mixture's samples carry {carried} (a "
+            f"nested mixture's own components, not its name); give each of them a weight, "
+            f"or weights=None for the mixture's own", field="ensure_mixture.weights")
 
     @property
     def carried_records(self) -> int:
@@ -186,6 +213,8 @@ class _EnsureState(CarryingAccumulator):
         k = len(op.names)
         self.queues: list[deque] = [deque() for _ in range(k)]
         self.index: dict[str, int] = {n: i for i, n in enumerate(op.names)}
+        self.index.update({inner: self.index[n] for inner, n in op.aliases.items()
+                           if inner not in self.index})
         self.held = 0
         self.stats: Any = None
         self.node = ""

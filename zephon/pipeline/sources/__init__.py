@@ -82,6 +82,11 @@ def from_sequence(items: Sequence[Any], *, name: str = "sequence") -> Source:
     Returns:
         A :class:`Source` of ``len(items)`` samples.
 
+    Raises:
+        ZephonConfigError: ``items`` has no length or no indexing by position (a
+            generator, an iterator, a set, a mapping): give ``list(items)``, or use
+            :func:`from_callable`.
+
     Example:
         >>> src = sources.from_sequence(["a", "b", "c"])
         >>> len(src), src.get(1), src.identity(1)
@@ -115,7 +120,7 @@ def from_callable(n: int, fn: Callable[[int], Any], *, name: str = "callable") -
 
 def token_windows(path: str, seq_len: int, dtype: str | None = "uint16", *,
                   name: str = "tokens", io_options=None,
-                  storage_options: dict | None = None) -> Source:
+                  storage_options: dict | None = None, vocab_size: int | None = None) -> Source:
     """Windows of ``seq_len`` tokens over one flat token file.
 
     Sample ``i`` is ``{"tokens": tokens[i * seq_len:(i + 1) * seq_len]}``; a trailing
@@ -135,6 +140,11 @@ def token_windows(path: str, seq_len: int, dtype: str | None = "uint16", *,
             reads made while building the source; while iterating, the pipeline's
             ``RuntimeOptions.io_options`` govern. None: the defaults.
         storage_options: fsspec options for remote paths (endpoint, credentials).
+        vocab_size: the tokenizer's vocabulary size, to check the file against: a token
+            outside ``[0, vocab_size)`` read as ``dtype`` (a ``uint16`` file read as
+            ``uint32``) is refused, naming the dtype that fits. Checked when the source is
+            built on a sample of the file (4 stretches of 64 KiB spread over it), not on
+            every token. None: not checked.
 
     Returns:
         A :class:`Source` whose sample ``i`` is ``{"tokens": ndarray[seq_len]}``.
@@ -145,8 +155,9 @@ def token_windows(path: str, seq_len: int, dtype: str | None = "uint16", *,
             of ``dtype`` tokens, a ``.npy`` header does not parse, is not a 1-D C-order
             array, holds another dtype than ``dtype`` or another length than the file;
             when read, a file changed since the source was built.
-        ZephonConfigError: ``seq_len`` is not an int >= 1 or ``dtype`` is not a token
-            dtype.
+        ZephonConfigError: ``seq_len`` is not an int >= 1, ``dtype`` is not a token
+            dtype (a misspelled one included), ``vocab_size`` is not an int >= 1, or the
+            sample of the file holds a token outside ``vocab_size``.
 
     Example:
         >>> np.arange(10, dtype=np.uint16).tofile("train.bin")
@@ -154,7 +165,8 @@ def token_windows(path: str, seq_len: int, dtype: str | None = "uint16", *,
         >>> len(src), src.get(1)["tokens"].tolist()
         (2, [4, 5, 6, 7])
     """
-    return TokenWindows(path, seq_len, dtype, name, _io(io_options), storage_options)
+    return TokenWindows(path, seq_len, dtype, name, _io(io_options), storage_options,
+                        vocab_size)
 
 
 def jsonl(paths: str | Sequence[str], *, name: str = "jsonl", io_options=None,
@@ -359,7 +371,11 @@ def mixture(components: Mapping[str, Source], weights: Weights = None, *,
             (one number or a mapping per component); None: no cap.
         by: ``"samples"`` or ``"tokens"`` (weights are shares of tokens).
         tokens_per_sample: with ``by="tokens"``, the mean tokens per sample of every
-            component; None: measured on a seeded sample of each component.
+            component; None: known to a token source (``token_windows``: ``seq_len``),
+            else measured on a seeded probe of 64 samples of each component: an
+            estimate (exact only for a component of at most 64 samples), for which a
+            ``UserWarning`` gives the probe's size and the standard error of each token
+            share. Give it for exact token shares.
         token_count: with ``by="tokens"`` and no ``tokens_per_sample``, tokens of one
             sample (default: the size of its ``"tokens"`` field, else the words of its
             ``"text"`` field).
@@ -369,9 +385,11 @@ def mixture(components: Mapping[str, Source], weights: Weights = None, *,
 
     Raises:
         ZephonConfigError: no component, an empty component, weights that do not name
-            exactly the components, a weight that is not a positive finite number, or an
-            unknown policy; in a schedule, steps out of order, ``exhausted="stop"``, or
-            weights the policies cannot fit to the epoch's length.
+            exactly the components, a weight that is not a positive finite number, an
+            unknown policy, or weights whose ratio makes an epoch longer than 2**53
+            positions (a ``UserWarning`` above 2**32); in a schedule, steps out of order,
+            ``exhausted="stop"``, or weights the policies cannot fit to the epoch's
+            length.
 
     Example:
         >>> a = sources.from_sequence(["a0", "a1", "a2", "a3"], name="a")

@@ -10,7 +10,10 @@ Sources are pickled once per worker process and must not hold open handles
 across pickling: :class:`FileSource` keeps its per-process state (open readers,
 decoded blocks) out of its pickled state and rebuilds it lazily in whichever
 process reads. ``configured(opts)`` returns the source as the runtime options
-refine it (``io_options`` for file sources; a copy, never a mutation).
+refine it (``io_options`` for file sources; a copy, never a mutation). A source
+may also say what it knows without reading samples (``sample_nbytes``,
+``known_tokens_per_sample``, ``shard_bounds``); ``from_sequence`` refuses what has
+no length or no indexing by position (a generator) when it is built.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -160,6 +163,21 @@ class Source:
 
         Example:
             >>> sources.from_sequence([{"x": 1}]).sample_nbytes() is None
+            True
+        """
+        return None
+
+    def known_tokens_per_sample(self) -> float | None:
+        """The exact mean size of the samples' ``"tokens"`` field, when the source knows it
+        without reading samples; ``sources.mixture(by="tokens")`` then takes it instead of
+        measuring a probe of samples.
+
+        Returns:
+            Tokens per sample (``token_windows``: ``seq_len``), or None (the default: not
+            known without reading).
+
+        Example:
+            >>> sources.from_sequence([{"tokens": [1, 2]}]).known_tokens_per_sample() is None
             True
         """
         return None
@@ -330,6 +348,13 @@ class FileSource(Source):
 
 class SequenceSource(Source):
     def __init__(self, items: Sequence[Any], name: str) -> None:
+        if isinstance(items, Mapping) or not (hasattr(items, "__getitem__")
+                                              and _has_len(items)):
+            raise ZephonConfigError(
+                f"from_sequence: items must be a sequence (a length and indexing by "
+                f"position: a list, tuple, range or array), got a {type(items).__name__}; "
+                f"give list(items) (it is held in memory), or from_callable(n, fn) to make "
+                f"sample i where it is read")
         self.items, self.name = items, name
 
     def __len__(self) -> int:
@@ -337,6 +362,14 @@ class SequenceSource(Source):
 
     def get(self, i: int) -> Any:
         return self.items[i]
+
+
+def _has_len(items: Any) -> bool:
+    try:
+        len(items)
+    except TypeError:  # no __len__, or a 0-d array
+        return False
+    return True
 
 
 class CallableSource(Source):

@@ -21,16 +21,27 @@ The epoch length comes from the per-component exhaustion policy
 
 With only ``repeat`` components, the epoch ends when the component that needs
 the most positions to be read once (largest ``size / weight``) has been read
-once; a ``stop`` component, or a cap, ends it sooner. Components are never cut
+once; a ``stop`` component, or a cap, ends it sooner. So a tiny weight makes a
+long epoch: one longer than :data:`MAX_EPOCH` (``2**53`` positions, where the
+counts stop being exact in float64) is refused when the mixture is built, naming
+the weights and the component; one longer than :data:`LONG_EPOCH` (``2**32``: more
+samples than a run of 8.8e12 tokens in 2048-token windows reads, so the epoch's end
+will in all likelihood never come) is a ``UserWarning``. Components are never cut
 short across epochs: a component read only in part in one epoch continues where
 it stopped in the next (its occurrence count runs on, ``J = epoch * c_k + j``),
 so every sample is read before any is read again.
 
 Weights by tokens (``by="tokens"``): the weights are shares of tokens; each
 component's sample rate is its token weight over its mean tokens per sample,
-given (``tokens_per_sample``) or measured on a seeded sample of up to
+given (``tokens_per_sample``), known to the source (with the default
+``token_count``: :meth:`~zephon.pipeline.sources.base.Source.known_tokens_per_sample`,
+``token_windows``' ``seq_len``), or measured on a seeded sample of up to
 :data:`TOKEN_PROBE` samples per component (``token_count``, default: the length
-of the ``"tokens"`` field).
+of the ``"tokens"`` field): exact when the probe is the whole component, else an
+estimate, and then a ``UserWarning`` names the probe's size, each estimated mean
+with its standard error and the standard error this gives each token share (from
+the probe's spread: lengths rarer than about 1 in :data:`TOKEN_PROBE` samples are
+likely missed by the probe, and not in it).
 
 Weights that change over training (a *schedule*)
 ------------------------------------------------
@@ -89,6 +100,7 @@ import bisect
 import copy
 import math
 import threading
+import warnings
 from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
@@ -100,11 +112,18 @@ from zephon.options._spec import check_positive
 from zephon.pipeline.fingerprint import fn_identity
 from zephon.pipeline.sources.base import Source
 
-__all__ = ["EXHAUSTION_POLICIES", "TOKEN_PROBE", "MixtureSource", "WeightSchedule"]
+__all__ = ["EXHAUSTION_POLICIES", "LONG_EPOCH", "MAX_EPOCH", "TOKEN_PROBE", "MixtureSource",
+           "WeightSchedule"]
 
 EXHAUSTION_POLICIES = ("repeat", "stop", "redistribute")
 #: samples per component read at construction to estimate tokens per sample
 TOKEN_PROBE = 64
+#: the longest epoch: its counts are exact in float64 and ``epoch * c_k`` stays in int64
+#: for 1024 epochs; weights that need more are refused
+MAX_EPOCH = 2 ** 53
+#: a longer epoch is a warning: more samples than a run of 8.8e12 tokens in windows of
+#: 2048 reads, so its end (and its exact counts) will in all likelihood never be reached
+LONG_EPOCH = 2 ** 32
 #: products ``x * c_k`` stay exact in int64 below this epoch length
 _EXACT_L = 3_037_000_499
 
@@ -131,6 +150,9 @@ class WeightSchedule:
 
     def __init__(self, names: list[str], weights: Weights) -> None:
         self.names = names
+        #: the component a name that samples of a nested mixture carry belongs to
+        #: (``{inner name: name}``, set by the mixture; what ``ensure_mixture`` counts)
+        self.aliases: dict[str, str] = {}
         self.fn: Callable[[int], Mapping[str, float]] | None = None
         self.firsts: list[int] = [0]
         if weights is None:
@@ -224,6 +246,9 @@ class MixtureSource(Source):
         self.names = list(components)
         self.components = [components[k] for k in self.names]
         self.schedule = WeightSchedule(self.names, weights)
+        self.schedule.aliases = {inner: n for n, c in zip(self.names, self.components,
+                                                            strict=True)
+                                 if isinstance(c, MixtureSource) for inner in c.record_names()}
         self.weights = self.schedule.at(0)
         self.policies = _per_component(self.names, exhausted, "exhausted", _policy)
         if not self.schedule.fixed and "stop" in self.policies:
@@ -242,8 +267,16 @@ class MixtureSource(Source):
         if np.any(self.sizes == 0):
             empty = [n for n, s in zip(self.names, self.sizes.tolist(), strict=True) if not s]
             raise ZephonConfigError(f"mixture: component(s) {empty} have no samples")
-        self.counts = epoch_counts(self.sizes, self.rates(), self.policies, self.max_repeats)
+        what = f"the weights {dict(zip(self.names, self.weights.tolist(), strict=True))}"
+        self.counts = epoch_counts(self.sizes, self.rates(), self.policies, self.max_repeats,
+                                   self.names, what)
         self.length = int(self.counts.sum())
+        if self.length > LONG_EPOCH:
+            warnings.warn(f"mixture {name!r}: {what} make an epoch of {self.length} positions, "
+                          f"more than {LONG_EPOCH} (2**32): its end, where each component's "
+                          f"count is exact, will in all likelihood never be reached; raise "
+                          f"the smallest weights, or end the epoch sooner with "
+                          f"exhausted='stop' or max_repeats=", UserWarning, stacklevel=3)
         self.cum = _cumulative(self.counts)
         self._epochs: dict = {}  # epoch -> (counts, cum, occurrences before it)
         self._lock = threading.Lock()
@@ -280,13 +313,53 @@ class MixtureSource(Source):
             return np.array([_positive(given[k], f"tokens_per_sample of {k!r}")
                              for k in self.names])
         count = self.token_count or _token_field_length
-        means = []
-        for k, comp in enumerate(self.components):
-            n = len(comp)
-            probe = permute(n, _key(0x70, k), np.arange(min(n, TOKEN_PROBE)))
-            lengths = [count(comp.get(int(i))) for i in probe.tolist()]
-            means.append(max(1.0, float(np.mean(lengths))) if lengths else 1.0)
-        return np.array(means)
+        probes = [self._probe(k, comp, count) for k, comp in enumerate(self.components)]
+        means = np.array([mean for mean, _ in probes])
+        errors = [error for _, error in probes]
+        if any(e is not None for e in errors):
+            self._note_probe(means, errors)
+        return means
+
+    def _probe(self, k: int, comp: Source, count) -> tuple[float, float | None]:
+        """``(mean tokens per sample, its standard error)`` of component ``k``: exact
+        (error None) where the source knows it (:meth:`Source.known_tokens_per_sample`,
+        with the default ``token_count``) or the probe reads the whole component; else
+        measured on a seeded probe of :data:`TOKEN_PROBE` samples, the error from the
+        probe's spread (sampling without replacement)."""
+        known = comp.known_tokens_per_sample() if self.token_count is None else None
+        if known is not None:
+            return max(1.0, float(known)), None
+        n = len(comp)
+        probe = permute(n, _key(0x70, k), np.arange(min(n, TOKEN_PROBE)))
+        lengths = np.array([count(comp.get(int(i))) for i in probe.tolist()], dtype=np.float64)
+        if not len(lengths):
+            return 1.0, None
+        mean = max(1.0, float(lengths.mean()))
+        if len(lengths) == n:
+            return mean, None
+        m = len(lengths)
+        error = float(lengths.std(ddof=1)) / math.sqrt(m) * math.sqrt((n - m) / (n - 1))
+        return mean, error
+
+    def _note_probe(self, means: np.ndarray, errors: list[float | None]) -> None:
+        """Warn that token shares rest on a probe: the probe's size, each estimated mean
+        with its standard error, and the standard error this gives each token share
+        (first order: a share ``t_k`` moves by ``t_k (d_k - sum_j t_j d_j)`` for relative
+        errors ``d`` of the means)."""
+        rel = np.array([0.0 if e is None else e / m for e, m in zip(errors, means, strict=True)])
+        t = self.weights / self.weights.sum()
+        spread = float(np.sum((t * rel) ** 2))
+        sd = t * np.sqrt(np.maximum(spread - (t * rel) ** 2 + ((1 - t) * rel) ** 2, 0.0))
+        tokens = ", ".join(f"{n!r}: {m:.4g}" + (" (exact)" if e is None else f" ± {e:.2g}")
+                           for n, m, e in zip(self.names, means.tolist(), errors, strict=True))
+        shares = ", ".join(f"{n!r} {a:.3f} ± {b:.3f}"
+                           for n, a, b in zip(self.names, t.tolist(), sd.tolist(), strict=True))
+        warnings.warn(
+            f"mixture(by='tokens'): tokens per sample estimated from a probe of {TOKEN_PROBE} "
+            f"samples per component, ± one standard error from the probe's spread (lengths "
+            f"rarer than about 1 in {TOKEN_PROBE} samples are likely missed, and not in it): "
+            f"{tokens}; the token share of {shares}; give tokens_per_sample= (each "
+            f"component's mean tokens per sample) for exact shares", UserWarning, stacklevel=5)
 
     # -- what each epoch of a schedule holds ----------------------------------------------
 
@@ -320,6 +393,15 @@ class MixtureSource(Source):
                 self.length, self.rates(weights), limits,
                 f"the weights {dict(zip(self.names, weights.tolist(), strict=True))}")
         return counts
+
+    def record_names(self) -> list[str]:
+        """The component names this mixture's samples carry in their identity (without a
+        repeat's ``"#<r>"``): its components' names, a nested mixture's replaced by the
+        names that mixture's samples carry."""
+        names: list[str] = []
+        for n, c in zip(self.names, self.components, strict=True):
+            names.extend(c.record_names() if isinstance(c, MixtureSource) else [n])
+        return names
 
     # -- the Source contract --------------------------------------------------------------
 
@@ -443,9 +525,11 @@ class _MixtureView:
 
 
 def epoch_counts(sizes: np.ndarray, rates: np.ndarray, policies: list[str],
-                 max_repeats) -> np.ndarray:
+                 max_repeats, names: Sequence[str] | None = None,
+                 what: str = "the weights") -> np.ndarray:
     """Positions per epoch of each component (see the module docstring): integers
-    summing to the epoch length.
+    summing to the epoch length, at most :data:`MAX_EPOCH` (else a ZephonConfigError
+    naming ``what`` and the component that makes the epoch that long).
 
     A ``redistribute`` component that its rate would read more than once is
     *saturated*: it takes exactly its size, and the other components share the rest of
@@ -458,13 +542,14 @@ def epoch_counts(sizes: np.ndarray, rates: np.ndarray, policies: list[str],
                      for p, m in zip(policies, max_repeats, strict=True)])
     spread = np.array([p == "redistribute" for p in policies])
     saturated = np.zeros(len(sizes), dtype=bool)
+    once, live = np.zeros(len(sizes)), np.zeros(len(sizes), dtype=bool)
     for _ in range(len(sizes) + 1):  # each round saturates one more component, or ends
         live = ~saturated & (rates > 0)  # a 0 weight (a schedule's) takes no position
         if not live.any():
             rest, rho = 0.0, np.zeros(len(sizes))
             break
         rho = np.where(live, rates, 0.0) / rates[live].sum()
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             once = np.where(live, sizes / rho, 0.0)
             bound = np.where(live & np.isfinite(caps) & ~spread, caps * once, np.inf)
         rest = float(bound.min()) if np.isfinite(bound).any() else float(once.max())
@@ -472,8 +557,13 @@ def epoch_counts(sizes: np.ndarray, rates: np.ndarray, policies: list[str],
         if not over.any():
             break
         saturated |= over
-    quota = np.where(saturated, sizes, rho * rest)
-    total = max(1, round(float(quota.sum())))
+    with np.errstate(invalid="ignore", over="ignore"):
+        quota = np.where(saturated, sizes, rho * rest)
+        length = float(quota.sum())
+    if not length <= MAX_EPOCH:  # also inf and nan: a weight ratio past what a float holds
+        driver = int(np.argmax(np.where(live, once, -1.0)))
+        _too_long(length, driver, sizes, rho, list(names or range(len(sizes))), what)
+    total = max(1, round(length))
     counts = np.floor(quota * total / max(quota.sum(), 1e-300)).astype(np.int64)
     frac = np.where(saturated, -1.0, quota * total / max(quota.sum(), 1e-300) - counts)
     short = total - int(counts.sum())
@@ -485,6 +575,20 @@ def epoch_counts(sizes: np.ndarray, rates: np.ndarray, policies: list[str],
     if counts.sum() == 0:
         counts[int(np.argmax(rates))] = 1
     return counts
+
+
+def _too_long(length: float, k: int, sizes: np.ndarray, rho: np.ndarray, names: list,
+              what: str) -> None:
+    """Refuse an epoch longer than :data:`MAX_EPOCH`, naming the component whose share
+    makes it that long and the ways out."""
+    size = (f"about {length:.3g} positions" if math.isfinite(length)
+            else "more positions than a float64 counts")
+    raise ZephonConfigError(
+        f"mixture: {what} make an epoch of {size}: component {names[k]!r} "
+        f"({int(sizes[k])} samples at a share of {float(rho[k]):.3g}) takes that many to be "
+        f"read once, more than the 2**53 an epoch may hold. Raise its weight, or end the "
+        f"epoch sooner with exhausted='stop' or max_repeats= on the other components "
+        f"(a component whose share then rounds to 0 positions is not read)")
 
 
 def fitted_counts(length: int, rates: np.ndarray, limits: np.ndarray, what: str) -> np.ndarray:

@@ -9,7 +9,12 @@ Checked when the source is built (a SourceError naming the path): the path is
 one existing regular file (not a directory), its data is a whole number of
 tokens (a ``.bin`` whose size is not a multiple of the dtype's size is the wrong
 dtype or a damaged file), a ``.npy`` header parses and its shape matches the
-bytes that follow it.
+bytes that follow it. With ``vocab_size=``, a sample of the file (a few stretches
+spread over it, :data:`VOCAB_PROBE_STRETCHES` of :data:`VOCAB_PROBE_BYTES`) read
+as ``dtype`` must lie in ``[0, vocab_size)``: a ``uint16`` file read as ``uint32``
+is a ZephonConfigError naming the dtype under which it does (a ``uint32`` file
+read as ``uint16`` passes it: its halves are valid ids). A misspelled ``dtype`` is
+a ZephonConfigError too.
 
 Reads: each reading process opens the file once and reads each window with one
 ``os.preadv`` into a fresh NumPy array (no memory mapping: a file that shrinks
@@ -50,6 +55,43 @@ from zephon.pipeline.sources.files import changed, identity, require_regular_fil
 __all__ = ["TokenWindows"]
 
 _DTYPES = ("uint16", "uint32", "int32", "int64", "uint8")
+#: the vocabulary check (``vocab_size=``) reads this many stretches of the file ...
+VOCAB_PROBE_STRETCHES = 4
+#: ... of this many bytes each, spread evenly over it (at offsets aligned for every dtype)
+VOCAB_PROBE_BYTES = 64 << 10
+
+
+def _token_dtype(dtype: Any) -> np.dtype | None:
+    """``dtype=`` as a NumPy token dtype (None stays None: a ``.npy`` file's own)."""
+    if dtype is None:
+        return None
+    try:
+        found = np.dtype(dtype)
+    except (TypeError, ValueError):
+        found = None
+    if found is None or str(found) not in _DTYPES:
+        raise ZephonConfigError(f"token_windows: dtype must be one of {_DTYPES} (or None for "
+                                f"a .npy file's own), got {dtype!r}")
+    return found
+
+
+def _fitting(data: int, but: np.dtype) -> str:
+    """The other token dtypes a file of ``data`` bytes is a whole number of, for a message."""
+    fits = [f"dtype={d!r}" for d in _DTYPES if d != str(but) and not data % np.dtype(d).itemsize]
+    return f" (its size fits {' or '.join(fits)})" if fits else ""
+
+
+def _in_vocab(stretches: list[bytes], dtype: np.dtype, vocab_size: int) -> tuple[int, int] | None:
+    """The first token of ``stretches`` read as ``dtype`` outside ``[0, vocab_size)``, as
+    ``(token, place in the sample)``, or None."""
+    seen = 0
+    for raw in stretches:
+        tokens = np.frombuffer(raw[:len(raw) - len(raw) % dtype.itemsize], dtype=dtype)
+        bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
+        if bad.size:
+            return int(tokens[bad[0]]), seen + int(bad[0])
+        seen += tokens.size
+    return None
 
 
 def _npy_header(head: bytes, path: str) -> tuple[np.dtype, int, int]:
@@ -79,12 +121,15 @@ class TokenWindows(FileSource):
     _per_process = ("_fh", "_fd")
 
     def __init__(self, path: str, seq_len: int, dtype: str | None, name: str,
-                 io: IoConfig = DEFAULT_IO, storage_options: dict | None = None) -> None:
+                 io: IoConfig = DEFAULT_IO, storage_options: dict | None = None,
+                 vocab_size: int | None = None) -> None:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ZephonConfigError(f"token_windows: seq_len must be an int >= 1, got {seq_len!r}")
-        if dtype is not None and str(np.dtype(dtype)) not in _DTYPES:
-            raise ZephonConfigError(f"token_windows: dtype must be one of {_DTYPES}, got "
-                                    f"{dtype!r}")
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(
+                vocab_size, (int, np.integer)) or vocab_size < 1):
+            raise ZephonConfigError(f"token_windows: vocab_size must be an int >= 1 (or None: "
+                                    f"not checked), got {vocab_size!r}")
+        given = _token_dtype(dtype)
         path = os.fspath(path)
         self.path, self.seq_len, self.name = path, seq_len, name
         self.io, self.storage_options = io, storage_options
@@ -101,8 +146,9 @@ class TokenWindows(FileSource):
         if path.endswith(".npy"):
             head = self.reader(0).pread(0, min(size, 4096), "header")
             found, self.offset, count = _npy_header(head, path)
-            if dtype is not None and np.dtype(dtype) != found:
-                raise SourceError(f"token_windows: {path} holds {found}, dtype={dtype!r} given")
+            if given is not None and given != found:
+                raise SourceError(f"token_windows: {path} holds {found}, dtype={str(given)!r} "
+                                  f"given")
             if str(found) not in _DTYPES:
                 raise SourceError(f"token_windows: {path} holds {found}; token files hold "
                                   f"one of {_DTYPES}")
@@ -112,14 +158,40 @@ class TokenWindows(FileSource):
                                   f"bytes of data")
             self.dtype = found
         else:
-            self.dtype = np.dtype(dtype or "uint16")
+            self.dtype = given if given is not None else np.dtype("uint16")
         data = size - self.offset
         if data % self.dtype.itemsize:
             raise SourceError(f"token_windows: {path}: {data} bytes of tokens is not a multiple "
-                              f"of {self.dtype.itemsize} ({self.dtype}): a wrong dtype= or a "
-                              f"damaged file")
+                              f"of {self.dtype.itemsize} ({self.dtype}): a wrong dtype="
+                              f"{_fitting(data, self.dtype)} or a damaged file")
         self.n_tokens = data // self.dtype.itemsize
         self.nbytes = self.seq_len * self.dtype.itemsize
+        if vocab_size is not None:
+            self._check_vocab(int(vocab_size), data)
+
+    def _check_vocab(self, vocab_size: int, data: int) -> None:
+        """Refuse a file whose tokens, read as ``self.dtype``, fall outside the vocabulary:
+        checked on :data:`VOCAB_PROBE_STRETCHES` stretches of :data:`VOCAB_PROBE_BYTES`
+        spread over the file (a sample, not every token), naming the dtypes under which
+        the same bytes are all in the vocabulary."""
+        span = min(data, VOCAB_PROBE_BYTES)
+        starts = sorted({(data - span) * j // max(1, VOCAB_PROBE_STRETCHES - 1) // 8 * 8
+                         for j in range(VOCAB_PROBE_STRETCHES)})
+        stretches = [self.reader(0).pread(self.offset + at, min(span, data - at),
+                                          "vocabulary check") for at in starts]
+        bad = _in_vocab(stretches, self.dtype, vocab_size)
+        if bad is None:
+            return
+        likely = [d for d in _DTYPES if d != str(self.dtype)  # uint8 fits any vocabulary:
+                  and np.iinfo(d).max >= vocab_size            # it tells nothing
+                  and not data % np.dtype(d).itemsize
+                  and _in_vocab(stretches, np.dtype(d), vocab_size) is None]
+        fix = (f"the file was likely written as {' or '.join(f'dtype={d!r}' for d in likely)}"
+               if likely else "a wrong dtype= or vocab_size=, or a damaged file")
+        raise ZephonConfigError(
+            f"token_windows: {self.path} holds token {bad[0]} read as {self.dtype}, outside "
+            f"vocab_size={vocab_size} (checked on {len(starts)} stretch(es) of up to {span} bytes "
+            f"spread over the file): {fix}", field="token_windows.dtype")
 
     def _fresh(self) -> None:
         super()._fresh()
@@ -208,6 +280,10 @@ class TokenWindows(FileSource):
                     != want:
                 return None
         return {"tokens": out}
+
+    def known_tokens_per_sample(self) -> float | None:
+        """Every window holds ``seq_len`` tokens."""
+        return float(self.seq_len)
 
     def sample_nbytes(self) -> float | None:
         """Bytes of one window: ``seq_len`` tokens of the file's dtype."""
