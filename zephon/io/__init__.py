@@ -4,8 +4,8 @@ Owns: :class:`IoConfig` (the ``StoreOptions`` knobs as plain values) and the ret
 loop (:mod:`.config`); path expansion and ranged remote reads pinned to the
 version a source was built on (:mod:`.remote`); the verified, trusted, shared,
 atomic, LRU-bounded local cache of remote files (:mod:`.cache`); per-process
-positional readers (:mod:`.reader`); :class:`SourceError` and its
-:class:`ObjectChanged`.
+positional readers and verified whole-file scans (:mod:`.reader`); :class:`SourceError`
+and its :class:`ObjectChanged` and :class:`ObjectCorrupt`.
 
 Layering: imports the standard library, ``zephon.errors`` and, lazily and only
 for remote paths, fsspec and its protocol packages. The pipeline's sources use it;
@@ -14,10 +14,11 @@ it knows nothing about pipelines.
 
 from zephon.io.config import DEFAULT_IO, AttemptTimeout, IoConfig, call_with_retry
 from zephon.io.errors import SourceError
-from zephon.io.reader import FileReader, RangeFile, open_with_retry
+from zephon.io.reader import FileReader, RangeFile, ScanFile, open_with_retry
 from zephon.io.remote import (
     FileRef,
     ObjectChanged,
+    ObjectCorrupt,
     expand,
     filesystem,
     is_remote,
@@ -33,7 +34,9 @@ __all__ = [
     "FileRef",
     "IoConfig",
     "ObjectChanged",
+    "ObjectCorrupt",
     "RangeFile",
+    "ScanFile",
     "SourceError",
     "call_with_retry",
     "expand",

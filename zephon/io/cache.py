@@ -22,12 +22,13 @@ Invariants:
   and used only if it is a regular file owned by the current user and not writable
   by group or others; an entry that is not (a symlink, a FIFO, a file forged by
   another user) is removed and fetched again.
-- *Verified*: a download is written to a ``.part`` file while its MD5 and SHA-256
-  are computed; on S3, every request is pinned to the recorded ETag (see
-  :mod:`.remote`) and, when the ETag is the MD5 of the object (a single-part upload
-  without SSE-KMS or SSE-C), the MD5 of the bytes received must equal it, else the
-  download is retried (``download_retry``) and finally refused with a SourceError:
-  altered bytes are never cached. Other protocols: the object's version is looked up
+- *Verified*: a download is written to a ``.part`` file while its ETag
+  (:class:`~zephon.io.remote.ObjectChecksum`) and SHA-256 are computed; on S3, every
+  request is pinned to the recorded ETag (see :mod:`.remote`) and, when the ETag is
+  computed from the bytes (the MD5 of a single-part upload, the MD5 of the parts'
+  MD5s of a multipart one; not under SSE-KMS or SSE-C), the bytes received must give
+  it, else the download is retried (``download_retry``) and finally refused with a
+  SourceError: altered bytes are never cached. Other protocols: the object's version is looked up
   again after the download. ``<entry>.check`` records the size, SHA-256, inode,
   mtime and ctime of the complete entry. Each open compares the entry's ``fstat``
   with that record (no pass over the bytes); on a difference the SHA-256 is
@@ -73,12 +74,17 @@ from typing import Iterator
 
 from zephon.io.config import IoConfig
 from zephon.io.errors import SourceError
-from zephon.io.remote import FileRef, check_version, fetch_range
+from zephon.io.remote import (
+    BLOCK,
+    FileRef,
+    ObjectChecksum,
+    check_version,
+    fetch_range,
+)
 
 __all__ = ["BLOCK", "FileCache"]
 
 log = logging.getLogger("zephon.io.cache")
-BLOCK = 8 << 20  # one download request (one attempt) covers at most this many bytes
 _STRIPES = 64
 _CHECK = "check"  # the tag of the record beside each entry
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -234,18 +240,6 @@ def _sha256_fd(fd: int) -> str:
 def _stamps(st: os.stat_result) -> dict:
     return {"size": st.st_size, "ino": st.st_ino, "dev": st.st_dev,
             "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
-
-
-def _md5_etag(etag: str, metas: list[dict]) -> bool:
-    """True when ``etag`` is the MD5 of the object: 32 hex digits (a multipart ETag has
-    a ``-N`` suffix) and no response said SSE-KMS or SSE-C (their ETags are not MD5s)."""
-    if len(etag) != 32 or any(c not in "0123456789abcdef" for c in etag.lower()):
-        return False
-    for meta in metas:
-        if str(meta.get("ServerSideEncryption") or "").startswith("aws:kms") or \
-                meta.get("SSECustomerAlgorithm"):
-            return False
-    return True
 
 
 class FileCache:
@@ -457,17 +451,15 @@ class FileCache:
 
     def _download_once(self, ref: FileRef, entry: str, context: str) -> dict:
         part = f"{entry}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        md5, sha = hashlib.md5(usedforsecurity=False), hashlib.sha256()
-        metas: list[dict] = []
+        checksum, sha = ObjectChecksum(ref, self.cfg, self.storage_options), hashlib.sha256()
         try:
             fd = _create(part, ref)
             try:
                 for start in range(0, ref.size, BLOCK):
                     data, meta = fetch_range(ref, start, min(ref.size, start + BLOCK), self.cfg,
                                              self.storage_options, context)
-                    md5.update(data)
+                    checksum.update(data, meta)
                     sha.update(data)
-                    metas.append(meta)
                     _write_all(fd, data, part, ref)
                 _sync(fd, part, ref)
                 written = os.fstat(fd).st_size
@@ -476,10 +468,10 @@ class FileCache:
             if written != ref.size:
                 raise SourceError(f"cannot cache {ref.url}: got {written} bytes, expected "
                                   f"{ref.size}")
-            verified = _is_s3(ref.url) and _md5_etag(ref.etag, metas)
-            if verified and md5.hexdigest() != ref.etag:
-                raise _Corrupt(f"the MD5 of the bytes received ({md5.hexdigest()}) is not "
-                               f"the object's ETag ({ref.etag})")
+            verified = checksum.verifiable
+            mismatch = checksum.mismatch()
+            if mismatch:
+                raise _Corrupt(mismatch)
             if ref.version and not ref.conditional:
                 check_version(ref, self.cfg, self.storage_options, context)  # same version?
             _replace(part, entry, ref)
@@ -582,10 +574,6 @@ class FileCache:
                     if free:
                         with contextlib.suppress(OSError):
                             os.unlink(os.path.join(directory, name))
-
-
-def _is_s3(url: str) -> bool:
-    return url.split("://", 1)[0].lower() in ("s3", "s3a")
 
 
 def _create(part: str, ref: FileRef) -> int:

@@ -13,6 +13,22 @@ make new ones lazily where they read) and is safe to share between threads:
   (each request retried per ``download_retry`` / ``download_timeout_s``, pinned
   to the version the source was built on: see :mod:`.remote`).
 
+Verified streaming: :meth:`FileReader.scan` reads a whole file once, in order and
+in :data:`~zephon.io.remote.BLOCK`-sized requests (a :class:`ScanFile` that the
+caller parses as it goes, holding one block in memory), and returns the
+:func:`~zephon.io.remote.range_digest` of every byte range the caller named while
+parsing. A streamed remote scan is checked against the object's checksum where the
+store offers one (:class:`~zephon.io.remote.ObjectChecksum`, as the cache checks a
+download); a mismatch, or a parse that failed on bytes that do not match, repeats
+the scan up to ``download_retry`` times and then raises
+:class:`~zephon.io.remote.ObjectCorrupt`, so digests are only ever taken from
+verified bytes. A cached file is scanned from its verified local copy. Later,
+``pread(..., digests=...)`` of a streamed file compares each named range with its
+digest before returning, re-reads up to ``download_retry`` times on a difference,
+and then raises :class:`~zephon.io.remote.ObjectCorrupt` naming the object, the
+caller's context and the bytes; local and cached reads skip the comparison (a
+cached copy was verified when it was written).
+
 Reads are exact: fewer bytes than asked (a file truncated after the source was
 built) is a :class:`SourceError` naming the file and the caller's context. A read
 of any size is served: ``os.pread`` returns at most 2,147,479,552 bytes per call
@@ -21,18 +37,33 @@ on Linux, so larger reads are completed in a loop.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Sequence, TypeVar
 
 from zephon.io.config import IoConfig, is_transient
 from zephon.io.errors import SourceError
-from zephon.io.remote import FileRef, check_version, read_range
+from zephon.io.remote import (
+    BLOCK,
+    DIGEST_SIZE,
+    FileRef,
+    ObjectChecksum,
+    ObjectCorrupt,
+    check_version,
+    fetch_range,
+    range_digest,
+    read_range,
+)
 
-__all__ = ["MAX_PREAD", "FileReader", "RangeFile", "open_with_retry", "pread_exact"]
+__all__ = ["MAX_PREAD", "FileReader", "RangeFile", "ScanFile", "open_with_retry",
+           "pread_exact"]
+T = TypeVar("T")
+# (start, end, digest): bytes [start, end) of a file must have this range_digest
+RangeDigests = Sequence[tuple[int, int, bytes]]
 
 log = logging.getLogger("zephon.io")
 MAX_PREAD = 0x7FFFF000  # the most bytes one read(2)/pread(2) returns on Linux
@@ -131,15 +162,89 @@ class FileReader:
             self._path, self._fh = path, fh
             return fh
 
-    def pread(self, offset: int, size: int, context: str = "") -> bytes:
-        """Exactly ``size`` bytes at ``offset``, or a SourceError naming the file."""
+    def _check_version_once(self, context: str) -> None:
+        """Streamed: look the version up on this process's first read (unless every
+        request names it: :attr:`FileRef.conditional`)."""
+        if not self._checked:
+            if not self.ref.conditional:
+                check_version(self.ref, self.cfg, self.storage_options, context)
+            self._checked = True
+
+    def pread(self, offset: int, size: int, context: str = "",
+              digests: RangeDigests | None = None) -> bytes:
+        """Exactly ``size`` bytes at ``offset``, or a SourceError naming the file.
+
+        ``digests``: ``(start, end, digest)`` ranges inside the read whose
+        :func:`~zephon.io.remote.range_digest` a :meth:`scan` recorded; a streamed read
+        is compared with them (see the module docstring), a local or cached one is not.
+        """
         if self.streamed:
-            if not self._checked:
-                if not self.ref.conditional:
-                    check_version(self.ref, self.cfg, self.storage_options, context)
-                self._checked = True
+            self._check_version_once(context)
+            if digests:
+                return self._verified_range(offset, size, context, digests)
             return read_range(self.ref, offset, offset + size, self.cfg, self.storage_options,
                               context)
+        return self._pread_local(offset, size, context)
+
+    def _verified_range(self, offset: int, size: int, context: str,
+                        digests: RangeDigests) -> bytes:
+        """A streamed read whose ``digests`` ranges match, re-read on a difference."""
+        attempts = self.cfg.download_retry + 1
+        bad: tuple[int, int] = (offset, offset + size)
+        for attempt in range(1, attempts + 1):
+            data = read_range(self.ref, offset, offset + size, self.cfg, self.storage_options,
+                              context)
+            view = memoryview(data)
+            wrong = [(lo, hi) for lo, hi, digest in digests
+                     if range_digest(view[lo - offset:hi - offset]) != digest]
+            if not wrong:
+                return data
+            bad = wrong[0]
+            if attempt < attempts:
+                log.warning("%s (%s): bytes %d-%d read do not match their digest; attempt %d "
+                            "of %d", self.ref.url, context, bad[0], bad[1], attempt + 1,
+                            attempts)
+        raise ObjectCorrupt(self.ref, f"bytes {bad[0]}-{bad[1]} do not match the digest "
+                                      f"recorded from the verified object when the source "
+                                      f"was built", attempts, context)
+
+    def _fetch(self, offset: int, size: int, context: str) -> tuple[bytes, dict]:
+        """``size`` bytes at ``offset`` and, streamed, the response's headers."""
+        if self.streamed:
+            self._check_version_once(context)
+            return fetch_range(self.ref, offset, offset + size, self.cfg, self.storage_options,
+                               context)
+        return self._pread_local(offset, size, context), {}
+
+    def scan(self, parse: Callable[["ScanFile"], T], context: str = "",
+             block: int = BLOCK) -> tuple[T, list[bytes]]:
+        """``(parse(f), digests)``: ``parse`` reads the whole file through ``f`` (a
+        :class:`ScanFile`), naming ranges with ``f.digest_range``; ``digests`` are
+        theirs, by slot. Verified and repeated as the module docstring says."""
+        attempts = self.cfg.download_retry + 1 if self.streamed else 1
+        for attempt in range(1, attempts + 1):
+            scan = ScanFile(self, context, block)
+            try:
+                result = parse(scan)
+            except Exception:
+                # a read that failed, or bytes that are the object's: the error is the parse's
+                if scan.failed or not scan.checked or not scan.altered():
+                    raise
+                why = scan.mismatch
+            else:
+                if not scan.altered():
+                    if not scan.verified():
+                        log.info("%s offers no checksum zephon can check (SSE-KMS or SSE-C, "
+                                 "parts of uneven sizes, not S3): its digests are of the "
+                                 "bytes as read", self.ref.url)
+                    return result, scan.digests()
+                why = scan.mismatch
+            if attempt < attempts:
+                log.warning("%s (%s): %s; reading it again, attempt %d of %d", self.ref.url,
+                            context, why, attempt + 1, attempts)
+        raise ObjectCorrupt(self.ref, str(why), attempts, context)
+
+    def _pread_local(self, offset: int, size: int, context: str) -> bytes:
         fh = self._ensure_open(context)
         try:
             data = pread_exact(fh.fileno(), size, offset)
@@ -197,3 +302,119 @@ class RangeFile(io.RawIOBase):
         buffer[:n] = data
         self.pos += n
         return n
+
+
+class ScanFile(io.RawIOBase):
+    """A forward-only file over all of ``reader``'s bytes (see :meth:`FileReader.scan`).
+
+    It holds one block (``block`` bytes, one request when streamed); reads and seeks go
+    anywhere at or after that block's start; every block passes through the object's
+    checksum (streamed) and the digests of the ranges named with :meth:`digest_range`.
+    """
+
+    def __init__(self, reader: FileReader, context: str, block: int) -> None:
+        self.reader, self.context, self.block = reader, context, int(block)
+        self.size = reader.ref.size
+        self.pos = 0
+        self.start, self.data = 0, b""  # the block in hand: [start, start + len(data))
+        self.checksum = ObjectChecksum(reader.ref, reader.cfg, reader.storage_options) \
+            if reader.streamed else None
+        self.pending: list[list] = []  # [start, end, sha256, slot] not complete yet
+        self.done: list[bytes | None] = []
+        self.mismatch: str | None = None
+        self.failed = False  # a read failed (after its retries): the scan is not repeated
+
+    @property
+    def checked(self) -> bool:
+        """True when the bytes are compared with the object's (a streamed scan)."""
+        return self.checksum is not None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
+        if pos < self.start:
+            raise OSError(f"{self.reader.ref.url}: a verified scan reads forward: byte {pos} "
+                          f"is before the block in hand (from byte {self.start})")
+        self.pos = pos
+        return pos
+
+    def readinto(self, buffer) -> int:
+        self._reach(min(self.pos + 1, self.size))
+        at = self.pos - self.start
+        n = max(0, min(len(buffer), len(self.data) - at))
+        buffer[:n] = self.data[at:at + n]
+        self.pos += n
+        return n
+
+    def _reach(self, end: int) -> None:
+        """Load blocks, in order, until the one in hand holds the byte before ``end``."""
+        while self.start + len(self.data) < end:
+            start = self.start + len(self.data)
+            try:
+                data, meta = self.reader._fetch(start, min(self.block, self.size - start),
+                                                self.context)
+            except BaseException:
+                self.failed = True
+                raise
+            self.start, self.data = start, data
+            if self.checksum is not None:
+                self.checksum.update(data, meta)
+            self._feed()
+
+    def _feed(self) -> None:
+        """Pass the block in hand to the open ranges; close those it completes."""
+        lo, hi = self.start, self.start + len(self.data)
+        view = memoryview(self.data)
+        for entry in self.pending:
+            start, end, digest, slot = entry
+            if start < hi and end > lo:
+                digest.update(view[max(start, lo) - lo:min(end, hi) - lo])
+            if end <= hi:
+                self.done[slot] = digest.digest()[:DIGEST_SIZE]
+        self.pending = [e for e in self.pending if e[1] > hi]
+
+    def digest_range(self, start: int, end: int) -> int:
+        """Name bytes ``[start, end)`` (not before the block in hand): their digest will be
+        ``digests()[slot]``; returns the slot."""
+        if start < self.start or end > self.size or end < start:
+            raise OSError(f"{self.reader.ref.url}: bytes {start}-{end} cannot be digested by "
+                          f"a forward scan at byte {self.start} of {self.size}")
+        slot = len(self.done)
+        self.done.append(None)
+        lo, hi = self.start, self.start + len(self.data)
+        digest = hashlib.sha256()
+        if start < hi:
+            digest.update(memoryview(self.data)[start - lo:min(end, hi) - lo])
+        if end <= hi:
+            self.done[slot] = digest.digest()[:DIGEST_SIZE]
+        else:
+            self.pending.append([start, end, digest, slot])
+        return slot
+
+    def altered(self) -> bool:
+        """Read to the end and say whether the bytes are not the object's (the reason
+        in :attr:`mismatch`). A read error on the way is raised."""
+        self._reach(self.size)
+        if self.checksum is not None:
+            self.mismatch = self.checksum.mismatch()
+        return self.mismatch is not None
+
+    def verified(self) -> bool:
+        """True when the bytes were compared with a checksum of the store (or come from
+        the verified cache); False for a local file or a store that offers none."""
+        if self.checksum is None:
+            return self.reader.ref.remote
+        return self.checksum.verifiable
+
+    def digests(self) -> list[bytes]:
+        """The digest of each named range, by slot (after :meth:`altered`)."""
+        assert not self.pending and all(d is not None for d in self.done)
+        return [d for d in self.done if d is not None]

@@ -25,10 +25,23 @@ pickled state, so every process reads the version the source was built on:
 
 :func:`read_range` reads ``[start, end)`` of a remote object with the retry and
 timeout policy of :class:`~zephon.io.config.IoConfig`; a failure after the
-retries is a :class:`~zephon.io.errors.SourceError` naming the URL. Byte ranges
-carry no checksum: the integrity of a whole object is checked when it is
-downloaded into the cache (:mod:`.cache`); streamed ranges are as good as the
-transport (use TLS).
+retries is a :class:`~zephon.io.errors.SourceError` naming the URL.
+
+Integrity: a byte range carries no checksum of its own, and a range cannot be
+checked against the whole object's. What can be checked is the whole object: on
+S3, the ETag computed from all its bytes (their MD5 for a single-part upload, the MD5
+of the parts' MD5s for a multipart one; not under SSE-KMS or SSE-C) must equal the
+recorded one (:class:`ObjectChecksum`). Two readers build on that: the cache
+(:mod:`.cache`) hashes every download, and a *verified scan*
+(:meth:`~zephon.io.reader.FileReader.scan`) reads an object once, in order,
+checks it the same way and records the :func:`range_digest` of the byte ranges
+its caller names (a source's samples); each later streamed read of such a range
+is compared with its digest (:meth:`~zephon.io.reader.FileReader.pread`) and a
+difference that persists through ``download_retry`` re-reads is
+:class:`ObjectCorrupt`. Objects with no checksum zephon can check (SSE-KMS,
+SSE-C, parts of uneven sizes, protocols other than S3) get digests of the bytes as
+first read: later reads are still compared with them. Sources that stream without a
+scan (today all but WebDataset) read ranges as good as the transport (use TLS).
 
 Filesystem objects are made once per process and protocol (fsspec's own instance
 cache is bypassed so that a worker never inherits a parent's event loop).
@@ -40,6 +53,7 @@ what it says.
 from __future__ import annotations
 
 import glob as globlib
+import hashlib
 import os
 import threading
 from typing import Sequence
@@ -48,19 +62,26 @@ from zephon.io.config import IoConfig, call_with_retry
 from zephon.io.errors import SourceError
 
 __all__ = [
+    "BLOCK",
+    "DIGEST_SIZE",
     "FileRef",
     "ObjectChanged",
+    "ObjectChecksum",
+    "ObjectCorrupt",
     "check_version",
     "current_version",
     "expand",
     "fetch_range",
     "filesystem",
     "is_remote",
+    "range_digest",
     "read_range",
     "require",
     "strip_file_url",
 ]
 
+BLOCK = 8 << 20  # one request of a whole-object read (a download, a scan) covers at most this
+DIGEST_SIZE = 16  # bytes of a range digest (SHA-256, truncated)
 _FS: dict = {}
 _FS_LOCK = threading.Lock()
 
@@ -134,6 +155,139 @@ class ObjectChanged(SourceError):
                          f"{ref.version or 'unversioned'} ({ref.size} bytes), the store now "
                          f"has {now}; rebuild the source to read the new version")
         self.url, self.now = ref.url, now
+
+
+class ObjectCorrupt(SourceError):
+    """Bytes read from a remote object do not match its checksum, or the digest recorded
+    when the source was built, in every attempt: something between zephon and the store
+    alters the data. Nothing built from them is delivered."""
+
+    def __init__(self, ref: FileRef, what: str, attempts: int, context: str = "") -> None:
+        where = f" ({context})" if context else ""
+        super().__init__(f"{ref.url}{where}: {what}, in {attempts} read(s): something between "
+                         f"zephon and the store alters the data (a proxy, a faulty network "
+                         f"card: find it, or read over TLS), or the object was replaced since "
+                         f"the source was built (rebuild the source); nothing read from them "
+                         f"was delivered")
+        self.url = ref.url
+
+
+def range_digest(data) -> bytes:
+    """The digest recorded for a byte range (the first :data:`DIGEST_SIZE` bytes of its
+    SHA-256) and compared on each streamed read of it."""
+    return hashlib.sha256(data).digest()[:DIGEST_SIZE]
+
+
+def _sse_etag(metas: list[dict]) -> bool:
+    """True when a response said SSE-KMS or SSE-C: the ETag is then no MD5 of the data."""
+    return any(str(meta.get("ServerSideEncryption") or "").startswith("aws:kms") or
+               bool(meta.get("SSECustomerAlgorithm")) for meta in metas)
+
+
+class ObjectChecksum:
+    """The S3 ETag of an object's bytes, computed as they are read in order, to compare
+    with the recorded one (see the module docstring).
+
+    A single-part ETag is the MD5 of the bytes; a multipart one (``<hex>-N``) is the MD5
+    of the N parts' MD5s: the part size is asked of the store once (``HeadObject`` of
+    part 1) and taken as uniform, the last part shorter (what uploaders do), and before
+    a difference is reported every part's size is asked too, so an object uploaded in
+    uneven parts counts as unverifiable, never as corrupt. Objects with no such ETag
+    (other protocols, SSE-KMS, SSE-C) are unverifiable: :meth:`mismatch` is None.
+    """
+
+    def __init__(self, ref: FileRef, cfg: IoConfig, storage_options: dict | None) -> None:
+        self.ref, self.cfg, self.storage_options = ref, cfg, storage_options
+        digest, _, count = ref.etag.lower().partition("-")
+        hexdigits = len(digest) == 32 and all(c in "0123456789abcdef" for c in digest)
+        self.parts = 0  # 0: not checkable; 1: a single-part MD5; N: a multipart ETag
+        if _is_s3(ref.url) and hexdigits and (not count or count.isdigit()):
+            self.parts = int(count or 1)
+        self.metas: list[dict] = []
+        self.part_size = max(ref.size, 1) if self.parts == 1 else 0  # multipart: asked once
+        self.done: list[bytes] = []  # the MD5 of each complete part
+        self.current = hashlib.md5(usedforsecurity=False)
+        self.filled = 0  # bytes of the current part seen
+
+    def update(self, data: bytes, meta: dict) -> None:
+        """The next bytes of the object (read in order) and the response that carried them."""
+        self.metas.append(meta)
+        if not self.parts:
+            return
+        if not self.part_size:
+            self.part_size = self._part_size(1)
+            if self.part_size <= 0 or -(-self.ref.size // self.part_size) != self.parts:
+                self.parts = 0  # the parts are not of one size: nothing to compare
+                return
+        view = memoryview(data)
+        while view:
+            take = view[:self.part_size - self.filled]
+            self.current.update(take)
+            self.filled += len(take)
+            view = view[len(take):]
+            if self.filled == self.part_size:
+                self._close_part()
+
+    def _close_part(self) -> None:
+        self.done.append(self.current.digest())
+        self.current, self.filled = hashlib.md5(usedforsecurity=False), 0
+
+    @property
+    def verifiable(self) -> bool:
+        """True when the bytes are compared with a checksum of the store."""
+        return bool(self.parts) and not _sse_etag(self.metas)
+
+    def value(self) -> str:
+        """The ETag of the bytes seen (all of them, once the object was read)."""
+        if self.filled or not self.done:
+            self._close_part()
+        if self.parts == 1:
+            return self.done[0].hex()
+        joined = hashlib.md5(b"".join(self.done), usedforsecurity=False).hexdigest()
+        return f"{joined}-{len(self.done)}"
+
+    def mismatch(self) -> str | None:
+        """Why the bytes seen are not the object's, or None when they are (or when they
+        cannot be compared)."""
+        if not self.verifiable:
+            return None
+        got = self.value()
+        if got == self.ref.etag.lower():
+            return None
+        if self.parts > 1 and not self._uniform():
+            return None
+        what = "MD5" if self.parts == 1 else "multipart ETag (the MD5 of the parts' MD5s)"
+        return (f"the {what} of the bytes received ({got}) is not the object's ETag "
+                f"({self.ref.etag})")
+
+    def _uniform(self) -> bool:
+        """Every part has the size taken for them (asked of the store part by part)."""
+        last = self.ref.size - (self.parts - 1) * self.part_size
+        return all(self._part_size(n) == (self.part_size if n < self.parts else last)
+                   for n in range(2, self.parts + 1))
+
+    def _part_size(self, number: int) -> int:
+        """The size of part ``number`` (``HeadObject``; with the recorded version id when
+        there is one). No ``If-Match``: some stores compare it with the part's own ETag;
+        the object's reads are pinned, so a size from another version can only make the
+        bytes unverifiable or different, never pass altered ones."""
+        from fsspec.asyn import sync
+
+        fs = filesystem(self.ref.url, self.storage_options)
+        bucket, key, _ = fs.split_path(self.ref.url)
+        kw: dict = {"PartNumber": number}
+        if self.ref.version_id:
+            kw["VersionId"] = self.ref.version_id
+
+        async def head():
+            return await fs._call_s3("head_object", Bucket=bucket, Key=key, **kw)
+
+        try:
+            info = call_with_retry(lambda: sync(fs.loop, head), self.cfg, self.ref.url)
+        except Exception as exc:  # noqa: BLE001 - named for the user
+            raise SourceError(f"cannot look up part {number} of {self.ref.url}: "
+                              f"{type(exc).__name__}: {exc}") from None
+        return int(info.get("ContentLength") or 0)
 
 
 def protocol_of(url: str) -> str:

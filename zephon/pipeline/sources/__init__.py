@@ -265,7 +265,9 @@ def webdataset(shards: str | Sequence[str], *, name: str = "webdataset", io_opti
     The members sharing a key (``000123.jpg``, ``000123.json``) form one sample
     ``{"__key__": key, "jpg": bytes, "json": bytes}`` (the field is the extension after
     the first dot; decode with ``.map``). Each shard's headers are scanned once when
-    the source is built (with the cache enabled, the index is kept beside a cached
+    the source is built (a remote shard streamed without the cache is read whole and
+    checked against its ETag, recording a digest per member that each later read is
+    compared with; with the cache enabled, the index is kept beside a cached
     remote shard), so reading any sample is one positional read. Sparse members
     (``tar --sparse``) read as ``tarfile`` extracts them, and a hard or symbolic link to
     a file stored earlier in the shard reads that file's bytes.

@@ -25,12 +25,26 @@ first bytes whatever its name) is refused with a message saying to decompress it
 because a sample is read at a byte offset of the shard and a compressed stream
 cannot be entered at an offset without decompressing everything before it.
 
-Index: building the source scans every shard's tar headers once (seeking over the
-member data) and records, per sample, its members' offsets, stored sizes and
+Index: building the source scans every shard's tar headers once (a local shard's
+by seeking over the member data; a remote shard is read whole, see Integrity) and
+records, per sample, its members' offsets, stored sizes and
 sparse maps; reading a sample is then one positional read of the byte span
 holding its members (members far apart, through links, are read one by one).
 With the cache enabled, a remote shard's index is stored beside the cached shard,
 so a new run over the same shards neither re-downloads nor re-scans them.
+
+Integrity of remote shards: a remote shard is indexed by a verified scan
+(:meth:`zephon.io.FileReader.scan`): read whole, once, in order (one 8 MiB block in
+memory at a time), its ETag recomputed from the bytes and compared with the object's
+where S3 offers one (:class:`zephon.io.remote.ObjectChecksum`; a mismatch reads it
+again, ``download_retry`` times, then is :class:`~zephon.io.ObjectCorrupt`), and the
+SHA-256 (first 16 bytes) of every member's stored bytes recorded
+in the index (``member_digest``, pickled with the source). A streamed read of a
+sample compares each member it delivers with its digest and reads again
+(``download_retry`` times) on a difference, then raises a SourceError naming the
+shard, the members and the bytes (the io layer's :class:`~zephon.io.ObjectCorrupt`):
+a sample built from altered bytes is never delivered. Cached reads are verified by the cache;
+local shards are indexed by their headers only and read as they are.
 
 Shard names may use brace ranges: ``train-{000..009}.tar``.
 Failures name the shard and the member: a corrupt header when building, a shard
@@ -49,7 +63,8 @@ from typing import Any
 import numpy as np
 
 from zephon.io.config import DEFAULT_IO, IoConfig
-from zephon.io.remote import expand, is_remote
+from zephon.io.reader import RangeDigests
+from zephon.io.remote import DIGEST_SIZE, expand, is_remote
 from zephon.pipeline.sources.base import FileSource, SourceError
 from zephon.pipeline.sources.files import require_regular_files, sniff_codec
 
@@ -58,7 +73,7 @@ __all__ = ["WebDatasetSource", "brace_expand"]
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _PLAIN = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
 _INDEX_TAG = "wdsidx"
-_INDEX_LAYOUT = 2  # members [ext, offset, stored size, sparse]; a cached older index is rebuilt
+_INDEX_LAYOUT = 3  # members [ext, offset, stored size, sparse, digest]; an older one is rebuilt
 # a sample's members are read in one span unless the span holds this much more than them
 _SPAN_SLACK = 64 << 10
 
@@ -110,8 +125,9 @@ def _kind(info: tarfile.TarInfo) -> str:
 class _ShardIndex:
     """The index of one shard as its headers are scanned (see :func:`index_tar`)."""
 
-    def __init__(self, shard: str, size: int) -> None:
+    def __init__(self, shard: str, size: int, digest_range=None) -> None:
         self.shard, self.size = shard, size
+        self.digest_range = digest_range  # ScanFile.digest_range of a verified scan, or None
         self.keys: list[str] = []
         self.members: list[list] = []
         self.files: dict[str, list] = {}  # normalised name -> [offset, stored, sparse]
@@ -121,8 +137,13 @@ class _ShardIndex:
     def fail(self, info: tarfile.TarInfo, what: str) -> SourceError:
         return SourceError(f"webdataset: {self.shard}: member {info.name!r} {what}")
 
+    def slot(self, offset: int, stored: int) -> int | None:
+        """The scan's digest slot of a member's stored bytes (None: not digested)."""
+        return None if self.digest_range is None else self.digest_range(offset, offset + stored)
+
     def stored(self, info: tarfile.TarInfo) -> list:
-        """[offset, stored size, sparse entry or None] of a regular or sparse member."""
+        """[offset, stored size, sparse entry or None, digest slot] of a regular or sparse
+        member."""
         stored = info.size
         sparse = None
         pairs: Any = info.sparse  # [(offset, length), ...] in the real file
@@ -133,7 +154,7 @@ class _ShardIndex:
         if end > self.size:
             raise SourceError(f"webdataset: {self.shard}: truncated: member {info.name!r} "
                               f"ends at byte {end}, the shard has {self.size}")
-        return [info.offset_data, stored, sparse]
+        return [info.offset_data, stored, sparse, self.slot(info.offset_data, stored)]
 
     def linked(self, info: tarfile.TarInfo) -> list:
         """The entry of the earlier file a hard or symbolic link names."""
@@ -155,9 +176,9 @@ class _ShardIndex:
     def add(self, info: tarfile.TarInfo) -> None:
         name = info.name
         if info.type in _PLAIN and info.sparse is None:  # the common case, kept short
-            entry = [info.offset_data, info.size, None]
             if info.offset_data + info.size > self.size:
-                entry = self.stored(info)  # raises: truncated
+                self.stored(info)  # raises: truncated
+            entry = [info.offset_data, info.size, None, self.slot(info.offset_data, info.size)]
         elif info.isdir():
             return
         elif info.isreg():  # sparse files
@@ -195,14 +216,15 @@ def _refuse_compressed(fileobj, shard: str) -> None:
                           f"and point the source at that")
 
 
-def index_tar(fileobj, shard: str, size: int) -> dict:
+def index_tar(fileobj, shard: str, size: int, digest_range=None) -> dict:
     """The sample index of one tar of ``size`` bytes: keys, per sample its members
-    ``[ext, offset, stored size, sparse entry or None]``. tarfile stops quietly at a
-    corrupt header after the first; this checks that the scan ended at the
-    end-of-archive marker (or the end of the file) and that every member lies inside
-    the file. Member kinds and duplicates: see the module docstring."""
+    ``[ext, offset, stored size, sparse entry or None, digest slot or None]`` (a slot of
+    ``digest_range``, a :class:`~zephon.io.ScanFile`'s, when given). tarfile stops
+    quietly at a corrupt header after the first; this checks that the scan ended at
+    the end-of-archive marker (or the end of the file) and that every member lies
+    inside the file. Member kinds and duplicates: see the module docstring."""
     _refuse_compressed(fileobj, shard)
-    index = _ShardIndex(shard, size)
+    index = _ShardIndex(shard, size, digest_range)
     try:
         with tarfile.open(fileobj=fileobj, mode="r:") as tar:
             for info in tar:
@@ -235,21 +257,26 @@ class WebDatasetSource(FileSource):
         ext: list = []
         offset: list = []
         size: list = []
+        digests = bytearray()
         self.member_sparse: dict[int, list] = {}
+        self.shard_digested = [ref.remote for ref in self.refs]
         for k in range(len(self.files)):
             index = self._shard_index(k)
             counts.append(len(index["keys"]))
             keys.extend(index["keys"])
             for group in index["members"]:
                 first.append(len(ext))
-                for e, o, s, sparse in group:
+                for e, o, s, sparse, digest in group:
                     if sparse is not None:
                         self.member_sparse[len(ext)] = sparse
                     ext.append(e)
                     offset.append(o)
                     size.append(s)
+                    digests += bytes.fromhex(digest) if digest else bytes(DIGEST_SIZE)
             self._readers.pop(k, None)
         first.append(len(ext))
+        # per member, the digest of its stored bytes (remote shards; zeros elsewhere)
+        self.member_digest = bytes(digests)
         self.keys = keys
         self.shard_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.first_member = np.asarray(first, dtype=np.int64)
@@ -284,8 +311,16 @@ class WebDatasetSource(FileSource):
                 index = json.loads(stored)
                 if index.get("layout") == _INDEX_LAYOUT:
                     return index
-        with reader.file_object("building the index") as fh:
-            index = index_tar(fh, self.files[k], ref.size)
+        if ref.remote:  # read whole and verified: per-member digests for streamed reads
+            index, digests = reader.scan(
+                lambda fh: index_tar(fh, self.files[k], ref.size, fh.digest_range),
+                "building the index")
+            for group in index["members"]:
+                for member in group:
+                    member[4] = digests[member[4]].hex()
+        else:
+            with reader.file_object("building the index") as fh:
+                index = index_tar(fh, self.files[k], ref.size)
         if cache is not None:
             cache.put_derived(ref, _INDEX_TAG, json.dumps(index).encode())
         return index
@@ -297,9 +332,18 @@ class WebDatasetSource(FileSource):
         """The tar shards: each one's samples are consecutive indices."""
         return self.shard_starts
 
-    def _read(self, k: int, start: int, size: int, context: str) -> bytes:
+    def _read(self, k: int, start: int, size: int, context: str,
+              members: range = range(0)) -> bytes:
+        """``size`` bytes at ``start`` of shard ``k``, the stored bytes of ``members``
+        compared with their digests when the shard has them (see the module docstring)."""
+        digests: RangeDigests | None = None
+        if self.shard_digested[k]:
+            d = DIGEST_SIZE
+            digests = [(int(self.member_offset[m]),
+                        int(self.member_offset[m] + self.member_size[m]),
+                        self.member_digest[m * d:(m + 1) * d]) for m in members]
         try:
-            return self.reader(k).pread(start, size, context)
+            return self.reader(k).pread(start, size, context, digests)
         except SourceError as exc:
             raise SourceError(f"webdataset: {exc}") from None
 
@@ -315,13 +359,13 @@ class WebDatasetSource(FileSource):
         start, end = int(self.span_start[i]), int(self.span_end[i])
         context = f"member {key}.{self.member_ext[lo]}" if hi - lo == 1 else \
             f"members {key}.{{{','.join(self.member_ext[lo:hi])}}}"
-        span = self._read(k, start, end - start, context) if end >= 0 else None
+        span = self._read(k, start, end - start, context, range(lo, hi)) if end >= 0 else None
         for m in range(lo, hi):
             at, n = int(self.member_offset[m]), int(self.member_size[m])
             if span is not None:
                 data = span[at - start:at - start + n]
             else:
-                data = self._read(k, at, n, f"member {key}.{self.member_ext[m]}")
+                data = self._read(k, at, n, f"member {key}.{self.member_ext[m]}", range(m, m + 1))
             sparse = self.member_sparse.get(m)
             sample[self.member_ext[m]] = data if sparse is None else unsparse(data, sparse)
         return sample

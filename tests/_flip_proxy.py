@@ -1,0 +1,183 @@
+"""A bit-flipping HTTP proxy on 127.0.0.1 for the streamed-read integrity tests.
+
+:class:`BitFlipProxy` forwards TCP connections to an upstream HTTP server (moto) and
+parses the responses as HTTP/1.1 (status line, headers, a ``Content-Length`` body; 1xx
+answers and HEAD replies carry no body) so that it knows which request each response
+answers. ``flip(key, times, skip)`` makes it invert *one bit* (0x10) of the middle
+byte of the body of ``times`` GET responses for ``key`` after ``skip`` untouched ones;
+the length and headers are never changed, so only a check of the bytes can notice.
+``gets(key)`` counts the GETs of ``key`` and ``flipped`` the bodies altered.
+
+Threads in the test process, closed by :meth:`BitFlipProxy.close` (the fixture's
+finalizer): the listening socket first, then every connection.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import socket
+import threading
+
+_REQUEST = re.compile(rb"(GET|HEAD|PUT|POST|DELETE) (/[^ ?]*)[^ ]* HTTP/1\.[01]\r\n")
+BIT = 0x10
+
+
+class BitFlipProxy:
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream = upstream_port
+        self.lock = threading.Lock()
+        self.rules: dict[str, list[int]] = {}  # key -> [times left, skips left]
+        self.requests: list[tuple[str, str]] = []
+        self.flipped = 0
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.closed = False
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    # -- rules ---------------------------------------------------------------------------
+    def flip(self, key: str, times: int = 1, skip: int = 0) -> None:
+        """Flip one bit in the bodies of the next ``times`` GET responses for ``key``
+        (after ``skip`` untouched ones)."""
+        with self.lock:
+            self.rules[key] = [times, skip]
+
+    def clear(self) -> None:
+        with self.lock:
+            self.rules.clear()
+
+    def gets(self, key: str) -> int:
+        with self.lock:
+            return sum(1 for m, p in self.requests if m == "GET" and p.endswith("/" + key))
+
+    def _should_flip(self, method: str, path: str) -> bool:
+        with self.lock:
+            self.requests.append((method, path))
+            if method != "GET":
+                return False
+            for key, rule in self.rules.items():
+                if not path.endswith("/" + key):
+                    continue
+                if rule[1] > 0:
+                    rule[1] -= 1
+                    return False
+                if rule[0] > 0:
+                    rule[0] -= 1
+                    return True
+            return False
+
+    # -- plumbing ------------------------------------------------------------------------
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                self.conns += [client, upstream]
+            pending: collections.deque = collections.deque()  # (method, flip?) per request
+            threading.Thread(target=self._up, args=(client, upstream, pending),
+                             daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, client, pending),
+                             daemon=True).start()
+
+    def _up(self, client, upstream, pending) -> None:
+        try:
+            while True:
+                data = client.recv(65536)
+                if not data:
+                    break
+                for match in _REQUEST.finditer(data):
+                    method, path = match.group(1).decode(), match.group(2).decode()
+                    pending.append((method, self._should_flip(method, path)))
+                upstream.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _close(client, upstream)
+
+    def _down(self, upstream, client, pending) -> None:
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = upstream.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                head += b"\r\n\r\n"
+                status = int(head.split(b" ", 2)[1])
+                if 100 <= status < 200:  # an interim answer: the real one follows
+                    client.sendall(head)
+                    continue
+                method, flip = pending.popleft() if pending else ("GET", False)
+                length = 0 if method == "HEAD" or status in (204, 304) else _length(head)
+                if length is None:  # not framed by a length: pass the rest through as is
+                    client.sendall(head + buf)
+                    _pipe(upstream, client)
+                    return
+                while len(buf) < length:
+                    data = upstream.recv(65536)
+                    if not data:
+                        client.sendall(head + buf)
+                        return
+                    buf += data
+                body, buf = bytearray(buf[:length]), buf[length:]
+                if flip and body:
+                    body[len(body) // 2] ^= BIT
+                    with self.lock:
+                        self.flipped += 1
+                client.sendall(head + bytes(body))
+        except OSError:
+            pass
+        finally:
+            _close(client, upstream)
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+        with self.lock:
+            for conn in self.conns:
+                _close(conn)
+
+
+def _length(head: bytes) -> int | None:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value.strip())
+        if name.strip().lower() == b"transfer-encoding":
+            return None
+    return None
+
+
+def _pipe(src, dst) -> None:
+    while True:
+        data = src.recv(65536)
+        if not data:
+            return
+        dst.sendall(data)
+
+
+def _close(*socks) -> None:
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            s.close()
+        except OSError:
+            pass
