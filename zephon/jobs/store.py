@@ -13,8 +13,10 @@ number of subjects::
 
 A record is the bytes :mod:`zephon.jobs.store_codec` describes (msgpack ``{key,
 subject, fingerprint, value | error, attempts, duration_s, time}``, zstd-compressed
-from 512 bytes on; values msgpack-native, NumPy arrays and scalars, tuples, big integers; a pickle only
-with ``allow_pickle=True``). A stored ``None`` is a value like any other: a hit.
+from 512 bytes on; values msgpack-native, NumPy arrays and scalars, tuples, big
+integers; a pickle only with ``allow_pickle=True``), framed with a CRC-32 of all its
+bytes: a byte damaged on disk is caught when the record is read, never served. A
+stored ``None`` is a value like any other: a hit.
 
 Durability (group commit): ``save_success``/``save_failure`` queue the entry in
 memory (``load`` sees it at once); a background thread writes every queued entry in
@@ -53,7 +55,7 @@ the directory and the file it vetted (same device and inode) before using it.
 Temporary files left by writers that died are removed at open.
 
 Bad entries: :meth:`load` and :meth:`load_many` report every kind of bad entry
-(truncated or corrupt, a record with missing or mistyped fields, a record written
+(a checksum mismatch, truncated or corrupt, a record with missing or mistyped fields, a record written
 for another key, a value that does not decode, a pickle this store does not allow)
 as a :class:`~zephon.errors.CheckpointError` naming the entry, the subject key and
 what is wrong; the run decides (recompute, or fail that subject); a bad entry is
@@ -69,9 +71,12 @@ are recomputed).
 
 Old stores: a directory in the first format (``ok/`` and ``failed/``, one file per
 subject) is migrated when opened (:mod:`zephon.jobs.store_legacy`): its trusted
-entries are copied unchanged into ``jobs.db`` in one transaction, then the two
-directories are removed; a crash in between migrates again (entries already in the
-database are kept).
+entries are copied into ``jobs.db`` in one transaction (each record unchanged inside
+its checksum frame), then the two directories are removed; a crash in between
+migrates again (entries already in the database are kept). A ``jobs.db`` of the
+second format (records without a checksum) is upgraded in place when opened, in one
+transaction (:mod:`zephon.jobs.store_db`); a store of a format this version does not
+know is refused by name.
 
 Modules: this one owns the lock, the fingerprint, the queue and its commit thread,
 and the API; :mod:`zephon.jobs.store_db` the database (opening, transactions,

@@ -1,23 +1,35 @@
 """The bytes of one checkpoint-store entry: values, records, and what a good record is.
 
 A record is msgpack ``{key, subject, fingerprint, value | error, attempts,
-duration_s, time}``, zstd-compressed when it is large (the first store format
-compressed every record; both read back, so an old store's entries move into a
-new one unchanged). Values are msgpack-native types
+duration_s, time}``, zstd-compressed when it is large (a zstd frame with its content
+checksum), stored in a frame that makes any damage to its bytes detectable::
+
+    tag (1 byte: 1 plain msgpack, 2 zstd)  body  crc32 of tag + body (4 bytes, LE)
+
+The checksum covers every byte of the record but itself, so a flipped bit, a torn
+or truncated record is caught before anything is decoded (CRC-32 catches every
+error burst up to 32 bits, hence every flipped byte; it is not a signature: the
+store's trust in what it reads comes from its files being the user's own). Records
+of the earlier formats carry no frame (the first compressed every record, the
+second from 512 bytes on); :func:`frame` gives one its checksum, unchanged inside,
+when a store of those formats is migrated, and :meth:`RecordCodec.unpack_body`
+reads such a body. Values are msgpack-native types
 plus extension types for NumPy arrays and scalars, tuples and integers wider than
 64 bits; any other object is stored with pickle only when allowed, and such a value
 is refused at load time otherwise (loading a pickle runs code).
 
-:func:`unpack_record` is the one judge of a record read back: every kind of bad
-record (truncated, corrupt, missing or mistyped fields, written for another key)
-raises :class:`~zephon.errors.CheckpointError` with one message naming where it was
-read, the key and what is wrong; a good record of another fingerprint is None (not
-served).
+:meth:`RecordCodec.judge` is the one judge of a record read back: every kind of bad
+record (a checksum mismatch, truncated, corrupt, missing or mistyped fields, written
+for another key) raises :class:`~zephon.errors.CheckpointError` with one message
+naming where it was read, the key and what is wrong; a good record of another
+fingerprint is None (not served).
 """
 
 from __future__ import annotations
 
 import pickle
+import struct
+import zlib
 from typing import Any
 
 import msgpack
@@ -27,12 +39,22 @@ import zstandard
 from zephon.errors import CheckpointError, SerializationError
 from zephon.kernels.types import dtype_from_token, dtype_token
 
-__all__ = ["KIND_FAILED", "KIND_OK", "RecordCodec", "decode_value", "encode_value"]
+__all__ = ["FRAME_BYTES", "KIND_FAILED", "KIND_OK", "RecordCodec", "decode_value",
+           "encode_value", "frame"]
 
 KIND_OK, KIND_FAILED = 0, 1
 #: Records of at least this many msgpack bytes are stored zstd-compressed.
 COMPRESS_FROM = 512
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_TAG_PLAIN, _TAG_ZSTD = b"\x01", b"\x02"  # a record's first byte: how its body is stored
+_CRC = struct.Struct("<I")
+#: The CRC-32 of any bytes followed by their own CRC-32 (little-endian): a record is
+#: checked with one call over all its bytes.
+_CRC_RESIDUE = 0x2144DF1C
+#: Bytes the frame adds to a record body: the tag and the checksum.
+FRAME_BYTES = 1 + _CRC.size
+#: Framed records from this size on are decoded through a view, not a copy of the body.
+_VIEW_FROM = 1 << 16
 _EXT_ARRAY, _EXT_BIGINT, _EXT_TUPLE, _EXT_SCALAR, _EXT_PICKLE = 1, 2, 3, 4, 5
 
 
@@ -107,6 +129,43 @@ def decode_value(data: bytes, *, allow_pickle: bool) -> Any:
     return _UNPACK[bool(allow_pickle)](data)
 
 
+def _framed(tag: bytes, body: bytes) -> bytes:
+    data = tag + body
+    return data + _CRC.pack(zlib.crc32(data))
+
+
+def frame(body: bytes) -> bytes:
+    """The record ``body`` of an earlier format (msgpack, or a zstd frame: told apart by
+    the zstd magic number, which no msgpack map starts with) in the current frame, its
+    bytes unchanged: what a migration stores."""
+    return _framed(_TAG_ZSTD if body[:4] == _ZSTD_MAGIC else _TAG_PLAIN, body)
+
+
+def _damaged(blob: bytes, where: str) -> CheckpointError:
+    """The error of a framed record whose checksum does not match its bytes."""
+    if len(blob) <= FRAME_BYTES:
+        return CheckpointError(f"{where} is corrupt: truncated ({len(blob)} bytes)")
+    recorded = _CRC.unpack_from(blob, len(blob) - _CRC.size)[0]
+    computed = zlib.crc32(memoryview(blob)[:-_CRC.size])
+    return CheckpointError(
+        f"{where} is corrupt: checksum mismatch (crc32 {computed:08x}, recorded "
+        f"{recorded:08x}): its bytes were damaged after they were written")
+
+
+def _open_frame(blob: Any, where: str) -> tuple[bool, bytes | memoryview]:
+    """(compressed, body) of the framed record ``blob``; CheckpointError when it is not
+    bytes, too short, or its checksum does not match its bytes."""
+    if not isinstance(blob, bytes):
+        raise CheckpointError(f"{where} is corrupt: a {type(blob).__name__}, not bytes")
+    if len(blob) <= FRAME_BYTES or zlib.crc32(blob) != _CRC_RESIDUE:
+        raise _damaged(blob, where)
+    tag = blob[0]
+    if tag != _TAG_PLAIN[0] and tag != _TAG_ZSTD[0]:
+        raise CheckpointError(f"{where} is not a record of this store format (tag {tag})")
+    body = blob[1:-_CRC.size] if len(blob) < _VIEW_FROM else memoryview(blob)[1:-_CRC.size]
+    return tag == _TAG_ZSTD[0], body
+
+
 def _check_fields(record: dict, kind: int, where: str) -> None:
     attempts, duration = record.get("attempts"), record.get("duration_s")
     if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 0 or \
@@ -124,8 +183,8 @@ def _check_fields(record: dict, kind: int, where: str) -> None:
 
 
 class RecordCodec:
-    """Packs and judges records: one zstd context pair and one reusable msgpack packer
-    per kind of bytes, per store (``msgpack.packb`` builds a packer per call, which
+    """Packs, frames and judges records: one zstd context pair and one reusable msgpack
+    packer per kind of bytes, per store (``msgpack.packb`` builds a packer per call, which
     costs more than packing a small record); not thread-safe, like the store's saves.
 
     Args:
@@ -133,7 +192,7 @@ class RecordCodec:
     """
 
     def __init__(self, allow_pickle: bool = False) -> None:
-        self._cctx = zstandard.ZstdCompressor(level=3)
+        self._cctx = zstandard.ZstdCompressor(level=3, write_checksum=True)
         self._dctx = zstandard.ZstdDecompressor()
         self._records = msgpack.Packer(use_bin_type=True)
         self._values = msgpack.Packer(default=_ENCODERS[bool(allow_pickle)][1],
@@ -144,19 +203,33 @@ class RecordCodec:
         return self._values.pack(value)
 
     def pack(self, record: dict) -> bytes:
-        """The record's bytes: msgpack, zstd-compressed from :data:`COMPRESS_FROM` bytes
-        on (a small record is not worth a zstd frame; :meth:`unpack` tells them apart by
-        the zstd magic number, which no msgpack map starts with)."""
+        """The record's bytes: msgpack, zstd-compressed (with the frame's content
+        checksum) from :data:`COMPRESS_FROM` bytes on (a small record is not worth a zstd
+        frame), framed with its tag and checksum (see the module docstring)."""
         raw = self._records.pack(record)
-        return self._cctx.compress(raw) if len(raw) >= COMPRESS_FROM else raw
+        if len(raw) >= COMPRESS_FROM:
+            return _framed(_TAG_ZSTD, self._cctx.compress(raw))
+        return _framed(_TAG_PLAIN, raw)
 
     def unpack(self, blob: Any, where: str) -> dict:
-        """The record in ``blob`` (any record: the caller checks key and kind), or
+        """The record in the framed ``blob`` (any record: the caller checks key and kind),
+        or CheckpointError when it is not one (first of all: a checksum mismatch)."""
+        compressed, body = _open_frame(blob, where)
+        return self._decode(body, compressed, where)
+
+    def unpack_body(self, body: Any, where: str, compressed: bool | None = None) -> dict:
+        """The record in an unframed ``body`` (compressed or not; None: a zstd frame if it
+        starts with the zstd magic number, as the earlier formats stored it), or
         CheckpointError when it is not one."""
-        if not isinstance(blob, bytes):
-            raise CheckpointError(f"{where} is corrupt: a {type(blob).__name__}, not bytes")
+        if not isinstance(body, (bytes, memoryview)):
+            raise CheckpointError(f"{where} is corrupt: a {type(body).__name__}, not bytes")
+        if compressed is None:
+            compressed = body[:4] == _ZSTD_MAGIC
+        return self._decode(body, compressed, where)
+
+    def _decode(self, body: bytes | memoryview, compressed: bool, where: str) -> dict:
         try:
-            raw = self._dctx.decompress(blob) if blob[:4] == _ZSTD_MAGIC else blob
+            raw = self._dctx.decompress(body) if compressed else body
             record = msgpack.unpackb(raw, raw=False)
         except Exception as exc:  # noqa: BLE001 - corrupt entry: recompute, do not serve
             raise CheckpointError(f"{where} is corrupt (truncated or damaged): "

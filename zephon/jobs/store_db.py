@@ -5,9 +5,19 @@ SQLite opens them (:mod:`zephon.jobs.store_files`'s rules, the database files al
 not writable by group or others), checking after opening that the path still names
 the vetted directory and file, the journal setup (WAL, ``locking_mode=EXCLUSIVE``,
 ``synchronous=FULL``), the format version, setting a file that is not a database
-aside, migrating a store of the first format, and the batch transaction. The
+aside, migrating a store of an earlier format, and the batch transaction. The
 durability and locking story is :mod:`zephon.jobs.store`'s; this module holds no
 state.
+
+Formats (``meta.format``): 3 (:data:`STORE_FORMAT`) stores every record framed with
+its checksum (:mod:`zephon.jobs.store_codec`). A database of format 2 (the same
+tables, records without a checksum) is upgraded when opened: one transaction frames
+every record, its bytes unchanged inside, and sets the format to 3 (a crash before the
+commit leaves format 2, upgraded again at the next open; an upgrade that fails for
+want of space raises :class:`~zephon.errors.CheckpointError`, the store unchanged); the
+checksum then protects the record from that point on. An earlier zephon refuses a
+format-3 store by name; a store of any other format is refused, naming it and the way
+out.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import time
 from typing import Any, Sequence
 
 from zephon.errors import CheckpointError
-from zephon.jobs.store_codec import RecordCodec
+from zephon.jobs.store_codec import RecordCodec, frame
 from zephon.jobs.store_files import O_CLOEXEC, O_NOFOLLOW, open_vetted
 from zephon.jobs.store_legacy import legacy_entries, remove_legacy
 
@@ -28,7 +38,9 @@ __all__ = ["DB_NAME", "STORE_FORMAT", "migrate", "open_db", "select_records", "w
 log = logging.getLogger("zephon.jobs")
 
 DB_NAME = "jobs.db"
-STORE_FORMAT = "zephon-jobs-store/2"
+STORE_FORMAT = "zephon-jobs-store/3"
+#: The previous format: the same tables, records without a checksum (upgraded at open).
+_FORMAT_UNCHECKSUMMED = "zephon-jobs-store/2"
 _LOOKUP_CHUNK = 500  # keys per SELECT ... IN (...)
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS entries (key TEXT NOT NULL, kind INTEGER NOT NULL, "
@@ -88,10 +100,45 @@ def _check_format(db: sqlite3.Connection, db_file: str) -> None:
     row = db.execute("SELECT value FROM meta WHERE name = 'format'").fetchone()
     if row is None:
         db.execute("INSERT INTO meta VALUES ('format', ?)", (STORE_FORMAT,))
+    elif row[0] == _FORMAT_UNCHECKSUMMED:
+        _add_checksums(db, db_file)
     elif row[0] != STORE_FORMAT:
         raise CheckpointError(
             f"{db_file} is a store of format {row[0]!r:.100}, this version reads "
             f"{STORE_FORMAT!r}; use another checkpoint_dir or clear this one")
+
+
+def _frame_record(record: Any) -> Any:
+    """SQL function of :func:`_add_checksums`: a record of format 2 framed; anything
+    that is not bytes is left as it is (refused when read, like any bad entry)."""
+    return frame(record) if isinstance(record, bytes) and record else record
+
+
+def _add_checksums(db: sqlite3.Connection, db_file: str) -> None:
+    """Upgrade a store of format 2 to :data:`STORE_FORMAT` in one transaction: every
+    record framed with its checksum (see the module docstring)."""
+    started = time.monotonic()
+    db.create_function("zephon_frame_record", 1, _frame_record, deterministic=True)
+    db.execute("BEGIN")
+    try:
+        count = db.execute("UPDATE entries SET record = zephon_frame_record(record)").rowcount
+        db.execute("UPDATE meta SET value = ? WHERE name = 'format'", (STORE_FORMAT,))
+        db.execute("COMMIT")
+    except BaseException as exc:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        if isinstance(exc, sqlite3.OperationalError):  # disk full, I/O: not a damaged file
+            raise CheckpointError(
+                f"upgrading {db_file} from format {_FORMAT_UNCHECKSUMMED} to {STORE_FORMAT} "
+                f"failed ({exc}); the store is unchanged: free some space (the upgrade "
+                "rewrites every entry once) and run again, or use another checkpoint_dir"
+            ) from exc
+        raise
+    finally:
+        db.create_function("zephon_frame_record", 1, None)
+    log.info("upgraded %s from format %s to %s: checksummed its %d entr%s in %.1f s",
+             db_file, _FORMAT_UNCHECKSUMMED, STORE_FORMAT, count,
+             "y" if count == 1 else "ies", time.monotonic() - started)
 
 
 def _set_damaged_aside(root: str, dir_fd: int, exc: BaseException) -> None:
@@ -123,15 +170,16 @@ def open_db(root: str, dir_fd: int) -> sqlite3.Connection:
 
 
 def migrate(db: sqlite3.Connection, root: str, dir_fd: int, codec: RecordCodec) -> None:
-    """Copy an old-format store (``ok/``, ``failed/``) into the database, then remove its
-    directories (see :mod:`zephon.jobs.store_legacy`); entries already in the database
-    are kept."""
+    """Copy an old-format store (``ok/``, ``failed/``) into the database, each record
+    framed with its checksum, then remove its directories (see
+    :mod:`zephon.jobs.store_legacy`); entries already in the database are kept."""
     skipped: list[str] = []
     moved = 0
     db.execute("BEGIN")
     try:
         for key, kind, blob in legacy_entries(root, dir_fd, codec, skipped):
-            db.execute("INSERT OR IGNORE INTO entries VALUES (?, ?, ?)", (key, kind, blob))
+            db.execute("INSERT OR IGNORE INTO entries VALUES (?, ?, ?)",
+                       (key, kind, frame(blob)))
             moved += 1
         db.execute("COMMIT")
     except BaseException:

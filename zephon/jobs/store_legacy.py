@@ -1,10 +1,12 @@
 """Reading a checkpoint store of the first format (one file per subject), to migrate it.
 
 That format kept ``ok/<hash>`` (a success) and ``failed/<hash>`` (the last failure)
-files, each holding one record (:mod:`zephon.jobs.store_codec`'s bytes). Opening
-such a directory with :class:`~zephon.jobs.store.CheckpointStore` migrates it: every
-entry the old trust rules accept is copied into the database unchanged, and the two
-directories are removed once the copy is committed. The old rules still apply while
+files, each holding one record (:mod:`zephon.jobs.store_codec`'s bytes, zstd-compressed,
+without the checksum frame of the current format). Opening such a directory with
+:class:`~zephon.jobs.store.CheckpointStore` migrates it: every entry the old trust
+rules accept is copied into the database, its record's bytes unchanged inside the
+current frame (:func:`~zephon.jobs.store_codec.frame`: a checksum from then on), and
+the two directories are removed once the copy is committed. The old rules still apply while
 reading: ``ok``/``failed`` must be real directories of ours, not writable by group or
 others (else opening the store raises and nothing is touched); an entry that is a
 symbolic link, not a regular file, owned by another user or not a record is skipped
@@ -37,7 +39,7 @@ def _dir_entries(root: str, sub_fd: int, sub: str, kind: int, codec: RecordCodec
             blob = read_vetted(sub_fd, name, path, "old checkpoint entry")
             if blob is None:
                 continue
-            key = codec.unpack(blob, f"old checkpoint entry {path}").get("key")
+            key = codec.unpack_body(blob, f"old checkpoint entry {path}").get("key")
             if not isinstance(key, str):
                 raise CheckpointError(f"old checkpoint entry {path} names no key")
         except CheckpointError as exc:
@@ -48,9 +50,10 @@ def _dir_entries(root: str, sub_fd: int, sub: str, kind: int, codec: RecordCodec
 
 def legacy_entries(root: str, root_fd: int, codec: RecordCodec,
                    skipped: list[str]) -> Iterator[tuple[str, int, bytes]]:
-    """``(key, kind, record bytes)`` of every acceptable entry of the old format under
-    ``root`` (a refused one is described in ``skipped``); raises CheckpointError when
-    ``ok``/``failed`` exists but is not a directory the store can trust."""
+    """``(key, kind, record bytes)`` (unframed, as the old format stored them) of every
+    acceptable entry of the old format under ``root`` (a refused one is described in
+    ``skipped``); raises CheckpointError when ``ok``/``failed`` exists but is not a
+    directory the store can trust."""
     fds = {}
     try:
         for sub in LEGACY_DIRS:
