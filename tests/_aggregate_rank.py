@@ -31,8 +31,9 @@ from zephon import RuntimeOptions  # noqa: E402
 @pytest.fixture
 def launch(tmp_path):
     """``launch(configs, env=None) -> [(returncode, stderr)]``: one process per rank
-    config (``tag`` names its output ``state-<tag>-<rank>``), all started at once;
-    every process is killed and reaped even if the test fails."""
+    config (``tag`` names its output ``state-<tag>-<rank>``; ``env``, if there, is added
+    to that rank's environment after ``env``), all started at once; every process is
+    killed and reaped even if the test fails."""
     procs = []
 
     def run(configs, env=None, timeout=120):
@@ -40,11 +41,12 @@ def launch(tmp_path):
         for cfg in configs:
             cfg = dict(cfg)
             cfg.setdefault("out", str(tmp_path / f"state-{cfg['tag']}-{cfg['rank']}"))
+            extra = {**(env or {}), **cfg.pop("env", {})}
             proc = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__),
                  json.dumps({k: v for k, v in cfg.items() if k != "tag"})],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                env=None if env is None else {**os.environ, **env})
+                env={**os.environ, **extra} if extra else None)
             procs.append(proc)
             started.append(proc)
         return [(p.wait(timeout=timeout), p.communicate()[1]) for p in started]

@@ -38,14 +38,14 @@ def resumed(state: bytes, world: int = 1, **extra):
 
 def test_second_launch_with_a_late_rank_never_merges_the_first_launchs_files(tmp_path, launch):
     agg = str(tmp_path / "agg")  # reused by both launches, default run_id
-    first = launch([dict(tag="a", rank=r, world=2, take=6, opts={"aggregate_dir": agg})
+    first = launch([dict(tag="a", rank=r, world=2, take=6, opts={"aggregate_dir": agg, "run_id": "job"})
                     for r in range(2)])
     assert [code for code, _ in first] == [0, 0], first
     # Second launch: fewer batches, and rank 1 arrives late, after rank 0 has looked at
     # the directory that still holds the first launch's rank-1 file for round 1.
-    second = launch([dict(tag="b", rank=0, world=2, take=2, opts={"aggregate_dir": agg}),
+    second = launch([dict(tag="b", rank=0, world=2, take=2, opts={"aggregate_dir": agg, "run_id": "job"}),
                      dict(tag="b", rank=1, world=2, take=2, delay=1.5,
-                          opts={"aggregate_dir": agg})])
+                          opts={"aggregate_dir": agg, "run_id": "job"})])
     assert [code for code, _ in second] == [0, 0], second
     states = [(tmp_path / f"state-b-{r}").read_bytes() for r in range(2)]
     assert states[0] == states[1]
@@ -60,7 +60,7 @@ def test_second_launch_with_a_late_rank_never_merges_the_first_launchs_files(tmp
 def test_only_rank_0_calling_checkpoint_fails_fast_saying_every_rank_must(tmp_path, launch):
     timeout = 12.0
     (code, err), = launch([dict(tag="a", rank=0, world=2, take=2,
-                                opts={"aggregate_dir": str(tmp_path / "agg"),
+                                opts={"aggregate_dir": str(tmp_path / "agg"), "run_id": "job",
                                       "aggregate_timeout_s": timeout})])
     assert code == 3
     assert "AggregationTimeoutError" in err and "rank(s) [1]" in err
@@ -71,7 +71,7 @@ def test_only_rank_0_calling_checkpoint_fails_fast_saying_every_rank_must(tmp_pa
 
 def test_a_rank_without_rank_0_says_rank_0_must_call_it_too(tmp_path, launch):
     (code, err), = launch([dict(tag="a", rank=1, world=2, take=2,
-                                opts={"aggregate_dir": str(tmp_path / "agg"),
+                                opts={"aggregate_dir": str(tmp_path / "agg"), "run_id": "job",
                                       "aggregate_timeout_s": 2.0})])
     assert code == 3 and "AggregationTimeoutError" in err
     assert "rank 0 included" in err
@@ -79,7 +79,8 @@ def test_a_rank_without_rank_0_says_rank_0_must_call_it_too(tmp_path, launch):
 
 def test_a_refused_merge_reaches_every_rank(tmp_path, launch):
     # one dp group of two replicas that did not stop at the same step
-    opts = {"aggregate_dir": str(tmp_path / "agg"), "dp_degree": 1, "aggregate_timeout_s": 60.0}
+    opts = {"aggregate_dir": str(tmp_path / "agg"), "run_id": "job", "dp_degree": 1,
+            "aggregate_timeout_s": 60.0}
     results = launch([dict(tag="a", rank=0, world=2, take=2, opts=opts),
                       dict(tag="a", rank=1, world=2, take=3, opts=opts)])
     assert [code for code, _ in results] == [3, 3]
@@ -180,7 +181,7 @@ def test_two_pipelines_of_one_job_share_an_aggregate_dir(tmp_path):
 
     def body(rank):
         opts = RuntimeOptions(world_size=2, global_rank=rank, canonical_replicas=C,
-                              aggregate_dir=agg, aggregate_timeout_s=60)
+                              aggregate_dir=agg, run_id="job", aggregate_timeout_s=60)
         train = pipeline().options(opts)
         val = pipeline("cursor").options(opts)  # another pipeline, same dir
         states = []
@@ -205,7 +206,7 @@ def test_garbage_left_in_a_reused_directory_is_ignored(tmp_path):
     def body(rank, delay=0.0):
         pipe = pipeline().options(RuntimeOptions(world_size=2, global_rank=rank,
                                                  canonical_replicas=C, aggregate_dir=str(agg),
-                                                 aggregate_timeout_s=60))
+                                                 run_id="job", aggregate_timeout_s=60))
         it = iter(pipe)
         next(it)
         time.sleep(delay if rank == 0 else 0.0)
@@ -221,18 +222,40 @@ def test_garbage_left_in_a_reused_directory_is_ignored(tmp_path):
     assert second[0] == second[1] == first[0]
 
 
+TORCH_ENV = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+
+
 def test_exchange_scopes_keep_launches_and_pipelines_apart(monkeypatch):
-    from zephon.checkpoint.aggregate import exchange_scope
+    from zephon.checkpoint.aggregate import exchange_scope, launch_identity
 
     local = {"fingerprint": "a" * 64}
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    opts = RuntimeOptions(world_size=2, aggregate_dir="agg")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun without --standalone
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    first = exchange_scope(local)
-    assert exchange_scope(local) == first  # every rank of one launch agrees
-    assert exchange_scope({"fingerprint": "b" * 64}) != first  # another pipeline
+    first = exchange_scope(local, launch_identity(opts, 1.0))
+    assert exchange_scope(local, launch_identity(opts, 1.0)) == first  # every rank agrees
+    assert exchange_scope({"fingerprint": "b" * 64}, launch_identity(opts, 1.0)) != first
     monkeypatch.setenv("MASTER_PORT", "29501")
-    assert exchange_scope(local) != first  # another torchrun launch
+    assert exchange_scope(local, launch_identity(opts, 1.0)) != first  # another launch
+    # a loopback master is one machine's: another machine's launch uses the same address
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    import socket
+
+    assert socket.gethostname() in launch_identity(opts, 1.0)
+
+
+def test_without_torchrun_the_default_run_id_names_no_launch(monkeypatch):
+    from zephon.checkpoint.aggregate import launch_identity
+    from zephon.errors import ZephonConfigError
+
+    for name in TORCH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ZephonConfigError, match="give every launch its own run_id") as info:
+        launch_identity(RuntimeOptions(world_size=2, aggregate_dir="agg"), 1.0)
+    assert info.value.field == "RuntimeOptions.run_id"
+    assert launch_identity(RuntimeOptions(world_size=2, aggregate_dir="agg", run_id="job-7"),
+                           1.0) == ""  # the run_id, in the medium's path, names the launch
 
 
 @pytest.mark.parametrize("url", ["s3:/bucket/x", "file://", "gs://"])

@@ -25,7 +25,8 @@ def exchange_in_threads(url, world=2, take=2):
 
     def rank(r):
         pipe = pipeline().options(RuntimeOptions(world_size=world, global_rank=r,
-                                                 canonical_replicas=C, aggregate_dir=url))
+                                                 canonical_replicas=C, aggregate_dir=url,
+                                                 run_id="job"))
         it = iter(pipe)
         for _ in range(take):
             next(it)
@@ -53,12 +54,13 @@ def test_memory_url_exchanges_within_one_process():
 
 def test_file_url_is_a_local_directory(tmp_path, launch):
     url = f"file://{tmp_path / 'agg'}"
-    results = launch([dict(tag="a", rank=r, world=2, take=2, opts={"aggregate_dir": url})
+    results = launch([dict(tag="a", rank=r, world=2, take=2,
+                           opts={"aggregate_dir": url, "run_id": "job"})
                       for r in range(2)])
     assert [code for code, _ in results] == [0, 0], results
     # the round ran in <dir>/<run_id>/<scope of this launch and pipeline>/round-<n>, and
     # the last rank to read the merged state removed it
-    scopes = list((tmp_path / "agg" / "default_run_id").glob("p-*"))
+    scopes = list((tmp_path / "agg" / "job").glob("p-*"))
     assert len(scopes) == 1 and scopes[0].is_dir()
     assert [p for p in scopes[0].rglob("*")] == []
 
@@ -94,12 +96,14 @@ def test_s3_two_launches_with_a_late_rank_merge_only_their_own_round(tmp_path, l
                                                                      s3_server):
     _, env = s3_server
     url = "s3://zephon-agg/runs"
-    first = launch([dict(tag="a", rank=r, world=2, take=6, opts={"aggregate_dir": url})
+    first = launch([dict(tag="a", rank=r, world=2, take=6,
+                         opts={"aggregate_dir": url, "run_id": "job"})
                     for r in range(2)], env=env)
     assert [code for code, _ in first] == [0, 0], first
-    second = launch([dict(tag="b", rank=0, world=2, take=2, opts={"aggregate_dir": url}),
+    second = launch([dict(tag="b", rank=0, world=2, take=2,
+                          opts={"aggregate_dir": url, "run_id": "job"}),
                      dict(tag="b", rank=1, world=2, take=2, delay=1.5,
-                          opts={"aggregate_dir": url})], env=env)
+                          opts={"aggregate_dir": url, "run_id": "job"})], env=env)
     assert [code for code, _ in second] == [0, 0], second
     states = [(tmp_path / f"state-b-{r}").read_bytes() for r in range(2)]
     assert states[0] == states[1]
@@ -116,8 +120,9 @@ def test_s3_server_gone_mid_round_is_a_clear_error_on_every_rank(tmp_path, launc
     def run():
         done["results"] = launch(
             [dict(tag="a", rank=0, world=2, take=2, announce=str(announce),
-                  opts={"aggregate_dir": url}),
-             dict(tag="a", rank=1, world=2, take=2, delay=6.0, opts={"aggregate_dir": url})],
+                  opts={"aggregate_dir": url, "run_id": "job"}),
+             dict(tag="a", rank=1, world=2, take=2, delay=6.0,
+                  opts={"aggregate_dir": url, "run_id": "job"})],
             env=env, timeout=150)
 
     thread = threading.Thread(target=run)
@@ -144,7 +149,8 @@ def test_s3_endpoint_nobody_serves_is_a_clear_error(tmp_path, launch):
            "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3_ENDPOINT_URL": endpoint,
            "AWS_ENDPOINT_URL": endpoint}
     (code, err), = launch([dict(tag="a", rank=0, world=2, take=2,
-                                opts={"aggregate_dir": "s3://zephon-agg/runs"})], env=env)
+                                opts={"aggregate_dir": "s3://zephon-agg/runs",
+                                      "run_id": "job"})], env=env)
     assert code == 3 and "CheckpointError" in err
     assert "s3://zephon-agg/runs" in err and "nothing was merged" in err
 
@@ -186,7 +192,7 @@ def test_s3_server_that_never_answers_ends_at_the_deadline(tmp_path, launch, sil
            "AWS_ENDPOINT_URL": silent_server}
     # a cloud aggregate_dir has a budget of at least 90 s; the rank gives up by then
     (code, err), = launch([dict(tag="a", rank=0, world=2, take=2,
-                                opts={"aggregate_dir": "s3://zephon-agg/runs",
+                                opts={"aggregate_dir": "s3://zephon-agg/runs", "run_id": "job",
                                       "aggregate_timeout_s": 90.0})], env=env, timeout=150)
     assert code == 3
     assert "AggregationTimeoutError" in err or "CheckpointError" in err
@@ -202,7 +208,8 @@ def test_rank_0_removes_the_previous_round_once_every_rank_moved_on():
     def rank(r):
         try:
             pipe = pipeline().options(RuntimeOptions(world_size=2, global_rank=r,
-                                                     canonical_replicas=C, aggregate_dir=url))
+                                                     canonical_replicas=C, aggregate_dir=url,
+                                                     run_id="job"))
             it = iter(pipe)
             for _ in range(3):
                 next(it)
@@ -218,7 +225,7 @@ def test_rank_0_removes_the_previous_round_once_every_rank_moved_on():
         t.join(120)
     assert not errors, errors
     fs, root = fsspec.core.url_to_fs(url)
-    scopes = fs.ls(f"{root}/default_run_id", detail=False)
+    scopes = fs.ls(f"{root}/job", detail=False)
     assert len(scopes) == 1  # one launch, one pipeline: one scope
     rounds = sorted(p.rsplit("/", 1)[1] for p in fs.ls(scopes[0], detail=False))
     assert rounds == ["round-3"]

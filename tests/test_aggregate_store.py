@@ -18,10 +18,15 @@ from zephon.errors import ZephonConfigError
 pytest.importorskip("torch.distributed")
 pytestmark = pytest.mark.torch
 
-CLEAN_ENV = {"MASTER_ADDR": "", "MASTER_PORT": "", "TORCHELASTIC_USE_AGENT_STORE": ""}
+CLEAN_ENV = {"MASTER_ADDR": "", "MASTER_PORT": "", "TORCHELASTIC_USE_AGENT_STORE": "",
+             "TORCHELASTIC_RUN_ID": ""}
 
 
 def two_ranks(tag, opts, **extra):
+    """Two ranks of a launch; without torchrun or a process group (init_pg) a launch
+    names itself with its run_id (tests/test_aggregate_launches.py)."""
+    if not extra.get("init_pg"):
+        opts = {"run_id": f"job-{tag}", **opts}
     return [dict(tag=tag, rank=r, world=2, take=2, opts=opts, **extra) for r in range(2)]
 
 
@@ -56,10 +61,22 @@ def test_torch_url_uses_the_default_process_groups_store(tmp_path, launch):
     check_states(tmp_path, "a")
 
 
+def test_aggregate_dir_under_a_process_group_needs_no_run_id(tmp_path, launch):
+    # no torchrun and the default run_id: the ranks name their launch with an id rank 0
+    # publishes in the group's store (tests/test_aggregate_launches.py: two at once)
+    env = dict(CLEAN_ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    agg = tmp_path / "agg"
+    results = launch(two_ranks("a", {"aggregate_dir": str(agg)}, init_pg=True), env=env)
+    assert [code for code, _ in results] == [0, 0], results
+    check_states(tmp_path, "a")
+    assert [p.name for p in agg.iterdir()] == ["default_run_id"]
+
+
 def test_a_missing_rank_is_named_quickly(tmp_path, launch):
     store = f"torch://127.0.0.1:{free_port()}"
     (code, err), = launch([dict(tag="a", rank=0, world=2, take=2,
-                                opts={"aggregate_store": store, "aggregate_timeout_s": 12.0})],
+                                opts={"aggregate_store": store, "run_id": "job",
+                                      "aggregate_timeout_s": 12.0})],
                           env=CLEAN_ENV)
     assert code == 3 and "AggregationTimeoutError" in err and "rank(s) [1]" in err
     assert "every rank must call it" in err
@@ -69,7 +86,7 @@ def test_an_address_nobody_serves_is_a_timeout_naming_it(tmp_path, launch):
     port = free_port()
     (code, err), = launch([dict(tag="a", rank=1, world=2, take=2,
                                 opts={"aggregate_store": f"torch://127.0.0.1:{port}",
-                                      "aggregate_timeout_s": 3.0})], env=CLEAN_ENV)
+                                      "run_id": "job", "aggregate_timeout_s": 3.0})], env=CLEAN_ENV)
     assert code == 3 and "AggregationTimeoutError" in err
     assert f"torch://127.0.0.1:{port}" in err
 

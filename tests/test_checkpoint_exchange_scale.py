@@ -195,7 +195,8 @@ def resumed_stream(state: bytes, lanes: int) -> dict:
 
 def real_round(tmp_path, launch, world: int, opts: dict, take: int, env=None) -> bytes:
     configs = [dict(tag="x", rank=r, world=world, take=take, lanes=world,
-                    opts=dict(opts, aggregate_timeout_s=240.0)) for r in range(world)]
+                    opts=dict(opts, run_id="scale", aggregate_timeout_s=240.0))
+               for r in range(world)]
     results = launch(configs, env=env, timeout=300)
     assert [code for code, _ in results] == [0] * world, [e for _, e in results if e][:2]
     states = {(tmp_path / f"state-x-{r}").read_bytes() for r in range(world)}

@@ -105,7 +105,7 @@ RANK = textwrap.dedent("""
         pipe = pipeline({chain!r}).options(RuntimeOptions(
             world_size=world, global_rank=rank, canonical_replicas={lanes},
             flush_every_k_chunks={flush},
-            aggregate_dir={agg!r}, aggregate_timeout_s={timeout}))
+            aggregate_dir={agg!r}, run_id="job", aggregate_timeout_s={timeout}))
         it = iter(pipe)
         for _ in range(take):
             next(it)

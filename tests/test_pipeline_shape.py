@@ -369,7 +369,7 @@ def _ranks_checkpoint(case: Case, world: int, take: int, agg: str) -> list:
     def rank(r: int) -> None:
         try:
             pipe = case.make(world_size=world, global_rank=r, aggregate_dir=agg,
-                             aggregate_timeout_s=60)
+                             run_id="job", aggregate_timeout_s=60)
             it = iter(pipe)
             items = [key(b) for _, b in zip(range(take), it, strict=False)]
             out[r] = (items, it.checkpoint())

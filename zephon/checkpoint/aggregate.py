@@ -5,6 +5,21 @@ consistency check of a merged state. Where the bytes travel is a *medium*
 (:mod:`zephon.checkpoint.media`: a local directory, an fsspec URL, torch's
 TCPStore); the protocol is the same over all of them.
 
+One launch, one round: a round's keys live under a *scope*, a hash of the
+pipeline's fingerprint and of what names the launch to all of its ranks and to
+no other launch running at the same time (:func:`launch_identity`): a launch id
+rank 0 draws and publishes in the initialized default process group's store;
+else torchrun's description of the launch; else an explicit ``run_id``, which
+is in the medium's path; nothing more when the medium is the process group's
+store itself, which only this launch reaches. A rank reads and writes only
+under its own launch's scope, so it never submits to a round that another
+running launch opened. With none of these (the default ``run_id`` outside
+torchrun and without a process group) no rank could tell two launches started
+at once apart, so every rank refuses with a
+:class:`~zephon.errors.ZephonConfigError` before it writes anything. Launches
+with one identity can only follow each other (a resumed job, a torchrun
+restart); what an earlier one left is handled as below.
+
 A round (``round_no`` counts the calls of ``checkpoint()`` in this launch):
 
 1. Rank 0 draws a fresh random token and publishes ``round-<n>/open`` naming it.
@@ -34,7 +49,9 @@ compressed merged state and nothing per rank, once.
 Invariants: every rank returns the same bytes or raises; a merged state has
 passed :func:`check_merged` (every lane in range, each lane owned by exactly
 the dp group that reported it, replicas of a group agreeing); nothing is
-merged from another launch.
+merged from another launch (launches that run at once have distinct scopes;
+two that share an explicit ``run_id`` against that rule are refused by rank 0
+when it sees the other's ``open``, at best effort).
 
 Time: ``aggregate_timeout_s`` bounds the whole exchange. ``checkpoint()`` is
 collective: every rank must call it at the same step. Rank 0 waits for the
@@ -50,6 +67,8 @@ import hashlib
 import logging
 import os
 import re
+import socket
+import sys
 import time
 from typing import Callable, NoReturn
 
@@ -63,13 +82,16 @@ from zephon.options import (
     resolve_dp_group_id,
     resolve_mapping_strategy,
 )
+from zephon.options.runtime import DEFAULT_RUN_ID
 
 __all__ = [
     "aggregate_through_dir",
     "arrival_grace_s",
     "check_merged",
     "exchange",
+    "exchange_scope",
     "exchange_state",
+    "launch_identity",
     "merge_states",
     "owned_lanes",
 ]
@@ -360,9 +382,9 @@ def _collect(rnd: _Round, token: str, states: dict, world: int,
     if _token_of(_read_record(medium, f"{base}/open")) != token:
         message = (f"checkpoint round {rnd.round_no}: another launch with the same "
                    f"run_id opened this round at {rnd.where} while this one was "
-                   "collecting: give concurrent jobs sharing an aggregate_dir "
-                   "distinct run_ids (under torchrun each launch is kept apart "
-                   "automatically)")
+                   "collecting: give launches that run at the same time on one "
+                   "aggregate_dir distinct run_ids (under torchrun or with an "
+                   "initialized process group each launch is kept apart automatically)")
         fail({"kind": "error", "error": message}, CheckpointError(message))
     for r, blob in sorted(blobs.items()):
         try:
@@ -448,19 +470,97 @@ def _decoded(medium, key: str, blob: bytes | None) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-def exchange_scope(local: dict) -> str:
+def exchange_scope(local: dict, launch: str) -> str:
     """The key prefix of one pipeline's exchanges in one launch.
 
-    The pipeline's fingerprint keeps two pipelines of one job (train and validation) apart
-    when they share an aggregate_dir; the launch, as torchrun describes it
-    (``TORCHELASTIC_RUN_ID``, ``MASTER_ADDR``, ``MASTER_PORT``), keeps concurrent jobs on
-    one directory apart. Without torchrun, concurrent jobs need distinct ``run_id``s (rank
-    0 refuses a round another launch opened)."""
-    launch = "|".join(os.environ.get(k, "") for k in
-                      ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"))
+    ``launch`` is what names the launch to all of its ranks and to no other launch
+    (:func:`launch_identity`), so concurrent launches on one aggregate_dir never share a
+    key; the pipeline's fingerprint keeps two pipelines of one job (train and
+    validation) apart when they share an aggregate_dir."""
     fingerprint = str(local.get("fingerprint", ""))
     digest = hashlib.sha256(f"{launch}\n{fingerprint}".encode()).hexdigest()[:16]
     return f"p-{digest}"
+
+
+LAUNCH_ID_KEY = "zephon/launch-id"
+_LOOPBACK = ("localhost", "ip6-localhost", "::1", "")
+
+
+def launch_identity(opts, timeout_s: float) -> str:
+    """What every rank of this launch shares and no concurrent launch can have.
+
+    In order: an initialized default process group (rank 0 draws a random launch id
+    and publishes it in the group's store, the others read it there: a store belongs
+    to one launch); a torchrun launch (``TORCHELASTIC_RUN_ID``, ``MASTER_ADDR``,
+    ``MASTER_PORT``, whose store holds that port while the launch runs, plus this
+    host's name when the master is a loopback address, since another machine's
+    single-node launch uses the same address); an explicit ``run_id`` (the keys live
+    under it; launches that run at the same time must use distinct ones). Returns ""
+    for the last, whose name is already in the medium's path.
+
+    Raises:
+        ZephonConfigError: none of these: the default ``run_id`` outside torchrun,
+            where two launches started at once could merge each other's states.
+        AggregationTimeoutError: rank 0 did not publish the launch id in time.
+        CheckpointError: the process group's store failed.
+    """
+    store = _process_group_store()
+    if store is not None:
+        return "pg|" + _agreed_launch_id(store, opts.global_rank, timeout_s)
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run:
+        addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+        host = socket.gethostname() if addr in _LOOPBACK or addr.startswith("127.") else ""
+        return "|".join(("torchrun", run, addr, port, host))
+    if opts.run_id != DEFAULT_RUN_ID:
+        return ""
+    where = opts.aggregate_dir if opts.aggregate_dir is not None else opts.aggregate_store
+    raise ZephonConfigError(
+        f"checkpoint() of rank {opts.global_rank} of {opts.world_size}: nothing tells this "
+        f"launch's ranks from another launch's on {where!r} (run_id is the default "
+        f"{DEFAULT_RUN_ID!r}, there is no torchrun launch and no initialized "
+        "torch.distributed process group), so two launches started at once could merge "
+        "each other's states; give every launch its own run_id, the same on all of its "
+        "ranks (RuntimeOptions(run_id=...)), or launch it with torchrun",
+        field="RuntimeOptions.run_id")
+
+
+def _process_group_store():
+    """The default process group's store when torch.distributed is loaded and the group
+    is initialized (torch is never imported here), else None."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return None
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # a group without a store: no identity from it
+        log.debug("checkpoint exchange: no store in the default process group", exc_info=True)
+        return None
+
+
+def _agreed_launch_id(store, rank: int, timeout_s: float) -> str:
+    """Rank 0's launch id in the process group's store: rank 0 sets it once (a later call
+    reads the one set first), the others wait for it."""
+    import datetime
+
+    try:
+        if rank == 0:
+            value = store.compare_set(LAUNCH_ID_KEY, "", os.urandom(16).hex())
+        else:
+            store.wait([LAUNCH_ID_KEY], datetime.timedelta(seconds=timeout_s))
+            value = store.get(LAUNCH_ID_KEY)
+    except Exception as exc:  # noqa: BLE001 - DistStoreError, DistNetworkError, ...
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        if rank != 0 and "timeout" in first.lower():
+            raise AggregationTimeoutError(
+                f"checkpoint(): rank 0 did not publish the launch id in the process group's "
+                f"store within {timeout_s} s; checkpoint() is collective: every rank, rank "
+                "0 included, must call it at the same step", missing=[0]) from None
+        raise CheckpointError(f"checkpoint(): the process group's store failed "
+                              f"({type(exc).__name__}: {first}); nothing was merged") from None
+    return bytes(value).decode("ascii", "replace")
 
 
 def exchange_state(local: dict, opts, round_no: int) -> bytes:
@@ -483,7 +583,9 @@ def exchange_state(local: dict, opts, round_no: int) -> bytes:
 
     Raises:
         ZephonConfigError: several ranks but neither aggregate_dir nor aggregate_store,
-            or a medium that cannot be used (missing package, no MASTER_ADDR).
+            a medium that cannot be used (missing package, no MASTER_ADDR), or nothing
+            that names the launch (the default run_id outside torchrun and without a
+            process group: :func:`launch_identity`).
         AggregationTimeoutError: a rank did not take part in time (named).
         CheckpointError: inconsistent states, or the medium failed mid-round.
 
@@ -509,12 +611,18 @@ def exchange_state(local: dict, opts, round_no: int) -> bytes:
     from zephon.checkpoint.media import open_medium
 
     timeout_s = resolve_aggregate_timeout_s(opts)
+    deadline = time.monotonic() + timeout_s
     medium = open_medium(opts, timeout_s)
     try:
+        # nothing is written before the launch is known (launch_identity); a medium
+        # only this launch reaches (its process group's store) names it already
+        launch = "" if getattr(medium, "launch_private", False) else \
+            launch_identity(opts, timeout_s)
+        scope = exchange_scope(local, launch)
         return exchange(medium, _submission(local, opts), round_no=round_no,
-                        rank=opts.global_rank, world=opts.world_size, timeout_s=timeout_s,
-                        serializer=serializer, compressor=compressor,
-                        scope=exchange_scope(local))
+                        rank=opts.global_rank, world=opts.world_size,
+                        timeout_s=max(deadline - time.monotonic(), 0.001),
+                        serializer=serializer, compressor=compressor, scope=scope)
     finally:
         medium.close()
 
@@ -532,7 +640,8 @@ def aggregate_through_dir(local: dict, *, directory: str, run_id: str, round_no:
             defaults to ``rank``).
         directory: a directory every rank can reach; the round runs in
             ``directory/run_id``.
-        run_id: the name of this run (keeps runs sharing ``directory`` apart).
+        run_id: the name of this launch: launches that run at the same time on
+            ``directory`` need distinct ones (nothing else keeps them apart here).
         round_no: the number of this checkpoint in the launch (1, 2, ...).
         rank: this rank, ``0 <= rank < world``.
         world: the number of ranks.

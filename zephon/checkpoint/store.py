@@ -40,7 +40,10 @@ A rank other than 0 makes at most 8 store calls a round, rank 0 16 (7 of them
 deletes; 24 when it reopens a round an earlier launch left), for 2 ranks as for
 16384.
 
-Keys are ``zephon/<run_id>/...``. The round protocol is
+Keys are ``zephon/<run_id>/...``. The default process group's store is
+``launch_private``: only the ranks of this launch reach it, so the launch needs
+no other name there (see :func:`zephon.checkpoint.aggregate.launch_identity`);
+any other store may be shared by several launches. The round protocol is
 :func:`zephon.checkpoint.aggregate.exchange`; torch is imported only here, and
 only when such a store is asked for. Connecting or talking to an address that
 does not answer is an :class:`~zephon.errors.AggregationTimeoutError` naming
@@ -161,9 +164,11 @@ class StoreMedium:
     """A medium (see :mod:`zephon.checkpoint.media`) over a torch.distributed Store."""
 
     def __init__(self, store, address: str, run_id: str, deadline: float,
-                 hosted: bool) -> None:
+                 hosted: bool, launch_private: bool = False) -> None:
         self.store, self.address, self.deadline = store, address, deadline
         self.prefix, self.hosted = f"zephon/{run_id}/", hosted
+        # the default process group's store: only this launch's ranks reach it
+        self.launch_private = launch_private
 
     @classmethod
     def open(cls, url: str, *, run_id: str, rank: int, world: int,
@@ -174,7 +179,7 @@ class StoreMedium:
             store = _default_group_store(dist)
             if store is not None:
                 return cls(store, "torch:// (the default process group's store)", run_id,
-                           deadline, hosted=False)
+                           deadline, hosted=False, launch_private=True)
             host, port_text = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
             if not host or not port_text:
                 raise ZephonConfigError(

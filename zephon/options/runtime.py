@@ -106,7 +106,10 @@ class RuntimeOptions(OptionsBase):
     )
     run_id: str = option(
         DEFAULT_RUN_ID, check=Str(pattern=r"[A-Za-z0-9_.\-]{1,64}"),
-        doc="Name of this run in logs, metrics and shared-memory/aggregation names.",
+        doc="Name of this run in logs, metrics and shared-memory/aggregation names; "
+            "with world_size > 1 outside torchrun and without an initialized process "
+            "group, checkpoint() needs a run_id of its own for every launch (the same on "
+            "all its ranks).",
     )
     per_stage_runner: FrozenMap = option(
         FrozenMap(), check=IntKeyMap(Str(choices=RUNNERS), max_key=MAX_STAGE_INDEX),
