@@ -367,3 +367,16 @@ def none_at_3(s):
 def return_none(value):
     """A map_batch that forgets to return."""
     return None
+
+
+def nan_feature(s):
+    """Deterministic, with NaN scalars in its output (a missing value)."""
+    return {"x": s["x"], "score": float("nan"), "np_score": np.float32("nan"),
+            "scores": [float("nan"), 1.0]}
+
+
+def coin_filter(s):
+    """Keeps a sample on a global-RNG coin flip: both probes agree half of the time."""
+    import random
+
+    return random.random() < 2.0  # always True: the draw alone must be caught

@@ -202,3 +202,48 @@ def test_version_from_the_parent_directory_of_a_checkout(tmp_path):
     out = run_cli("--version", cwd=parent, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("zephon ") and "kernels: " in out.stdout
+
+
+PROCESS_SCRIPT = """
+import os, sys
+import helper
+from zephon import Pipeline, RuntimeOptions, sources
+if __name__ == "__main__":
+    pipe = (Pipeline(sources.from_sequence(list(range(32))), seed=0).map(helper.double)
+            .batch(8).options(RuntimeOptions(runner="process", max_workers=2)))
+    total = sum(int(b.sum()) for b in pipe)
+    os.chdir(sys.argv[1])  # as Hydra does: the report still lands where --out said
+    print("total", total)
+"""
+
+
+def test_profile_runs_the_script_as_python_does_from_the_parent_of_a_checkout(tmp_path):
+    # From the parent directory of a checkout named like the package, process workers
+    # imported the checkout as a namespace package; the script's own directory must be
+    # first on sys.path (a sibling module imports); a chdir must not move the report.
+    parent = tmp_path / "src"
+    proj = tmp_path / "proj"
+    parent.mkdir(), proj.mkdir()
+    os.symlink(CHECKOUT, parent / "zephon")
+    (proj / "helper.py").write_text("def double(x):\n    return 2 * x\n")
+    (proj / "train.py").write_text(PROCESS_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = run_cli("profile", str(proj / "train.py"), str(tmp_path), "--out", "r.html",
+                  cwd=parent, env=env)
+    assert out.returncode == 0, out.stderr
+    assert f"total {2 * sum(range(32))}" in out.stdout
+    assert (parent / "r.html").is_file() and not (tmp_path / "r.html").exists()
+
+
+def test_profile_checks_out_before_the_script_runs_and_reports_sys_exit(tmp_path):
+    marker = tmp_path / "ran"
+    script = tmp_path / "s.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\nimport sys\n"
+                      "sys.exit('fatal: no data')\n")
+    assert_usage_error(run_cli("profile", str(script), "--out", "typo_dir/r.html",
+                               cwd=tmp_path), "no directory")
+    assert_usage_error(run_cli("profile", str(script), "--out=", cwd=tmp_path), "empty")
+    assert not marker.exists()  # refused before a single line of the script ran
+    out = run_cli("profile", str(script), "--out", "r.html", cwd=tmp_path)
+    assert out.returncode == 1 and "fatal: no data" in out.stderr, out.stderr
+    assert marker.exists() and (tmp_path / "r.html").is_file()

@@ -152,6 +152,29 @@ def test_numpy_global_rng_in_a_map_is_named_with_the_ways_out():
     check_ways_out(text)
 
 
+def test_nan_scalars_in_an_output_are_deterministic():
+    # float('nan') != float('nan'): a pure op returning a missing value was refused as
+    # "not deterministic" (and a NaN in the input as "mutates its input").
+    src = sources.from_callable(4, F.make_sample)
+    out = list(Pipeline(src, shuffle=False).map(F.nan_feature))
+    assert len(out) == 4 and all(np.isnan(o["score"]) for o in out)
+    rows = [{"x": 1, "score": float("nan")}, {"x": 2, "score": 0.5}]
+    assert len(list(Pipeline(sources.from_sequence(rows), shuffle=False)
+                    .map(F.nan_feature))) == 2
+
+
+def test_a_global_rng_draw_is_refused_even_when_both_probes_agree():
+    # A draw that happens to give the same output twice (p=0.5 in a real filter) still
+    # changes the stream from one run to the next.
+    src = sources.from_callable(4, F.make_sample)
+    with pytest.raises(ValidationError) as info:
+        iter(Pipeline(src).filter(F.coin_filter))
+    (issue,) = [i for i in info.value.issues if i.code == "Z002"]
+    text = str(issue)
+    assert "the random module's global RNG" in text and "happened to match" in text
+    check_ways_out(text)
+
+
 def test_random_module_rng_in_a_map_is_named_with_the_ways_out():
     text = z002_message(F.random_global_noise)
     assert "map(random_global_noise)" in text and "the random module's global RNG" in text

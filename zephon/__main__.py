@@ -43,15 +43,17 @@ from typing import Any, Sequence
 
 
 def _regular_package() -> None:
-    """Make ``zephon`` in ``sys.modules`` the package this file belongs to.
+    """Make ``zephon`` the package this file belongs to, here and in the workers.
 
     Run from a directory that holds a directory named ``zephon`` (the parent of a
     checkout, say), Python's path search finds that directory first and, with no
     ``__init__.py`` in it, takes it for a namespace package; an editable install's
     finder, which comes after the path search, is never asked, so ``zephon/__init__.py``
     never runs and ``from zephon import __version__`` fails with "unknown location".
-    The command line loads the real package from beside this file instead.
+    The command line drops such entries from ``sys.path`` (spawned workers inherit it,
+    so they find the real package too) and loads the real package from beside this file.
     """
+    sys.path[:] = [p for p in sys.path if not _shadows_zephon(p)]
     package = sys.modules.get("zephon")
     if package is not None and getattr(package, "__file__", None):
         return
@@ -62,6 +64,14 @@ def _regular_package() -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules["zephon"] = module
     spec.loader.exec_module(module)
+
+
+def _shadows_zephon(entry: str) -> bool:
+    """A ``sys.path`` entry holding a ``zephon`` directory that is not this package."""
+    folder = os.path.join(entry or os.curdir, "zephon")
+    here = os.path.dirname(os.path.abspath(__file__))
+    return (os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "__init__.py"))
+            and os.path.realpath(folder) != here)
 
 
 _regular_package()
@@ -202,8 +212,9 @@ def cmd_example_data(args: argparse.Namespace) -> int:
     try:
         entries = write_examples(args.directory, force=args.force)
     except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
         raise UsageError(f"cannot write the example data to {args.directory!r}: "
-                         f"{exc.strerror or exc}") from None
+                         f"{exc.strerror or exc}{where}") from None
     for entry in entries:
         path = os.path.join(args.directory, entry.path)
         if not entry.written:
@@ -262,34 +273,66 @@ def _profile_script_tail(argv: Sequence[str]) -> list[str] | None:
     return None
 
 
-def cmd_profile(args: argparse.Namespace) -> int:
+def _report_path(out: str) -> str:
+    """The report's absolute path (a script that changes directory does not move it),
+    checked before the script runs: a typo costs nothing, not a whole run."""
+    if not out:
+        raise UsageError("profile: --out needs a FILE (got an empty one)")
+    path = os.path.abspath(out)
+    folder = os.path.dirname(path)
+    if os.path.islink(path):
+        raise UsageError(f"profile: {out!r} is a symbolic link: the report is not written "
+                         "through a link (remove it or choose another path)")
+    if os.path.isdir(path):
+        raise UsageError(f"profile: {out!r} is a directory; --out names the report's file")
+    if not os.path.isdir(folder):
+        raise UsageError(f"profile: no directory {folder!r} for the report {out!r}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"profile: cannot write the report into {folder!r}")
+    return path
+
+
+def _script_status(raised: BaseException | None) -> int:
+    """The exit status ``python SCRIPT`` would give, reporting what it raised as
+    Python does (a traceback; the message of ``sys.exit("...")``)."""
     import traceback
 
+    if isinstance(raised, SystemExit):
+        if isinstance(raised.code, int):
+            return raised.code
+        print(raised.code, file=sys.stderr)
+        return 1
+    if raised is not None:
+        traceback.print_exception(raised)
+        return 1
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
     from zephon.report import profile_script
 
     late_out, script_args = split_profile_args(args.args)
     if late_out is not None and args.out is not None:
         raise UsageError("profile: --out given twice (to pass an --out of the script's "
                          "own, put the script's arguments after --)")
-    out = late_out or args.out or "zephon-profile.html"
+    out = late_out if late_out is not None else args.out
+    out = "zephon-profile.html" if out is None else out
+    path = _report_path(out)
     if not os.path.isfile(args.script):
         raise UsageError(f"profile: no script at {args.script!r}")
     report, raised = profile_script(args.script, script_args)
     try:
-        report.write(out)
+        report.write(path)
     except OSError as exc:
-        raise UsageError(f"cannot write the report to {out!r}: "
-                         f"{exc.strerror or exc}") from None
+        status = _script_status(raised)  # the script's own failure is not hidden
+        print(f"error: cannot write the report to {out!r}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return status or 2
     runs = len(report.runs)
     print(f"wrote {out}: {runs} pipeline run(s)")
     if runs:
         print(report.diagnosis.text)
-    if isinstance(raised, SystemExit):
-        return raised.code if isinstance(raised.code, int) else 1
-    if raised is not None:
-        traceback.print_exception(raised)
-        return 1
-    return 0
+    return _script_status(raised)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

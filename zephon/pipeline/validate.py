@@ -6,7 +6,8 @@ Checks, each with an error code, run on the first sample of the source:
         process runner (or in MTP mode); an *adaptive* stage (autotune, no runner
         pinned) does not count: it stays inline instead;
 - Z002  a map/filter op is not deterministic: the same input twice gives
-        different outputs. The message names the global RNG the op drew from when
+        different outputs, or it drew from a global RNG (even when the two outputs
+        happened to match). The message names the global RNG the op drew from when
         one of numpy's, the ``random`` module's or torch's changed state during
         the calls, and the ways out: draw from ``ctx.rng`` (seeding a third-party
         library from it, one line each), or ``auto_validation="off"``. Values are
@@ -57,32 +58,48 @@ def _same(a, b) -> bool:
     (``bool(a == b)`` is ambiguous for them); torch is looked up, never imported."""
     torch = sys.modules.get("torch")
     if torch is not None and (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or \
-                a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
-            return False
-        if torch.equal(a, b):
-            return True
-        if not (a.is_floating_point() or a.is_complex()):
-            return False
-        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-        return bool(torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b]))
+        return _same_tensors(torch, a, b)
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and
-                a.shape == b.shape and a.dtype == b.dtype):
-            return False
-        if a.dtype.hasobject:  # its bytes are pointers: compare the objects
-            return _same(a.tolist(), b.tolist())
-        return a.tobytes() == b.tobytes()
+        return _same_arrays(a, b)
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, np.generic) and isinstance(b, np.generic):  # NumPy scalars: bits
+        return a.dtype == b.dtype and a.tobytes() == b.tobytes()
     if type(a) is type(b) and type(a).__eq__ is object.__eq__ and a is not b:
         return _same_pickles(a, b)  # equal by identity only: compare what they hold
     try:
-        return bool(a == b)
+        return a is b or bool(a == b) or _both_nan(a, b)
     except Exception:  # noqa: BLE001
         return a is b
+
+
+def _same_tensors(torch, a, b) -> bool:
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or \
+            a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    return bool(torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b]))
+
+
+def _same_arrays(a, b) -> bool:
+    if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and
+            a.shape == b.shape and a.dtype == b.dtype):
+        return False
+    if a.dtype.hasobject:  # its bytes are pointers: compare the objects
+        return _same(a.tolist(), b.tolist())
+    return a.tobytes() == b.tobytes()
+
+
+def _both_nan(a, b) -> bool:
+    """Two float (or complex) NaNs: the same value for this check (``nan != nan``)."""
+    return (isinstance(a, (float, complex)) and isinstance(b, (float, complex))
+            and a != a and b != b)
 
 
 def _same_pickles(a, b) -> bool:
@@ -263,6 +280,11 @@ def _output_issues(op, first, second, drawn: list[str]) -> list[ValidationIssue]
         issues.append(ValidationIssue(
             "Z002", op.name, f"not deterministic: its output changed between two runs on "
             f"the same sample: {cause}. Ways out: {WAYS_OUT}"))
+    elif drawn:  # equal this time by chance (a flip with p=0.5): the stream still varies
+        issues.append(ValidationIssue(
+            "Z002", op.name, f"not deterministic: it drew from {' and '.join(drawn)} (its "
+            "two outputs on the same sample happened to match, but a draw changes the "
+            f"stream from one run to the next). Ways out: {WAYS_OUT}"))
     if any(np.may_share_memory(a, b) for a in _arrays(first) for b in _arrays(second)):
         issues.append(ValidationIssue(
             "Z005", op.name, "returns arrays that share memory between outputs (a buffer "

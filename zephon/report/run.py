@@ -161,25 +161,29 @@ def profile(pipe, *, steps: int | None = None, seconds: float | None = None,
 
 
 def profile_script(path: str, argv: list[str]) -> tuple[Profile, BaseException | None]:
-    """Run the script at ``path`` as ``__main__`` (with ``sys.argv = [path, *argv]``)
-    with tracking on for every pipeline it runs; returns the profile of its runs that
-    delivered a batch, and what the script raised (None if it ended normally or by
-    ``sys.exit(0)``)."""
-    saved_argv, saved_env = sys.argv, os.environ.get(TRACKING_ENV)
+    """Run the script at ``path`` as ``python path *argv`` would (as ``__main__``, with
+    ``sys.argv = [path, *argv]``, its absolute ``__file__`` and its directory first on
+    ``sys.path``) with tracking on for every pipeline it runs; returns the profile of its
+    runs that delivered a batch, and what the script raised (None if it ended normally
+    or by ``sys.exit(0)``)."""
+    script = os.path.abspath(path)
+    saved_argv, saved_path, saved_env = sys.argv, list(sys.path), os.environ.get(TRACKING_ENV)
     os.environ[TRACKING_ENV] = "nodes"
     sys.argv = [path, *argv]
+    sys.path[:1] = [os.path.dirname(script)]  # python SCRIPT puts its directory first
     raised: BaseException | None = None
     runs: list[RunStats]
     try:
         with recording() as runs:
             try:
-                runpy.run_path(path, run_name="__main__")
+                runpy.run_path(script, run_name="__main__")
             except SystemExit as exc:
                 raised = None if exc.code in (None, 0) else exc
             except Exception as exc:  # noqa: BLE001 - the report is still written
                 raised = exc
     finally:
         sys.argv = saved_argv
+        sys.path[:] = saved_path
         if saved_env is None:
             os.environ.pop(TRACKING_ENV, None)
         else:
