@@ -88,9 +88,15 @@ def work(subject):
             return {"a": np.arange(arg, dtype=np.float32), "t": (1, "x")}
         if action == "object":
             return {1, 2}
+        if action == "lock_in_result":  # a value that cannot be pickled, deep inside
+            import threading
+            return {"id": subject["subject_id"], "model": [1.0, threading.Lock()]}
         if action == "flaky":  # fails until it has been tried `arg` times
-            tries = len([f for f in os.listdir(subject["dir"])
-                         if f.startswith(subject["subject_id"] + ".") and f.endswith(".start")])
+            with open(os.path.join(subject["dir"], f"{subject['subject_id']}.tries"),
+                      "a+") as fh:  # every attempt, whichever worker (or pid) runs it
+                fh.write("x")
+                fh.seek(0)
+                tries = len(fh.read())
             if tries <= arg:
                 raise RuntimeError(f"flaky attempt {tries}")
             return tries

@@ -97,3 +97,24 @@ class _WindowState(CarryingAccumulator):
 
     def load(self, held: list) -> None:
         self.buf = list(held)
+
+
+# -- ops that leave with a BaseException (tests/test_op_exit.py) -------------------------
+#: the sample whose op raises
+EXIT_AT = 4
+
+
+def exit_at(s):
+    """Raise what ``$ZEPHON_EXIT_KIND`` names (``SystemExit`` with code 3, or
+    ``KeyboardInterrupt``) at sample :data:`EXIT_AT`, after appending a line to
+    ``$ZEPHON_TEST_DIR/exit-runs`` (the count of runs of the op on that sample, whatever
+    process ran it)."""
+    import os
+
+    if s["id"] != EXIT_AT:
+        return s
+    with open(os.path.join(os.environ["ZEPHON_TEST_DIR"], "exit-runs"), "a") as fh:
+        fh.write(f"{os.getpid()}\n")
+    if os.environ.get("ZEPHON_EXIT_KIND") == "KeyboardInterrupt":
+        raise KeyboardInterrupt
+    raise SystemExit(3)

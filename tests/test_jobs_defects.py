@@ -48,6 +48,21 @@ def test_unpicklable_callable_is_an_immediate_clear_error(tmp_path):
                  progress=False))
 
 
+def test_a_result_that_cannot_be_pickled_names_the_subject_the_part_and_the_way_out(
+        tmp_path):
+    subs = subjects(tmp_path, 2)
+    subs[1]["action"] = "lock_in_result"
+    out = list(run(J.work, subs, RunPolicy(workers=1, backend="process", resume=False,
+                                           auto_retry_rounds=0, **FAST), progress=False))
+    assert out[0].ok and not out[1].ok
+    error, text = out[1].error, str(out[1].error)
+    assert isinstance(error, SerializationError), repr(error)
+    assert "'S001'" in text  # the subject
+    assert "_thread.lock" in text and "['model'][1]" in text  # what, and where in it
+    assert error.path is not None and error.path.endswith("['model'][1]")
+    assert "return plain data" in text.lower() and "picklable" in text  # the way out
+
+
 def test_callable_the_worker_cannot_import_fails_within_the_spawn_timeout():
     with pytest.raises(JobSetupError, match="vanished_module") as info:
         list(run(J.Unloadable(), ["S1", "S2"], RunPolicy(workers=2, resume=False, **FAST),

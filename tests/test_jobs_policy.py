@@ -280,7 +280,8 @@ def test_max_consecutive_failures_restarts_the_worker(tmp_path):
     assert pids[0] == pids[1] != pids[2] == pids[3]
     r, out = go(J.work, subjects(tmp_path / "one", 3, "raise"), workers=1,
                 auto_retry_rounds=0, resume=False)
-    assert r.summary.get("restarts") == 3  # default 1: a fresh worker after each failure
+    assert "restarts" not in r.summary  # the default (10): a few failures keep the worker
+    assert r.summary["workers_started"] == 1
 
 
 def test_recycling_every_3_tasks_over_200_subjects_loses_nothing(tmp_path):

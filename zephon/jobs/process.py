@@ -61,8 +61,27 @@ worker killed by SIGKILL while running it) lowers it by ``oom_reduce_workers_by`
 (never below one) when ``oom_backoff`` is on. It lives on the backend, so
 retry rounds keep it. Extra workers are stopped as soon as they are idle.
 
+A persistent worker keeps its ``setup()`` for the whole run: an ordinary
+exception in a subject is that subject's failure and the worker goes on. It is
+replaced only after a crash or a timeout (it is gone), after
+``persistent_worker_recycle_after_tasks`` successes, or after
+:func:`max_consecutive_failures` failed subjects in a row (a worker whose state
+broke fails everything; the default is 10).
 ``isolated`` mode is ``persistent`` mode with a recycle after every success and
 a restart after every failure: a fresh child per subject.
+
+Ctrl-C. A KeyboardInterrupt in the loop leaves the round as it is; the run then
+calls :meth:`ProcessBackend.shutdown`, the graceful stop (STOP to idle workers,
+SIGTERM to busy ones, SIGKILL after ``graceful_shutdown_sec``). A second Ctrl-C
+during that stop kills every worker outright, with its process group and
+descendants (:func:`~zephon.transport.supervisor.kill_children`), and is raised
+once they are gone; a third one meanwhile is held
+(:class:`~zephon.transport.supervisor.InterruptGuard`), so nothing is left
+running. Starting a worker and registering it is one step a Ctrl-C cannot
+split. Workers are not daemons (a subject may start processes): a backend still
+live at interpreter exit (a run whose iterator was kept, not finished) is shut
+down from a ``threading`` exit hook, before multiprocessing's own exit handler
+would join its workers for ever.
 
 GPU slots: with ``gpu_slots`` each worker gets the lowest slot no live worker
 holds (a dying worker still holds its slot until it is gone), exported as
@@ -72,6 +91,7 @@ workers never share one.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import enum
 import logging
@@ -79,7 +99,9 @@ import os
 import pickle
 import selectors
 import signal
+import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, Final, NamedTuple
 
@@ -97,17 +119,20 @@ from zephon.transport.remote_errors import decode_exception, remote_traceback
 from zephon.transport.supervisor import (
     KILL_WAIT_S,
     Child,
+    InterruptGuard,
     MsgKind,
     ShutdownPolicy,
     crash_error,
     exit_text,
     handshake,
+    kill_children,
     startup_death_error,
     stop_children,
     sweep_groups,
 )
 
-__all__ = ["TREE_POLICY", "JobSetupError", "Outcome", "ProcessBackend"]
+__all__ = ["TREE_POLICY", "JobSetupError", "Outcome",
+           "ProcessBackend", "max_consecutive_failures"]
 
 log = logging.getLogger("zephon.jobs")
 
@@ -121,6 +146,18 @@ TREE_POLICY = (
     "setup() started is kept); a descendant that left the group of a worker killed "
     "outright (SIGKILL, or a subject's own SIGTERM handler) while its subject runs is not "
     "covered")
+
+
+
+def max_consecutive_failures(policy) -> int:
+    """Failed subjects in a row after which a worker of ``policy`` is restarted: 1 in
+    ``isolated`` mode, else ``persistent_worker_max_consecutive_failures`` (10 by
+    default: one ordinary exception is the subject's, a run of them says the worker's
+    own state is broken)."""
+    if policy.parallel_mode == "isolated":
+        return 1
+    return policy.persistent_worker_max_consecutive_failures
+
 
 _IDLE_WAIT_S: Final = 0.5  # longest wait of the loop when no deadline is nearer
 _CLOCK_SKEW_S: Final = 1.0  # a worker's start time this far ahead of ours is not our clock
@@ -190,7 +227,7 @@ class ProcessBackend:
         self.ctx = mp_context
         isolated = policy.parallel_mode == "isolated"
         self.recycle_after = 1 if isolated else policy.persistent_worker_recycle_after_tasks
-        self.max_failures = 1 if isolated else policy.persistent_worker_max_consecutive_failures
+        self.max_failures = max_consecutive_failures(policy)
         self.slots: list[_Slot] = []
         self.selector = selectors.DefaultSelector()
         self.stats: collections.Counter[str] = collections.Counter()
@@ -201,6 +238,8 @@ class ProcessBackend:
         # pipe is the selector's key without data
         self.deaths = DeathWatch(f"job run of {self.fn_label}")
         self.selector.register(self.deaths.fileno(), selectors.EVENT_READ, None)
+        self._closed = False
+        _live_backends.add(self)
 
     # -- workers ---------------------------------------------------------------------
     def _spawn(self) -> _Slot | None:
@@ -213,18 +252,21 @@ class ProcessBackend:
             gpu = free[0]
         boot = {"fn": self.fn_bytes, "gpu_slot": gpu, "parent_pid": os.getpid(),
                 "grace": self.grace}
-        child = Child.spawn(self.ctx, job_worker_main, (boot,), transport="socketpair",
-                            buffer_bytes=_CHANNEL_BYTES, name="zephon-job-worker",
-                            daemon=False, group=True)
         spawn_timeout = self.policy.subject_spawn_timeout_sec
-        deadline = None if spawn_timeout is None else time.monotonic() + spawn_timeout
         held = {s.index for s in self.slots}
         index = next(k for k in range(len(self.slots) + 1) if k not in held)
-        slot = _Slot(child, index, gpu, deadline)
-        self.slots.append(slot)
-        self.selector.register(child.channel.fileno(), selectors.EVENT_READ, slot)
-        self.deaths.watch(index, child)
-        self.stats["workers_started"] += 1
+        # a Ctrl-C waits until the worker is a slot: one it split off would be a non-daemon
+        # child nobody stops, which multiprocessing joins for ever at exit
+        with InterruptGuard(hold=True):
+            child = Child.spawn(self.ctx, job_worker_main, (boot,), transport="socketpair",
+                                buffer_bytes=_CHANNEL_BYTES, name="zephon-job-worker",
+                                daemon=False, group=True)
+            deadline = None if spawn_timeout is None else time.monotonic() + spawn_timeout
+            slot = _Slot(child, index, gpu, deadline)
+            self.slots.append(slot)
+            self.selector.register(child.channel.fileno(), selectors.EVENT_READ, slot)
+            self.deaths.watch(index, child)
+            self.stats["workers_started"] += 1
         return slot
 
     def _unregister(self, slot: _Slot) -> None:
@@ -564,23 +606,66 @@ class ProcessBackend:
         sweep every process group the run created until none of its members is alive:
         SIGTERM, the rest of the same ``grace``, SIGKILL (see
         :func:`~zephon.transport.supervisor.stop_children` and
-        :func:`~zephon.transport.supervisor.sweep_groups`)."""
+        :func:`~zephon.transport.supervisor.sweep_groups`). A Ctrl-C meanwhile kills them
+        all outright and is raised once they are gone (later ones are held). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        _live_backends.discard(self)
         self.deaths.close()  # the exits from here on are the shutdown's own
-        policy = ShutdownPolicy.for_grace(grace)
         slots = list(self.slots)
+        groups = {child.pid for child in self._sweeps} | {slot.pid for slot in slots}
+        try:
+            with InterruptGuard():
+                try:
+                    left = self._stop_gracefully(slots, groups, grace)
+                except KeyboardInterrupt:
+                    log.warning("Ctrl-C while job workers stop: killing them now")
+                    kill_children([s.child for s in slots], groups)
+                    raise
+        finally:
+            for slot in slots:
+                self._unregister(slot)
+                slot.channel.close()
+            self.slots.clear()
+            self._sweeps.clear()
+            self._running = {}
+            self.selector.close()
+        if left:
+            log.warning("process groups %s still have live members after SIGKILL", sorted(left))
+
+    @staticmethod
+    def _stop_gracefully(slots: list[_Slot], groups: set[int], grace: float) -> list[int]:
+        """STOP to idle workers, SIGTERM to the others, SIGKILL after ``grace``, then sweep
+        ``groups``; returns the groups still alive after that."""
+        policy = ShutdownPolicy.for_grace(grace)
         deadline = stop_children(
             [s.child for s in slots], policy,
             graceful=lambda child: any(s.child is child and s.state is SlotState.IDLE
                                        for s in slots))
-        groups = {child.pid for child in self._sweeps}
-        for slot in slots:
-            self._unregister(slot)
-            slot.channel.close()
-            groups.add(slot.pid)
-        self.slots.clear()
-        self._sweeps.clear()
-        self._running = {}
-        left = sweep_groups(groups, deadline, policy)
-        if left:
-            log.warning("process groups %s still have live members after SIGKILL", sorted(left))
-        self.selector.close()
+        return sweep_groups(groups, deadline, policy)
+
+
+#: Every process backend not shut down yet (see "Ctrl-C" in the module docstring).
+_live_backends: "weakref.WeakSet[ProcessBackend]" = weakref.WeakSet()
+
+
+def _shutdown_live_backends() -> None:
+    """At interpreter exit: shut down every backend still live, as its run would have."""
+    for backend in list(_live_backends):
+        try:
+            backend.shutdown(backend.grace)
+        except KeyboardInterrupt:
+            pass  # its workers were killed outright: the exit goes on
+        except Exception:  # the exit goes on; say why
+            log.warning("shutting down a job run's workers at exit failed", exc_info=True)
+
+
+# threading's exit hooks run before non-daemon threads are joined and before any atexit
+# handler, so before multiprocessing's own, which joins non-daemon workers for ever (the
+# same net as zephon.transport.pool's).
+try:
+    threading._register_atexit(_shutdown_live_backends)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # not CPython, or imported during shutdown
+    pass
+atexit.register(_shutdown_live_backends)  # the fallback; shutdown() is idempotent

@@ -84,7 +84,7 @@ from zephon.errors import (
     WorkerCrashedError,
     ZephonConfigError,
 )
-from zephon.jobs.process import JobSetupError, Outcome
+from zephon.jobs.process import JobSetupError, Outcome, max_consecutive_failures
 from zephon.jobs.subjects import subject_label
 from zephon.transport.remote_errors import decode_exception, encode_exception
 
@@ -443,7 +443,7 @@ class RayBackend:
             if actor is not None:
                 ref = actor.handle.run.remote(
                     [s for _, s in items], actor.failures,
-                    self.policy.persistent_worker_max_consecutive_failures)
+                    max_consecutive_failures(self.policy))
             else:
                 (_, subject), = items
                 ref = self.task.remote(self.fn_ref, subject, self.gpu)
@@ -572,7 +572,7 @@ class RayBackend:
         if recycle and actor.successes >= recycle:
             self.stats["recycled"] += 1
             self._retire(actor)
-        elif actor.failures >= self.policy.persistent_worker_max_consecutive_failures:
+        elif actor.failures >= max_consecutive_failures(self.policy):
             self.stats["restarts"] += 1
             self._retire(actor)
 

@@ -40,7 +40,12 @@ A run, in order:
 Ctrl-C (KeyboardInterrupt) stops the workers within ``graceful_shutdown_sec``
 and propagates; the store commits what it holds and is unlocked (a SIGKILL
 loses at most the store's durability window: :mod:`zephon.jobs.store`); a
-subject interrupted this way is not recorded as a failure.
+subject interrupted this way is not recorded as a failure. A second Ctrl-C
+while the workers stop kills them outright (:mod:`zephon.jobs.process`), and
+Ctrl-Cs from then on wait until the store is closed: the KeyboardInterrupt
+reaches the caller with nothing left running and the store closed, within a
+second. The same holds for a Ctrl-C while a run that ended or was left stops
+its workers.
 """
 
 from __future__ import annotations
@@ -62,13 +67,14 @@ from zephon.errors import (
     remote_traceback,
 )
 from zephon.jobs.gpu import visible_gpu_count
-from zephon.jobs.process import TREE_POLICY, ProcessBackend
+from zephon.jobs.process import TREE_POLICY, ProcessBackend, max_consecutive_failures
 from zephon.jobs.progress import Progress
 from zephon.jobs.serial import SerialBackend
 from zephon.jobs.store import CheckpointStore
 from zephon.jobs.subjects import cache_key_of, callable_name, subject_id_of
 from zephon.options import RunPolicy, backend_reason, resolve_backend
 from zephon.transport.spawn_guard import refuse_in_spawn_bootstrap
+from zephon.transport.supervisor import InterruptGuard
 
 __all__ = ["ON_BAD_ENTRY", "JobRun", "RecordedFailure", "SubjectResult", "run"]
 
@@ -244,8 +250,7 @@ class JobRun:
             f"  workers: {self.workers}" + (f" (capped to {self.gpu_count} visible GPU(s))"
                                             if self.gpu_count is not None else ""),
             f"  mode: {p.parallel_mode}; recycle after {p.persistent_worker_recycle_after_tasks} "
-            f"task(s); restart after {p.persistent_worker_max_consecutive_failures} "
-            "consecutive failure(s)",
+            f"task(s); restart after {self._restart_after()} consecutive failure(s)",
             f"  timeouts: subject {p.subject_timeout_sec} s, spawn {p.subject_spawn_timeout_sec} "
             f"s, grace {p.graceful_shutdown_sec} s",
             f"  failures: {p.on_subject_failure}; {p.auto_retry_rounds} retry round(s); OOM "
@@ -260,6 +265,10 @@ class JobRun:
         if self.backend_name == "process":
             lines.append(f"  process tree: {TREE_POLICY}")
         return "\n".join(lines)
+
+    def _restart_after(self) -> int:
+        """Failed subjects in a row after which a worker is restarted."""
+        return max_consecutive_failures(self.policy)
 
     def __iter__(self) -> Iterator[SubjectResult]:
         return self._run()
@@ -472,9 +481,27 @@ class JobRun:
 
     def _close(self, store: CheckpointStore | None, counts: collections.Counter[str],
                progress: Progress, interrupted: bool) -> None:
-        """Shut the backend down, close the store, publish :attr:`summary`."""
+        """Shut the backend down, close the store, publish :attr:`summary`.
+
+        A Ctrl-C while the backend stops cuts its graceful stop short (the process
+        backend kills its workers outright) and propagates; every Ctrl-C after it, or
+        during the store's close, is held until the store is closed (and raised then
+        unless a KeyboardInterrupt is on its way already)."""
+        with InterruptGuard(raise_held=not interrupted) as guard:
+            try:
+                if self.backend is not None:
+                    self.backend.shutdown(self.policy.graceful_shutdown_sec)
+            except KeyboardInterrupt:
+                interrupted = True
+                raise
+            finally:
+                guard.hold()
+                self._publish(store, counts, progress, interrupted)
+
+    def _publish(self, store: CheckpointStore | None, counts: collections.Counter[str],
+                 progress: Progress, interrupted: bool) -> None:
+        """Close the store, then publish :attr:`summary` (and show it)."""
         if self.backend is not None:
-            self.backend.shutdown(self.policy.graceful_shutdown_sec)
             for key in ("oom_backoffs", "workers_started", "recycled", "restarts"):
                 counts[key] += self.backend.stats[key]
         if store is not None:

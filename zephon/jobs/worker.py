@@ -33,6 +33,12 @@ values and exceptions travel as pickle protocol 5 frames):
                        started {id, t}           done {id, d} [value, buffers...]
                        error {id, d, tb, oom} [exception]
 
+A value that cannot be pickled (a lock, an open file, a generator) is the
+subject's failure: a :class:`~zephon.errors.SerializationError` naming the
+subject, the part of the value that does not pickle (its ``path``, found by
+:func:`~zephon.transport.codec.find_unpicklable`) and the way out, raised from
+pickle's own error. A ``MemoryError`` while pickling stays itself (an OOM).
+
 ``t`` is the worker's ``time.monotonic()`` when the subject started, ``d`` the
 time from then until the callable returned or raised: the parent judges the
 subject's timeout on these. From the callable's return until its report is
@@ -51,13 +57,15 @@ import pickle
 import signal
 import time
 
+from zephon.errors import SerializationError, ZephonConfigError
+from zephon.jobs.subjects import subject_id_of
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.remote_errors import encode_exception
 from zephon.transport.supervisor import MsgKind, lead_process_tree
 from zephon.transport.threads import ComputeThreads
 from zephon.transport.tree import descendants, end_descendants
 
-__all__ = ["job_worker_main", "pickle_value", "unpickle_value"]
+__all__ = ["job_worker_main", "pickle_value", "unpicklable_value_error", "unpickle_value"]
 
 _TERM = {signal.SIGTERM}
 
@@ -72,7 +80,40 @@ def unpickle_value(frames: list):
     return pickle.loads(frames[0], buffers=frames[1:])
 
 
-def _report(channel, task_id: int, start: float, value=None, exc=None) -> None:
+def unpicklable_value_error(subject, value, error: Exception) -> SerializationError:
+    """The error of a subject whose ``value`` failed to pickle with ``error``: it names
+    the subject, the part of the value that does not pickle and why, and the way out.
+
+    Example:
+        >>> import threading
+        >>> value = {"model": [1.0, threading.Lock()]}
+        >>> try:
+        ...     pickle.dumps(value)
+        ... except TypeError as exc:
+        ...     err = unpicklable_value_error("S1", value, exc)
+        >>> err.path
+        "value['model'][1]"
+    """
+    from zephon.transport.codec import find_unpicklable  # the codec pulls in NumPy: lazily
+
+    try:
+        name = repr(subject_id_of(subject, 0))
+    except ZephonConfigError:
+        name = f"of type {type(subject).__name__}"
+    found = find_unpicklable(value, "value")
+    path, why = found if found is not None else ("value", f"{type(error).__name__}: {error}")
+    part = "the value itself" if path == "value" else path
+    return SerializationError(
+        f"subject {name} returned a {type(value).__name__} that cannot be pickled to travel "
+        f"back from its job worker: {part} does not pickle ({why}). Return plain data "
+        "(numbers, strings, bytes, NumPy arrays, lists and dicts of them), make the object "
+        "picklable (its class importable, __getstate__/__reduce__ leaving out locks, files "
+        "and connections), or keep it in the worker (build it in fn.setup()) and return "
+        "only what the caller needs", path=path)
+
+
+def _report(channel, task_id: int, start: float, value=None, exc=None,
+            subject=None) -> None:
     """Send the subject's report with SIGTERM held back until it is on the wire."""
     signal.pthread_sigmask(signal.SIG_BLOCK, _TERM)
     try:
@@ -80,8 +121,11 @@ def _report(channel, task_id: int, start: float, value=None, exc=None) -> None:
         if exc is None:
             try:
                 out = pickle_value(value)
-            except Exception as pickling:  # noqa: BLE001 - reported as the subject's error
+            except MemoryError as pickling:  # an OOM, reported as one
                 exc = pickling
+            except Exception as pickling:  # noqa: BLE001 - reported as the subject's error
+                exc = unpicklable_value_error(subject, value, pickling)
+                exc.__cause__ = pickling
         if exc is not None:
             tb, blob = encode_exception(exc)
             channel.send({"k": MsgKind.ERROR, "id": task_id, "d": duration, "tb": tb,
@@ -144,7 +188,7 @@ def job_worker_main(channel, boot: dict) -> None:
                 _report(channel, task_id, start, exc=exc)
                 continue
             _end_escaped(grace, kept)
-            _report(channel, task_id, start, value=value)
+            _report(channel, task_id, start, value=value, subject=subject)
     except ChannelClosed:
         pass
     finally:

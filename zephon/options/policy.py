@@ -139,8 +139,10 @@ class RunPolicy(OptionsBase):
         doc="A store written under another fingerprint raises instead of being ignored.",
     )
     persistent_worker_max_consecutive_failures: int = option(
-        1, check=Int(min=1, max=MAX_RETRIES),
-        doc="Restart a persistent worker after this many consecutive failed subjects.",
+        10, check=Int(min=1, max=MAX_RETRIES),
+        doc="Restart a persistent worker after this many consecutive failed subjects (a "
+            "crash or a timeout always replaces it; an ordinary exception alone keeps the "
+            "worker and its setup()).",
     )
     persistent_worker_recycle_after_tasks: int = option(
         0, check=Int(min=0, max=MAX_COUNT),

@@ -263,14 +263,15 @@ class _Feeder:
     def pull(self):
         """The next unit or marker; a failure upstream comes as a :class:`TaskFailed`
         (raised in its place, after this stage's results before it: an earlier
-        stage's error must not overtake the samples and errors ahead of it here)."""
+        stage's error, an op's ``SystemExit`` or ``KeyboardInterrupt`` included, must
+        not overtake the samples and errors ahead of it here)."""
         if self.lookahead:
             return self.lookahead.popleft()
         try:
             return next(self.upstream)
         except StopIteration:
             raise
-        except Exception as exc:  # noqa: BLE001 - raised in stream order by _in_order
+        except BaseException as exc:  # noqa: BLE001 - raised in stream order by _in_order
             return TaskFailed(exc)
 
     def take(self) -> None:

@@ -45,7 +45,8 @@ all of the rank's lanes have ended: a checkpoint taken right after it tells
 every rank, on any world size, that this rank's part of the pass is done. A rank whose lanes
 hold nothing at all ends its stream with one :data:`NOTHING` item carrying their
 ended states (the iterator records it and hands nothing over). An error of the
-run is raised after the item held back has been handed on.
+run (any exception, an op's ``SystemExit`` or ``KeyboardInterrupt`` included) is
+raised after the item held back has been handed on.
 
 ``deterministic=False``: results of a parallel stage are released in
 completion order (throughput over order; checkpoints are then best effort).
@@ -53,6 +54,7 @@ completion order (throughput over order; checkpoints are then best effort).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Iterator
 
@@ -73,7 +75,7 @@ from zephon.pipeline.stats import RunStats
 from zephon.runners import AdaptiveExecutor, InlineExecutor, ProcessExecutor, ThreadExecutor
 
 __all__ = ["NOTHING", "Engine", "Plan", "accumulate", "cursor_state", "ended_state",
-           "is_ended", "ordered_map", "replay_state"]
+           "is_ended", "ordered_map", "replay_state", "stop_each"]
 
 
 class _Nothing:
@@ -425,7 +427,7 @@ class Engine:
                 item = next(rotation)
             except StopIteration:
                 break
-            except Exception:
+            except BaseException:  # an op's SystemExit too: it keeps its place
                 if held is not None:  # everything before the failure is handed on first
                     yield _stamped(held, ended) if ended else held
                 raise
@@ -501,13 +503,31 @@ class Engine:
         return state[0] if is_ended(state) else state[self._total_at]
 
     def close(self) -> None:
-        if self.tuner is not None:
-            self.tuner.close()
-        if self.stats is not None:
-            self.stats.close()
-        for ex in self.executors.values():
-            try:
-                ex.close()
-            except Exception:  # noqa: BLE001 - closing everything matters more
-                pass
-        self.executors = {}
+        """Stop the controller, the statistics and every executor (its workers): all of
+        them, even when a Ctrl-C cuts one short (see :func:`stop_each`)."""
+        executors, self.executors = list(self.executors.values()), {}
+        stop_each([s.close for s in (self.tuner, self.stats) if s is not None] +
+                  [functools.partial(_close_executor, ex) for ex in executors])
+
+
+def _close_executor(ex) -> None:
+    try:
+        ex.close()
+    except Exception:  # noqa: BLE001 - closing everything matters more
+        pass
+
+
+def stop_each(steps: list) -> None:
+    """Call every step of a stop, each even when an earlier one raised: a Ctrl-C that
+    cut one short (a pool that gets one while it waits for its workers kills them and
+    raises it, see :meth:`WorkerPool.close <zephon.transport.pool.WorkerPool.close>`)
+    must not leave the next pool running. The first exception is raised once every step
+    has run."""
+    first: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as exc:  # noqa: BLE001 - raised below, after the other steps
+            first = first or exc
+    if first is not None:
+        raise first

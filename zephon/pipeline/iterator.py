@@ -29,7 +29,10 @@ Lifecycle
   is recorded as delivered, so prefetched items are produced again after a
   restore;
 - ``close()`` (idempotent): stops the pump, closes the executors' worker pools
-  or the MTP subprocess, reaps every process. From then on ``next()`` raises
+  or the MTP subprocess, reaps every process. A Ctrl-C while it runs (a second or
+  third one, typically) cuts its waits short (the pools kill their workers at
+  once) but never the stop itself, and is raised as one ``KeyboardInterrupt`` once
+  it is done (none when one is on its way already). From then on ``next()`` raises
   :class:`~zephon.errors.IteratorClosedError` (a ``__next__`` waiting in another
   thread too, instead of waiting for ever), unless the run had reached the end of
   its stream: an exhausted iterator keeps raising ``StopIteration``, as Python's
@@ -61,6 +64,7 @@ from __future__ import annotations
 import atexit
 import collections
 import os
+import sys
 import threading
 import time
 import weakref
@@ -70,9 +74,10 @@ from zephon.checkpoint import decode_state, encode_state
 from zephon.errors import IteratorClosedError
 from zephon.options import resolve_mtp_prefetch
 from zephon.pipeline.dispatch import approx_nbytes
-from zephon.pipeline.engine import NOTHING, Engine
+from zephon.pipeline.engine import NOTHING, Engine, stop_each
 from zephon.pipeline.progress import Progress, RunRecord
 from zephon.pipeline.state import RunStart, check_run, rank_state
+from zephon.transport.supervisor import InterruptGuard
 
 __all__ = ["Handoff", "HandoffClosed", "PipelineIterator"]
 
@@ -83,7 +88,7 @@ _live: "weakref.WeakSet[PipelineIterator]" = weakref.WeakSet()
 def _close_live_iterators() -> None:
     for it in list(_live):
         try:
-            it.close()
+            it._close(raise_held=False)  # a Ctrl-C meanwhile: the interpreter exits anyway
         except Exception:  # noqa: BLE001 - the interpreter is exiting; close the rest
             pass
 
@@ -298,6 +303,7 @@ class PipelineIterator:
         #: the pump thread starts once an adaptive stage is moved to processes
         self._lazy_pump = False
         self._closed_by = "close()"  # what stopped the run, for next()'s error
+        self._pid = os.getpid()  # the process that may stop the run (not a forked copy)
         self._start()
 
     # -- running ---------------------------------------------------------------------------
@@ -606,21 +612,51 @@ class PipelineIterator:
             ...
             zephon.errors.IteratorClosedError: next() on a closed PipelineIterator (stopped by close()): ...
         """
-        if self.closed:
-            return
+        # a Ctrl-C while it runs is held until every process is stopped and reaped, then
+        # raised, unless it is the same request as a KeyboardInterrupt on its way already
+        self._close(raise_held=not isinstance(sys.exc_info()[1], KeyboardInterrupt))
+
+    def _close(self, raise_held: bool) -> None:
+        """:meth:`close`, never left half done by a Ctrl-C (a second or third one,
+        typically: the first one is what is closing the run). The first one inside
+        (:class:`~zephon.transport.supervisor.InterruptGuard`) cuts the wait it lands in
+        short (a pool then kills its workers at once) and the rest of the stop still runs
+        (:func:`~zephon.pipeline.engine.stop_each`); later ones are held until it is
+        done. Cut short, the stop would leave worker processes running (joined for ever at
+        interpreter exit) and shared-memory names behind. Then one ``KeyboardInterrupt``
+        is raised if ``raise_held``, else none."""
+        if self.closed or os.getpid() != self._pid:
+            return  # (a copy in a forked process: the run is its parent's to stop)
+        with InterruptGuard(raise_held=raise_held):
+            try:
+                self._stop()
+            except KeyboardInterrupt:
+                if raise_held:
+                    raise
+
+    def _stop(self) -> None:
         self.closed = True
         _live.discard(self)
         if self.handoff is not None:  # the pump's next put() answers False: it ends
             self.handoff.close()
+        stop_each([self._stop_engine, self._stop_remote, self._join_pump])
+
+    def _stop_engine(self) -> None:
         if self.engine is not None:
-            self.engine.close()
-            if self.engine.tuner is not None:  # where the pipeline's next run starts
-                self.progress.tuned = self.engine.tuner.resume_point()
+            try:
+                self.engine.close()
+            finally:
+                if self.engine.tuner is not None:  # where the pipeline's next run starts
+                    self.progress.tuned = self.engine.tuner.resume_point()
+
+    def _stop_remote(self) -> None:
         if self.remote is not None:
             self.remote.close()
-        if self.thread is not None:
-            self.thread.join(timeout=30)
-            self.thread = None
+
+    def _join_pump(self) -> None:
+        thread, self.thread = self.thread, None
+        if thread is not None:  # a daemon: a Ctrl-C stops this wait, not the run's stop
+            thread.join(timeout=30)
 
     def __enter__(self) -> "PipelineIterator":
         return self
@@ -630,6 +666,8 @@ class PipelineIterator:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            # a KeyboardInterrupt raised here would only be printed and ignored (Python
+            # does so in a finalizer, typically one run while the first is unwinding)
+            self._close(raise_held=False)
         except Exception:  # noqa: BLE001 - never raise from a finalizer
             pass

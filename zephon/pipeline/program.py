@@ -230,7 +230,7 @@ class StageProgram:
                         collator.add(r.value)
                         r = Record(None, r.ids, r.pos)
                     out.append(r)
-        except Exception as exc:
+        except BaseException as exc:  # an op's SystemExit too: the records before go on
             put_done(exc, out)
             raise
 
@@ -249,7 +249,7 @@ class StageProgram:
                 groups += [[op], []]
             else:
                 groups[-1].append(op)
-        error: Exception | None = None
+        error: BaseException | None = None
         for group in groups:
             try:
                 if group and group[0].batched:
@@ -261,7 +261,7 @@ class StageProgram:
                     records = self.run_ops(records, group)
             except TaskAbandoned:
                 raise
-            except Exception as exc:  # noqa: BLE001 - the op's error, raised below
+            except BaseException as exc:  # noqa: BLE001 - the op's error, raised below
                 error, records = exc, list(getattr(exc, DONE_ATTR, None) or [])
         if error is not None:
             put_done(error, records)
@@ -318,7 +318,7 @@ class StageProgram:
             try:
                 for member in unit.units:
                     out.extend(self((stage, member)))
-            except Exception as exc:
+            except BaseException as exc:
                 put_done(exc, out)  # the whole batches before the failing one
                 raise
             return out
@@ -330,7 +330,7 @@ class StageProgram:
         try:
             records = self.run_ops(self.read(unit) if stage == 0 else unit,
                                    self.stages[stage], collator)
-        except Exception as exc:
+        except BaseException as exc:
             if self.collates[stage]:  # the unit is one batch: no part of it goes on
                 put_done(exc, [])
             raise

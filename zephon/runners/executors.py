@@ -12,7 +12,14 @@ lane waits are kept for them. Ordering is not the executor's job: the engine
 puts results back in sequence order (the ReorderBuffer kernel). A unit whose
 program raised comes back as a :class:`TaskFailed` result in its place, so the
 engine raises the error where the unit sits in the stream, as the inline runner
-does, not when it happens to finish first.
+does, not when it happens to finish first. That holds for whatever the program
+raised, ``BaseException`` included: an op's ``SystemExit`` (its code kept) or
+``KeyboardInterrupt`` is the unit's error like any other, on every runner: the
+records before it are handed on, then it is raised as itself, and the op ran once
+(a process worker ignores SIGINT, so one raised there is the op's, sent back as its
+task's error; the worker goes on, never a crash to retry). Inline, the op runs in
+the consumer's thread, where a real Ctrl-C may land in it: that one is handed on
+in the same place, after the records its unit made before it.
 
 - :class:`InlineExecutor`: runs the unit on ``submit``, in the calling thread.
 - :class:`ThreadExecutor`: daemon threads, as many as the stage's worker cap.
@@ -46,7 +53,9 @@ does, not when it happens to finish first.
   rest of the run (``unable`` says why). A unit that fails in a worker (a sample the
   check did not see that cannot cross, or the op's own error) runs again inline: if it
   passes there, the stage goes back inline for the rest of the run; if it fails there
-  too, that failure is handed on, as the inline runner hands it on. Such a fall-back
+  too, that failure is handed on, as the inline runner hands it on (an op's
+  ``SystemExit`` or ``KeyboardInterrupt`` is handed on as it is, the op not run
+  again: see above). Such a fall-back
   is listed in ``fallen`` for the controller to record. ``profile`` is the dispatch's estimate of what its
   samples cost (op seconds and output bytes per sample), for the controller. Units of
   both modes come back as ``(seq, result,
@@ -78,7 +87,6 @@ import concurrent.futures as cf
 import logging
 import queue
 import select
-import signal
 import threading
 import time
 import warnings
@@ -143,7 +151,7 @@ class InlineExecutor:
         clock = OpClock()
         try:
             result = self.program(payload)
-        except Exception as exc:  # noqa: BLE001 - raised by the engine in stream order
+        except BaseException as exc:  # noqa: BLE001 - raised by the engine in stream order
             result = TaskFailed(exc)
         wall, busy = time.perf_counter() - clock.started, clock.seconds()
         if self.measures_demand:
@@ -269,7 +277,7 @@ class ThreadExecutor:
         clock = OpClock()
         try:
             value = self.program(payload)
-        except Exception as exc:  # noqa: BLE001 - raised by the engine in stream order
+        except BaseException as exc:  # noqa: BLE001 - raised by the engine in stream order
             value = TaskFailed(exc)
         return _Timed(value, time.perf_counter() - clock.started, clock.seconds())
 
@@ -293,7 +301,7 @@ class ThreadExecutor:
         seq = pending.pop(future)
         try:
             timed = future.result()
-        except Exception as exc:  # noqa: BLE001 - raised by the engine in stream order
+        except BaseException as exc:  # noqa: BLE001 - raised by the engine in stream order
             return seq, TaskFailed(exc), None
         if self.probe is not None:
             self.probe.ran(timed.wall_s)
@@ -378,15 +386,6 @@ class ProcessExecutor:
         """Nothing in flight and no result waiting to be taken."""
         return not self._task and not any(self._done.values())
 
-    def stop_booting(self) -> None:
-        """Kill the workers still starting up (they hold no task): a worker reads STOP only
-        once it has started, so ``close()`` would wait for it (0.3 s) for nothing."""
-        pool = self.pool
-        for h in pool.workers:
-            if h.booting or (not pool._ready and h.alive):
-                h.child.stopped = True  # its exit is no crash
-                h.child.signal(signal.SIGKILL)
-
     def ready_now(self) -> bool:
         """Whether every worker of the pool is in service, without waiting: a freshly
         started pool is, once each worker's READY has arrived (read here), and a grown
@@ -420,10 +419,10 @@ class ProcessExecutor:
             except WorkerCrashedError as crash:
                 self._recover(crash)
                 continue
-            except Exception as exc:
+            except BaseException as exc:  # an op's SystemExit too: it is the unit's error
                 task = getattr(exc, "zephon_task_id", None)  # set by WorkerPool.get
                 if task not in self._task:
-                    raise
+                    raise  # not a unit's (a Ctrl-C in this thread, the pool closed)
                 owner, seq, payload = self._task.pop(task)
                 self._done[owner].append((seq, TaskFailed(exc, payload), None))
                 continue
@@ -691,8 +690,7 @@ class AdaptiveExecutor:
         proc.meter = None
         proc.probe = None  # a stop of the pool is not the stage's
         try:
-            proc.stop_booting()
-            proc.close()
+            proc.close()  # workers still starting up are killed at once (WorkerPool.close)
         except Exception as exc:  # noqa: BLE001 - the stage goes on inline
             log.warning("stage %s: stopping its process workers: %s", self.name, exc)
 
@@ -753,8 +751,10 @@ class AdaptiveExecutor:
         if proc is None or not proc.holds(lane):
             raise TransportError(f"stage {self.name!r}: nothing of lane {lane} in flight")
         out = proc.get(lane)
-        if isinstance(out[1], TaskFailed) and out[1].payload is not None:
-            out = self._again_inline(lane, out[0], out[1])
+        failed = out[1]
+        if isinstance(failed, TaskFailed) and failed.payload is not None and \
+                isinstance(failed.error, Exception):
+            out = self._again_inline(lane, out[0], failed)
         self._reap()
         return out
 
@@ -764,7 +764,10 @@ class AdaptiveExecutor:
         the failure is the op's and is handed on as the inline runner hands it on (the
         op's own exception, not its worker's copy); passing, it was the worker's (a
         result it could not send back, an input it could not rebuild: samples the first
-        units' check did not see), and the stage stays inline."""
+        units' check did not see), and the stage stays inline. A unit that failed with
+        what is not an ``Exception`` (the op's ``SystemExit`` or ``KeyboardInterrupt``:
+        a worker ignores SIGINT, so it is the op's own) is not run again: the op asked
+        the program to stop, and runs once, as on every runner."""
         self._inline.submit(lane, seq, failed.payload)
         again = self._inline._done[lane].pop()
         if not isinstance(again[1], TaskFailed):

@@ -66,7 +66,11 @@ before any byte left reaches the consumer as a
 a death). Workers ignore SIGINT: Ctrl-C in a terminal reaches the whole process
 group, and it is the parent's to handle (one ``KeyboardInterrupt`` in the main
 process; then its exit closes the pool). They are started with SIGINT blocked,
-so not even their start-up prints a traceback.
+so not even their start-up prints a traceback (``start()`` starts
+``multiprocessing``'s resource tracker first: starting it unblocks SIGINT in the
+thread that does). So a ``KeyboardInterrupt`` a task raises is its handler's own:
+it is that task's error, as any exception (a ``SystemExit`` too), and the worker
+goes on.
 
 ``close()`` (idempotent; also from ``__del__`` and at interpreter exit), by
 ``shutdown_mode``:
@@ -80,6 +84,13 @@ so not even their start-up prints a traceback.
   while they finish their current task (a pipeline stage's task stops at the next
   sample: :mod:`zephon.transport.stopping`) for up to 10 s (2 s at interpreter
   exit), then terminate, then kill.
+
+Under every mode a worker still starting up (holding no task; it would read STOP
+only once its interpreter is up) is killed at once. A Ctrl-C while ``close()``
+waits (a second one, typically: the first one started the stop) kills every
+worker left at once, and later ones are held until the rest is done (channels,
+regions, names): a stop is never left half done, which would leave workers
+running and names in /dev/shm.
 
 Each worker leads a process group of its own, so the processes its ops started
 go with it: after the workers, what is left in their groups is ended too. Every
@@ -95,7 +106,9 @@ may start processes of its own, a ``multiprocessing.Pool`` included; daemons
 may not), so live pools are closed from a ``threading`` exit hook, which runs
 before non-daemon threads are joined and before every ``atexit`` callback, in
 particular before multiprocessing's own, which would join non-daemon workers
-forever. A plain ``atexit`` callback remains as a fallback.
+forever. A plain ``atexit`` callback remains as a fallback. Only the process
+that made a pool stops it: its copy in a process forked from there (the workers
+of an op's ``multiprocessing.Pool`` run the exit hooks as they end) does nothing.
 """
 
 from __future__ import annotations
@@ -108,10 +121,12 @@ import os
 import pickle
 import selectors
 import signal
+import sys
 import threading
 import time
 import warnings
 import weakref
+from multiprocessing import resource_tracker
 from typing import Any, NamedTuple, cast
 
 from zephon.errors import (
@@ -137,12 +152,14 @@ from zephon.transport.spawn_guard import refuse_in_spawn_bootstrap
 from zephon.transport.supervisor import (
     REAP_JOIN_S,
     Child,
+    InterruptGuard,
     MsgKind,
     ShutdownPolicy,
     await_ready,
     crash_error,
     exit_text,
     handshake,
+    kill_children,
     stop_children,
     sweep_groups,
 )
@@ -158,12 +175,35 @@ _live_pools: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
 
 
 def _close_live_pools() -> None:
-    """Close every live pool at interpreter exit (see "Exit" in the module docstring)."""
-    for pool in list(_live_pools):
-        try:
-            pool.close(exiting=True)
-        except Exception:
-            log.debug("closing pool %r at exit failed", pool.name, exc_info=True)
+    """Close every live pool at interpreter exit (see "Exit" in the module docstring); a
+    Ctrl-C meanwhile is held and dropped (the interpreter is exiting already): one
+    arriving between two pools would leave the rest running, joined for ever by
+    ``multiprocessing``'s own exit handler."""
+    with InterruptGuard(hold=True, raise_held=False):
+        for pool in list(_live_pools):
+            try:
+                pool.close(exiting=True)
+            except Exception:
+                log.debug("closing pool %r at exit failed", pool.name, exc_info=True)
+
+
+def _start_resource_tracker(mp_context) -> None:
+    """Start ``multiprocessing``'s resource tracker now, under a start method that uses
+    one (spawn, forkserver), before any worker. It is started at the first such process
+    otherwise, and starting it unblocks SIGINT in the calling thread: inside
+    :meth:`~zephon.transport.supervisor.Child.spawn`, which blocks SIGINT so that a worker
+    starts with it blocked, the first worker of a program then started with SIGINT
+    deliverable, and a Ctrl-C during its start-up killed it with a "Fatal Python error"
+    traceback. (Once running, the tracker is not started again.)"""
+    method = getattr(mp_context, "get_start_method", lambda: None)()
+    if method in ("spawn", "forkserver"):
+        resource_tracker.ensure_running()
+
+
+def _interrupted() -> bool:
+    """Whether a ``KeyboardInterrupt`` is being handled (raised and not yet caught
+    further up): a Ctrl-C held while a stop runs is the same request, not a new one."""
+    return isinstance(sys.exc_info()[1], KeyboardInterrupt)
 
 
 # threading's exit hooks run before non-daemon threads are joined and before any atexit
@@ -264,6 +304,9 @@ class WorkerPool:
         self._selector.register(self._deaths.fileno(), selectors.EVENT_READ, None)
         self._warned: set[str] = set()  # in-band fallbacks already warned about
         self._worker_pids: set[int] = set()  # every worker ever started (names to sweep)
+        #: the process that made the pool: a copy of it in a child that process forked (an
+        #: op's ``multiprocessing.Pool``, whose workers run the exit hooks) stops nothing
+        self._pid = os.getpid()
         _live_pools.add(self)
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -299,6 +342,7 @@ class WorkerPool:
             "log_level": logging.getLogger("zephon").getEffectiveLevel(),
             "timing": self._tracks(),
         }
+        _start_resource_tracker(self.options.mp_context)
         try:
             for k in range(self.num_workers):
                 self.workers.append(self._launch(k, generation=0))
@@ -497,37 +541,76 @@ class WorkerPool:
         Workers stopped here are never reported as crashes and their tasks are never
         re-dispatched: from the first line on, ``get()`` raises
         :class:`~zephon.errors.TransportError` ("closed") and the watchdog stays silent.
+        A worker still starting up (its READY not read) holds no task and could read
+        STOP only once its interpreter is up: it is killed at once, under every mode.
+
+        A Ctrl-C while it runs (a second one, typically: the first one started it) cuts
+        the wait short: every worker left is killed at once with its process group
+        (:func:`~zephon.transport.supervisor.kill_children`), and every later Ctrl-C is
+        held until the rest of the stop is done
+        (:class:`~zephon.transport.supervisor.InterruptGuard`); it is then raised, unless
+        a ``KeyboardInterrupt`` was on its way already (the same request) or the
+        interpreter is exiting. A stop cut short anywhere else would leave workers
+        running (``multiprocessing`` joins them for ever at exit) and names in /dev/shm.
 
         Args:
             exiting: called at interpreter exit (shorter deadline).
         """
-        if self._closed:
-            return
+        if self._closed or os.getpid() != self._pid:
+            return  # (a forked copy: the workers are its parent's to stop)
+        quiet = exiting or _interrupted()  # a Ctrl-C here is not a new request
+        cut: KeyboardInterrupt | None = None
+        with InterruptGuard(raise_held=not quiet) as guard:
+            try:
+                self._stop_workers(exiting)
+            except KeyboardInterrupt as exc:  # stop waiting: kill what is left
+                guard.hold()
+                cut = exc
+                kill_children([h.child for h in self.workers],
+                              [h.pid for h in self.workers if h.child.group])
+            guard.hold()
+            self._release()
+        if cut is not None and not quiet:
+            raise cut
+
+    def _stop_workers(self, exiting: bool) -> None:
+        """The part of :meth:`close` that waits: stop the workers by the shutdown policy."""
         self._closed = True
         _live_pools.discard(self)
         self._deaths.close()  # silent from here on: the workers stopped now are no crashes
         self._wake()  # a get() blocked in another thread returns now
         policy = ShutdownPolicy.for_shutdown_mode(self.options.shutdown_mode, exiting=exiting)
         # STOP to the workers that can read it; under a policy that abandons, a worker
-        # with a task in flight is killed at once (its result is not wanted)
+        # with a task in flight is killed at once (its result is not wanted), and under
+        # every policy one still starting up (it holds no task, and would read STOP only
+        # once its interpreter is up: a second or more)
         idle = {id(h.child) for h in self.workers
-                if h.alive and not (policy.abandon and h.inflight)}
+                if h.alive and self._ready and not (policy.abandon and h.inflight)}
         self._drained: set[int] = set()
         deadline = stop_children([h.child for h in self.workers], policy,
                                  graceful=lambda child: id(child) in idle, drain=self._drain)
         # what the ops left in the workers' process groups goes with them
         sweep_groups([h.pid for h in self.workers if h.child.group],
                      time.monotonic() if policy.abandon else deadline, policy)
+
+    def _release(self) -> None:
+        """The rest of :meth:`close`, once the workers are gone: channels, the wake-up
+        pipe, the regions, the segment names."""
+        self._closed = True
+        _live_pools.discard(self)
+        self._deaths.close()
         for handle in self.workers:
             handle.alive = False
             handle.channel.close()
         try:
             self._selector.close()
         finally:
-            fds, self._wake_w = (self._wake_r, self._wake_w), -1  # _wake() writes no more
+            fds = (self._wake_r, self._wake_w)
+            self._wake_r = self._wake_w = -1  # _wake() writes no more
             for fd in fds:
                 try:
-                    os.close(fd)
+                    if fd >= 0:
+                        os.close(fd)
                 except OSError:
                     pass
         self.registry.close_all()

@@ -45,7 +45,9 @@ Lifecycle of a :class:`Child`
    A policy that *abandons* (``shutdown_mode="immediate"``) skips the wait for a
    busy child: it is killed at once with its group and every descendant
    (:func:`kill_tree`), and so is an idle one that has not exited when the
-   short grace ends.
+   short grace ends. :func:`kill_children` skips every wait: SIGKILL to each
+   child's tree and to every group, then the reaping (what an owner does when a
+   second Ctrl-C cuts its graceful stop short).
 5. **Deaths** (:mod:`zephon.transport.deaths`, owned here): one detector thread per
    owner notices every exit as it happens, reaps it, and wakes whoever waits (a
    ``select`` on its wake-up pipe, an event); its module docstring records how the
@@ -55,6 +57,17 @@ Lifecycle of a :class:`Child`
    (``worker``), its ``pid``, its exit signal and the ``tasks`` it had in flight,
    all constructor arguments (the error pickles with them). A child stopped by
    the supervisor (``Child.stopped``) is never reported as a crash.
+
+Ctrl-C during a stop
+--------------------
+A stop is code that must run to its end or leave processes behind (a
+multiprocessing child that is not a daemon is then joined for ever at
+interpreter exit). :class:`InterruptGuard` (main thread; it changes nothing
+where Python's own SIGINT handler is not installed) lets the first Ctrl-C inside
+it raise ``KeyboardInterrupt`` as usual, so an owner can switch from its
+graceful stop to :func:`kill_children`, and holds every later one until the
+block ends, so that switch is never cut short in turn. Guards nest: an inner
+guard under an outer one changes nothing.
 
 Shutdown policy
 ---------------
@@ -107,6 +120,7 @@ __all__ = [
     "REAP_JOIN_S",
     "TERMINATE_WAIT_S",
     "Child",
+    "InterruptGuard",
     "MsgKind",
     "ShutdownPolicy",
     "await_ready",
@@ -114,6 +128,7 @@ __all__ = [
     "exit_text",
     "handshake",
     "ignore_sigint",
+    "kill_children",
     "kill_tree",
     "lead_process_tree",
     "parent_changed",
@@ -541,6 +556,88 @@ def kill_tree(child: Child) -> list[int]:
         except (ProcessLookupError, PermissionError):
             pass
     return below
+
+
+def kill_children(children: Iterable[Child], groups: Iterable[int] = (),
+                  kill_wait_s: float = KILL_WAIT_S) -> list[int]:
+    """Kill every child outright, no grace: SIGKILL to each child's process tree
+    (:func:`kill_tree`, its group and the descendants that left it) and to every process
+    of ``groups``; then reap the children and wait, at most ``kill_wait_s``, until none
+    of them, of those descendants or of the groups is alive. Each child is marked
+    ``stopped`` (never a crash).
+
+    Returns:
+        The groups that still have a live member (normally empty).
+    """
+    children, groups = list(children), list(groups)
+    deadline = time.monotonic() + kill_wait_s
+    orphans: list[int] = []
+    for child in children:
+        child.stopped = True
+        orphans += kill_tree(child)
+    for pgid in groups:
+        signal_group(pgid, signal.SIGKILL)
+    for child in children:
+        child.reap(max(0.0, deadline - time.monotonic()))
+    wait_gone(orphans, deadline)
+    return live_groups(groups, deadline)
+
+
+class InterruptGuard:
+    """Ctrl-C around a stop that must not be left half done (see "Ctrl-C during a stop"
+    in the module docstring).
+
+    Inside the block the first Ctrl-C raises ``KeyboardInterrupt``, as Python's own
+    handler would, unless the guard already holds; after that one, or after
+    :meth:`hold`, every Ctrl-C is held (counted in ``held``): the code that handles the
+    first one runs to its end. Leaving the block restores the previous handler; Ctrl-Cs
+    held meanwhile are raised then as one ``KeyboardInterrupt`` when the block ended
+    without an exception and ``raise_held`` is set (else they are dropped: an exception,
+    typically that KeyboardInterrupt, is on its way already).
+
+    Only in the main thread, and only over Python's own SIGINT handler: a program that
+    installed its own handler keeps it, and an inner guard under an outer one (whose
+    handler is installed) changes nothing. Not re-entrant: one ``with`` per guard.
+
+    Args:
+        hold: hold from the start (no Ctrl-C raises inside the block).
+        raise_held: raise held Ctrl-Cs when the block ends without an exception.
+
+    Example:
+        >>> with InterruptGuard(hold=True) as guard:
+        ...     pass  # a Ctrl-C here would be raised as the block ends
+        >>> guard.held
+        0
+    """
+
+    def __init__(self, *, hold: bool = False, raise_held: bool = True) -> None:
+        self.holding, self.raise_held = hold, raise_held
+        self.held = 0
+        self._previous: Any = None
+
+    def hold(self) -> None:
+        """From now on hold every Ctrl-C until the block ends."""
+        self.holding = True
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.holding:
+            self.held += 1
+            return
+        self.holding = True
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> "InterruptGuard":
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+            if self.held and exc_type is None and self.raise_held:
+                raise KeyboardInterrupt
 
 
 def _pid_alive(pid: int) -> bool:

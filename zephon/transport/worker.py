@@ -13,7 +13,10 @@ handlers: :mod:`zephon.transport.threads`), then:
   and STOP; if the parent dies (EOF, or the parent pid changes) it unlinks the
   segment names the worker owns and kills its process group (itself and what its
   ops started) at once;
-- the main thread runs tasks in order and sends each result or error, a result
+- the main thread runs tasks in order and sends each result or error (whatever
+  the handler raised: its ``SystemExit`` or ``KeyboardInterrupt`` too, which is the
+  task's error, not the worker's exit; a real Ctrl-C never reaches the worker, which
+  ignores SIGINT, so a ``KeyboardInterrupt`` here is the handler's own), a result
   with the seconds the handler took (header ``b``, always, as
   :class:`~zephon.transport.optime.OpClock` measures them: the pipeline's dispatch
   sizes its parts by the work they cost, not by their time in queues). A result
@@ -219,9 +222,7 @@ class _Worker:
             raise
         except TaskAbandoned:
             return  # STOP arrived mid-task: nobody waits for its result
-        except BaseException as exc:
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
+        except BaseException as exc:  # noqa: BLE001 - SystemExit, KeyboardInterrupt too
             if box and isinstance(exc, SerializationError):  # the result cannot travel
                 exc = _unencodable(handler, box.pop(), exc)
             self._send_error(task_id, exc)
