@@ -57,3 +57,8 @@ def drop_half_of_a(sample):
 def only_b(sample):
     """A filter that drops every ``a``."""
     return int(sample["id"]) >= B_IDS
+
+
+def huge_from_2(epoch):
+    """A weight schedule of equal weights whose sum overflows a float from epoch 2."""
+    return {"a": 1.0, "b": 1.0} if epoch < 2 else {"a": 1e308, "b": 1e308}

@@ -9,6 +9,7 @@ message names the cause, the value and the fix."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import _mixture_fns as F
@@ -172,3 +173,215 @@ def test_a_generator_given_to_from_sequence_is_refused_with_the_fix():
         sources.from_sequence({1, 2, 3})
     assert sources.from_sequence(range(3)).get(2) == 2
     assert sources.from_sequence(np.arange(3)).get(1) == 1
+
+
+# -- adversarial findings (issue 41) -----------------------------------------------------------
+
+def ten_twenty():
+    return {"a": sources.from_sequence(list(range(10)), name="a"),
+            "b": sources.from_sequence(list(range(1000, 1020)), name="b")}
+
+
+def epoch_values(mix, epoch):
+    view = mix.view(np.arange(len(mix)), epoch)
+    return sorted(view.get(n) for n in range(len(mix)))
+
+
+def test_huge_equal_weights_are_equal_weights():
+    # before: weights.sum() overflowed to inf: len 1, counts [1, 0]
+    mix = sources.mixture(ten_twenty(), {"a": 1e308, "b": 1e308})
+    assert len(mix) == 40 and mix.counts.tolist() == [20, 20]
+    assert mix.counts.tolist() == sources.mixture(ten_twenty(), None).counts.tolist()
+    # a list schedule's step: before, refused with "cannot fill an epoch of 40 positions"
+    steps = sources.mixture(ten_twenty(), [(0, {"a": 1, "b": 1}),
+                                           (1, {"a": 1e308, "b": 1e308})])
+    assert steps.epoch_plan(1)[0].tolist() == [20, 20]
+    # a callable schedule: before, that error mid-stream at epoch 2
+    fn = sources.mixture(ten_twenty(), F.huge_from_2)
+    assert fn.epoch_plan(2)[0].tolist() == [20, 20]
+    assert epoch_values(fn, 2) == sorted(2 * list(range(10)) + list(range(1000, 1020)))
+    pipe = Pipeline(fn, seed=0)
+    for _ in range(3):  # epochs 0, 1, 2 of a pipeline
+        assert sum(1 for _ in pipe) == 40
+
+
+def test_ensure_mixture_targets_of_huge_weights_are_their_shares():
+    comps = {"a": sources.from_sequence(list(range(20)), name="a"),
+             "b": sources.from_sequence(list(range(1000, 1020)), name="b")}
+    mix = sources.mixture(comps, {"a": 1, "b": 1})
+
+    def out(weights):
+        pipe = Pipeline(mix, shuffle=False).ensure_mixture(weights, max_buffer=64,
+                                                            leftover="drop")
+        return [int(v) for v in pipe]
+
+    # before: the target's sum overflowed, every share was 0 and "drop" dropped all 40
+    want = out({"a": 1, "b": 3})
+    assert len(want) == 27 and out({"a": 5e307, "b": 1.5e308}) == want
+    huge = sources.mixture(comps, {"a": 1e308, "b": 1e308})  # its own weights as the target
+    assert sum(1 for _ in Pipeline(huge, shuffle=False).ensure_mixture(leftover="drop")) == 40
+
+
+@pytest.mark.parametrize("weights, tps", [
+    ({"a": 1, "b": 1}, {"a": 1e-300, "b": 1e300}),    # before: counts [10, 0]
+    ({"a": 1e-200, "b": 1}, {"a": 1e200, "b": 1}),     # before: counts [0, 20]
+    ({"a": 1, "b": 1}, {"a": 1e-320, "b": 1}),         # before: len 1, NumPy warnings
+    ({"a": 1, "b": 1}, {"a": 1e-12, "b": 1e12}),       # a ratio 1e24: past 2**53
+])
+def test_token_rates_past_what_an_epoch_holds_are_refused_naming_the_tokens(weights, tps):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no NumPy overflow warning on the way
+        with pytest.raises(ZephonConfigError) as err:
+            sources.mixture(ten_twenty(), weights, by="tokens", tokens_per_sample=tps)
+    text = str(err.value)
+    assert "tokens_per_sample" in text and repr(tps["a"]) in text and repr(tps["b"]) in text
+
+
+def test_token_rates_of_ordinary_extremes_still_build():
+    mix = sources.mixture(ten_twenty(), {"a": 1, "b": 1}, by="tokens",
+                          tokens_per_sample={"a": 1e-320, "b": 1e-320})  # equal: a ratio 1
+    assert mix.counts.tolist() == [20, 20]
+
+
+def test_a_nested_component_name_clashing_with_an_outer_one_is_refused():
+    def seq(n, name):
+        return sources.from_sequence(list(range(n)), name=name)
+
+    inner = sources.mixture({"a": seq(40, "B"), "c": seq(40, "C")}, name="inner")
+    # before: built; record names ['a', 'a', 'c'], 1600 identities of which 1200 distinct
+    with pytest.raises(ZephonConfigError, match=r"mixture: the name 'a' .*component 'a' "
+                                                r"and .*nested mixture 'inner'.*rename"):
+        sources.mixture({"a": seq(40, "A"), "inner": inner})
+    deeper = sources.mixture({"x": inner, "y": seq(5, "Y")})
+    with pytest.raises(ZephonConfigError, match=r"the name 'a' .*'inner' and .*'x'"):
+        sources.mixture({"inner": inner, "x": deeper})
+    ok = sources.mixture({"z": seq(40, "A"), "inner": inner})
+    assert ok.record_names() == ["z", "a", "c"]
+
+
+def test_a_component_name_that_is_another_ones_repeat_name_is_refused():
+    def seq(n, name):
+        return sources.from_sequence(list(range(n)), name=name)
+
+    # before: built; 100 positions, 95 distinct identities ('a#1', i) twice
+    with pytest.raises(ZephonConfigError, match=r"'a#1'.*repeat of 'a'.*rename"):
+        sources.mixture({"a#1": seq(50, "s1"), "a": seq(5, "s2")})
+    with pytest.raises(ZephonConfigError, match=r"'x#12'.*'x'"):
+        sources.mixture({"x": seq(5, "s2"),
+                         "n": sources.mixture({"x#12": seq(5, "s1"), "y": seq(5, "s3")})})
+    # names with '#' that no repeat can take are fine: '#0', a leading 0, no such stem
+    mix = sources.mixture({"a#0": seq(50, "s1"), "a#01": seq(5, "s2"), "a": seq(5, "s3"),
+                           "b#1": seq(5, "s4")})
+    ids = [mix.identity(i) for i in range(len(mix))]
+    assert len(set(ids)) == len(ids)
+
+
+@pytest.mark.parametrize("bad", [1, None, ("a",), ""])
+def test_component_names_must_be_non_empty_strings(bad):
+    comps = {bad: sources.from_sequence([1, 2], name="x"),
+             "b": sources.from_sequence([3], name="b")}
+    # before: 1 built, then ensure_mixture failed mid-stream on "its component '1#1'"
+    with pytest.raises(ZephonConfigError, match=r"mixture: component names must be non-empty "
+                                                r"strings.*got " + re.escape(repr(bad))):
+        sources.mixture(comps)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"weights": {"a": 1, 3: 1}},
+    {"weights": {"a": 1, "b": 1}, "by": "tokens", "tokens_per_sample": {"a": 1, 3: 1}},
+    {"weights": [(0, {"a": 1, "b": 1}), (2, {"a": 1, 3: 1})]},
+    {"weights": None, "max_repeats": {"a": 1, 3: 1, "zz": 1}},
+])
+def test_weights_keyed_by_mixed_types_are_a_config_error(kwargs):
+    # before: TypeError "'<' not supported between instances of 'int' and 'str'"
+    with pytest.raises(ZephonConfigError, match=r"\b3\b"):
+        sources.mixture(ten_twenty(), **kwargs)
+
+
+class _ByLabel:
+    """A mapping-like table: a length, and indexing by label (a DataFrame's columns)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, key):
+        if not isinstance(key, str):
+            raise KeyError(key)
+        return [r[key] for r in self.rows]
+
+
+def test_from_sequence_refuses_a_table_indexed_by_label():
+    # before: built, then "reading sample ('sequence', 0, 0) failed: KeyError: 0"
+    with pytest.raises(ZephonConfigError, match=r"from_sequence: items\[0\] raised KeyError.*"
+                                                r"_ByLabel.*list\(.*from_callable"):
+        sources.from_sequence(_ByLabel([{"a": 1}, {"a": 2}]))
+
+    class Short(list):  # a length past the last item: items[len - 1] fails
+        def __len__(self):
+            return super().__len__() + 1
+
+    with pytest.raises(ZephonConfigError, match=r"items\[3\] raised IndexError"):
+        sources.from_sequence(Short([1, 2, 3]))
+    assert len(sources.from_sequence([])) == 0
+
+    class Bad(list):  # a sample that fails to read is the read's business (error policy)
+        def __getitem__(self, i):
+            raise ValueError(f"sample {i} is damaged")
+
+    src = sources.from_sequence(Bad([1, 2]))
+    with pytest.raises(ValueError, match="sample 1 is damaged"):
+        src.get(1)
+
+
+def test_from_sequence_refuses_pandas_objects_with_the_fix():
+    pd = pytest.importorskip("pandas")
+    with pytest.raises(ZephonConfigError, match=r"DataFrame.*to_dict\(\"records\"\)"):
+        sources.from_sequence(pd.DataFrame({"a": [1, 2, 3]}))
+    with pytest.raises(ZephonConfigError, match=r"Series.*to_list\(\)"):
+        sources.from_sequence(pd.Series([1, 2], index=["x", "y"]))
+
+
+def test_from_sequence_of_more_items_than_a_length_holds_is_a_config_error():
+    # before: a raw OverflowError from len()
+    with pytest.raises(ZephonConfigError, match=r"from_sequence: .*range.*more items than "
+                                                r"len\(\) holds"):
+        sources.from_sequence(range(10 ** 20))
+
+
+def test_an_epoch_whose_positions_pass_int64_is_refused_at_that_epoch():
+    comps = {"a": sources.from_sequence([0], name="a"),
+             "b": sources.from_sequence(list(range(20)), name="b")}
+    with pytest.warns(UserWarning, match="more than 4294967296"):
+        mix = sources.mixture(comps, {"a": 1, "b": 2.0 ** 53 - 3})
+    last = np.array([len(mix) - 1])
+    view = mix.view(last, 1023)  # the last epoch whose occurrences fit int64
+    assert view.identity(0)[0].startswith("b#") and int(view.passes[0]) > 0
+    # before: epoch 1024 and later gave negative passes and identities ('b#-9218...', 8)
+    with pytest.raises(ZephonConfigError, match=r"epoch 1024 .*2\*\*63.*epochs 0 to 1023"):
+        mix.view(last, 1024)
+
+
+def test_a_renamed_npy_file_is_read_as_npy_not_as_raw_tokens(tmp_path):
+    np.save(tmp_path / "t.npy", np.arange(100, dtype=np.uint16))
+    for name in ("T.NPY", "t.bin"):
+        (tmp_path / name).write_bytes((tmp_path / "t.npy").read_bytes())
+        # before: the header's bytes were read as tokens: [20115, 19797, 22864, 1]
+        src = sources.token_windows(str(tmp_path / name), 4, dtype=None, vocab_size=50257)
+        assert src.get(0)["tokens"].tolist() == [0, 1, 2, 3] and len(src) == 25
+    with pytest.raises(SourceError, match=r"t\.bin holds uint16, dtype='uint32' given"):
+        sources.token_windows(str(tmp_path / "t.bin"), 4, dtype="uint32")
+
+
+def test_token_windows_accepts_numpy_integers_and_refuses_a_seq_len_past_the_file(tmp_path):
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    # before: seq_len=np.int64(8) was refused while vocab_size=np.int64(...) was accepted
+    src = sources.token_windows(str(tmp_path / "t.bin"), np.int64(8),
+                                vocab_size=np.int64(1000))
+    assert len(src) == 12 and type(src.seq_len) is int
+    # before: a source of 0 windows, silently
+    with pytest.raises(ZephonConfigError, match=r"t\.bin holds 100 tokens, fewer than "
+                                                r"seq_len=128"):
+        sources.token_windows(str(tmp_path / "t.bin"), 128)

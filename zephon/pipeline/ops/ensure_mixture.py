@@ -83,6 +83,7 @@ from zephon.pipeline.ops.base import (
     pos_lineage,
 )
 from zephon.pipeline.records import Boundary, Record
+from zephon.pipeline.shares import weight_shares
 
 __all__ = ["LEFTOVER_POLICIES", "MAX_BUFFER", "EnsureMixtureOp"]
 
@@ -177,7 +178,7 @@ class EnsureMixtureOp(HoldsQueue):
             w = self.fixed
         else:
             w = np.asarray(self.schedule.at(epoch), dtype=np.float64)
-        return (w / w.sum()).tolist()
+        return weight_shares(w).tolist()
 
     def describe(self) -> str:
         if self.schedule is None:

@@ -84,8 +84,10 @@ def from_sequence(items: Sequence[Any], *, name: str = "sequence") -> Source:
 
     Raises:
         ZephonConfigError: ``items`` has no length or no indexing by position (a
-            generator, an iterator, a set, a mapping): give ``list(items)``, or use
-            :func:`from_callable`.
+            generator, an iterator, a set, a mapping, a pandas DataFrame or Series: they
+            index by label; or an object whose ``items[0]`` or ``items[len - 1]``, read
+            once to check, raises KeyError or IndexError), or a length past what
+            ``len()`` holds: give ``list(items)``, or use :func:`from_callable`.
 
     Example:
         >>> src = sources.from_sequence(["a", "b", "c"])
@@ -130,9 +132,10 @@ def token_windows(path: str, seq_len: int, dtype: str | None = "uint16", *,
     (a file replaced under its path is caught when a process opens it).
 
     Args:
-        path: a ``.bin`` file of raw tokens or a ``.npy`` 1-D array; local, ``file://``
-            or an fsspec URL (``s3://bucket/train.bin``).
-        seq_len: tokens per sample.
+        path: a ``.bin`` file of raw tokens or a ``.npy`` 1-D array (named ``*.npy`` in
+            any case, or starting with the ``.npy`` magic bytes whatever its name); local,
+            ``file://`` or an fsspec URL (``s3://bucket/train.bin``).
+        seq_len: tokens per sample (a Python or NumPy int).
         dtype: ``"uint16"`` (default) or ``"uint32"`` (also int32/int64/uint8); for a
             ``.npy`` file None takes the file's dtype.
         name: the source's name, the first part of every sample identity.
@@ -155,9 +158,10 @@ def token_windows(path: str, seq_len: int, dtype: str | None = "uint16", *,
             of ``dtype`` tokens, a ``.npy`` header does not parse, is not a 1-D C-order
             array, holds another dtype than ``dtype`` or another length than the file;
             when read, a file changed since the source was built.
-        ZephonConfigError: ``seq_len`` is not an int >= 1, ``dtype`` is not a token
-            dtype (a misspelled one included), ``vocab_size`` is not an int >= 1, or the
-            sample of the file holds a token outside ``vocab_size``.
+        ZephonConfigError: ``seq_len`` is not an int >= 1, the file holds fewer than
+            ``seq_len`` tokens (not one window), ``dtype`` is not a token dtype (a
+            misspelled one included), ``vocab_size`` is not an int >= 1, or the sample of
+            the file holds a token outside ``vocab_size``.
 
     Example:
         >>> np.arange(10, dtype=np.uint16).tofile("train.bin")
@@ -386,12 +390,17 @@ def mixture(components: Mapping[str, Source], weights: Weights = None, *,
         A :class:`Source` whose length is one epoch of the mixture.
 
     Raises:
-        ZephonConfigError: no component, an empty component, weights that do not name
-            exactly the components, a weight that is not a positive finite number, an
-            unknown policy, or weights whose ratio makes an epoch longer than 2**53
-            positions (a ``UserWarning`` above 2**32); in a schedule, steps out of order,
-            ``exhausted="stop"``, or weights the policies cannot fit to the epoch's
-            length.
+        ZephonConfigError: no component, an empty component, a component name that is
+            not a non-empty string, names that would give two samples one identity (a
+            nested mixture's component named as another component, or a name that is
+            another's repeat name ``"<name>#<r>"``), weights that do not name exactly the
+            components, a weight that is not a positive finite number, an unknown policy,
+            or weights whose ratio (over ``tokens_per_sample`` with ``by="tokens"``) makes
+            an epoch longer than 2**53 positions (a ``UserWarning`` above 2**32); in a
+            schedule, steps out of order, ``exhausted="stop"``, or weights the policies
+            cannot fit to the epoch's length. Reading an epoch past
+            ``(2**63 - 1) // len(mixture) - 1`` (where its sample numbers would pass
+            int64; epoch 1023 at 2**53 positions) raises it too.
 
     Example:
         >>> a = sources.from_sequence(["a0", "a1", "a2", "a3"], name="a")

@@ -13,7 +13,9 @@ process reads. ``configured(opts)`` returns the source as the runtime options
 refine it (``io_options`` for file sources; a copy, never a mutation). A source
 may also say what it knows without reading samples (``sample_nbytes``,
 ``known_tokens_per_sample``, ``shard_bounds``); ``from_sequence`` refuses what has
-no length or no indexing by position (a generator) when it is built.
+no length or no indexing by position (a generator; a pandas object, indexed by label;
+an object whose first or last item raises KeyError or IndexError: both are read once
+to check) when it is built.
 """
 
 from __future__ import annotations
@@ -355,6 +357,7 @@ class SequenceSource(Source):
                 f"position: a list, tuple, range or array), got a {type(items).__name__}; "
                 f"give list(items) (it is held in memory), or from_callable(n, fn) to make "
                 f"sample i where it is read")
+        _probe_positions(items)
         self.items, self.name = items, name
 
     def __len__(self) -> int:
@@ -369,7 +372,40 @@ def _has_len(items: Any) -> bool:
         len(items)
     except TypeError:  # no __len__, or a 0-d array
         return False
+    except OverflowError:  # range(10**20): more than a source may hold
+        raise ZephonConfigError(
+            f"from_sequence: {type(items).__name__} {items!r:.60} has more items than len() "
+            f"holds (2**63 - 1); a source is at most that long") from None
     return True
+
+
+#: what pandas objects are: indexed by label, not by position
+_PANDAS_FIX = {"DataFrame": 'df.to_dict("records") (a list of row dicts)',
+               "Series": "series.to_list()"}
+
+
+def _probe_positions(items: Any) -> None:
+    """Refuse, at construction, what has a length and ``[]`` but is not indexed by position:
+    a pandas object (indexed by label), or one whose first or last item raises
+    KeyError/IndexError (a table indexed by column, a length past its items). Any other
+    error reading them is left to the read (the pipeline's error policy)."""
+    kind = type(items).__name__
+    if hasattr(items, "iloc") and kind in _PANDAS_FIX:
+        raise ZephonConfigError(
+            f"from_sequence: a pandas {kind} is indexed by label, not by position; give "
+            f"{_PANDAS_FIX[kind]}, or from_callable(len(x), fn) with fn reading x.iloc[i]")
+    n = len(items)
+    for i in dict.fromkeys((0, n - 1)) if n else ():
+        try:
+            items[i]
+        except (KeyError, IndexError) as exc:
+            raise ZephonConfigError(
+                f"from_sequence: items[{i}] raised {type(exc).__name__}: {exc!s:.80} (a "
+                f"{kind} of length {n}, not indexed by position); give list(...) of its "
+                f"samples (e.g. a table's rows), or from_callable(n, fn) to make sample i "
+                f"where it is read") from None
+        except Exception:  # noqa: BLE001  a sample that fails to read fails where it is
+            return         # read, under the pipeline's error policy: not a shape problem
 
 
 class CallableSource(Source):

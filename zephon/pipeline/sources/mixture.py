@@ -26,7 +26,13 @@ long epoch: one longer than :data:`MAX_EPOCH` (``2**53`` positions, where the
 counts stop being exact in float64) is refused when the mixture is built, naming
 the weights and the component; one longer than :data:`LONG_EPOCH` (``2**32``: more
 samples than a run of 8.8e12 tokens in 2048-token windows reads, so the epoch's end
-will in all likelihood never come) is a ``UserWarning``. Components are never cut
+will in all likelihood never come) is a ``UserWarning``. A sample's place in its
+component's run of occurrences is an int64 below ``(epoch + 1) * L``: an epoch of ``L``
+positions holds epochs ``0`` to ``(2**63 - 1) // L - 1`` (1023 at ``L`` near 2**53,
+about 2**31 at 2**32), and reading a later one is a ZephonConfigError naming that range
+(never a wrapped, negative number). Weights are ratios: only their proportions count,
+also where their sum is past what a float64 holds (``1e308`` each is equal weights).
+Components are never cut
 short across epochs: a component read only in part in one epoch continues where
 it stopped in the next (its occurrence count runs on, ``J = epoch * c_k + j``),
 so every sample is read before any is read again.
@@ -41,7 +47,17 @@ of the ``"tokens"`` field): exact when the probe is the whole component, else an
 estimate, and then a ``UserWarning`` names the probe's size, each estimated mean
 with its standard error and the standard error this gives each token share (from
 the probe's spread: lengths rarer than about 1 in :data:`TOKEN_PROBE` samples are
-likely missed by the probe, and not in it).
+likely missed by the probe, and not in it). Weights over ``tokens_per_sample`` whose
+ratio gives a component a sample rate of 0 next to the others in float64 (a ratio past
+1e308: an epoch past :data:`MAX_EPOCH`) are a ZephonConfigError naming both, like a
+ratio of weights that makes an epoch too long.
+
+Component names are non-empty strings, and the names a mixture's samples carry (its
+components', a nested mixture's replaced by its own: :meth:`MixtureSource.record_names`)
+are distinct, and none is another's repeat name ``"<name>#<r>"`` (``r >= 1`` without a
+leading 0): either would give two samples one identity (one ``ctx.rng``, one id, one
+component for ``ensure_mixture``); both are refused when the mixture is built, naming
+the name and the components that carry it.
 
 Weights that change over training (a *schedule*)
 ------------------------------------------------
@@ -110,6 +126,7 @@ from zephon.kernels import order_key as _key
 from zephon.kernels import permute_positions
 from zephon.options._spec import check_positive
 from zephon.pipeline.fingerprint import fn_identity
+from zephon.pipeline.shares import weight_shares
 from zephon.pipeline.sources.base import Source
 
 __all__ = ["EXHAUSTION_POLICIES", "LONG_EPOCH", "MAX_EPOCH", "TOKEN_PROBE", "MixtureSource",
@@ -119,13 +136,15 @@ EXHAUSTION_POLICIES = ("repeat", "stop", "redistribute")
 #: samples per component read at construction to estimate tokens per sample
 TOKEN_PROBE = 64
 #: the longest epoch: its counts are exact in float64 and ``epoch * c_k`` stays in int64
-#: for 1024 epochs; weights that need more are refused
+#: for 1024 epochs (epochs 0 to 1023; a later one is refused when read); weights that need
+#: more are refused
 MAX_EPOCH = 2 ** 53
 #: a longer epoch is a warning: more samples than a run of 8.8e12 tokens in windows of
 #: 2048 reads, so its end (and its exact counts) will in all likelihood never be reached
 LONG_EPOCH = 2 ** 32
 #: products ``x * c_k`` stay exact in int64 below this epoch length
 _EXACT_L = 3_037_000_499
+_INT64_MAX = 2 ** 63 - 1
 
 #: what ``weights=`` accepts: fixed weights, steps ``(first_epoch, weights)``, or a callable
 Weights = Union[Mapping[str, float], Sequence[tuple[int, Mapping[str, float]]],
@@ -220,7 +239,7 @@ class WeightSchedule:
 
     def _vector(self, weights, what: str, *, positive: bool) -> np.ndarray:
         if not isinstance(weights, Mapping) or set(weights) != set(self.names):
-            got = sorted(weights) if isinstance(weights, Mapping) else weights
+            got = list(weights) if isinstance(weights, Mapping) else weights
             raise ZephonConfigError(f"mixture: {what}s must name exactly the components "
                                     f"{self.names}, got {got!r}")
         check = _positive if positive else _non_negative
@@ -244,7 +263,13 @@ class MixtureSource(Source):
         if not components:
             raise ZephonConfigError("mixture: at least one component is needed")
         self.names = list(components)
+        bad = [n for n in self.names if not isinstance(n, str) or not n]
+        if bad:
+            raise ZephonConfigError(f"mixture: component names must be non-empty strings "
+                                    f"(a sample's identity and what ensure_mixture counts), "
+                                    f"got {bad[0]!r}")
         self.components = [components[k] for k in self.names]
+        _check_record_names(self.names, self.components)
         self.schedule = WeightSchedule(self.names, weights)
         self.schedule.aliases = {inner: n for n, c in zip(self.names, self.components,
                                                             strict=True)
@@ -268,6 +293,8 @@ class MixtureSource(Source):
             empty = [n for n, s in zip(self.names, self.sizes.tolist(), strict=True) if not s]
             raise ZephonConfigError(f"mixture: component(s) {empty} have no samples")
         what = f"the weights {dict(zip(self.names, self.weights.tolist(), strict=True))}"
+        if self.tokens_per_sample is not None:
+            what += f" with tokens_per_sample {self._tokens_named()}"
         self.counts = epoch_counts(self.sizes, self.rates(), self.policies, self.max_repeats,
                                    self.names, what)
         self.length = int(self.counts.sum())
@@ -299,17 +326,35 @@ class MixtureSource(Source):
         """Each component's share of the output's samples (sums to 1) under ``weights``
         (default: epoch 0's)."""
         weights = self.weights if weights is None else weights
-        w = weights / weights.sum()
+        w = weight_shares(weights)
         if self.tokens_per_sample is not None:
-            w = w / self.tokens_per_sample
-            w = w / w.sum()
+            tokens = self.tokens_per_sample
+            with np.errstate(over="ignore", under="ignore"):
+                rate = w / tokens
+                if not np.isfinite(rate).all():  # a subnormal tokens_per_sample
+                    rate = w / (tokens / tokens.min())
+            w = weight_shares(rate)
+            lost = (weights > 0) & ~(w > 0)
+            if lost.any():
+                raise ZephonConfigError(
+                    f"mixture: the weights {dict(zip(self.names, weights.tolist(), strict=True))}"
+                    f" with tokens_per_sample {self._tokens_named()} give component(s) "
+                    f"{[n for n, x in zip(self.names, lost, strict=True) if x]} a sample rate "
+                    f"below what a float64 holds next to the others (a ratio past 1e308): an "
+                    f"epoch reading them would be longer than the 2**53 positions it may hold. "
+                    f"Check tokens_per_sample (each component's mean tokens per sample), or "
+                    f"raise those weights")
         return w
+
+    def _tokens_named(self) -> dict:
+        assert self.tokens_per_sample is not None
+        return dict(zip(self.names, self.tokens_per_sample.tolist(), strict=True))
 
     def _tokens(self, given: Mapping[str, float] | None) -> np.ndarray:
         if given is not None:
             if set(given) != set(self.names):
                 raise ZephonConfigError(f"mixture: tokens_per_sample must name exactly the "
-                                        f"components {self.names}, got {sorted(given)}")
+                                        f"components {self.names}, got {list(given)}")
             return np.array([_positive(given[k], f"tokens_per_sample of {k!r}")
                              for k in self.names])
         count = self.token_count or _token_field_length
@@ -347,7 +392,7 @@ class MixtureSource(Source):
         (first order: a share ``t_k`` moves by ``t_k (d_k - sum_j t_j d_j)`` for relative
         errors ``d`` of the means)."""
         rel = np.array([0.0 if e is None else e / m for e, m in zip(errors, means, strict=True)])
-        t = self.weights / self.weights.sum()
+        t = weight_shares(self.weights)
         spread = float(np.sum((t * rel) ** 2))
         sd = t * np.sqrt(np.maximum(spread - (t * rel) ** 2 + ((1 - t) * rel) ** 2, 0.0))
         tokens = ", ".join(f"{n!r}: {m:.4g}" + (" (exact)" if e is None else f" ± {e:.2g}")
@@ -367,6 +412,13 @@ class MixtureSource(Source):
         """``(counts, cumulative counts, occurrences before)`` of ``epoch``: positions per
         component, their running sum from 0, and each component's positions in the
         epochs before (where its occurrences continue)."""
+        if (int(epoch) + 1) * self.length > _INT64_MAX:
+            last = _INT64_MAX // self.length - 1
+            raise ZephonConfigError(
+                f"mixture {self.name!r}: epoch {epoch} of {self.length} positions numbers its "
+                f"samples past 2**63 (int64): an epoch this long holds epochs 0 to {last} "
+                f"only; raise the smallest weights, or end the epoch sooner with "
+                f"exhausted='stop' or max_repeats=")
         if self.schedule.fixed:
             return self.counts, self.cum, epoch * self.counts
         with self._lock:
@@ -657,6 +709,36 @@ def _round_robin(counts: np.ndarray, length: int, positions: np.ndarray):
     return comp.astype(np.int64), occurrence
 
 
+def _check_record_names(names: list[str], components: list[Source]) -> None:
+    """Refuse component names that would clash in sample identities: the same name carried
+    by two components (a nested mixture's records carry its own components' names), or a
+    name that is another's repeat name (``"<name>#<r>"``, ``r >= 1``, no leading 0)."""
+    owner: dict[str, str] = {}
+    for n, c in zip(names, components, strict=True):
+        for carried in (c.record_names() if isinstance(c, MixtureSource) else [n]):
+            if carried in owner:
+                raise ZephonConfigError(
+                    f"mixture: the name {carried!r} is carried by the samples of two "
+                    f"components ({_whose(owner[carried], names, components)} and "
+                    f"{_whose(n, names, components)}): their samples' identities "
+                    f"(ids, ctx.rng, what ensure_mixture counts) would clash; rename one "
+                    f"of them")
+            owner[carried] = n
+    for carried, n in owner.items():
+        stem, sep, r = carried.rpartition("#")
+        if sep and stem in owner and r.isascii() and r.isdigit() and r[0] != "0":
+            raise ZephonConfigError(
+                f"mixture: the name {carried!r} (of {_whose(n, names, components)}) "
+                f"is the name a repeat of {stem!r} takes (a sample read again within an epoch "
+                f"is named '<name>#<r>'): their identities would clash; rename it (e.g. "
+                f"{stem + '_' + r!r})")
+
+
+def _whose(n: str, names: list[str], components: list[Source]) -> str:
+    nested = isinstance(components[names.index(n)], MixtureSource)
+    return f"the nested mixture {n!r}" if nested else f"component {n!r}"
+
+
 def _positive(value, what: str) -> float:
     return check_positive("mixture", what, value)
 
@@ -687,7 +769,7 @@ def _repeats(value, what: str) -> float:
 
 def _per_component(names: list[str], value, what: str, check) -> list:
     if isinstance(value, Mapping):
-        unknown = sorted(set(value) - set(names))
+        unknown = [k for k in value if k not in names]
         if unknown:
             raise ZephonConfigError(f"mixture: {what} names unknown component(s) {unknown}; "
                                     f"the components are {names}")

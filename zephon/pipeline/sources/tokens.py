@@ -2,8 +2,13 @@
 
 The file is a raw array of ``uint16`` or ``uint32`` tokens (``.bin``), or a
 ``.npy`` array (its header gives the dtype, which must then agree with ``dtype``
-if one is given). Sample ``i`` is ``{"tokens": tokens[i*seq_len:(i+1)*seq_len]}``;
-the tail shorter than ``seq_len`` is not a sample.
+if one is given): a file named ``*.npy`` in any case, or one that starts with the
+``.npy`` magic bytes ``\x93NUMPY`` whatever its name (a renamed ``.npy`` is never
+read as raw tokens, header included). Sample ``i`` is
+``{"tokens": tokens[i*seq_len:(i+1)*seq_len]}``; the tail shorter than ``seq_len``
+is not a sample, and a file of fewer than ``seq_len`` tokens (not one window) is a
+ZephonConfigError naming its token count. ``seq_len`` and ``vocab_size`` are ints
+(Python or NumPy).
 
 Checked when the source is built (a SourceError naming the path): the path is
 one existing regular file (not a directory), its data is a whole number of
@@ -48,13 +53,15 @@ import numpy as np
 
 from zephon.errors import ZephonConfigError
 from zephon.io.config import DEFAULT_IO, IoConfig
-from zephon.io.remote import expand, is_remote
+from zephon.io.remote import expand, is_remote, read_range
 from zephon.pipeline.sources.base import FileSource, SourceError
 from zephon.pipeline.sources.files import changed, identity, require_regular_files
 
 __all__ = ["TokenWindows"]
 
 _DTYPES = ("uint16", "uint32", "int32", "int64", "uint8")
+#: the first bytes of a ``.npy`` file: a file that starts with them is read as one
+_NPY_MAGIC = b"\x93NUMPY"
 #: the vocabulary check (``vocab_size=``) reads this many stretches of the file ...
 VOCAB_PROBE_STRETCHES = 4
 #: ... of this many bytes each, spread evenly over it (at offsets aligned for every dtype)
@@ -96,7 +103,7 @@ def _in_vocab(stretches: list[bytes], dtype: np.dtype, vocab_size: int) -> tuple
 
 def _npy_header(head: bytes, path: str) -> tuple[np.dtype, int, int]:
     """(dtype, data offset, number of elements) of a .npy file from its first bytes."""
-    if head[:6] != b"\x93NUMPY":
+    if head[:6] != _NPY_MAGIC:
         raise SourceError(f"token_windows: {path} is not a .npy file (bad magic)")
     major = head[6] if len(head) > 6 else 0
     if major == 1:
@@ -123,8 +130,10 @@ class TokenWindows(FileSource):
     def __init__(self, path: str, seq_len: int, dtype: str | None, name: str,
                  io: IoConfig = DEFAULT_IO, storage_options: dict | None = None,
                  vocab_size: int | None = None) -> None:
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or \
+                seq_len < 1:
             raise ZephonConfigError(f"token_windows: seq_len must be an int >= 1, got {seq_len!r}")
+        seq_len = int(seq_len)
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(
                 vocab_size, (int, np.integer)) or vocab_size < 1):
             raise ZephonConfigError(f"token_windows: vocab_size must be an int >= 1 (or None: "
@@ -143,20 +152,8 @@ class TokenWindows(FileSource):
         self.stat = None if refs[0].remote else identity(os.stat(refs[0].url))
         size = refs[0].size if self.stat is None else self.stat[2]
         self.offset = 0
-        if path.endswith(".npy"):
-            head = self.reader(0).pread(0, min(size, 4096), "header")
-            found, self.offset, count = _npy_header(head, path)
-            if given is not None and given != found:
-                raise SourceError(f"token_windows: {path} holds {found}, dtype={str(given)!r} "
-                                  f"given")
-            if str(found) not in _DTYPES:
-                raise SourceError(f"token_windows: {path} holds {found}; token files hold "
-                                  f"one of {_DTYPES}")
-            if count * found.itemsize != size - self.offset:
-                raise SourceError(f"token_windows: {path}: the .npy header says {count} "
-                                  f"tokens of {found}, the file holds {size - self.offset} "
-                                  f"bytes of data")
-            self.dtype = found
+        if path.lower().endswith(".npy") or self._starts_npy(size):
+            self.dtype = self._npy(path, size, given)
         else:
             self.dtype = given if given is not None else np.dtype("uint16")
         data = size - self.offset
@@ -165,9 +162,46 @@ class TokenWindows(FileSource):
                               f"of {self.dtype.itemsize} ({self.dtype}): a wrong dtype="
                               f"{_fitting(data, self.dtype)} or a damaged file")
         self.n_tokens = data // self.dtype.itemsize
+        if self.n_tokens < seq_len:
+            raise ZephonConfigError(f"token_windows: {path} holds {self.n_tokens} tokens, fewer "
+                                    f"than seq_len={seq_len}: not one window; give a shorter "
+                                    f"seq_len, or a longer file", field="token_windows.seq_len")
         self.nbytes = self.seq_len * self.dtype.itemsize
         if vocab_size is not None:
             self._check_vocab(int(vocab_size), data)
+
+    def _starts_npy(self, size: int) -> bool:
+        """Whether the file starts with the ``.npy`` magic bytes: read on their own (one
+        ranged request for a remote file, never the whole file into the cache)."""
+        if size < len(_NPY_MAGIC):
+            return False
+        ref = self.refs[0]
+        if ref.remote:
+            head = read_range(ref, 0, len(_NPY_MAGIC), self.io, self.storage_options, "header")
+        else:
+            try:
+                with open(ref.url, "rb") as fh:
+                    head = fh.read(len(_NPY_MAGIC))
+            except OSError as exc:
+                raise SourceError(f"token_windows: cannot open {self.path}: {exc}") from None
+        return head == _NPY_MAGIC
+
+    def _npy(self, path: str, size: int, given: np.dtype | None) -> np.dtype:
+        """The dtype of a ``.npy`` file (by its name, any case, or its magic bytes), its
+        header checked against the file; sets ``self.offset`` past the header."""
+        head = self.reader(0).pread(0, min(size, 4096), "header")
+        found, self.offset, count = _npy_header(head, path)
+        if given is not None and given != found:
+            raise SourceError(f"token_windows: {path} holds {found}, dtype={str(given)!r} "
+                              f"given")
+        if str(found) not in _DTYPES:
+            raise SourceError(f"token_windows: {path} holds {found}; token files hold "
+                              f"one of {_DTYPES}")
+        if count * found.itemsize != size - self.offset:
+            raise SourceError(f"token_windows: {path}: the .npy header says {count} "
+                              f"tokens of {found}, the file holds {size - self.offset} "
+                              f"bytes of data")
+        return found
 
     def _check_vocab(self, vocab_size: int, data: int) -> None:
         """Refuse a file whose tokens, read as ``self.dtype``, fall outside the vocabulary:
