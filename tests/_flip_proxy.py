@@ -7,6 +7,8 @@ answers. ``flip(key, times, skip)`` makes it invert *one bit* (0x10) of the midd
 byte of the body of ``times`` GET responses for ``key`` after ``skip`` untouched ones;
 the length and headers are never changed, so only a check of the bytes can notice.
 ``gets(key)`` counts the GETs of ``key`` and ``flipped`` the bodies altered.
+``alter_etag(key, method, times, skip)`` changes one hex digit of the ``ETag`` header
+of chosen responses instead (the body intact; ``etags_altered`` counts them).
 
 Threads in the test process, closed by :meth:`BitFlipProxy.close` (the fixture's
 finalizer): the listening socket first, then every connection.
@@ -29,7 +31,9 @@ class BitFlipProxy:
         self.lock = threading.Lock()
         self.rules: dict[str, list[int]] = {}  # key -> [times left, skips left]
         self.requests: list[tuple[str, str]] = []
+        self.etag_rules: dict[tuple[str, str], list[int]] = {}  # (method, key) -> same
         self.flipped = 0
+        self.etags_altered = 0
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -48,13 +52,29 @@ class BitFlipProxy:
         with self.lock:
             self.rules[key] = [times, skip]
 
+    def alter_etag(self, key: str, method: str = "GET", times: int = 1, skip: int = 0) -> None:
+        """Change one hex digit of the ``ETag`` header of the next ``times`` ``method``
+        responses for ``key`` (after ``skip`` untouched ones); the body is left as is."""
+        with self.lock:
+            self.etag_rules[(method, key)] = [times, skip]
+
     def clear(self) -> None:
         with self.lock:
             self.rules.clear()
+            self.etag_rules.clear()
 
     def gets(self, key: str) -> int:
         with self.lock:
             return sum(1 for m, p in self.requests if m == "GET" and p.endswith("/" + key))
+
+    def _action(self, method: str, path: str) -> str:
+        """What to do to the response: '' (nothing), 'flip' or 'etag'."""
+        with self.lock:
+            for (how, key), rule in self.etag_rules.items():
+                if how == method and path.endswith("/" + key) and _take(rule):
+                    self.requests.append((method, path))
+                    return "etag"
+        return "flip" if self._should_flip(method, path) else ""
 
     def _should_flip(self, method: str, path: str) -> bool:
         with self.lock:
@@ -100,7 +120,7 @@ class BitFlipProxy:
                     break
                 for match in _REQUEST.finditer(data):
                     method, path = match.group(1).decode(), match.group(2).decode()
-                    pending.append((method, self._should_flip(method, path)))
+                    pending.append((method, self._action(method, path)))
                 upstream.sendall(data)
         except OSError:
             pass
@@ -122,7 +142,7 @@ class BitFlipProxy:
                 if 100 <= status < 200:  # an interim answer: the real one follows
                     client.sendall(head)
                     continue
-                method, flip = pending.popleft() if pending else ("GET", False)
+                method, action = pending.popleft() if pending else ("GET", "")
                 length = 0 if method == "HEAD" or status in (204, 304) else _length(head)
                 if length is None:  # not framed by a length: pass the rest through as is
                     client.sendall(head + buf)
@@ -135,7 +155,11 @@ class BitFlipProxy:
                         return
                     buf += data
                 body, buf = bytearray(buf[:length]), buf[length:]
-                if flip and body:
+                if action == "etag":
+                    head = _alter_etag(head)
+                    with self.lock:
+                        self.etags_altered += 1
+                if action == "flip" and body:
                     body[len(body) // 2] ^= BIT
                     with self.lock:
                         self.flipped += 1
@@ -151,6 +175,29 @@ class BitFlipProxy:
         with self.lock:
             for conn in self.conns:
                 _close(conn)
+
+
+def _take(rule: list[int]) -> bool:
+    """Count one response against ``[times left, skips left]``: True when it is altered."""
+    if rule[1] > 0:
+        rule[1] -= 1
+        return False
+    if rule[0] > 0:
+        rule[0] -= 1
+        return True
+    return False
+
+
+def _alter_etag(head: bytes) -> bytes:
+    """``head`` with the first hex digit of its ETag value changed (same length)."""
+    lines = head.split(b"\r\n")
+    for n, line in enumerate(lines):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"etag":
+            at = value.index(b'"') + 1
+            digit = b"1" if value[at:at + 1] == b"0" else b"0"
+            lines[n] = name + b":" + value[:at] + digit + value[at + 1:]
+    return b"\r\n".join(lines)
 
 
 def _length(head: bytes) -> int | None:

@@ -107,6 +107,7 @@ BAD = {
         "open_retry_attempts": [0, True, 1001],
         "retry_backoff_initial_s": [-0.1, NAN, None, 1e9],
         "retry_backoff_max_s": [-1, INF, None, 1e9, 10**400],
+        "unchecked_objects": ["read_once", "", None, 1, "READ_TWICE"],
     },
     MixtureReadConfig: {
         "mode": ["random", None],

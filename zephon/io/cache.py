@@ -22,13 +22,15 @@ Invariants:
   and used only if it is a regular file owned by the current user and not writable
   by group or others; an entry that is not (a symlink, a FIFO, a file forged by
   another user) is removed and fetched again.
-- *Verified*: a download is written to a ``.part`` file while its ETag
-  (:class:`~zephon.io.remote.ObjectChecksum`) and SHA-256 are computed; on S3, every
-  request is pinned to the recorded ETag (see :mod:`.remote`) and, when the ETag is
-  computed from the bytes (the MD5 of a single-part upload, the MD5 of the parts'
-  MD5s of a multipart one; not under SSE-KMS or SSE-C), the bytes received must give
-  it, else the download is retried (``download_retry``) and finally refused with a
-  SourceError: altered bytes are never cached. Other protocols: the object's version is looked up
+- *Verified*: a download is written to a ``.part`` file while the store's checksum
+  (:class:`~zephon.io.remote.ObjectChecksum`: the ETag when it is an MD5 of the bytes,
+  single-part or multipart, else an additional checksum of the object) and SHA-256
+  are computed; on S3, every request is pinned to the recorded ETag (see
+  :mod:`.remote`) and the bytes received must give the checksum, else the download is
+  retried (``download_retry``) and finally refused with a SourceError: altered bytes
+  are never cached. An object with no checksum zephon can check is read a second
+  time and cached only when both reads have the same SHA-256 (or refused with
+  ``unchecked_objects='refuse'``). Other protocols: the object's version is looked up
   again after the download. ``<entry>.check`` records the size, SHA-256, inode,
   mtime and ctime of the complete entry. Each open compares the entry's ``fstat``
   with that record (no pass over the bytes); on a difference the SHA-256 is
@@ -80,6 +82,8 @@ from zephon.io.remote import (
     ObjectChecksum,
     check_version,
     fetch_range,
+    read_range,
+    refuse_unchecked,
 )
 
 __all__ = ["BLOCK", "FileCache"]
@@ -469,7 +473,7 @@ class FileCache:
                 raise SourceError(f"cannot cache {ref.url}: got {written} bytes, expected "
                                   f"{ref.size}")
             verified = checksum.verifiable
-            mismatch = checksum.mismatch()
+            mismatch = checksum.mismatch() if verified else self._read_again(ref, sha, context)
             if mismatch:
                 raise _Corrupt(mismatch)
             if ref.version and not ref.conditional:
@@ -482,7 +486,23 @@ class FileCache:
         _fsync_dir(os.path.dirname(entry))
         st = os.lstat(entry)
         return {"url": ref.url, "version": ref.version, "version_id": ref.version_id,
-                "sha256": sha.hexdigest(), "md5_verified": verified, **_stamps(st)}
+                "sha256": sha.hexdigest(), "md5_verified": verified,
+                "checked_by": checksum.name or "two reads that agreed", **_stamps(st)}
+
+    def _read_again(self, ref: FileRef, sha, context: str) -> str | None:
+        """An object with no checksum zephon can check is read a second time: None when
+        the two reads agree (their SHA-256), else why not."""
+        refuse_unchecked(ref, self.cfg, context)
+        again = hashlib.sha256()
+        for start in range(0, ref.size, BLOCK):
+            again.update(read_range(ref, start, min(ref.size, start + BLOCK), self.cfg,
+                                    self.storage_options, context))
+        if again.digest() == sha.digest():
+            log.info("%s offers no checksum zephon can check: two reads of it agreed",
+                     ref.url)
+            return None
+        return ("two reads of it disagree (it offers no checksum zephon can check, so two "
+                "reads must agree)")
 
     # -- eviction --------------------------------------------------------------------------
     def entries(self) -> list[tuple[float, int, str]]:

@@ -13,6 +13,10 @@ times with a back-off starting at ``retry_backoff_initial_s`` and doubling up to
 argument, a directory, a refused permission, a :class:`SourceError` verdict such
 as an object that changed) are raised after one attempt.
 
+``unchecked_objects`` (:data:`UNCHECKED_POLICIES`) is what a whole-object read does with
+a remote object that has no checksum zephon can check (see :mod:`zephon.io.remote`);
+a ``StoreOptions`` without that field gives the default, ``'read_twice'``.
+
 :func:`is_transient` says which OS errors of a local open are worth another
 attempt (used by :func:`zephon.io.reader.open_with_retry`).
 """
@@ -26,13 +30,16 @@ import threading
 import time
 from typing import Callable, TypeVar
 
-from zephon.errors import AttemptTimeout, SourceError
+from zephon.errors import AttemptTimeout, SourceError, ZephonConfigError
 
-__all__ = ["DEFAULT_IO", "TRANSIENT_ERRNOS", "AttemptTimeout", "IoConfig", "call_with_retry",
+__all__ = ["DEFAULT_IO", "TRANSIENT_ERRNOS", "UNCHECKED_POLICIES", "AttemptTimeout", "IoConfig", "call_with_retry",
            "is_transient"]
 
 log = logging.getLogger("zephon.io")
 T = TypeVar("T")
+# what a whole-object read does with a remote object that has no checksum zephon can check
+# (see zephon.io.remote): read it twice and require the reads to agree, or refuse it
+UNCHECKED_POLICIES = ("read_twice", "refuse")
 
 
 class IoConfig:
@@ -51,12 +58,14 @@ class IoConfig:
         "open_retry_attempts",
         "retry_backoff_initial_s",
         "retry_backoff_max_s",
+        "unchecked_objects",
     )
 
     def __init__(self, *, cache_enabled: bool = False, cache_root: str | None = None,
                  cache_limit_bytes: int | None = None, download_retry: int = 12,
                  download_timeout_s: float = 180.0, open_retry_attempts: int = 5,
-                 retry_backoff_initial_s: float = 0.1, retry_backoff_max_s: float = 2.0) -> None:
+                 retry_backoff_initial_s: float = 0.1, retry_backoff_max_s: float = 2.0,
+                 unchecked_objects: str = "read_twice") -> None:
         self.cache_enabled = bool(cache_enabled)
         self.cache_root = None if cache_root is None else os.fspath(cache_root)
         self.cache_limit_bytes = cache_limit_bytes
@@ -65,11 +74,19 @@ class IoConfig:
         self.open_retry_attempts = int(open_retry_attempts)
         self.retry_backoff_initial_s = float(retry_backoff_initial_s)
         self.retry_backoff_max_s = float(retry_backoff_max_s)
+        if unchecked_objects not in UNCHECKED_POLICIES:
+            raise ZephonConfigError(f"unchecked_objects must be one of {UNCHECKED_POLICIES}, "
+                                    f"got {unchecked_objects!r}",
+                                    field="StoreOptions.unchecked_objects")
+        self.unchecked_objects = unchecked_objects
 
     @classmethod
     def from_store_options(cls, store) -> "IoConfig":
         """From a ``StoreOptions`` (duck-typed: any object with the same fields)."""
-        return cls(**{name: getattr(store, name) for name in cls.__slots__})
+        kw: dict = {name: getattr(store, name) for name in cls.__slots__
+                    if name != "unchecked_objects"}
+        kw["unchecked_objects"] = getattr(store, "unchecked_objects", "read_twice")  # newer
+        return cls(**kw)
 
     def key(self) -> tuple:
         return tuple(getattr(self, name) for name in self.__slots__)

@@ -21,8 +21,11 @@ parsing. A streamed remote scan is checked against the object's checksum where t
 store offers one (:class:`~zephon.io.remote.ObjectChecksum`, as the cache checks a
 download); a mismatch, or a parse that failed on bytes that do not match, repeats
 the scan up to ``download_retry`` times and then raises
-:class:`~zephon.io.remote.ObjectCorrupt`, so digests are only ever taken from
-verified bytes. A cached file is scanned from its verified local copy. Later,
+:class:`~zephon.io.remote.ObjectCorrupt`. An object with no such checksum is scanned
+again and used only when two scans read the same bytes (their SHA-256; up to
+``download_retry + 2`` scans), or refused (``unchecked_objects='refuse'``), so digests
+are only ever taken from checked or agreeing bytes. A cached file is scanned from its
+checked local copy. Later,
 ``pread(..., digests=...)`` of a streamed file compares each named range with its
 digest before returning, re-reads up to ``download_retry`` times on a difference,
 and then raises :class:`~zephon.io.remote.ObjectCorrupt` naming the object, the
@@ -57,6 +60,7 @@ from zephon.io.remote import (
     fetch_range,
     range_digest,
     read_range,
+    refuse_unchecked,
 )
 
 __all__ = ["MAX_PREAD", "FileReader", "RangeFile", "ScanFile", "open_with_retry",
@@ -205,8 +209,9 @@ class FileReader:
                             "of %d", self.ref.url, context, bad[0], bad[1], attempt + 1,
                             attempts)
         raise ObjectCorrupt(self.ref, f"bytes {bad[0]}-{bad[1]} do not match the digest "
-                                      f"recorded from the verified object when the source "
-                                      f"was built", attempts, context)
+                                      f"recorded when the source was built (from bytes that "
+                                      f"matched the object's checksum or, with none, two "
+                                      f"reads that agreed)", attempts, context)
 
     def _fetch(self, offset: int, size: int, context: str) -> tuple[bytes, dict]:
         """``size`` bytes at ``offset`` and, streamed, the response's headers."""
@@ -222,27 +227,49 @@ class FileReader:
         :class:`ScanFile`), naming ranges with ``f.digest_range``; ``digests`` are
         theirs, by slot. Verified and repeated as the module docstring says."""
         attempts = self.cfg.download_retry + 1 if self.streamed else 1
-        for attempt in range(1, attempts + 1):
+        reads: list[str] = []  # the SHA-256 of each read of an object with no checksum
+        attempt, why = 0, ""
+        while attempt < attempts + (1 if reads else 0):  # no checksum: two reads must agree
+            attempt += 1
             scan = ScanFile(self, context, block)
+            error: Exception | None = None
             try:
                 result = parse(scan)
-            except Exception:
-                # a read that failed, or bytes that are the object's: the error is the parse's
-                if scan.failed or not scan.checked or not scan.altered():
-                    raise
-                why = scan.mismatch
-            else:
-                if not scan.altered():
-                    if not scan.verified():
-                        log.info("%s offers no checksum zephon can check (SSE-KMS or SSE-C, "
-                                 "parts of uneven sizes, not S3): its digests are of the "
-                                 "bytes as read", self.ref.url)
-                    return result, scan.digests()
-                why = scan.mismatch
-            if attempt < attempts:
-                log.warning("%s (%s): %s; reading it again, attempt %d of %d", self.ref.url,
-                            context, why, attempt + 1, attempts)
-        raise ObjectCorrupt(self.ref, str(why), attempts, context)
+            except Exception as exc:
+                if scan.failed or not scan.checked:
+                    raise  # a read that failed, or a local or cached file: the parse's error
+                error = exc
+            verdict = self._judge(scan, reads)
+            if verdict is None:
+                if error is not None:
+                    raise error  # the bytes are the object's: the error is the parse's
+                return result, scan.digests()
+            why = verdict
+            more = attempt < attempts + (1 if reads else 0)
+            if more and (len(reads) != 1 or scan.mismatch):
+                log.warning("%s (%s): %s; reading it again, attempt %d", self.ref.url,
+                            context, why, attempt + 1)
+        raise ObjectCorrupt(self.ref, why, attempt, context)
+
+    def _judge(self, scan: "ScanFile", reads: list[str]) -> str | None:
+        """None when ``scan``'s bytes can be trusted: a local or cached file, bytes that
+        match the store's checksum, or (no checksum) the same bytes as an earlier read in
+        ``reads``; else why not (the SHA-256 of an unchecked read is added to ``reads``)."""
+        if scan.altered():
+            return scan.mismatch
+        if not scan.checked or scan.verified():
+            return None
+        refuse_unchecked(self.ref, self.cfg, scan.context)
+        digest = scan.whole.hexdigest()
+        if digest in reads:
+            log.info("%s offers no checksum zephon can check (no MD5 ETag, no additional "
+                     "checksum it can compute): two reads of it agreed", self.ref.url)
+            return None
+        reads.append(digest)
+        if len(reads) == 1:
+            return "it offers no checksum zephon can check: it is read twice"
+        return (f"{len(reads)} reads of it disagree (it offers no checksum zephon can "
+                f"check, so two reads must agree)")
 
     def _pread_local(self, offset: int, size: int, context: str) -> bytes:
         fh = self._ensure_open(context)
@@ -321,6 +348,7 @@ class ScanFile(io.RawIOBase):
             if reader.streamed else None
         self.pending: list[list] = []  # [start, end, sha256, slot] not complete yet
         self.done: list[bytes | None] = []
+        self.whole = hashlib.sha256()  # of all the bytes read (streamed)
         self.mismatch: str | None = None
         self.failed = False  # a read failed (after its retries): the scan is not repeated
 
@@ -367,6 +395,7 @@ class ScanFile(io.RawIOBase):
             self.start, self.data = start, data
             if self.checksum is not None:
                 self.checksum.update(data, meta)
+                self.whole.update(data)
             self._feed()
 
     def _feed(self) -> None:

@@ -28,20 +28,30 @@ timeout policy of :class:`~zephon.io.config.IoConfig`; a failure after the
 retries is a :class:`~zephon.io.errors.SourceError` naming the URL.
 
 Integrity: a byte range carries no checksum of its own, and a range cannot be
-checked against the whole object's. What can be checked is the whole object: on
-S3, the ETag computed from all its bytes (their MD5 for a single-part upload, the MD5
-of the parts' MD5s for a multipart one; not under SSE-KMS or SSE-C) must equal the
-recorded one (:class:`ObjectChecksum`). Two readers build on that: the cache
-(:mod:`.cache`) hashes every download, and a *verified scan*
-(:meth:`~zephon.io.reader.FileReader.scan`) reads an object once, in order,
-checks it the same way and records the :func:`range_digest` of the byte ranges
-its caller names (a source's samples); each later streamed read of such a range
-is compared with its digest (:meth:`~zephon.io.reader.FileReader.pread`) and a
-difference that persists through ``download_retry`` re-reads is
-:class:`ObjectCorrupt`. Objects with no checksum zephon can check (SSE-KMS,
-SSE-C, parts of uneven sizes, protocols other than S3) get digests of the bytes as
-first read: later reads are still compared with them. Sources that stream without a
-scan (today all but WebDataset) read ranges as good as the transport (use TLS).
+checked against the whole object's. What can be checked is the whole object
+(:class:`ObjectChecksum`): on S3, its ETag when that is computed from the bytes (their
+MD5 for a single-part upload; the MD5 of the parts' MD5s for a multipart one, over the
+part sizes the store reports, so parts of any sizes), else an additional checksum
+the object carries (SHA-256, SHA-1, CRC32, and CRC32C / CRC64NVME where the ``awscrt``
+package is installed; full-object or composite), else nothing. Two readers build on
+that: the cache (:mod:`.cache`) checks every download, and a *verified scan*
+(:meth:`~zephon.io.reader.FileReader.scan`) reads an object once, in order, checks it
+the same way and records the :func:`range_digest` of the byte ranges its caller names
+(a source's samples); each later streamed read of such a range is compared with its
+digest (:meth:`~zephon.io.reader.FileReader.pread`) and a difference that persists
+through ``download_retry`` re-reads is :class:`ObjectCorrupt`. An object with no
+checksum zephon can check (SSE-KMS or SSE-C with no additional checksum, protocols
+other than S3) follows ``IoConfig.unchecked_objects``: ``'read_twice'`` (the
+default) reads it whole a second time and uses the bytes only when two reads agree
+(twice the transfer; a transient alteration is caught, one that repeats identically
+on every read is not), ``'refuse'`` refuses it (:func:`refuse_unchecked`). Sources
+that stream without a scan (today all but WebDataset) read ranges as good as the
+transport (use TLS).
+
+An ETag that differs from the recorded one on a ranged read (another ``ETag`` header,
+or a 412 answer to ``If-Match``) is looked up again (``HeadObject``) before it is
+called a change: when the store still reports the recorded ETag the answer was altered
+on its way and the read is retried; otherwise it is :class:`ObjectChanged`.
 
 Filesystem objects are made once per process and protocol (fsspec's own instance
 cache is bypassed so that a worker never inherits a parent's event loop).
@@ -54,9 +64,10 @@ from __future__ import annotations
 
 import glob as globlib
 import hashlib
+import logging
 import os
 import threading
-from typing import Sequence
+from typing import Any, Sequence
 
 from zephon.io.config import IoConfig, call_with_retry
 from zephon.io.errors import SourceError
@@ -76,6 +87,7 @@ __all__ = [
     "is_remote",
     "range_digest",
     "read_range",
+    "refuse_unchecked",
     "require",
     "strip_file_url",
 ]
@@ -83,6 +95,7 @@ __all__ = [
 BLOCK = 8 << 20  # one request of a whole-object read (a download, a scan) covers at most this
 DIGEST_SIZE = 16  # bytes of a range digest (SHA-256, truncated)
 _FS: dict = {}
+log = logging.getLogger("zephon.io")
 _FS_LOCK = threading.Lock()
 
 
@@ -178,104 +191,216 @@ def range_digest(data) -> bytes:
     return hashlib.sha256(data).digest()[:DIGEST_SIZE]
 
 
-def _sse_etag(metas: list[dict]) -> bool:
+def _sse_etag(meta: dict) -> bool:
     """True when a response said SSE-KMS or SSE-C: the ETag is then no MD5 of the data."""
-    return any(str(meta.get("ServerSideEncryption") or "").startswith("aws:kms") or
-               bool(meta.get("SSECustomerAlgorithm")) for meta in metas)
+    return str(meta.get("ServerSideEncryption") or "").startswith("aws:kms") or \
+        bool(meta.get("SSECustomerAlgorithm"))
+
+
+class _Crc:
+    """A CRC with hashlib's ``update``/``digest`` (big-endian bytes, as S3 encodes it)."""
+
+    def __init__(self, fn, width: int) -> None:
+        self.fn, self.width, self.value = fn, width, 0
+
+    def update(self, data) -> None:
+        self.value = self.fn(data, self.value)
+
+    def digest(self) -> bytes:
+        return self.value.to_bytes(self.width, "big")
+
+
+def _hasher(algorithm: str):
+    """A factory of hashers for one of S3's additional checksums, or None when this
+    process cannot compute it (CRC32C and CRC64NVME need the ``awscrt`` package)."""
+    import zlib
+
+    if algorithm in ("SHA1", "SHA256"):
+        return lambda: hashlib.new(algorithm.lower())
+    if algorithm == "CRC32":
+        return lambda: _Crc(zlib.crc32, 4)
+    try:
+        from awscrt import checksums  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    if algorithm == "CRC32C":
+        return lambda: _Crc(checksums.crc32c, 4)
+    if algorithm == "CRC64NVME":
+        return lambda: _Crc(checksums.crc64nvme, 8)
+    return None
+
+
+_ALGORITHMS = ("SHA256", "SHA1", "CRC64NVME", "CRC32C", "CRC32")
+
+
+def _composite_parts(info: dict, algorithm: str, value: str, etag: str) -> int:
+    """How many parts a composite checksum ``value`` (the checksum of its parts'
+    checksums) covers; 0 for a full-object checksum; -1 when that cannot be told. A
+    composite value ends in ``-N``; some stores leave that out, so a multipart object's
+    checksum counts as composite over the ETag's N parts unless ``ChecksumType`` says
+    ``FULL_OBJECT`` (a CRC with neither is compared both ways: see ObjectChecksum)."""
+    count = value.partition("-")[2]
+    if count:
+        return int(count) if count.isdigit() else -1
+    parts = etag.partition("-")[2]
+    if not parts:
+        return 0  # a single-part object
+    if str(info.get("ChecksumType") or "").upper() == "FULL_OBJECT":
+        return 0
+    return int(parts) if parts.isdigit() else -1
 
 
 class ObjectChecksum:
-    """The S3 ETag of an object's bytes, computed as they are read in order, to compare
-    with the recorded one (see the module docstring).
+    """A checksum the store keeps of an object's bytes, computed as they are read in
+    order, to compare with the store's (see the module docstring).
 
-    A single-part ETag is the MD5 of the bytes; a multipart one (``<hex>-N``) is the MD5
-    of the N parts' MD5s: the part size is asked of the store once (``HeadObject`` of
-    part 1) and taken as uniform, the last part shorter (what uploaders do), and before
-    a difference is reported every part's size is asked too, so an object uploaded in
-    uneven parts counts as unverifiable, never as corrupt. Objects with no such ETag
-    (other protocols, SSE-KMS, SSE-C) are unverifiable: :meth:`mismatch` is None.
+    Chosen on the first response (S3 only):
+
+    - the ETag when it is an MD5 (not under SSE-KMS or SSE-C): a single-part ETag is the
+      MD5 of the bytes; a multipart one (``<hex>-N``) is the MD5 of the N parts' MD5s,
+      the part boundaries asked of the store (``HeadObject`` with ``PartNumber`` 1..N),
+      so parts of any sizes are checked;
+    - else an additional checksum (``HeadObject`` with ``ChecksumMode=ENABLED``:
+      SHA-256, SHA-1, CRC64NVME, CRC32C or CRC32; full-object, or composite ``-N``: the
+      checksum of the parts' checksums);
+    - else none: :attr:`verifiable` is False and :meth:`mismatch` None; the callers
+      then read the object twice and require the reads to agree (module docstring).
     """
 
     def __init__(self, ref: FileRef, cfg: IoConfig, storage_options: dict | None) -> None:
         self.ref, self.cfg, self.storage_options = ref, cfg, storage_options
-        digest, _, count = ref.etag.lower().partition("-")
-        hexdigits = len(digest) == 32 and all(c in "0123456789abcdef" for c in digest)
-        self.parts = 0  # 0: not checkable; 1: a single-part MD5; N: a multipart ETag
-        if _is_s3(ref.url) and hexdigits and (not count or count.isdigit()):
-            self.parts = int(count or 1)
-        self.metas: list[dict] = []
-        self.part_size = max(ref.size, 1) if self.parts == 1 else 0  # multipart: asked once
-        self.done: list[bytes] = []  # the MD5 of each complete part
-        self.current = hashlib.md5(usedforsecurity=False)
+        self.planned = False
+        self.name = ""  # what is compared ('' when nothing is)
+        self.want = ""  # the store's value, as value() formats it
+        self.b64 = False  # values are base64 (additional checksums), else hex (ETags)
+        self.factory: Any = None  # makes a hasher of one part
+        self.sizes: list[int] = []  # the part boundaries
+        self.composite = False  # the value is the checksum of the parts' checksums, "-N"
+        self.done: list[bytes] = []  # the digest of each complete part
+        self.current: Any = None
+        self.full: Any = None  # a whole-object hasher too, when either kind may be meant
+        self.full_want = ""
         self.filled = 0  # bytes of the current part seen
 
     def update(self, data: bytes, meta: dict) -> None:
         """The next bytes of the object (read in order) and the response that carried them."""
-        self.metas.append(meta)
-        if not self.parts:
+        if not self.planned:
+            self.planned = True
+            self._plan(meta)
+        if self.factory is None:
             return
-        if not self.part_size:
-            self.part_size = self._part_size(1)
-            if self.part_size <= 0 or -(-self.ref.size // self.part_size) != self.parts:
-                self.parts = 0  # the parts are not of one size: nothing to compare
-                return
+        if self.full is not None:
+            self.full.update(data)
         view = memoryview(data)
         while view:
-            take = view[:self.part_size - self.filled]
+            if self.current is None:
+                self.current = self.factory()
+            room = self.sizes[len(self.done)] - self.filled if len(self.done) < \
+                len(self.sizes) else len(view)
+            take = view[:room]
             self.current.update(take)
             self.filled += len(take)
             view = view[len(take):]
-            if self.filled == self.part_size:
+            if len(self.done) < len(self.sizes) and self.filled == self.sizes[len(self.done)]:
                 self._close_part()
 
     def _close_part(self) -> None:
-        self.done.append(self.current.digest())
-        self.current, self.filled = hashlib.md5(usedforsecurity=False), 0
+        cur = self.current if self.current is not None else self.factory()
+        self.done.append(cur.digest())
+        self.current, self.filled = None, 0
+
+    def _plan(self, meta: dict) -> None:
+        """Choose what to compare (see the class docstring)."""
+        if not _is_s3(self.ref.url) or not self.ref.size:
+            return
+        digest, _, count = self.ref.etag.lower().partition("-")
+        md5 = len(digest) == 32 and all(c in "0123456789abcdef" for c in digest) and \
+            (not count or count.isdigit())
+        if md5 and not _sse_etag(meta):
+            parts = int(count or 1)
+            sizes = [self.ref.size] if not count else self._part_sizes(parts)
+            if sizes:
+                self.name = "MD5" if not count else \
+                    "multipart ETag (the MD5 of the parts' MD5s)"
+                self.want, self.sizes, self.composite = self.ref.etag.lower(), sizes, bool(count)
+                self.factory = lambda: hashlib.md5(usedforsecurity=False)
+            return
+        self._plan_additional()
+
+    def _plan_additional(self) -> None:
+        """Use an additional checksum of the store, when the object has one we can compute."""
+        info = self._head(ChecksumMode="ENABLED")
+        for algorithm in _ALGORITHMS:
+            value = str(info.get(f"Checksum{algorithm}") or "")
+            factory = _hasher(algorithm) if value else None
+            if factory is None:
+                if value:
+                    log.info("%s has a %s checksum, which needs the awscrt package to "
+                             "check", self.ref.url, algorithm)
+                continue
+            count = _composite_parts(info, algorithm, value, self.ref.etag)
+            sizes = [self.ref.size] if not count else self._part_sizes(count)
+            if sizes and count >= 0:
+                self.name = f"{'composite ' if count else ''}{algorithm} checksum"
+                self.want = f"{value.partition('-')[0]}-{count}" if count else value
+                self.b64, self.sizes, self.composite = True, sizes, bool(count)
+                self.factory = factory
+                if count and "-" not in value and not info.get("ChecksumType") and \
+                        algorithm.startswith("CRC"):  # composite or full-object: either
+                    self.full, self.full_want = factory(), value
+                return
+
+    def _format(self, raw: bytes) -> str:
+        import base64
+
+        return base64.b64encode(raw).decode() if self.b64 else raw.hex()
 
     @property
     def verifiable(self) -> bool:
         """True when the bytes are compared with a checksum of the store."""
-        return bool(self.parts) and not _sse_etag(self.metas)
+        return self.factory is not None
 
     def value(self) -> str:
-        """The ETag of the bytes seen (all of them, once the object was read)."""
-        if self.filled or not self.done:
+        """The checksum of the bytes seen (all of them, once the object was read)."""
+        if self.filled or self.current is not None or not self.done:
             self._close_part()
-        if self.parts == 1:
-            return self.done[0].hex()
-        joined = hashlib.md5(b"".join(self.done), usedforsecurity=False).hexdigest()
-        return f"{joined}-{len(self.done)}"
+        if not self.composite:
+            return self._format(self.done[0]) if len(self.done) == 1 else "<more bytes>"
+        joined = self.factory()
+        joined.update(b"".join(self.done))
+        return f"{self._format(joined.digest())}-{len(self.done)}"
 
     def mismatch(self) -> str | None:
         """Why the bytes seen are not the object's, or None when they are (or when they
-        cannot be compared)."""
+        cannot be compared: :attr:`verifiable`)."""
         if not self.verifiable:
             return None
         got = self.value()
-        if got == self.ref.etag.lower():
+        if got == self.want or (self.full is not None and
+                                self._format(self.full.digest()) == self.full_want):
             return None
-        if self.parts > 1 and not self._uniform():
-            return None
-        what = "MD5" if self.parts == 1 else "multipart ETag (the MD5 of the parts' MD5s)"
-        return (f"the {what} of the bytes received ({got}) is not the object's ETag "
-                f"({self.ref.etag})")
+        return (f"the {self.name} of the bytes received ({got}) is not the object's "
+                f"({self.want})")
 
-    def _uniform(self) -> bool:
-        """Every part has the size taken for them (asked of the store part by part)."""
-        last = self.ref.size - (self.parts - 1) * self.part_size
-        return all(self._part_size(n) == (self.part_size if n < self.parts else last)
-                   for n in range(2, self.parts + 1))
+    def _part_sizes(self, parts: int) -> list[int]:
+        """The size of each of ``parts`` parts ([] when they do not add up to the object)."""
+        sizes = [int(self._head(PartNumber=n).get("ContentLength") or 0)
+                 for n in range(1, parts + 1)]
+        if sum(sizes) != self.ref.size or min(sizes) <= 0:
+            log.info("%s: the sizes of its %d parts do not add up to its size: its checksum "
+                     "cannot be checked", self.ref.url, parts)
+            return []
+        return sizes
 
-    def _part_size(self, number: int) -> int:
-        """The size of part ``number`` (``HeadObject``; with the recorded version id when
-        there is one). No ``If-Match``: some stores compare it with the part's own ETag;
-        the object's reads are pinned, so a size from another version can only make the
-        bytes unverifiable or different, never pass altered ones."""
+    def _head(self, **kw) -> dict:
+        """``HeadObject`` (with the recorded version id when there is one). No
+        ``If-Match``: some stores compare it with a part's own ETag; the object's reads are
+        pinned, so a size or checksum from another version can only make the bytes
+        differ, never pass altered ones."""
         from fsspec.asyn import sync
 
         fs = filesystem(self.ref.url, self.storage_options)
         bucket, key, _ = fs.split_path(self.ref.url)
-        kw: dict = {"PartNumber": number}
         if self.ref.version_id:
             kw["VersionId"] = self.ref.version_id
 
@@ -283,11 +408,25 @@ class ObjectChecksum:
             return await fs._call_s3("head_object", Bucket=bucket, Key=key, **kw)
 
         try:
-            info = call_with_retry(lambda: sync(fs.loop, head), self.cfg, self.ref.url)
+            return call_with_retry(lambda: sync(fs.loop, head), self.cfg, self.ref.url)
         except Exception as exc:  # noqa: BLE001 - named for the user
-            raise SourceError(f"cannot look up part {number} of {self.ref.url}: "
+            raise SourceError(f"cannot look up {self.ref.url} ({kw}): "
                               f"{type(exc).__name__}: {exc}") from None
-        return int(info.get("ContentLength") or 0)
+
+
+def refuse_unchecked(ref: FileRef, cfg: IoConfig, context: str = "") -> None:
+    """Raise a SourceError when ``ref`` offers no checksum zephon can check and ``cfg``
+    says to refuse such objects (``unchecked_objects='refuse'``); else return (they are
+    then read twice and the reads must agree)."""
+    if getattr(cfg, "unchecked_objects", "read_twice") != "refuse":
+        return
+    where = f" ({context})" if context else ""
+    raise SourceError(f"{ref.url}{where} offers no checksum zephon can check (its ETag is no "
+                      f"MD5 of the data, as under SSE-KMS or SSE-C, and it has no additional "
+                      f"checksum zephon can compute, or it is not on S3), and the io option "
+                      f"unchecked_objects is 'refuse': upload it with an additional checksum "
+                      f"(boto3: ChecksumAlgorithm='SHA256' or 'CRC32'), or set "
+                      f"unchecked_objects='read_twice' to accept two reads that agree")
 
 
 def protocol_of(url: str) -> str:
@@ -497,6 +636,31 @@ def _s3_range(fs, ref: FileRef, start: int, end: int) -> tuple[bytes, dict]:
         raise
 
 
+def _confirm_changed(fs, ref: FileRef, exc: ObjectChanged) -> None:
+    """Raise ``exc`` when the store confirms that ``ref``'s object is another version
+    now (a ``HeadObject``, with the recorded version id when there is one); when it
+    reports the recorded ETag, the answer was altered on its way (one response with
+    another ETag header, a spurious 412): an OSError, which is retried."""
+    from fsspec.asyn import sync
+
+    bucket, key, _ = fs.split_path(ref.url)
+    kw: dict = {"VersionId": ref.version_id} if ref.version_id else {}
+
+    async def head():
+        return await fs._call_s3("head_object", Bucket=bucket, Key=key, **kw)
+
+    try:
+        now = str(sync(fs.loop, head).get("ETag") or "").strip('"')
+    except Exception:  # noqa: BLE001 - gone, or unreachable: nothing says it is unchanged
+        raise exc from None
+    if now != ref.etag:
+        raise exc
+    log.warning("%s: a response named %s but the store still has the recorded etag:%s "
+                "(the answer was altered on its way); reading it again", ref.url, exc.now,
+                ref.etag)
+    raise OSError(f"a response named {exc.now}, the store has the recorded etag:{ref.etag}")
+
+
 def _http_range(fs, ref: FileRef, start: int, end: int) -> bytes:
     """One ranged GET with ``If-Match`` (the filesystem's own headers kept)."""
     headers = dict((getattr(fs, "kwargs", None) or {}).get("headers") or {})
@@ -520,7 +684,10 @@ def fetch_range(ref: FileRef, start: int, end: int, cfg: IoConfig,
 
     def attempt() -> tuple[bytes, dict]:
         if s3:
-            data, meta = _s3_range(fs, ref, start, end)
+            try:
+                data, meta = _s3_range(fs, ref, start, end)
+            except ObjectChanged as exc:
+                _confirm_changed(fs, ref, exc)
         elif ref.conditional:
             data, meta = _http_range(fs, ref, start, end), {}
         else:

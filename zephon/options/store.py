@@ -10,7 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zephon.errors import ZephonConfigError
-from zephon.options._spec import Bool, Float, Int, OptionsBase, PathStr, option, option_class
+from zephon.options._spec import (
+    Bool,
+    Float,
+    Int,
+    OptionsBase,
+    PathStr,
+    Str,
+    option,
+    option_class,
+)
 from zephon.options.limits import MAX_CACHE_BYTES, MAX_RETRIES, MAX_SECONDS
 
 __all__ = ["StoreOptions"]
@@ -62,6 +71,12 @@ class StoreOptions(OptionsBase):
     retry_backoff_max_s: float = option(
         2.0, check=Float(min=0.0, max=MAX_SECONDS),
         doc="Longest back-off between retries.",
+    )
+    unchecked_objects: str = option(
+        "read_twice", check=Str(choices=("read_twice", "refuse")),
+        doc="Remote objects with no checksum zephon can check (SSE-KMS/SSE-C with no "
+            "additional checksum, non-S3 stores): 'read_twice' reads them whole twice and "
+            "uses them only when the reads agree; 'refuse' refuses them.",
     )
 
     def _check_cross(self) -> None:

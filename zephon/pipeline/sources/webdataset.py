@@ -35,15 +35,19 @@ so a new run over the same shards neither re-downloads nor re-scans them.
 
 Integrity of remote shards: a remote shard is indexed by a verified scan
 (:meth:`zephon.io.FileReader.scan`): read whole, once, in order (one 8 MiB block in
-memory at a time), its ETag recomputed from the bytes and compared with the object's
-where S3 offers one (:class:`zephon.io.remote.ObjectChecksum`; a mismatch reads it
-again, ``download_retry`` times, then is :class:`~zephon.io.ObjectCorrupt`), and the
+memory at a time), a checksum of the store recomputed from the bytes and compared
+(its ETag, else an additional checksum: :class:`zephon.io.remote.ObjectChecksum`; a
+mismatch reads it again, ``download_retry`` times, then is
+:class:`~zephon.io.ObjectCorrupt`; an object with neither is read twice and the reads
+must agree), and the
 SHA-256 (first 16 bytes) of every member's stored bytes recorded
 in the index (``member_digest``, pickled with the source). A streamed read of a
 sample compares each member it delivers with its digest and reads again
 (``download_retry`` times) on a difference, then raises a SourceError naming the
 shard, the members and the bytes (the io layer's :class:`~zephon.io.ObjectCorrupt`):
-a sample built from altered bytes is never delivered. Cached reads are verified by the cache;
+a sample built from altered bytes is never delivered. A shard whose first read at
+build time finds another version than listed is looked up again and indexed as the
+store has it then (:meth:`WebDatasetSource._build_index`). Cached reads are verified by the cache;
 local shards are indexed by their headers only and read as they are.
 
 Shard names may use brace ranges: ``train-{000..009}.tar``.
@@ -54,6 +58,7 @@ truncated after building when the member is read.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import posixpath
 import re
@@ -64,11 +69,12 @@ import numpy as np
 
 from zephon.io.config import DEFAULT_IO, IoConfig
 from zephon.io.reader import RangeDigests
-from zephon.io.remote import DIGEST_SIZE, expand, is_remote
+from zephon.io.remote import DIGEST_SIZE, ObjectChanged, expand, is_remote
 from zephon.pipeline.sources.base import FileSource, SourceError
 from zephon.pipeline.sources.files import require_regular_files, sniff_codec
 
 __all__ = ["WebDatasetSource", "brace_expand"]
+log = logging.getLogger("zephon.sources")
 
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _PLAIN = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
@@ -261,7 +267,7 @@ class WebDatasetSource(FileSource):
         self.member_sparse: dict[int, list] = {}
         self.shard_digested = [ref.remote for ref in self.refs]
         for k in range(len(self.files)):
-            index = self._shard_index(k)
+            index = self._build_index(k)
             counts.append(len(index["keys"]))
             keys.extend(index["keys"])
             for group in index["members"]:
@@ -298,6 +304,25 @@ class WebDatasetSource(FileSource):
         self.span_end = np.maximum.reduceat(ends, groups)
         stored = np.add.reduceat(self.member_size, groups)
         self.span_end[self.span_end - self.span_start > stored + _SPAN_SLACK] = -1
+
+    def _build_index(self, k: int) -> dict:
+        """:meth:`_shard_index`, while the source is being built: a remote shard whose
+        first read finds another version than the one listed is looked up once more and
+        indexed as the store has it now (the listing's answer may have been altered on its
+        way, or the object replaced in between: nothing was read from it yet)."""
+        try:
+            return self._shard_index(k)
+        except ObjectChanged as exc:
+            ref = self.refs[k]
+            (now,) = expand(ref.url, "webdataset", self.io, self.storage_options)
+            if now == ref:
+                raise
+            log.warning("webdataset: %s is %s, not %s as listed (its first read found %s); "
+                        "indexing it as the store has it now", ref.url, now.version,
+                        ref.version, exc.now)
+            self.refs[k] = now
+            self._readers.pop(k, None)
+            return self._shard_index(k)
 
     def _shard_index(self, k: int) -> dict:
         ref, reader = self.refs[k], self.reader(k)
