@@ -4,6 +4,8 @@ quickly. Ranks are real processes (tests/_aggregate_rank.py)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from _aggregate_rank import launch  # noqa: F401  (fixture)
@@ -75,6 +77,58 @@ def test_a_rank_without_rank_0_says_rank_0_must_call_it_too(tmp_path, launch):
                                       "aggregate_timeout_s": 2.0})])
     assert code == 3 and "AggregationTimeoutError" in err
     assert "rank 0 included" in err
+
+
+def test_a_rank_that_comes_after_rank_0_gave_up_on_it_raises_rank_0s_error_at_once(
+        tmp_path, launch):
+    # rank 0 names rank 1 after its arrival grace (5 s of 30 s) and publishes that; rank 1
+    # comes 7 s late, and must take that failure as its own launch's, not wait out its
+    # whole budget for a reopening and then blame rank 0
+    opts = {"aggregate_dir": str(tmp_path / "agg"), "run_id": "job",
+            "aggregate_timeout_s": 30.0}
+    start = time.monotonic()
+    results = launch([dict(tag="a", rank=0, world=2, take=2, opts=opts),
+                      dict(tag="a", rank=1, world=2, take=2, delay=7.0, opts=opts)])
+    elapsed = time.monotonic() - start
+    assert [code for code, _ in results] == [3, 3], results
+    for _, err in results:
+        assert "AggregationTimeoutError" in err and "rank(s) [1] did not call checkpoint()" in err
+    assert elapsed < 30.0  # rank 1 gave up at once, not at the end of its 30 s budget
+
+
+def test_an_earlier_launchs_failed_round_is_not_taken_for_this_launchs(tmp_path, launch):
+    agg = str(tmp_path / "agg")
+    # an earlier launch with the same run_id: rank 0 alone, it gives up on rank 1
+    (code, err), = launch([dict(tag="a", rank=0, world=2, take=2,
+                                opts={"aggregate_dir": agg, "run_id": "job",
+                                      "aggregate_timeout_s": 6.0})])
+    assert code == 3 and "rank(s) [1]" in err
+    # this launch's rank 1 meets that failure before its own rank 0 reopens the round
+    opts = {"aggregate_dir": agg, "run_id": "job", "aggregate_timeout_s": 60.0}
+    second = launch([dict(tag="b", rank=0, world=2, take=2, delay=3.0, opts=opts),
+                     dict(tag="b", rank=1, world=2, take=2, opts=opts)])
+    assert [code for code, _ in second] == [0, 0], second
+    states = [(tmp_path / f"state-b-{r}").read_bytes() for r in range(2)]
+    assert states[0] == states[1]
+    assert interleave(resumed(states[0]), {lane: 1 for lane in range(C)}) == expected_after(1)
+
+
+def test_a_late_rank_knows_its_launchs_failed_round_by_the_round_before(tmp_path):
+    from _exchange_ranks import dir_media, run_round
+
+    from zephon.errors import AggregationTimeoutError
+
+    media = dir_media(str(tmp_path), 2)
+    first = run_round(media, 2, round_no=1, timeout_s=30.0)
+    assert not first["errors"], first["errors"]
+    # round 2: rank 0 gives up on rank 1 after 0.3 s, too soon after round 1 for any
+    # clock to tell; its open record names round 1's token, which rank 1 took part in
+    lead = run_round(media, 2, round_no=2, ranks=[0], timeout_s=30.0, grace_s=0.3)
+    assert isinstance(lead["errors"].get(0), AggregationTimeoutError), lead
+    start = time.monotonic()
+    late = run_round(media, 2, round_no=2, ranks=[1], timeout_s=30.0)
+    assert "rank(s) [1] did not call checkpoint()" in str(late["errors"].get(1)), late
+    assert time.monotonic() - start < 20.0  # at once, not at the end of its 30 s budget
 
 
 def test_a_refused_merge_reaches_every_rank(tmp_path, launch):

@@ -28,8 +28,15 @@ A round (``round_no`` counts the calls of ``checkpoint()`` in this launch):
    read the old token wait.
 2. Every other rank waits for ``open`` and submits its state once under
    ``round-<n>/<token>/`` (:meth:`submit` of the medium), unless a ``merged``
-   record is there already: that one is an earlier launch's, and the rank waits
-   for rank 0 to reopen the round.
+   record is there already. A merged state is an earlier launch's (it would hold
+   this rank's), and so is a failure unless it is this launch's own: rank 0 gave
+   up on this late rank (:meth:`_Round.own_failure`: the scope is private to the
+   launch; or ``open`` names, as ``after``, the token of round ``n - 1`` that this
+   rank took part in; or rank 0 wrote the failure, ``at``, more than
+   :data:`CLOCK_MARGIN_S` after this process started and after its last round on
+   this scope ended, which no earlier launch can have done). The rank raises its
+   own launch's failure at once; for an earlier launch's record it waits for
+   rank 0 to reopen the round.
 3. Rank 0 gathers the submissions under the token it drew a moment ago, so a
    record of an earlier launch or round can never be merged, checks that
    nobody reopened the round, checks the states (:func:`merge_states`) and
@@ -56,7 +63,8 @@ when it sees the other's ``open``, at best effort).
 Time: ``aggregate_timeout_s`` bounds the whole exchange. ``checkpoint()`` is
 collective: every rank must call it at the same step. Rank 0 waits for the
 other ranks at most :func:`arrival_grace_s` (a sixth of the budget, at most
-30 s) before it names the ranks that never called it; a rank waiting for
+30 s) before it names the ranks that never called it; a rank that comes
+after that raises rank 0's error naming it (step 2); a rank waiting for
 rank 0 (which may be saving a model first) waits the whole budget. Either
 way the error says that every rank must call ``checkpoint()``.
 """
@@ -275,7 +283,8 @@ def _raise_recorded(record: dict, address: str) -> NoReturn:
 
 def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
              timeout_s: float, serializer: str, compressor: str,
-             grace_s: float | None = None, scope: str = "") -> bytes:
+             grace_s: float | None = None, scope: str = "",
+             private_scope: bool = False) -> bytes:
     """Run one checkpoint round over ``medium`` (see the module docstring).
 
     Args:
@@ -287,6 +296,9 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
             :func:`arrival_grace_s` of ``timeout_s``.
         scope: a key prefix that keeps apart exchanges sharing one medium (the launch
             and the pipeline, see :func:`exchange_scope`).
+        private_scope: no other launch, earlier or concurrent, ever uses ``scope`` (it
+            names a launch id drawn in the process group's store), so every record
+            under it is this launch's.
 
     Returns:
         The merged checkpoint bytes (the same on every rank).
@@ -295,10 +307,17 @@ def exchange(medium, submission: dict, *, round_no: int, rank: int, world: int,
         AggregationTimeoutError: a rank did not take part in time (named).
         CheckpointError: the states are inconsistent, or the medium failed.
     """
-    rnd = _Round(medium, round_no, timeout_s, grace_s, scope)
-    if rank == 0:
-        return _lead(rnd, submission, world, serializer, compressor)
-    return _follow(rnd, submission, rank, world, serializer, compressor)
+    rnd = _Round(medium, round_no, timeout_s, grace_s, scope, private_scope)
+    merged_token = None
+    try:
+        if rank == 0:
+            data = _lead(rnd, submission, world, serializer, compressor)
+        else:
+            data = _follow(rnd, submission, rank, world, serializer, compressor)
+        merged_token = rnd.token
+        return data
+    finally:
+        _ROUNDS_SEEN[rnd.history_key(rank)] = (round_no, merged_token, time.time())
 
 
 class _Round:
@@ -306,14 +325,42 @@ class _Round:
     rank 0 stops waiting for arrivals (``grace``) and when everyone gives up."""
 
     def __init__(self, medium, round_no: int, timeout_s: float, grace_s: float | None,
-                 scope: str) -> None:
+                 scope: str, private_scope: bool = False) -> None:
         self.medium, self.round_no, self.timeout_s = medium, round_no, timeout_s
+        self.private_scope = private_scope
+        self.token: str | None = None  # the token of the round this rank took part in
         self.start = time.monotonic()
         self.deadline = self.start + timeout_s
         self.grace = arrival_grace_s(timeout_s) if grace_s is None else min(grace_s, timeout_s)
         self.prefix = f"{scope}/" if scope else ""
         self.base = f"{self.prefix}round-{round_no}"
         self.where = f"{medium.address} ({self.base})"
+
+    def history_key(self, rank: int) -> tuple[str, str, int]:
+        return (self.medium.address, self.prefix, rank)
+
+    def previous_token(self, rank: int) -> str | None:
+        """The token of round ``round_no - 1`` when this process took part in it as
+        ``rank`` and it was merged (so it belongs to this launch), else None."""
+        seen = _ROUNDS_SEEN.get(self.history_key(rank))
+        return seen[1] if seen is not None and seen[0] == self.round_no - 1 else None
+
+    def own_failure(self, rank: int, opened: dict, record: dict) -> bool:
+        """Whether ``record``, a failure rank 0 published in the round ``opened`` names
+        before this rank submitted, is this launch's (rank 0 gave up on this rank),
+        not one an earlier launch with the same scope left (step 2 of the module
+        docstring: a private scope, the token chain, then the clock)."""
+        if "error" not in record:
+            return False
+        if self.private_scope:
+            return True
+        before = self.previous_token(rank)
+        if before is not None and opened.get("after") == before:
+            return True  # rank 0 opened it right after this launch's previous round
+        seen = _ROUNDS_SEEN.get(self.history_key(rank))
+        since = max(_process_started(), seen[2] if seen is not None else 0.0)
+        at = record.get("at")
+        return isinstance(at, float) and at > since + CLOCK_MARGIN_S
 
 
 def _record(fields: dict) -> bytes:
@@ -336,13 +383,17 @@ def _lead(rnd: _Round, submission: dict, world: int, serializer: str,
     previous = _token_of(_read_record(medium, f"{base}/open"))
     if previous is not None:
         medium.put(f"{base}/{previous}/merged", _record({"reopened": token}))
-    medium.put(f"{base}/open", _record({"token": token, "world": world}))
+    opened = {"token": token, "world": world}
+    after = rnd.previous_token(0)
+    if after is not None:  # tells this launch's late ranks that the round is its own
+        opened["after"] = after
+    medium.put(f"{base}/open", _record(opened))
     tokens = [token] if previous is None else [token, previous]
     states = {0: dict(submission, rank=0)}
 
     def fail(record: dict, exc: BaseException, tidy: bool = False) -> NoReturn:
         try:
-            medium.put(f"{base}/{token}/merged", _record(record))
+            medium.put(f"{base}/{token}/merged", _record(dict(record, at=time.time())))
             if tidy:  # every rank arrived and reads the failure: the round ends as usual
                 medium.tidy(base, tokens, 0, world, rnd.deadline)
         except Exception:  # best effort: the ranks then time out instead
@@ -356,6 +407,7 @@ def _lead(rnd: _Round, submission: dict, world: int, serializer: str,
     except CheckpointError as exc:
         fail({"kind": "error", "error": str(exc)}, exc, tidy=True)
     medium.put(f"{base}/{token}/merged", _record({"state": state}))
+    rnd.token = token
     medium.tidy(base, tokens, 0, world, rnd.deadline)
     if rnd.round_no > 1:
         # every rank has submitted to this round, so every rank is done with the last one
@@ -408,8 +460,9 @@ def _follow(rnd: _Round, submission: dict, rank: int, world: int, serializer: st
     then wait for the merged state published after this rank submitted."""
     medium, base = rnd.medium, rnd.base
     mine = encode_state(dict(submission, rank=rank), serializer, compressor)
-    token = _await_token(rnd, None)
+    opened = _await_open(rnd, None)
     while True:
+        token = opened["token"]
         merged = f"{base}/{token}/merged"
         record = _read_record(medium, merged)
         if record is None:  # the round is open and not merged yet: take part in it
@@ -422,22 +475,29 @@ def _follow(rnd: _Round, submission: dict, rank: int, world: int, serializer: st
                 medium.tidy(base, [token], rank, world, rnd.deadline)
                 if "error" in record:
                     _raise_recorded(record, rnd.where)
+                rnd.token = token
                 return record["state"]
+        elif rnd.own_failure(rank, opened, record):
+            # rank 0 of this launch gave up on this rank before it came: its error
+            # (naming this rank) is this rank's at once
+            _raise_recorded(record, rnd.where)
         redirect = _token_of(record, "reopened")
-        # a redirect names the round rank 0 opened; a merged record there before this
-        # rank submitted is an earlier launch's, and rank 0 of this one reopens the round
-        token = redirect if redirect is not None else _await_token(rnd, token)
+        # a redirect names the round rank 0 opened; any other merged record there before
+        # this rank submitted is an earlier launch's, and rank 0 of this one reopens the
+        # round
+        opened = {"token": redirect} if redirect is not None else _await_open(rnd, token)
 
 
-def _await_token(rnd: _Round, stale: str | None) -> str:
-    """The token of the open round once it is not ``stale`` (a blocking wait for the open
-    record, then a bounded backoff while only a stale one is there)."""
+def _await_open(rnd: _Round, stale: str | None) -> dict:
+    """The open record of the round once its token is not ``stale`` (a blocking wait for
+    the open record, then a bounded backoff while only a stale one is there)."""
     key = f"{rnd.base}/open"
-    token = _token_of(_decoded(rnd.medium, key, rnd.medium.wait(key, rnd.deadline)))
+    record = _decoded(rnd.medium, key, rnd.medium.wait(key, rnd.deadline))
     for _ in backoff(rnd.deadline, first_s=0.01, cap_s=0.5):
-        if token is not None and token != stale:
-            return token
-        token = _token_of(_read_record(rnd.medium, key))
+        token = _token_of(record)
+        if record is not None and token is not None and token != stale:
+            return record
+        record = _read_record(rnd.medium, key)
     _rank_0_late(rnd)
 
 
@@ -449,6 +509,30 @@ def _rank_0_late(rnd: _Round) -> NoReturn:
 
 
 _TOKEN = re.compile(r"[0-9a-f]{16}")
+
+#: (medium address, scope, rank) -> (round_no, token of that round once it was merged
+#: with this rank's state, else None; wall time it ended) of the last round a rank of
+#: this process ran there: how a late rank tells its own launch's failed round from an
+#: earlier launch's leftover (:meth:`_Round.own_failure`)
+_ROUNDS_SEEN: dict[tuple[str, str, int], tuple[int, str | None, float]] = {}
+
+#: how much later than the start of this process (or the end of its last round on the
+#: same scope) rank 0 must have written a failure for a late rank to take it as its own
+#: launch's: covers the clocks of two hosts disagreeing, and /proc's tick granularity
+CLOCK_MARGIN_S = 2.0
+
+
+def _process_started() -> float:
+    """This process's start as a wall time (Linux /proc); +inf where it is unknown, so
+    that no failure is judged by the clock there."""
+    try:
+        with open("/proc/self/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return float("inf")
 
 
 def _read_record(medium, key: str) -> dict | None:
@@ -616,13 +700,14 @@ def exchange_state(local: dict, opts, round_no: int) -> bytes:
     try:
         # nothing is written before the launch is known (launch_identity); a medium
         # only this launch reaches (its process group's store) names it already
-        launch = "" if getattr(medium, "launch_private", False) else \
-            launch_identity(opts, timeout_s)
+        private = getattr(medium, "launch_private", False)
+        launch = "" if private else launch_identity(opts, timeout_s)
         scope = exchange_scope(local, launch)
         return exchange(medium, _submission(local, opts), round_no=round_no,
                         rank=opts.global_rank, world=opts.world_size,
                         timeout_s=max(deadline - time.monotonic(), 0.001),
-                        serializer=serializer, compressor=compressor, scope=scope)
+                        serializer=serializer, compressor=compressor, scope=scope,
+                        private_scope=private or launch.startswith("pg|"))
     finally:
         medium.close()
 

@@ -36,6 +36,14 @@ once and reads its link count; the rank that sees ``world + 1`` links removes
 the round (two that see it both remove it, which is harmless). Where hard links
 fail the round stays until rank 0 removes it at the next round.
 
+Every ``get`` and listing sees the medium's current state, whatever this process
+read before: an fsspec filesystem is opened with its listings cache off
+(``use_listings_cache=False``, so it is an instance of its own, not the one the
+user's code shares) and its cached listings of the path are dropped before each
+read. (s3fs and gcsfs otherwise keep a folder's listing once read: the records
+other processes write there later stay invisible, and reading one raises
+FileNotFoundError, so a round of three or more ranks timed out.)
+
 Any failure of the medium itself (a server gone, a permission error) is a
 :class:`~zephon.errors.CheckpointError` naming the address, never a hang: a
 remote call that does not return by the exchange deadline is abandoned.
@@ -340,7 +348,8 @@ class DirMedium(_PollingMedium):
 
 class FsspecMedium(_PollingMedium):
     """Records as objects under an fsspec URL (``s3://bucket/path``, ``gs://...``,
-    ``memory://...``). An object store's PUT is atomic. Every call runs on a helper
+    ``memory://...``). An object store's PUT is atomic. Reads never use a cached
+    listing (:func:`_uncached_fs`, :meth:`_fresh`). Every call runs on a helper
     thread and is abandoned at the exchange deadline, so a server that stops
     answering is an error by then, not a hang. An object store cannot count a round's
     readers: rank 0 removes each round at the next one."""
@@ -355,7 +364,7 @@ class FsspecMedium(_PollingMedium):
                 f"aggregate_dir={url!r} is a URL: it needs fsspec "
                 f"(python -m pip install -e \".[{_extra(url)}]\" in the zephon checkout)") from None
         try:
-            fs, root = fsspec.core.url_to_fs(url)
+            fs, root = _uncached_fs(fsspec, url)
         except ImportError as exc:
             raise ZephonConfigError(
                 f"aggregate_dir={url!r}: {exc} (python -m pip install -e \".[{_extra(url)}]\" in the zephon checkout)") from None
@@ -403,17 +412,25 @@ class FsspecMedium(_PollingMedium):
     def get(self, key: str) -> bytes | None:
         path = f"{self.root}/{key}"
         try:
-            return self._call("reading", key, self.fs.cat_file, path)
+            return self._call("reading", key, self._fresh, self.fs.cat_file, path)
         except FileNotFoundError:
             return None
 
     def _list(self, prefix: str) -> list[str]:
         path = f"{self.root}/{prefix}"
         try:
-            names = self._call("reading", prefix, self.fs.ls, path, False)
+            names = self._call("reading", prefix, self._fresh, self.fs.ls, path, False)
         except FileNotFoundError:
             return []
         return [str(name).rstrip("/").rsplit("/", 1)[-1] for name in names]
+
+    def _fresh(self, fn, path: str, *args):
+        """``fn(path, *args)`` against the store's current state: whatever listing of
+        ``path`` or of a folder above it the filesystem still holds is dropped first (an
+        s3fs/gcsfs listing cached by an earlier read hides records that other ranks
+        wrote since, and makes reading them a FileNotFoundError)."""
+        self.fs.invalidate_cache(path)
+        return fn(path, *args)
 
     def tidy(self, base: str, tokens: list[str], rank: int, world: int,
              until: float) -> None:
@@ -428,6 +445,19 @@ class FsspecMedium(_PollingMedium):
 
     def close(self) -> None:
         return None
+
+
+def _uncached_fs(fsspec, url: str):
+    """The filesystem and root path of ``url``, opened so that it keeps no directory
+    listings (``use_listings_cache=False``: s3fs, gcsfs and every filesystem built on
+    fsspec's listings cache). Its options differ from a default instance's, so this is
+    a filesystem instance of its own, not the one the user's code may share. A
+    filesystem whose constructor takes no such option is opened as it is; the medium
+    drops its listings before every read either way (:meth:`FsspecMedium._fresh`)."""
+    try:
+        return fsspec.core.url_to_fs(url, use_listings_cache=False)
+    except TypeError:
+        return fsspec.core.url_to_fs(url)
 
 
 def _extra(url: str) -> str:
