@@ -36,6 +36,10 @@ def work(subject):
             return arg
         if action == "raise":
             raise ValueError(f"subject {subject['subject_id']} failed on purpose")
+        if action == "sys_exit":  # the subject's own code gives up: sys.exit(arg)
+            sys.exit(arg)
+        if action == "raise_interrupt":  # the subject's own code raises KeyboardInterrupt
+            raise KeyboardInterrupt(f"subject {subject['subject_id']} gave up")
         if action == "raise_from":  # a subject's own error, raised from what caused it
             try:
                 {}[subject["subject_id"]]

@@ -289,3 +289,35 @@ def test_run_summary_counts(tmp_path):
     assert {k: r.summary[k] for k in ("done", "cached", "failed", "retried", "timeouts",
                                       "oom_backoffs")} == {
         "done": 2, "cached": 0, "failed": 1, "retried": 1, "timeouts": 0, "oom_backoffs": 0}
+
+
+@pytest.mark.parametrize("backend", ["process", "serial"])
+@pytest.mark.parametrize("action, exc_type", [("sys_exit", SystemExit),
+                                              ("raise_interrupt", KeyboardInterrupt)])
+def test_a_subject_that_exits_or_interrupts_itself_fails_alone(tmp_path, backend, action,
+                                                               exc_type):
+    # SystemExit / KeyboardInterrupt raised by a subject's own code are that subject's
+    # failure on every backend (job workers ignore Ctrl-C: it is never the caller's):
+    # recorded with the exception itself (type and code kept), the worker and its setup()
+    # kept, the run going on. The process backend reported a crash and replaced the
+    # worker (setup() again); the serial backend ended the whole run
+    fn = J.WithSetup(str(tmp_path))
+    subs = [{"subject_id": "S0", "dir": str(tmp_path), "action": "ok"},
+            {"subject_id": "S1", "dir": str(tmp_path), "action": action, "arg": 5},
+            {"subject_id": "S2", "dir": str(tmp_path), "action": "ok"}]
+    policy = RunPolicy(backend=backend, workers=1, resume=False, auto_retry_rounds=0,
+                       subject_timeout_sec=None if backend == "serial" else 60.0, **FAST)
+    try:
+        results = list(run(fn, subs, policy, progress=False))
+    except (SystemExit, KeyboardInterrupt) as exc:  # (never let it end the test session)
+        pytest.fail(f"the subject's own {exc!r} ended the whole run")
+    assert [(r.subject_id, r.ok) for r in results] == [("S0", True), ("S1", False),
+                                                       ("S2", True)]
+    error = results[1].error
+    assert type(error) is exc_type, repr(error)
+    if exc_type is SystemExit:
+        assert error.code == 5
+    else:
+        assert "S1 gave up" in str(error)
+    setups = [f for f in os.listdir(tmp_path) if f.startswith("setup.")]
+    assert len(setups) == 1, setups  # one worker (or this process) set up once

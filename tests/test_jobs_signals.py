@@ -8,7 +8,11 @@ first Ctrl-C's graceful stop really waits).
   landed in the run or in the caller's loop body: every worker is killed outright, the
   script ends with its KeyboardInterrupt at once (a 60 s grace is not waited out), and
   nothing of its session is left: no worker, no helper process, no zephon /dev/shm
-  segment of its processes.
+  segment of its processes;
+- two Ctrl-Cs at the same instant (0 ms apart): the same, and the KeyboardInterrupt
+  reaches the caller's ``except KeyboardInterrupt`` with the store unlocked (the second
+  one used to land between the run's ``except`` and its stop: the stop was skipped and
+  the script hung at exit joining workers that shrug off SIGTERM).
 
 Deadlines are generous hang guards, never measures of speed; the finalizer kills the
 whole session whatever happened.
@@ -77,12 +81,13 @@ def shm_segments_of(pids) -> list[str]:
 
 
 class Script:
-    def __init__(self, tmp_path, grace: float, body: bool) -> None:
+    def __init__(self, tmp_path, grace: float, body: bool, *flags: str) -> None:
         self.log = tmp_path / "log"
-        self.log.mkdir()
+        self.log.mkdir(parents=True)
+        self.out = ""  # its stdout after it ended
         self.proc = subprocess.Popen(
             [sys.executable, SCRIPT, str(self.log), str(tmp_path / "ckpt"), str(grace),
-             *(["body"] if body else [])],
+             *(["body"] if body else []), *flags],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True)  # its own session and process group, like a terminal's
 
@@ -117,8 +122,8 @@ class Script:
 def script(tmp_path):
     made: list[Script] = []
 
-    def start(grace: float, body: bool = False) -> Script:
-        s = Script(tmp_path, grace, body)
+    def start(grace: float, body: bool = False, *flags: str) -> Script:
+        s = Script(tmp_path / f"run{len(made)}", grace, body, *flags)
         made.append(s)
         assert s.proc.stdout.readline().strip() == "ready"
         s.wait_for(".start", 2)  # both workers are running a subject
@@ -127,7 +132,7 @@ def script(tmp_path):
         return s
 
     yield start
-    for s in made:
+    for s in made:  # the whole session, whatever happened
         s.kill_all()
 
 
@@ -144,7 +149,7 @@ def assert_interrupted_and_gone(s: Script, within: float) -> None:
     # the script ended its workers before it exited (not their own watch on their parent
     # afterwards): a worker outliving the script is a leak
     workers_left = [pid for pid in s.worker_pids() if alive(pid)]
-    _, err = s.proc.communicate(timeout=HANG_S)
+    s.out, err = s.proc.communicate(timeout=HANG_S)
     assert workers_left == [], err
     assert s.proc.returncode in (-signal.SIGINT, 128 + signal.SIGINT, 1), err
     assert "KeyboardInterrupt" in err, err
@@ -181,6 +186,23 @@ def test_two_ctrl_c_while_the_loop_body_runs_end_everything_at_once(script):
     s.wait_for(".term", 1)  # S1's worker is busy: SIGTERM (S0's, idle, got STOP)
     s.ctrl_c()
     assert_interrupted_and_gone(s, within=GONE_S)
+
+TWIN_TRIES = 3  # a few tries, each bounded
+
+
+def test_two_ctrl_c_at_the_same_instant_end_everything_at_once(script):
+    # the second lands right behind the first, while the first one's KeyboardInterrupt
+    # unwinds the run, before its stop: it must be held and cut the stop short, never
+    # skip the stop. The kernel merges two SIGINTs sent before the first is delivered
+    # (then it is one Ctrl-C: a graceful stop); the script's "twin" mode sends itself
+    # the second one as the first one's KeyboardInterrupt leaves the run's wait
+    for _ in range(TWIN_TRIES):
+        s = script(LONG_GRACE_S, False, "catch", "twin")
+        s.ctrl_c()
+        s.ctrl_c()  # 0 ms apart
+        assert_interrupted_and_gone(s, within=GONE_S)
+        # the KeyboardInterrupt reached the caller's except, the store closed
+        assert "caught\nunlocked" in s.out, s.out
 
 
 KEPT = """

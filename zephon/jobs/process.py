@@ -77,7 +77,8 @@ during that stop kills every worker outright, with its process group and
 descendants (:func:`~zephon.transport.supervisor.kill_children`), and is raised
 once they are gone; a third one meanwhile is held
 (:class:`~zephon.transport.supervisor.InterruptGuard`), so nothing is left
-running. Starting a worker and registering it is one step a Ctrl-C cannot
+running. The stop's guard takes a Ctrl-C that the run's guard held before the
+stop began (a second one right behind the first): the stop then kills at once. Starting a worker and registering it is one step a Ctrl-C cannot
 split. Workers are not daemons (a subject may start processes): a backend still
 live at interpreter exit (a run whose iterator was kept, not finished) is shut
 down from a ``threading`` exit hook, before multiprocessing's own exit handler
@@ -608,29 +609,33 @@ class ProcessBackend:
         :func:`~zephon.transport.supervisor.stop_children` and
         :func:`~zephon.transport.supervisor.sweep_groups`). A Ctrl-C meanwhile kills them
         all outright and is raised once they are gone (later ones are held). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        _live_backends.discard(self)
-        self.deaths.close()  # the exits from here on are the shutdown's own
-        slots = list(self.slots)
-        groups = {child.pid for child in self._sweeps} | {slot.pid for slot in slots}
-        try:
-            with InterruptGuard():
+        # held from the start: a Ctrl-C before the stop is under way (a second one right
+        # behind the first, typically) is raised by arm(), inside it: it kills at once
+        with InterruptGuard(hold=True, take_held=True) as guard:
+            if self._closed:
+                return
+            self._closed = True
+            _live_backends.discard(self)
+            self.deaths.close()  # the exits from here on are the shutdown's own
+            slots = list(self.slots)
+            groups = {child.pid for child in self._sweeps} | {slot.pid for slot in slots}
+            try:
                 try:
+                    guard.arm()
                     left = self._stop_gracefully(slots, groups, grace)
                 except KeyboardInterrupt:
                     log.warning("Ctrl-C while job workers stop: killing them now")
                     kill_children([s.child for s in slots], groups)
                     raise
-        finally:
-            for slot in slots:
-                self._unregister(slot)
-                slot.channel.close()
-            self.slots.clear()
-            self._sweeps.clear()
-            self._running = {}
-            self.selector.close()
+            finally:
+                guard.hold()
+                for slot in slots:
+                    self._unregister(slot)
+                    slot.channel.close()
+                self.slots.clear()
+                self._sweeps.clear()
+                self._running = {}
+                self.selector.close()
         if left:
             log.warning("process groups %s still have live members after SIGKILL", sorted(left))
 

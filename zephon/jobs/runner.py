@@ -45,7 +45,18 @@ while the workers stop kills them outright (:mod:`zephon.jobs.process`), and
 Ctrl-Cs from then on wait until the store is closed: the KeyboardInterrupt
 reaches the caller with nothing left running and the store closed, within a
 second. The same holds for a Ctrl-C while a run that ended or was left stops
-its workers.
+its workers. The run's iterator (:class:`_Guarded`) keeps an
+:class:`~zephon.transport.supervisor.InterruptGuard` in force while the run
+works, so a second Ctrl-C right behind the first (landing while the first one's
+KeyboardInterrupt unwinds the run, before the stop) is held and cuts the stop
+short, never skips it. Two Ctrl-Cs sent at the same instant may reach the
+process as one SIGINT (the kernel merges a second one sent before the first is
+delivered): that is one Ctrl-C, a graceful stop.
+
+A ``SystemExit`` or ``KeyboardInterrupt`` raised by a subject's own code is that
+subject's failure on every backend (recorded as itself, the worker kept, the
+run going on); only a real Ctrl-C (or a signal handler's exit) stops the run
+(:func:`~zephon.jobs.worker.raised_by_signal`).
 """
 
 from __future__ import annotations
@@ -271,7 +282,7 @@ class JobRun:
         return max_consecutive_failures(self.policy)
 
     def __iter__(self) -> Iterator[SubjectResult]:
-        return self._run()
+        return _Guarded(self._run())
 
     def _make_backend(self):
         if self.backend_name == "serial":
@@ -483,11 +494,13 @@ class JobRun:
                progress: Progress, interrupted: bool) -> None:
         """Shut the backend down, close the store, publish :attr:`summary`.
 
-        A Ctrl-C while the backend stops cuts its graceful stop short (the process
-        backend kills its workers outright) and propagates; every Ctrl-C after it, or
-        during the store's close, is held until the store is closed (and raised then
-        unless a KeyboardInterrupt is on its way already)."""
-        with InterruptGuard(raise_held=not interrupted) as guard:
+        Every Ctrl-C from here on is held (:class:`_Guarded` holds those that land
+        between the first one's raise and here) until the backend's stop arms its own
+        guard: the first one it sees, held or new, cuts its graceful stop short (the
+        process backend kills its workers outright) and propagates; every later one is
+        held until the store is closed (and raised then unless a KeyboardInterrupt is on
+        its way already). The store is closed whatever happens in the stop."""
+        with InterruptGuard(hold=True, raise_held=not interrupted):
             try:
                 if self.backend is not None:
                     self.backend.shutdown(self.policy.graceful_shutdown_sec)
@@ -495,7 +508,6 @@ class JobRun:
                 interrupted = True
                 raise
             finally:
-                guard.hold()
                 self._publish(store, counts, progress, interrupted)
 
     def _publish(self, store: CheckpointStore | None, counts: collections.Counter[str],
@@ -514,6 +526,43 @@ class JobRun:
         if interrupted:
             self.summary["interrupted"] = 1
         progress.close(self.summary)
+
+
+class _Guarded(Iterator[SubjectResult]):
+    """A run's iterator: its generator, each step of it (and its close) under an
+    :class:`~zephon.transport.supervisor.InterruptGuard`, so the guard is in force
+    before a KeyboardInterrupt starts propagating through the run: the first Ctrl-C
+    while the run works raises as usual, and every later one is held until the run's
+    ``finally`` has stopped the workers and closed the store (a second one, held or
+    not, makes that stop kill the workers outright), then dropped for the one on its
+    way. Without it a second Ctrl-C right behind the first landed between the run's
+    ``except`` and its stop: the stop was skipped, and the interpreter hung at exit
+    joining workers that shrug off SIGTERM. Between steps (the caller's own code)
+    Python's handler is in force as before; a kept, unfinished iterator leaves Ctrl-C
+    as it was. Main thread only (the guard does nothing elsewhere)."""
+
+    def __init__(self, steps: Iterator[SubjectResult]) -> None:
+        self._steps: Any = steps
+
+    def __iter__(self) -> "_Guarded":
+        return self
+
+    def __next__(self) -> SubjectResult:
+        with InterruptGuard():
+            return next(self._steps)
+
+    def close(self) -> None:
+        """Leave the run: stop its workers and close its store now."""
+        with InterruptGuard():
+            self._steps.close()
+
+    def __del__(self) -> None:
+        if getattr(self._steps, "gi_frame", None) is None:
+            return  # finished (its finally has run): nothing to stop
+        try:
+            self.close()
+        except KeyboardInterrupt:  # a Ctrl-C cut the stop short: the workers were killed
+            pass
 
 
 def _subject_ids(subjects: list) -> list[str]:

@@ -1,8 +1,12 @@
 """The serial backend: subjects run one after another in this process.
 
-``setup()`` runs once, before the first subject. A subject's exception
-(``Exception``) is its failure; ``KeyboardInterrupt`` and ``SystemExit`` are
-not failures: they stop the run. No timeout can be enforced here, which is why
+``setup()`` runs once, before the first subject. A subject's exception is its
+failure, ``SystemExit`` and ``KeyboardInterrupt`` raised by its own code
+included (as on the process backend, whose workers ignore Ctrl-C): recorded as
+themselves, and the run goes on. A Ctrl-C (the run's guard raised it, or
+Python's own SIGINT handler) or a ``SystemExit`` from a signal handler of this
+process is not the subject's: it stops the run
+(:func:`~zephon.jobs.worker.raised_by_signal` tells them apart). No timeout can be enforced here, which is why
 :func:`~zephon.options.resolve_backend` never picks this backend when one is set.
 """
 
@@ -13,6 +17,7 @@ import time
 from typing import Any, Iterable, Iterator
 
 from zephon.jobs.process import Outcome
+from zephon.jobs.worker import raised_by_signal
 
 __all__ = ["SerialBackend"]
 
@@ -39,7 +44,9 @@ class SerialBackend:
             start = clock()
             try:
                 value = fn(subject)
-            except Exception as exc:  # noqa: BLE001 - the subject's failure; Ctrl-C is not one
+            except (Exception, SystemExit, KeyboardInterrupt) as exc:
+                if not isinstance(exc, Exception) and raised_by_signal(exc):
+                    raise  # a Ctrl-C (or a signal handler's exit): it stops the run
                 kind = "oom" if isinstance(exc, MemoryError) else "error"
                 yield Outcome(index, False, None, exc, clock() - start, kind)
                 continue

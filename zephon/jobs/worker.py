@@ -25,6 +25,13 @@ exits (of SIGTERM, in the second case). A subject that installs its own
 SIGTERM handler replaces that clean-up; the parent's SIGKILL to the group
 after the grace still ends the group.
 
+Whatever a subject raises is its failure, reported as itself: ``SystemExit``
+(``sys.exit(5)``, its code kept) and ``KeyboardInterrupt`` raised by its own
+code included (the worker ignores Ctrl-C: it is the parent's to handle), and the
+worker goes on, its ``setup()`` kept, as after any other failure. One that a
+signal handler raised (a subject's SIGTERM handler calling ``sys.exit``:
+:func:`raised_by_signal`) ends the worker instead: it is being stopped.
+
 Messages (headers on a :mod:`zephon.transport.channel` socketpair; subjects,
 values and exceptions travel as pickle protocol 5 frames):
 
@@ -55,6 +62,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import threading
 import time
 
 from zephon.errors import SerializationError, ZephonConfigError
@@ -65,7 +73,8 @@ from zephon.transport.supervisor import MsgKind, lead_process_tree
 from zephon.transport.threads import ComputeThreads
 from zephon.transport.tree import descendants, end_descendants
 
-__all__ = ["job_worker_main", "pickle_value", "unpicklable_value_error", "unpickle_value"]
+__all__ = ["job_worker_main", "pickle_value", "raised_by_signal", "unpicklable_value_error",
+           "unpickle_value"]
 
 _TERM = {signal.SIGTERM}
 
@@ -78,6 +87,41 @@ def pickle_value(value) -> list:
 
 def unpickle_value(frames: list):
     return pickle.loads(frames[0], buffers=frames[1:])
+
+
+def raised_by_signal(exc: BaseException) -> bool:
+    """Whether ``exc`` (a ``SystemExit`` or ``KeyboardInterrupt`` out of a subject) came
+    from a signal rather than from the subject's own code: a Python signal handler
+    installed in this process raised it (its frame is in the traceback: a SIGTERM
+    handler calling ``sys.exit``, the run's Ctrl-C guard), or it is a KeyboardInterrupt
+    in the main thread under Python's own SIGINT handler (a C function: no frame; it
+    cannot be told from a ``raise``, so it counts as a Ctrl-C). One raised by the
+    subject's own code is the subject's failure, on every backend.
+
+    Example:
+        >>> try:
+        ...     raise SystemExit(5)
+        ... except SystemExit as exc:
+        ...     raised_by_signal(exc)
+        False
+    """
+    handlers = set()
+    for signum in signal.valid_signals():
+        try:
+            handler = signal.getsignal(signum)
+        except (ValueError, OSError):
+            continue
+        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+        if code is not None:
+            handlers.add(code)
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in handlers:
+            return True
+        tb = tb.tb_next
+    return isinstance(exc, KeyboardInterrupt) and \
+        threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def unpicklable_value_error(subject, value, error: Exception) -> SerializationError:
@@ -183,8 +227,10 @@ def job_worker_main(channel, boot: dict) -> None:
             channel.send({"k": MsgKind.STARTED, "id": task_id, "t": start})
             try:
                 value = fn(subject)
-            except Exception as exc:  # noqa: BLE001 - the subject's failure, not ours
-                _end_escaped(grace, kept)
+            except (Exception, SystemExit, KeyboardInterrupt) as exc:
+                if not isinstance(exc, Exception) and raised_by_signal(exc):
+                    raise  # a signal handler's (a subject's SIGTERM one): the worker ends
+                _end_escaped(grace, kept)  # the subject's failure, not ours
                 _report(channel, task_id, start, exc=exc)
                 continue
             _end_escaped(grace, kept)

@@ -66,8 +66,13 @@ interpreter exit). :class:`InterruptGuard` (main thread; it changes nothing
 where Python's own SIGINT handler is not installed) lets the first Ctrl-C inside
 it raise ``KeyboardInterrupt`` as usual, so an owner can switch from its
 graceful stop to :func:`kill_children`, and holds every later one until the
-block ends, so that switch is never cut short in turn. Guards nest: an inner
-guard under an outer one changes nothing.
+block ends, so that switch is never cut short in turn. Guards nest: the
+innermost decides, an inner guard holds where its outer one holds, and what it
+held goes to the outer one. A stop whose guard takes held Ctrl-Cs
+(``take_held``) is cut short by a Ctrl-C that an outer guard held before the stop
+began (:meth:`InterruptGuard.arm`): an owner that guards a whole loop holds a
+second Ctrl-C that lands between the first one's raise and its stop, and the
+stop then kills at once instead of the second being lost or skipping the stop.
 
 Shutdown policy
 ---------------
@@ -596,12 +601,21 @@ class InterruptGuard:
     typically that KeyboardInterrupt, is on its way already).
 
     Only in the main thread, and only over Python's own SIGINT handler: a program that
-    installed its own handler keeps it, and an inner guard under an outer one (whose
-    handler is installed) changes nothing. Not re-entrant: one ``with`` per guard.
+    installed its own handler keeps it. Guards nest (one handler serves them all, the
+    innermost guard decides): an inner guard holds where its outer one holds (the
+    first Ctrl-C of the outer block was raised already), unless ``take_held``; when it
+    ends, what it held goes to the outer guard, and a Ctrl-C it held while the outer one
+    did not hold yet is raised then (the outer one holds from then on). Not re-entrant:
+    one ``with`` per guard.
 
     Args:
         hold: hold from the start (no Ctrl-C raises inside the block).
-        raise_held: raise held Ctrl-Cs when the block ends without an exception.
+        raise_held: raise held Ctrl-Cs when the block ends without an exception (an
+            outermost guard only).
+        take_held: for a stop that a second Ctrl-C cuts short: once the block calls
+            :meth:`arm`, its first Ctrl-C raises even where an outer guard holds, and one
+            that an outer guard held before the block began counts as that first one
+            (:meth:`arm` raises it).
 
     Example:
         >>> with InterruptGuard(hold=True) as guard:
@@ -610,34 +624,105 @@ class InterruptGuard:
         0
     """
 
-    def __init__(self, *, hold: bool = False, raise_held: bool = True) -> None:
-        self.holding, self.raise_held = hold, raise_held
+    def __init__(self, *, hold: bool = False, raise_held: bool = True,
+                 take_held: bool = False) -> None:
+        self.holding, self.raise_held, self.take_held = hold, raise_held, take_held
         self.held = 0
+        self.raised = False  # a Ctrl-C of this block was raised
+        self._due = False  # a Ctrl-C taken from an outer guard, for arm() to raise
         self._previous: Any = None
+        self._active = False
 
     def hold(self) -> None:
         """From now on hold every Ctrl-C until the block ends."""
         self.holding = True
 
-    def _on_sigint(self, signum, frame) -> None:
+    def arm(self) -> None:
+        """From now on let the first Ctrl-C raise; raise ``KeyboardInterrupt`` at once when
+        one is held already (by this block, or taken from an outer guard with
+        ``take_held``). Nothing changes once a Ctrl-C of this block was raised."""
+        if self.raised:
+            return
+        if self.held or self._due:
+            if self._due:
+                self._due = False
+            else:
+                self.held -= 1
+            self.holding = self.raised = True
+            raise KeyboardInterrupt
+        self.holding = False
+
+    def _on_sigint(self) -> None:
         if self.holding:
             self.held += 1
             return
-        self.holding = True
+        self.holding = self.raised = True
         raise KeyboardInterrupt
 
     def __enter__(self) -> "InterruptGuard":
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        current = signal.getsignal(signal.SIGINT)
+        if current is _guards_on_sigint and _guards:
+            outer = _guards[-1]
+            if self.take_held:
+                self._due = _take_held()
+            else:
+                self.holding = self.holding or outer.holding
+            _guards.append(self)
+            self._active = True
+        elif current is signal.default_int_handler:
+            _guards.append(self)
+            self._active = True
+            self._previous = signal.signal(signal.SIGINT, _guards_on_sigint)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._previous is not None:
+        if not self._active:
+            return
+        self._active = False
+        if _guards and _guards[-1] is self:
+            _guards.pop()
+        elif self in _guards:  # (not left in order: still the innermost's rules)
+            _guards.remove(self)
+        held, self._due = self.held + self._due, False
+        if self._previous is not None:  # the outermost guard
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
-            if self.held and exc_type is None and self.raise_held:
+            if held and exc_type is None and self.raise_held:
                 raise KeyboardInterrupt
+            return
+        if not _guards:
+            return
+        outer = _guards[-1]
+        if self.raised:
+            outer.holding = outer.raised = True
+        elif held and exc_type is None and not outer.holding:
+            outer.holding = outer.raised = True
+            outer.held += held - 1
+            raise KeyboardInterrupt
+        outer.held += held
+
+
+#: The guards in force, outermost first (main thread only): the innermost one decides.
+_guards: list[InterruptGuard] = []
+
+
+def _guards_on_sigint(signum, frame) -> None:
+    """The SIGINT handler while a guard is in force."""
+    if _guards:
+        _guards[-1]._on_sigint()
+    else:  # (every guard left without restoring: behave as Python's own)
+        raise KeyboardInterrupt
+
+
+def _take_held() -> bool:
+    """Take one Ctrl-C held by a guard in force (the innermost holding one)."""
+    for guard in reversed(_guards):
+        if guard.held:
+            guard.held -= 1
+            return True
+    return False
 
 
 def _pid_alive(pid: int) -> bool:
