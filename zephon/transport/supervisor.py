@@ -88,6 +88,7 @@ and the jobs backend is a named constant here.
 
 from __future__ import annotations
 
+import _signal  # type: ignore[import-not-found]  # the C module under signal
 import dataclasses
 import os
 import pickle
@@ -617,6 +618,11 @@ class InterruptGuard:
             that an outer guard held before the block began counts as that first one
             (:meth:`arm` raises it).
 
+    A guard kept in force across many short blocks (a run's iterator: each step is a
+    block, the caller's code between them is not) costs one handler install, not one
+    per block: :meth:`pause` makes it behave as Python's own handler (every Ctrl-C
+    raises) and :meth:`resume` starts a fresh block (nothing held, nothing raised).
+
     Example:
         >>> with InterruptGuard(hold=True) as guard:
         ...     pass  # a Ctrl-C here would be raised as the block ends
@@ -632,6 +638,22 @@ class InterruptGuard:
         self._due = False  # a Ctrl-C taken from an outer guard, for arm() to raise
         self._previous: Any = None
         self._active = False
+        self.paused = False
+
+    def pause(self) -> None:
+        """Between blocks: every Ctrl-C raises, as under Python's own handler."""
+        self.paused = True
+
+    def resume(self) -> None:
+        """Start a fresh block: the first Ctrl-C raises, later ones are held."""
+        self.paused = self.holding = self.raised = False
+        self.held = 0
+
+    @property
+    def in_force(self) -> bool:
+        """True while this guard's handler is the one Python calls on SIGINT."""
+        # _signal's getsignal: signal.getsignal converts to an enum, 4 us a call
+        return self._active and _signal.getsignal(signal.SIGINT) is _guards_on_sigint
 
     def hold(self) -> None:
         """From now on hold every Ctrl-C until the block ends."""
@@ -653,6 +675,8 @@ class InterruptGuard:
         self.holding = False
 
     def _on_sigint(self) -> None:
+        if self.paused:
+            raise KeyboardInterrupt
         if self.holding:
             self.held += 1
             return
@@ -687,7 +711,8 @@ class InterruptGuard:
             _guards.remove(self)
         held, self._due = self.held + self._due, False
         if self._previous is not None:  # the outermost guard
-            signal.signal(signal.SIGINT, self._previous)
+            if signal.getsignal(signal.SIGINT) is _guards_on_sigint:  # not replaced since
+                signal.signal(signal.SIGINT, self._previous)
             self._previous = None
             if held and exc_type is None and self.raise_held:
                 raise KeyboardInterrupt
