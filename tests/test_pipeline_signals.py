@@ -10,6 +10,7 @@ Each test prints how long the workers took to be gone after the first SIGINT (``
 from __future__ import annotations
 
 import glob
+import json
 import os
 import select
 import signal
@@ -240,3 +241,105 @@ def test_a_second_ctrl_c_cuts_a_graceful_stop_short(run_script, tmp_path, monkey
     assert err.count("Traceback") == 1, err
     assert _wait_until(lambda: not _group_members(groups), GONE_S) is not None, \
         _group_members(groups)
+
+
+# -- two Ctrl-Cs at once while the consumer waits for a batch -------------------------------
+# The consumer (the main thread) waits in the hand-off from the pump thread most of the
+# time (each sample's op sleeps). The first KeyboardInterrupt cuts that wait short, the
+# second lands while the first unwinds. It broke the hand-off's lock (a threading.Condition
+# wait is left half done): RuntimeError("release unlocked lock") instead of the
+# KeyboardInterrupt, or close() deadlocked with the pump, the workers alive for good.
+
+CATCHING = textwrap.dedent("""
+    import multiprocessing, sys
+    sys.path.insert(0, {tests!r})
+    import _pipeline_fns as F
+    from zephon import Pipeline, RuntimeOptions, sources
+
+    def main():
+        pipe = (Pipeline(sources.from_sequence([0.3] * 100_000), chunk_size=4,
+                         shuffle=False)
+                .map(F.slow_identity, parallelism=2).batch(4)
+                .options(RuntimeOptions(runner="process", max_workers=2,
+                                        ipc_transport="pipe")))
+        it = iter(pipe)  # the workers start booting, the consumer waits for them
+        print("PIDS", *[p.pid for p in multiprocessing.active_children()], flush=True)
+        try:
+            for batch in it:
+                pass
+        except KeyboardInterrupt:
+            print("CAUGHT", flush=True)
+            sys.exit(42)
+
+    if __name__ == "__main__":
+        main()
+""")
+
+#: tries of :func:`test_two_ctrl_c_at_once_while_waiting_for_a_batch` (the race is a
+#: matter of timing: a few tries, each a few seconds)
+TRIES = 6
+
+
+def test_two_ctrl_c_at_once_while_waiting_for_a_batch(run_script, tmp_path):
+    (tmp_path / "catching.py").write_text(CATCHING.format(tests=TESTS))
+    for attempt in range(TRIES):
+        proc, groups = run_script("catching.py")
+        workers = _read_pids(proc)
+        groups.update(workers)
+        time.sleep(0.1 * attempt)  # at another point of the wait each time
+        os.killpg(proc.pid, signal.SIGINT)
+        spin = time.perf_counter() + 0.00002 * (attempt % 3)  # 0 to 40 us apart
+        while time.perf_counter() < spin:
+            pass
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=HANG_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"try {attempt}: the script hung after two SIGINTs at once")
+        assert proc.returncode == 42 and "CAUGHT" in out, (attempt, proc.returncode, err)
+        assert "RuntimeError" not in err, err
+        left = _wait_until(lambda g=groups: not _group_members(g), GONE_S)
+        assert left is not None, _group_members(groups)
+        assert _segments(proc.pid) == []
+
+
+def test_ctrl_c_at_any_point_of_the_handoff_leaves_it_working():
+    """Deterministic: tests/_signal_handoff_storm.py interrupts the consumer's get() with
+    real SIGINTs and lands a second KeyboardInterrupt at each point, one after another,
+    where the interpreter handles a signal while the first unwinds (see its docstring)."""
+    script = os.path.join(TESTS, "_signal_handoff_storm.py")
+    try:
+        done = subprocess.run([sys.executable, script, "2"], capture_output=True,
+                              text=True, timeout=HANG_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the hand-off under a SIGINT storm hung")
+    assert done.returncode != 3, "get() stuck for good (the hand-off's lock left held)"
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, (done.returncode, done.stderr[-3000:])
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["problems"] == [], result
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert result["interrupts"] > 10 and result["taken"] > 100 and result["ordered"], result
+
+
+#: signal points swept by :func:`test_a_second_ctrl_c_at_any_point_of_the_stop_closes_the_run`:
+#: from the hand-off's get() through the iterator's close() into its stop (later points
+#: reach the threads executor's close, outside this file's scope)
+CLOSE_POINTS = (0, 44)
+
+
+def test_a_second_ctrl_c_at_any_point_of_the_stop_closes_the_run():
+    """Deterministic: tests/_signal_close_sweep.py lands a second KeyboardInterrupt at
+    each signal point after the first one out of next(), one run per point. It broke the
+    hand-off's lock (a hang), or left the run open with its pump running."""
+    script = os.path.join(TESTS, "_signal_close_sweep.py")
+    try:
+        done = subprocess.run([sys.executable, script, *map(str, CLOSE_POINTS)],
+                              capture_output=True, text=True, timeout=HANG_S * 2)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a pipeline's stop hung after a second KeyboardInterrupt")
+    assert done.returncode != 3, "a run hung for good (a lock left held)"
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, (done.returncode, done.stderr[-3000:])
+    assert json.loads(lines[-1][len("RESULT "):]) == {}, lines[-1]
+    assert done.returncode == 0, done.stderr[-3000:]

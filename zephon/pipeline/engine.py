@@ -505,9 +505,12 @@ class Engine:
     def close(self) -> None:
         """Stop the controller, the statistics and every executor (its workers): all of
         them, even when a Ctrl-C cuts one short (see :func:`stop_each`)."""
-        executors, self.executors = list(self.executors.values()), {}
+        # forgotten only once all are closed: a Ctrl-C landing before one was (it is
+        # raised at the next call) leaves them to the next close() (each is idempotent)
+        executors = list(self.executors.values())
         stop_each([s.close for s in (self.tuner, self.stats) if s is not None] +
                   [functools.partial(_close_executor, ex) for ex in executors])
+        self.executors = {}
 
 
 def _close_executor(ex) -> None:

@@ -109,6 +109,24 @@ class _Failure:
         self.error = error
 
 
+#: the longest a side of a :class:`Handoff` waits before it looks again: a wake-up lost to
+#: a Ctrl-C that cut the other side short costs at most this
+_RECHECK_S = 0.25
+
+
+def _signal() -> threading.Lock:
+    """A wake-up signal: a lock held while not signalled (see :class:`Handoff`)."""
+    sig = threading.Lock()
+    sig.acquire()
+    return sig
+
+
+def _wake(sig: threading.Lock) -> None:
+    """Signal ``sig`` (under the hand-off's lock, so that it is never released twice)."""
+    if sig.locked():
+        sig.release()
+
+
 class Handoff:
     """The bounded hand-off from the pump thread to the consumer: at most ``depth`` items
     and, with ``byte_limit``, at most that many bytes of them (an empty hand-off admits
@@ -124,6 +142,18 @@ class Handoff:
     :class:`HandoffClosed`. What every prefetching thread of zephon hands over through
     (the pipeline's pump, the torch loader's pinning thread).
 
+    Ctrl-C: the consumer is typically the main thread, where a ``KeyboardInterrupt``
+    (a second or third one too, while the first unwinds) may be raised at any bytecode.
+    So no side ever blocks while holding the hand-off's lock: it is a plain
+    ``threading.Lock`` taken only by ``with`` (never left held by an exception) around
+    short sections that do not wait. A side waits outside it, in one C call, on a
+    wake-up signal of its own (a lock the other side releases; an interrupted wait
+    leaves nothing half-acquired, unlike ``threading.Condition.wait``), and looks again
+    at least every :data:`_RECHECK_S` seconds, so that a wake-up lost to an interrupt
+    delays it at most that long. ``close()`` thus never waits on a lock held for long.
+    An interrupt inside ``get`` may drop the item it was taking (the caller gets the
+    ``KeyboardInterrupt`` instead; the pipeline closes its run then); nothing else.
+
     Example::
 
         h = Handoff(depth=8, byte_limit=64 << 20)
@@ -132,15 +162,14 @@ class Handoff:
         item = h.get()        # consumer
     """
 
-    __slots__ = ("_getters", "_items", "_not_empty", "_not_full", "_putters", "closed",
-                 "depth", "limit", "used")
+    __slots__ = ("_getters", "_has_items", "_has_room", "_items", "_lock", "_putters",
+                 "closed", "depth", "limit", "used")
 
     def __init__(self, depth: int, byte_limit: int | None = None) -> None:
         self._items: collections.deque = collections.deque()
-        lock = threading.Lock()
-        self._not_empty = threading.Condition(lock)
-        self._not_full = threading.Condition(lock)
-        self._getters = self._putters = 0  # threads waiting on each condition
+        self._lock = threading.Lock()  # short sections only: nobody waits holding it
+        self._has_items, self._has_room = _signal(), _signal()
+        self._getters = self._putters = 0  # threads waiting on each signal
         self.depth, self.limit, self.used = max(1, int(depth)), byte_limit, 0
         self.closed = False
 
@@ -151,20 +180,25 @@ class Handoff:
     def put(self, item, nbytes: int = 0) -> bool:
         """Add ``item`` (of ``nbytes``), waiting while the hand-off is full; False if it
         was closed (the consumer is gone)."""
-        with self._not_full:
-            while not self.closed and self._full(nbytes):
+        lock = self._lock
+        while True:
+            with lock:
+                if self.closed:
+                    if self._putters:  # the next waiting producer sees it too
+                        _wake(self._has_room)
+                    return False
+                if not self._full(nbytes):
+                    self._items.append((item, nbytes))
+                    self.used += nbytes
+                    if self._getters:
+                        _wake(self._has_items)
+                    return True
                 self._putters += 1
-                try:
-                    self._not_full.wait()
-                finally:
+            try:
+                self._has_room.acquire(timeout=_RECHECK_S)
+            finally:
+                with lock:
                     self._putters -= 1
-            if self.closed:
-                return False
-            self._items.append((item, nbytes))
-            self.used += nbytes
-            if self._getters:
-                self._not_empty.notify()
-        return True
 
     def finish(self) -> bool:
         """End the stream: ``get`` raises ``StopIteration`` after the items before."""
@@ -177,21 +211,30 @@ class Handoff:
     def get(self):
         """The oldest item, waiting while there is none (see :meth:`finish`, :meth:`fail`
         and :meth:`close` for the ends)."""
-        with self._not_empty:
-            while not self._items:
+        lock = self._lock
+        while True:
+            with lock:
+                items = self._items
+                if items:
+                    item, nbytes = items.popleft()
+                    self.used = self.used - nbytes if items else 0
+                    if self._putters and (not items or (
+                            len(items) <= self.depth // 2
+                            and (self.limit is None or self.used <= self.limit // 2))):
+                        _wake(self._has_room)
+                    if items and self._getters:  # another consumer waits: its turn
+                        _wake(self._has_items)
+                    break
                 if self.closed:
+                    if self._getters:  # the next waiting consumer sees it too
+                        _wake(self._has_items)
                     raise HandoffClosed
                 self._getters += 1
-                try:
-                    self._not_empty.wait()
-                finally:
+            try:
+                self._has_items.acquire(timeout=_RECHECK_S)
+            finally:
+                with lock:
                     self._getters -= 1
-            item, nbytes = self._items.popleft()
-            self.used -= nbytes
-            if self._putters and (not self._items or (
-                    len(self._items) <= self.depth // 2
-                    and (self.limit is None or self.used <= self.limit // 2))):
-                self._not_full.notify()
         if item is _END:
             raise StopIteration
         if type(item) is _Failure:
@@ -200,12 +243,12 @@ class Handoff:
 
     def close(self) -> None:
         """Drop what waits and wake every side for good."""
-        with self._not_empty:
-            self.closed = True
+        self.closed = True  # a waiting side sees it at its next look, woken or not
+        with self._lock:  # short sections only (see the class docstring)
             dropped, self._items = self._items, collections.deque()
             self.used = 0
-            self._not_empty.notify_all()
-            self._not_full.notify_all()
+            _wake(self._has_items)
+            _wake(self._has_room)
         dropped.clear()  # outside the lock: an item's finalizers may run arbitrary code
 
 
@@ -380,8 +423,11 @@ class PipelineIterator:
             self._finished()
             raise
         except BaseException as exc:
-            self.close()
-            self._closed_by = f"the {type(exc).__name__} its run raised"
+            try:
+                self._closed_by = f"the {type(exc).__name__} its run raised"
+                self.close()
+            finally:  # also when a second Ctrl-C lands before the stop holds them
+                self._close_after_interrupt()
             raise
         states = self.record.states
         states[stamp[0]] = stamp[1]
@@ -394,6 +440,18 @@ class PipelineIterator:
         if tuner is not None:  # the autotune controller's signal of the same wait
             tuner.waited(time.perf_counter() - called)
         return value
+
+    def _close_after_interrupt(self) -> None:
+        """Close the run if a Ctrl-C (typically a second one, landing before the stop
+        holds them: it then replaces the first on its way out) kept :meth:`close` from
+        starting the stop, so that no worker is left running behind the caller's
+        ``except KeyboardInterrupt``. Called where that one was caught: nothing runs
+        between."""
+        while not self.closed and os.getpid() == self._pid:
+            try:
+                self._close(raise_held=False)
+            except KeyboardInterrupt:  # one more, before the stop held them
+                pass
 
     def _refuse(self) -> NoReturn:
         """``next()`` on a closed run: the end of the stream again if it was reached (an
@@ -636,10 +694,20 @@ class PipelineIterator:
 
     def _stop(self) -> None:
         self.closed = True
+        steps = [self._forget, self._stop_engine, self._stop_remote, self._join_pump]
+        try:
+            stop_each(steps)
+        except KeyboardInterrupt:
+            # the one Ctrl-C the guard lets through may have landed before a step began
+            # (it is raised at the next call or loop): the steps are idempotent, and the
+            # guard holds every later Ctrl-C, so this pass runs the whole stop
+            stop_each(steps)
+            raise
+
+    def _forget(self) -> None:
         _live.discard(self)
         if self.handoff is not None:  # the pump's next put() answers False: it ends
             self.handoff.close()
-        stop_each([self._stop_engine, self._stop_remote, self._join_pump])
 
     def _stop_engine(self) -> None:
         if self.engine is not None:
