@@ -549,7 +549,9 @@ class _Guarded(Iterator[SubjectResult]):
         return self
 
     def __next__(self) -> SubjectResult:
-        guard = self._step_guard()
+        guard = self._guard
+        if guard is None or not guard.renew():
+            guard = self._step_guard()
         try:
             result = next(self._steps)
         except BaseException as exc:  # the run ended (StopIteration) or failed: let go

@@ -649,6 +649,16 @@ class InterruptGuard:
         self.paused = self.holding = self.raised = False
         self.held = 0
 
+    def renew(self) -> bool:
+        """:meth:`resume` if this guard is still :attr:`in_force` (one call per step of
+        a run: a step costs this, not a handler install); False (nothing changed) if
+        not."""
+        if not self._active or _signal.getsignal(signal.SIGINT) is not _guards_on_sigint:
+            return False
+        self.paused = self.holding = self.raised = False
+        self.held = 0
+        return True
+
     @property
     def in_force(self) -> bool:
         """True while this guard's handler is the one Python calls on SIGINT."""
