@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -10,6 +11,25 @@ from collections.abc import Iterable
 #: How long a test waits for something that should happen at once before it fails (a
 #: hang guard on a shared, loaded machine, never a measure of speed).
 HANG_S = 60.0
+
+
+def live_processes() -> list[tuple[int, int, int, str]]:
+    """(pid, process group, session, command line) of every live, non-zombie process
+    (Linux /proc; one that vanishes while it is read is left out)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, ProcessLookupError):
+            continue
+        if fields[0] != "Z":
+            out.append((int(entry), int(fields[2]), int(fields[3]), cmd))
+    return out
 
 
 def alive(pid: int) -> bool:

@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from _procs import HANG_S, alive
+from _procs import HANG_S, alive, live_processes
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(TESTS, "_jobs_signal_run.py")
@@ -41,21 +41,7 @@ GONE_S = 10.0
 
 def session_members(sid: int) -> list[tuple[int, str]]:
     """(pid, command line) of every live, non-zombie process of session ``sid``."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        state, session = fields[0], int(fields[3])
-        if session == sid and state != "Z":
-            out.append((int(entry), cmd.strip()))
-    return out
+    return [(pid, cmd) for pid, _, session, cmd in live_processes() if session == sid]
 
 
 def session_gone(sid: int, timeout: float) -> list[tuple[int, str]]:

@@ -20,7 +20,7 @@ import textwrap
 import time
 
 import pytest
-from _procs import HANG_S
+from _procs import HANG_S, live_processes
 from _procs import alive as _alive
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -66,18 +66,7 @@ def alive(pid: int) -> bool:
 
 def _group_members(pgids: set[int]) -> list[int]:
     """Live processes (zombies excluded) whose process group is one of ``pgids``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) in pgids:
-            found.append(int(entry))
-    return found
+    return [pid for pid, group, _, _ in live_processes() if group in pgids]
 
 
 def _segments(pid: int) -> list[str]:
