@@ -18,32 +18,23 @@ from __future__ import annotations
 
 import collections
 import re
-import socket
-import threading
+
+from _s3_server import TcpProxy, _close
 
 _REQUEST = re.compile(rb"(GET|HEAD|PUT|POST|DELETE) (/[^ ?]*)[^ ]* HTTP/1\.[01]\r\n")
 BIT = 0x10
 
 
-class BitFlipProxy:
+class BitFlipProxy(TcpProxy):
     def __init__(self, upstream_port: int) -> None:
-        self.upstream = upstream_port
-        self.lock = threading.Lock()
         self.rules: dict[str, list[int]] = {}  # key -> [times left, skips left]
-        self.requests: list[tuple[str, str]] = []
         self.etag_rules: dict[tuple[str, str], list[int]] = {}  # (method, key) -> same
         self.flipped = 0
         self.etags_altered = 0
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.closed = False
-        self.conns: list[socket.socket] = []
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
+        super().__init__(upstream_port)
+
+    def _new_state(self) -> collections.deque:
+        return collections.deque()  # (method, action) per request, in order
 
     # -- rules ---------------------------------------------------------------------------
     def flip(self, key: str, times: int = 1, skip: int = 0) -> None:
@@ -82,36 +73,11 @@ class BitFlipProxy:
             if method != "GET":
                 return False
             for key, rule in self.rules.items():
-                if not path.endswith("/" + key):
-                    continue
-                if rule[1] > 0:
-                    rule[1] -= 1
-                    return False
-                if rule[0] > 0:
-                    rule[0] -= 1
-                    return True
+                if path.endswith("/" + key):
+                    return _take(rule)
             return False
 
-    # -- plumbing ------------------------------------------------------------------------
-    def _accept(self) -> None:
-        while not self.closed:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream))
-            except OSError:
-                client.close()
-                continue
-            with self.lock:
-                self.conns += [client, upstream]
-            pending: collections.deque = collections.deque()  # (method, flip?) per request
-            threading.Thread(target=self._up, args=(client, upstream, pending),
-                             daemon=True).start()
-            threading.Thread(target=self._down, args=(upstream, client, pending),
-                             daemon=True).start()
-
+    # -- plumbing: TcpProxy's, and the two directions -------------------------------------
     def _up(self, client, upstream, pending) -> None:
         try:
             while True:
@@ -169,13 +135,6 @@ class BitFlipProxy:
         finally:
             _close(client, upstream)
 
-    def close(self) -> None:
-        self.closed = True
-        self.sock.close()
-        with self.lock:
-            for conn in self.conns:
-                _close(conn)
-
 
 def _take(rule: list[int]) -> bool:
     """Count one response against ``[times left, skips left]``: True when it is altered."""
@@ -216,15 +175,3 @@ def _pipe(src, dst) -> None:
         if not data:
             return
         dst.sendall(data)
-
-
-def _close(*socks) -> None:
-    for s in socks:
-        try:
-            s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        try:
-            s.close()
-        except OSError:
-            pass

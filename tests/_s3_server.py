@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -77,15 +78,15 @@ def storage_options(endpoint: str) -> dict:
             "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
 
 
-class FaultProxy:
-    """``127.0.0.1:port`` -> the server. ``cut(key, after, times)``: the next ``times``
-    responses to a GET of ``key`` are cut after ``after`` bytes; ``stall(key, s,
-    times)``: held ``s`` seconds before the first byte. ``requests``: every
-    (method, path) seen."""
+class TcpProxy:
+    """``127.0.0.1:port`` -> the server, one pair of threads per connection: ``_up``
+    (client to server) and ``_down`` (server to client), which subclasses write, sharing
+    the state :meth:`_new_state` makes for the connection. ``requests``: every
+    (method, path) a subclass records. :meth:`close` closes the listening socket, then
+    every connection."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream = upstream_port
-        self.rules: dict[str, list] = {}
         self.requests: list[tuple[str, str]] = []
         self.lock = threading.Lock()
         self.sock = socket.socket()
@@ -98,6 +99,53 @@ class FaultProxy:
         self.conns: list[socket.socket] = []
         self.thread = threading.Thread(target=self._accept, daemon=True)
         self.thread.start()
+
+    def _new_state(self) -> Any:
+        return {}
+
+    def _up(self, client, upstream, state) -> None:
+        raise NotImplementedError
+
+    def _down(self, upstream, client, state) -> None:
+        raise NotImplementedError
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                self.conns += [client, upstream]
+            state = self._new_state()
+            threading.Thread(target=self._up, args=(client, upstream, state), daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, client, state),
+                             daemon=True).start()
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+        with self.lock:
+            for conn in self.conns:
+                _close(conn)
+
+
+class FaultProxy(TcpProxy):
+    """A :class:`TcpProxy` that hurts chosen responses. ``cut(key, after, times)``: the
+    next ``times`` responses to a GET of ``key`` are cut after ``after`` bytes;
+    ``stall(key, s, times)``: held ``s`` seconds before the first byte."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.rules: dict[str, list] = {}
+        super().__init__(upstream_port)
+
+    def _new_state(self) -> Any:
+        return {"rule": None}
 
     def cut(self, key: str, after: int, times: int = 1, skip: int = 0) -> None:
         with self.lock:
@@ -126,24 +174,6 @@ class FaultProxy:
     def gets(self, key: str) -> int:
         with self.lock:
             return sum(1 for m, p in self.requests if m == "GET" and p.endswith("/" + key))
-
-    def _accept(self) -> None:
-        while not self.closed:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream))
-            except OSError:
-                client.close()
-                continue
-            with self.lock:
-                self.conns += [client, upstream]
-            state = {"rule": None}
-            threading.Thread(target=self._up, args=(client, upstream, state), daemon=True).start()
-            threading.Thread(target=self._down, args=(upstream, client, state),
-                             daemon=True).start()
 
     def _up(self, client, upstream, state) -> None:
         try:
@@ -206,13 +236,6 @@ class FaultProxy:
             pass
         finally:
             _close(client, upstream)
-
-    def close(self) -> None:
-        self.closed = True
-        self.sock.close()
-        with self.lock:
-            for conn in self.conns:
-                _close(conn)
 
 
 def _error_response(status: int, code: str) -> bytes:
