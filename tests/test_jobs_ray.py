@@ -323,10 +323,14 @@ def test_short_subjects_are_batched_without_changing_results(tmp_path, on_ray):
     assert r.backend.stats["batched_calls"] > 0  # the later calls carried several subjects
     subs = subjects(tmp_path, 300, "ok")
     subs[250]["action"] = "raise"
-    r, out = go(J.work, subs, on_ray, workers=2, resume=False, auto_retry_rounds=0)
+    r, out = go(J.work, subs, on_ray, workers=2, resume=False, auto_retry_rounds=0,
+                persistent_worker_max_consecutive_failures=1)  # one failure restarts it
     assert [x.ok for x in out] == [i != 250 for i in range(300)]
     assert isinstance(out[250].error, ValueError)
     assert r.summary["restarts"] == 1 and r.summary["workers_started"] == 3
+    r, out = go(J.work, subs, on_ray, workers=2, resume=False, auto_retry_rounds=0)
+    assert [x.ok for x in out] == [i != 250 for i in range(300)]
+    assert "restarts" not in r.summary and r.summary["workers_started"] == 2  # default 10
 
 
 @pytest.mark.ci
