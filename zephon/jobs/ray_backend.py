@@ -361,46 +361,67 @@ class RayBackend:
         for resources) -> ``starting`` (``setup()`` runs, bounded by the spawn timeout) ->
         ``idle``. A failed setup raises; so does a run where no actor at all became ready
         within the spawn timeout."""
-        ray, timeout = self.ray, self.policy.subject_spawn_timeout_sec
+        timeout = self.policy.subject_spawn_timeout_sec
         starting = [a for a in self.actors if a.state in ("placing", "starting")]
         if not starting:
             return
         refs = [a.ready_ref for a in starting]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
         done = set(done)
         now = time.monotonic()
         for actor in starting:
-            if actor.ready_ref not in done:
-                if actor.state == "starting" and timeout is not None and \
-                        actor.placed_at is not None and now - actor.placed_at > timeout:
-                    self._retire(actor)
-                    raise JobSetupError(
-                        f"a Ray job worker did not become ready within {timeout} s "
-                        "(subject_spawn_timeout_sec) after Ray placed it: its setup() hangs")
-                continue
-            try:
-                answer = ray.get(actor.ready_ref)
-            except ray.exceptions.RayActorError as exc:
-                if actor.state == "placing" and isinstance(
-                        getattr(exc, "cause", None), BaseException) and not isinstance(
-                        exc.cause, ray.exceptions.RayError):
-                    raise JobSetupError(
-                        f"a Ray job worker could not load the callable: {exc.cause}") from exc
-                if self._node_alive(exc, actor):
-                    raise JobSetupError(f"a Ray job worker could not start: {exc}") from exc
-                self._retire(actor)  # its node went away: a replacement is started
-                continue
-            except ray.exceptions.RayTaskError as exc:
-                cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-                raise JobSetupError(
-                    f"a Ray job worker could not set up the callable: "
-                    f"{type(cause).__name__}: {cause}") from cause
-            if actor.state == "placing":
-                actor.state, actor.placed_at = "starting", now
-                actor.ready_ref = actor.handle.ready.remote(self.gpu)
+            if actor.ready_ref in done:
+                self._ready(actor, now)
             else:
-                actor.pid, actor.node = answer
-                actor.state = "idle"
+                self._check_setup_time(actor, now, timeout)
+        self._check_placing(now, timeout)
+
+    def _check_setup_time(self, actor: _Actor, now: float, timeout: float | None) -> None:
+        """Raise when ``actor``'s ``setup()`` has run past the spawn timeout since Ray
+        placed it (an actor still waiting for resources is :meth:`_check_placing`'s)."""
+        if actor.state == "starting" and timeout is not None and \
+                actor.placed_at is not None and now - actor.placed_at > timeout:
+            self._retire(actor)
+            raise JobSetupError(
+                f"a Ray job worker did not become ready within {timeout} s "
+                "(subject_spawn_timeout_sec) after Ray placed it: its setup() hangs")
+
+    def _ready(self, actor: _Actor, now: float) -> None:
+        """One step of an actor whose ready call returned: a placed actor starts its
+        ``setup()``, a set-up one becomes idle; a failed step raises, or retires the
+        actor when its node went away (a replacement is started)."""
+        ray = self.ray
+        try:
+            answer = ray.get(actor.ready_ref)
+        except ray.exceptions.RayActorError as exc:
+            self._start_failed(actor, exc)
+            self._retire(actor)  # its node went away: a replacement is started
+            return
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            raise JobSetupError(
+                f"a Ray job worker could not set up the callable: "
+                f"{type(cause).__name__}: {cause}") from cause
+        if actor.state == "placing":
+            actor.state, actor.placed_at = "starting", now
+            actor.ready_ref = actor.handle.ready.remote(self.gpu)
+        else:
+            actor.pid, actor.node = answer
+            actor.state = "idle"
+
+    def _start_failed(self, actor: _Actor, exc) -> None:
+        """Raise for an actor that died starting, unless its node went away (then the
+        caller retires it)."""
+        cause = getattr(exc, "cause", None)
+        if actor.state == "placing" and isinstance(cause, BaseException) and \
+                not isinstance(cause, self.ray.exceptions.RayError):
+            raise JobSetupError(
+                f"a Ray job worker could not load the callable: {exc.cause}") from exc
+        if self._node_alive(exc, actor):
+            raise JobSetupError(f"a Ray job worker could not start: {exc}") from exc
+
+    def _check_placing(self, now: float, timeout: float | None) -> None:
+        """Raise when every actor has waited for resources past the spawn timeout."""
         placing = [a for a in self.actors if a.state == "placing"]
         if timeout is not None and placing and len(placing) == len(self.actors) and \
                 now - min(a.created for a in placing) > timeout:
@@ -466,39 +487,54 @@ class RayBackend:
         queue = collections.deque(items)
         singles: collections.deque = collections.deque()  # split batches, one per call
         while queue or singles or self.calls:
-            outstanding = len(queue) + len(singles) + sum(len(c.items)
-                                                          for c in self.calls.values())
             if self.persistent:
-                live = [a for a in self.actors if a.state != "gone"]
-                want = min(self.concurrency, outstanding)
-                spare = [a for a in live if a.state in ("placing", "starting")] + \
-                    [a for a in live if a.state == "idle"]  # keep warm actors first
-                for actor in spare[: max(0, len(live) - want)]:
-                    self._retire(actor)  # after an OOM back-off, or when work runs out
-                    live.remove(actor)
-                while len(live) < want:
-                    live.append(self._spawn())
+                self._size_actors(len(queue) + len(singles) + sum(
+                    len(c.items) for c in self.calls.values()))
                 self._check_starting()
-                for actor in [a for a in self.actors if a.state == "idle"]:
-                    if singles:
-                        batch = [singles.popleft()]
-                    elif queue:
-                        size = min(self._batch_size(len(queue)), len(queue))
-                        recycle = self.policy.persistent_worker_recycle_after_tasks
-                        if recycle:  # a batch never carries an actor past its recycle
-                            size = max(1, min(size, recycle - actor.successes))
-                        batch = [queue.popleft() for _ in range(size)]
-                    else:
-                        break
-                    refused = self._submit(batch, actor, singles)
-                    if refused is not None:
-                        yield refused
+                yield from self._feed_actors(queue, singles)
             else:
                 while (queue or singles) and len(self.calls) < self.concurrency:
                     refused = self._submit([(singles or queue).popleft()], None, singles)
                     if refused is not None:
                         yield refused
             yield from self._wait(singles)
+
+    def _size_actors(self, outstanding: int) -> None:
+        """Keep as many live actors as the concurrency and the ``outstanding`` items
+        need: retire the spare ones (those still starting first, so warm actors stay),
+        spawn the missing ones."""
+        live = [a for a in self.actors if a.state != "gone"]
+        want = min(self.concurrency, outstanding)
+        spare = [a for a in live if a.state in ("placing", "starting")] + \
+            [a for a in live if a.state == "idle"]  # keep warm actors first
+        for actor in spare[: max(0, len(live) - want)]:
+            self._retire(actor)  # after an OOM back-off, or when work runs out
+            live.remove(actor)
+        while len(live) < want:
+            live.append(self._spawn())
+
+    def _feed_actors(self, queue: collections.deque,
+                     singles: collections.deque) -> Iterator[Outcome]:
+        """Hand every idle actor its next batch (a split batch's item first); yields the
+        outcome of a subject Ray refused to serialize."""
+        for actor in [a for a in self.actors if a.state == "idle"]:
+            if singles:
+                batch = [singles.popleft()]
+            elif queue:
+                batch = [queue.popleft() for _ in range(self._take(actor, len(queue)))]
+            else:
+                break
+            refused = self._submit(batch, actor, singles)
+            if refused is not None:
+                yield refused
+
+    def _take(self, actor: _Actor, queued: int) -> int:
+        """How many of the ``queued`` items ``actor``'s next batch takes."""
+        size = min(self._batch_size(queued), queued)
+        recycle = self.policy.persistent_worker_recycle_after_tasks
+        if recycle:  # a batch never carries an actor past its recycle
+            size = max(1, min(size, recycle - actor.successes))
+        return size
 
     def _wait(self, singles) -> Iterator[Outcome]:
         ray = self.ray

@@ -115,7 +115,7 @@ any deallocation, even in the middle of an arena method on the same thread, so i
 only appends to a deque; the arena drains it under its lock.
 
 ``ZEPHON_WORKER_SHARED_HEAP=0`` in the worker's environment turns it off (then
-every result is copied into the arena, as before); so does a build without the
+every result is copied into the arena); so does a build without the
 compiled kernels.
 """
 
@@ -127,7 +127,7 @@ import logging
 import os
 import sys
 import weakref
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import numpy as np
 
@@ -267,7 +267,9 @@ def _chain_end(array: np.ndarray) -> Any:
 
 def _visit(node: Any, extra: int, depth: int, w: _Walk) -> Any:
     """The walk at ``node``, counted with ``extra`` references beyond its parent's:
-    ``node``'s replacement when settling and it is shared, else :data:`_SAME`."""
+    ``node``'s replacement when settling and it is shared, else :data:`_SAME`. The
+    common kinds (arrays, bytearrays, plain values, exact lists, tuples and dicts,
+    marked records) are decided here, dict subclasses in :func:`_visit_dict_subclass`."""
     t = type(node)
     if t is np.ndarray:
         if extra == w.holders and _chain_end(node) is not None:
@@ -279,15 +281,13 @@ def _visit(node: Any, extra: int, depth: int, w: _Walk) -> Any:
         return bytearray(node) if w.settling and extra != 0 else _SAME
     if depth >= MAX_SETTLE_DEPTH or t in _PLAIN:
         return _SAME
-    if t is list or t is tuple or t is dict or (isinstance(node, dict) and (
-            w.settling or getattr(t, WALK_ITEMS_MARKER, False) is True)):
-        if extra != 0 or weakref.getweakrefcount(node):  # (a dict subclass can have one)
-            return _copied(node, depth) if w.settling else _SAME
-        if t is not list and t is not tuple:
-            return _visit_dict(node, depth, w)
-        if _holds_nothing_to_settle(node):
-            return _SAME
-        return _visit_list(node, depth, w) if t is list else _visit_tuple(node, depth, w)
+    walk = _WALKERS.get(t)
+    if walk is not None:
+        if extra != 0 or weakref.getweakrefcount(node):
+            return _shared(node, depth, w)
+        return walk(node, depth, w)
+    if isinstance(node, dict):
+        return _visit_dict_subclass(node, extra, depth, w)
     if not w.settling and extra == 0 and getattr(t, WALK_MARKER, False) is True \
             and not weakref.getweakrefcount(node):
         extra = attr_refcount(node, "value") - BY_PARENT  # (before node.value is loaded)
@@ -295,7 +295,31 @@ def _visit(node: Any, extra: int, depth: int, w: _Walk) -> Any:
     return _SAME  # any other object (its __reduce__ could reach anything): as it is
 
 
+def _shared(node: Any, depth: int, w: _Walk) -> Any:
+    """A container something beyond its parent holds (or refers to weakly): copied with
+    everything under it when settling, else left out of the walk."""
+    return _copied(node, depth) if w.settling else _SAME
+
+
+def _visit_dict_subclass(node: Any, extra: int, depth: int, w: _Walk) -> Any:
+    """A dict subclass: walked as a dict when settling or when its class is marked with
+    :data:`WALK_ITEMS_MARKER` (copied when settling and shared); else as any other
+    object (a record's class marker is honoured as in :func:`_visit`)."""
+    t = type(node)
+    if w.settling or getattr(t, WALK_ITEMS_MARKER, False) is True:
+        if extra != 0 or weakref.getweakrefcount(node):  # (a dict subclass can have one)
+            return _shared(node, depth, w)
+        return _visit_dict(node, depth, w)
+    if extra == 0 and getattr(t, WALK_MARKER, False) is True \
+            and not weakref.getweakrefcount(node):  # (the encoder's walk: not settling)
+        extra = attr_refcount(node, "value") - BY_PARENT
+        _visit(node.value, extra, depth + 1, w)
+    return _SAME
+
+
 def _visit_list(node: list, depth: int, w: _Walk) -> Any:
+    if _holds_nothing_to_settle(node):
+        return _SAME
     counts = item_refcounts(node)
     for k in range(len(counts)):
         new = _visit(node[k], counts[k] - BY_PARENT, depth + 1, w)
@@ -305,6 +329,8 @@ def _visit_list(node: list, depth: int, w: _Walk) -> Any:
 
 
 def _visit_tuple(node: tuple, depth: int, w: _Walk) -> Any:
+    if _holds_nothing_to_settle(node):
+        return _SAME
     counts = item_refcounts(node)
     changed: dict[int, Any] = {}
     for k in range(len(counts)):
@@ -333,6 +359,12 @@ def _visit_dict(node: dict, depth: int, w: _Walk) -> Any:
             dict.__setitem__(node, keys[k], new)
     del values
     return _SAME
+
+
+#: The walk into each container type it enters by exact type (dict subclasses: see
+#: :func:`_visit_dict_subclass`).
+_WALKERS: dict[type, Callable[[Any, int, _Walk], Any]] = {
+    list: _visit_list, tuple: _visit_tuple, dict: _visit_dict}
 
 
 def _holds_nothing_to_settle(node: list | tuple) -> bool:

@@ -260,44 +260,15 @@ class MixtureSource(Source):
                  token_count: Callable[[Any], int] | None = None) -> None:
         from zephon.options import MixtureReadConfig
 
-        if not components:
-            raise ZephonConfigError("mixture: at least one component is needed")
-        self.names = list(components)
-        bad = [n for n in self.names if not isinstance(n, str) or not n]
-        if bad:
-            raise ZephonConfigError(f"mixture: component names must be non-empty strings "
-                                    f"(a sample's identity and what ensure_mixture counts), "
-                                    f"got {bad[0]!r}")
-        self.components = [components[k] for k in self.names]
-        _check_record_names(self.names, self.components)
-        self.schedule = WeightSchedule(self.names, weights)
-        self.schedule.aliases = {inner: n for n, c in zip(self.names, self.components,
-                                                            strict=True)
-                                 if isinstance(c, MixtureSource) for inner in c.record_names()}
-        self.weights = self.schedule.at(0)
-        self.policies = _per_component(self.names, exhausted, "exhausted", _policy)
-        if not self.schedule.fixed and "stop" in self.policies:
-            raise ZephonConfigError("mixture: exhausted='stop' ends an epoch early, which a "
-                                    "weight schedule cannot (its epochs have one length); "
-                                    "use 'redistribute' (read at most once per epoch)")
-        self.max_repeats = np.array(_per_component(self.names, max_repeats, "max_repeats",
-                                                   _repeats))
+        self._take_components(components)
+        self._take_weights(weights, exhausted, max_repeats)
         if by not in ("samples", "tokens"):
             raise ZephonConfigError(f"mixture: by must be 'samples' or 'tokens', got {by!r}")
         self.by, self.token_count = by, token_count
         self.tokens_per_sample = self._tokens(tokens_per_sample) if by == "tokens" else None
         self.own_config = config is not None  # else RuntimeOptions.mixture_config applies
         self.config, self.name = config or MixtureReadConfig(), name
-        self.sizes = np.array([len(c) for c in self.components], dtype=np.int64)
-        if np.any(self.sizes == 0):
-            empty = [n for n, s in zip(self.names, self.sizes.tolist(), strict=True) if not s]
-            raise ZephonConfigError(f"mixture: component(s) {empty} have no samples")
-        what = f"the weights {dict(zip(self.names, self.weights.tolist(), strict=True))}"
-        if self.tokens_per_sample is not None:
-            what += f" with tokens_per_sample {self._tokens_named()}"
-        self.counts = epoch_counts(self.sizes, self.rates(), self.policies, self.max_repeats,
-                                   self.names, what)
-        self.length = int(self.counts.sum())
+        what = self._count_epoch()
         if self.length > LONG_EPOCH:
             warnings.warn(f"mixture {name!r}: {what} make an epoch of {self.length} positions, "
                           f"more than {LONG_EPOCH} (2**32): its end, where each component's "
@@ -310,6 +281,51 @@ class MixtureSource(Source):
         if not self.schedule.fixed and self.schedule.fn is None:
             for vector in self.schedule.vectors:  # every step fits the epoch, or fails now
                 self._fit(vector)
+
+    def _take_components(self, components: Mapping[str, Source]) -> None:
+        """The components and their names, checked: at least one, named by non-empty
+        strings, their record names distinct."""
+        if not components:
+            raise ZephonConfigError("mixture: at least one component is needed")
+        self.names = list(components)
+        bad = [n for n in self.names if not isinstance(n, str) or not n]
+        if bad:
+            raise ZephonConfigError(f"mixture: component names must be non-empty strings "
+                                    f"(a sample's identity and what ensure_mixture counts), "
+                                    f"got {bad[0]!r}")
+        self.components = [components[k] for k in self.names]
+        _check_record_names(self.names, self.components)
+
+    def _take_weights(self, weights: Weights, exhausted, max_repeats) -> None:
+        """The weight schedule (with the names a nested mixture's records go by), epoch 0's
+        weights and each component's exhaustion policy and repeat bound."""
+        self.schedule = WeightSchedule(self.names, weights)
+        self.schedule.aliases = {inner: n for n, c in zip(self.names, self.components,
+                                                            strict=True)
+                                 if isinstance(c, MixtureSource) for inner in c.record_names()}
+        self.weights = self.schedule.at(0)
+        self.policies = _per_component(self.names, exhausted, "exhausted", _policy)
+        if not self.schedule.fixed and "stop" in self.policies:
+            raise ZephonConfigError("mixture: exhausted='stop' ends an epoch early, which a "
+                                    "weight schedule cannot (its epochs have one length); "
+                                    "use 'redistribute' (read at most once per epoch)")
+        self.max_repeats = np.array(_per_component(self.names, max_repeats, "max_repeats",
+                                                   _repeats))
+
+    def _count_epoch(self) -> str:
+        """Epoch 0's length and per-component counts (every component must hold a
+        sample); returns the words naming what set them, for messages."""
+        self.sizes = np.array([len(c) for c in self.components], dtype=np.int64)
+        if np.any(self.sizes == 0):
+            empty = [n for n, s in zip(self.names, self.sizes.tolist(), strict=True) if not s]
+            raise ZephonConfigError(f"mixture: component(s) {empty} have no samples")
+        what = f"the weights {dict(zip(self.names, self.weights.tolist(), strict=True))}"
+        if self.tokens_per_sample is not None:
+            what += f" with tokens_per_sample {self._tokens_named()}"
+        self.counts = epoch_counts(self.sizes, self.rates(), self.policies, self.max_repeats,
+                                   self.names, what)
+        self.length = int(self.counts.sum())
+        return what
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
