@@ -535,11 +535,11 @@ class _Guarded(Iterator[SubjectResult]):
     while the run works raises as usual, and every later one is held until the run's
     ``finally`` has stopped the workers and closed the store (a second one, held or
     not, makes that stop kill the workers outright), then dropped for the one on its
-    way. Without it a second Ctrl-C right behind the first landed between the run's
-    ``except`` and its stop: the stop was skipped, and the interpreter hung at exit
-    joining workers that shrug off SIGTERM. Between steps (the caller's own code)
-    Python's handler is in force as before; a kept, unfinished iterator leaves Ctrl-C
-    as it was. Main thread only (the guard does nothing elsewhere)."""
+    way. Without it a second Ctrl-C right behind the first could land between the
+    run's ``except`` and its stop: the stop would be skipped, and the interpreter would
+    hang at exit joining workers that shrug off SIGTERM. Between steps (the caller's
+    own code) the caller's handler is in force (Python's, unless it set one); a kept,
+    unfinished iterator leaves Ctrl-C as the caller set it. Main thread only (the guard does nothing elsewhere)."""
 
     def __init__(self, steps: Iterator[SubjectResult]) -> None:
         self._steps: Any = steps
@@ -572,8 +572,9 @@ class _Guarded(Iterator[SubjectResult]):
 
     def _step_guard(self) -> InterruptGuard:
         """The run's guard, installed on its first step (one handler install for the
-        whole run: a guard per step cost 10 us, 7x the serial loop), fresh for this
-        step. Installed again if the caller's code replaced the handler meanwhile."""
+        whole run: a guard per step costs several times the serial loop's own step),
+        fresh for this step. Installed again if the caller's code replaced the handler
+        meanwhile."""
         guard = self._guard
         if guard is None or not guard.in_force:
             if guard is not None:

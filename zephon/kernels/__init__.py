@@ -25,8 +25,8 @@ specification the compiled version must match):
 - result types and helpers              (:mod:`zephon.kernels.types`)
 
 Leaves are rebuilt on the receiving side by the codec's decoder with one
-``np.ndarray`` per leaf; a ``rebuild`` kernel for that step existed and was
-removed because it was slower than that path.
+``np.ndarray`` per leaf; that step has no kernel, as a compiled ``rebuild`` is
+slower than NumPy making the views itself.
 
 Selection happens once, on first use of one of these names (not at import, so
 that the compiled modules, which import :mod:`zephon.kernels.types`, can be

@@ -16,7 +16,7 @@ Construction (every operation on unsigned 64-bit integers, wrapping):
 - Domain: ``2**b``, the smallest power of two ``>= n`` and ``>= 2**MIN_BITS`` (``b =
   max(MIN_BITS, (n - 1).bit_length())``, ``MIN_BITS = 6``; ``n <= 1`` needs no network).
   On fewer bits eight rounds are too few: the orders of 5 to 7 samples drawn over
-  many keys were measurably far from uniform over all permutations; from 64 words on
+  many keys are measurably far from uniform over all permutations; from 64 words on
   they are not (tests/test_kernels_shuffle.py checks it). A word ``x < 2**b`` is split into a high half ``L`` of ``b - b // 2`` bits and a
   low half ``R`` of ``b // 2`` bits.
 - Round keys: ``base = mix(key ^ mix(n + GAMMA))`` and ``k[r] = mix(base + (r + 1) *

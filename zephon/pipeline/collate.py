@@ -33,12 +33,11 @@ list for tuples or lists, a namedtuple, an array).
 Where torch refuses (and raises), zephon keeps the values as a list: arrays of
 unequal shapes (ragged), ``None`` or other objects, integers beyond ``int64``,
 tensors that do not stack, and, as the values of a mapping key (a dict column),
-sequences of unequal length (variable-length JSON arrays or Parquet lists). This
-is what dict columns always did, so pipelines whose samples carry ragged arrays,
-variable-length lists or optional values keep working; the difference from
-torch is only that these raise there. A dict column of lists of *equal* length
-is transposed, as torch does (``[[1, 2], [3, 4]]`` gives ``[array([1, 3]),
-array([2, 4])]``), where it used to stay the list of lists.
+sequences of unequal length (variable-length JSON arrays or Parquet lists). So
+pipelines whose samples carry ragged arrays, variable-length lists or optional
+values work as they are; the difference from torch is only that these raise
+there. A dict column of lists of *equal* length is transposed, as torch does
+(``[[1, 2], [3, 4]]`` gives ``[array([1, 3]), array([2, 4])]``).
 
 **Collating as the samples come** (:class:`Collator`, the fused ``read -> map ->
 batch`` stage's default collation): each sample's value is added as soon as its last

@@ -8,8 +8,8 @@ trains, does almost nothing per batch:
 
 - :class:`SampleIds`: a batch's ``[(name, index, epoch), ...]``, held (and
   pickled) as the name, the epoch and the indices packed as int64 bytes; the
-  tuples are made only when something reads the list. Making a tuple per sample
-  used to cost more than the rest of a batch's trip from a worker.
+  tuples are made only when something reads the list (a tuple per sample costs
+  more than the rest of a batch's trip from a worker).
 - :class:`BatchRun`: the records of several consecutive micro-batches of one
   lane (a :class:`~zephon.pipeline.lanes.BatchGroup`) read with ONE columnar
   read. It is a list of ordinary batch records (made on first use, so a worker

@@ -3,8 +3,8 @@
 Both the mixture source (its epoch counts) and ``ensure_mixture`` (its target) turn
 weights into shares here, so the two always agree on the very same floats. Only the
 weights' proportions count, also where their sum overflows a float: such weights are
-scaled by their largest first, while ordinary weights are divided by their sum as they
-always were (the stream depends on these floats, so they must not change).
+scaled by their largest first, while ordinary weights are divided by their sum (the
+stream depends on these exact floats, so this rule must not change).
 """
 
 from __future__ import annotations

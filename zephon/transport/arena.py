@@ -569,10 +569,10 @@ class ShmArena:
         # doubling, but by at most _GROW_STEP_BYTES (or 4 regions of this size) at a
         # time: a new slab's pages are zeroed when it is created (about 1 ms per MiB
         # here, all of it a stall of the op that needed the space), so a 128 MiB step for
-        # a working set of 130 MiB paid for 126 MiB that were never used, at start-up and
+        # a working set of 130 MiB would pay for 126 MiB never used, at start-up and
         # again when they are freed. (A step of room for 4 regions keeps what a slab
-        # cannot use below a quarter of it: one 17 MiB region per 32 MiB slab left half
-        # of the bound unusable.)
+        # cannot use below a quarter of it: with one 17 MiB region per 32 MiB slab, half
+        # of the bound would be unusable.)
         step = max(_GROW_STEP_BYTES, 4 * need)
         size = max(self.min_slab_bytes, _align(need, _GROW_GRANULE_BYTES),
                    min(self.total_bytes, room, step))

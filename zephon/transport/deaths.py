@@ -32,22 +32,19 @@ What it guarantees
   the jobs backend waits for the workers it stopped), never logged, never sets
   the event. The owner marks a child stopped before it sends STOP or a signal.
 
-The two detectors this replaces disagreed; these are the choices made
----------------------------------------------------------------------
-=====================  ============================  ============================  ==========
-question               pool watchdog (thread)        jobs loop (no thread)         now
-=====================  ============================  ============================  ==========
-how a death is seen    sentinels, exit status every  exit status every 0.25 s,     sentinels + status
-                       0.5 s                         0.02 s after an EOF           every 0.25 s
-wakes a blocked waiter its own wake-up pipe          nobody (next census)          pipe + event
-who reaps              watchdog under a pool lock    the loop (join of a held      anyone, through
-                                                     sentinel never returned)      the child's lock
-a stopped child        stopped watching *every*      expected exit (STOPPING,      reported as
-                       child at the first one        DYING)                        ``stopped``
-exit status            any exit is a crash           SIGKILL while busy is OOM     raw code; the
-                                                                                   owner interprets
-what it sent before    read without blocking         read with a 1 s timeout       without blocking
-=====================  ============================  ============================  ==========
+How a death is handled
+----------------------
+======================  ===========================================================
+question                answer
+======================  ===========================================================
+how a death is seen     sentinels, plus the exit status of every live child each
+                        :data:`~.supervisor.DEATH_POLL_S`
+who is woken            the wake-up pipe always; the event for a crash
+who reaps               anyone, through the child's lock
+a stopped child         reported as ``stopped``; the others stay watched
+exit status             the raw code; the owner interprets it
+what it sent before     read by the owner without blocking
+======================  ===========================================================
 
 Exit status: :attr:`Death.exitcode` is multiprocessing's (negative: the signal);
 :meth:`Death.describe` words it the same way for both faces. Any exit of a child
@@ -55,7 +52,7 @@ its owner did not stop is a crash, 0 included (a worker never leaves by itself).
 Reading a SIGKILL of a busy job worker as the kernel's OOM killer is the jobs
 policy (``oom_backoff``); a pool re-dispatches whatever the cause.
 
-The rest of a dead child's process group is its owner's to end, as before: the
+The rest of a dead child's process group is its owner's to end: the
 pool SIGKILLs it when it reports the crash (what the worker's op started serves
 nobody once it is gone), the jobs backend SIGTERMs it and SIGKILLs it after
 ``graceful_shutdown_sec`` (the grace ``RunPolicy`` promises a subject's

@@ -10,7 +10,7 @@ What it measures: the wall time of the call in the calling thread, minus what th
 thread spent *runnable but not running* (waiting in the scheduler's run queue, from
 Linux's ``/proc/thread-self/schedstat``). On a machine shared with other loads a
 CPU-bound op's wall time grows with the load (five-fold at a load of 10 on 2 cores),
-and parts sized by it shrank until messages cost more than the work; time the op spends
+and parts sized by it would shrink until messages cost more than the work; time the op spends
 blocked (reading a file or a socket, waiting for a thread pool it started) still counts,
 as it should: that is latency the part really costs. Where the scheduler statistics are
 not available (not Linux, or ``/proc`` not mounted) it is the plain wall time.

@@ -50,8 +50,8 @@ Lifecycle of a :class:`Child`
    second Ctrl-C cuts its graceful stop short).
 5. **Deaths** (:mod:`zephon.transport.deaths`, owned here): one detector thread per
    owner notices every exit as it happens, reaps it, and wakes whoever waits (a
-   ``select`` on its wake-up pipe, an event); its module docstring records how the
-   pool's and the jobs backend's former detectors disagreed and what was chosen.
+   ``select`` on its wake-up pipe, an event); its module docstring tables how a
+   death is seen, who reaps it and how a stopped child is reported.
 6. **Crash reports** (:func:`crash_error`): a child that died by itself becomes a
    :class:`~zephon.errors.WorkerCrashedError` with the worker's slot index
    (``worker``), its ``pid``, its exit signal and the ``tasks`` it had in flight,

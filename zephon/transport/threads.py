@@ -4,8 +4,8 @@ What it owns: :class:`ComputeThreads`, which a worker process makes once, after
 it has unpickled the code it runs and before its first task (it applies the
 limit then), and asks :meth:`~ComputeThreads.before_task` before every task. N workers on
 a machine of C cores that each keep a thread pool as large as the machine run
-N x C threads: torch ops or BLAS calls in two pipeline workers ran 10-40x
-slower than with one thread each. torch's DataLoader sets one intra-op thread
+N x C threads, and torch ops or BLAS calls in two pipeline workers run many
+times slower than with one thread each. torch's DataLoader sets one intra-op thread
 per worker for the same reason; zephon does the same by default
 (``RuntimeOptions.worker_compute_threads = 1``; the pipeline's process stage
 workers, ``zephon.transport.worker``) and in job workers (``zephon.jobs.worker``).
@@ -25,8 +25,8 @@ For ``n >= 1`` it sets, in this order:
 - ``torch.set_num_threads(n)`` when torch is already imported, and otherwise
   before the first task after a task imported it. A task that imports torch
   itself runs with the pool torch sized from ``OMP_NUM_THREADS=n``: ``n`` for
-  ``n`` up to the cores, the cores for more (measured: 2 threads on 2 cores with
-  ``n = 3``) until the next task. The check is a dictionary lookup per task
+  ``n`` up to the cores, the cores for more (2 threads on 2 cores with ``n = 3``)
+  until the next task. The check is a dictionary lookup per task
   until torch appears. torch is never imported here: a worker
   whose code does not use it does not pay for it.
 
