@@ -198,7 +198,7 @@ def test_state_of_2_ranks_restores_on_3_when_3_does_not_divide_the_lanes(tmp_pat
         next(it), next(it)
         ranks.append((pipe, it))
     state = merge_states({r: dict(decode_state(encode_state(local_state(
-        p.plan(), p.fingerprint(), it.delivered()))), world=2, dp_degree=2, mapping=mapping,
+        p.plan(), it.delivered()))), world=2, dp_degree=2, mapping=mapping,
         nonce="x", rank=r) for r, (p, it) in enumerate(ranks)})
     for _, it in ranks:
         it.close()

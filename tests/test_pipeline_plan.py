@@ -1,8 +1,8 @@
 """The plan: typed, frozen steps built once from the ops and options; stable output.
 
-The fingerprints and the ``explain()`` text pinned here were produced before the plan
-and the ops moved into their own modules: a checkpoint restores only into a pipeline
-with the same fingerprint, so these values must not change by accident.
+The fingerprints and the ``explain()`` text are pinned: a checkpoint restores only into a
+pipeline with the same fingerprint, so these values must not change by accident (more
+fingerprints are pinned in test_spec.py).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import _pipeline_fns as F
 import pytest
 
-import _pipeline_fns as F
 from zephon import Pipeline, RuntimeOptions, StoreOptions, ZephonConfigError, sources
 from zephon.pipeline.engine import Plan as EnginePlan
 from zephon.pipeline.ops import BatchOp, MapOp, ShuffleOp
@@ -114,12 +114,12 @@ def test_building_a_plan_leaves_the_pipeline_it_is_given_unchanged(tmp_path):
     path.write_text("\n".join(json.dumps({"i": i}) for i in range(5)))
     src = sources.jsonl(str(path))
     opts = RuntimeOptions(io_options=StoreOptions(download_retry=7))
-    spec = Pipeline(src).options(opts)._spec()
+    spec = Pipeline(src).options(opts).spec
     before = dict(vars(spec))
     plan = Plan(spec, opts)
     assert spec.source is src and vars(spec) == before
-    assert plan.pipeline.source is not src  # the refined source is the plan's own copy
-    assert plan.pipeline.source.describe() == src.describe()
+    assert plan.spec.source is not src  # the refined source is the plan's own copy
+    assert plan.spec.source.describe() == src.describe()
     assert sorted(x["i"] for x in Pipeline(src).options(opts)) == list(range(5))
 
 

@@ -14,7 +14,7 @@ from zephon import CheckpointError, IteratorClosedError, Pipeline, RuntimeOption
 from zephon.checkpoint import decode_state, encode_state
 from zephon.pipeline.engine import Plan
 from zephon.pipeline.progress import Progress, RunRecord
-from zephon.pipeline.sources import Source
+from zephon.pipeline.spec import PipelineSpec
 
 
 def pipeline(n=23, chain="replay", **opts):
@@ -33,7 +33,7 @@ def keys(items):
 
 # -- the pipeline is a definition -----------------------------------------------------------
 _IMMUTABLE = (int, str, bool, type(None), RuntimeOptions)
-_DEFINITION = {"source": Source, "_plan": Plan}  # the definition's parts, its cached plan
+_DEFINITION = {"spec": PipelineSpec, "_plan": Plan}  # the frozen definition, its cached plan
 
 
 def _assert_only_progress_is_mutable(pipe):
@@ -94,7 +94,7 @@ def test_no_member_of_a_pipeline_is_mutable_but_its_progress():
 
 def test_the_check_sees_a_run_state_that_reappears():
     pipe = pipeline()
-    pipe._record = RunRecord()  # what the Pipeline used to hold
+    pipe._record = RunRecord()  # a run's state held on the definition
     with pytest.raises(AssertionError, match="_record"):
         _assert_only_progress_is_mutable(pipe)
     pipe = pipeline()
@@ -253,3 +253,43 @@ def test_a_rank_layout_without_its_group_is_refused():
     del state["group"]
     with pytest.raises(CheckpointError, match="without its group"):
         pipeline().restore(encode_state(state))
+
+
+# -- progress and the iterator ----------------------------------------------------------------
+class _Run:
+    """A run as Progress sees it: a record, ``closed``, ``close()``; and its restart."""
+
+    def __init__(self):
+        self.record, self.closed, self.starts = RunRecord(), False, []
+
+    def close(self):
+        self.closed = True
+
+    def restart(self, start):
+        self.starts.append(start)
+
+
+def test_progress_restarts_a_live_run_through_the_callback_it_was_handed():
+    from zephon.pipeline.state import RunStart
+
+    progress, run = Progress(), _Run()
+    progress.begin(run, run.restart)
+    assert progress.latest is run.record and progress.current() is run
+    progress.move_to(RunStart({}, 2))
+    assert run.starts == [RunStart({}, 2)] and progress.latest is run.record
+    run.close()  # no run going: the next one starts there
+    progress.move_to(RunStart({}, 3))
+    assert run.starts == [RunStart({}, 2)] and progress.latest.start_epoch == 3
+    progress.close_runs()
+
+
+def test_a_dropped_run_is_not_held_by_its_progress():
+    import gc
+    import weakref
+
+    progress, run = Progress(), _Run()
+    progress.begin(run, run.restart)
+    gone = weakref.ref(run)
+    del run
+    gc.collect()
+    assert gone() is None and progress.current() is None

@@ -152,7 +152,7 @@ def check_shape(case: Case, batches: list) -> None:
         _check_rows(case, ops, items)
     if drop_last:
         return
-    src = pipe.plan().pipeline.source
+    src = pipe.plan().spec.source
     if case.kind == "tokens":
         got = sorted(t for b in batches for row in b["tokens"] for t in np.asarray(row).tolist())
         # each epoch's samples (a mixture's depend on the epoch: its repeats run on)

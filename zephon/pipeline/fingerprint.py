@@ -1,13 +1,17 @@
-"""What names a user callable or a plain value in a pipeline's fingerprint.
+"""A pipeline's fingerprint, and what names a user callable or a plain value in it.
 
-``Pipeline.fingerprint()`` hashes the source's description and every op's
-``describe()``; ops name their functions with :func:`fn_identity` and their
-plain arguments with :func:`stable_repr`. Invariant: both are the same in
-every process and every run of the same code (no memory address, no hash
-randomisation), so a checkpoint taken in one process restores in another, and
-they change when the code or the arguments that define the stream change.
-The main script's module is one name, :data:`MAIN_SCRIPT`, whether it runs as
-``__main__``, as a spawn child's ``__mp_main__`` or under ``python -m``.
+:func:`pipeline_fingerprint` hashes a spec (:mod:`zephon.pipeline.spec`: the
+source's description, the seed, the epoch order, the chunking, the epochs and
+every op's ``describe()``) with its flush cadence; the plan computes it once and
+``Pipeline.fingerprint()`` returns it. Ops name their functions with
+:func:`fn_identity` and their plain arguments with :func:`stable_repr`.
+
+Invariant: what these functions return is the same in every process and every
+run of the same code (no memory address, no hash randomisation), so a checkpoint
+taken in one process restores in another, and it changes when the code or the
+arguments that define the stream change. The main script's module is one name,
+:data:`MAIN_SCRIPT`, whether it runs as ``__main__``, as a spawn child's
+``__mp_main__`` or under ``python -m``.
 
 Changing what these functions return changes every fingerprint, and with it
 which checkpoints restore: the values are pinned by tests.
@@ -16,14 +20,48 @@ which checkpoints restore: the values are pinned by tests.
 from __future__ import annotations
 
 import functools
+import hashlib
 import sys
 import types
 import zlib
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-__all__ = ["MAIN_SCRIPT", "fn_identity", "fn_name", "stable_repr"]
+__all__ = ["MAIN_SCRIPT", "fn_identity", "fn_name", "pipeline_fingerprint", "stable_repr"]
+
+
+class _Described(Protocol):
+    def describe(self) -> str: ...
+
+
+class _Spec(Protocol):
+    """What :func:`pipeline_fingerprint` reads of a :class:`~zephon.pipeline.spec.PipelineSpec`."""
+
+    @property
+    def source(self) -> _Described: ...
+    @property
+    def ops(self) -> Sequence[_Described]: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def permute(self) -> object: ...
+    @property
+    def chunk_size(self) -> int: ...
+    @property
+    def num_epochs(self) -> int | None: ...
+
+
+def pipeline_fingerprint(spec: _Spec, flush_every: int) -> str:
+    """The fingerprint of ``spec`` flushed every ``flush_every`` lane chunks: a SHA-256
+    hex digest of one line per part (the source's description, the seed, the epoch
+    order, the chunk size, the epochs, each op's ``describe()``, the flush cadence). A
+    checkpoint restores only into a pipeline with the same one."""
+    parts = [spec.source.describe(), f"seed={spec.seed}", f"shuffle={spec.permute}",
+             f"chunk={spec.chunk_size}", f"epochs={spec.num_epochs}"]
+    parts += [op.describe() for op in spec.ops]
+    parts.append(f"flush={flush_every}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def fn_name(fn: Any) -> str:

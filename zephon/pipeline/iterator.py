@@ -5,11 +5,16 @@ it), the pump thread that prefetches ahead of the consumer, the run's
 :class:`~zephon.pipeline.progress.RunRecord` (the delivered position of every
 lane, the epoch it started at, its statistics and final state),
 ``checkpoint()``/``restore()`` (collective across ranks),
-``get_state()``/``set_state()`` (this rank alone) and ``close()``. The
-:class:`~zephon.pipeline.Pipeline` it came from is an immutable definition; its
-:class:`~zephon.pipeline.progress.Progress` refers to the latest run's record
-and holds the iterators weakly, so that ``pipe.checkpoint()`` still answers
-after the loop has ended and the next run continues where this one stopped.
+``get_state()``/``set_state()`` (this rank alone) and ``close()``. It is given
+the pipeline's plan (its spec resolved under its options, with the fingerprint
+its checkpoints carry) and the pipeline's
+:class:`~zephon.pipeline.progress.Progress`, never the pipeline itself. Once its
+ops pass their checks it registers with the Progress as the latest run, handing
+it the callback that restarts it (``pipe.restore``/``pipe.set_epoch`` on a live
+run); the Progress refers to the latest run's record and holds the runs weakly,
+so that ``pipe.checkpoint()`` still answers after the loop has ended and the next
+run continues where this one stopped. The dependency goes one way: this module
+uses Progress, which imports nothing of it.
 
 Lifecycle
 ---------
@@ -74,9 +79,12 @@ from zephon.checkpoint import decode_state, encode_state
 from zephon.errors import IteratorClosedError
 from zephon.options import resolve_mtp_prefetch
 from zephon.pipeline.dispatch import approx_nbytes
-from zephon.pipeline.engine import NOTHING, Engine, stop_each
+from zephon.pipeline.engine import NOTHING, Engine, mtp_pool, stop_each
+from zephon.pipeline.plan import Plan
 from zephon.pipeline.progress import Progress, RunRecord
+from zephon.pipeline.spec import PipelineSpec
 from zephon.pipeline.state import RunStart, check_run, rank_state
+from zephon.pipeline.validate import validate
 from zephon.transport.supervisor import InterruptGuard
 
 __all__ = ["Handoff", "HandoffClosed", "PipelineIterator"]
@@ -275,15 +283,15 @@ def _pump(source, out: Handoff, nice: int = 0, sized: bool = False) -> None:
 
 
 class _EngineFactory:
-    """What the MTP subprocess runs: the same pipeline, its engine in-process there."""
+    """What the MTP subprocess runs: the same spec planned there under the same options
+    (MTP off), its engine in-process there."""
 
-    def __init__(self, spec, start_epoch: int = 0) -> None:
-        self.spec, self.start_epoch = spec, start_epoch
+    def __init__(self, spec: PipelineSpec, opts, start_epoch: int = 0) -> None:
+        self.spec, self.opts, self.start_epoch = spec, opts, start_epoch
 
     def __call__(self, states: dict):
-        spec = self.spec._with(runtime=self.spec.runtime.replace(mtp_mode=False))
-        engine = Engine(spec.plan(), {int(k): tuple(v) for k, v in states.items()},
-                        self.start_epoch)
+        plan = Plan(self.spec, self.opts.replace(mtp_mode=False))
+        engine = Engine(plan, {int(k): tuple(v) for k, v in states.items()}, self.start_epoch)
         return _ClosingItems(engine)
 
 
@@ -311,11 +319,17 @@ class PipelineIterator:
     manager (``with iter(pipe) as it:``).
 
     Args:
-        pipeline: the :class:`~zephon.Pipeline` to run; build the iterator with
-            ``iter(pipeline)`` rather than directly.
+        plan: the pipeline's :class:`~zephon.pipeline.plan.Plan` (its spec resolved under
+            its options); build the iterator with ``iter(pipeline)`` rather than
+            directly.
         start: the lane states and the first epoch of the run.
-        progress: the pipeline's :class:`~zephon.pipeline.progress.Progress` (its
-            checkpoint rounds are counted there).
+        progress: the pipeline's :class:`~zephon.pipeline.progress.Progress`: once the
+            ops pass their checks on the first sample, the run is its latest (its
+            checkpoint rounds are counted there too).
+
+    Raises:
+        ValidationError: with ``auto_validation="strict"``, an op fails the checks run on
+            the first sample (the run is closed then, and is not the pipeline's latest).
 
     Attributes:
         closed: True once the run is stopped.
@@ -334,9 +348,8 @@ class PipelineIterator:
         [1, 2, 3, 4]
     """
 
-    def __init__(self, pipeline, start: RunStart, progress: Progress) -> None:
-        self.pipeline, self.progress = pipeline, progress
-        self.plan = pipeline.plan()
+    def __init__(self, plan: Plan, start: RunStart, progress: Progress) -> None:
+        self.plan, self.progress = plan, progress
         self.record = RunRecord(start)
         self.closed = False
         self.engine: Engine | None = None
@@ -348,6 +361,12 @@ class PipelineIterator:
         self._closed_by = "close()"  # what stopped the run, for next()'s error
         self._pid = os.getpid()  # the process that may stop the run (not a forked copy)
         self._start()
+        try:  # workers are booting while the ops are checked on the first sample
+            validate(plan, "behaviour")
+        except BaseException:
+            self.close()
+            raise
+        progress.begin(self, self._restart)
 
     # -- running ---------------------------------------------------------------------------
     def _start(self) -> None:
@@ -357,8 +376,9 @@ class PipelineIterator:
         if opts.mtp_mode:
             from zephon.runners.mtp import MtpSource
 
-            self.remote = MtpSource(_EngineFactory(self.pipeline._spec(),
-                                                   self.record.start_epoch), states, opts)
+            config, requests = mtp_pool(opts)
+            self.remote = MtpSource(_EngineFactory(plan.spec, opts, self.record.start_epoch),
+                                    states, config, requests)
             self._source = self.remote.items()
             depth = resolve_mtp_prefetch(opts)
             threaded = depth > 0
@@ -369,8 +389,9 @@ class PipelineIterator:
             self._source = self.engine.items()
             # adaptive stages (autotune) run inline until moved: the engine stays in the
             # consumer's thread until one is on process workers (see __next__)
-            threaded = any(s.runner != "inline" and not s.adaptive for s in plan.stages)
-            self._lazy_pump = not threaded and any(s.adaptive for s in plan.stages)
+            modes = {s.mode for s in plan.stages}
+            threaded = bool(modes & {"threads", "process"})
+            self._lazy_pump = not threaded and "adaptive" in modes
             depth = plan.prefetch
         if threaded:
             self._start_pump(depth)
@@ -395,7 +416,7 @@ class PipelineIterator:
         """Whether an adaptive stage runs on process workers now (the pump starts then)."""
         engine = self.engine
         return engine is not None and any(
-            getattr(ex, "runner", "inline") == "process" for ex in engine.executors.values())
+            ex.runner == "process" for ex in engine.executors.values())
 
     def __iter__(self) -> "PipelineIterator":
         return self
@@ -547,8 +568,7 @@ class PipelineIterator:
             False
             >>> it.close()
         """
-        return self.progress.exchange(self.plan, self.pipeline.fingerprint(), self.record,
-                                      delivered)
+        return self.progress.exchange(self.plan, self.record, delivered)
 
     def restore(self, state: bytes) -> None:
         """Continue exactly after the last item delivered when ``state`` was taken.
@@ -576,7 +596,7 @@ class PipelineIterator:
             >>> list(it)
             [0, 1, 2, 3, 4]
         """
-        self._restart(check_run(decode_state(state), self.plan, self.pipeline.fingerprint()))
+        self._restart(check_run(decode_state(state), self.plan))
 
     def get_state(self) -> bytes:
         """This rank's delivered position as checkpoint bytes, without any exchange.
@@ -602,8 +622,7 @@ class PipelineIterator:
             [2, 3, 4]
         """
         opts = self.plan.opts
-        local = rank_state(self.plan, self.pipeline.fingerprint(), self.record.states,
-                           self.record.start_epoch)
+        local = rank_state(self.plan, self.record.states, self.record.start_epoch)
         return encode_state(local, opts.aggregate_serializer, opts.aggregate_compressor)
 
     def set_state(self, state: bytes) -> None:

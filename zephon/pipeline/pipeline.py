@@ -19,6 +19,12 @@ skip ahead; the run then ends with ``e``'s pass). Each run is a stream of its
 own: its batches are full except its very last, and ``lane_index`` counts from
 0 in it. ``zephon.torch.loader`` follows the same rule.
 
+The definition is a frozen :class:`~zephon.pipeline.spec.PipelineSpec`
+(``pipe.spec``: source, ops, seed, epoch order, chunking, epochs), made once by
+each pipeline; ``pipe.plan()`` resolves it under the pipeline's options once, and
+the plan holds the fingerprint (``pipe.fingerprint()`` reads it). The plan, the
+iterator and the checkpoint code are given the plan, never the pipeline.
+
 Where the next run starts is the one piece of state a definition cannot do
 without: it lives in the pipeline's :class:`~zephon.pipeline.progress.Progress`
 (the latest run's record, the live runs held weakly, the checkpoint round
@@ -39,19 +45,18 @@ Dropping an iterator (leaving a ``for`` loop with ``break``) closes its run at o
 
 from __future__ import annotations
 
-import hashlib
 from typing import Mapping
 
 from zephon.checkpoint import decode_state
 from zephon.errors import ZephonConfigError
 from zephon.options import RuntimeOptions
 from zephon.pipeline import ops as O
-from zephon.pipeline.engine import Plan
 from zephon.pipeline.iterator import PipelineIterator
-from zephon.pipeline.plan import upstream_aligned
+from zephon.pipeline.plan import Plan, upstream_aligned
 from zephon.pipeline.progress import Progress
 from zephon.pipeline.shards import resolve_order
 from zephon.pipeline.sources import Source
+from zephon.pipeline.spec import PipelineSpec
 from zephon.pipeline.state import MAX_COUNT, RunStart, check_run
 from zephon.pipeline.validate import validate
 from zephon.transport.spawn_guard import refuse_in_spawn_bootstrap
@@ -124,24 +129,32 @@ class Pipeline:
             raise ZephonConfigError(f"Pipeline: num_epochs must be None or an int >= 1, "
                                     f"got {num_epochs!r}")
         # ``shuffle`` (the flag) orders each epoch; ``shuffle(n)`` (the method) is the op.
-        self.source, self.seed = source, seed
-        self.permute = resolve_order(source, shuffle, shuffle_window)
-        self.chunk_size, self.num_epochs = chunk_size, num_epochs
-        self.ops: tuple[O.Op, ...] = ()
+        #: the definition (frozen): source, ops, seed, epoch order, chunking, epochs
+        self.spec = PipelineSpec(source, (), seed, resolve_order(source, shuffle, shuffle_window),
+                                 chunk_size, num_epochs)
         self.runtime = RuntimeOptions()
         self._progress = Progress()  # where the next run starts: the only mutable member
-        self._plan: Plan | None = None  # cached derived values of the definition
-        self._fingerprint: str | None = None
+        self._plan: Plan | None = None  # the spec resolved under the options, made once
 
     # -- building ------------------------------------------------------------------------
     def _with(self, op: O.Op | None = None, runtime: RuntimeOptions | None = None) -> "Pipeline":
         new = Pipeline.__new__(Pipeline)
-        new.__dict__.update(self.__dict__)
-        new.ops = self.ops + ((op,) if op is not None else ())
+        new.spec = self.spec if op is None else self.spec.with_op(op)
         new.runtime = runtime if runtime is not None else self.runtime
         new._progress = Progress()  # a new definition starts at epoch 0
-        new._plan = new._fingerprint = None  # and is resolved anew
+        new._plan = None  # and is resolved anew
         return new
+
+    @property
+    def ops(self) -> tuple[O.Op, ...]:
+        """The pipeline's ops, in chain order (its spec's).
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence([1, 2])).map(abs).batch(2)
+            >>> len(pipe.ops), pipe.ops[-1].describe()
+            (2, 'batch(2, drop_last=False)')
+        """
+        return self.spec.ops
 
     def map(self, fn, parallelism: int = 1) -> "Pipeline":
         """Apply ``fn`` to every sample.
@@ -277,11 +290,12 @@ class Pipeline:
         """
         from zephon.pipeline.sources.mixture import MixtureSource
 
-        mixture = self.source if isinstance(self.source, MixtureSource) else None
+        source = self.spec.source
+        mixture = source if isinstance(source, MixtureSource) else None
         if weights is None:
             if mixture is None:
                 raise ZephonConfigError(
-                    f"ensure_mixture: the pipeline's source {type(self.source).__name__} is "
+                    f"ensure_mixture: the pipeline's source {type(source).__name__} is "
                     "not a mixture: give weights={component: weight}")
             op = O.EnsureMixtureOp(mixture.schedule, by, field, max_buffer, leftover)
         else:
@@ -584,15 +598,7 @@ class Pipeline:
             >>> a.fingerprint() == a.map(abs).fingerprint()
             False
         """
-        if self._fingerprint is None:
-            plan = self.plan()
-            parts = [plan.pipeline.source.describe(), f"seed={self.seed}",
-                     f"shuffle={self.permute}",
-                     f"chunk={self.chunk_size}", f"epochs={self.num_epochs}"]
-            parts += [op.describe() for op in self.ops]
-            parts.append(f"flush={plan.flush_every}")
-            self._fingerprint = hashlib.sha256("\n".join(parts).encode()).hexdigest()
-        return self._fingerprint
+        return self.plan().fingerprint
 
     def plan(self) -> Plan:
         """The resolved plan, computed once per pipeline.
@@ -611,9 +617,7 @@ class Pipeline:
             {'inline'}
         """
         if self._plan is None:
-            # A snapshot without run state: the engine (held by a live pump thread) must
-            # not keep this object, and through it the run, from being collected.
-            self._plan = Plan(self._spec(), self.runtime)
+            self._plan = Plan(self.spec, self.runtime)
         return self._plan
 
     def explain(self) -> str:
@@ -635,10 +639,6 @@ class Pipeline:
         text = self.plan().explain()
         tuner = self._progress.latest.autotune
         return text if tuner is None else "\n".join([text, *tuner.explain()])
-
-    def _spec(self) -> "Pipeline":
-        """A copy without run state (what the MTP subprocess rebuilds)."""
-        return self._with()
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> PipelineIterator:
@@ -668,14 +668,7 @@ class Pipeline:
         refuse_in_spawn_bootstrap("iterating a zephon Pipeline")
         plan = self.plan()
         validate(plan, "pickle")  # before any worker process exists
-        it = PipelineIterator(self, self._progress.next_start(plan), self._progress)
-        try:  # workers are booting while the ops are checked on the first sample
-            validate(plan, "behaviour")
-        except BaseException:
-            it.close()
-            raise
-        self._progress.begin(it)
-        return it
+        return PipelineIterator(plan, self._progress.next_start(plan), self._progress)
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next run at the beginning of ``epoch``.
@@ -781,7 +774,7 @@ class Pipeline:
             >>> len(rest), rest == list(pipe)   # pipe's next run continues there too
             (6, True)
         """
-        return self._progress.exchange(self.plan(), self.fingerprint(), self._progress.latest)
+        return self._progress.exchange(self.plan(), self._progress.latest)
 
     def restore(self, state: bytes) -> None:
         """Continue exactly after the last item delivered when ``state`` was taken.
@@ -810,5 +803,5 @@ class Pipeline:
             >>> list(pipe)
             [2, 3, 4, 5]
         """
-        self._progress.move_to(check_run(decode_state(state), self.plan(), self.fingerprint()))
+        self._progress.move_to(check_run(decode_state(state), self.plan()))
 

@@ -10,13 +10,14 @@ A step is a frozen :class:`StageStep` (run by the stage's executor, results
 put back in sequence order) or :class:`SerialStep` (one accumulator per lane
 in the engine's process); a lane's chain is its steps in order. Each
 :class:`Stage` gets a runner (``per_stage_runner`` > ``runner`` > auto:
-``process`` when its ops ask for parallelism > 1, else ``inline``; under
-``worker_allocation="autotune"`` a stage with neither pinned is *adaptive*:
-planned with the process runner's bounds, ``adaptive=True``, and run inline until
-the autotune controller moves it to process workers), a worker
-cap (``worker_allocation``), a lookahead depth in units per lane
-(``per_stage_prefetch`` > ``default_stage_prefetch``) and, on the process
-runner, its arena bound and the bytes one lane may hold in flight.
+``process`` when its ops ask for parallelism > 1, else ``inline``), the runner
+whose bounds it is planned with, and a mode, what runs its units: its runner,
+except under ``worker_allocation="autotune"``, where a stage with neither runner
+option pinned is *adaptive* (``mode="adaptive"``: planned with the process
+runner's bounds, run inline until the autotune controller moves it to process
+workers). It also gets a worker cap (``worker_allocation``), a lookahead depth in
+units per lane (``per_stage_prefetch`` > ``default_stage_prefetch``) and, on the
+process runner, its arena bound and the bytes one lane may hold in flight.
 ``read -> map* -> batch`` is *fused*: the batch step goes, and stage 0
 collates each micro-batch itself (:func:`fused_batch`). The flush cadence K
 comes from :func:`~zephon.options.resolve_flush_every_k_chunks` and is part
@@ -30,13 +31,16 @@ the ops' :meth:`~zephon.pipeline.ops.base.Op.aligned_with`); when an op since do
 say what it makes (a ``map``), the packer is refused at construction, naming the field:
 the user says ``aligned=``. No field an op made aligned is dropped unasked.
 
-Invariants: :class:`Plan` is built once by pure functions of the pipeline's
-ops and the options (:func:`cut_steps`, :func:`fused_batch`,
-:func:`build_stages`, :func:`with_arena`, :func:`carry_layout`) and never
-changes after (setting an attribute raises);
-it does not change the pipeline it is given either (a source the options
-refine, :meth:`~zephon.pipeline.sources.Source.configured`, is held by the
-plan's own copy of the definition, ``plan.pipeline``). Steps and stages say
+Invariants: :class:`Plan` is built once from a
+:class:`~zephon.pipeline.spec.PipelineSpec` and the options, by pure functions of
+the spec's ops and the options (:func:`cut_steps`, :func:`fused_batch`,
+:func:`build_stages`, :func:`with_arena`, :func:`carry_layout`), and never changes
+after (setting an attribute raises). It holds the spec as the options refine its
+source (:meth:`~zephon.pipeline.spec.PipelineSpec.configured`: a copy, the spec it
+is given is never changed), ``plan.spec``, and that spec's fingerprint with the
+plan's flush cadence (:func:`~zephon.pipeline.fingerprint.pipeline_fingerprint`),
+``plan.fingerprint``, computed once, on first use. It knows nothing of the
+:class:`~zephon.pipeline.Pipeline` the spec came from. Steps and stages say
 what they are by their type, and ops by their contracts
 (:mod:`zephon.pipeline.ops.base`): nothing here names an op except ``batch``,
 whose fused form is this module's decision.
@@ -44,7 +48,7 @@ whose fused form is this module's decision.
 
 from __future__ import annotations
 
-import copy
+import functools
 from dataclasses import dataclass, replace
 from typing import Union
 
@@ -64,6 +68,7 @@ from zephon.options import (
     resolve_stage_prefetch,
     resolve_stage_workers,
 )
+from zephon.pipeline.fingerprint import pipeline_fingerprint
 from zephon.pipeline.lanes import lane_length, owned_lanes
 from zephon.pipeline.ops import (
     PASSES_ON,
@@ -77,6 +82,7 @@ from zephon.pipeline.ops import (
     StatelessOp,
     check_registered,
 )
+from zephon.pipeline.spec import PipelineSpec
 from zephon.transport.budget import MemoryBudget, pipeline_budget
 
 __all__ = ["INFLIGHT_PER_WORKER", "Plan", "SerialStep", "Stage", "StageStep", "Step",
@@ -89,7 +95,11 @@ INFLIGHT_PER_WORKER = 4
 
 @dataclass(frozen=True)
 class Stage:
-    """One parallel stage of a plan: its ops, runner, worker count (and why), depths."""
+    """One parallel stage of a plan: its ops, runner and mode, worker count (and why),
+    depths.
+
+    ``runner`` is the runner whose bounds the stage is planned with (workers, depth,
+    arena); ``mode`` is what runs its units (see the field)."""
 
     index: int
     ops: tuple[StatelessOp, ...]
@@ -107,10 +117,23 @@ class Stage:
     #: one lane may have in flight or waiting to be reordered (a share of it)
     arena_bytes: int | None = None
     budget_bytes: int | None = None
-    #: autotune with the runner not pinned: the stage starts inline and the controller
-    #: moves it to process workers when that pays (planned with the process runner's
-    #: bounds, ``runner="process"``, so that it can)
-    adaptive: bool = False
+    #: what runs the stage's units: ``"inline"``, ``"threads"``, ``"process"``, or
+    #: ``"adaptive"`` (autotune with the runner not pinned: the stage starts inline and
+    #: the controller moves it to process workers when that pays; ``runner`` is then
+    #: ``"process"``, the runner whose bounds it is planned with so that it can).
+    #: Empty at construction means the same as ``runner``.
+    mode: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.mode:
+            object.__setattr__(self, "mode", self.runner)
+        if self.mode not in ("inline", "threads", "process", "adaptive"):
+            raise ValueError(f"Stage.mode {self.mode!r}")
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the stage is adaptive (``mode == "adaptive"``)."""
+        return self.mode == "adaptive"
 
 
 @dataclass(frozen=True)
@@ -285,7 +308,7 @@ def build_stages(opts, groups: list[tuple[StatelessOp, ...]], fused: bool) -> li
         adaptive = _adaptive(opts, i)
         stage = Stage(i, ops, runner, workers, depth, split, item_cap,
                       _workers_why(opts, runner, parallelism[i], workers, adaptive),
-                      adaptive=adaptive)
+                      mode="adaptive" if adaptive else runner)
         if fused and i == 0:
             stage = replace(stage, collates=True, split=False)
         stages.append(stage)
@@ -300,26 +323,21 @@ def with_arena(stage: Stage, memory: MemoryBudget) -> Stage:
     return replace(stage, arena_bytes=memory.arena_bytes, budget_bytes=memory.lane_bytes)
 
 
-def _refined(pipeline, opts):
-    """``pipeline`` with its source as the options refine it: the pipeline itself when
-    they change nothing, else a copy (the argument is never changed)."""
-    source = pipeline.source.configured(opts)
-    if source is pipeline.source:
-        return pipeline
-    spec = copy.copy(pipeline)
-    spec.source = source
-    return spec
-
-
 class Plan:
-    """A pipeline resolved under its options (see the module docstring); immutable."""
+    """A pipeline spec resolved under its options (see the module docstring); immutable.
 
-    def __init__(self, pipeline, opts) -> None:
-        for op in pipeline.ops:
+    Args:
+        spec: the pipeline's :class:`~zephon.pipeline.spec.PipelineSpec`.
+        opts: its runtime options.
+    """
+
+    def __init__(self, spec: PipelineSpec, opts) -> None:
+        for op in spec.ops:
             check_registered(op)
-        # Options that refine the source (a mixture's default read policy) apply here.
-        self.pipeline, self.opts = _refined(pipeline, opts), opts
-        groups, steps = cut_steps(tuple(pipeline.ops))
+        #: the spec as the options refine its source (a mixture's default read policy)
+        self.spec: PipelineSpec = spec.configured(opts)
+        self.opts = opts
+        groups, steps = cut_steps(spec.ops)
         fused = fused_batch(groups, steps, opts.deterministic)
         stages = build_stages(opts, groups, fused is not None)
         #: the steps of a lane's chain, in order (a fused batch is stage 0's, not a step)
@@ -327,8 +345,8 @@ class Plan:
         self.fused_batch = fused
         #: an op may give more items than it reads samples (a packer): no static bound on
         #: the items of a segment
-        self.expands = any(isinstance(op, SerialOp) and op.expands for op in pipeline.ops)
-        preserves = all(op.preserves_cursor_order for op in pipeline.ops)
+        self.expands = any(isinstance(op, SerialOp) and op.expands for op in spec.ops)
+        preserves = spec.preserves_cursor_order
         #: cursor resume (restore reads on after the last delivered sample) when every op
         #: preserves cursor order; replay from flush boundaries otherwise
         self.cursor_resume = preserves
@@ -343,13 +361,13 @@ class Plan:
         self.owned = tuple(owned_lanes(self.lanes, self.dp, self.group, self.mapping))
         self.prefetch = resolve_prefetch_batches(opts)
         #: the split of each process worker's arena bound (zephon.transport.budget)
-        self.memory = pipeline_budget(opts, len(self.owned), INFLIGHT_PER_WORKER)
+        self.memory = pipeline_budget(len(self.owned), INFLIGHT_PER_WORKER, self.prefetch,
+                                      opts.shm_max_coalesced_bytes)
         self.stages = tuple(with_arena(s, self.memory) for s in stages)
         #: bytes of items the consumer-side prefetch queue may hold (it holds at least one):
         #: its part of the arena bound, so that what waits there, what the lanes hold and
         #: what the consumer holds never fill a worker's arena
-        self.prefetch_bytes = self.memory.prefetch_bytes if "process" in self.runners \
-            else None
+        self.prefetch_bytes = self.memory.prefetch_bytes if self._arenas else None
         self._sealed = True
 
     def __setattr__(self, name: str, value) -> None:
@@ -357,20 +375,34 @@ class Plan:
             raise AttributeError(f"a Plan does not change once built: cannot set {name!r}")
         object.__setattr__(self, name, value)
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The fingerprint of :attr:`spec` with this plan's flush cadence (what a
+        checkpoint must match to restore), computed once."""
+        return pipeline_fingerprint(self.spec, self.flush_every)
+
     @property
     def runners(self) -> set[str]:
-        return {s.runner for s in self.stages}
+        """What runs the stages: their modes (``"inline"``, ``"threads"``, ``"process"``,
+        ``"adaptive"``)."""
+        return {s.mode for s in self.stages}
+
+    @property
+    def _arenas(self) -> bool:
+        """Whether a stage is planned with the process runner's bounds (a worker arena:
+        a process stage, or an adaptive one, which may move to process workers)."""
+        return any(s.arena_bytes is not None for s in self.stages)
 
     def pass_end(self, start_epoch: int) -> int | None:
         """The end (exclusive) of the pass that epoch ``start_epoch`` belongs to: a pass
         is ``num_epochs`` epochs, pass ``q`` covers ``[q * k, (q + 1) * k)``; None for
         ``num_epochs=None`` (for ever)."""
-        k = self.pipeline.num_epochs
+        k = self.spec.num_epochs
         return None if k is None else (start_epoch // k + 1) * k
 
     def lane_length(self, lane: int) -> int:
         """Samples one epoch deals to ``lane``."""
-        p = self.pipeline
+        p = self.spec
         return lane_length(len(p.source), p.chunk_size, self.lanes, lane)
 
     def explain(self) -> str:
@@ -387,11 +419,11 @@ class Plan:
         return "\n".join(lines)
 
     def _explain_header(self) -> list[str]:
-        p, o = self.pipeline, self.opts
+        p, o = self.spec, self.opts
         shuffled = ("a seeded permutation per epoch" if p.permute is True else "source order"
                     if p.permute is False else "shards in a seeded order, windows shuffled")
         lines = [
-            f"pipeline {p.fingerprint()[:12]}: source {p.source.describe()}",
+            f"pipeline {self.fingerprint[:12]}: source {p.source.describe()}",
             f"  work: seed={p.seed}, shuffle={p.permute} ({shuffled}), "
             f"chunk_size={p.chunk_size}, num_epochs={p.num_epochs}",
             f"  lanes: {self.lanes} canonical lane(s) (canonical_replicas: chunk j goes to "
@@ -425,7 +457,7 @@ class Plan:
                      "BLAS/OpenMP; threads stages share the consumer's)" if
                      o.worker_compute_threads else "  compute threads: process workers keep "
                      "the libraries' defaults (worker_compute_threads=0)")
-        if "process" in self.runners:
+        if self._arenas:
             lines.append("  " + self.memory.describe())
         return lines
 
@@ -436,7 +468,7 @@ class Plan:
             ops += (", " if ops else "") + \
                 f"{self.fused_batch.describe()} (collated in the stage)"
         reads = "read" + (", " if ops else "") if s.index == 0 else ""
-        runner = "adaptive (inline <-> process)" if s.adaptive else s.runner
+        runner = "adaptive (inline <-> process)" if s.mode == "adaptive" else s.mode
         return (
             f"  stage {s.index}: {reads}{ops}: runner={runner}, "
             f"workers={s.workers} ({s.workers_why}), depth={s.depth} units/lane "

@@ -26,25 +26,28 @@ state): its iterator creates and writes it; Progress keeps a reference to the
 latest one so that ``pipe.checkpoint()``, ``pipe.stats()`` and
 ``pipe.final_state`` still answer after the iterator is gone.
 
+Progress knows a run only as a :class:`LiveRun` (its record, whether it is closed,
+``close()``) and the callback the run handed it that restarts it at a start; it
+imports nothing of the iterator, and the iterator registers itself
+(:meth:`Progress.begin`) once its ops have passed their checks.
+
 Invariants: a Pipeline holds exactly one Progress and nothing else that changes
-after construction (its plan and fingerprint are cached derived values); every
-builder method gives the new pipeline a fresh Progress (a new definition starts at
-epoch 0); the registry holds iterators weakly, so dropping one (a ``break`` out of a
-``for`` loop) closes its run at once. A Progress pickles as a fresh one: a
-definition can travel to another process, its runs cannot.
+after construction (its spec never changes, its plan is a derived value made once);
+every builder method gives the new pipeline a fresh Progress (a new definition
+starts at epoch 0); the registry holds runs and their restart callbacks weakly, so
+dropping an iterator (a ``break`` out of a ``for`` loop) closes its run at once. A
+Progress pickles as a fresh one: a definition can travel to another process, its
+runs cannot.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol
 
 from zephon.pipeline.state import RunStart, local_state, settle
 
-if TYPE_CHECKING:
-    from zephon.pipeline.iterator import PipelineIterator
-
-__all__ = ["Progress", "RunRecord"]
+__all__ = ["LiveRun", "Progress", "RunRecord"]
 
 
 class RunRecord:
@@ -80,6 +83,17 @@ class RunRecord:
         return snap
 
 
+class LiveRun(Protocol):
+    """What :class:`Progress` reads of a run (a
+    :class:`~zephon.pipeline.iterator.PipelineIterator`): its record, whether it is
+    closed, and ``close()``."""
+
+    record: RunRecord
+    closed: bool
+
+    def close(self) -> None: ...
+
+
 class Progress:
     """Where a pipeline's next run starts, its live runs, and its checkpoint rounds (see
     the module docstring).
@@ -90,7 +104,7 @@ class Progress:
         tuned: where the latest autotune run left its stages, or None.
     """
 
-    __slots__ = ("_latest_run", "_runs", "latest", "rounds", "tuned")
+    __slots__ = ("_latest_run", "_restart", "_runs", "latest", "rounds", "tuned")
 
     def __init__(self) -> None:
         self.latest = RunRecord()
@@ -98,8 +112,10 @@ class Progress:
         #: stage -> (workers, op seconds per source sample) where the latest autotune run
         #: left it (None: no such run yet)
         self.tuned: dict[int, tuple[int, float | None]] | None = None
-        self._runs: list[weakref.ref] = []  # the pipeline's iterators, oldest first
-        self._latest_run: weakref.ref | None = None  # the iterator writing ``latest``
+        self._runs: list[weakref.ref] = []  # the pipeline's runs, oldest first
+        self._latest_run: weakref.ref | None = None  # the run writing ``latest``
+        #: the callback that restarts the latest run (a bound method of it, held weakly)
+        self._restart: weakref.WeakMethod | None = None
 
     def __reduce__(self):
         return (Progress, ())
@@ -114,25 +130,28 @@ class Progress:
             return RunStart({}, latest.start_epoch if end is None else end)
         return settle(latest.start(), plan)
 
-    def begin(self, it: "PipelineIterator") -> None:
-        """Record ``it`` as the latest run: the next run continues from its record."""
-        self.latest = it.record
-        self._latest_run = ref = weakref.ref(it)
+    def begin(self, run: LiveRun, restart: Callable[[RunStart], None]) -> None:
+        """Record ``run`` as the latest run: the next run continues from its record, and
+        :meth:`move_to` restarts it with ``restart`` (a bound method of ``run``) while it
+        is going. Both are held weakly."""
+        self.latest = run.record
+        self._latest_run = ref = weakref.ref(run)
+        self._restart = weakref.WeakMethod(restart)
         self._runs = [r for r in self._runs if r() is not None] + [ref]
 
-    def current(self) -> "PipelineIterator | None":
+    def current(self) -> LiveRun | None:
         """The latest run, if it is still going."""
-        it = self._latest_run() if self._latest_run is not None else None
-        return it if it is not None and not it.closed else None
+        run = self._latest_run() if self._latest_run is not None else None
+        return run if run is not None and not run.closed else None
 
     def move_to(self, start: RunStart) -> None:
         """Restart the latest run at ``start`` if it is still going; else make the next
         run start there."""
-        it = self.current()
-        if it is not None:
-            it._restart(start)
+        restart = self._restart() if self._restart is not None else None
+        if self.current() is not None and restart is not None:
+            restart(start)
             return
-        self.latest, self._latest_run = RunRecord(start), None
+        self.latest, self._latest_run, self._restart = RunRecord(start), None, None
 
     def close_runs(self) -> None:
         """Close every run still going."""
@@ -142,13 +161,14 @@ class Progress:
             if it is not None:
                 it.close()
 
-    def exchange(self, plan, fingerprint: str, record: RunRecord,
+    def exchange(self, plan, record: RunRecord,
                  states: dict[int, tuple] | None = None) -> bytes:
-        """Checkpoint bytes of ``record`` (or of ``states`` in its run): one round of the
-        multi-rank exchange (a plain encoding with one rank)."""
+        """Checkpoint bytes of ``record`` (or of ``states`` in its run) under ``plan`` (its
+        fingerprint and lanes): one round of the multi-rank exchange (a plain encoding
+        with one rank)."""
         from zephon.checkpoint import exchange_state
 
-        local = local_state(plan, fingerprint, record.states if states is None else states,
+        local = local_state(plan, record.states if states is None else states,
                             record.start_epoch)
         self.rounds += 1
         return exchange_state(local, plan.opts, self.rounds)

@@ -17,10 +17,9 @@ boundary, as flat non-negative ints), or that has ended: ``[total]`` says the
 lane delivered its last item of the pass (``total`` items; 0 for a lane with
 none), so nothing more of it comes in this pass. A run covers the epochs of one
 pass, ``[start_epoch, pass end)`` (``Plan.pass_end``). The bytes around it
-(magic, version, checksum, compression) belong to :mod:`zephon.checkpoint`;
-states of earlier stream definitions (format version 2: partial batches at every
-boundary, no carry, every run from epoch 0; version 3: no ended lanes, each rank
-deciding alone whether the pass was over) are refused by name there.
+(magic, version, checksum, compression) belong to :mod:`zephon.checkpoint`,
+which refuses by name a state of another format version (version 2 holds partial
+batches at every boundary and no carry, version 3 no ended lanes).
 
 Where a run starts (:func:`settle`): the lane states it was given, except that a
 start whose every lane has ended (or holds no sample at all) is the next pass's
@@ -86,19 +85,19 @@ def settle(start: RunStart, plan) -> RunStart:
     return RunStart({}, end)
 
 
-def local_state(plan, fingerprint: str, states: dict[int, tuple], start_epoch: int = 0) -> dict:
-    """The state dict of this rank's owned lanes, in a run that started at
-    ``start_epoch``."""
+def local_state(plan, states: dict[int, tuple], start_epoch: int = 0) -> dict:
+    """The state dict of this rank's owned lanes under ``plan`` (its fingerprint, lanes
+    and resume mode), in a run that started at ``start_epoch``."""
     lanes = {str(lane): list(states[lane]) for lane in plan.owned if lane in states}
-    return {"fingerprint": fingerprint, "lanes_total": plan.lanes, "lanes": lanes,
+    return {"fingerprint": plan.fingerprint, "lanes_total": plan.lanes, "lanes": lanes,
             "group": plan.group, "resume": "cursor" if plan.cursor_resume else "replay",
             "start_epoch": start_epoch}
 
 
-def rank_state(plan, fingerprint: str, states: dict[int, tuple], start_epoch: int = 0) -> dict:
+def rank_state(plan, states: dict[int, tuple], start_epoch: int = 0) -> dict:
     """This rank's own state, restorable without any exchange on a rank of the same
     layout: :func:`local_state` plus the layout that says which lanes it owns."""
-    return dict(local_state(plan, fingerprint, states, start_epoch), dp_degree=plan.dp,
+    return dict(local_state(plan, states, start_epoch), dp_degree=plan.dp,
                 mapping=plan.mapping)
 
 
@@ -112,17 +111,17 @@ def _int(value: Any, what: str, low: int = 0, high: int = MAX_COUNT) -> int:
     return value
 
 
-def check_state(decoded: Any, plan, fingerprint: str) -> dict[int, tuple]:
+def check_state(decoded: Any, plan) -> dict[int, tuple]:
     """The lane states of a decoded checkpoint, checked against ``plan`` (see
     :func:`check_run`)."""
-    return check_run(decoded, plan, fingerprint).states
+    return check_run(decoded, plan).states
 
 
-def check_run(decoded: Any, plan, fingerprint: str) -> RunStart:
+def check_run(decoded: Any, plan) -> RunStart:
     """Where the run of a decoded checkpoint goes on: its lane states and first epoch,
-    checked against ``plan``; raises :class:`~zephon.errors.CheckpointError` naming the
-    first field that is wrong."""
-    lanes, mode = _check_header(decoded, plan, fingerprint)
+    checked against ``plan`` (its fingerprint first); raises
+    :class:`~zephon.errors.CheckpointError` naming the first field that is wrong."""
+    lanes, mode = _check_header(decoded, plan)
     start = _int(decoded["start_epoch"], "start_epoch", 0, MAX_COUNT - 1)
     end = plan.pass_end(start)
     entries = decoded["lanes"]
@@ -152,7 +151,7 @@ def check_run(decoded: Any, plan, fingerprint: str) -> RunStart:
     return settle(RunStart(states, start), plan)
 
 
-def _check_header(decoded: Any, plan, fingerprint: str) -> tuple[int, str]:
+def _check_header(decoded: Any, plan) -> tuple[int, str]:
     """Check the fields around the lane entries; returns (canonical lanes, resume mode)."""
     if not isinstance(decoded, dict):
         raise CheckpointError("corrupt checkpoint: the state is not a mapping")
@@ -165,6 +164,7 @@ def _check_header(decoded: Any, plan, fingerprint: str) -> tuple[int, str]:
     theirs = decoded["fingerprint"]
     if not isinstance(theirs, str):
         raise CheckpointError("corrupt checkpoint: fingerprint is not a string")
+    fingerprint = plan.fingerprint
     if theirs != fingerprint:
         raise CheckpointError(
             f"checkpoint is from a different pipeline (its fingerprint {theirs[:12]} is not "
@@ -230,7 +230,7 @@ def _replay_lane(value: list, where: str, plan, lane: int, epochs: tuple) -> tup
         raise CheckpointError(f"corrupt checkpoint: {where} must be [epoch, k, since, "
                               f"total, *carry], got {len(value)} value(s)")
     length = plan.lane_length(lane)
-    chunk_size = plan.pipeline.chunk_size
+    chunk_size = plan.spec.chunk_size
     epoch = _int(value[0], f"{where} epoch", *epochs)
     chunks = -(-length // chunk_size)
     k = _int(value[1], f"{where} lane chunk", 0, max(0, chunks - 1))

@@ -170,12 +170,11 @@ def _unimportable_main(obj) -> str | None:
 
 def find_issues(plan, checks: str = "all") -> list[ValidationIssue]:
     """``checks``: "pickle" (before workers start), "behaviour" (while they start), "all"."""
-    pipeline, opts = plan.pipeline, plan.opts
+    pipeline, opts = plan.spec, plan.opts
     issues: list[ValidationIssue] = []
-    # an adaptive stage (autotune, no runner pinned) is not a process stage: one whose ops
-    # or samples do not pickle stays inline (its executor finds out, see AdaptiveExecutor)
-    needs_pickle = opts.mtp_mode or any(s.runner == "process" and not s.adaptive
-                                        for s in plan.stages)
+    # an adaptive stage whose ops or samples do not pickle stays inline (its executor finds
+    # out, see AdaptiveExecutor): only what runs in process workers must pickle
+    needs_pickle = opts.mtp_mode or any(s.mode == "process" for s in plan.stages)
     if needs_pickle and checks in ("pickle", "all"):
         issues.extend(_pickle_issues(pipeline))
     if len(pipeline.source) == 0 or checks == "pickle":

@@ -307,7 +307,7 @@ class TorchLoader:
         from zephon.checkpoint import decode_state
         from zephon.pipeline.state import check_state
 
-        check_state(decode_state(state), self.pipe.plan(), self.pipe.fingerprint())
+        check_state(decode_state(state), self.pipe.plan())
         self.close()
         self._last_it = None
         self.pipe.restore(state)
