@@ -370,13 +370,15 @@ class HeapOps:
         if op == "reap":
             os.waitpid(self.child, 0)
             return "reaped"
-        if op == "fail_after":  # fails, carrying what it made before (a stage does)
+        if op == "fail_after":  # fails with what it made before (a stage program does)
+            from zephon.transport.failure import UnitFailure
+
             n, count, unpicklable = arg
             made = [np.full(n // 8, v, dtype=np.int64) for v in range(count)]
             error = LockedError("lost") if unpicklable else ValueError("failed late")
-            error.zephon_done = made
+            failure = UnitFailure(error, made)
             del made
-            raise error
+            return failure
         if op == "stats":
             h = heap.installed()
             if h is None:
@@ -393,3 +395,15 @@ class LockedError(Exception):
     def __init__(self, message):
         super().__init__(message)
         self.lock = threading.Lock()
+
+
+def config(opts=None, **fields):
+    """The pool configuration a pipeline makes of the options ``opts`` (None: the
+    defaults), with ``fields`` of :class:`~zephon.transport.config.PoolConfig` replaced
+    (``arena_bytes``, ``spawn_timeout_s``, ...). Imported lazily: workers that import
+    this module for its handlers need none of it."""
+    from zephon import RuntimeOptions
+    from zephon.pipeline.engine import pool_config
+
+    return dataclasses.replace(pool_config(opts if opts is not None else RuntimeOptions()),
+                               **fields)

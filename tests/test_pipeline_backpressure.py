@@ -172,10 +172,11 @@ def test_op_time_bounds_parts_of_samples_faster_than_the_queueing_threshold():
 @pytest.mark.parametrize("runner", ["inline", "threads", "process"])
 def test_every_executor_reports_op_time_without_execution_tracking(runner):
     # The dispatch needs the op time whatever the tracking: each executor's get() returns
-    # it with the result (tracking off: no probe, no meter).
+    # it with the result (tracking off: nobody observes the stage's meter).
     from _pipeline_fns import square_unit
 
     from zephon import RuntimeOptions
+    from zephon.pipeline.engine import pool_config
     from zephon.runners.executors import InlineExecutor, ProcessExecutor, ThreadExecutor
 
     if runner == "inline":
@@ -183,9 +184,9 @@ def test_every_executor_reports_op_time_without_execution_tracking(runner):
     elif runner == "threads":
         ex = ThreadExecutor(square_unit, 1)
     else:
-        ex = ProcessExecutor(square_unit, 1, options=RuntimeOptions())
+        ex = ProcessExecutor(square_unit, 1, config=pool_config(RuntimeOptions()))
     try:
-        assert ex.probe is None and getattr(ex, "meter", None) is None
+        assert ex.meter.observer is None
         ex.submit(0, 7, 3)
         seq, result, busy_s = ex.get(0)
     finally:
@@ -254,8 +255,12 @@ def test_the_feeder_sizes_each_part_when_it_sends_it():
     from zephon.pipeline.dispatch import _Feeder
 
     sent = []
-    executor = SimpleNamespace(submit=lambda lane, seq, payload: sent.append(payload[1]))
-    feed = _Feeder(executor, _stage(index=1), iter([list(range(64))]), 0, None)
+    stage = _stage(index=1)
+    workers = max(1, stage.workers)
+    executor = SimpleNamespace(submit=lambda lane, seq, payload: sent.append(payload[1]),
+                               runner=stage.runner, adaptive=False, workers=workers,
+                               max_workers=workers)
+    feed = _Feeder(executor, stage, iter([list(range(64))]), 0, None)
     feed.state.cap, feed.state.per_item = 1 << 30, float(4 << 20)
     feed.fill()
     assert [len(p) for p in sent] == [4] * feed.state.limit

@@ -371,3 +371,31 @@ def test_a_crash_past_its_retries_is_raised_after_the_results_before_it():
         for x in pipe:
             got.append(x)
     assert got == [0]
+
+
+@pytest.mark.parametrize("runner", ["inline", "process", "autotune"])
+def test_a_batch_that_fails_to_collate_hands_on_the_batches_before_it_in_its_message(runner):
+    """A fused read -> batch stage over a columnar source sends several micro-batches
+    per message on process workers (and plans so under autotune): one that fails to
+    collate (outside the per-sample ops) fails its message, and the whole batches made
+    before it in that message are handed on first, as every runner hands them on."""
+    import warnings
+
+    import _group_fns as G
+
+    def run(**opts):
+        pipe = Pipeline(G.RefusingColumns(), seed=3, chunk_size=64).batch(
+            4, collate_fn=G.refusing_collate).options(RuntimeOptions(**opts))
+        got = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the columnar read's fall-back warning
+            with iter(pipe) as it, pytest.raises(OpError, match="collate refuses") as raised:
+                for batch in it:
+                    got.append(batch["x"][:, 0].tolist())
+        return got, str(raised.value)
+
+    want = run(runner="inline")
+    opts = dict(worker_allocation="autotune", max_workers=2) if runner == "autotune" \
+        else dict(runner=runner, max_workers=2)
+    assert run(**opts) == want
+    assert len(want[0]) > 16  # batches of several messages came before it

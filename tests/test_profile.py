@@ -15,6 +15,7 @@ import pytest
 import zephon
 from zephon import Pipeline, RuntimeOptions, ZephonConfigError, sources
 from zephon.options.metrics import TRACKING_ENV, effective_tracking
+from zephon.pipeline.engine import pool_config
 from zephon.pipeline.stats import MAX_BUCKETS, _Series
 from zephon.report import diagnose
 from zephon.report.diagnose import BOTTLENECK_BUSY, INPUT_BOUND_STEPS
@@ -76,8 +77,8 @@ def test_series_doubles_its_buckets_and_keeps_totals():
 
 
 def test_process_workers_send_their_timing_with_results():
-    off = WorkerPool(F.square, 1, options=RuntimeOptions())
-    on = WorkerPool(F.square, 1, options=RuntimeOptions(execution_tracking="stages"))
+    off = WorkerPool(F.square, 1, config=pool_config(RuntimeOptions()))
+    on = WorkerPool(F.square, 1, config=pool_config(RuntimeOptions(execution_tracking="stages")))
     try:
         off.start()
         on.start()

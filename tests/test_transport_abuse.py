@@ -23,7 +23,7 @@ def make_pool():
 
     def make(workers=1, transport="socketpair", **options):
         pool = WorkerPool(H.handle, workers,
-                          options=RuntimeOptions(ipc_transport=transport, **options))
+                          config=H.config(RuntimeOptions(ipc_transport=transport, **options)))
         pools.append(pool)
         return pool.start()
 

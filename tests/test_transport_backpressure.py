@@ -34,7 +34,7 @@ def make_pool():
 
     def make(workers=1, transport="socketpair", **kwargs):
         opts = RuntimeOptions(ipc_transport=transport, **kwargs.pop("options", {}))
-        pool = WorkerPool(H.handle, workers, options=opts, **kwargs)
+        pool = WorkerPool(H.handle, workers, config=H.config(opts, **kwargs))
         pools.append(pool)
         return pool.start()
 
@@ -73,7 +73,7 @@ def test_consumer_keeping_300_results_of_4mib_completes(make_pool, transport):
 def test_result_of_ten_20mib_arrays_never_waits_for_itself(make_pool):
     # 200 MiB in one message against a 64 MiB arena: it cannot fit even an empty arena,
     # so it gets a dedicated slab at once instead of waiting for its own regions.
-    pool = make_pool(arena_max_bytes=64 << 20)
+    pool = make_pool(arena_bytes=64 << 20)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback to copies, no starvation warning
         for round_ in range(3):
@@ -96,7 +96,7 @@ def test_many_arrays_within_the_bound_are_allocated_together(make_pool, transpor
     # 6 x 10 MiB = 60 MiB fits the 64 MiB an arena's messages may hold only if planned as
     # one request; the consumer drops each result at once, so nothing may ever wait or
     # fall back.
-    pool = make_pool(transport=transport, arena_max_bytes=arena_bytes_for(64 << 20))
+    pool = make_pool(transport=transport, arena_bytes=arena_bytes_for(64 << 20))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(6):

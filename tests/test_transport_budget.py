@@ -35,6 +35,7 @@ from zephon.transport.budget import (
     pipeline_budget,
     split_arena,
 )
+from zephon.transport.config import PoolConfig
 
 MIB = 1 << 20
 KIND = "memfd" if memfd_available() else "named"
@@ -75,18 +76,18 @@ def test_a_bound_for_a_message_room_holds_it_and_a_quarter_for_the_heap():
 
 def test_a_bare_pool_keeps_its_message_room():
     # 4 tasks in flight + prefetch_batches // 2 = 8 messages of 16 MiB (the defaults)
-    bound = default_arena_bytes(RuntimeOptions(), 4)
+    bound = default_arena_bytes(16 * MIB, 8, 4)
     assert bound == 160 * MIB and split_arena(bound).message_bytes == 128 * MIB
-    big = RuntimeOptions(shm_max_coalesced_bytes=None, prefetch_batches=4)
-    assert split_arena(default_arena_bytes(big, 2)).message_bytes == 4 * 64 * MIB
+    assert PoolConfig().arena_bound == bound  # a bare pool's
+    # no message size: 64 MiB each, for 2 in flight and 4 // 2 of the prefetch
+    assert split_arena(default_arena_bytes(None, 4, 2)).message_bytes == 4 * 64 * MIB
 
 
 def test_a_pipeline_budget_is_at_least_the_pipeline_bound_shared_by_its_lanes():
-    b = pipeline_budget(RuntimeOptions(), 4, 4)
+    b = pipeline_budget(4, 4, 8, 16 * MIB)
     assert b.arena_bytes == PIPELINE_ARENA_BYTES and b.lanes == 4
     assert b.lane_bytes == 64 * MIB
-    huge = RuntimeOptions(shm_max_coalesced_bytes=512 * MIB)
-    assert pipeline_budget(huge, 1, 4).message_bytes >= 8 * 512 * MIB
+    assert pipeline_budget(1, 4, 8, 512 * MIB).message_bytes >= 8 * 512 * MIB
 
 
 def test_a_budget_whose_parts_exceed_the_bound_is_refused():
@@ -173,7 +174,7 @@ def test_a_worker_whose_op_keeps_a_heap_array_stays_within_the_bound():
     # every result until the arena starves. The worker's slabs (recycled slabs are never
     # unmapped: their size is the peak) stay within the configured bound.
     bound = arena_bytes_for(16 * MIB)
-    pool = WorkerPool(H.HeapOps(), 1, options=RuntimeOptions(), arena_max_bytes=bound).start()
+    pool = WorkerPool(H.HeapOps(), 1, config=H.config(arena_bytes=bound)).start()
     try:
         pool.submit(("stats", None))
         if pool.get(timeout=60).value is None:
@@ -200,7 +201,7 @@ def test_a_worker_whose_op_keeps_a_heap_array_stays_within_the_bound():
 ROOT = pathlib.Path(zephon.__file__).parent
 BUDGET = ROOT / "transport" / "budget.py"
 #: what names an arena bound or a part of one in an expression
-_BOUND = re.compile(r"arena|max_bytes|bound|budget|prefetch_bytes|heap_bytes|message_bytes|"
+_BOUND = re.compile(r"arena|max_bytes|bound|(?<!cpu_)budget|prefetch_bytes|heap_bytes|message_bytes|"
                     r"lanes_bytes", re.IGNORECASE)
 _UNITS = (10, 20, 30)  # ``>> 20``: bytes shown in MiB
 _GENERATION = re.compile(r"slab_base|generation")

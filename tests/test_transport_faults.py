@@ -29,8 +29,8 @@ PARENT = textwrap.dedent("""
     from zephon.transport import WorkerPool
 
     if __name__ == "__main__":
-        pool = WorkerPool(H.handle, 2, options=RuntimeOptions(ipc_transport={transport!r},
-                                                              shm_min_new_allocation_bytes=0))
+        pool = WorkerPool(H.handle, 2, config=H.config(RuntimeOptions(
+            ipc_transport={transport!r}, shm_min_new_allocation_bytes=0)))
         pool.start()
         held = []
         for k in range(2):

@@ -37,7 +37,7 @@ def make_pool():
 
     def make(workers=1, **kwargs):
         opts = RuntimeOptions(**kwargs.pop("options", {}))
-        pool = WorkerPool(H.HeapOps(), workers, options=opts, **kwargs)
+        pool = WorkerPool(H.HeapOps(), workers, config=H.config(opts, **kwargs))
         pools.append(pool)
         return pool.start()
 
@@ -126,7 +126,7 @@ def test_a_worker_exits_cleanly_while_its_thread_still_reads_a_heap_array(make_p
 
 
 def test_arrays_the_op_keeps_do_not_shrink_what_the_consumer_can_hold(make_pool):
-    pool = make_pool(arena_max_bytes=arena_bytes_for(64 * MIB))  # and 16 MiB for the heap
+    pool = make_pool(arena_bytes=arena_bytes_for(64 * MIB))  # and 16 MiB for the heap
     assert call(pool, "keep_table", 16 * MIB) == "kept"  # in the heap, for good
     held: list = []
     with warnings.catch_warnings():
@@ -183,7 +183,7 @@ def test_arrays_made_in_an_ops_own_thread_are_right(make_pool):
 
 
 def test_a_consumer_that_keeps_every_result_neither_stalls_nor_corrupts(make_pool):
-    pool = make_pool(arena_max_bytes=16 * MIB)
+    pool = make_pool(arena_bytes=16 * MIB)
     kept = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the arena fills up: in-band, said once
@@ -466,22 +466,26 @@ def test_a_workers_sample_temporaries_reuse_one_region():
 
 @pytest.mark.parametrize("unpicklable", [False, True])
 def test_what_a_task_made_before_it_failed_comes_with_its_error(make_pool, unpicklable):
-    # A pipeline stage attaches the records made before its failing sample to the error
-    # (zephon_done). They travel with the ERROR as a result does, through the arena and
-    # by reference, not inside the pickled exception: an exception that does not pickle
+    # A pipeline stage's failure (UnitFailure) holds the records made before its failing
+    # sample. They travel with the ERROR as a result does, through the arena and by
+    # reference, not inside the pickled exception: an exception that does not pickle
     # (sent as a RuntimeError with its text) still brings them, and 24 MiB of them cost
     # no pickle round trip in the worker.
-    from zephon.transport.remote_errors import take_done
+    from zephon.transport.failure import UnitFailure
 
     pool = make_pool()
-    pool.submit(("fail_after", (4 * MIB, 6, unpicklable)))
-    with pytest.raises(RuntimeError if unpicklable else ValueError) as info:
-        pool.get(timeout=60)
-    done = take_done(info.value)
+    task = pool.submit(("fail_after", (4 * MIB, 6, unpicklable)))
+    failure = pool.get(timeout=60, failures=True).value
+    assert type(failure) is UnitFailure and failure.task_id == task
+    assert type(failure.error) is (RuntimeError if unpicklable else ValueError)
+    done = failure.done
     assert [int(a[0]) for a in done] == list(range(6))
     assert all(int(a.min()) == int(a.max()) == v for v, a in enumerate(done))
     assert call(pool, "stats")["sent"] == 6  # by reference, from the worker's heap
-    del done, info
+    del done, failure
     gc.collect()
     held = [call(pool, "fresh", (4 * MIB, v)) for v in range(3)]  # the regions came back
     assert [int(h["data"][0]) for h in held] == [0, 1, 2]
+    pool.submit(("fail_after", (8, 1, unpicklable)))
+    with pytest.raises(RuntimeError if unpicklable else ValueError):
+        pool.get(timeout=60)  # without failures=True the task's error is raised

@@ -33,7 +33,7 @@ def make_pool():
 
     def make(workers=2, transport="socketpair", handler=H.handle, **kwargs):
         opts = RuntimeOptions(ipc_transport=transport, **kwargs.pop("options", {}))
-        pool = WorkerPool(handler, workers, options=opts, **kwargs)
+        pool = WorkerPool(handler, workers, config=H.config(opts, **kwargs))
         pools.append(pool)
         return pool.start()
 
@@ -155,7 +155,7 @@ def test_small_view_of_big_region_is_compacted(make_pool):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_regions_recycle_under_a_fixed_bound(make_pool, transport):
     bound = 32 << 20
-    pool = make_pool(workers=1, transport=transport, arena_max_bytes=bound)
+    pool = make_pool(workers=1, transport=transport, arena_bytes=bound)
     held = []
     for i in range(60):  # 60 x 4 MiB = 240 MiB through a 32 MiB arena
         pool.submit(("full", (4 << 20, i)))
@@ -174,7 +174,7 @@ def test_consumer_holding_everything_gets_copies_with_one_warning(make_pool):
     # held, the worker waits once (briefly), then sends in-band until a region comes back;
     # one warning says so.
     bound = arena_bytes_for(16 << 20)
-    pool = make_pool(workers=1, arena_max_bytes=bound)
+    pool = make_pool(workers=1, arena_bytes=bound)
     held = []
     with pytest.warns(RuntimeWarning, match="holds") as record:
         for i in range(8):
@@ -242,7 +242,7 @@ def _fail_on_load():
 
 
 def test_handler_that_cannot_load_in_the_worker_is_a_clear_error():
-    pool = WorkerPool(_Unloadable(), 2, spawn_timeout_s=60)
+    pool = WorkerPool(_Unloadable(), 2, config=H.config(spawn_timeout_s=60))
     try:
         with pytest.raises(ImportError, match="cannot be set up in a worker"):
             pool.start()
@@ -331,7 +331,7 @@ def test_descriptors_are_close_on_exec(make_pool):
 
 @pytest.mark.parametrize("mode", ["hard", "graceful"])
 def test_close_reaps_every_worker_and_is_idempotent(mode):
-    pool = WorkerPool(H.handle, 2, options=RuntimeOptions(shutdown_mode=mode)).start()
+    pool = WorkerPool(H.handle, 2, config=H.config(RuntimeOptions(shutdown_mode=mode))).start()
     procs = [h.process for h in pool.workers]
     if mode == "hard":
         pool.submit(("sleep", 60))  # a stuck task: hard shutdown must not wait for it

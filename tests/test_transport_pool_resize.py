@@ -10,12 +10,13 @@ import _autotune_fns as F
 from _procs import HANG_S, alive, wait_gone
 from zephon import RuntimeOptions
 from zephon.errors import TransportError
+from zephon.pipeline.engine import pool_config
 from zephon.transport import WorkerPool
 
 
 @pytest.fixture
 def pool():
-    p = WorkerPool(F.echo, 1, options=RuntimeOptions())
+    p = WorkerPool(F.echo, 1, config=pool_config(RuntimeOptions()))
     p.start()
     yield p
     pids = [h.pid for h in p.workers]

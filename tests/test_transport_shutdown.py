@@ -101,8 +101,8 @@ def test_exit_without_close_never_waits_on_a_non_daemon_worker():
 def test_ctrl_c_to_the_group_is_one_keyboard_interrupt_and_no_worker_traceback():
     rc, out, err, pids = run_script("""
         if __name__ == "__main__":
-            pool = WorkerPool(H.handle, 2, options=RuntimeOptions(
-                shm_min_new_allocation_bytes=0)).start()
+            pool = WorkerPool(H.handle, 2, config=H.config(RuntimeOptions(
+                shm_min_new_allocation_bytes=0))).start()
             pids = []
             for k in range(2):
                 pool.submit(("pid", None), worker=k)
@@ -165,7 +165,7 @@ def pool():
 
 @pytest.mark.parametrize("mode", ["immediate", "hard", "graceful"])
 def test_close_under_a_blocked_get_is_not_a_crash(pool, caplog, tmp_path, mode):
-    p = pool(H.handle, 2, options=RuntimeOptions(shutdown_mode=mode))
+    p = pool(H.handle, 2, config=H.config(RuntimeOptions(shutdown_mode=mode)))
     # each worker holds its task until it is told to stop, and says when it entered it
     marks = [str(tmp_path / f"held.{k}") for k in range(2)]
     for k in range(2):
@@ -214,8 +214,8 @@ def test_close_drains_a_worker_blocked_sending_its_result(pool, caplog):
     # A result larger than the socket buffers, with shared memory off: the worker is
     # blocked in send when STOP arrives; the graceful close() reads it away and the worker
     # exits by itself (exit code 0), without terminate.
-    p = pool(H.handle, 1, options=RuntimeOptions(shm_enabled=False, shutdown_mode="graceful",
-                                                 ipc_buffer_bytes=64 << 10))
+    p = pool(H.handle, 1, config=H.config(RuntimeOptions(
+        shm_enabled=False, shutdown_mode="graceful", ipc_buffer_bytes=64 << 10)))
     p.submit(("ones", 32 << 20))
     # the first bytes of the 32 MiB result are here: the worker is blocked sending the rest
     readable, _, _ = select.select([p.workers[0].channel.fileno()], [], [], HANG_S)

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(f"""
         opts = RuntimeOptions(ipc_transport="pipe")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with WorkerPool(H.handle, 2, options=opts) as pool:
+            with WorkerPool(H.handle, 2, config=H.config(opts)) as pool:
                 kept = []
                 for i in range(24):  # 24 x 8 MiB kept: four times the tmpfs
                     pool.submit(("full", (8 << 20, i)))

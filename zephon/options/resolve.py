@@ -65,6 +65,7 @@ __all__ = [
     "resolve_mtp_buffer",
     "resolve_mtp_prefetch",
     "resolve_op_queue_capacity",
+    "default_prefetch_batches",
     "resolve_prefetch_batches",
     "resolve_stage_prefetch",
     "resolve_stage_workers",
@@ -93,8 +94,25 @@ def resolve_max_workers(opts, cpu_count: int | None = None) -> int:
     """
     if opts.max_workers is not None:
         return opts.max_workers
+    return _default_max_workers(cpu_count)
+
+
+def _default_max_workers(cpu_count: int | None) -> int:
     n = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
     return min(16, max(4, n))
+
+
+def default_prefetch_batches(cpu_count: int | None = None) -> int:
+    """The prefetch a run resolves when neither ``prefetch_batches`` nor ``max_workers``
+    is set: ``max(8, 2 * the CPU count clamped to [4, 16])``. A bare
+    :class:`~zephon.transport.WorkerPool` sizes its arena for it, as a pool of a default
+    run does.
+
+    Example:
+        >>> default_prefetch_batches(cpu_count=2), default_prefetch_batches(cpu_count=64)
+        (8, 32)
+    """
+    return max(8, 2 * _default_max_workers(cpu_count))
 
 
 def resolve_prefetch_batches(opts, *, cpu_count: int | None = None) -> int:

@@ -68,6 +68,7 @@ from zephon.pipeline.lanes import ReadUnit, _joined, lane_source_index, position
 from zephon.pipeline.ops import HoldsBins, HoldsPieces, HoldsRecords
 from zephon.pipeline.plan import SerialStep, carrier, maker
 from zephon.pipeline.records import Record
+from zephon.transport.failure import UnitFailure
 
 __all__ = ["Rebuilder", "carry_bounds", "decode_carry", "encode_carry", "held_units"]
 
@@ -193,7 +194,7 @@ class _Reader:
 def carry_bounds(plan, lane: int, epoch: int, k: int, first_epoch: int) -> dict:
     """What a carry held at boundary ``(epoch, k)`` of ``lane`` may refer to, for
     :func:`decode_carry` (``first_epoch``: the run's first epoch)."""
-    return {"epoch": epoch, "pos": k * plan.pipeline.chunk_size, "first_epoch": first_epoch,
+    return {"epoch": epoch, "pos": k * plan.spec.chunk_size, "first_epoch": first_epoch,
             "length": plan.lane_length(lane)}
 
 
@@ -222,7 +223,7 @@ class Rebuilder:
 
     def __init__(self, plan, program, lane: int) -> None:
         self.plan, self.program, self.lane = plan, program, lane
-        p = plan.pipeline
+        p = plan.spec
         self.where = (len(p.source), p.seed, p.permute, p.chunk_size, plan.lanes, lane)
 
     def fail(self, what: str):
@@ -231,6 +232,8 @@ class Rebuilder:
 
     def _stage(self, stage: int, unit) -> Record:
         out = self.program((stage, unit))
+        if type(out) is UnitFailure:  # the op's own error, raised as the inline runner would
+            raise out.error
         if len(out) != 1:
             self.fail(f"stage {stage} gave {len(out)} record(s) for one carried record")
         return out[0]
@@ -287,7 +290,7 @@ class Rebuilder:
 
 def held_units(plan, lane: int, epoch: int, k: int, count: int) -> list:
     """Read units of the ``count`` samples a fused batch held at boundary ``(epoch, k)``."""
-    p = plan.pipeline
+    p = plan.spec
     return positions_before(len(p.source), p.seed, p.permute, p.chunk_size, plan.lanes, lane,
                             epoch, k * p.chunk_size, count) if count else []
 

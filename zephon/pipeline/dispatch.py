@@ -61,8 +61,9 @@ sized once for the most the executor may grow to (``max_workers``). An adaptive 
 (:class:`~zephon.runners.executors.AdaptiveExecutor`) is planned with the process
 runner's bounds (depth, byte budget, splitting) and keeps to one part at a time,
 handing over what is ready before it reads on, while its executor runs inline; its
-executor's ``profile`` (op seconds and output bytes per sample, averaged over its recent
-units) is kept here, for the controller's moves. None of this
+stage meter's ``profile`` (op seconds and output bytes per sample, averaged over its
+recent units) is kept here, for the controller's moves. The dispatch reads the
+executor's contract (:mod:`zephon.runners.contract`) and nothing else. None of this
 changes which records come out or their order, only how many parts are in flight.
 
 ``deterministic=False``: results are released in completion order (markers
@@ -81,7 +82,8 @@ import numpy as np
 from zephon.kernels import ReorderBuffer
 from zephon.pipeline.lanes import BatchGroup, ReadUnit
 from zephon.pipeline.records import Boundary
-from zephon.runners.executors import TaskFailed
+from zephon.runners.contract import StageExecutor
+from zephon.transport.failure import UnitFailure
 from zephon.transport.heap import by_reference_bytes
 
 __all__ = [
@@ -164,18 +166,18 @@ def _items_in(part, stage) -> int:
     return len(part)
 
 
-def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: bool,
-                stats=None) -> Iterator:
+def ordered_map(executor: StageExecutor, stage, upstream: Iterator, lane: int,
+                deterministic: bool, stats=None) -> Iterator:
     """The results of ``stage`` (a :class:`~zephon.pipeline.plan.Stage`) over one lane's
     units, in sequence order (see the module docstring)."""
     feed = _Feeder(executor, stage, upstream, lane, stats)
     state, buffer = feed.state, feed.buffer
-    profiled = 1 if getattr(executor, "adaptive", False) else 0  # 1 + units profiled
+    profiled = 1 if executor.adaptive else 0  # 1 + units profiled
     # An inline executor runs a part when it is submitted: hand over what is ready first,
     # so that nothing is read before it is needed. (An adaptive stage's executor says its
     # mode now: inline until the autotune controller moves it to processes.)
     while True:
-        if getattr(executor, "runner", stage.runner) == "inline":
+        if executor.runner == "inline":
             yield from _in_order(buffer)
             state.release(buffer.cursor)
         feed.fill()
@@ -195,21 +197,21 @@ def ordered_map(executor, stage, upstream: Iterator, lane: int, deterministic: b
             stats.completed(feed.node, len(result), now - sent, now - waited, samples)
         feed.inflight -= 1
         state.done(done_seq, result, deterministic, busy_s)
-        if profiled and busy_s is not None and result and not isinstance(result, TaskFailed):
+        if profiled and busy_s is not None and result and type(result) is not UnitFailure:
             profiled += 1  # every unit of the first 8, then one in 16: sizing a result
             if profiled <= 9 or profiled % 16 == 0:  # costs up to ~50 us
                 _profile(executor, result, busy_s)
         if deterministic:
             buffer.push(done_seq, result)
         else:
-            if isinstance(result, TaskFailed):
+            if type(result) is UnitFailure:
                 yield from _failed(result)
             yield result
             buffer.push(done_seq, None)  # keeps markers in place; None is skipped below
 
 
-def _profile(executor, result: list, busy_s: float) -> None:
-    """Update an adaptive stage's ``profile`` (op seconds and output bytes per sample, an
+def _profile(executor: StageExecutor, result: list, busy_s: float) -> None:
+    """Update an adaptive stage's meter's ``profile`` (op seconds and output bytes per sample, an
     average over its recent units) from one unit's result: what the autotune controller
     weighs before a move to processes (:mod:`zephon.pipeline.autotune`). The bytes are
     those a worker would copy to send the result: arrays its shared heap would hold
@@ -219,8 +221,9 @@ def _profile(executor, result: list, busy_s: float) -> None:
     value = getattr(result[0], "value", None)
     nbytes = approx_nbytes(value, 0, by_reference_bytes()) * len(result)
     s, b = busy_s / samples, nbytes / samples
-    old = executor.profile
-    executor.profile = (s, b) if old is None or old[0] is None else \
+    meter = executor.meter
+    old = meter.profile
+    meter.profile = (s, b) if old is None or old[0] is None else \
         (0.5 * (old[0] + s), 0.5 * ((old[1] or 0.0) + b))
 
 
@@ -229,12 +232,12 @@ def _in_order(buffer) -> Iterator:
     failing sample and raises its error here, in its place in the stream (after every
     result before it), whatever order the workers finished."""
     for result in buffer.pop_ready():
-        if isinstance(result, TaskFailed):
+        if type(result) is UnitFailure:
             yield from _failed(result)
         yield result
 
 
-def _failed(result: TaskFailed) -> Iterator:
+def _failed(result: UnitFailure) -> Iterator:
     """What a failed unit made before its failing sample, then its error."""
     if result.done:
         yield result.done
@@ -261,7 +264,8 @@ class _Feeder:
         self.exhausted = False
 
     def pull(self):
-        """The next unit or marker; a failure upstream comes as a :class:`TaskFailed`
+        """The next unit or marker; a failure upstream comes as a
+        :class:`~zephon.transport.failure.UnitFailure`
         (raised in its place, after this stage's results before it: an earlier
         stage's error, an op's ``SystemExit`` or ``KeyboardInterrupt`` included, must
         not overtake the samples and errors ahead of it here)."""
@@ -272,7 +276,7 @@ class _Feeder:
         except StopIteration:
             raise
         except BaseException as exc:  # noqa: BLE001 - raised in stream order by _in_order
-            return TaskFailed(exc)
+            return UnitFailure(exc)
 
     def take(self) -> None:
         """Take one item from upstream: a unit is cut into parts, a marker goes to the
@@ -284,10 +288,10 @@ class _Feeder:
             return
         if unit is None:  # a placeholder of an earlier non-deterministic stage
             return
-        if isinstance(unit, (Boundary, TaskFailed)):
+        if isinstance(unit, (Boundary, UnitFailure)):
             self.buffer.push(self.seq, unit)
             self.seq += 1
-            if isinstance(unit, TaskFailed):
+            if type(unit) is UnitFailure:
                 self.exhausted = True  # nothing upstream follows its error
             return
         unit = self.state.merge(unit, self.pull, self.lookahead)
@@ -324,12 +328,12 @@ class _LaneDispatch:
     """The sizing and the bounds of one lane of one stage: how units become parts, and
     whether one more part may go out (parts, items and bytes in flight)."""
 
-    def __init__(self, stage, executor=None) -> None:
+    def __init__(self, stage, executor: StageExecutor | None = None) -> None:
         self.depth, self.item_cap = stage.depth, stage.item_cap
         self.executor = executor  # its ``workers`` may change during the run (autotune)
         self.fixed = max(1, stage.workers)
         self.planned_runner = stage.runner
-        most = max(self.fixed, getattr(executor, "max_workers", self.fixed))
+        most = self.fixed if executor is None else max(self.fixed, executor.max_workers)
         self.window = 2 * self.depth * most + 8
         self.split = stage.split
         self.merges = stage.split and stage.index == 0  # read units: merging reads nothing
@@ -348,13 +352,16 @@ class _LaneDispatch:
     @property
     def workers(self) -> int:
         """The stage's workers now (the executor's count when it has one)."""
-        return max(1, getattr(self.executor, "workers", self.fixed))
+        executor = self.executor
+        return self.fixed if executor is None else max(1, executor.workers)
 
     @property
     def inline(self) -> bool:
         """Whether the stage's units run inline now (an adaptive stage's executor says its
         mode; see :class:`~zephon.runners.executors.AdaptiveExecutor`)."""
-        return getattr(self.executor, "runner", self.planned_runner) == "inline"
+        executor = self.executor
+        runner = self.planned_runner if executor is None else executor.runner
+        return runner == "inline"
 
     @property
     def limit(self) -> int:
@@ -389,7 +396,7 @@ class _LaneDispatch:
                 nxt = pull()
             except StopIteration:
                 break
-            merged = None if nxt is None or isinstance(nxt, (Boundary, TaskFailed)) else \
+            merged = None if nxt is None or isinstance(nxt, (Boundary, UnitFailure)) else \
                 merge_units(unit, nxt)
             if merged is None:
                 lookahead.appendleft(nxt)

@@ -56,11 +56,17 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import replace
 from typing import Any, Iterator
 
 from zephon.errors import CheckpointError
 from zephon.kernels import LaneRoundRobin
-from zephon.options import resolve_autotune_cpu_budget, resolve_autotune_memory_bytes
+from zephon.options import (
+    resolve_autotune_cpu_budget,
+    resolve_autotune_memory_bytes,
+    resolve_mtp_buffer,
+    resolve_prefetch_batches,
+)
 from zephon.options.metrics import effective_tracking
 from zephon.pipeline.autotune import Controller
 from zephon.pipeline.carry import Rebuilder, carry_bounds, decode_carry, encode_carry, held_units
@@ -73,9 +79,45 @@ from zephon.pipeline.program import StageProgram, batches_per_message
 from zephon.pipeline.records import Batch, BatchList, Boundary
 from zephon.pipeline.stats import RunStats
 from zephon.runners import AdaptiveExecutor, InlineExecutor, ProcessExecutor, ThreadExecutor
+from zephon.runners.contract import StageExecutor, StageMeter
+from zephon.transport.codec import ShmPolicy
+from zephon.transport.config import PoolConfig
 
 __all__ = ["NOTHING", "Engine", "Plan", "accumulate", "cursor_state", "ended_state",
-           "is_ended", "ordered_map", "replay_state", "stop_each"]
+           "is_ended", "mtp_pool", "ordered_map", "pool_config", "replay_state", "stop_each"]
+
+
+def pool_config(opts, *, inflight_per_worker: int = INFLIGHT_PER_WORKER,
+                arena_bytes: int | None = None,
+                buffer_bytes: int | None = None) -> PoolConfig:
+    """The transport's configuration (:class:`~zephon.transport.config.PoolConfig`)
+    resolved from the run's options ``opts``, once: the channels, the start method, the
+    shutdown mode, the shared-memory policy, the prefetch (resolved), and whether workers
+    time their tasks (execution tracking, ``$ZEPHON_EXECUTION_TRACKING`` included, or
+    the autotune controller, which reads the workers' op time). ``arena_bytes``: the
+    workers' arena bound (None: a bare pool's default); ``buffer_bytes``: the channels'
+    buffer (None: ``ipc_buffer_bytes``)."""
+    return PoolConfig(
+        transport=opts.ipc_transport,
+        buffer_bytes=opts.ipc_buffer_bytes if buffer_bytes is None else buffer_bytes,
+        mp_context=opts.mp_context, shutdown_mode=opts.shutdown_mode,
+        policy=ShmPolicy(opts.shm_enabled, opts.shm_coalesce, opts.shm_min_item_bytes,
+                         opts.shm_min_new_allocation_bytes, opts.shm_min_forward_bytes,
+                         opts.shm_compact_above_ratio, opts.shm_compact_min_savings_bytes,
+                         opts.shm_max_coalesced_bytes),
+        timing=effective_tracking(opts.execution_tracking) != "off" or
+        opts.worker_allocation == "autotune",
+        inflight_per_worker=inflight_per_worker, arena_bytes=arena_bytes,
+        prefetch_batches=resolve_prefetch_batches(opts))
+
+
+def mtp_pool(opts) -> tuple[PoolConfig, int]:
+    """``(pool configuration, requests in flight)`` of the MTP subprocess's one-worker
+    pool (:class:`~zephon.runners.mtp.MtpSource`): ``mtp_buffer`` requests on a channel
+    of ``mtp_buffer_bytes``."""
+    depth = resolve_mtp_buffer(opts)
+    return pool_config(opts, inflight_per_worker=depth,
+                       buffer_bytes=opts.mtp_buffer_bytes), depth
 
 
 class _Nothing:
@@ -237,32 +279,24 @@ class Engine:
         #: the run covers epochs [start_epoch, end_epoch): lanes without a state start at
         #: start_epoch's beginning
         self.start_epoch, self.end_epoch = start_epoch, plan.pass_end(start_epoch)
-        p, o = plan.pipeline, plan.opts
+        p, o = plan.spec, plan.opts
         mode = effective_tracking(o.execution_tracking)  # or $ZEPHON_EXECUTION_TRACKING
         self.stats = None if mode == "off" else RunStats(mode, o.metrics_sink_config)
-        self.program = program = StageProgram(
+        self.program = StageProgram(
             p.source, [list(s.ops) for s in plan.stages], p.seed,
             [s.collates for s in plan.stages],
             collate_fn=plan.fused_batch and plan.fused_batch.collate_fn,
             worker_compute_threads=o.worker_compute_threads)
-        self.executors = {}
+        #: the transport's configuration, resolved from the options once for the run
+        self.pool_config = pool_config(o)
+        self.executors: dict[int, StageExecutor] = {}
         #: the autotune controller (zephon.pipeline.autotune), None unless
         #: worker_allocation="autotune" and some stage runs on threads or processes or is
         #: adaptive (starts inline, moved to processes when that pays)
         self.tuner: Controller | None = None
         try:
             for stage in plan.stages:
-                name = f"stage{stage.index}"
-                ex: ProcessExecutor | ThreadExecutor | InlineExecutor | AdaptiveExecutor
-                if stage.adaptive:  # inline until the controller moves it (autotune)
-                    ex = AdaptiveExecutor(program, self._process_maker(stage, name), name=name)
-                elif stage.runner == "process":
-                    ex = self._process_maker(stage, name)(stage.workers)
-                elif stage.runner == "threads":
-                    ex = ThreadExecutor(program, stage.workers, name=name)
-                else:
-                    ex = InlineExecutor(program, name=name)
-                self.executors[stage.index] = ex
+                self.executors[stage.index] = self._executor(stage)
         except BaseException:
             self.close()
             raise
@@ -289,26 +323,37 @@ class Engine:
             epoch, at = self.start_epoch, 0
             if state:  # a cursor state's second field is a lane position, a replay's a chunk
                 epoch = state[0]
-                at = state[1] if plan.cursor_resume else state[1] * plan.pipeline.chunk_size
+                at = state[1] if plan.cursor_resume else state[1] * plan.spec.chunk_size
             total += max(0, (self.end_epoch - epoch) * plan.lane_length(lane) - at)
         return total
 
-    def _process_maker(self, stage, name: str):
-        """``workers -> ProcessExecutor`` of ``stage`` (its pool starts at once; an adaptive
-        stage calls it at its first move to processes)."""
-        program, o = self.program, self.plan.opts
+    def _executor(self, stage) -> StageExecutor:
+        """The executor of ``stage``, by its mode, with the stage's one meter."""
+        name, meter = f"stage{stage.index}", StageMeter()
+        if stage.mode == "adaptive":  # inline until the controller moves it (autotune)
+            return AdaptiveExecutor(self.program, self._process_maker(stage, name),
+                                    name=name, meter=meter)
+        if stage.mode == "process":
+            return self._process_maker(stage, name)(stage.workers, meter)
+        if stage.mode == "threads":
+            return ThreadExecutor(self.program, stage.workers, name=name, meter=meter)
+        return InlineExecutor(self.program, name=name, meter=meter)
 
-        def make(workers: int) -> ProcessExecutor:
-            return ProcessExecutor(program, workers, options=o, name=name,
+    def _process_maker(self, stage, name: str):
+        """``(workers, meter) -> ProcessExecutor`` of ``stage`` (its pool starts at once; an
+        adaptive stage calls it at its first move to processes)."""
+        program, o = self.program, self.plan.opts
+        config = replace(self.pool_config, arena_bytes=stage.arena_bytes)
+
+        def make(workers: int, meter: StageMeter) -> ProcessExecutor:
+            return ProcessExecutor(program, workers, config=config, name=name,
                                    max_retries=o.max_worker_retries,
-                                   deterministic=o.deterministic,
-                                   inflight_per_worker=INFLIGHT_PER_WORKER,
-                                   arena_max_bytes=stage.arena_bytes)
+                                   deterministic=o.deterministic, meter=meter)
         return make
 
     def lane_stream(self, lane: int) -> Iterator:
         """``(record, lane state after it)`` for every item of ``lane`` from its state."""
-        plan, p = self.plan, self.plan.pipeline
+        plan, p = self.plan, self.plan.spec
         state = self.states.get(lane)
         if is_ended(state):
             return iter(())
@@ -373,38 +418,54 @@ class Engine:
                start: Boundary | None = None) -> Iterator:
         """The lane's generator chain; ``held``: the decoded carry of the boundary
         ``start`` a replay starts at (what each carrying accumulator held there)."""
-        plan, stats = self.plan, self.stats
-        capture = bool(plan.carry_layout)
+        plan = self.plan
         slots = list(held) if held is not None else None
         rebuild = Rebuilder(plan, self.program, lane) if slots else None
         if plan.fused_batch is not None:
-            units = None
-            if slots:
-                count = slots.pop(0)
-                assert start is not None
-                units = held_units(plan, lane, start.epoch, start.k, count)
-            it = batched_units(it, plan.fused_batch.size, plan.fused_batch.drop_last,
-                               units, capture)
-            it = grouped_units(it, batches_per_message(
-                plan.pipeline.source, plan.fused_batch.size, plan.stages[0]))
+            it = self._fused(it, lane, slots, start)
         carriers = [i for i, step in enumerate(plan.steps) if carrier(step) is not None]
         makers = [i for i, step in enumerate(plan.steps) if maker(step) is not None]
         for step_no, step in enumerate(plan.steps):
             if isinstance(step, StageStep):
                 it = ordered_map(self.executors[step.stage], plan.stages[step.stage], it, lane,
-                                 plan.opts.deterministic, stats)
+                                 plan.opts.deterministic, self.stats)
                 continue
-            op = step.op
-            node_stats = stats if stats is not None and stats.nodes_enabled else None
-            carries = step_no in carriers
             restore = None
-            if carries and slots:
-                restore = _held_records(rebuild, step_no, slots.pop(0), op.holds or "")
-            it = accumulate(op, it, plan.pipeline.seed, lane, node_stats,
-                            f"serial{step_no}_{op.kind}", capture=capture and carries,
-                            tracks=capture and any(c > step_no for c in carriers),
-                            made_input=any(c < step_no for c in makers), held=restore)
+            if step_no in carriers and slots:
+                restore = _held_records(rebuild, step_no, slots.pop(0), step.op.holds or "")
+            it = self._serial(it, lane, step.op, step_no, carriers, makers, restore)
         return it
+
+    def _fused(self, it: Iterator, lane: int, slots: list | None,
+               start: Boundary | None) -> Iterator:
+        """The lane's units cut into the fused batch's micro-batches and grouped into
+        messages; a replay's first slot (``slots``, taken off) counts the records the
+        batch held at ``start``."""
+        plan = self.plan
+        fused = plan.fused_batch
+        assert fused is not None
+        units = None
+        if slots:
+            count = slots.pop(0)
+            assert start is not None
+            units = held_units(plan, lane, start.epoch, start.k, count)
+        it = batched_units(it, fused.size, fused.drop_last, units, bool(plan.carry_layout))
+        return grouped_units(it, batches_per_message(plan.spec.source, fused.size,
+                                                     plan.stages[0]))
+
+    def _serial(self, it: Iterator, lane: int, op: SerialOp, step_no: int,
+                carriers: list[int], makers: list[int], restore) -> Iterator:
+        """The serial accumulator ``op`` of step ``step_no`` over the lane (``carriers``, ``makers``:
+        the steps that carry records across a boundary, and that make records;
+        ``restore``: what a replay puts back into it)."""
+        plan, stats = self.plan, self.stats
+        capture = bool(plan.carry_layout)
+        node_stats = stats if stats is not None and stats.nodes_enabled else None
+        return accumulate(op, it, plan.spec.seed, lane, node_stats,
+                          f"serial{step_no}_{op.kind}",
+                          capture=capture and step_no in carriers,
+                          tracks=capture and any(c > step_no for c in carriers),
+                          made_input=any(c < step_no for c in makers), held=restore)
 
     def items(self) -> Iterator:
         """``(value, stamp)`` in the rank's round-robin order (see "Stamps" in the module

@@ -2,7 +2,8 @@
 
 A :class:`StageProgram` holds the source, the stateless ops of every parallel
 stage and the seed; it is pickled once per worker process. ``program((stage,
-unit))`` returns the unit's output records: stage 0 reads a
+unit))`` returns the unit's output records, or the unit's
+:class:`~zephon.transport.failure.UnitFailure`: stage 0 reads a
 :class:`~zephon.pipeline.lanes.ReadUnit` from the source first (each record
 carries its sample identity and its lane position). A stage that collates
 (a ``batch`` fused into the stage that reads and maps its samples) returns one
@@ -13,11 +14,14 @@ reading the source names the sample likewise.
 
 Each sample goes through all of the stage's ops before the next is read
 (:meth:`StageProgram.run_ops`): the first failing sample of a unit is the one
-that fails it, whatever the dispatch made the unit's parts. The error carries
-the records made before that sample (:data:`~zephon.transport.remote_errors.DONE_ATTR`;
-none for a unit that is one batch), which go on before it is raised. A result a
-process worker cannot send (a record whose value does not pickle) fails the same
-way, at its first such record (:meth:`StageProgram.unencodable`).
+that fails it, whatever the dispatch made the unit's parts. Its failure holds the
+error and the records made before that sample (none for a unit that is one batch),
+which go on before the error is raised; inside the program it travels up by
+:class:`~zephon.transport.failure.Unwind`, and ``program(...)`` returns it. A result
+a process worker cannot send (a record whose value does not pickle) fails the same
+way, at its first such record (:meth:`StageProgram.unencodable`, marked
+``unsendable``). A unit abandoned because its worker was told to stop
+(:class:`~zephon.transport.stopping.TaskAbandoned`) raises, as nobody waits for it.
 
 ``worker_compute_threads`` is the :class:`~zephon.options.RuntimeOptions` field of
 that name, for the process worker that unpickles the program: it limits the
@@ -40,8 +44,8 @@ from zephon.pipeline.ops import FilterOp, make_batch
 from zephon.pipeline.records import Batch, Record
 from zephon.pipeline.sources.base import Source
 from zephon.transport.codec import find_unpicklable
+from zephon.transport.failure import UnitFailure, Unwind
 from zephon.transport.heap import settle
-from zephon.transport.remote_errors import DONE_ATTR, put_done
 from zephon.transport.stopping import TaskAbandoned
 from zephon.transport.stopping import check as check_stop
 
@@ -117,12 +121,12 @@ class StageProgram:
         self.worker_compute_threads = worker_compute_threads
         self._stage = 0  # the stage of the unit run last (unencodable names its op)
 
-    def unencodable(self, result, error: BaseException) -> OpError | None:
-        """The error for a unit's ``result`` that a process worker cannot send (its
-        encoder raised ``error``): an :class:`~zephon.errors.OpError` naming the op
-        that made the first record that cannot be pickled (the stage's last map, or the
-        read), the record's sample, and the offending object's type and path inside the
-        value; the records before it ride on it, so they are delivered first. None when
+    def unencodable(self, result, error: BaseException) -> UnitFailure | None:
+        """The failure of a unit whose ``result`` a process worker cannot send (its
+        encoder raised ``error``), marked ``unsendable``: an :class:`~zephon.errors.OpError`
+        naming the op that made the first record that cannot be pickled (the stage's last
+        map, or the read), the record's sample, and the offending object's type and path
+        inside the value, with the records before it, delivered first. None when
         ``result`` is not a list of records (the error stays as it is). The inline and
         threads runners never pickle results: there the same op just works."""
         if not isinstance(result, list):
@@ -142,9 +146,7 @@ class StageProgram:
                 "(arrays, numbers, strings, containers of them), or run the stage on "
                 "runner='threads' or 'inline', which never pickle", op=op, sample_id=sample)
             failure.__cause__ = error
-            failure.zephon_unsendable = True  # type: ignore[attr-defined]  # (rerun inline)
-            put_done(failure, result[:i])
-            return failure
+            return UnitFailure(failure, result[:i], unsendable=True)
         return None
 
     def read(self, unit):
@@ -230,9 +232,10 @@ class StageProgram:
                         collator.add(r.value)
                         r = Record(None, r.ids, r.pos)
                     out.append(r)
-        except BaseException as exc:  # an op's SystemExit too: the records before go on
-            put_done(exc, out)
+        except (TaskAbandoned, Unwind):
             raise
+        except BaseException as exc:  # noqa: BLE001 - an op's SystemExit too: what came before goes on
+            raise Unwind(UnitFailure(exc, out)) from None
 
     def _run_batched(self, records, ops: list) -> list:
         """The ops of a stage with a *batched* op (``tokenize``: ``op.batched`` and
@@ -261,11 +264,12 @@ class StageProgram:
                     records = self.run_ops(records, group)
             except TaskAbandoned:
                 raise
+            except Unwind as unwind:  # the segment's error and the records before it
+                error, records = unwind.failure.error, list(unwind.failure.done)
             except BaseException as exc:  # noqa: BLE001 - the op's error, raised below
-                error, records = exc, list(getattr(exc, DONE_ATTR, None) or [])
+                error, records = exc, []
         if error is not None:
-            put_done(error, records)
-            raise error
+            raise Unwind(UnitFailure(error, records))
         return records
 
     def read_batch(self, unit) -> list | None:
@@ -307,7 +311,14 @@ class StageProgram:
         return BatchRun(columns, source.name, indices, units[0].epoch,
                         [len(u) for u in units], [u.start for u in units])
 
-    def __call__(self, payload: tuple[int, Any]) -> list:
+    def __call__(self, payload: tuple[int, Any]) -> list | UnitFailure:
+        """The unit's records, or its :class:`~zephon.transport.failure.UnitFailure`."""
+        try:
+            return self._unit(payload)
+        except Unwind as unwind:
+            return unwind.failure
+
+    def _unit(self, payload: tuple[int, Any]) -> list:
         stage, unit = payload
         self._stage = stage
         if isinstance(unit, BatchGroup):  # several micro-batches, each collated on its own
@@ -315,12 +326,15 @@ class StageProgram:
             if fast is not None:
                 return fast
             out: list = []
-            try:
-                for member in unit.units:
-                    out.extend(self((stage, member)))
-            except BaseException as exc:
-                put_done(exc, out)  # the whole batches before the failing one
-                raise
+            for member in unit.units:
+                try:
+                    out.extend(self._unit((stage, member)))
+                except Unwind as unwind:  # the whole batches before the failing one go on
+                    raise Unwind(UnitFailure(unwind.failure.error, out)) from None
+                except TaskAbandoned:
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - a member's collation or read, an op's SystemExit
+                    raise Unwind(UnitFailure(exc, out)) from None
             return out
         if stage == 0 and self.collates[0] and not self.stages[0]:
             fast = self.read_batch(unit)
@@ -330,9 +344,9 @@ class StageProgram:
         try:
             records = self.run_ops(self.read(unit) if stage == 0 else unit,
                                    self.stages[stage], collator)
-        except BaseException as exc:
+        except Unwind as unwind:
             if self.collates[stage]:  # the unit is one batch: no part of it goes on
-                put_done(exc, [])
+                unwind.failure.done = []
             raise
         if self.collates[stage] and records:
             return [make_batch(records, self.collate_fn,

@@ -322,8 +322,10 @@ class _Stage:
 
 
 class StageProbe:
-    """An executor's link to the run's statistics: workers report op time with results
-    (:meth:`ran` is called in the engine's thread, as results are taken)."""
+    """The run statistics' observer of one stage's meter
+    (:class:`~zephon.runners.contract.StageMeter`): the meter calls :meth:`ran` with
+    each unit's op time as the executor records it (in the engine's thread, as results
+    are taken) and :meth:`event` with each worker start, stop and restart."""
 
     __slots__ = ("node", "stage", "stats")
 
@@ -416,19 +418,21 @@ class RunStats:
 
     # -- recording (engine side) -----------------------------------------------------------
     def attach(self, node: str, executor, stage, upstream: Iterator) -> Iterator:
-        """Link ``executor`` (stage ``node``) to these statistics, once; returns
-        ``upstream`` timed as the stage's input wait."""
+        """Follow ``executor``'s meter (stage ``node``) from now on, once: its
+        :class:`StageProbe` becomes the meter's observer; returns ``upstream`` timed as the
+        stage's input wait."""
         info = self.stages.get(node)
         if info is None:  # the engine's thread alone adds stages
             label = " -> ".join(getattr(op, "name", type(op).__name__)
                                 for op in getattr(stage, "ops", ()))
-            runner = getattr(executor, "runner", "inline")
+            runner = executor.runner
             workers = 1 if runner == "inline" else max(1, stage.workers)
             info = _Stage(node, label or node, runner, workers)
             with self.lock:
                 self.stages[node] = self.nodes[node] = info
-        if getattr(executor, "probe", None) is None:
-            executor.probe = StageProbe(self, node)
+        meter = executor.meter
+        if meter.observer is None:
+            meter.observer = StageProbe(self, node)
             for k in range(info.workers):
                 self.worker_event(node, "start", k)
         return _TimedInput(upstream, info)

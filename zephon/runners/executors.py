@@ -1,25 +1,26 @@
-"""Stage executors: where a parallel stage's units run.
+"""Stage executors: where a parallel stage's units run. Each implements the contract
+of :mod:`zephon.runners.contract` (:class:`~zephon.runners.contract.StageExecutor`; the
+adaptive one :class:`~zephon.runners.contract.MovableExecutor` too).
 
-One interface for every runner: ``submit(lane, seq, payload)`` starts
-``program(payload)``; ``get(lane)`` blocks for *some* finished unit of that
-lane and returns ``(seq, result, busy_s)``: ``busy_s`` is the seconds the program
-took on that unit where it ran (measured by the worker thread or process with
-:class:`~zephon.transport.optime.OpClock`, always, with or without execution
-tracking: the dispatch sizes its parts by it, since the time from submit to result
-also counts the unit's wait in queues; None when unknown, e.g. a unit lost to a
-crash). Results of other lanes that arrive while a
-lane waits are kept for them. Ordering is not the executor's job: the engine
-puts results back in sequence order (the ReorderBuffer kernel). A unit whose
-program raised comes back as a :class:`TaskFailed` result in its place, so the
-engine raises the error where the unit sits in the stream, as the inline runner
-does, not when it happens to finish first. That holds for whatever the program
-raised, ``BaseException`` included: an op's ``SystemExit`` (its code kept) or
+``submit(lane, seq, payload)`` starts ``program(payload)``; ``get(lane)`` blocks for
+*some* finished unit of that lane and returns ``(seq, result, busy_s)``: ``busy_s`` is
+the seconds the program took on that unit where it ran (measured by the worker thread
+or process with :class:`~zephon.transport.optime.OpClock`, always, with or without
+execution tracking: the dispatch sizes its parts by it, since the time from submit to
+result also counts the unit's wait in queues; None when unknown, e.g. a unit lost to a
+crash). Results of other lanes that arrive while a lane waits are kept for them.
+Ordering is not the executor's job: the engine puts results back in sequence order
+(the ReorderBuffer kernel). A unit whose program failed comes back as a
+:class:`~zephon.transport.failure.UnitFailure` in its place, so the engine raises the
+error where the unit sits in the stream, as the inline runner does, not when it
+happens to finish first. That holds for whatever the program raised,
+``BaseException`` included: an op's ``SystemExit`` (its code kept) or
 ``KeyboardInterrupt`` is the unit's error like any other, on every runner: the
-records before it are handed on, then it is raised as itself, and the op ran once
-(a process worker ignores SIGINT, so one raised there is the op's, sent back as its
-task's error; the worker goes on, never a crash to retry). Inline, the op runs in
-the consumer's thread, where a real Ctrl-C may land in it: that one is handed on
-in the same place, after the records its unit made before it.
+records before it are handed on, then it is raised as itself, and the op ran once (a
+process worker ignores SIGINT, so one raised there is the op's, sent back as its
+task's failure; the worker goes on, never a crash to retry). Inline, the op runs in
+the consumer's thread, where a real Ctrl-C may land in it: that one is handed on in
+the same place, after the records its unit made before it.
 
 - :class:`InlineExecutor`: runs the unit on ``submit``, in the calling thread.
 - :class:`ThreadExecutor`: daemon threads, as many as the stage's worker cap.
@@ -35,49 +36,48 @@ in the same place, after the records its unit made before it.
   warning instead (an empty result). Workers stopped by the executor's own
   ``close()`` (or at interpreter exit) are not crashes: ``get()`` then raises
   :class:`~zephon.errors.TransportError` ("closed") and nothing is re-dispatched.
-- :class:`AdaptiveExecutor`: an *adaptive* stage (``worker_allocation="autotune"``, its
-  runner not pinned): its units run inline, as :class:`InlineExecutor` runs them, until
-  the autotune controller moves it to process workers (:meth:`~AdaptiveExecutor.to_process`),
-  and back (:meth:`~AdaptiveExecutor.to_inline`). Nothing is spawned before the first
+- :class:`AdaptiveExecutor`: an *adaptive* stage (``Stage.mode == "adaptive"``): its
+  units run inline, as :class:`InlineExecutor` runs them, until the autotune
+  controller moves it to process workers (:meth:`~AdaptiveExecutor.to_process`), and
+  back (:meth:`~AdaptiveExecutor.to_inline`). Nothing is spawned before the first
   move. A move to processes starts a :class:`ProcessExecutor` whose workers boot while
   the units go on running inline; the stage submits to them once every one of them is
   ready (``booting`` counts them until then). A move back parks the pool: nothing new
-  goes to it, the units it has in flight come back through ``get()`` as any others,
-  and a move to processes while it is parked takes it back at once;
-  :meth:`~AdaptiveExecutor.release` stops it (once its units are back). ``runner`` is
-  the mode now (``"inline"`` or ``"process"``), ``workers`` the process workers in
-  process mode, 1 (the engine's thread) inline. A stage whose pool cannot start (an op
-  that cannot be pickled, a worker that fails to start or is not ready within the
-  pool's spawn timeout), or whose input or output samples cannot be pickled (a sample
-  of each is checked on the first inline units that have one), stays inline for the
-  rest of the run (``unable`` says why). A unit that fails in a worker (a sample the
-  check did not see that cannot cross, or the op's own error) runs again inline: if it
-  passes there, the stage goes back inline for the rest of the run; if it fails there
-  too, that failure is handed on, as the inline runner hands it on (an op's
-  ``SystemExit`` or ``KeyboardInterrupt`` is handed on as it is, the op not run
-  again: see above). Such a fall-back
-  is listed in ``fallen`` for the controller to record. ``profile`` is the dispatch's estimate of what its
-  samples cost (op seconds and output bytes per sample), for the controller. Units of
-  both modes come back as ``(seq, result,
-  busy_s)``; the engine re-orders them by ``seq``, so the stream is the one any runner
-  gives, whatever the moves.
+  goes to it, the units it has in flight come back through ``get()`` as any others
+  (recorded as parked), and a move to processes while it is parked takes it back at
+  once; :meth:`~AdaptiveExecutor.release` stops it (once its units are back).
+  ``runner`` is the mode now (``"inline"`` or ``"process"``), ``workers`` the process
+  workers in process mode, 1 (the engine's thread) inline. A stage whose pool cannot
+  start (an op that cannot be pickled, a worker that fails to start or is not ready
+  within the pool's spawn timeout), or whose input or output samples cannot be pickled
+  (a sample of each is checked on the first inline units that have one), stays inline
+  for the rest of the run (``unable`` says why). A unit that fails in a worker (a
+  sample the check did not see that cannot cross, or the op's own error) runs again
+  inline: if it passes there, the stage goes back inline for the rest of the run; if
+  it fails there too, that failure is handed on, as the inline runner hands it on (an
+  op's ``SystemExit`` or ``KeyboardInterrupt`` is handed on as it is, the op not run
+  again: see above). Such a fall-back is listed in ``fallen`` for the controller to
+  record. Units of both modes come back as ``(seq, result, busy_s)``; the engine
+  re-orders them by ``seq``, so the stream is the one any runner gives, whatever the
+  moves.
 
 Resizing (the autotune controller, :mod:`zephon.pipeline.autotune`): thread and
-process executors have ``grow()`` and ``shrink()`` (one worker more or fewer)
-and a ``meter`` (None, or an object whose ``ran(seconds)`` receives each unit's
-op time, tracking or not). A shrunk thread ends after the units queued before
-its stop; a shrunk process worker finishes its tasks in flight and is then
-stopped (never a crash, nothing re-dispatched); a grown process worker boots
-while the others work (``booting`` counts those not ready yet). ``workers`` is
-the current count, ``max_workers`` the most the executor may be grown to.
+process executors grow and shrink by one worker (inline ones stay at one). A shrunk
+thread ends after the units queued before its stop; a shrunk process worker finishes
+its tasks in flight and is then stopped (never a crash, nothing re-dispatched); a
+grown process worker boots while the others work (``booting`` counts those not ready
+yet). ``workers`` is the current count, ``max_workers`` the most the executor may be
+grown to (the controller sets it before the run's first unit).
 
-With execution tracking on, the engine sets an executor's ``probe``
-(:class:`~zephon.pipeline.stats.StageProbe`): each unit's op time is reported to it
-in the engine's thread, when ``get()`` takes the result (a process or thread worker
-measures it and returns it with the result: no extra messages, and no worker writes
-to the statistics), and worker restarts and stops. With ``probe`` None (tracking off)
-the op time still comes back with each result (two clock reads per unit), for the
-dispatch alone.
+**The meter.** Every executor writes what its units cost to its one
+:class:`~zephon.runners.contract.StageMeter` (given at construction, or its own), in the
+engine's thread, when ``get()`` (inline: ``submit()``) takes the result: the op time a
+process or thread worker measured and returned with the result (no extra messages; a
+process worker's blocked seconds and placed bytes when its pool times tasks), an
+adaptive stage's inline CPU demand, and the workers' start, stop and restart events.
+An adaptive stage's inline executor and pool write to the stage's meter. With
+execution tracking on, the run statistics observe the meter
+(:attr:`StageMeter.observer <zephon.runners.contract.StageMeter.observer>`).
 """
 
 from __future__ import annotations
@@ -93,71 +93,57 @@ import warnings
 from typing import Any, Callable
 
 from zephon.errors import SerializationError, TransportError, WorkerCrashedError
+from zephon.runners.contract import Runner, StageMeter
 from zephon.transport import WorkerPool
 from zephon.transport.codec import find_unpicklable
+from zephon.transport.config import PoolConfig
+from zephon.transport.failure import UnitFailure, Unwind
 from zephon.transport.optime import OpClock
-from zephon.transport.remote_errors import take_done
 
-__all__ = ["AdaptiveExecutor", "InlineExecutor", "ProcessExecutor", "TaskFailed", "ThreadExecutor"]
+__all__ = ["AdaptiveExecutor", "InlineExecutor", "ProcessExecutor", "ThreadExecutor",
+           "UnitFailure"]
 
 log = logging.getLogger("zephon.runners")
 
 
-class TaskFailed:
-    """The result of a unit whose program raised ``error`` (empty: no records of its own).
-
-    ``done`` holds the records the unit made before its failing sample, which the
-    program attached to the error
-    (:data:`~zephon.transport.remote_errors.DONE_ATTR`, taken off it here): they are
-    handed on before the error is raised, so what comes before an error does not
-    depend on how the dispatch cut the stream into parts. An upstream failure a stage
-    reads as its next unit is a TaskFailed too, with nothing done."""
-
-    __slots__ = ("done", "error", "payload")
-
-    def __init__(self, error: BaseException, payload: Any = None) -> None:
-        self.error = error
-        self.done = take_done(error) or []
-        #: the unit's payload, where a process worker's unit failed (None elsewhere): an
-        #: adaptive stage runs a unit whose result could not be sent again inline
-        self.payload = payload
-
-    def __len__(self) -> int:
-        return 0
-
-    def __iter__(self):
-        return iter(())
-
-
 class InlineExecutor:
-    runner = "inline"
+    """A stage run in the engine's thread: ``submit`` runs the unit there and then.
+    ``measures_demand`` (an adaptive stage's, for the autotune controller): each unit's
+    CPU demand goes to the meter too, the process's CPU time while it ran plus the time
+    this thread waited for a core meanwhile (what a CPU-bound op asks of the machine
+    however loaded it is; an op that waits on storage asks little)."""
+
+    runner: Runner = "inline"
+    adaptive = False
     workers = max_workers = 1
     booting = 0
 
-    def __init__(self, program: Callable, name: str = "stage") -> None:
+    def __init__(self, program: Callable, name: str = "stage", *,
+                 meter: StageMeter | None = None, measures_demand: bool = False) -> None:
         self.program, self.name = program, name
+        self.meter = meter if meter is not None else StageMeter()
+        self.measures_demand = measures_demand
         self._done: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
-        self.probe: Any = None
-        #: with ``measures_demand`` set (an adaptive stage's: the autotune controller's
-        #: reading of it; nothing else pays for it), the CPU the units asked for so far, in
-        #: seconds: the process's CPU time while they ran plus the time this thread waited
-        #: for a core meanwhile (what a CPU-bound op asks of the machine however loaded it
-        #: is; an op that waits on storage asks little)
-        self.measures_demand = False
-        self.demand_s = 0.0
+        self._stopped = False
+
+    def pids(self) -> list[int]:
+        return []
+
+    def grow(self) -> None:
+        """Fixed at one worker (the engine's thread)."""
+
+    def shrink(self) -> None:
+        """Fixed at one worker (the engine's thread)."""
 
     def submit(self, lane, seq: int, payload) -> None:
         cpu = time.process_time() if self.measures_demand else 0.0
         clock = OpClock()
-        try:
-            result = self.program(payload)
-        except BaseException as exc:  # noqa: BLE001 - raised by the engine in stream order
-            result = TaskFailed(exc)
+        result = _run(self.program, payload)
         wall, busy = time.perf_counter() - clock.started, clock.seconds()
         if self.measures_demand:
-            self.demand_s += time.process_time() - cpu + (wall - busy)
-        if self.probe is not None:
-            self.probe.ran(wall)
+            self.meter.ran(wall, demand_s=time.process_time() - cpu + (wall - busy))
+        else:
+            self.meter.ran(wall)
         self._done[lane].append((seq, result, busy))
 
     def get(self, lane):
@@ -166,6 +152,17 @@ class InlineExecutor:
     def close(self) -> None:
         self._done.clear()
         _stopped(self)
+
+
+def _run(program: Callable, payload):
+    """``program(payload)``, or the :class:`UnitFailure` of what it raised (a stage
+    program returns its failures; any other program may raise)."""
+    try:
+        return program(payload)
+    except Unwind as unwind:
+        return unwind.failure
+    except BaseException as exc:  # noqa: BLE001 - raised by the engine in stream order
+        return UnitFailure(exc)
 
 
 class _DaemonThreads:
@@ -238,7 +235,7 @@ class _DaemonThreads:
 
 
 class _Timed:
-    """A thread worker's result with its op time: ``wall_s`` for the probe and the meter,
+    """A thread worker's result with its op time: ``wall_s`` for the meter,
     ``busy_s`` (less the thread's wait for a CPU, :class:`~zephon.transport.optime.OpClock`)
     for the dispatch."""
 
@@ -255,30 +252,32 @@ class ThreadExecutor:
     a thread busy in an op is not waited for (a Python thread cannot be stopped; it
     finishes the op in the background and its result is dropped)."""
 
-    runner = "threads"
+    runner: Runner = "threads"
+    adaptive = False
+    booting = 0
 
-    def __init__(self, program: Callable, workers: int, name: str = "stage") -> None:
+    def __init__(self, program: Callable, workers: int, name: str = "stage", *,
+                 meter: StageMeter | None = None) -> None:
         self.program, self.name = program, name
+        self.meter = meter if meter is not None else StageMeter()
         self.pool = _DaemonThreads(workers, f"zephon-{name}")
         self._pending: dict[Any, dict] = collections.defaultdict(dict)
         self._closed: cf.Future = cf.Future()  # done once close() ran: wakes get()
         self.workers = self.max_workers = workers
-        self.booting = 0
-        self.probe: Any = None
-        self.meter: Any = None
+        self._stopped = False
+
+    def pids(self) -> list[int]:
+        return []
 
     def submit(self, lane, seq: int, payload) -> None:
         self._pending[lane][self.pool.submit(self._timed, payload)] = seq
 
     def _timed(self, payload) -> "_Timed":
-        """``program(payload)`` with its op time, which the engine's thread reports to
-        the probe when it takes the result (a worker thread never touches the stats) and
+        """``program(payload)`` with its op time, which the engine's thread records in
+        the meter when it takes the result (a worker thread never touches the meter) and
         hands to the dispatch."""
         clock = OpClock()
-        try:
-            value = self.program(payload)
-        except BaseException as exc:  # noqa: BLE001 - raised by the engine in stream order
-            value = TaskFailed(exc)
+        value = _run(self.program, payload)
         return _Timed(value, time.perf_counter() - clock.started, clock.seconds())
 
     def grow(self) -> None:
@@ -302,11 +301,8 @@ class ThreadExecutor:
         try:
             timed = future.result()
         except BaseException as exc:  # noqa: BLE001 - raised by the engine in stream order
-            return seq, TaskFailed(exc), None
-        if self.probe is not None:
-            self.probe.ran(timed.wall_s)
-        if self.meter is not None:
-            self.meter.ran(timed.wall_s)
+            return seq, UnitFailure(exc), None
+        self.meter.ran(timed.wall_s)
         return seq, timed.value, timed.busy_s
 
     def close(self) -> None:
@@ -317,25 +313,28 @@ class ThreadExecutor:
 
 
 class ProcessExecutor:
-    runner = "process"
+    """A stage on a :class:`~zephon.transport.WorkerPool` made with ``config`` (its start
+    method, arena bound, tasks in flight, timing: :class:`~zephon.transport.config.PoolConfig`).
+    ``parked`` (set by the adaptive stage that owns it): its units are recorded as a
+    parked pool's."""
 
-    def __init__(self, program: Callable, workers: int, *, options, name: str = "stage",
-                 max_retries: int = 3, deterministic: bool = True,
-                 inflight_per_worker: int = 4, arena_max_bytes: int | None = None) -> None:
-        """``arena_max_bytes``: each worker's shared-memory arena bound (None: the pool's
-        default, from the options)."""
+    runner: Runner = "process"
+    adaptive = False
+
+    def __init__(self, program: Callable, workers: int, *, config: PoolConfig | None = None,
+                 name: str = "stage", max_retries: int = 3, deterministic: bool = True,
+                 meter: StageMeter | None = None) -> None:
         self.name, self.max_retries, self.deterministic = name, max_retries, deterministic
-        self.pool = WorkerPool(program, workers, options=options, name=name,
-                               inflight_per_worker=inflight_per_worker,
-                               arena_max_bytes=arena_max_bytes)
+        self.meter = meter if meter is not None else StageMeter()
+        self.pool = WorkerPool(program, workers, config=config, name=name)
         self.pool.start(wait=False)  # READY is awaited on first use: the engine overlaps
         self._boot_started = time.monotonic()  # ready_now's deadline counts from here
         self._task: dict[int, tuple] = {}  # task id -> (lane, seq, payload)
         self._retries: collections.Counter = collections.Counter()
         self._done: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
         self.workers = self.max_workers = workers
-        self.probe: Any = None
-        self.meter: Any = None
+        self.parked = False
+        self._stopped = False
 
     @property
     def booting(self) -> int:
@@ -350,8 +349,7 @@ class ProcessExecutor:
         """One worker more: it boots while the others work (see WorkerPool.add_worker)."""
         slot = self.pool.add_worker()
         self.workers += 1
-        if self.probe is not None:
-            self.probe.event("start", slot)
+        self.meter.event("start", slot)
 
     def shrink(self) -> None:
         """One worker fewer: the live one with the least in flight (the highest slot on a
@@ -363,8 +361,7 @@ class ProcessExecutor:
         slot = -min(live)[1]
         self.pool.retire_worker(slot)
         self.workers -= 1
-        if self.probe is not None:
-            self.probe.event("stop", slot)
+        self.meter.event("stop", slot)
 
     def submit(self, lane, seq: int, payload) -> None:
         task = self.pool.submit(payload)
@@ -415,31 +412,29 @@ class ProcessExecutor:
         done = self._done[lane]
         while not done:
             try:
-                result = self.pool.get()
+                result = self.pool.get(failures=True)
             except WorkerCrashedError as crash:
                 self._recover(crash)
                 continue
-            except BaseException as exc:  # an op's SystemExit too: it is the unit's error
-                task = getattr(exc, "zephon_task_id", None)  # set by WorkerPool.get
-                if task not in self._task:
-                    raise  # not a unit's (a Ctrl-C in this thread, the pool closed)
-                owner, seq, payload = self._task.pop(task)
-                self._done[owner].append((seq, TaskFailed(exc, payload), None))
+            owner, seq, payload = self._task.pop(result.task_id)
+            value = result.value
+            if type(value) is UnitFailure:  # an op's SystemExit too: the unit's error
+                value.payload = payload
+                self._done[owner].append((seq, value, None))
                 continue
-            owner, seq, _ = self._task.pop(result.task_id)
-            if result.timing is not None:
-                if self.probe is not None:
-                    self.probe.ran(*result.timing)
-                if self.meter is not None:
-                    self.meter.ran(result.timing[0])
-            self._done[owner].append((seq, result.value, result.busy_s))
+            timing = result.timing
+            if timing is not None:
+                self.meter.ran(timing[0], blocked_s=timing[1], nbytes=timing[2],
+                               parked=self.parked)
+            self._done[owner].append((seq, value, result.busy_s))
         return done.popleft()
 
     def _recover(self, crash: WorkerCrashedError) -> None:
         lost = [self._task.pop(t) for t in crash.tasks if t in self._task]
-        self.pool.restart(crash.worker)
-        if self.probe is not None:
-            self.probe.event("restart", crash.worker)
+        worker = crash.worker
+        assert worker is not None  # the pool names the worker of every crash it reports
+        self.pool.restart(worker)
+        self.meter.event("restart", worker)
         for k, (lane, seq, payload) in enumerate(lost):
             if k == 0:  # the unit the worker was running: the culprit
                 self._retries[(lane, seq)] += 1
@@ -456,7 +451,7 @@ class ProcessExecutor:
                     # raised in its place in the stream, after the results before it
                     error = WorkerCrashedError(message, seq=seq, signal=crash.signal,
                                                op=self.name, worker=crash.worker)
-                    self._done[lane].append((seq, TaskFailed(error), None))
+                    self._done[lane].append((seq, UnitFailure(error), None))
                     continue
             log.warning("stage %s: re-dispatching sequence %d of lane %s after a worker crash",
                         self.name, seq, lane)
@@ -474,24 +469,21 @@ class AdaptiveExecutor:
 
     adaptive = True
 
-    def __init__(self, program: Callable, make_process: Callable[[int], ProcessExecutor],
-                 name: str = "stage") -> None:
+    def __init__(self, program: Callable,
+                 make_process: Callable[[int, StageMeter], ProcessExecutor],
+                 name: str = "stage", *, meter: StageMeter | None = None) -> None:
         self.program, self.name = program, name
+        self.meter = meter if meter is not None else StageMeter()
         self._make = make_process
-        self._inline = InlineExecutor(program, name=name)
-        self._inline.measures_demand = True
+        self._inline = InlineExecutor(program, name=name, meter=self.meter,
+                                      measures_demand=True)
         self._proc: ProcessExecutor | None = None  # booting, in service or parked
         self._in_process = False  # units go to _proc (else they run inline)
         self._parked = False  # _proc is kept, nothing new sent to it, after a move back
         self._release = False  # stop _proc once its units are back
-        self._meter: Any = None
-        self._probe: Any = None
         self.max_workers = 1
         #: why the stage cannot move to processes (it stays inline); "" while it can
         self.unable = ""
-        #: (op seconds per input sample, output bytes per input sample), the dispatch's
-        #: latest estimates (None until known): what a move to processes could win
-        self.profile: tuple[float | None, float | None] | None = None
         #: pools made so far, and units sent to process workers (tests read them)
         self.pools_made = self.process_units = 0
         #: what is still to be seen to pickle: a sample of the stage's input and output
@@ -500,29 +492,8 @@ class AdaptiveExecutor:
         #: workers it had or was booting, why)``, which the controller takes and records
         self.fallen: list[tuple[int, str]] = []
 
-    # meter and probe reach the pool's executor too
     @property
-    def meter(self) -> Any:
-        return self._meter
-
-    @meter.setter
-    def meter(self, value: Any) -> None:
-        self._meter = value
-        if self._proc is not None and not self._parked:
-            self._proc.meter = value
-
-    @property
-    def probe(self) -> Any:
-        return self._probe
-
-    @probe.setter
-    def probe(self, value: Any) -> None:
-        self._probe = self._inline.probe = value
-        if self._proc is not None:
-            self._proc.probe = value
-
-    @property
-    def runner(self) -> str:
+    def runner(self) -> Runner:
         """The mode now: ``"process"`` once a move's workers are all in service, else
         ``"inline"``."""
         return "process" if self._in_process else "inline"
@@ -556,10 +527,6 @@ class AdaptiveExecutor:
             return None
         return proc.workers
 
-    def pids(self) -> list[int]:
-        """The process ids of the pool's workers (booting, in service or parked)."""
-        return self._proc.pids() if self._proc is not None else []
-
     # -- moves (the controller's) ------------------------------------------------------------
     def to_process(self, workers: int, wait: bool = False) -> None:
         """Move to ``workers`` process workers: a parked pool is taken back at once (grown
@@ -576,7 +543,7 @@ class AdaptiveExecutor:
         if proc is not None and (self._parked or self._release):
             self._parked = self._release = False
             self._in_process = True
-            proc.meter = self._meter
+            proc.parked = False
             while proc.workers < workers:
                 proc.grow()
             while proc.workers > workers and proc.workers > 1:
@@ -588,12 +555,11 @@ class AdaptiveExecutor:
         if proc is not None:
             return  # moving or in process mode already
         try:
-            proc = self._make(workers)
+            proc = self._make(workers, self.meter)
         except Exception as exc:
             self.unable = f"{type(exc).__name__}: {exc}"
             raise TransportError(f"stage {self.name!r} stays inline: {self.unable}") from exc
         self.pools_made += 1
-        proc.meter, proc.probe = self._meter, self._probe
         self._proc = proc
         if wait:
             try:
@@ -617,9 +583,9 @@ class AdaptiveExecutor:
             return
         self._in_process = False
         self._parked = True
-        # the stage's meter reads the inline units from now on: a parked pool's units
-        # would add op seconds without the CPU demand that tells a waiting stage
-        proc.meter = None
+        # its units still in flight are recorded as parked: the stage's busy fraction is
+        # its inline units' from now on (they carry the CPU demand a parked pool's lack)
+        proc.parked = True
 
     def release(self) -> None:
         """Stop a parked pool once the units it has in flight are back."""
@@ -687,8 +653,7 @@ class AdaptiveExecutor:
             self._close(proc)
 
     def _close(self, proc: ProcessExecutor) -> None:
-        proc.meter = None
-        proc.probe = None  # a stop of the pool is not the stage's
+        proc._stopped = True  # a stop of the pool is not the stage's: no stop events
         try:
             proc.close()  # workers still starting up are killed at once (WorkerPool.close)
         except Exception as exc:  # noqa: BLE001 - the stage goes on inline
@@ -708,13 +673,7 @@ class AdaptiveExecutor:
         if "input" in self._unseen:  # before the program takes the part's records
             self._check_sendable("input", payload[1] if isinstance(payload, tuple) and
                                  len(payload) == 2 else None)
-        meter = self._meter
-        if meter is None:
-            self._inline.submit(lane, seq, payload)
-        else:
-            started, demand = time.perf_counter(), self._inline.demand_s
-            self._inline.submit(lane, seq, payload)
-            meter.ran(time.perf_counter() - started, self._inline.demand_s - demand)
+        self._inline.submit(lane, seq, payload)
         if "output" in self._unseen:
             self._check_sendable("output", self._inline._done[lane][-1][1])
 
@@ -724,7 +683,7 @@ class AdaptiveExecutor:
         worker. One that cannot (a lock, an open file, a generator in it) would fail the
         run once moved, where inline it goes on: the stage stays inline (``unable``,
         logged once). A read unit (indices) always can."""
-        if isinstance(items, TaskFailed) or (items is not None and not items):
+        if isinstance(items, UnitFailure) or (items is not None and not items):
             return  # nothing to look at in this unit (a failed one, one filtered empty)
         if not isinstance(items, list):
             self._unseen.discard(what)
@@ -752,13 +711,13 @@ class AdaptiveExecutor:
             raise TransportError(f"stage {self.name!r}: nothing of lane {lane} in flight")
         out = proc.get(lane)
         failed = out[1]
-        if isinstance(failed, TaskFailed) and failed.payload is not None and \
+        if type(failed) is UnitFailure and failed.payload is not None and \
                 isinstance(failed.error, Exception):
             out = self._again_inline(lane, out[0], failed)
         self._reap()
         return out
 
-    def _again_inline(self, lane, seq: int, failed: TaskFailed):
+    def _again_inline(self, lane, seq: int, failed: UnitFailure):
         """A unit that failed in a process worker runs again inline, whole (the records
         the worker made before its failure are made again, the same): failing there too,
         the failure is the op's and is handed on as the inline runner hands it on (the
@@ -770,9 +729,9 @@ class AdaptiveExecutor:
         the program to stop, and runs once, as on every runner."""
         self._inline.submit(lane, seq, failed.payload)
         again = self._inline._done[lane].pop()
-        if not isinstance(again[1], TaskFailed):
+        if type(again[1]) is not UnitFailure:
             error = failed.error
-            if getattr(error, "zephon_unsendable", False):
+            if failed.unsendable:
                 self._give_up(f"its output cannot be pickled for process workers: {error}")
             else:
                 self._give_up(f"a unit failed in a process worker and passed inline: "
@@ -783,14 +742,18 @@ class AdaptiveExecutor:
         self._inline.close()
         proc, self._proc = self._proc, None
         self._in_process = False
-        self._probe = None
         if proc is not None:
             self._close(proc)
 
+    def pids(self) -> list[int]:
+        """The process ids of the pool's workers (booting, in service or parked)."""
+        return self._proc.pids() if self._proc is not None else []
+
 
 def _stopped(executor) -> None:
-    """Report the stop of ``executor``'s workers to its probe (once)."""
-    probe, executor.probe = executor.probe, None
-    if probe is not None:
-        for k in range(executor.workers):
-            probe.event("stop", k)
+    """Record the stop of ``executor``'s workers in its meter (once)."""
+    if executor._stopped:
+        return
+    executor._stopped = True
+    for k in range(executor.workers):
+        executor.meter.event("stop", k)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-from zephon.options import resolve_mtp_buffer
 from zephon.transport import WorkerPool
+from zephon.transport.config import PoolConfig
 
 __all__ = ["MtpHandler", "MtpSource"]
 
@@ -54,14 +54,16 @@ class MtpHandler:
 
 
 class MtpSource:
-    """The consumer-side end: ``items()`` yields what the subprocess produces, in order."""
+    """The consumer-side end: ``items()`` yields what the subprocess produces, in order.
+    ``config``: the subprocess's pool (its channel sized for ``mtp_buffer_bytes``),
+    ``depth``: the requests in flight (``mtp_buffer``), both resolved by the pipeline
+    (:func:`zephon.pipeline.engine.mtp_pool`)."""
 
-    def __init__(self, factory: Callable[[dict], Iterator], states: dict, options) -> None:
-        self.options = options
-        self.depth = resolve_mtp_buffer(options)
-        pool_opts = options.replace(ipc_buffer_bytes=options.mtp_buffer_bytes)
-        self.pool = WorkerPool(MtpHandler(factory), 1, options=pool_opts, name="mtp",
-                               daemon=False, inflight_per_worker=self.depth)
+    def __init__(self, factory: Callable[[dict], Iterator], states: dict,
+                 config: PoolConfig, depth: int) -> None:
+        self.depth = depth
+        self.pool = WorkerPool(MtpHandler(factory), 1, config=config, name="mtp",
+                               daemon=False)
         self.pool.start()
         self.pool.submit(("start", states))
         self.pool.get()

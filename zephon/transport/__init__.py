@@ -13,7 +13,8 @@ _LAZY = {
     "Channel": "channel", "ChannelClosed": "channel", "channel_pair": "channel",
     "memfd_available": "arena", "sweep_stale_segments": "arena",
     "Decoder": "codec", "Encoder": "codec", "PeerState": "codec", "ShmPolicy": "codec",
-    "TaskResult": "pool", "WorkerPool": "pool",
+    "TaskResult": "pool", "WorkerPool": "pool", "PoolConfig": "config",
+    "UnitFailure": "failure",
 }
 
 __all__ = sorted(_LAZY)

@@ -29,7 +29,10 @@ bound, unmapped when it comes back (see :mod:`zephon.transport.arena`).
 The bound itself: a pipeline's process stage uses :func:`pipeline_budget`
 (at least :data:`PIPELINE_ARENA_BYTES`), a bare ``WorkerPool``
 :func:`default_arena_bytes` (room for the messages a worker may have in flight
-and the heap's part on top), or the ``arena_max_bytes`` it is given; the worker's
+and the heap's part on top), or the ``arena_bytes`` of its
+:class:`~zephon.transport.config.PoolConfig`. The caller passes every figure these
+functions need, resolved (the consumer's prefetch, the message size): nothing here
+reads the user's options. The worker's
 arena splits whatever bound it gets with :func:`split_arena`. Slabs are created
 only as regions need them, so a high bound costs memory only while it is used.
 
@@ -144,21 +147,24 @@ def arena_bytes_for(message_bytes: int) -> int:
     return message_bytes + message_bytes // (HEAP_DIVISOR - 1)
 
 
-def default_arena_bytes(opts, inflight_per_worker: int) -> int:
+def default_arena_bytes(message_bytes: int | None, prefetch_batches: int,
+                        inflight_per_worker: int) -> int:
     """A bare pool's arena bound per worker: messages' room for the tasks a worker may
-    have in flight plus its share of the consumer's prefetch, each up to
-    ``shm_max_coalesced_bytes`` (64 MiB when unset), at least 64 MiB; and the heap's part
-    on top of that room (:func:`arena_bytes_for`)."""
-    from zephon.options import resolve_prefetch_batches
-
-    per_message = opts.shm_max_coalesced_bytes or DEFAULT_MESSAGE_BYTES
-    slots = inflight_per_worker + max(2, resolve_prefetch_batches(opts) // 2)
+    have in flight plus its share of the consumer's prefetch (``prefetch_batches``,
+    resolved by the caller), each up to ``message_bytes`` (``shm_max_coalesced_bytes``;
+    64 MiB when None), at least 64 MiB; and the heap's part on top of that room
+    (:func:`arena_bytes_for`). Example: ``default_arena_bytes(16 << 20, 8, 4) == 160 << 20``."""
+    per_message = message_bytes or DEFAULT_MESSAGE_BYTES
+    slots = inflight_per_worker + max(2, prefetch_batches // 2)
     return arena_bytes_for(max(MIN_POOL_ARENA_BYTES, slots * per_message))
 
 
-def pipeline_budget(opts, lanes: int, inflight_per_worker: int) -> MemoryBudget:
-    """The budget of every process worker of a pipeline run with the resolved options
-    ``opts`` on a rank owning ``lanes`` lanes, ``inflight_per_worker`` tasks in flight per
-    worker: a bound of at least :data:`PIPELINE_ARENA_BYTES`."""
-    bound = max(default_arena_bytes(opts, inflight_per_worker), PIPELINE_ARENA_BYTES)
+def pipeline_budget(lanes: int, inflight_per_worker: int, prefetch_batches: int,
+                    message_bytes: int | None = None) -> MemoryBudget:
+    """The budget of every process worker of a pipeline run on a rank owning ``lanes``
+    lanes, ``inflight_per_worker`` tasks in flight per worker, the consumer's prefetch of
+    ``prefetch_batches`` (resolved) and messages of up to ``message_bytes``
+    (``shm_max_coalesced_bytes``): a bound of at least :data:`PIPELINE_ARENA_BYTES`."""
+    bound = max(default_arena_bytes(message_bytes, prefetch_batches, inflight_per_worker),
+                PIPELINE_ARENA_BYTES)
     return split_arena(bound, lanes)

@@ -125,13 +125,6 @@ class ShmPolicy(NamedTuple):
     compact_min_savings_bytes: int = 16 << 20
     max_coalesced_bytes: int | None = 16 << 20
 
-    @classmethod
-    def from_options(cls, opts) -> "ShmPolicy":
-        return cls(opts.shm_enabled, opts.shm_coalesce, opts.shm_min_item_bytes,
-                   opts.shm_min_new_allocation_bytes, opts.shm_min_forward_bytes,
-                   opts.shm_compact_above_ratio, opts.shm_compact_min_savings_bytes,
-                   opts.shm_max_coalesced_bytes)
-
 
 class PeerState:
     """What the peer at the other end of one channel has mapped already."""

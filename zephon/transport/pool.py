@@ -25,11 +25,14 @@ whose last view died queues a FREE for its owner and writes to that pipe, so
 frees are delivered even while ``get()`` blocks (a worker waiting for arena
 space is never starved by its own consumer). ``get()`` returns
 :class:`TaskResult` or raises: the task's own exception (its worker traceback
-as ``__cause__``, the task's id as its ``zephon_task_id`` attribute), a
-:class:`~zephon.errors.SerializationError`, or
+as ``__cause__``), a :class:`~zephon.errors.SerializationError` (a result that cannot
+be rebuilt here), or
 :class:`~zephon.errors.WorkerCrashedError` naming the worker, its exit signal
 and the tasks it had in flight. A crashed worker's slabs are released (views
 the consumer still holds stay valid until dropped); the other workers go on.
+``get(failures=True)`` (the stage executors') returns a failed task as a result whose
+value is its :class:`~zephon.transport.failure.UnitFailure` (the error, the records
+the task made before it, the task id) instead of raising its error.
 
 Resizing (the autotune controller's "grow by one" and "shrink by one"):
 ``add_worker()`` launches one more worker without waiting for it (in a slot a
@@ -143,11 +146,13 @@ from zephon.transport.arena import (
     sweep_segments_of,
     sweep_stale_segments,
 )
-from zephon.transport.budget import SLABS_PER_GENERATION, default_arena_bytes
+from zephon.transport.budget import SLABS_PER_GENERATION
 from zephon.transport.channel import ChannelClosed
-from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
+from zephon.transport.codec import Decoder, Encoder, PeerState
+from zephon.transport.config import PoolConfig
 from zephon.transport.deaths import DeathWatch, death_text
-from zephon.transport.remote_errors import decode_exception, put_done
+from zephon.transport.failure import UnitFailure
+from zephon.transport.remote_errors import decode_exception
 from zephon.transport.spawn_guard import refuse_in_spawn_bootstrap
 from zephon.transport.supervisor import (
     REAP_JOIN_S,
@@ -221,7 +226,7 @@ atexit.register(_close_live_pools)
 class TaskResult(NamedTuple):
     """A task's result; ``timing``: ``(op seconds, seconds placing and sending the
     result, bytes placed in the arena)`` as the worker measured them, when the pool's
-    options track execution (else None); ``busy_s``: the op seconds the worker measured,
+    configuration times tasks (else None); ``busy_s``: the op seconds the worker measured,
     always (None only from a worker that did not send them)."""
 
     task_id: int
@@ -257,32 +262,27 @@ class _WorkerHandle:
 class WorkerPool:
     """N worker processes running ``handler(payload) -> result`` (see the module docstring)."""
 
-    def __init__(self, handler, num_workers: int, *, options=None,
-                 name: str = "pool", arena_max_bytes: int | None = None,
-                 spawn_timeout_s: float = 60.0, arena_wait_timeout_s: float = 1.0,
-                 inflight_per_worker: int = 4, daemon: bool = False) -> None:
-        """Workers are not daemons by default, so an op may start processes of its own
-        (``multiprocessing.Pool`` included; the MTP engine starts worker pools): the pool
-        stops and reaps them itself, in ``close()`` and from a ``threading`` exit hook
-        before ``multiprocessing`` would join them (see "Exit")."""
+    def __init__(self, handler, num_workers: int, *, config: PoolConfig | None = None,
+                 name: str = "pool", daemon: bool = False) -> None:
+        """``config``: what the pool reads (:class:`~zephon.transport.config.PoolConfig`;
+        None: the defaults). Workers are not daemons by default, so an op may start
+        processes of its own (``multiprocessing.Pool`` included; the MTP engine starts
+        worker pools): the pool stops and reaps them itself, in ``close()`` and from a
+        ``threading`` exit hook before ``multiprocessing`` would join them (see "Exit")."""
         if not 1 <= num_workers <= MAX_OWNER:  # a worker's owner field in region tokens
             raise ZephonConfigError(f"num_workers must be in [1, {MAX_OWNER}] (a worker's "
                                     f"number is 7 bits of its region tokens), got {num_workers}",
                                     field="num_workers")
-        if options is None:
-            from zephon.options import RuntimeOptions  # parent only: workers never need it
-
-            options = RuntimeOptions()
-        self.options = options
+        self.config = config = config if config is not None else PoolConfig()
         self.handler, self.num_workers, self.name = handler, num_workers, name
         self.daemon = daemon
-        self.transport = self.options.ipc_transport
+        self.transport = config.transport
         self.arena_kind = "memfd" if self.transport == "socketpair" and memfd_available() \
             else "named"
-        self.arena_max_bytes = arena_max_bytes or default_arena_bytes(
-            self.options, inflight_per_worker)
-        self.spawn_timeout_s, self.arena_wait_timeout_s = spawn_timeout_s, arena_wait_timeout_s
-        self.policy = ShmPolicy.from_options(self.options)
+        self.arena_max_bytes = config.arena_bound
+        self.spawn_timeout_s = config.spawn_timeout_s
+        self.arena_wait_timeout_s = config.arena_wait_timeout_s
+        self.policy = config.policy
         self.leases, self.registry = LeaseTable(), SlabRegistry()
         self.encoder = Encoder(self.policy, self.leases, self.registry, arena=None)
         self.decoder = Decoder(self.leases, self.registry, self._release_for,
@@ -310,15 +310,6 @@ class WorkerPool:
         _live_pools.add(self)
 
     # -- lifecycle ---------------------------------------------------------------------
-    def _tracks(self) -> bool:
-        """Whether workers time their tasks (the options' execution tracking is on)."""
-        from zephon.options.metrics import effective_tracking  # parent only
-
-        mode = getattr(self.options, "execution_tracking", "off")
-        # the autotune controller reads the workers' op time (zephon.pipeline.autotune)
-        return effective_tracking(mode) != "off" or \
-            getattr(self.options, "worker_allocation", None) == "autotune"
-
     def start(self, wait: bool = True) -> "WorkerPool":
         """Launch the workers; with ``wait=False`` return at once and wait for their READY on
         first use (the caller overlaps its own set-up with the workers' start-up)."""
@@ -340,9 +331,9 @@ class WorkerPool:
             "arena_wait_timeout_s": self.arena_wait_timeout_s, "policy": tuple(self.policy),
             "handler": handler_bytes,
             "log_level": logging.getLogger("zephon").getEffectiveLevel(),
-            "timing": self._tracks(),
+            "timing": self.config.timing,
         }
-        _start_resource_tracker(self.options.mp_context)
+        _start_resource_tracker(self.config.mp_context)
         try:
             for k in range(self.num_workers):
                 self.workers.append(self._launch(k, generation=0))
@@ -371,9 +362,9 @@ class WorkerPool:
 
     def _launch(self, k: int, generation: int) -> "_WorkerHandle":
         boot = dict(self._boot, slab_base=generation * SLABS_PER_GENERATION)
-        child = Child.spawn(self.options.mp_context, worker_entry, (k, boot),
+        child = Child.spawn(self.config.mp_context, worker_entry, (k, boot),
                             transport=self.transport,
-                            buffer_bytes=self.options.ipc_buffer_bytes,
+                            buffer_bytes=self.config.buffer_bytes,
                             name=f"zephon-{self.name}-{k}", daemon=self.daemon, group=True)
         self._worker_pids.add(child.pid)
         handle = _WorkerHandle(k, child, PeerState(can_map_fds=self.transport == "socketpair"))
@@ -579,7 +570,7 @@ class WorkerPool:
         _live_pools.discard(self)
         self._deaths.close()  # silent from here on: the workers stopped now are no crashes
         self._wake()  # a get() blocked in another thread returns now
-        policy = ShutdownPolicy.for_shutdown_mode(self.options.shutdown_mode, exiting=exiting)
+        policy = ShutdownPolicy.for_shutdown_mode(self.config.shutdown_mode, exiting=exiting)
         # STOP to the workers that can read it; under a policy that abandons, a worker
         # with a task in flight is killed at once (its result is not wanted), and under
         # every policy one still starting up (it holds no task, and would read STOP only
@@ -725,9 +716,21 @@ class WorkerPool:
                                  f"{handle.index}: {type(exc).__name__}: {exc}") from exc
         return task_id
 
-    def get(self, timeout: float | None = None) -> TaskResult:
+    def get(self, timeout: float | None = None, *, failures: bool = False) -> TaskResult:
         """The next result from any worker, in completion order (``task_id`` says which
-        submitted task it answers; see the module docstring for what it raises)."""
+        submitted task it answers; see the module docstring for what it raises).
+
+        ``failures``: a task that failed (its handler raised, or its result cannot be
+        rebuilt here) comes back as a result whose value is its
+        :class:`~zephon.transport.failure.UnitFailure` (the error, what the task made
+        before it, the task id) instead of raising the error."""
+        result = self._next(timeout)
+        if not failures and type(result.value) is UnitFailure:
+            raise result.value.error
+        return result
+
+    def _next(self, timeout: float | None) -> TaskResult:
+        """:meth:`get`'s wait: a task's failure comes as its result."""
         if not self._started or self._closed:
             raise TransportError(f"pool {self.name!r} is not running")
         self._ensure_ready()
@@ -845,21 +848,30 @@ class WorkerPool:
                     self._warn_fallback(header["w"])
                 try:
                     value = self.decoder.decode(header, frames, fds)
-                except Exception as exc:  # the result came but cannot be rebuilt here
-                    _tag_task(exc, task_id)
-                    raise
+                except Exception as exc:  # noqa: BLE001 - it came but cannot be rebuilt here
+                    return TaskResult(task_id, handle.index,
+                                      UnitFailure(exc, task_id=task_id))
                 return TaskResult(task_id, handle.index, value, header.get("t"),
                                   header.get("b"))
             if kind == MsgKind.ERROR:
-                error = decode_exception(frames[0], header.get("tb", ""),
-                                         f"task {task_id} on worker {handle.index}")
-                if "done" in header:  # what the task made before it failed
-                    put_done(error, self.decoder.decode(header["done"], frames[1:], fds))
-                _tag_task(error, task_id)
-                raise error
+                return TaskResult(task_id, handle.index,
+                                  self._failure(task_id, handle, header, frames, fds))
             raise TransportError(f"unexpected message {kind!r} from worker {handle.index}")
         finally:
             del pins  # forwarded regions of the task input may be recycled from here on
+
+    def _failure(self, task_id: int, handle: _WorkerHandle, header, frames,
+                 fds) -> UnitFailure:
+        """The failure an ERROR message carries: the error rebuilt link by link
+        (:func:`~zephon.transport.remote_errors.decode_exception`), what the task made
+        before it (the header's ``done``, its frames after the error's) and whether its
+        result could not be sent (``u``)."""
+        error = decode_exception(frames[0], header.get("tb", ""),
+                                 f"task {task_id} on worker {handle.index}")
+        done = None
+        if "done" in header:
+            done = self.decoder.decode(header["done"], frames[1:], fds)
+        return UnitFailure(error, done, unsendable=bool(header.get("u")), task_id=task_id)
 
     def _warn_fallback(self, why: list) -> None:
         """One warning per pool and cause when results travel in-band for lack of arena
@@ -879,8 +891,8 @@ class WorkerPool:
                 "tensor.clone()); to hold more at once raise RuntimeOptions.prefetch_batches "
                 "or shm_max_coalesced_bytes (the arena bound per worker is (tasks in flight "
                 "+ prefetch_batches // 2) x shm_max_coalesced_bytes, at least 64 MiB, plus "
-                "a quarter for the worker's shared heap), or pass arena_max_bytes= to "
-                "WorkerPool.")
+                "a quarter for the worker's shared heap), or give"
+                " WorkerPool a PoolConfig(arena_bytes=...).")
         else:
             _, owner, reason = why
             message = (f"zephon: worker {owner - 1} of pool {self.name!r} cannot create "
@@ -915,11 +927,3 @@ class WorkerPool:
         self.crashes.append(error)
         return error
 
-
-def _tag_task(error: BaseException, task_id: int) -> None:
-    """Name the task ``error`` is about (``zephon_task_id``), for callers that place
-    errors in stream order."""
-    try:
-        error.zephon_task_id = task_id  # type: ignore[attr-defined]
-    except AttributeError:  # an exception type that refuses attributes
-        pass

@@ -20,12 +20,12 @@ with ``where`` (which task, which worker), as a :class:`~zephon.errors.RemoteTra
 ``str()`` raises is named by its type alone.
 Implicit chaining (``__context__``) is not rebuilt: the traceback text shows it.
 
-An exception may carry results its task made before it failed, under
-:data:`DONE_ATTR`. Those do not go inside the pickled exception: a pool worker
-takes them off it (:func:`take_done`) and sends them with the ERROR message as
-it sends a result (through its arena, by reference where it can), and the pool
-puts them back on the rebuilt exception. So they survive an exception that does
-not pickle, and large ones cost no pickle round trip.
+This is the error part of a failed unit's envelope
+(:class:`~zephon.transport.failure.UnitFailure`): what the unit made before it
+fails does not go inside the pickled exception but travels next to it, as a result
+would (a pool worker sends it through its arena, by reference where it can), so it
+survives an exception that does not pickle, and large results cost no pickle round
+trip.
 """
 
 from __future__ import annotations
@@ -36,31 +36,10 @@ import traceback
 
 from zephon.errors import RemoteTraceback, TransportError, remote_traceback
 
-__all__ = ["DONE_ATTR", "MAX_CHAIN", "decode_exception", "encode_exception", "put_done",
-           "remote_traceback", "take_done"]
+__all__ = ["MAX_CHAIN", "decode_exception", "encode_exception", "remote_traceback"]
 
 #: the most links of a ``raise ... from`` chain that travel (the outermost ones)
 MAX_CHAIN = 16
-
-#: the attribute of an exception that holds what its task made before it failed
-DONE_ATTR = "zephon_done"
-
-
-def take_done(exc: BaseException):
-    """The results ``exc`` carries (:data:`DONE_ATTR`), taken off it, or None."""
-    try:
-        return vars(exc).pop(DONE_ATTR, None)
-    except TypeError:  # an exception without a __dict__
-        return None
-
-
-def put_done(exc: BaseException, done) -> None:
-    """Put results back on ``exc`` (:data:`DONE_ATTR`); dropped if it takes no
-    attributes."""
-    try:
-        setattr(exc, DONE_ATTR, done)
-    except (AttributeError, TypeError):
-        pass
 
 
 def _text(exc: BaseException) -> str:

@@ -13,14 +13,15 @@ handlers: :mod:`zephon.transport.threads`), then:
   and STOP; if the parent dies (EOF, or the parent pid changes) it unlinks the
   segment names the worker owns and kills its process group (itself and what its
   ops started) at once;
-- the main thread runs tasks in order and sends each result or error (whatever
-  the handler raised: its ``SystemExit`` or ``KeyboardInterrupt`` too, which is the
-  task's error, not the worker's exit; a real Ctrl-C never reaches the worker, which
+- the main thread runs tasks in order and sends each result, or its failure as the
+  ERROR kind (:class:`~zephon.transport.failure.UnitFailure`: one the handler returns,
+  a stage program's, or whatever the handler raised: its ``SystemExit`` or
+  ``KeyboardInterrupt`` too, which is the task's error, not the worker's exit; a real Ctrl-C never reaches the worker, which
   ignores SIGINT, so a ``KeyboardInterrupt`` here is the handler's own), a result
   with the seconds the handler took (header ``b``, always, as
   :class:`~zephon.transport.optime.OpClock` measures them: the pipeline's dispatch
   sizes its parts by the work they cost, not by their time in queues). A result
-  the encoder refuses (it cannot be pickled) becomes the error the handler's
+  the encoder refuses (it cannot be pickled) becomes the failure the handler's
   ``unencodable(result, error)`` makes of it, if it has that method (a pipeline
   stage: the op, the sample, the path, and the records before it). A send
   that fails before any byte left (an ``OSError`` of the socket) is reported to
@@ -46,9 +47,10 @@ from zephon.errors import SerializationError, TransportError
 from zephon.transport.arena import LeaseTable, ShmArena, SlabRegistry
 from zephon.transport.channel import ChannelClosed
 from zephon.transport.codec import Decoder, Encoder, PeerState, ShmPolicy
+from zephon.transport.failure import UnitFailure, Unwind
 from zephon.transport.heap import WorkerHeap
 from zephon.transport.optime import OpClock
-from zephon.transport.remote_errors import encode_exception, take_done
+from zephon.transport.remote_errors import encode_exception
 from zephon.transport.stopping import STOPPING, TaskAbandoned
 from zephon.transport.supervisor import PARENT_POLL_S, MsgKind, ignore_sigint, parent_changed
 from zephon.transport.threads import ComputeThreads
@@ -129,19 +131,26 @@ def worker_entry(channel, index: int, boot: dict) -> None:
     _Worker(index, channel, boot).run()
 
 
-def _unencodable(handler, result, error: SerializationError) -> BaseException:
-    """The error to send for a ``result`` the encoder refused: what the handler's
+def _unencodable(handler, result, error: SerializationError) -> UnitFailure:
+    """The failure to send for a ``result`` the encoder refused: what the handler's
     ``unencodable(result, error)`` makes of it (a pipeline stage names the op, the sample
-    and the path, and attaches the records before it, which travel with the error), else
+    and the path, with the records before it, which travel with the error), else
     ``error`` itself."""
     explain = getattr(handler, "unencodable", None)
-    if not callable(explain):
-        return error
-    try:
-        return explain(result, error) or error
-    except Exception:  # the original error must still go
-        log.exception("explaining an unencodable result failed")
-        return error
+    if callable(explain):
+        try:
+            failure = explain(result, error)
+        except Exception:  # the original error must still go
+            log.exception("explaining an unencodable result failed")
+        else:
+            if failure is not None:
+                return failure
+    return UnitFailure(error)
+
+
+def _failure(exc: BaseException) -> UnitFailure:
+    """The failure of a handler that raised ``exc``."""
+    return exc.failure if isinstance(exc, Unwind) else UnitFailure(exc)
 
 
 class _Worker:
@@ -212,6 +221,9 @@ class _Worker:
             box.append(handler(payload))  # held by nothing else: see Encoder.encode_owned
             ran, busy = time.perf_counter(), clock.seconds()
             del payload
+            if type(box[0]) is UnitFailure:  # the handler's own account of its failure
+                self._send_failure(task_id, box.pop())
+                return
             out, out_frames, out_fds, _ = self.encoder.encode_owned(box, self.peer)
             box.clear()
             out["b"] = busy  # op seconds, always: the dispatch sizes parts by them
@@ -224,8 +236,11 @@ class _Worker:
             return  # STOP arrived mid-task: nobody waits for its result
         except BaseException as exc:  # noqa: BLE001 - SystemExit, KeyboardInterrupt too
             if box and isinstance(exc, SerializationError):  # the result cannot travel
-                exc = _unencodable(handler, box.pop(), exc)
-            self._send_error(task_id, exc)
+                failure = _unencodable(handler, box.pop(), exc)
+            else:
+                failure = _failure(exc)
+            del exc
+            self._send_failure(task_id, failure)
             return
         out["k"], out["id"] = MsgKind.RESULT, task_id
         try:
@@ -237,15 +252,20 @@ class _Worker:
             error = TransportError(
                 f"worker {self.index} could not send the result of task {task_id}: "
                 f"{type(exc).__name__}: {exc}")
-            self._send_error(task_id, error)
+            self._send_failure(task_id, UnitFailure(error))
 
-    def _send_error(self, task_id: int, exc: BaseException) -> None:
-        """An ERROR for ``task_id``; what the task made before it failed (see
-        :func:`~zephon.transport.remote_errors.take_done`) goes with it as a result
-        would (the header's ``done``, its frames after the exception's)."""
-        box = [take_done(exc)]
+    def _send_failure(self, task_id: int, failure: UnitFailure) -> None:
+        """An ERROR for ``task_id`` (:class:`~zephon.transport.failure.UnitFailure`): its
+        error in the wire form of :mod:`~zephon.transport.remote_errors`, whether the
+        result could not be sent (the header's ``u``), and what the task made before it
+        as a result would go (the header's ``done``, its frames after the error's)."""
+        exc, box, unsendable = failure.error, [failure.done], failure.unsendable
+        failure.done = []  # the box holds the records alone: see Encoder.encode_owned
+        del failure
         tb, blob = encode_exception(exc)
         header: dict = {"k": MsgKind.ERROR, "id": task_id, "tb": tb}
+        if unsendable:
+            header["u"] = 1
         frames: list = [blob]
         fds: list[int] = []
         if box[0]:

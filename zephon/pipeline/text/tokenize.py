@@ -42,7 +42,7 @@ from zephon.pipeline.ops import StatelessOp, register
 from zephon.pipeline.ops.base import PASSES_ON, Aligned
 from zephon.pipeline.records import Record
 from zephon.pipeline.text.tokenizer import TokenizerRef
-from zephon.transport.remote_errors import put_done
+from zephon.transport.failure import UnitFailure, Unwind
 
 __all__ = ["ENCODE_SLICE", "TokenPolicy", "TokenizeOp", "sample_error"]
 
@@ -77,11 +77,11 @@ def prepared(records: list, prepare: Callable[[Record], Any]) -> tuple[list, OpE
 
 
 def finished(out: list, failure: OpError | None) -> list:
-    """``out`` when every record was prepared; else raise ``failure``, carrying ``out``
-    (the records before the failing one, which go on ahead of the error)."""
+    """``out`` when every record was prepared; else the unit ends with ``failure`` and
+    ``out`` (the records before the failing one, which go on ahead of the error), carried
+    up to the stage program by :class:`~zephon.transport.failure.Unwind`."""
     if failure is not None:
-        put_done(failure, out)
-        raise failure
+        raise Unwind(UnitFailure(failure, out))
     return out
 
 
