@@ -5,38 +5,31 @@ runner gives, across forced moves and a checkpoint taken right after one; nothin
 left behind.
 
 Moves in the runs are forced through the controller's test hook (``script``: a move at a
-given item, made in the engine's thread), so nothing here depends on timing; the rule
-itself is driven with a fake clock and a fake executor."""
+given item, made in the engine's thread), so nothing here depends on timing; the
+controller's warm start and resume point are driven with a fake clock and fake
+executors, and the rule itself is tested pure (test_autotune_policy.py)."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import time
 
-import pytest
-
 import _autotune_fns as F
+import pytest
 from _procs import HANG_S, wait_gone
-from test_autotune import _FakeWaitingProcess
 from conftest import zephon_shm_entries
+from test_autotune import _FakeExecutor
+
 from zephon import Pipeline, RuntimeOptions, sources
 from zephon.pipeline import autotune as A
-from zephon.pipeline.autotune import (
-    BUSY_SHRINK,
-    HOLD_S,
-    MOVE_MIN_BYTE_S,
-    MOVE_MIN_SAMPLE_S,
-    MOVE_PAYBACK_S,
-    MOVE_WORKERS,
-    PERIOD_S,
-    TRIAL_ITEMS,
-    TRIAL_MIN_S,
-    WIDE_PERIODS,
-    Controller,
-)
+from zephon.pipeline import tuning
+from zephon.pipeline.autotune import Controller
 from zephon.pipeline.engine import is_ended
+from zephon.pipeline.tuning import TuningParams
 from zephon.runners import AdaptiveExecutor
+from zephon.runners.contract import StageMeter
 
 
 def _pipe(n, op=F.slow, second=F.cheap, **kw):
@@ -50,16 +43,27 @@ def _reference(n, **kw):
     return [b.tolist() for b in _pipe(n, runner="inline", **kw)]
 
 
-# -- the rule, on a fake clock -----------------------------------------------------------------
+# -- the controller over fake executors (the rule itself: test_autotune_policy.py) ------------
+P = TuningParams()
+MOVE_WORKERS, PERIOD_S, TRIAL_ITEMS = P.move_workers, P.period_s, P.trial_items
+
+
 class _FakeAdaptive:
-    """An adaptive executor's controls without processes: ``workers`` 1 while inline."""
+    """An adaptive executor's side of the contract without processes: ``workers`` 1
+    while inline."""
 
     adaptive, booting, unable = True, 0, ""
-    profile = (1e-3, 8.0)  # 1 ms and 8 bytes a sample: worth moving
 
     def __init__(self):
-        self.procs, self.meter, self.max_workers = 0, None, 1
+        self.procs, self.max_workers = 0, 1
+        self.meter = StageMeter()
+        self.meter.profile = (1e-3, 8.0)  # 1 ms and 8 bytes a sample: worth moving
         self.released = 0
+        self.fallen: list = []
+
+    @property
+    def moving_to(self):
+        return None
 
     @property
     def runner(self):
@@ -106,101 +110,9 @@ def _drive(tuner, clock, ex, seconds, rate, busy=1.0, until=None, demand=None):
         per_item = 1.0 / rate(ex)
         clock.now += per_item
         op_s = per_item * ex.workers * busy
-        tuner.meters[0].ran(op_s, None if demand is None or ex.procs else op_s * demand)
+        ex.meter.ran(op_s, demand_s=None if demand is None or ex.procs else op_s * demand)
         tuner.waited(per_item)
         tuner.tick()
-
-
-def test_a_busy_inline_stage_is_moved_straight_to_two_workers_and_kept_when_it_pays():
-    clock, ex = _Clock(), _FakeAdaptive()
-    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
-    per_period = TRIAL_ITEMS / PERIOD_S
-
-    def rate(e):  # twice the items per second with processes
-        return per_period * (2 if e.procs else 1)
-
-    _drive(tuner, clock, ex, 10 * PERIOD_S, rate, until=1)
-    first = tuner.decisions[0]
-    assert (first.before, first.after) == (0, MOVE_WORKERS) and ex.procs == MOVE_WORKERS
-    assert first.at < PERIOD_S * 1.5, first  # on the first period: it counts from the start
-    _drive(tuner, clock, ex, 4 * PERIOD_S, rate, busy=0.55)  # judged: kept
-    assert ex.procs >= MOVE_WORKERS and tuner._trial is None, tuner.decisions
-    assert not [d for d in tuner.decisions if d.after == 0]
-
-
-def test_a_move_starts_only_the_workers_the_memory_budget_has_room_for():
-    """A worker not started yet counts as this process, at most NEW_WORKER_BYTES: with
-    room for none, the stage stays inline and the hold says why; with room for one, the
-    move starts one."""
-    size = min(A._rss(os.getpid()), A.NEW_WORKER_BYTES)
-    assert size > 0  # (Linux: /proc)
-    per_period = TRIAL_ITEMS / PERIOD_S
-    for budget, want in [(size // 2, 0), (size + size // 2, 1), (1 << 40, MOVE_WORKERS)]:
-        clock, ex = _Clock(), _FakeAdaptive()
-        tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=budget, clock=clock)
-        _drive(tuner, clock, ex, 6 * PERIOD_S, lambda e: per_period, until=1)
-        assert ex.procs == want, (budget, tuner.decisions, tuner.held)
-        if not want:
-            assert tuner.held.startswith("memory budget"), tuner.held
-
-
-def test_a_worker_not_started_yet_counts_as_the_largest_one_running(monkeypatch):
-    """With a process stage's worker running at 1 GiB, a move of another stage counts
-    each new worker at 1 GiB too, not at this process's size (capped at
-    NEW_WORKER_BYTES): a budget of 2.5 GiB has room for one, not two."""
-    gib = 1 << 30
-    sizes = {111: gib}
-    monkeypatch.setattr(A, "_rss", lambda pid: sizes.get(pid, 100 << 20))
-
-    class Running(_FakeWaitingProcess):
-        def pids(self):
-            return [111]
-
-    clock, moved = _Clock(), _FakeAdaptive()
-    tuner = Controller({0: moved, 1: Running()}, cpu_budget=4, memory_bytes=int(2.5 * gib),
-                       clock=clock)
-    assert tuner._new_worker_size() == gib
-    assert tuner._fitting(0, 2) == 1  # 1 GiB running + 1 GiB new <= 2.5 GiB < + 2 GiB
-    alone = Controller({0: _FakeAdaptive()}, cpu_budget=4, memory_bytes=int(2.5 * gib),
-                       clock=clock)
-    assert alone._new_worker_size() == 100 << 20 and alone._fitting(0, 2) == 2
-
-
-def test_a_budget_of_one_worker_moves_one_stage_to_one_worker():
-    """``max_workers=1`` over two adaptive stages (inline, they hold no worker): the
-    budget stays 1 and the move starts one worker."""
-    clock, first, second = _Clock(), _FakeAdaptive(), _FakeAdaptive()
-    tuner = Controller({0: first, 1: second}, cpu_budget=1, memory_bytes=1 << 40,
-                       clock=clock)
-    assert tuner.cpu_budget == 1
-    per_period = TRIAL_ITEMS / PERIOD_S
-    _drive(tuner, clock, first, 6 * PERIOD_S, lambda e: per_period, until=1)
-    assert first.procs + second.procs == 1, tuner.decisions
-
-
-def test_a_move_is_judged_after_its_settling_period():
-    """The first period on processes is the switch (inline parts finish, the workers'
-    queues fill) and hands on a quarter of what inline did; the rate after it is 1.5 x
-    inline's.
-    The trial skips that period and judges on TRIAL_MIN_S of what follows: the move is
-    kept (judged on its first TRIAL_ITEMS items, it was taken back)."""
-    clock, ex = _Clock(), _FakeAdaptive()
-    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
-    per_period = TRIAL_ITEMS / PERIOD_S
-    moved_at: list[float] = []
-
-    def rate(e):
-        if not e.procs:
-            return per_period
-        if not moved_at:
-            moved_at.append(clock.now)
-        return per_period * (0.25 if clock.now - moved_at[0] < PERIOD_S else 1.5)
-
-    _drive(tuner, clock, ex, 10 * PERIOD_S, rate, until=1)
-    assert ex.procs == MOVE_WORKERS, tuner.decisions
-    _drive(tuner, clock, ex, 3 * PERIOD_S + TRIAL_MIN_S, rate, busy=0.5)
-    assert tuner.trials == [("process", 0, True)], tuner.decisions
-    assert ex.procs == MOVE_WORKERS and len(tuner.decisions) == 1, tuner.decisions
 
 
 class _Booting(_FakeAdaptive):
@@ -234,52 +146,6 @@ class _Booting(_FakeAdaptive):
     @property
     def moving_to(self):
         return self.procs if self.procs and not self.ready else None
-
-
-@pytest.mark.parametrize("boot", [0.26, 0.49, 0.74])  # ready early, mid, late in a period
-def test_the_settling_period_is_a_whole_period_after_the_workers_are_ready(boot):
-    """Wherever in a period the workers become ready, the switch that follows (a quarter
-    of inline's rate for a period, then 1.5 x) is not judged: the move is kept (when the
-    period they were ready in counted as the settling, a boot ending late in a period
-    left the switch in the evidence, and the move was taken back)."""
-    clock = _Clock()
-    ex = _Booting(clock, boot)
-    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
-    per_period = TRIAL_ITEMS / PERIOD_S
-
-    def rate(e):
-        if not e.ready:
-            return per_period
-        return per_period * (0.25 if clock.now - e.ready_at < PERIOD_S else 1.5)
-
-    _drive(tuner, clock, ex, 10 * PERIOD_S, rate, until=1)
-    _drive(tuner, clock, ex, 3.0, rate, busy=0.5)
-    assert tuner.trials[:1] == [("process", 0, True)], tuner.decisions
-    assert ex.procs == MOVE_WORKERS, tuner.decisions
-
-
-@pytest.mark.parametrize("inflated", [
-    1,
-    10,  # a filter keeping 1 sample of 10 makes each one it keeps cost 10x
-])
-@pytest.mark.parametrize("left, moved", [
-    (None, True),  # a run that goes on for ever
-    (2.0, True),  # 2 x the payback of work left, at what the stage spent per sample read
-    (0.5, False),  # half of it: the boot would not pay
-])
-def test_an_inline_stage_is_moved_only_when_the_work_left_in_the_run_pays_the_boot(
-        left, moved, inflated):
-    """The work left is the source samples left at the op seconds the stage spent per
-    source sample read (here one per item handed on), whatever its per-output-sample
-    profile says."""
-    clock, ex = _Clock(), _FakeAdaptive()
-    per_item = PERIOD_S / TRIAL_ITEMS  # op seconds per item at the rate driven below
-    ex.profile = (per_item * inflated, 8.0)  # the op seconds per sample it made
-    samples = None if left is None else int(left * MOVE_PAYBACK_S / per_item)
-    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock,
-                       progress=lambda: None if samples is None else (tuner.ticks, samples))
-    _drive(tuner, clock, ex, 10 * PERIOD_S, lambda e: TRIAL_ITEMS / PERIOD_S, until=1)
-    assert bool(tuner.decisions) == moved and (ex.procs > 0) == moved, tuner.decisions
 
 
 def _left(it):
@@ -336,110 +202,20 @@ def test_the_engine_counts_down_the_source_samples_left_in_the_run(kw, replay):
         (start, rest)
 
 
-@pytest.mark.parametrize("demand, busy, memory, workers", [
-    (1.0, 1.0, None, MOVE_WORKERS),  # CPU-bound: two workers, as one that reports nothing
-    (0.05, 1.0, None, A.WAITING_FACTOR * 2),  # waiting: its whole waiting cap at once
-    (0.28, 1.0, None, 7),  # asking 28 % of a core: the 2 cores feed 7 workers
-    # ... 28 % of each second its op runs, busy 70 %: still 7 (a worker busy all the
-    # time asks 28 %), not the 10 that 28 % x 70 % of each elapsed second would give
-    (0.28, 0.7, None, 7),
-    (0.05, 1.0, 4.5, 4),  # waiting, memory for 4.5 processes this size: halved once
-    (0.05, 1.0, 1.5, 1),  # ... for fewer than two: one (every move keeps to the budget)
-])
-def test_a_waiting_inline_stage_is_moved_to_as_many_workers_as_its_demand_calls_for(
-        demand, busy, memory, workers, monkeypatch):
-    clock, ex = _Clock(), _FakeAdaptive()
-    size = 200 << 20  # this process's size, as the controller reads it
-    monkeypatch.setattr(A, "_rss", lambda pid: size)
-    budget = int(memory * size) if memory else 1 << 40
-    tuner = Controller({0: ex}, cpu_budget=2, memory_bytes=budget, clock=clock)
-    _drive(tuner, clock, ex, 10 * PERIOD_S,
-           lambda e: TRIAL_ITEMS / PERIOD_S, busy=busy, until=1, demand=demand)
-    first = tuner.decisions[0]
-    assert (first.before, first.after) == (0, workers) and ex.procs == workers, first
-    if workers > MOVE_WORKERS:
-        assert f"{workers} workers" in first.reason
-    # a waiting stage moves on WIDE_PERIODS periods of evidence, a CPU-bound one on one
-    periods = WIDE_PERIODS if demand < A.WAITING_CPU else 1
-    assert periods * PERIOD_S <= first.at < (periods + 0.5) * PERIOD_S, first
-
-
-def test_a_stage_waiting_in_only_one_of_its_periods_is_moved_as_a_cpu_bound_one():
-    """Waiting in the first period (a shard being opened, say), CPU-bound in the second:
-    no wide move on the first, two workers on the second, not the waiting cap."""
-    clock, ex = _Clock(), _FakeAdaptive()
-    tuner = Controller({0: ex}, cpu_budget=2, memory_bytes=1 << 40, clock=clock)
-    rate = lambda e: TRIAL_ITEMS / PERIOD_S  # noqa: E731
-    while tuner._ripe.get(0, 0) < 1 and clock.now < 10:  # to the end of a waiting one
-        _drive(tuner, clock, ex, 1 / rate(ex), rate, demand=0.05)
-    assert not tuner.decisions and tuner._asked[0] is not None  # no wide move on one
-    _drive(tuner, clock, ex, 4 * PERIOD_S, rate, until=1, demand=1.0)  # a CPU-bound one
-    assert tuner.decisions[0].after == MOVE_WORKERS, tuner.decisions
-
-
-class _BusyWorkersController(Controller):
-    """Its process workers ask a whole core each (CPU-bound)."""
-
-    def _cpu_take(self):
-        return {s: self.executors[s].procs * (self.clock() - self._since) for s in self._procs}
-
-
-def test_a_wide_move_whose_workers_turn_out_cpu_bound_is_cut_back_to_the_budget():
-    clock, ex = _Clock(), _FakeAdaptive()
-    tuner = _BusyWorkersController({0: ex}, cpu_budget=2, memory_bytes=1 << 40, clock=clock)
-    per_period = TRIAL_ITEMS / PERIOD_S
-
-    def rate(e):
-        return per_period * (2 if e.procs else 1)
-
-    _drive(tuner, clock, ex, 10 * PERIOD_S, rate, until=1, demand=0.05)
-    assert ex.procs == A.WAITING_FACTOR * 2, tuner.decisions
-    _drive(tuner, clock, ex, 10 * PERIOD_S, rate, until=2)
-    cut = tuner.decisions[1]
-    assert (cut.before, cut.after) == (A.WAITING_FACTOR * 2, 2) and ex.procs == 2, \
-        tuner.decisions
-    assert "back within the CPU budget" in cut.reason
-    assert cut.at - tuner.decisions[0].at >= A.SHRINK_PERIODS * PERIOD_S  # not on one period
-    assert tuner._held_until[0] > clock.now  # and not grown again at once
-
-
-class _FlickeringController(Controller):
-    """Its process workers ask a whole core in every other period, little in the others
-    (a wait that comes and goes)."""
-
-    periods = 0
-
-    def _cpu_take(self):
-        self.periods += 1
-        share = 1.0 if self.periods % 2 else 0.01
-        return {s: share * self.executors[s].procs * (self.clock() - self._since)
-                for s in self._procs}
-
-
-def test_a_wide_stage_whose_wait_comes_and_goes_is_not_cut():
-    clock, ex = _Clock(), _FakeAdaptive()
-    tuner = _FlickeringController({0: ex}, cpu_budget=2, memory_bytes=1 << 40, clock=clock)
-    per_period = TRIAL_ITEMS / PERIOD_S
-    rate = lambda e: per_period * (2 if e.procs else 1)  # noqa: E731
-    _drive(tuner, clock, ex, 10 * PERIOD_S, rate, until=1, demand=0.05)
-    assert ex.procs == A.WAITING_FACTOR * 2, tuner.decisions
-    _drive(tuner, clock, ex, 40 * PERIOD_S, rate)
-    assert ex.procs == A.WAITING_FACTOR * 2 and len(tuner.decisions) == 1, tuner.decisions
-
-
 _DEMAND_PROBE = """
 import sys
 sys.path.insert(0, sys.argv[1])
 import _autotune_fns as F
-from zephon.pipeline.autotune import StageMeter
 from zephon.runners import AdaptiveExecutor
-ex = AdaptiveExecutor(F.sleep_then, lambda n: None, name="t")
-ex.meter = meter = StageMeter()
+ex = AdaptiveExecutor(F.sleep_then, lambda n, meter: None, name="t")
 out = []
+last = ex.meter.reading()
 for seq, seconds in enumerate([0.2, -0.05]):  # a sleep of 200 ms, a spin of 50 ms
     ex.submit(0, seq, seconds)
-    out.append(meter.take())
-assert [ex.get(0)[0], ex.get(0)[0]] == [0, 1]
+    assert ex.get(0)[0] == seq
+    now = ex.meter.reading()
+    out.append((now[1] - last[1], now[2] - last[2]))
+    last = now
 ex.close()
 print(repr(out))
 """
@@ -469,19 +245,6 @@ def test_an_inline_executor_reports_what_its_units_ask_of_the_cpu():
     assert spin_demand > 0.8 * spin_busy, (spin_busy, spin_demand)
 
 
-@pytest.mark.parametrize("profile", [
-    None,  # nothing known yet
-    (MOVE_MIN_SAMPLE_S / 2, 8.0),  # too cheap a sample: messages would cost more
-    (1e-3, 1e-3 / (MOVE_MIN_BYTE_S / 2)),  # too cheap a byte: moving it costs as much
-])
-def test_a_busy_inline_stage_whose_samples_are_cheap_is_not_moved(profile):
-    clock, ex = _Clock(), _FakeAdaptive()
-    ex.profile = profile
-    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
-    _drive(tuner, clock, ex, 20 * PERIOD_S, lambda e: TRIAL_ITEMS / PERIOD_S)
-    assert ex.procs == 0 and not tuner.decisions
-
-
 def test_the_bytes_a_move_weighs_are_those_a_worker_would_copy():
     """Arrays a process worker makes in its shared heap (1 MiB and larger) reach the
     consumer by reference: the profile that the per-byte rule reads counts them 0, so a
@@ -497,7 +260,8 @@ def test_the_bytes_a_move_weighs_are_those_a_worker_would_copy():
             self.value = value
 
     class _Ex:
-        profile = None
+        def __init__(self):
+            self.meter = StageMeter()
 
     large = np.ones(DEFAULT_THRESHOLD_BYTES // 4, dtype=np.float32)  # exactly the threshold
     small = np.ones(DEFAULT_THRESHOLD_BYTES // 8, dtype=np.float32)
@@ -508,7 +272,7 @@ def test_the_bytes_a_move_weighs_are_those_a_worker_would_copy():
     for value, copied in cases:
         ex = _Ex()
         dispatch._profile(ex, [_Rec(value), _Rec(value)], busy_s=2e-3)
-        assert ex.profile == (1e-3, copied), (type(value), ex.profile)
+        assert ex.meter.profile == (1e-3, copied), (type(value), ex.meter.profile)
     assert dispatch.approx_nbytes({"x": large, "y": small}) == large.nbytes + small.nbytes
 
 
@@ -524,55 +288,14 @@ def test_without_the_shared_heap_every_array_counts_as_copied(monkeypatch):
         value = np.ones(DEFAULT_THRESHOLD_BYTES, dtype=np.uint8)
 
     class _Ex:
-        profile = None
+        def __init__(self):
+            self.meter = StageMeter()
 
     monkeypatch.setenv("ZEPHON_WORKER_SHARED_HEAP", "0")
     assert by_reference_bytes() == 0
     ex = _Ex()
     dispatch._profile(ex, [_Rec()], busy_s=1e-3)
-    assert ex.profile == (1e-3, DEFAULT_THRESHOLD_BYTES)
-
-
-def test_a_move_that_does_not_pay_is_undone_and_the_hold_doubles():
-    clock, ex = _Clock(), _FakeAdaptive()
-    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
-    flat = lambda e: TRIAL_ITEMS / PERIOD_S  # noqa: E731 - processes give nothing more
-    _drive(tuner, clock, ex, 20 * PERIOD_S, flat, until=2)
-    assert ex.procs == 0 and "did not pay" in tuner.decisions[1].reason, tuner.decisions
-    assert ex.released >= 1  # the pool is stopped
-    undone = clock.now
-    _drive(tuner, clock, ex, 40 * HOLD_S, flat, until=4)
-    again, undone2 = tuner.decisions[2], tuner.decisions[3]
-    assert again.after == MOVE_WORKERS and again.at >= undone + HOLD_S - PERIOD_S
-    assert f"held {2 * HOLD_S:g} s" in undone2.reason, tuner.decisions
-    _drive(tuner, clock, ex, 2 * HOLD_S - 2 * PERIOD_S, flat)
-    assert len(tuner.decisions) == 4  # held twice as long now
-
-
-def test_a_moved_stage_whose_work_fits_inline_goes_back_and_returns_if_inline_is_slower():
-    clock, ex = _Clock(), _FakeAdaptive()
-    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock)
-    ex.to_process(2)
-    per_period = TRIAL_ITEMS / PERIOD_S
-    # the workers are nearly idle: their work fits in the engine's thread
-    idle = BUSY_SHRINK / 4
-    _drive(tuner, clock, ex, 20 * PERIOD_S, lambda e: per_period, busy=idle, until=1)
-    back = tuner.decisions[0]
-    assert (back.before, back.after) == (2, 0) and "trying inline" in back.reason
-    # inline is as fast: kept, and the pool released
-    _drive(tuner, clock, ex, 4 * PERIOD_S, lambda e: per_period, busy=idle)
-    assert ex.procs == 0 and ex.released and len(tuner.decisions) == 1, tuner.decisions
-    # another run: inline turns out slower -> back to the same workers, held
-    clock2, ex2 = _Clock(), _FakeAdaptive()
-    tuner2 = Controller({0: ex2}, cpu_budget=4, memory_bytes=1 << 40, clock=clock2)
-    ex2.to_process(2)
-
-    def slower_inline(e):
-        return per_period if e.procs else per_period / 2
-
-    _drive(tuner2, clock2, ex2, 20 * PERIOD_S, slower_inline, busy=idle, until=2)
-    assert ex2.procs == 2 and "inline was slower" in tuner2.decisions[1].reason, \
-        tuner2.decisions
+    assert ex.meter.profile == (1e-3, DEFAULT_THRESHOLD_BYTES)
 
 
 # -- runs ---------------------------------------------------------------------------------------
@@ -598,7 +321,7 @@ def _children():
 def test_a_run_that_never_moves_spawns_nothing(monkeypatch, n, never):
     """Every unit runs inline, no pool is made, no process started."""
     if never:
-        monkeypatch.setattr(A, "MOVE_PAYBACK_S", 1e9)
+        monkeypatch.setattr(A, "PARAMS", TuningParams(move_payback_s=1e9))
     before = set(_children())
     with iter(_pipe(n, op=F.cheap, worker_allocation="autotune")) as it:
         executors = dict(it.engine.executors)
@@ -738,7 +461,7 @@ def test_a_carried_move_is_called_off_when_the_stage_turns_out_unable(monkeypatc
     """The next run starts a move (carried from the previous run) before its first
     unit; that unit's output holds a lock: the booting pool is stopped and never used,
     and the decisions say so."""
-    monkeypatch.setattr(A, "MOVE_PAYBACK_S", 0.0)
+    monkeypatch.setattr(A, "PARAMS", TuningParams(move_payback_s=0.0))
     n = 200
     pipe = _pipe(n, op=F.with_lock, second=F.drop_lock, worker_allocation="autotune")
     pipe._progress.tuned = {0: (2, None)}  # where a previous run would have left it
@@ -766,13 +489,19 @@ def test_a_move_whose_workers_never_start_is_given_up_after_the_spawn_timeout(mo
     move is given up (the workers killed, the stage inline for the rest of the run, a
     decision saying why), and the run, which went on inline meanwhile, delivers the
     inline stream."""
-    import functools
+    import dataclasses
 
     import _hang_in_worker as H
+
     from zephon.runners import executors as E
     from zephon.transport import WorkerPool
+    from zephon.transport.config import PoolConfig
 
-    monkeypatch.setattr(E, "WorkerPool", functools.partial(WorkerPool, spawn_timeout_s=1.0))
+    def short(*args, config=None, **kw):  # workers not ready within 1 s: given up
+        return WorkerPool(*args, config=dataclasses.replace(config or PoolConfig(),
+                                                            spawn_timeout_s=1.0), **kw)
+
+    monkeypatch.setattr(E, "WorkerPool", short)
     monkeypatch.setenv("ZEPHON_TEST_MAIN_PID", str(os.getpid()))
     n = 400
     before = set(_children())
@@ -796,7 +525,10 @@ def test_a_move_whose_workers_never_start_is_given_up_after_the_spawn_timeout(mo
 
 
 #: a pinned process executor's controls without processes
-_FakePinned = _FakeWaitingProcess
+class _FakePinned(_FakeExecutor):
+    """A pinned process stage's side of the contract, without processes."""
+
+    runner = "process"
 
 
 def test_a_run_starts_where_the_previous_run_ended():
@@ -812,7 +544,8 @@ def test_a_run_starts_where_the_previous_run_ended():
     assert [(d.at, d.stage, d.before, d.after) for d in tuner.decisions] == \
         [(0.0, 0, 0, 2), (0.0, 1, 1, 9)], tuner.decisions
     assert all("previous run" in d.reason for d in tuner.decisions)
-    assert tuner._trial is None and 1 in tuner._wide  # past its cap: cut if not waiting
+    assert tuner.state.trial is None  # not on trial
+    assert tuner.state.of(1).wide is not None  # past its cap: cut if not waiting
     again = Controller({1: _FakePinned()}, cpu_budget=4, memory_bytes=1 << 40, clock=clock,
                        start={1: (99, None)})
     assert again.executors[1].workers == top
@@ -829,10 +562,10 @@ def test_a_change_still_on_trial_when_a_run_ends_is_not_carried_to_the_next():
         return per_period * (2 if e.procs else 1)
 
     _drive(tuner, clock, ex, 10 * PERIOD_S, rate, until=1)
-    assert ex.procs == MOVE_WORKERS and tuner._trial is not None
+    assert ex.procs == MOVE_WORKERS and tuner.state.trial is not None
     assert tuner.resume_point()[0][0] == 0
-    _drive(tuner, clock, ex, 3 * PERIOD_S + TRIAL_MIN_S, rate, busy=0.55)
-    assert tuner._trial is None and tuner.trials == [("process", 0, True)]
+    _drive(tuner, clock, ex, 3 * PERIOD_S + P.trial_min_s, rate, busy=0.55)
+    assert tuner.state.trial is None and tuner.trials == [("process", 0, True)]
     tuner.close()
     workers, cost = tuner.resume_point()[0]
     assert workers == MOVE_WORKERS and cost is None  # (no progress counted: no cost)
@@ -842,7 +575,7 @@ def test_a_setting_carried_in_is_kept_by_a_run_that_decided_nothing():
     """A warm move whose workers are still booting when the run ends, and a run too short
     to decide anything, leave the setting they carried in for the next run; a tail too
     short to pay a boot (the work left at the carried op seconds per sample under
-    MOVE_PAYBACK_S) is not moved at all, and still hands the setting on."""
+    P.move_payback_s) is not moved at all, and still hands the setting on."""
     clock = _Clock()
     booting = _Booting(clock, boot=60.0)
     tuner = Controller({0: booting}, cpu_budget=4, memory_bytes=1 << 40, clock=clock,
@@ -851,7 +584,7 @@ def test_a_setting_carried_in_is_kept_by_a_run_that_decided_nothing():
     clock.now += 1.0
     tuner.close()
     assert tuner.resume_point() == {0: (3, 2e-3)}
-    tail, left = _FakeAdaptive(), MOVE_PAYBACK_S / 2e-3 / 4  # a quarter of a boot's worth
+    tail, left = _FakeAdaptive(), P.move_payback_s / 2e-3 / 4  # a quarter of a boot's worth
     tuner = Controller({0: tail}, cpu_budget=4, memory_bytes=1 << 40, clock=clock,
                        progress=lambda: (0, int(left)), start={0: (3, 2e-3)})
     assert tail.procs == 0 and tuner.decisions == []
@@ -861,6 +594,42 @@ def test_a_setting_carried_in_is_kept_by_a_run_that_decided_nothing():
     Controller({0: long}, cpu_budget=4, memory_bytes=1 << 40, clock=clock,
                progress=lambda: (0, int(left * 8)), start={0: (3, 2e-3)})
     assert long.procs == 3
+
+
+def test_a_run_closed_before_its_first_period_keeps_the_carried_cost():
+    """A peek (one batch, then closed) measures nothing: the op seconds its few units
+    reported are not a cost per source sample read (the engine read ahead for many more),
+    so its resume point hands on the cost it carried in, and the next run still starts
+    on workers."""
+    clock = _Clock()
+    ex = _FakeAdaptive()
+    read = [0]
+    tuner = Controller({0: ex}, cpu_budget=4, memory_bytes=1 << 40, clock=clock,
+                       progress=lambda: (read[0], 4000), start={0: (2, 6e-4)})
+    assert ex.procs == 2
+    read[0] = 640  # the lanes read ahead; the peek's units ran for much less than that
+    ex.meter.ran(0.02)
+    clock.now += 0.05  # closed before a period passed
+    tuner.close()
+    assert tuner.resume_point() == {0: (2, 6e-4)}
+    after = Controller({0: _FakeAdaptive()}, cpu_budget=4, memory_bytes=1 << 40,
+                       clock=clock, progress=lambda: (0, 4000), start=tuner.resume_point())
+    assert after.executors[0].procs == 2
+
+
+def test_a_warm_move_refused_for_memory_stays_held_beside_another_stages_warm_move(caplog):
+    """Two stages carried in: the pinned one is grown back, the adaptive one does not fit
+    the memory budget: the refusal stays held (shown by ``explain()`` and logged), the
+    other stage's change does not clear it."""
+    clock = _Clock()
+    pinned, moved = _FakePinned(), _FakeAdaptive()
+    with caplog.at_level(logging.INFO, logger="zephon.autotune"):
+        tuner = Controller({0: pinned, 1: moved}, cpu_budget=4, memory_bytes=1,
+                           clock=clock, start={0: (2, None), 1: (2, None)})
+    assert pinned.workers == 2 and moved.procs == 0
+    assert tuner.held.startswith("memory budget"), tuner.held
+    assert any(line.strip().startswith("held: memory budget") for line in tuner.explain())
+    assert any("not growing: memory budget" in r.getMessage() for r in caplog.records)
 
 
 def test_a_forced_move_booting_when_the_run_ends_is_carried():
@@ -880,7 +649,7 @@ def test_a_new_iteration_of_the_pipeline_starts_on_the_workers_the_last_one_ende
     a run that ended inline leaves the next one inline: nothing spawned. (An epoch of
     300 samples is under a second of work, which does not pay a boot: the payback is
     lifted here, its rule has its own test.)"""
-    monkeypatch.setattr(A, "MOVE_PAYBACK_S", 0.0)
+    monkeypatch.setattr(A, "PARAMS", TuningParams(move_payback_s=0.0))
     n = 300
     inline = _pipe(n, runner="inline")
     ref = [[b.tolist() for b in inline] for _ in range(3)]  # epochs 0, 1, 2
@@ -997,7 +766,7 @@ def test_a_process_worker_crash_after_a_move_is_recovered():
 @pytest.mark.parametrize("op, workers", [
     # 10 ms a sample, waiting: up to its waiting cap (4 x the 2 cores) at once, which pays
     # whatever loads the cores
-    (F.gated, A.WAITING_FACTOR * 2),
+    (F.gated, P.waiting_factor * 2),
     # CPU: two workers, which pay only on cores left free
     pytest.param(F.slow, MOVE_WORKERS, marks=pytest.mark.slow),
 ])
@@ -1017,8 +786,31 @@ def test_a_slow_map_ends_with_processes(op, workers):
             pytest.fail(f"no move judged: {tuner.decisions}")
         moves = [d for d in tuner.decisions if d.stage == 0 and d.before == 0]
     # the waiting op's width depends on what its units were measured to ask (every thread
-    # of this process counts) and on the memory free here: the fake-clock tests pin it
+    # of this process counts) and on the memory free here: the policy's tests pin it
     assert MOVE_WORKERS <= moves[0].after <= workers and trials[0][2], tuner.decisions
+
+
+def test_a_real_run_recorded_replays_to_the_same_decisions():
+    """The controller records each period of a real run (its signals, the actions the
+    policy decided, whether they were applied); replayed through JSON, the pure policy
+    decides the same actions, and the changes among them are the run's decisions."""
+    import json
+
+    pipe = _pipe(50_000, op=F.gated, worker_allocation="autotune", max_workers=2)
+    with iter(pipe) as it:
+        tuner = it.engine.tuner
+        for _ in it:
+            if tuner.trials:
+                break
+        else:
+            pytest.fail(f"no move judged: {tuner.decisions}")
+    recording = json.loads(json.dumps(tuner.recording()))
+    periods = [e for e in recording if "signals" in e]
+    assert periods and recording[0]["state"]["stages"][0]["adaptive"]
+    assert tuning.replay(tuner.params, recording) == [e["actions"] for e in periods]
+    changes = [(a["stage"], a["before"], a["after"]) for e in periods if e["applied"]
+               for a in e["actions"] if a["kind"] in ("move", "resize", "fallen")]
+    assert changes == [(d.stage, d.before, d.after) for d in tuner.decisions]
 
 
 def test_close_after_moves_leaves_nothing():
@@ -1066,7 +858,8 @@ class _FakePool:
     runner, booting = "process", 0
 
     def __init__(self, workers):
-        self.workers, self.meter, self.probe, self.closed = workers, None, None, False
+        self.workers, self.meter, self.closed = workers, StageMeter(), False
+        self.parked = False
         self._done: dict = {}
 
     def ready_now(self):
@@ -1104,7 +897,7 @@ def test_an_adaptive_stage_hands_back_each_lane_oldest_unit_first():
     pool is stopped as soon as the last of them is taken (not when the inline ones run
     out)."""
     pool = _FakePool(2)
-    ex = AdaptiveExecutor(lambda payload: ("inline", payload), lambda n: pool)
+    ex = AdaptiveExecutor(lambda payload: ("inline", payload), lambda n, meter: pool)
     ex.submit(0, 0, "a")  # inline
     ex.to_process(2)
     ex.submit(0, 1, "b")  # to the pool (ready at once)
@@ -1123,22 +916,19 @@ def test_an_adaptive_stage_hands_back_each_lane_oldest_unit_first():
     assert ex.pools_made == 1 and ex.process_units == 2
 
 
-def test_a_parked_pool_reports_nothing_to_the_stage_meter_until_it_is_taken_back():
+def test_a_parked_pool_reports_its_units_as_parked_until_it_is_taken_back():
     """While parked, the pool's units would add op seconds without the CPU demand the
-    inline units report, and a CPU-bound stage would read as waiting."""
+    inline units report, and a CPU-bound stage would read as waiting: they are recorded
+    as parked (the controller does not count them)."""
     pool = _FakePool(2)
-    ex = AdaptiveExecutor(lambda payload: payload, lambda n: pool)
-    meter = A.StageMeter()
-    ex.meter = meter
+    ex = AdaptiveExecutor(lambda payload: payload, lambda n, meter: pool)
     ex.to_process(2)
     ex.submit(0, 0, "a")  # starts the pool, which is ready at once
-    assert ex.runner == "process" and pool.meter is meter
+    assert ex.runner == "process" and not pool.parked
     ex.to_inline()  # parked
-    assert pool.meter is None
-    ex.meter = meter  # set again (the engine does so at a new run): still detached
-    assert pool.meter is None
+    assert pool.parked
     ex.to_process(2)  # taken back
-    assert pool.meter is meter
+    assert not pool.parked
 
 
 def test_only_an_adaptive_stage_measures_its_units_cpu_demand():
@@ -1148,9 +938,11 @@ def test_only_an_adaptive_stage_measures_its_units_cpu_demand():
 
     plain = InlineExecutor(F.sleep_then)
     plain.submit(0, 0, -0.01)  # spins 10 ms
-    assert plain.measures_demand is False and plain.demand_s == 0.0
-    ex = AdaptiveExecutor(F.sleep_then, lambda n: None)
+    plain.get(0)
+    assert plain.measures_demand is False and plain.meter.demand_units == 0
+    ex = AdaptiveExecutor(F.sleep_then, lambda n, meter: None)
     ex.submit(0, 0, -0.01)
-    assert ex._inline.measures_demand and ex._inline.demand_s > 0.0
+    ex.get(0)
+    assert ex.meter.demand_units == 1 and ex.meter.demand_s > 0.0
     plain.close()
     ex.close()
