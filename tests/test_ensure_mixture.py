@@ -10,7 +10,8 @@ import collections
 import numpy as np
 import pytest
 
-from _resume import assert_resumes, keys_of
+from _resume import assert_resumes, passes, take_and_checkpoint
+from _streams import keys_of
 from zephon import MixtureReadConfig, Pipeline, RuntimeOptions, sources
 from zephon.checkpoint import decode_state, encode_state
 from zephon.errors import CheckpointError, OpError, ZephonConfigError
@@ -206,9 +207,7 @@ def test_every_runner_gives_the_same_stream(runner):
 @pytest.mark.parametrize("leftover", ["emit", "drop"])
 @pytest.mark.parametrize("take", [1, 7, 30, 61, 95])
 def test_restore_at_any_cut_equals_the_uninterrupted_stream(take, leftover):
-    ref = keys_of(small(leftover=leftover), key)
-    resumed = assert_resumes(lambda: small(leftover=leftover), take, key=key,
-                             reference=ref)
+    resumed = assert_resumes(lambda: small(leftover=leftover), take, key=key)
     lanes = decode_state(resumed.state)["lanes"]
     if take in (30, 61):  # mid-epoch: a lane's buffer is in its carry
         assert any(len(v) > 4 and v[4] > 0 for v in lanes.values())
@@ -230,14 +229,13 @@ def packed_key(batch):
 @pytest.mark.parametrize("take", [3, 20, 47])
 def test_a_packer_after_it_resumes_exactly(take):
     """The packer's pieces are records the queue handed on: their lineage is the samples'."""
-    ref = keys_of(packed(), packed_key)
+    ref, following = passes(packed, 2, packed_key)
     assert keys_of(packed("threads"), packed_key) == ref
-    assert_resumes(packed, take, key=packed_key, reference=ref)
+    assert_resumes(packed, take, key=packed_key, reference=ref, following=following)
 
 
 def test_restore_on_another_runner():
-    ref = keys_of(small(), key)
-    assert_resumes(small, 40, again=lambda: small(runner="threads"), key=key, reference=ref)
+    assert_resumes(small, 40, again=lambda: small(runner="threads"), key=key)
 
 
 def test_a_carry_holding_more_than_max_buffer_is_refused():
@@ -250,7 +248,6 @@ def test_a_carry_holding_more_than_max_buffer_is_refused():
 
 
 def _take(pipe, k):
-    from _resume import take_and_checkpoint
     return take_and_checkpoint(pipe, k, key)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import _pipeline_fns as F
 import numpy as np
 import pytest
+from _resume import END, assert_resumes_at, passes
 
 from zephon import OpError, Pipeline, RuntimeOptions, ValidationError, ZephonConfigError, sources
 from zephon.pipeline.training import to_training
@@ -102,17 +103,12 @@ def test_pack_tokens_aligned_survives_a_restore_at_every_item(tok_dir):
         return chat_pipe(tok_dir).pack_tokens(8).options(
             RuntimeOptions(flush_every_k_chunks=1))
 
-    full = [(r["tokens"].tolist(), r["loss_mask"].tolist()) for r in make()]
-    for cut in range(0, len(full) + 1, 3):
-        it = iter(make())
-        head = [next(it) for _ in range(cut)]
-        state = it.checkpoint()
-        it.close()
-        again = make()
-        again.restore(state)
-        rest = list(again) if cut < len(full) else []
-        got = [(r["tokens"].tolist(), r["loss_mask"].tolist()) for r in head + rest]
-        assert got == full, cut
+    def row(r) -> tuple:
+        return r["tokens"].tolist(), r["loss_mask"].tolist()
+
+    reference, following = passes(make, 2, row)
+    assert_resumes_at(make, [*range(0, len(reference), 3), END], key=row,
+                      reference=reference, following=following)
 
 
 def test_pack_tokens_refuses_an_aligned_field_of_another_length():

@@ -9,6 +9,8 @@ import itertools
 
 import numpy as np
 import pytest
+from _resume import END, assert_resumes, passes
+from _streams import keys_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -32,9 +34,9 @@ def pipeline(lengths, seq_len, algorithm, open_bins=4, chunk_size=3, lanes=2, fl
         seq_len, algorithm=algorithm, open_bins=open_bins, **kwargs).batch(1).options(opts)
 
 
-def rows(pipe) -> list:
-    """``(lane, row dict)`` of every delivered row."""
-    return [(b.meta["lane"], {k: v[0] for k, v in b.items()}) for b in pipe]
+def lane_row(b) -> tuple:
+    """``(lane, row dict)`` of a delivered row (a batch of one)."""
+    return b.meta["lane"], {k: v[0] for k, v in b.items()}
 
 
 def segments(row: dict, pad_id: int = 0) -> list:
@@ -70,7 +72,7 @@ CASES = st.tuples(
 @given(CASES)
 def test_every_token_once_positions_restart_and_rows_are_full_or_documents_whole(case):
     lengths, seq_len, algorithm, open_bins, chunk, lanes = case
-    got = rows(pipeline(lengths, seq_len, algorithm, open_bins, chunk, lanes))
+    got = keys_of(pipeline(lengths, seq_len, algorithm, open_bins, chunk, lanes), lane_row)
     pieces = [(lane, seg) for lane, row in got for seg in segments(row)]
     delivered = sorted(t for _, seg in pieces for t in seg.tolist())
     assert delivered == sorted(SPAN * i + j for i, n in enumerate(lengths) for j in range(n))
@@ -126,7 +128,8 @@ def test_bin_packing_emits_a_full_bin_at_once_and_the_fullest_when_bins_run_out(
 
 
 def test_aligned_fields_are_packed_with_the_tokens_and_checked():
-    got = rows(pipeline([3, 4, 2], 6, "best_fit", lanes=1, aligned=("loss_mask",)))
+    got = keys_of(pipeline([3, 4, 2], 6, "best_fit", lanes=1, aligned=("loss_mask",)),
+                  lane_row)
     for _, row in got:
         used = int(row["cu_seqlens"].max())
         want = (row["tokens"][:used] % SPAN) % 2  # document() masks odd indices in
@@ -151,17 +154,18 @@ def test_bad_arguments_are_refused_by_name(bad, match):
 
 def test_drop_remainder_drops_only_what_is_open_at_the_end():
     lengths = [3, 4, 5, 2]
-    keep = rows(pipeline(lengths, 6, "first_fit", lanes=1, chunk_size=10))
-    drop = rows(pipeline(lengths, 6, "first_fit", lanes=1, chunk_size=10, drop_remainder=True))
+    keep = keys_of(pipeline(lengths, 6, "first_fit", lanes=1, chunk_size=10), lane_row)
+    drop = keys_of(pipeline(lengths, 6, "first_fit", lanes=1, chunk_size=10,
+                            drop_remainder=True), lane_row)
     full = [r for _, r in keep if int(r["cu_seqlens"].max()) == 6]
     assert [r["tokens"].tolist() for _, r in drop] == [r["tokens"].tolist() for r in full]
 
 
 # -- resume --------------------------------------------------------------------------------
 
-def keys(pipe) -> list:
-    return [(b.meta["lane"], b["tokens"].tolist(), b["positions"].tolist(),
-             b["cu_seqlens"].tolist(), list(map(tuple, b.meta["sample_ids"]))) for b in pipe]
+def key(b) -> tuple:
+    return (b.meta["lane"], b["tokens"].tolist(), b["positions"].tolist(),
+            b["cu_seqlens"].tolist(), list(map(tuple, b.meta["sample_ids"])))
 
 
 LENGTHS = [(7 * i) % 13 for i in range(60)]
@@ -175,19 +179,13 @@ def test_restore_at_every_item_is_exact_on_another_runner(algorithm):
             6, algorithm=algorithm, open_bins=3).batch(2).options(RuntimeOptions(
                 runner=runner, canonical_replicas=3, flush_every_k_chunks=1))
 
-    full = keys(make())
+    full, following = passes(make, 2, key)
     carried = False
-    for take in range(1, len(full)):
-        pipe = make()
-        it = iter(pipe)
-        for _ in range(take):
-            next(it)
-        state = pipe.checkpoint()
-        pipe.close()
+    for take in [*range(1, len(full)), END]:
+        state = assert_resumes(make, take, again=lambda take=take: make(
+            "threads" if take % 2 else "inline"), key=key, reference=full,
+            following=following).state
         carried |= any(len(v) > 4 for v in decode_state(state)["lanes"].values())
-        again = make("threads" if take % 2 else "inline")
-        again.restore(state)
-        assert keys(again) == full[take:], take
     assert carried  # the states held open bins at their boundaries
 
 

@@ -14,6 +14,7 @@ import collections
 import _pipeline_fns as F
 import numpy as np
 import pytest
+from _resume import assert_resumes_at
 
 from zephon import Pipeline, RuntimeOptions, ZephonConfigError, sources
 from zephon.pipeline.training import to_training
@@ -35,6 +36,10 @@ def packed_rows(epochs=1, n=61) -> dict:
     for b in it:
         out[b.meta["lane"]].append(b["tokens"][0].tolist())
     return dict(out)
+
+
+def tokens(batch) -> list:
+    return batch["tokens"].tolist()
 
 
 def by_lane(batches) -> dict:
@@ -122,16 +127,7 @@ def test_the_torch_loader_gives_tensors_of_one_shape_with_drop_last():
 
 def test_a_resume_across_the_short_row_is_exact():
     make = lambda: pipe(lambda p: p.pack_tokens(L).batch(B), flush_every_k_chunks=1)  # noqa: E731
-    full = [b["tokens"].tolist() for b in make()]
-    for cut in range(len(full) + 1):
-        it = iter(make())
-        head = [next(it)["tokens"].tolist() for _ in range(cut)]
-        state = it.checkpoint()
-        it.close()
-        again = make()
-        again.restore(state)
-        rest = [b["tokens"].tolist() for b in again] if cut < len(full) else []
-        assert head + rest == full, cut
+    assert_resumes_at(make, key=tokens)  # every cut, the end of the pass included
 
 
 @pytest.mark.parametrize("algorithm", ["greedy", "best_fit"])

@@ -4,23 +4,20 @@ same restore), whatever the sizes, lanes, epochs, flush cadence and runner."""
 
 from __future__ import annotations
 
+import _pipeline_fns as F
 import numpy as np
 import pytest
+from _resume import assert_resumes, passes
+from _streams import keys_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import _pipeline_fns as F
-from _resume import assert_resumes
 from zephon import Pipeline, RuntimeOptions, sources
 
 
 def batch_key(b):
     return (b.meta["lane"], b.meta["lane_index"], b["id"].tolist(), b["x"].tobytes(),
             b.meta["sample_ids"])
-
-
-def stream(pipe):
-    return [batch_key(b) for b in pipe]
 
 
 def pair(n, chunk, size, drop_last, epochs, seed=3):
@@ -50,16 +47,19 @@ def test_fused_equals_the_accumulator(n, chunk, size, drop_last, epochs, lanes, 
     fused, reference = pair(n, chunk, size, drop_last, epochs)
     opts = RuntimeOptions(runner="inline", canonical_replicas=lanes,
                           flush_every_k_chunks=flush)
-    assert stream(fused.options(opts)) == stream(reference.options(opts))
+    assert keys_of(fused.options(opts), batch_key) == keys_of(reference.options(opts),
+                                                              batch_key)
 
 
 @pytest.mark.parametrize("runner", ["threads", "process"])
 def test_fused_under_parallel_runners_and_restore(runner):
     fused, reference = pair(97, 5, 4, False, 2)
-    expected = stream(reference.options(RuntimeOptions(runner="inline", canonical_replicas=2)))
+    expected, following = passes(lambda: reference.options(RuntimeOptions(
+        runner="inline", canonical_replicas=2)), 2, batch_key)
     opts = RuntimeOptions(runner=runner, max_workers=2, canonical_replicas=2)
-    assert stream(fused.options(opts)) == expected
+    assert keys_of(fused.options(opts), batch_key) == expected
     assert_resumes(lambda: fused.options(opts), 9, key=batch_key, reference=expected,
+                   following=following,
                    again=lambda: fused.options(RuntimeOptions(runner="inline",
                                                               canonical_replicas=2)))
 

@@ -10,11 +10,12 @@ refuses classes that do not fulfil a contract.
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import _op_fns as O
 import _pipeline_fns as F
+import numpy as np
+import pytest
+from _resume import END, assert_resumes_at, keys_of, passes
+
 from zephon import Pipeline, RuntimeOptions, ZephonConfigError, sources
 from zephon.pipeline.ops import REGISTRY, Accumulator, SerialOp, StatelessOp, register
 from zephon.pipeline.ops.base import CarryingAccumulator
@@ -28,8 +29,12 @@ def _pipe(**opts):
     return O.with_op(pipe, O.WindowOp(4)).options(RuntimeOptions(**opts))
 
 
-def _rows(items):
-    return [(v["ids"].tolist(), v["total"]) for v in items]
+def _row(item) -> tuple:
+    return item["ids"].tolist(), item["total"]
+
+
+def _rows(items) -> list:
+    return keys_of(items, _row)
 
 
 @pytest.mark.parametrize("runner", ["inline", "threads", "process"])
@@ -56,15 +61,13 @@ def test_the_plan_and_explain_see_the_new_ops_by_their_contracts():
 
 @pytest.mark.parametrize("runner", ["threads", "process"])
 def test_a_new_serial_op_resumes_from_the_carry_it_held(runner):
-    reference = _rows(_pipe(runner="inline", flush_every_k_chunks=2))
-    for cut in (3, 11):
-        it = iter(_pipe(runner=runner, max_workers=2, flush_every_k_chunks=2))
-        head = _rows(next(it) for _ in range(cut))
-        state = it.checkpoint()
-        it.close()
-        again = _pipe(runner="inline", flush_every_k_chunks=2)
-        again.restore(state)
-        assert head + _rows(again) == reference
+    def inline():
+        return _pipe(runner="inline", flush_every_k_chunks=2)
+
+    reference, following = passes(inline, 2, _row)
+    assert_resumes_at(lambda: _pipe(runner=runner, max_workers=2, flush_every_k_chunks=2),
+                      (3, 11, END), again=inline, key=_row, reference=reference,
+                      following=following)
 
 
 def test_a_one_to_one_op_lets_a_batch_fuse_into_the_stage_that_reads():

@@ -8,10 +8,11 @@ shuffle buffer replay at most ``flush_every_k_chunks`` chunks.
 
 from __future__ import annotations
 
-import pytest
-
 import _pipeline_fns as F
-from _resume import assert_resumes, keys_of, take_and_checkpoint
+import pytest
+from _resume import END, assert_resumes, assert_resumes_at, keys_of, passes, take_and_checkpoint
+from _streams import id_key
+
 from zephon import CheckpointError, Pipeline, RuntimeOptions, sources
 from zephon.checkpoint import decode_state, encode_state
 
@@ -29,20 +30,12 @@ def replay_chain(src_fn=F.counted_sample, **opts):
         .map(F.double).shuffle(32).batch(8).options(RuntimeOptions(runner="inline", **opts))
 
 
-def ids(batches):
-    return [b["id"].tolist() for b in batches]
-
-
-def batch_ids(batch):
-    return batch["id"].tolist()
-
-
 @pytest.mark.parametrize("fraction", [0.1, 0.5, 0.9])
 @pytest.mark.parametrize("lanes", [1, 3])
 def test_cursor_resume_reads_nothing_before_the_cut(fraction, lanes):
-    reference = ids(cursor_chain(canonical_replicas=lanes))
+    reference = keys_of(cursor_chain(canonical_replicas=lanes), id_key)
     cut = int(len(reference) * fraction)
-    head, state = take_and_checkpoint(cursor_chain(canonical_replicas=lanes), cut, key=batch_ids)
+    head, state = take_and_checkpoint(cursor_chain(canonical_replicas=lanes), cut, key=id_key)
     assert "resume: from the source cursor" in cursor_chain().explain()
 
     F.reset_reads()
@@ -54,22 +47,22 @@ def test_cursor_resume_reads_nothing_before_the_cut(fraction, lanes):
     # the rest of the cut chunk and, if it needs more, the next chunk of its lane
     # (+1: validation probes the source's first sample).
     assert F.reads() <= 2 * CHUNK + 1
-    assert head + [first] + ids(rest) == reference
+    assert head + [first] + keys_of(rest, id_key) == reference
 
 
 @pytest.mark.parametrize("fraction", [0.1, 0.9])
 def test_replay_resume_is_bounded_by_the_flush_cadence(fraction):
     k = 8  # the automatic flush_every_k_chunks with a shuffle buffer
-    reference = ids(replay_chain())
+    reference = keys_of(replay_chain(), id_key)
     cut = int(len(reference) * fraction)
-    head, state = take_and_checkpoint(replay_chain(), cut, key=batch_ids)
+    head, state = take_and_checkpoint(replay_chain(), cut, key=id_key)
     F.reset_reads()
     resumed = replay_chain(F.counted_sample)
     resumed.restore(state)
     rest = iter(resumed)
     first = next(rest)["id"].tolist()
     assert F.reads() <= CHUNK * (1 + k) + 1  # (+1: the validation probe)
-    assert head + [first] + ids(rest) == reference
+    assert head + [first] + keys_of(rest, id_key) == reference
 
 
 @pytest.mark.parametrize("runner", ["threads", "process", "mtp"])
@@ -77,29 +70,25 @@ def test_cursor_resume_under_every_runner(runner):
     opts = {"mtp_mode": True, "runner": "threads"} if runner == "mtp" else {"runner": runner}
     base = Pipeline(sources.from_callable(300, F.make_sample), seed=9, chunk_size=5) \
         .map(F.double, parallelism=2).filter(F.keep_most).batch(4)
-    reference = ids(base.options(RuntimeOptions(runner="inline", canonical_replicas=2)))
-    pipe = base.options(RuntimeOptions(canonical_replicas=2, max_workers=2, **opts))
-    head, state = take_and_checkpoint(pipe, 17, key=batch_ids)
-    again = base.options(RuntimeOptions(runner="inline", canonical_replicas=2))
-    again.restore(state)
-    assert head + ids(again) == reference
+    inline = lambda: base.options(RuntimeOptions(runner="inline", canonical_replicas=2))  # noqa: E731
+    reference, following = passes(inline, 2, id_key)
+    assert_resumes(lambda: base.options(RuntimeOptions(canonical_replicas=2, max_workers=2,
+                                                       **opts)), 17, again=inline, key=id_key,
+                   reference=reference, following=following)
 
 
 def test_cursor_resume_across_epochs_and_at_an_epoch_end():
     base = Pipeline(sources.from_callable(40, F.make_sample), seed=2, chunk_size=4,
                     num_epochs=3).map(F.double).batch(5)
-    reference = ids(base.options(base.runtime))  # a fresh pipeline: the stream from its start
+    reference = keys_of(base.options(base.runtime), id_key)  # from the start of the stream
     following = base.options(base.runtime)
     following.set_epoch(3)
-    following = ids(following)  # the next pass: epochs 3, 4, 5
+    following = keys_of(following, id_key)  # the next pass: epochs 3, 4, 5
     assert following != reference and len(following) == len(reference)
-    for cut in (1, 7, 8, 9, 16, len(reference) - 1, len(reference)):
-        head, state = take_and_checkpoint(base.options(base.runtime), cut, key=batch_ids)
-        again = base.options(base.runtime)
-        again.restore(state)
-        # restored at the end of the pass, a run goes on with the next pass
-        rest = reference[cut:] if cut < len(reference) else following
-        assert head + ids(again) == reference[:cut] + rest, cut
+    # restored at the end of the pass (END), a run goes on with the next pass
+    assert_resumes_at(lambda: base.options(base.runtime),
+                      (1, 7, 8, 9, 16, len(reference) - 1, END), key=id_key,
+                      reference=reference, following=following)
 
 
 def test_mixture_cursor_resume():
@@ -107,17 +96,13 @@ def test_mixture_cursor_resume():
     b = sources.from_sequence([{"id": 1000 + i} for i in range(30)], name="b")
     base = Pipeline(sources.mixture({"a": a, "b": b}, weights={"a": 2, "b": 1}), seed=4,
                     chunk_size=4).batch(3)
-    reference = ids(base.options(base.runtime))  # a fresh pipeline: the stream from its start
-    head, state = take_and_checkpoint(base, 11, key=batch_ids)
-    again = base.options(base.runtime)
-    again.restore(state)
-    assert head + ids(again) == reference
+    assert_resumes(lambda: base.options(base.runtime), 11, key=id_key)
 
 
 # -- states that are not what they claim ---------------------------------------------------
 
 def _state_of(pipe, k=5):
-    head, state = take_and_checkpoint(pipe, k, key=batch_ids)
+    head, state = take_and_checkpoint(pipe, k, key=id_key)
     state = decode_state(state)
     return state
 
@@ -152,7 +137,7 @@ def test_crafted_lane_entries_are_checkpoint_errors(chain, bad_lanes):
     with pytest.raises(CheckpointError):
         pipe.restore(_crafted(state, lanes=bad_lanes))
     # nothing was applied: the pipeline still starts from the beginning
-    assert ids(pipe)[:2] == ids(chain())[:2]
+    assert keys_of(pipe, id_key)[:2] == keys_of(chain(), id_key)[:2]
 
 
 @pytest.mark.parametrize("field,value", [
@@ -211,21 +196,21 @@ def test_replay_entries_off_a_flush_boundary_or_with_nothing_delivered_are_refus
 
 
 def test_restore_before_iter_is_what_checkpoint_returns_and_survives_an_ended_run():
-    reference = ids(cursor_chain())
-    head, state = take_and_checkpoint(cursor_chain(), 3, key=batch_ids)
+    reference = keys_of(cursor_chain(), id_key)
+    head, state = take_and_checkpoint(cursor_chain(), 3, key=id_key)
     pipe = cursor_chain()
     pipe.restore(state)
     assert decode_state(pipe.checkpoint())["lanes"] == decode_state(state)["lanes"]
     done = iter(pipe)
-    rest = ids(done)  # this run ends; `done` is still referenced
+    rest = keys_of(done, id_key)  # this run ends; `done` is still referenced
     assert head + rest == reference
     pipe.restore(state)  # no run is going: the next iter() starts there
-    assert ids(pipe) == rest
+    assert keys_of(pipe, id_key) == rest
 
 
 def test_a_second_iterator_does_not_end_the_first():
     pipe = cursor_chain()
-    reference = ids(cursor_chain())
+    reference = keys_of(cursor_chain(), id_key)
     got = []
     for step, batch in enumerate(pipe):
         got.append(batch["id"].tolist())
@@ -281,5 +266,4 @@ def test_pack_tokens_with_empty_samples_resumes_at_every_item(runner):
 
     reference = keys_of(pipe(), key)
     assert sum(len(r) for r in reference) == sum(i % 3 for i in range(12))
-    for k in range(len(reference)):
-        assert_resumes(pipe, k, key=key, reference=reference)
+    assert_resumes_at(pipe, key=key)  # every item, and the end of the pass

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import _pipeline_fns as F
-from _resume import assert_resumes
+from _resume import assert_resumes, passes
+from _streams import keys_of
 from zephon import Pipeline, RuntimeOptions, sources
 
 
@@ -54,20 +55,16 @@ def build(n, chunk, chain, seed=7, epochs=1):
                                   chunk_size=chunk, num_epochs=epochs))
 
 
-def run_all(pipe):
-    return [signature(item) for item in pipe]
-
-
 @pytest.mark.parametrize("chain", sorted(CHAINS))
 @pytest.mark.parametrize("runner,workers", [("threads", 3), ("process", 2)])
 def test_runners_agree_with_inline(chain, runner, workers):
     pipe = build(41, 4, chain)
     lanes = {"canonical_replicas": 2}
-    reference = run_all(pipe.options(RuntimeOptions(runner="inline", **lanes)))
+    reference = keys_of(pipe.options(RuntimeOptions(runner="inline", **lanes)), signature)
     assert reference
-    got = run_all(pipe.options(RuntimeOptions(runner=runner, max_workers=workers,
+    got = keys_of(pipe.options(RuntimeOptions(runner=runner, max_workers=workers,
                                               prefetch_batches=3, default_stage_prefetch=2,
-                                              **lanes)))
+                                              **lanes)), signature)
     assert got == reference
 
 
@@ -82,9 +79,12 @@ def test_every_sample_exactly_once_per_epoch():
     assert seen == collections.Counter({(i, e): 1 for i in range(53) for e in range(2)})
 
 
-def restore_cut(pipe, reference, cut, second):
+def restore_cut(pipe, uninterrupted, cut, second):
+    """Restore ``pipe`` cut after ``cut`` items into ``second``; ``uninterrupted`` holds
+    the first and the second pass (a cut at the end of the first: its last item)."""
+    reference, following = uninterrupted
     assert_resumes(lambda: pipe, cut, again=lambda: second, key=signature,
-                   reference=reference)
+                   reference=reference, following=following)
 
 
 profile = settings(max_examples=12, deadline=None,
@@ -98,7 +98,8 @@ def _differential(data):
     chain = data.draw(st.sampled_from(sorted(CHAINS)), label="chain")
     epochs = data.draw(st.sampled_from([1, 2]), label="epochs")
     pipe = build(n, chunk, chain, seed=data.draw(st.integers(0, 100)), epochs=epochs)
-    reference = run_all(pipe.options(RuntimeOptions(runner="inline", canonical_replicas=lanes)))
+    reference, following = passes(lambda: pipe.options(RuntimeOptions(
+        runner="inline", canonical_replicas=lanes)), 2, signature)
 
     def random_opts(label):
         runner = data.draw(st.sampled_from(["inline", "threads", "process"]), label=label)
@@ -110,11 +111,8 @@ def _differential(data):
             flush_every_k_chunks=data.draw(st.sampled_from([None])))
 
     cut = data.draw(st.integers(0, len(reference)), label="cut")
-    if reference and cut == len(reference):  # restored at its end, a run goes on with the
-        following = pipe.options(RuntimeOptions(runner="inline", canonical_replicas=lanes))
-        following.set_epoch(epochs)  # next pass
-        reference = reference + run_all(following)
-    restore_cut(pipe.options(random_opts("first runner")), reference, cut,
+    # restored at the end of the pass, a run goes on with the next pass
+    restore_cut(pipe.options(random_opts("first runner")), (reference, following), cut,
                 pipe.options(random_opts("second runner")))
 
 

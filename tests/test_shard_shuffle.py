@@ -10,6 +10,7 @@ sources' shard bounds; the fingerprint and the option checks.
 
 from __future__ import annotations
 
+import functools
 import tracemalloc
 
 import numpy as np
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 import _pipeline_fns as F
 import _shard_fns as S
-from _resume import assert_resumes
+from _resume import END, assert_resumes, passes
 from _sources_data import write_parquet, write_shards
 from zephon import CheckpointError, Pipeline, RuntimeOptions, ZephonConfigError, sources
 from zephon.pipeline import lanes
@@ -143,14 +144,27 @@ def test_runners_agree_with_inline(runner, workers):
     assert got == reference
 
 
-@pytest.mark.parametrize("k", [1, 37, 80])
-def test_cursor_and_replay_resume(k):
+def _resumable(kind: str):
     src = S.ShardedSamples(300, S.uneven_bounds(300, 17, 2))
     opts = RuntimeOptions(canonical_replicas=3)
-    assert_resumes(lambda: chain(src).options(opts), k, key=batch_key)
-    assert_resumes(lambda: Pipeline(src, seed=4, chunk_size=5, shuffle="shards",
-                                    num_epochs=2).shuffle(7).batch(3).options(opts),
-                   k, key=batch_key)
+    if kind == "cursor":
+        return chain(src).options(opts)
+    return Pipeline(src, seed=4, chunk_size=5, shuffle="shards",
+                    num_epochs=2).shuffle(7).batch(3).options(opts)
+
+
+@functools.cache
+def _uninterrupted(kind: str) -> tuple:
+    """The first two passes of a :func:`_resumable` pipeline (made once per kind)."""
+    return tuple(passes(lambda: _resumable(kind), 2, batch_key))
+
+
+@pytest.mark.parametrize("k", [1, 37, 80, END])
+def test_cursor_and_replay_resume(k):
+    for kind in ("cursor", "replay"):
+        reference, following = _uninterrupted(kind)
+        assert_resumes(lambda kind=kind: _resumable(kind), k, key=batch_key,
+                       reference=reference, following=following)
 
 
 def test_the_mode_is_in_the_fingerprint_and_a_state_refuses_another_mode():

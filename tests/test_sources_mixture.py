@@ -12,6 +12,7 @@ pytest.importorskip("pyarrow")
 import _sources_fns as F  # noqa: E402
 from _resume import assert_resumes  # noqa: E402
 from _sources_data import write_parquet, write_shards  # noqa: E402
+from _streams import keys_of
 
 C = 4  # canonical lanes
 
@@ -32,14 +33,10 @@ def batch_key(b) -> tuple:
     return tuple(zip(b["src"].tolist(), b["n"].tolist()))
 
 
-def ids(pipe) -> list:
-    return [batch_key(b) for b in pipe]
-
-
 @pytest.mark.parametrize("mode", ["weighted_random", "weighted_round_robin"])
 def test_mixture_same_stream_under_every_runner(tmp_path, mode):
     pipe = pipeline(tmp_path, mode)
-    ref = ids(pipe.options(RuntimeOptions(runner="inline", canonical_replicas=C)))
+    ref = keys_of(pipe.options(RuntimeOptions(runner="inline", canonical_replicas=C)), batch_key)
     flat = [s for b in ref for s in b]
     # 0.7 / 0.3 of 180 Parquet rows and 60 tar samples: the epoch reads every row once
     # (180 / 0.7 = 257 positions) and the tar shard's 60 samples 77 times (a repeat)
@@ -47,16 +44,15 @@ def test_mixture_same_stream_under_every_runner(tmp_path, mode):
     assert sorted(pq) == [(0, i) for i in range(180)] and len(wds) == 77
     assert set(wds) == {(1, 1000 + i) for i in range(60)}
     for runner in ("threads", "process"):
-        got = ids(pipe.options(RuntimeOptions(runner=runner, max_workers=2,
-                                              canonical_replicas=C)))
+        got = keys_of(pipe.options(RuntimeOptions(runner=runner, max_workers=2,
+                                                  canonical_replicas=C)), batch_key)
         assert got == ref, runner
 
 
 @pytest.mark.parametrize("runner", ["inline", "process"])
 def test_mixture_checkpoint_mid_way_restores(tmp_path, runner):
     opts = RuntimeOptions(runner=runner, max_workers=2, canonical_replicas=C)
-    assert_resumes(lambda: pipeline(tmp_path).options(opts), 23, key=batch_key,
-                   reference=ids(pipeline(tmp_path).options(opts)))
+    assert_resumes(lambda: pipeline(tmp_path).options(opts), 23, key=batch_key)
 
 
 def test_mixture_checkpoint_from_2_ranks_restores_on_1(tmp_path):
@@ -67,7 +63,7 @@ def test_mixture_checkpoint_from_2_ranks_restores_on_1(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     pipeline(data)  # write the files once
-    ref = ids(pipeline(data).options(RuntimeOptions(canonical_replicas=C)))
+    ref = keys_of(pipeline(data).options(RuntimeOptions(canonical_replicas=C)), batch_key)
     states, heads = {}, {}
 
     def rank(r):
@@ -87,6 +83,6 @@ def test_mixture_checkpoint_from_2_ranks_restores_on_1(tmp_path):
     assert states[0] == states[1]
     one = pipeline(data).options(RuntimeOptions(canonical_replicas=C))
     one.restore(states[0])
-    rest = ids(one)
+    rest = keys_of(one, batch_key)
     seen = {tuple(zip(b["src"].tolist(), b["n"].tolist())) for r in heads for b in heads[r]}
     assert sorted(seen | set(rest)) == sorted(ref) and not seen & set(rest)

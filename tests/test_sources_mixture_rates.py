@@ -9,13 +9,14 @@ import collections
 import pickle
 import threading
 
+import _mixture_fns as F
 import numpy as np
 import pytest
+from _resume import assert_resumes
+from _streams import sample_ids, take
 
 from zephon import MixtureReadConfig, Pipeline, RuntimeOptions, sources
 from zephon.errors import ZephonConfigError
-
-import _mixture_fns as F  # noqa: E402
 
 C = 4  # canonical lanes
 
@@ -27,21 +28,14 @@ def component(name: str, n: int):
 def shares(batches) -> dict:
     """Realized share of each component (by sample ids; a repeat counts for its
     component) over the batches."""
-    counts = collections.Counter(sid[0].split("#")[0] for b in batches
-                                 for sid in b.meta["sample_ids"])
+    return shares_of(sample_ids(batches))
+
+
+def shares_of(ids) -> dict:
+    """Realized share of each component over these sample ids."""
+    counts = collections.Counter(sid[0].split("#")[0] for sid in ids)
     total = sum(counts.values())
     return {k: v / total for k, v in counts.items()}
-
-
-def take(pipe, n_batches: int) -> list:
-    out = []
-    it = iter(pipe)
-    try:
-        for _ in range(n_batches):
-            out.append(next(it))
-    finally:
-        it.close()
-    return out
 
 
 WEIGHTS = [({"a": 0.7, "b": 0.3}), ({"a": 0.5, "b": 0.5}), ({"a": 0.9, "b": 0.1}),
@@ -104,17 +98,9 @@ def test_share_holds_after_a_restore_mid_stream():
         return Pipeline(mix, seed=5, chunk_size=64).shuffle(512).batch(200).options(
             RuntimeOptions(canonical_replicas=C))
 
-    ref = take(pipe(), 500)
-    first = pipe()
-    it = iter(first)
-    head = [next(it) for _ in range(137)]
-    state = it.checkpoint()
-    it.close()
-    again = pipe()
-    again.restore(state)
-    rest = take(again, 500 - 137)
-    assert [b.meta["sample_ids"] for b in head + rest] == [b.meta["sample_ids"] for b in ref]
-    assert abs(shares(rest)["b"] - 0.2) <= 0.01
+    # an endless stream: its first 500 batches, 137 of them before the state
+    rest = assert_resumes(pipe, 137, key=lambda b: sample_ids([b]), limit=500).rest
+    assert abs(shares_of([s for b in rest for s in b])["b"] - 0.2) <= 0.01
 
 
 def epoch(mix, **kw) -> list:

@@ -9,7 +9,7 @@ import os
 import _pipeline_fns as F
 import numpy as np
 import pytest
-from _resume import assert_resumes
+from _resume import assert_resumes, passes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -92,6 +92,7 @@ def test_batched_and_grouped_streams_equal_the_window_by_window_one(files, shuff
 def test_grouped_windows_resume_mid_message(files):
     src = _sources(files)[1]
     pipe = Pipeline(src, seed=7, chunk_size=4, shuffle=True).batch(3)
-    expected = [key(b) for b in pipe.options(RuntimeOptions(runner="inline",
-                                                            canonical_replicas=2))]
-    assert_resumes(lambda: pipe.options(GROUPED), 5, key=key, reference=expected)
+    expected, following = passes(lambda: pipe.options(RuntimeOptions(
+        runner="inline", canonical_replicas=2)), 2, key)
+    assert_resumes(lambda: pipe.options(GROUPED), 5, key=key, reference=expected,
+                   following=following)

@@ -17,6 +17,8 @@ import pytest
 tokenizers = pytest.importorskip("tokenizers")
 
 import _tokenize_fns as T  # noqa: E402
+from _resume import END, assert_resumes_at, passes  # noqa: E402
+
 from zephon import OpError, Pipeline, RuntimeOptions, ZephonConfigError, sources  # noqa: E402
 from zephon.pipeline.text import tokenizer as tokenizer_mod  # noqa: E402
 
@@ -250,18 +252,12 @@ def test_restore_mid_epoch_is_exact(tok_dir, runner):
     base = Pipeline(sources.from_callable(N, T.text_sample), seed=2, chunk_size=6) \
         .tokenize(tok_dir, add_eos=True, parallelism=2).pack_tokens(64).batch(4)
     rows = lambda b: [np.asarray(r).tolist() for r in b["tokens"]]  # noqa: E731
-    reference = [rows(b) for b in base.options(RuntimeOptions(runner="inline"))]
-    pipe = base.options(RuntimeOptions(runner=runner, max_workers=2))
-    it = iter(pipe)
-    try:
-        head = [rows(next(it)) for _ in range(len(reference) // 2)]
-        state = it.checkpoint()
-    finally:
-        it.close()
-    again = base.options(RuntimeOptions(runner="inline"))
-    again.restore(state)
+    inline = lambda: base.options(RuntimeOptions(runner="inline"))  # noqa: E731
+    reference, following = passes(inline, 2, rows)
     assert len(reference) > 10
-    assert head + [rows(b) for b in again] == reference
+    assert_resumes_at(lambda: base.options(RuntimeOptions(runner=runner, max_workers=2)),
+                      (len(reference) // 2, END), again=inline, key=rows,
+                      reference=reference, following=following)
 
 
 def test_without_tokenizers_the_error_names_the_extra():

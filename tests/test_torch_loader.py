@@ -10,11 +10,13 @@ import subprocess
 import sys
 import warnings
 
-import numpy as np
-import pytest
-
 import _pipeline_fns as F
 import _torch_fns as T
+import numpy as np
+import pytest
+from _resume import END, assert_resumes, passes
+from _streams import keys_of
+
 from zephon import Pipeline, RuntimeOptions, sources
 from zephon.errors import CheckpointError, ValidationError, ZephonConfigError
 
@@ -29,9 +31,13 @@ def pipeline(n=60, **opts):
         .map(F.double).batch(3).options(RuntimeOptions(**opts))
 
 
-def keys(batches):
-    return [(b.meta["lane"], b.meta["lane_index"], tuple(np.asarray(b["id"]).tolist()))
-            for b in batches]
+def key(b) -> tuple:
+    return b.meta["lane"], b.meta["lane_index"], tuple(np.asarray(b["id"]).tolist())
+
+
+def load_state_dict(loader, state: dict) -> None:
+    """How :func:`assert_resumes` restores a loader."""
+    loader.load_state_dict(state)
 
 
 def test_numeric_columns_become_tensors_other_columns_and_meta_stay():
@@ -74,35 +80,39 @@ def test_tensors_share_the_arena_memory_and_keep_it_leased():
 
 
 def test_state_dict_round_trips_through_torch_save(tmp_path):
-    full = keys(pipeline()._with())
-    loader = zt.loader(pipeline(runner="inline"))
-    it = iter(loader)
-    head = [next(it) for _ in range(5)]
-    torch.save({"data": loader.state_dict()}, tmp_path / "ckpt.pt")
-    loader.close()
-    loaded = torch.load(tmp_path / "ckpt.pt", weights_only=True)
-    other = zt.loader(pipeline(runner="threads", max_workers=2))
-    other.load_state_dict(loaded["data"])
-    assert keys(head) + keys(other) == full
+    def save(loader, it):
+        torch.save({"data": loader.state_dict()}, tmp_path / "ckpt.pt")
+        return torch.load(tmp_path / "ckpt.pt", weights_only=True)["data"]
+
+    reference, following = passes(pipeline, 2, key)
+    for cut in (5, END):
+        assert_resumes(lambda: zt.loader(pipeline(runner="inline")), cut, key=key,
+                       again=lambda: zt.loader(pipeline(runner="threads", max_workers=2)),
+                       reference=reference, following=following, save=save,
+                       load=load_state_dict)
 
 
 @pytest.mark.parametrize("runner", ["inline", "process"])
 def test_pinned_loader_counts_only_handed_out_batches(runner):
-    full = keys(pipeline()._with())
     opts = dict(runner=runner, max_workers=2) if runner == "process" else dict(runner=runner)
-    loader = zt.loader(pipeline(**opts), pin_memory=True, prefetch=3)
+    loaders = []
+
+    def make():
+        loaders.append(zt.loader(pipeline(**opts), pin_memory=True, prefetch=3))
+        return loaders[-1]
+
+    def save(loader, it):
+        # the thread has pulled ahead of what was handed out
+        assert loader._thread is not None and loader._thread.is_alive()
+        return loader.state_dict()
+
+    reference, following = passes(pipeline, 2, key)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # no accelerator on CPU machines
-        it = iter(loader)
-        head = [next(it) for _ in range(4)]
-        assert loader._thread is not None and loader._thread.is_alive()
-        # the thread has pulled ahead of what was handed out
-        state = loader.state_dict()
-    loader.close()
-    assert loader._thread is None
-    rest = zt.loader(pipeline())
-    rest.load_state_dict(state)
-    assert keys(head) + keys(rest) == full
+        assert_resumes(make, 4, again=lambda: zt.loader(pipeline()), key=key,
+                       reference=reference, following=following, save=save,
+                       load=load_state_dict)
+    assert loaders[0]._thread is None  # closed after the state was taken
 
 
 def test_pin_memory_without_an_accelerator_warns_and_still_delivers():
@@ -110,7 +120,7 @@ def test_pin_memory_without_an_accelerator_warns_and_still_delivers():
         pytest.skip("an accelerator is present: batches are really pinned")
     with pytest.warns(RuntimeWarning, match="no accelerator"):
         batches = list(zt.loader(pipeline(), pin_memory=True))
-    assert keys(batches) == keys(pipeline()._with())
+    assert keys_of(batches, key) == keys_of(pipeline()._with(), key)
 
 
 def test_a_pipeline_error_reaches_the_consumer_through_the_pinning_thread():
@@ -145,7 +155,8 @@ sys.path.insert(0, {tests!r})
 import numpy as np, torch
 import torch.distributed.checkpoint as dcp
 import zephon.torch as zt
-from test_torch_loader import pipeline, keys
+from _streams import keys_of
+from test_torch_loader import key, pipeline
 
 if __name__ == "__main__":
     loader = zt.loader(pipeline())
@@ -157,7 +168,8 @@ if __name__ == "__main__":
     model2 = torch.nn.Linear(2, 2)
     dcp.load({{"model": model2, "data": fresh}}, checkpoint_id={path!r})
     assert torch.equal(model.weight, model2.weight)
-    assert keys(head) + keys(fresh) == keys(pipeline()._with()), "stream differs"
+    reference = keys_of(pipeline()._with(), key)
+    assert keys_of(head, key) + keys_of(fresh, key) == reference, "stream differs"
     print("OK")
 """
 
@@ -174,7 +186,7 @@ def test_torch_distributed_checkpoint_stores_model_and_data_in_one_call(tmp_path
 def test_dataset_adapter_works_with_a_dataloader_without_workers():
     ds = zt.dataset(pipeline())
     got = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0))
-    assert keys(got) == keys(pipeline()._with())
+    assert keys_of(got, key) == keys_of(pipeline()._with(), key)
     assert isinstance(got[0]["x"], torch.Tensor)
 
 
@@ -212,7 +224,7 @@ def test_batch_stacks_tensors_as_it_stacks_arrays(runner):
         assert isinstance(b["x"], torch.Tensor) and b["x"].shape == (n, 4)
         assert b["x"].dtype == torch.float32 and b["w"].shape == (n, 3)
         assert torch.equal(b["w"][:, 0], torch.as_tensor(b["id"]).float())
-    assert keys(batches) == keys(tensor_pipeline(runner="inline"))
+    assert keys_of(batches, key) == keys_of(tensor_pipeline(runner="inline"), key)
 
 
 def test_validation_compares_tensors_bit_for_bit():
@@ -244,21 +256,23 @@ def test_tensors_returned_by_process_workers_arrive_as_tensors_in_the_arena():
 
 @pytest.mark.parametrize("pin_memory", [False, True])
 def test_state_after_close_counts_only_batches_handed_out(pin_memory):
-    full = keys(zt.loader(pipeline()))
-    loader = zt.loader(pipeline(runner="threads", max_workers=2), pin_memory=pin_memory,
-                       prefetch=3)
+    def save(loader, it):
+        loader.close()  # the pinning thread had pulled batches ahead of the loop
+        return loader.state_dict()
+
+    reference, following = passes(lambda: zt.loader(pipeline()), 2, key)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # no accelerator to pin for
-        head = [b for _, b in zip(range(5), loader)]
-    loader.close()  # the pinning thread had pulled batches ahead of the loop
-    state = loader.state_dict()
-    again = zt.loader(pipeline())
-    again.load_state_dict(state)
-    assert keys(head) + keys(again) == full
+        for cut in (5, END):
+            assert_resumes(lambda: zt.loader(pipeline(runner="threads", max_workers=2),
+                                             pin_memory=pin_memory, prefetch=3),
+                           cut, again=lambda: zt.loader(pipeline()), key=key,
+                           reference=reference, following=following, save=save,
+                           load=load_state_dict)
 
 
 def test_a_refused_state_leaves_the_loader_where_it_was():
-    full = keys(zt.loader(pipeline()))
+    full = keys_of(zt.loader(pipeline()), key)
     loader = zt.loader(pipeline())
     head = [b for _, b in zip(range(3), loader)]
     other = zt.loader(pipeline().map(F.double))
@@ -271,7 +285,7 @@ def test_a_refused_state_leaves_the_loader_where_it_was():
                 {"zephon_checkpoint": torch.zeros(4, dtype=torch.int64)}):
         with pytest.raises(CheckpointError):
             loader.load_state_dict(bad)
-    assert keys(head) + keys(loader) == full  # it went on after batch 3
+    assert keys_of(head, key) + keys_of(loader, key) == full  # it went on after batch 3
 
 
 def test_columns_torch_cannot_view_become_tensors_of_a_copy():
