@@ -115,7 +115,7 @@ def test_grouped_batches_equal_the_inline_stream(corpus, source_shuffle, pipe_sh
 
     src = sources.parquet(str(corpus / "*.parquet"), shuffle=source_shuffle, seed=5)
     pipe = Pipeline(src, seed=4, chunk_size=6, shuffle=pipe_shuffle, num_epochs=2).batch(5)
-    assert batches_per_message(src, 5, Plan(pipe, GROUPED).stages[0]) == 8
+    assert batches_per_message(src, 5, Plan(pipe.spec, GROUPED).stages[0]) == 8
     inline = keys_of(pipe.options(RuntimeOptions(runner="inline", canonical_replicas=2)),
                      batch_key)
     assert keys_of(pipe.options(GROUPED), batch_key) == inline

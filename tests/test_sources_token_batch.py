@@ -81,7 +81,7 @@ def test_batched_and_grouped_streams_equal_the_window_by_window_one(files, shuff
 
     src = _sources(files)[0]
     pipe = Pipeline(src, seed=4, chunk_size=5, shuffle=shuffle, num_epochs=2).batch(3)
-    assert batches_per_message(src, 3, Plan(pipe, GROUPED).stages[0]) > 1
+    assert batches_per_message(src, 3, Plan(pipe.spec, GROUPED).stages[0]) > 1
     inline = RuntimeOptions(runner="inline", canonical_replicas=2)
     rows = [key(b) for b in Pipeline(src, seed=4, chunk_size=5, shuffle=shuffle,
                                      num_epochs=2).map(F.identity).batch(3).options(inline)]
