@@ -156,6 +156,58 @@ class Pipeline:
         """
         return self.spec.ops
 
+    # the definition's fields, read from the spec
+    @property
+    def source(self):
+        """The pipeline's source (its spec's).
+
+        Example:
+            >>> Pipeline(sources.from_sequence([1, 2])).source.name
+            'sequence'
+        """
+        return self.spec.source
+
+    @property
+    def seed(self) -> int:
+        """The seed of the epoch orders and of every op's randomness (its spec's).
+
+        Example:
+            >>> Pipeline(sources.from_sequence([1, 2]), seed=7).seed
+            7
+        """
+        return self.spec.seed
+
+    @property
+    def permute(self):
+        """The epoch order (its spec's): True (a seeded permutation), False (source
+        order), or the source's shard shuffle.
+
+        Example:
+            >>> Pipeline(sources.from_sequence([1, 2]), shuffle=False).permute
+            False
+        """
+        return self.spec.permute
+
+    @property
+    def chunk_size(self) -> int:
+        """Samples per chunk (its spec's).
+
+        Example:
+            >>> Pipeline(sources.from_sequence([1, 2]), chunk_size=64).chunk_size
+            64
+        """
+        return self.spec.chunk_size
+
+    @property
+    def num_epochs(self):
+        """Epochs in a pass, None for one endless pass (its spec's).
+
+        Example:
+            >>> Pipeline(sources.from_sequence([1, 2]), num_epochs=3).num_epochs
+            3
+        """
+        return self.spec.num_epochs
+
     def map(self, fn, parallelism: int = 1) -> "Pipeline":
         """Apply ``fn`` to every sample.
 

@@ -383,6 +383,12 @@ class Plan:
 
     @property
     def runners(self) -> set[str]:
+        """The runners the stages are planned with (``"inline"``, ``"threads"``,
+        ``"process"``; an adaptive stage is planned with ``"process"``)."""
+        return {s.runner for s in self.stages}
+
+    @property
+    def modes(self) -> set[str]:
         """What runs the stages: their modes (``"inline"``, ``"threads"``, ``"process"``,
         ``"adaptive"``)."""
         return {s.mode for s in self.stages}
