@@ -175,16 +175,9 @@ def test_every_executor_reports_op_time_without_execution_tracking(runner):
     # it with the result (tracking off: nobody observes the stage's meter).
     from _pipeline_fns import square_unit
 
-    from zephon import RuntimeOptions
-    from zephon.pipeline.engine import pool_config
-    from zephon.runners.executors import InlineExecutor, ProcessExecutor, ThreadExecutor
+    from _executors import make_executor
 
-    if runner == "inline":
-        ex = InlineExecutor(square_unit)
-    elif runner == "threads":
-        ex = ThreadExecutor(square_unit, 1)
-    else:
-        ex = ProcessExecutor(square_unit, 1, config=pool_config(RuntimeOptions()))
+    ex = make_executor(runner, square_unit)
     try:
         assert ex.meter.observer is None
         ex.submit(0, 7, 3)

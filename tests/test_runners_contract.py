@@ -5,17 +5,10 @@ failure envelope (zephon.transport.failure.UnitFailure)."""
 from __future__ import annotations
 
 import pytest
+from _executors import make_executor
 from _pipeline_fns import square_unit
 
-from zephon import RuntimeOptions
-from zephon.pipeline.engine import pool_config
 from zephon.runners.contract import MovableExecutor, StageExecutor, StageMeter
-from zephon.runners.executors import (
-    AdaptiveExecutor,
-    InlineExecutor,
-    ProcessExecutor,
-    ThreadExecutor,
-)
 from zephon.transport.failure import UnitFailure
 
 
@@ -34,15 +27,8 @@ class _Observer:
 
 
 def _make(runner: str, meter: StageMeter):
-    config = pool_config(RuntimeOptions(execution_tracking="stages"))
-    if runner == "inline":
-        return InlineExecutor(square_unit, meter=meter)
-    if runner == "threads":
-        return ThreadExecutor(square_unit, 2, meter=meter)
-    if runner == "process":
-        return ProcessExecutor(square_unit, 1, config=config, meter=meter)
-    return AdaptiveExecutor(square_unit, lambda n, m: ProcessExecutor(
-        square_unit, n, config=config, meter=m), meter=meter)
+    return make_executor(runner, square_unit, workers=2 if runner == "threads" else 1,
+                         meter=meter, tracking="stages")
 
 
 @pytest.mark.parametrize("runner", ["inline", "threads", "process", "adaptive"])
@@ -77,12 +63,7 @@ def _fails(payload):
 
 @pytest.mark.parametrize("runner", ["inline", "threads", "process"])
 def test_a_failed_unit_comes_back_as_its_failure_envelope(runner):
-    if runner == "inline":
-        ex = InlineExecutor(_fails)
-    elif runner == "threads":
-        ex = ThreadExecutor(_fails, 1)
-    else:
-        ex = ProcessExecutor(_fails, 1, config=pool_config(RuntimeOptions()))
+    ex = make_executor(runner, _fails)
     try:
         ex.submit(0, 5, "x")
         seq, result, _ = ex.get(0)

@@ -388,12 +388,6 @@ class Plan:
         return {s.runner for s in self.stages}
 
     @property
-    def modes(self) -> set[str]:
-        """What runs the stages: their modes (``"inline"``, ``"threads"``, ``"process"``,
-        ``"adaptive"``)."""
-        return {s.mode for s in self.stages}
-
-    @property
     def _arenas(self) -> bool:
         """Whether a stage is planned with the process runner's bounds (a worker arena:
         a process stage, or an adaptive one, which may move to process workers)."""

@@ -51,23 +51,22 @@ class StageMeter:
     - ``parked_op_s``: op seconds of units that came back from a pool parked by a move
       back inline (counted in ``op_s`` too; the controller subtracts them: the stage's
       busy fraction is its inline units' from the move on);
-    - ``blocked_s``, ``sent_bytes``: a process worker's seconds placing and sending
-      results, and the bytes it placed (execution tracking only);
     - ``profile``: ``(op seconds per input sample, output bytes per input sample)``, the
       dispatch's running estimate (None until known);
     - ``observer``: None, or the run statistics' recorder for this stage, called with
-      each recording (``ran(op_s, blocked_s, nbytes)``) and each worker event
+      each recording (``ran(op_s, blocked_s, nbytes)``: a process worker's seconds
+      placing and sending the result and the bytes it placed, which only the
+      statistics read, so the meter passes them on without keeping them) and each worker event
       (``event(kind, worker)``, kind ``"start"``, ``"stop"`` or ``"restart"``).
     """
 
-    __slots__ = ("_lock", "blocked_s", "demand_s", "demand_units", "observer", "op_s",
-                 "parked_op_s", "profile", "sent_bytes", "units")
+    __slots__ = ("_lock", "demand_s", "demand_units", "observer", "op_s", "parked_op_s",
+                 "profile", "units")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.units = self.demand_units = 0
-        self.op_s = self.demand_s = self.parked_op_s = self.blocked_s = 0.0
-        self.sent_bytes = 0
+        self.op_s = self.demand_s = self.parked_op_s = 0.0
         self.profile: tuple[float | None, float | None] | None = None
         self.observer: Any = None
 
@@ -82,8 +81,6 @@ class StageMeter:
                 self.demand_units += 1
             if parked:
                 self.parked_op_s += op_s
-            self.blocked_s += blocked_s
-            self.sent_bytes += nbytes
         observer = self.observer
         if observer is not None:
             observer.ran(op_s, blocked_s, nbytes)
