@@ -207,10 +207,11 @@ def run_stall(tmp_path, runner: str, leave: str, *, opts: str = "", stall_s: flo
     loop, body = STALL_LEAVE[leave]
     options = ", ".join(x for x in (STALL_RUNNERS[runner], opts) if x)
     path.write_text(STALL_SCRIPT.format(tests=TESTS, opts=options, loop=loop, leave=body))
-    env = dict(os.environ, ZEPHON_TEST_DIR=str(tmp_path), ZEPHON_STALL_S=str(stall_s))
+    env = dict(os.environ, ZEPHON_TEST_DIR=str(tmp_path), ZEPHON_STALL_S=str(stall_s),
+               PYTHONFAULTHANDLER="1")  # a crash of the script says where
     proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
-    report, since_signal = None, None
+    report, since_signal, line, err = None, None, "", ""
     try:
         line = proc.stdout.readline()
         if leave == "sigint" and line.startswith("READY"):
@@ -228,7 +229,8 @@ def run_stall(tmp_path, runner: str, leave: str, *, opts: str = "", stall_s: flo
         for pid in (report or {}).get("pids", []):
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    assert report is not None, err
+    assert report is not None, (f"exit status {proc.returncode}, first line {line!r}, "
+                                f"stderr: {err}")
     return report, err, since_signal
 
 
