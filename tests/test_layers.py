@@ -66,8 +66,9 @@ PIPELINE_ALLOWED = {
     "plan": {"ops", "lanes", "dispatch", "spec", "fingerprint"},
     "carry": {"records", "ops", "lanes", "plan"},
     "program": {"records", "ops", "lanes", "columnar", "sources", "collate"},
+    "keep": set(),  # a pipeline's process pools kept between its runs
     "engine": {"records", "ops", "lanes", "dispatch", "plan", "carry", "program", "stats",
-               "autotune"},
+               "autotune", "keep"},
     "text": {"records", "ops"},
     "training": {"records"},
 }

@@ -214,6 +214,32 @@ class RuntimeOptions(OptionsBase):
             "Every child is reaped either way. A thread-runner op cannot be stopped: "
             "close() never waits for it.",
     )
+    persistent_workers: bool = option(
+        True, check=Bool(),
+        doc="Keep a pipeline's process workers (and its MTP subprocess) up after a "
+            "completed pass, for the next iter() to reuse when its stages are the same "
+            "(torch's persistent_workers=True): the next epoch starts without spawning. "
+            "They stop at close(), when the pipeline is garbage collected, at interpreter "
+            "exit, after persistent_workers_idle_s idle, or when a run ends early (break, "
+            "an error, Ctrl-C). False stops them at the end of every pass.",
+    )
+    persistent_workers_idle_s: float | None = option(
+        300.0, check=Float(min=0.0, exclusive_min=True, max=MAX_SECONDS, optional=True),
+        doc="Seconds kept workers may wait for the next pass before they are stopped "
+            "(the next pass then starts new ones); None = until close(), garbage "
+            "collection or exit.",
+    )
+    seed_global_rngs: str = option(
+        "auto", check=Str(choices=("auto", "all", "off")),
+        doc="Seed the global generators third-party transforms draw from (torch's default "
+            "generator, NumPy's legacy np.random, Python's random) from the sample's "
+            "identity before every call of a map or filter op, as ctx.rng is, and give "
+            "the consumer's own states back afterwards: torchvision's and albumentations' "
+            "random transforms then give the same stream on every runner. auto: the ops "
+            "validation saw drawing from them; all: every map and filter op (for ops that "
+            "draw only on some samples, or with auto_validation='off'); off: none (a draw "
+            "is then validation error Z002).",
+    )
     auto_validation: str = option(
         "strict", check=Str(choices=("strict", "warn", "off")),
         doc="Checks on user ops before iteration: strict raises ValidationError, warn "

@@ -71,6 +71,7 @@ from zephon.options.metrics import effective_tracking
 from zephon.pipeline.autotune import Controller
 from zephon.pipeline.carry import Rebuilder, carry_bounds, decode_carry, encode_carry, held_units
 from zephon.pipeline.dispatch import ordered_map
+from zephon.pipeline.keep import WorkerKeep
 from zephon.pipeline.lanes import ReadUnit, batched_units, grouped_units, lane_units
 from zephon.pipeline.ops import CarryingAccumulator, SerialOp
 from zephon.pipeline.ops.base import made_lineage, pos_lineage
@@ -266,11 +267,16 @@ class Engine:
     """Runs a plan for this rank's lanes from the given delivered lane states."""
 
     def __init__(self, plan: Plan, states: dict[int, tuple], start_epoch: int = 0,
-                 tuned: dict[int, tuple[int, float | None]] | None = None) -> None:
+                 tuned: dict[int, tuple[int, float | None]] | None = None,
+                 keep: WorkerKeep | None = None) -> None:
         """``tuned``: where the pipeline's previous autotune run left its stages (stage ->
         (workers, 0: inline; op seconds per source sample read)), where this run's
-        controller starts (:meth:`Controller.resume_point`)."""
+        controller starts (:meth:`Controller.resume_point`). ``keep``: the pipeline's
+        kept workers (:mod:`zephon.pipeline.keep`): a process stage takes its pool from
+        there when the previous run left one, and :meth:`close` with ``park=True`` leaves
+        this run's there."""
         self.plan, self.states = plan, dict(states)
+        self.keep = keep if plan.opts.persistent_workers else None
         #: lanes whose last unit of the run has been handed to their chain
         self._issued: set[int] = set()
         #: source samples of the units handed to the lanes' chains (counted only for the
@@ -346,6 +352,11 @@ class Engine:
         config = replace(self.pool_config, arena_bytes=stage.arena_bytes)
 
         def make(workers: int, meter: StageMeter) -> ProcessExecutor:
+            kept = self.keep.take(("stage", stage.index), self.plan.spec, o) \
+                if self.keep is not None else None
+            if kept is not None:
+                kept.adopt(meter, workers)
+                return kept
             return ProcessExecutor(program, workers, config=config, name=name,
                                    max_retries=o.max_worker_retries,
                                    deterministic=o.deterministic, meter=meter)
@@ -563,15 +574,38 @@ class Engine:
             return 0
         return state[0] if is_ended(state) else state[self._total_at]
 
-    def close(self) -> None:
+    def close(self, park: bool = False) -> None:
         """Stop the controller, the statistics and every executor (its workers): all of
-        them, even when a Ctrl-C cuts one short (see :func:`stop_each`)."""
+        them, even when a Ctrl-C cuts one short (see :func:`stop_each`). ``park`` (the
+        run completed its pass, with ``persistent_workers``): the process pools that can
+        serve another run go to the pipeline's keep instead of stopping."""
+        steps = [s.close for s in (self.tuner, self.stats) if s is not None]
+        if park and self.keep is not None:  # once the controller has read its stages
+            steps.append(self._park)
+        stop_each([*steps, self._close_executors])
+
+    def _close_executors(self) -> None:
         # forgotten only once all are closed: a Ctrl-C landing before one was (it is
         # raised at the next call) leaves them to the next close() (each is idempotent)
-        executors = list(self.executors.values())
-        stop_each([s.close for s in (self.tuner, self.stats) if s is not None] +
-                  [functools.partial(_close_executor, ex) for ex in executors])
+        stop_each([functools.partial(_close_executor, ex) for ex in self.executors.values()])
         self.executors = {}
+
+
+    def _park(self) -> None:
+        """Hand every pool that can serve another run to the keep (its executor leaves
+        this engine; an adaptive stage keeps its inline part, closed as usual)."""
+        o, keep = self.plan.opts, self.keep
+        assert keep is not None
+        for index, ex in list(self.executors.items()):
+            pool = None
+            if isinstance(ex, ProcessExecutor) and ex.keepable():
+                pool = ex
+                del self.executors[index]
+            elif isinstance(ex, AdaptiveExecutor):
+                pool = ex.detach()
+            if pool is not None:
+                keep.park(("stage", index), pool, self.plan.spec, o,
+                          o.persistent_workers_idle_s)
 
 
 def _close_executor(ex) -> None:

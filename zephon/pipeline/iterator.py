@@ -80,6 +80,7 @@ from zephon.errors import IteratorClosedError
 from zephon.options import resolve_mtp_prefetch
 from zephon.pipeline.dispatch import approx_nbytes
 from zephon.pipeline.engine import NOTHING, Engine, mtp_pool, stop_each
+from zephon.pipeline.keep import WorkerKeep
 from zephon.pipeline.plan import Plan
 from zephon.pipeline.progress import Progress, RunRecord
 from zephon.pipeline.spec import PipelineSpec
@@ -283,16 +284,35 @@ def _pump(source, out: Handoff, nice: int = 0, sized: bool = False) -> None:
 
 
 class _EngineFactory:
-    """What the MTP subprocess runs: the same spec planned there under the same options
-    (MTP off), its engine in-process there."""
+    """What the MTP subprocess runs: the same spec planned there (once) under the same
+    options (MTP off), a run's engine in-process there, from ``(states, start_epoch)``.
+    The subprocess lives as long as the consumer keeps it (persistent workers): its
+    engines' process pools are kept between its runs in a keep of its own, stopped
+    with the factory (:meth:`close`, when the subprocess stops)."""
 
-    def __init__(self, spec: PipelineSpec, opts, start_epoch: int = 0) -> None:
-        self.spec, self.opts, self.start_epoch = spec, opts, start_epoch
+    def __init__(self, spec: PipelineSpec, opts) -> None:
+        self.spec, self.opts = spec, opts
+        self._plan: Plan | None = None
+        self._keep: WorkerKeep | None = None
 
-    def __call__(self, states: dict):
-        plan = Plan(self.spec, self.opts.replace(mtp_mode=False))
-        engine = Engine(plan, {int(k): tuple(v) for k, v in states.items()}, self.start_epoch)
+    def __getstate__(self):
+        return {"spec": self.spec, "opts": self.opts}
+
+    def __setstate__(self, state) -> None:
+        self.__init__(state["spec"], state["opts"])  # type: ignore[misc]
+
+    def __call__(self, start: tuple[dict, int]):
+        states, start_epoch = start
+        if self._plan is None:
+            self._plan = Plan(self.spec, self.opts.replace(mtp_mode=False))
+            self._keep = WorkerKeep()
+        engine = Engine(self._plan, {int(k): tuple(v) for k, v in states.items()},
+                        start_epoch, keep=self._keep)
         return _ClosingItems(engine)
+
+    def close(self) -> None:
+        if self._keep is not None:
+            self._keep.close()
 
 
 class _ClosingItems:
@@ -305,8 +325,8 @@ class _ClosingItems:
     def __next__(self):
         return next(self.items)
 
-    def close(self) -> None:
-        self.engine.close()
+    def close(self, park: bool = False) -> None:
+        self.engine.close(park)
 
 
 class PipelineIterator:
@@ -373,17 +393,25 @@ class PipelineIterator:
         plan, opts = self.plan, self.plan.opts
         states = dict(self.record.states)
         self._lazy_pump = False
+        self._park = False
         if opts.mtp_mode:
             from zephon.runners.mtp import MtpSource
 
-            config, requests = mtp_pool(opts)
-            self.remote = MtpSource(_EngineFactory(plan.spec, opts, self.record.start_epoch),
-                                    states, config, requests)
+            start = (states, self.record.start_epoch)
+            keep = self.progress.keep if opts.persistent_workers else None
+            self.remote = keep.take(("mtp",), plan.spec, opts) if keep is not None else None
+            if self.remote is not None:
+                self.remote.start(start)
+            else:
+                config, requests = mtp_pool(opts)
+                self.remote = MtpSource(_EngineFactory(plan.spec, opts), start, config,
+                                        requests)
             self._source = self.remote.items()
             depth = resolve_mtp_prefetch(opts)
             threaded = depth > 0
         else:
-            self.engine = Engine(plan, states, self.record.start_epoch, self.progress.tuned)
+            self.engine = Engine(plan, states, self.record.start_epoch, self.progress.tuned,
+                                 self.progress.keep)
             self.record.stats = self.engine.stats
             self.record.autotune = self.engine.tuner
             self._source = self.engine.items()
@@ -439,6 +467,7 @@ class PipelineIterator:
                 self._refuse()
             return self.__next__()
         except StopIteration:
+            self._park = True  # a complete pass: its idle workers serve the next run
             self.close()
             self.record.finished = True
             self._finished()
@@ -731,14 +760,20 @@ class PipelineIterator:
     def _stop_engine(self) -> None:
         if self.engine is not None:
             try:
-                self.engine.close()
+                self.engine.close(park=self._park)
             finally:
                 if self.engine.tuner is not None:  # where the pipeline's next run starts
                     self.progress.tuned = self.engine.tuner.resume_point()
 
     def _stop_remote(self) -> None:
-        if self.remote is not None:
-            self.remote.close()
+        remote, opts = self.remote, self.plan.opts
+        if remote is None:
+            return
+        if self._park and opts.persistent_workers:
+            self.progress.keep.park(("mtp",), remote, self.plan.spec, opts,
+                                    opts.persistent_workers_idle_s)
+        else:
+            remote.close()
 
     def _join_pump(self) -> None:
         thread, self.thread = self.thread, None

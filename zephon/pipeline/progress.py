@@ -1,7 +1,7 @@
 """``Progress``: what a pipeline remembers of its runs, the one mutable part of a Pipeline.
 
 A :class:`~zephon.pipeline.Pipeline` is an immutable definition and a
-:class:`~zephon.pipeline.iterator.PipelineIterator` owns one run. Four things
+:class:`~zephon.pipeline.iterator.PipelineIterator` owns one run. Five things
 outlive a run and belong to no single iterator, so they live here, and only here:
 
 - **where the next run starts** (the rule of :mod:`zephon.pipeline.pipeline`: a
@@ -18,7 +18,12 @@ outlive a run and belong to no single iterator, so they live here, and only here
   inline) and the op seconds per source sample the latest run's autotune controller
   left it with (its resume point: a change still on trial counts as not made),
   written when that run closes; the next run's controller starts there
-  (:mod:`zephon.pipeline.autotune`). Performance only: the stream never depends on it.
+  (:mod:`zephon.pipeline.autotune`). Performance only: the stream never depends on it;
+- **the kept workers**: ``keep``, the :class:`~zephon.pipeline.keep.WorkerKeep` where a
+  run that completed its pass leaves its process workers for the next run
+  (``RuntimeOptions.persistent_workers``); stopped by :meth:`Progress.close_runs`
+  (``pipe.close()``), when the Progress is garbage collected, after the idle timeout,
+  and at exit. Performance only, like ``tuned``.
 
 A :class:`RunRecord` is a run's own state (delivered lane states, the epoch it
 started at, whether it reached the end of its pass, its statistics, its MTP final
@@ -45,6 +50,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Protocol
 
+from zephon.pipeline.keep import WorkerKeep
 from zephon.pipeline.state import RunStart, local_state, settle
 
 __all__ = ["LiveRun", "Progress", "RunRecord"]
@@ -102,9 +108,11 @@ class Progress:
         latest: the :class:`RunRecord` the next run continues from.
         rounds: the multi-rank checkpoint rounds taken so far.
         tuned: where the latest autotune run left its stages, or None.
+        keep: the process workers kept for the next run (:mod:`zephon.pipeline.keep`).
     """
 
-    __slots__ = ("_latest_run", "_restart", "_runs", "latest", "rounds", "tuned")
+    __slots__ = ("__weakref__", "_latest_run", "_restart", "_runs", "keep", "latest",
+                 "rounds", "tuned")
 
     def __init__(self) -> None:
         self.latest = RunRecord()
@@ -116,6 +124,8 @@ class Progress:
         self._latest_run: weakref.ref | None = None  # the run writing ``latest``
         #: the callback that restarts the latest run (a bound method of it, held weakly)
         self._restart: weakref.WeakMethod | None = None
+        #: the process workers a completed run left for the next one
+        self.keep = WorkerKeep().bind(self)
 
     def __reduce__(self):
         return (Progress, ())
@@ -154,12 +164,15 @@ class Progress:
         self.latest, self._latest_run, self._restart = RunRecord(start), None, None
 
     def close_runs(self) -> None:
-        """Close every run still going."""
+        """Close every run still going, and stop the workers kept for the next one."""
         runs, self._runs = self._runs, []
-        for ref in runs:
-            it = ref()
-            if it is not None:
-                it.close()
+        try:
+            for ref in runs:
+                it = ref()
+                if it is not None:
+                    it.close()
+        finally:
+            self.keep.close()
 
     def exchange(self, plan, record: RunRecord,
                  states: dict[int, tuple] | None = None) -> bytes:

@@ -461,6 +461,33 @@ class ProcessExecutor:
         self.pool.close()
         _stopped(self)
 
+    def adopt(self, meter: StageMeter, workers: int) -> None:
+        """Serve a new run of the same stage program with the pool as it is (workers kept
+        from the previous run, :mod:`zephon.pipeline.keep`): the run's ``meter`` from
+        now on, crash retries counted afresh, grown or shrunk to ``workers``.
+
+        Raises:
+            TransportError: the executor is not idle (a kept pool always is).
+        """
+        if not self.idle:
+            raise TransportError(f"stage {self.name!r}: a pool with work in flight cannot "
+                                 "serve another run")
+        self.meter, self.parked, self._stopped = meter, False, False
+        self._retries.clear()
+        self._done.clear()
+        while self.workers < workers:
+            self.grow()
+        while self.workers > max(1, workers):
+            before = self.workers
+            self.shrink()
+            if self.workers == before:
+                break
+
+    def keepable(self) -> bool:
+        """Whether the pool can serve another run: idle, not stopped, every worker up."""
+        return self.idle and not self._stopped and self.pool._ready and \
+            self.pool.booting == 0 and self.pool.all_running()
+
 
 class AdaptiveExecutor:
     """An adaptive stage: inline until moved to process workers, and back (see the module
@@ -744,6 +771,16 @@ class AdaptiveExecutor:
         self._in_process = False
         if proc is not None:
             self._close(proc)
+
+    def detach(self) -> ProcessExecutor | None:
+        """The stage's pool, taken out for the next run to reuse, when the stage runs on
+        it and it can serve another run (:meth:`ProcessExecutor.keepable`); None
+        otherwise (then :meth:`close` stops it)."""
+        proc = self._proc
+        if proc is None or not self._in_process or not proc.keepable():
+            return None
+        self._proc, self._in_process = None, False
+        return proc
 
     def pids(self) -> list[int]:
         """The process ids of the pool's workers (booting, in service or parked)."""

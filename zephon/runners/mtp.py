@@ -1,8 +1,9 @@
 """MTP mode: the whole engine in a non-daemon spawn subprocess.
 
 The consumer process keeps only a one-worker :class:`~zephon.transport.WorkerPool`
-whose handler owns the engine (built by a picklable ``factory(states)`` that
-returns an iterator of ``(item, position)``). The parent asks for items one
+whose handler owns the engine (built by a picklable ``factory(start)`` that
+returns an iterator of ``(item, position)``; ``start``: the run's lane states and first
+epoch). The parent asks for items one
 request per item, with up to ``mtp_buffer`` requests in flight on a channel of
 ``mtp_buffer_bytes``; batches come back through the subprocess's shared-memory
 arena as zero-copy views. The subprocess may start worker pools of its own
@@ -27,30 +28,47 @@ __all__ = ["MtpHandler", "MtpSource"]
 class MtpHandler:
     """Runs in the MTP subprocess: ``("start", states)``, ``("next", None)``."""
 
-    def __init__(self, factory: Callable[[dict], Iterator]) -> None:
+    def __init__(self, factory: Callable[[Any], Iterator]) -> None:
         self.factory = factory
         self.iterator: Iterator | None = None
+        self.ended = False  # the run's stream ended: every later 'next' answers None
 
     def __call__(self, message):
         op, arg = message
         if op == "start":
-            self.close()
-            self.iterator = self.factory(arg)
+            self._stop_run()
+            self.iterator, self.ended = self.factory(arg), False
             return True
         if op == "next":
+            if self.ended:
+                return None
             if self.iterator is None:
                 raise ValueError("MTP request 'next' before 'start'")
             try:
                 return next(self.iterator)
             except StopIteration:
+                self._stop_run(park=True)  # a complete pass: its pools serve the next run
+                self.ended = True
                 return None
         raise ValueError(f"unknown MTP request {op!r}")
 
+    def _stop_run(self, park: bool = False) -> None:
+        iterator, self.iterator = self.iterator, None
+        if iterator is None:
+            return
+        if park:
+            iterator.close(park=True)  # type: ignore[attr-defined]
+        else:
+            getattr(iterator, "close", lambda: None)()
+
     def close(self) -> None:
-        closer = getattr(self.iterator, "close", None)
-        if closer is not None:
-            closer()
-        self.iterator = None
+        """The subprocess stops: its run, then what the factory keeps (its pools)."""
+        try:
+            self._stop_run()
+        finally:
+            closer = getattr(self.factory, "close", None)
+            if closer is not None:
+                closer()
 
 
 class MtpSource:
@@ -59,14 +77,23 @@ class MtpSource:
     ``depth``: the requests in flight (``mtp_buffer``), both resolved by the pipeline
     (:func:`zephon.pipeline.engine.mtp_pool`)."""
 
-    def __init__(self, factory: Callable[[dict], Iterator], states: dict,
+    def __init__(self, factory: Callable[[Any], Iterator], start: Any,
                  config: PoolConfig, depth: int) -> None:
         self.depth = depth
         self.pool = WorkerPool(MtpHandler(factory), 1, config=config, name="mtp",
                                daemon=False)
         self.pool.start()
-        self.pool.submit(("start", states))
+        self.start(start)
+
+    def start(self, start: Any) -> None:
+        """Start a run in the subprocess: ``factory(start)`` there (the subprocess is
+        reused across runs when the pipeline keeps it: persistent workers)."""
+        self.pool.submit(("start", start))
         self.pool.get()
+
+    def keepable(self) -> bool:
+        """Whether the subprocess can serve another run (it is running)."""
+        return self.pool.all_running()
 
     def items(self) -> Iterator[Any]:
         inflight = 0

@@ -377,6 +377,12 @@ class WorkerPool:
         signal), as the death watch saw it, even while nobody is in ``get()``."""
         return cast("dict[int, int | None]", self._deaths.crashed())
 
+    def all_running(self) -> bool:
+        """Whether the pool is open and every worker in service (not retiring) is running:
+        none died, not even one the pool has not noticed yet."""
+        return not self._closed and all(
+            h.child.exitcode is None for h in self.workers if h.alive and not h.retiring)
+
     def wait_for_exit(self, timeout: float | None = None) -> dict[int, int | None]:
         """Block until some worker has died by itself (or ``timeout``); returns ``exited``."""
         self._deaths.wait(timeout)
