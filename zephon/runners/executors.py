@@ -484,9 +484,9 @@ class ProcessExecutor:
                 break
 
     def keepable(self) -> bool:
-        """Whether the pool can serve another run: idle, not stopped, every worker up."""
-        return self.idle and not self._stopped and self.pool._ready and \
-            self.pool.booting == 0 and self.pool.all_running()
+        """Whether the pool can serve another run: idle, not stopped, no worker dead
+        (some may still be booting: they come into service in the next run)."""
+        return self.idle and not self._stopped and self.pool.all_running()
 
 
 class AdaptiveExecutor:
@@ -774,10 +774,12 @@ class AdaptiveExecutor:
 
     def detach(self) -> ProcessExecutor | None:
         """The stage's pool, taken out for the next run to reuse, when the stage runs on
-        it and it can serve another run (:meth:`ProcessExecutor.keepable`); None
-        otherwise (then :meth:`close` stops it)."""
+        it (or is moving to it) and it can serve another run
+        (:meth:`ProcessExecutor.keepable`); None otherwise (then :meth:`close` stops it). A move still booting is kept too: the
+        next run, which starts where this one left the stage, takes it up."""
         proc = self._proc
-        if proc is None or not self._in_process or not proc.keepable():
+        moving = self.moving_to is not None
+        if proc is None or not (self._in_process or moving) or not proc.keepable():
             return None
         self._proc, self._in_process = None, False
         return proc
