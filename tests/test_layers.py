@@ -61,11 +61,12 @@ PIPELINE_ALLOWED = {
     "lanes": {"records", "shards"},
     "columnar": {"records", "collate", "sources"},
     "dispatch": {"records", "lanes"},
-    "validate": {"ops"},
+    "rngs": set(),  # the global generators seeded per op call
+    "validate": {"ops", "rngs"},
     "spec": {"ops", "shards", "sources"},  # the frozen definition a plan is made from
     "plan": {"ops", "lanes", "dispatch", "spec", "fingerprint"},
     "carry": {"records", "ops", "lanes", "plan"},
-    "program": {"records", "ops", "lanes", "columnar", "sources", "collate"},
+    "program": {"records", "ops", "lanes", "columnar", "sources", "collate", "rngs"},
     "keep": set(),  # a pipeline's process pools kept between its runs
     "engine": {"records", "ops", "lanes", "dispatch", "plan", "carry", "program", "stats",
                "autotune", "keep"},

@@ -209,8 +209,9 @@ def test_a_deterministic_map_returning_tensors_passes_strict_validation():
 
 
 def test_a_nondeterministic_tensor_map_is_still_caught():
+    # torch's global RNG left unseeded (seeded per call, the default, it is exact)
     pipe = Pipeline(sources.from_callable(20, F.make_sample), seed=3).map(T.noisy_tensor) \
-        .options(RuntimeOptions(auto_validation="strict"))
+        .options(RuntimeOptions(auto_validation="strict", seed_global_rngs="off"))
     with pytest.raises(ValidationError, match="Z002"):
         list(pipe)
 

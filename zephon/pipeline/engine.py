@@ -263,19 +263,29 @@ def _open(op: SerialOp, seed: int, lane: int, marker: Boundary, tracks: bool,
     return state
 
 
+def stage_rngs(plan: Plan, seeded: tuple) -> list[list[frozenset[str]]]:
+    """Per stage, per op, the global generators seeded before each call (``seeded`` is
+    per op of the spec)."""
+    decided = {id(op): which for op, which in zip(plan.spec.ops, seeded, strict=True)}
+    return [[decided.get(id(op), frozenset()) for op in s.ops] for s in plan.stages]
+
+
 class Engine:
     """Runs a plan for this rank's lanes from the given delivered lane states."""
 
     def __init__(self, plan: Plan, states: dict[int, tuple], start_epoch: int = 0,
                  tuned: dict[int, tuple[int, float | None]] | None = None,
-                 keep: WorkerKeep | None = None) -> None:
+                 keep: WorkerKeep | None = None,
+                 seeded: tuple[frozenset[str], ...] | None = None) -> None:
         """``tuned``: where the pipeline's previous autotune run left its stages (stage ->
         (workers, 0: inline; op seconds per source sample read)), where this run's
         controller starts (:meth:`Controller.resume_point`). ``keep``: the pipeline's
         kept workers (:mod:`zephon.pipeline.keep`): a process stage takes its pool from
         there when the previous run left one, and :meth:`close` with ``park=True`` leaves
-        this run's there."""
+        this run's there. ``seeded``: per op of the spec, the global generators seeded
+        before each of its calls (validation's decision for the run; None: none)."""
         self.plan, self.states = plan, dict(states)
+        self.seeded = seeded or tuple(frozenset() for _ in plan.spec.ops)
         self.keep = keep if plan.opts.persistent_workers else None
         #: lanes whose last unit of the run has been handed to their chain
         self._issued: set[int] = set()
@@ -292,7 +302,8 @@ class Engine:
             p.source, [list(s.ops) for s in plan.stages], p.seed,
             [s.collates for s in plan.stages],
             collate_fn=plan.fused_batch and plan.fused_batch.collate_fn,
-            worker_compute_threads=o.worker_compute_threads)
+            worker_compute_threads=o.worker_compute_threads,
+            global_rngs=stage_rngs(plan, self.seeded))
         #: the transport's configuration, resolved from the options once for the run
         self.pool_config = pool_config(o)
         self.executors: dict[int, StageExecutor] = {}
@@ -352,7 +363,7 @@ class Engine:
         config = replace(self.pool_config, arena_bytes=stage.arena_bytes)
 
         def make(workers: int, meter: StageMeter) -> ProcessExecutor:
-            kept = self.keep.take(("stage", stage.index), self.plan.spec, o) \
+            kept = self.keep.take(("stage", stage.index), self.plan.spec, self._made_for) \
                 if self.keep is not None else None
             if kept is not None:
                 kept.adopt(meter, workers)
@@ -591,6 +602,12 @@ class Engine:
         self.executors = {}
 
 
+    @property
+    def _made_for(self) -> tuple:
+        """What a kept pool's stage program depends on besides the spec: the options and
+        the generators seeded per op."""
+        return self.plan.opts, self.seeded
+
     def _park(self) -> None:
         """Hand every pool that can serve another run to the keep (its executor leaves
         this engine; an adaptive stage keeps its inline part, closed as usual)."""
@@ -604,7 +621,7 @@ class Engine:
             elif isinstance(ex, AdaptiveExecutor):
                 pool = ex.detach()
             if pool is not None:
-                keep.park(("stage", index), pool, self.plan.spec, o,
+                keep.park(("stage", index), pool, self.plan.spec, self._made_for,
                           o.persistent_workers_idle_s)
 
 

@@ -78,6 +78,7 @@ from typing import Any, NoReturn
 from zephon.checkpoint import decode_state, encode_state
 from zephon.errors import IteratorClosedError
 from zephon.options import resolve_mtp_prefetch
+from zephon.pipeline import rngs
 from zephon.pipeline.dispatch import approx_nbytes
 from zephon.pipeline.engine import NOTHING, Engine, mtp_pool, stop_each
 from zephon.pipeline.keep import WorkerKeep
@@ -85,7 +86,7 @@ from zephon.pipeline.plan import Plan
 from zephon.pipeline.progress import Progress, RunRecord
 from zephon.pipeline.spec import PipelineSpec
 from zephon.pipeline.state import RunStart, check_run, rank_state
-from zephon.pipeline.validate import validate
+from zephon.pipeline.validate import Seeded, validate
 from zephon.transport.supervisor import InterruptGuard
 
 __all__ = ["Handoff", "HandoffClosed", "PipelineIterator"]
@@ -290,24 +291,26 @@ class _EngineFactory:
     engines' process pools are kept between its runs in a keep of its own, stopped
     with the factory (:meth:`close`, when the subprocess stops)."""
 
-    def __init__(self, spec: PipelineSpec, opts) -> None:
-        self.spec, self.opts = spec, opts
+    def __init__(self, spec: PipelineSpec, opts,
+                 global_rngs: tuple[frozenset[str], ...]) -> None:
+        self.spec, self.opts, self.global_rngs = spec, opts, global_rngs
         self._plan: Plan | None = None
         self._keep: WorkerKeep | None = None
 
     def __getstate__(self):
-        return {"spec": self.spec, "opts": self.opts}
+        return {"spec": self.spec, "opts": self.opts, "global_rngs": self.global_rngs}
 
     def __setstate__(self, state) -> None:
-        self.__init__(state["spec"], state["opts"])  # type: ignore[misc]
+        self.__init__(state["spec"], state["opts"], state["global_rngs"])  # type: ignore[misc]
 
     def __call__(self, start: tuple[dict, int]):
         states, start_epoch = start
         if self._plan is None:
+            rngs.own_process()  # its seeded calls only seed: it runs nothing else
             self._plan = Plan(self.spec, self.opts.replace(mtp_mode=False))
             self._keep = WorkerKeep()
         engine = Engine(self._plan, {int(k): tuple(v) for k, v in states.items()},
-                        start_epoch, keep=self._keep)
+                        start_epoch, keep=self._keep, seeded=self.global_rngs)
         return _ClosingItems(engine)
 
     def close(self) -> None:
@@ -368,8 +371,12 @@ class PipelineIterator:
         [1, 2, 3, 4]
     """
 
-    def __init__(self, plan: Plan, start: RunStart, progress: Progress) -> None:
+    def __init__(self, plan: Plan, start: RunStart, progress: Progress,
+                 seeded: Seeded | None = None) -> None:
         self.plan, self.progress = plan, progress
+        #: per op of the spec, the global generators seeded before each call (validation's
+        #: decision for the run, :func:`~zephon.pipeline.validate.decide_global_rngs`)
+        self.seeded: Seeded = seeded or tuple(frozenset() for _ in plan.spec.ops)
         self.record = RunRecord(start)
         self.closed = False
         self.engine: Engine | None = None
@@ -382,7 +389,7 @@ class PipelineIterator:
         self._pid = os.getpid()  # the process that may stop the run (not a forked copy)
         self._start()
         try:  # workers are booting while the ops are checked on the first sample
-            validate(plan, "behaviour")
+            validate(plan, "behaviour", self.seeded)
         except BaseException:
             self.close()
             raise
@@ -399,19 +406,20 @@ class PipelineIterator:
 
             start = (states, self.record.start_epoch)
             keep = self.progress.keep if opts.persistent_workers else None
-            self.remote = keep.take(("mtp",), plan.spec, opts) if keep is not None else None
+            made_for = (opts, self.seeded)
+            self.remote = keep.take(("mtp",), plan.spec, made_for) if keep else None
             if self.remote is not None:
                 self.remote.start(start)
             else:
                 config, requests = mtp_pool(opts)
-                self.remote = MtpSource(_EngineFactory(plan.spec, opts), start, config,
-                                        requests)
+                self.remote = MtpSource(_EngineFactory(plan.spec, opts, self.seeded),
+                                        start, config, requests)
             self._source = self.remote.items()
             depth = resolve_mtp_prefetch(opts)
             threaded = depth > 0
         else:
             self.engine = Engine(plan, states, self.record.start_epoch, self.progress.tuned,
-                                 self.progress.keep)
+                                 self.progress.keep, self.seeded)
             self.record.stats = self.engine.stats
             self.record.autotune = self.engine.tuner
             self._source = self.engine.items()
@@ -770,7 +778,8 @@ class PipelineIterator:
         if remote is None:
             return
         if self._park and opts.persistent_workers:
-            self.progress.keep.park(("mtp",), remote, self.plan.spec, opts,
+            self.progress.keep.park(("mtp",), remote, self.plan.spec,
+                                    (opts, self.seeded),
                                     opts.persistent_workers_idle_s)
         else:
             remote.close()

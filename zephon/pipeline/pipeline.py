@@ -719,8 +719,9 @@ class Pipeline:
         """
         refuse_in_spawn_bootstrap("iterating a zephon Pipeline")
         plan = self.plan()
-        validate(plan, "pickle")  # before any worker process exists
-        return PipelineIterator(plan, self._progress.next_start(plan), self._progress)
+        seeded = validate(plan, "pickle")  # before any worker process exists
+        return PipelineIterator(plan, self._progress.next_start(plan), self._progress,
+                                seeded)
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next run at the beginning of ``epoch``.

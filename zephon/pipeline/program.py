@@ -27,10 +27,21 @@ way, at its first such record (:meth:`StageProgram.unencodable`, marked
 that name, for the process worker that unpickles the program: it limits the
 worker's numerical thread pools (:mod:`zephon.transport.threads`) before the
 first task.
+
+**Seeded ops** (``seed_global_rngs``, :mod:`zephon.pipeline.rngs`). The program is
+given the generators of each op (``global_rngs``, the plan's decision for the run). A unit of a stage without a seeded op runs
+the ops as they are; in a stage with one, each seeded op runs as a
+:class:`~zephon.pipeline.rngs.SeededOp` (its generators seeded from the sample's
+identity and the op's ordinal before each call, under the process's one lock), and
+where the unit runs decides how the process's own states are kept
+(:func:`~zephon.pipeline.rngs.placement`): not at all in a worker process (they are the
+worker's), saved once before the unit and restored once after it in the consumer's
+main thread, around each seeded call on any other thread of the consumer's process.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -42,6 +53,7 @@ from zephon.pipeline.columnar import BatchRun, sample_ids
 from zephon.pipeline.lanes import BatchGroup, ReadParts
 from zephon.pipeline.ops import FilterOp, make_batch
 from zephon.pipeline.records import Batch, Record
+from zephon.pipeline.rngs import CALL, UNIT, SeededOp, kept, placement
 from zephon.pipeline.sources.base import Source
 from zephon.transport.codec import find_unpicklable
 from zephon.transport.failure import UnitFailure, Unwind
@@ -114,12 +126,39 @@ class StageProgram:
 
     def __init__(self, source, stages: list[list], seed: int,
                  collates: list[bool] | None = None, collate_fn=None,
-                 worker_compute_threads: int = 0) -> None:
+                 worker_compute_threads: int = 0,
+                 global_rngs: list[list[frozenset[str]]] | None = None) -> None:
         self.source, self.stages, self.seed = source, stages, seed
         self.collates = collates or [False] * len(stages)
         self.collate_fn = collate_fn  # of the fused batch (None: the default collation)
         self.worker_compute_threads = worker_compute_threads
         self._stage = 0  # the stage of the unit run last (unencodable names its op)
+        #: the generators each op is seeded for (the plan's ``global_rngs``), per stage,
+        #: and the union over each stage's ops (empty: the stage runs its ops as they are)
+        self.global_rngs = global_rngs or [[frozenset() for _ in ops] for ops in stages]
+        self._stage_rngs = [frozenset().union(*rngs) for rngs in self.global_rngs]
+        self._home = os.getpid()  # a copy in another process is a worker's: its generators
+        #: each stage's ops with the seeded ones wrapped, by placement (made on first use)
+        self._seeded: dict[str, list[list]] = {}
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_seeded"] = {}  # made again where the copy runs
+        return state
+
+    def _seeded_ops(self, where: str) -> list[list]:
+        """Each stage's ops, a seeded one as a :class:`~zephon.pipeline.rngs.SeededOp`
+        for placement ``where`` (the ordinal counts the stateless ops of every stage in
+        chain order: the pipeline's per-sample ops)."""
+        made = self._seeded.get(where)
+        if made is None:
+            made, ordinal = [], 0
+            for ops, rngs in zip(self.stages, self.global_rngs, strict=True):
+                made.append([SeededOp(op, which, ordinal + i, where == CALL) if which else op
+                             for i, (op, which) in enumerate(zip(ops, rngs, strict=True))])
+                ordinal += len(ops)
+            self._seeded[where] = made
+        return made
 
     def unencodable(self, result, error: BaseException) -> UnitFailure | None:
         """The failure of a unit whose ``result`` a process worker cannot send (its
@@ -314,11 +353,20 @@ class StageProgram:
     def __call__(self, payload: tuple[int, Any]) -> list | UnitFailure:
         """The unit's records, or its :class:`~zephon.transport.failure.UnitFailure`."""
         try:
-            return self._unit(payload)
+            which = self._stage_rngs[payload[0]]
+            if not which:
+                return self._unit(payload, self.stages)
+            where = placement(self._home)
+            if where != UNIT:
+                return self._unit(payload, self._seeded_ops(where))
+            with kept(which):  # the consumer's states, given back once the unit is done
+                return self._unit(payload, self._seeded_ops(where))
         except Unwind as unwind:
             return unwind.failure
 
-    def _unit(self, payload: tuple[int, Any]) -> list:
+    def _unit(self, payload: tuple[int, Any], stages: list[list]) -> list:
+        """The unit's records, each stage's ops taken from ``stages`` (the program's own,
+        or with the seeded ones wrapped)."""
         stage, unit = payload
         self._stage = stage
         if isinstance(unit, BatchGroup):  # several micro-batches, each collated on its own
@@ -328,7 +376,7 @@ class StageProgram:
             out: list = []
             for member in unit.units:
                 try:
-                    out.extend(self._unit((stage, member)))
+                    out.extend(self._unit((stage, member), stages))
                 except Unwind as unwind:  # the whole batches before the failing one go on
                     raise Unwind(UnitFailure(unwind.failure.error, out)) from None
                 except TaskAbandoned:
@@ -343,7 +391,7 @@ class StageProgram:
         collator = self._collator(stage, unit)
         try:
             records = self.run_ops(self.read(unit) if stage == 0 else unit,
-                                   self.stages[stage], collator)
+                                   stages[stage], collator)
         except Unwind as unwind:
             if self.collates[stage]:  # the unit is one batch: no part of it goes on
                 unwind.failure.done = []

@@ -1,4 +1,5 @@
-"""Auto-validation of user ops before iteration (``auto_validation``).
+"""Auto-validation of user ops before iteration (``auto_validation``), and the choice of
+the ops whose calls the global generators are seeded for (``seed_global_rngs``).
 
 Checks, each with an error code, run on the first sample of the source:
 
@@ -6,14 +7,17 @@ Checks, each with an error code, run on the first sample of the source:
         process runner (or in MTP mode); an *adaptive* stage (autotune, no runner
         pinned) does not count: it stays inline instead;
 - Z002  a map/filter op is not deterministic: the same input twice gives
-        different outputs, or it drew from a global RNG (even when the two outputs
-        happened to match). The message names the global RNG the op drew from when
-        one of numpy's, the ``random`` module's or torch's changed state during
-        the calls, and the ways out: draw from ``ctx.rng`` (seeding a third-party
-        library from it, one line each), or ``auto_validation="off"``. Values are
-        compared bit for bit (arrays, tensors), element by element (object arrays,
-        containers), by ``==``, and by their pickles for objects that compare by
-        identity (no ``__eq__``), so only a real difference counts;
+        different outputs, seeded as the run seeds it, or it drew from a global
+        generator that is not seeded for it (even when the two outputs happened to
+        match). The message names the generator the op drew from when one of
+        numpy's, the ``random`` module's or torch's changed state during the calls,
+        and the ways out: ``seed_global_rngs`` (``"off"`` is the only mode where a draw
+        from them is left unseeded, save torch's under ``"all"`` when torch is imported
+        only by the op), ``ctx.rng``, or ``auto_validation="off"``. An op whose output
+        changes although its generators were seeded draws from randomness that cannot be
+        seeded (see below). Values are compared bit for bit (arrays, tensors), element by
+        element (object arrays, containers), by ``==``, and by their pickles for objects
+        that compare by identity (no ``__eq__``), so only a real difference counts;
 - Z003  a map/filter op mutates its input in place;
 - Z004  a map/filter op's output cannot be pickled (a lock, a generator, an open
         file) while a stage runs on the process runner (or in MTP mode; adaptive
@@ -28,6 +32,30 @@ Checks, each with an error code, run on the first sample of the source:
 ``strict`` raises :class:`~zephon.errors.ValidationError` listing every issue
 but the advisory ones (those are warned about, alone, when nothing else is
 wrong); ``warn`` reports them all with ``warnings.warn``; ``off`` skips all of this.
+
+**The global generators** (:mod:`zephon.pipeline.rngs`). The leading ``map`` and
+``filter`` ops (those that see the source's samples: up to the first other op) are
+probed on the first sample. ``validate(plan, "pickle")`` runs before any worker process
+exists; it decides, for every ``map`` and ``filter`` op, the generators seeded before
+each of its calls in this run, and returns them (one per op of the spec; the run hands
+them to its stage programs: ops are shared by the pipelines derived from one another,
+so the decision is never kept on an op):
+``seed_global_rngs="auto"`` runs each leading op once on the first sample with all
+three generators seeded and takes those whose state the call changed (nothing when
+``auto_validation="off"``: no op is probed; an op that is not a leading one, or that
+draws only on some samples, needs ``"all"``); ``"all"`` takes all three for every
+``map`` and ``filter`` (torch's only when torch is imported then); ``"off"`` none. The
+behaviour checks (``validate(plan, "behaviour")``, while workers boot) reuse that call
+as the first of the two they compare (one call per op in each phase). Every probe
+call seeds the generators as the run will (same identity, same op ordinal), and gives
+the consumer's own states back afterwards.
+
+So Z002 still refuses what seeding cannot make exact, as far as the first sample shows
+it: a generator the op makes without a seed (``np.random.default_rng()``,
+``random.Random()``, ``torch.Generator()``) or keeps between calls (made at import, or
+seeded once), ``os.urandom``, the clock, torch's CUDA generators: the two outputs
+differ. What no check on one sample can see, an op drawing on other samples only, is
+seeded under ``"all"`` and not under ``"auto"``.
 """
 
 from __future__ import annotations
@@ -35,17 +63,23 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-import random
 import sys
 import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from zephon.errors import ValidationError, ValidationIssue
+from zephon.pipeline import rngs
 from zephon.pipeline.ops import FilterOp, MapOp, OpContext
 from zephon.transport.codec import find_unpicklable
 
-__all__ = ["ADVISORY", "validate"]
+__all__ = ["ADVISORY", "Seeded", "decide_global_rngs", "validate"]
+
+#: per op of a spec, the global generators seeded before each of its calls in a run
+Seeded = tuple[frozenset[str], ...]
 
 #: Codes that are only ever warned about, even under ``strict``: the run is correct,
 #: only slower.
@@ -117,39 +151,49 @@ def _same_pickles(a, b) -> bool:
         return True
 
 
-def _global_rng_states() -> dict[str, object]:
-    """The state of each global RNG an op could draw from by mistake, by the name the
-    Z002 message gives it: numpy's, the ``random`` module's and (when imported) torch's."""
-    legacy = np.random.get_state(legacy=True)
-    assert isinstance(legacy, tuple)
-    states: dict[str, object] = {
-        "numpy's global RNG (np.random)": (legacy[1].tobytes(), *legacy[2:]),
-        "the random module's global RNG": random.getstate(),
-    }
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        states["torch's global RNG (torch.rand, torchvision's random transforms)"] = \
-            torch.random.get_rng_state().numpy().tobytes()
-    return states
+def _drawn_from(before: dict, after: dict) -> frozenset[str]:
+    """The generators whose state changed between snapshots ``before`` and ``after``
+    (:func:`~zephon.pipeline.rngs.snapshot`); torch's too when the call imported torch and
+    then drew from it."""
+    drew = {name for name, state in after.items() if name in before and before[name] != state}
+    if rngs.TORCH in after and rngs.TORCH not in before and \
+            after[rngs.TORCH] != rngs.torch_untouched():
+        drew.add(rngs.TORCH)
+    return frozenset(drew)
 
 
-def _drawn_from(before: dict, after: dict) -> list[str]:
-    """The global RNGs whose state changed between ``before`` and ``after``."""
-    return [name for name, state in after.items() if before.get(name, state) != state]
+def _labels(names) -> str:
+    return " and ".join(rngs.LABELS[n] for n in rngs.GENERATORS if n in names)
 
 
-#: Z002's ways out (``ctx`` is the op's second argument).
-WAYS_OUT = (
+#: the ways out through ``ctx`` (the op's second argument), for any randomness
+CTX_WAYS = (
     "take ctx as the op's second argument, fn(sample, ctx), and draw from ctx.rng (a "
     "NumPy Generator seeded by the sample identity) instead: numpy: ctx.rng.random() for "
     "np.random.random(); random: rnd = random.Random(int(ctx.rng.integers(2**63))); "
     "torch: g = torch.Generator().manual_seed(int(ctx.rng.integers(2**63))) passed as "
-    "generator=g, or, for a library that takes no generator (torchvision's random "
-    "transforms), torch.manual_seed(int(ctx.rng.integers(2**63))) before calling it (it "
-    "reseeds the global RNG of the process the op runs in: run the stage on the process "
-    "runner, whose workers own theirs, not inline or on threads). Or switch this check "
-    "off: RuntimeOptions(auto_validation='off') (or 'warn'); the stream is then not "
-    "reproducible")
+    "generator=g")
+#: and switching the check off
+CHECK_OFF = (
+    "Or switch this check off: RuntimeOptions(auto_validation='off') (or 'warn'); the "
+    "stream is then not reproducible")
+#: Z002's ways out for a draw from a global generator left unseeded.
+WAYS_OUT = (
+    "RuntimeOptions(seed_global_rngs='auto') (the default) seeds the global generators an "
+    "op is seen drawing from before each of its calls, from the sample's identity, on "
+    f"every runner ('all': for every map and filter); or {CTX_WAYS}. {CHECK_OFF}")
+#: ... under seed_global_rngs='all', where only torch's can be left unseeded
+WAYS_OUT_TORCH = (
+    "import torch before iterating: seed_global_rngs='all' seeds torch's generator only "
+    "when torch is imported when the run starts (or use seed_global_rngs='auto'); or "
+    f"{CTX_WAYS}. {CHECK_OFF}")
+#: Z002's ways out for randomness that seeding cannot reach.
+UNSEEDABLE = (
+    "it draws from randomness that cannot be seeded per call: a generator made without a "
+    "seed (np.random.default_rng(), random.Random(), torch.Generator()) or kept between "
+    "calls (made at import), os.urandom, the clock, or torch's CUDA generator")
+UNSEEDABLE_WAYS = (
+    f"make such a generator per call from ctx.rng: {CTX_WAYS}. {CHECK_OFF}")
 
 
 def _unimportable_main(obj) -> str | None:
@@ -168,8 +212,11 @@ def _unimportable_main(obj) -> str | None:
     return None
 
 
-def find_issues(plan, checks: str = "all") -> list[ValidationIssue]:
-    """``checks``: "pickle" (before workers start), "behaviour" (while they start), "all"."""
+def find_issues(plan, checks: str = "all",
+                seeded: Seeded | None = None) -> list[ValidationIssue]:
+    """``checks``: "pickle" (before workers start), "behaviour" (while they start), "all".
+    The behaviour checks seed each op's generators as ``seeded`` says (per op of the
+    spec, :func:`decide_global_rngs`; None: none)."""
     pipeline, opts = plan.spec, plan.opts
     issues: list[ValidationIssue] = []
     # an adaptive stage whose ops or samples do not pickle stays inline (its executor finds
@@ -179,7 +226,7 @@ def find_issues(plan, checks: str = "all") -> list[ValidationIssue]:
         issues.extend(_pickle_issues(pipeline))
     if len(pipeline.source) == 0 or checks == "pickle":
         return issues
-    issues.extend(_behaviour_issues(pipeline, needs_pickle))
+    issues.extend(_behaviour_issues(plan, seeded or _none(plan), needs_pickle))
     return issues
 
 
@@ -204,58 +251,144 @@ def _pickle_issues(pipeline) -> list[ValidationIssue]:
     return issues
 
 
-def _behaviour_issues(pipeline, needs_pickle: bool = False) -> list[ValidationIssue]:
-    """Z004 (output cannot be pickled, process runners), Z002 (not deterministic), Z005
-    (outputs share a buffer) and Z003 (mutates its input) for the leading per-sample ops,
-    probed on the first sample."""
-    issues: list[ValidationIssue] = []
+class _Call(NamedTuple):
+    """The first probe call of a leading op: its input (``sample``, and ``before``, a copy
+    to see whether the second call mutates it), its output and the generators it drew
+    from."""
+
+    op: Any
+    ordinal: int
+    sid: tuple
+    sample: Any
+    before: Any
+    first: Any
+    drew: frozenset[str]
+
+
+#: the first calls ``validate(plan, "pickle")`` made under seed_global_rngs="auto", for
+#: the behaviour checks of the same plan to reuse (taken once)
+_FIRST_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _leading(pipeline):
+    """``(ordinal, op)`` of the leading ``map`` and ``filter`` ops (they see raw samples;
+    their ordinal among the per-sample ops is their place in the pipeline)."""
+    for ordinal, op in enumerate(pipeline.ops):
+        if not isinstance(op, MapOp) or type(op) not in (MapOp, FilterOp):
+            return
+        yield ordinal, op
+
+
+def _call(op, value, sid, seed: int, ordinal: int, which: frozenset[str]) -> tuple:
+    """``(output, drew)``: ``op`` on ``value`` with the generators ``which`` seeded as the
+    run seeds them, and the generators the call drew from. The callers keep the
+    consumer's states around all of their calls (:func:`_kept`), not around each: two
+    calls drawing from a generator left unseeded draw different numbers, as two samples
+    of the run would."""
+    args = (value, OpContext(sid, seed)) if op.with_ctx else (value,)
+    with rngs.LOCK:
+        rngs.plant(which, rngs.global_seeds(seed, sid, ordinal))
+        marks = rngs.snapshot()
+        out = op.fn(*args)
+        return out, _drawn_from(marks, rngs.snapshot())
+
+
+def _kept():
+    """The consumer's states of the generators (torch's when torch is imported), given
+    back when the probes are done (a generator a probe imported keeps its state)."""
+    return rngs.kept(frozenset(g for g in rngs.GENERATORS
+                               if g != rngs.TORCH or rngs.TORCH in sys.modules))
+
+
+def _first_calls(pipeline, which: Callable[[Any], frozenset[str]]) -> list[_Call]:
+    """The first probe call of each leading op on the first sample (each op gets the
+    output of the one before it; a filter that drops it ends the walk), seeded for
+    ``which(op)``; the walk also ends at an op that raises, at an output that cannot be
+    pickled (nothing after it is judged) and at a sample that cannot be copied."""
+    with _kept():
+        return _walk(pipeline, which)
+
+
+def _walk(pipeline, which: Callable[[Any], frozenset[str]]) -> list[_Call]:
+    """:func:`_first_calls` without keeping the consumer's states."""
+    calls: list[_Call] = []
     try:
         sample = pipeline.source.get(0)
     except Exception:  # noqa: BLE001 - reading errors surface at run time, with the sample id
-        return issues
+        return calls
     name, index = pipeline.source.identity(0)
     sid = (name, index, 0)
-    for op in pipeline.ops:
-        if not isinstance(op, MapOp) or type(op) not in (MapOp, FilterOp):
-            break  # only the leading per-sample ops see raw samples
+    for ordinal, op in _leading(pipeline):
         try:
             before = copy.deepcopy(sample)
         except Exception:  # noqa: BLE001 - a sample that cannot be copied (a lock in it)
             break  # the checks need copies of it; inline and threads run it as it is
         try:
-            first, second, probe, drawn = _probe(op, sample, sid, pipeline.seed)
+            first, drew = _first_call(op, sample, sid, pipeline.seed, ordinal, which)
         except Exception:  # noqa: BLE001 - op errors surface at run time, with the sample id
             break
-        unpicklable = find_unpicklable(first, "output")
-        if unpicklable is not None:
-            if needs_pickle:
-                issues.append(ValidationIssue(
-                    "Z004", op.name, f"its output cannot be pickled for process workers: "
-                    f"{unpicklable[0]} ({unpicklable[1]}); return plain data (arrays, "
-                    "numbers, strings, containers of them), or use runner='threads'"))
+        calls.append(_Call(op, ordinal, sid, sample, before, first, drew))
+        if find_unpicklable(first, "output") is not None:
             break  # objects that do not pickle compare by identity: nothing more to judge
-        issues.extend(_output_issues(op, first, second, drawn))
-        if not _same(probe, before):
-            issues.append(ValidationIssue(
-                "Z003", op.name, "mutates its input in place; return a new value instead"))
         if isinstance(op, FilterOp):
             if not first:
                 break
             continue
         sample = first
+    return calls
+
+
+def _first_call(op, sample, sid, seed: int, ordinal: int,
+                which: Callable[[Any], frozenset[str]]) -> tuple:
+    """One probe call; made again when it imported torch (torch's generator could not be
+    seeded before it), so the output is the one the run gives."""
+    had_torch = rngs.TORCH in sys.modules
+    first, drew = _call(op, copy.deepcopy(sample), sid, seed, ordinal, which(op))
+    if not had_torch and rngs.TORCH in sys.modules and rngs.TORCH in which(op) | drew:
+        first, drew = _call(op, copy.deepcopy(sample), sid, seed, ordinal, which(op))
+    return first, drew
+
+
+def _behaviour_issues(plan, seeded: Seeded,
+                      needs_pickle: bool = False) -> list[ValidationIssue]:
+    """Z004 (output cannot be pickled, process runners), Z002 (not deterministic), Z005
+    (outputs share a buffer) and Z003 (mutates its input) for the leading per-sample ops,
+    probed on the first sample: a second call of each op, seeded as ``seeded`` says,
+    against its first (the pickle phase's, else made now)."""
+    with _kept():
+        calls = _FIRST_CALLS.pop(plan, None)
+        if calls is None:
+            calls = _walk(plan.spec, _seeded_for(plan, seeded))
+        return _second_calls(plan, seeded, calls, needs_pickle)
+
+
+def _second_calls(plan, seeded: Seeded, calls: list[_Call],
+                  needs_pickle: bool) -> list[ValidationIssue]:
+    """The issues of each first call in ``calls`` and of a second call of its op."""
+    pipeline, mode = plan.spec, plan.opts.seed_global_rngs
+    seeded_for = _seeded_for(plan, seeded)
+    issues: list[ValidationIssue] = []
+    for c in calls:
+        which = seeded_for(c.op)
+        unpicklable = find_unpicklable(c.first, "output")
+        if unpicklable is not None:
+            if needs_pickle:
+                issues.append(ValidationIssue(
+                    "Z004", c.op.name, f"its output cannot be pickled for process workers: "
+                    f"{unpicklable[0]} ({unpicklable[1]}); return plain data (arrays, "
+                    "numbers, strings, containers of them), or use runner='threads'"))
+            break
+        try:
+            probe = copy.deepcopy(c.sample)
+            second, drew = _call(c.op, probe, c.sid, pipeline.seed, c.ordinal, which)
+        except Exception:  # noqa: BLE001 - op errors surface at run time, with the sample id
+            break
+        unseeded = (c.drew | drew) - which
+        issues.extend(_output_issues(c.op, c.first, second, unseeded, which, mode))
+        if not _same(probe, c.before):
+            issues.append(ValidationIssue(
+                "Z003", c.op.name, "mutates its input in place; return a new value instead"))
     return issues
-
-
-def _probe(op, sample, sid, seed: int) -> tuple:
-    """``(first, second, probe, drawn)``: ``op`` run twice on copies of ``sample`` (the
-    second copy, ``probe``, kept to see whether it mutated it), and the global RNGs it
-    drew from meanwhile."""
-    args = (lambda s: (s, OpContext(sid, seed))) if op.with_ctx else (lambda s: (s,))
-    before = _global_rng_states()
-    first = op.fn(*args(copy.deepcopy(sample)))
-    probe = copy.deepcopy(sample)
-    second = op.fn(*args(probe))
-    return first, second, probe, _drawn_from(before, _global_rng_states())
 
 
 def _arrays(value, depth: int = 0, limit: int = 64) -> list[np.ndarray]:
@@ -274,23 +407,24 @@ def _arrays(value, depth: int = 0, limit: int = 64) -> list[np.ndarray]:
     return out
 
 
-def _output_issues(op, first, second, drawn: list[str]) -> list[ValidationIssue]:
+def _output_issues(op, first, second, unseeded: frozenset[str], seeded: frozenset[str],
+                   mode: str) -> list[ValidationIssue]:
     """Z002 and Z005 from two outputs of ``op`` for the same sample (each call got its
-    own copy of the sample, so memory the outputs share is the op's own; ``drawn``: the
-    global RNGs that changed state during the calls)."""
+    own copy of the sample, so memory the outputs share is the op's own; ``unseeded``:
+    the global generators that changed state during the calls without being seeded for
+    the op, ``seeded``: those seeded before each call)."""
     issues = []
+    ways = WAYS_OUT_TORCH if mode == "all" else WAYS_OUT
     if not _same(first, second):
-        cause = (f"it drew from {' and '.join(drawn)}" if drawn else
-                 "it draws from a global RNG (torch's, as torchvision's random transforms "
-                 "do, numpy's np.random, the random module's) or reads the clock")
         issues.append(ValidationIssue(
-            "Z002", op.name, f"not deterministic: its output changed between two runs on "
-            f"the same sample: {cause}. Ways out: {WAYS_OUT}"))
-    elif drawn:  # equal this time by chance (a flip with p=0.5): the stream still varies
+            "Z002", op.name, "not deterministic: its output changed between two runs on "
+            f"the same sample: {_cause(unseeded, seeded, mode)}"))
+    elif unseeded:  # equal this time by chance (a flip with p=0.5): the stream still varies
         issues.append(ValidationIssue(
-            "Z002", op.name, f"not deterministic: it drew from {' and '.join(drawn)} (its "
-            "two outputs on the same sample happened to match, but a draw changes the "
-            f"stream from one run to the next). Ways out: {WAYS_OUT}"))
+            "Z002", op.name, f"not deterministic: it drew from {_labels(unseeded)}, which "
+            f"seed_global_rngs={mode!r} does not seed for it (its two outputs on the same "
+            "sample happened to match, but a draw changes the stream from one run to the "
+            f"next). Ways out: {ways}"))
     if any(np.may_share_memory(a, b) for a in _arrays(first) for b in _arrays(second)):
         issues.append(ValidationIssue(
             "Z005", op.name, "returns arrays that share memory between outputs (a buffer "
@@ -300,11 +434,54 @@ def _output_issues(op, first, second, drawn: list[str]) -> list[ValidationIssue]
     return issues
 
 
-def validate(plan, checks: str = "all") -> None:
-    mode = plan.opts.auto_validation
-    if mode == "off":
-        return
-    issues = find_issues(plan, checks)
+def _cause(unseeded: frozenset[str], seeded: frozenset[str], mode: str) -> str:
+    """Why two outputs of an op differ, with the ways out."""
+    if unseeded:
+        return (f"it drew from {_labels(unseeded)}, which seed_global_rngs={mode!r} does "
+                f"not seed for it. Ways out: {WAYS_OUT_TORCH if mode == 'all' else WAYS_OUT}")
+    if seeded:
+        return (f"{_labels(seeded)} {'was' if len(seeded) == 1 else 'were'} seeded from "
+                f"the sample's identity before each call, so {UNSEEDABLE}. Ways out: "
+                f"{UNSEEDABLE_WAYS}")
+    return ("it draws from randomness nothing seeds for it: a global RNG under "
+            "seed_global_rngs='off' (torch's, as torchvision's random transforms do, "
+            "numpy's np.random, the random module's), a generator made without a seed or "
+            "kept between calls, os.urandom or the clock. Ways out: "
+            f"{WAYS_OUT}")
+
+
+def decide_global_rngs(plan) -> Seeded:
+    """Decide, for every ``map`` and ``filter`` op of ``plan``, the global generators seeded
+    before each of its calls in the run about to start (``plan.global_rngs``, see the
+    module docstring); under ``seed_global_rngs="auto"`` with validation on, this runs
+    each leading op once on the first sample (the behaviour checks reuse the call)."""
+    opts, pipeline = plan.opts, plan.spec
+    drew: dict[int, frozenset[str]] = {}
+    if opts.seed_global_rngs == "auto" and opts.auto_validation != "off" and \
+            len(pipeline.source) > 0:
+        # all three seeded (torch's as soon as it is imported, by the op's first call too)
+        calls = _first_calls(pipeline, lambda op: rngs.chosen("all", None))
+        _FIRST_CALLS[plan] = calls
+        for c in calls:
+            drew[id(c.op)] = drew.get(id(c.op), frozenset()) | c.drew
+    return tuple(
+        rngs.chosen(opts.seed_global_rngs, drew.get(id(op))) if type(op) in (MapOp, FilterOp)
+        else frozenset() for op in pipeline.ops)
+
+
+def _none(plan) -> Seeded:
+    """No op seeded."""
+    return tuple(frozenset() for _ in plan.spec.ops)
+
+
+def _seeded_for(plan, seeded: Seeded) -> Callable[[Any], frozenset[str]]:
+    """``op -> the generators seeded for it`` (``seeded``: per op of the spec)."""
+    decided = {id(op): which for op, which in zip(plan.spec.ops, seeded, strict=True)}
+    return lambda op: decided.get(id(op), frozenset())
+
+
+def _report(mode: str, issues: list[ValidationIssue]) -> None:
+    """Raise (``strict``) or warn about ``issues`` (advisory ones are only warned about)."""
     errors = [i for i in issues if i.code not in ADVISORY]
     if mode == "strict" and errors:
         raise ValidationError(errors)
@@ -312,3 +489,27 @@ def validate(plan, checks: str = "all") -> None:
         issues = [i for i in issues if i.code in ADVISORY]
     if issues:
         warnings.warn(str(ValidationError(issues)), RuntimeWarning, stacklevel=4)
+
+
+def validate(plan, checks: str = "all", seeded: Seeded | None = None) -> Seeded:
+    """The checks ``checks`` ("pickle", "behaviour" or "all") under ``auto_validation``.
+
+    Returns:
+        The global generators seeded per op of the spec for the run: "pickle" and "all"
+        decide them (:func:`decide_global_rngs`, after the pickle checks); "behaviour"
+        checks under ``seeded`` (the "pickle" phase's decision) and returns it.
+    """
+    mode = plan.opts.auto_validation
+    if checks == "behaviour":
+        seeded = seeded or _none(plan)
+        if mode != "off":
+            _report(mode, find_issues(plan, "behaviour", seeded))
+        return seeded
+    issues = find_issues(plan, "pickle") if mode != "off" else []
+    if checks == "pickle":
+        _report(mode, issues)
+        return decide_global_rngs(plan)
+    seeded = decide_global_rngs(plan)
+    if mode != "off":
+        _report(mode, find_issues(plan, "all", seeded))
+    return seeded

@@ -6,7 +6,9 @@ An op is one of two kinds:
   seed)`` gives the record's output record, or None to drop it. It runs inside a
   parallel stage (:class:`~zephon.pipeline.program.StageProgram`), possibly in
   another process, one sample at a time; it must be picklable there and
-  deterministic (randomness from ``ctx.rng``, seeded by the sample identity).
+  deterministic (randomness from ``ctx.rng``, seeded by the sample identity; a
+  ``map`` or ``filter`` may draw from the global generators when they are seeded for
+  it before each call: ``Plan.global_rngs``, :mod:`zephon.pipeline.rngs`).
 - :class:`SerialOp` (``shuffle``, ``batch``, ``pack_tokens``): ``start(seed,
   lane, boundary)`` gives an :class:`Accumulator` for one lane, started at the
   lane's first boundary, run serially by the engine (so micro-batch boundaries

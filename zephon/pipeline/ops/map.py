@@ -8,7 +8,10 @@ is an :class:`~zephon.errors.OpError` naming the op and the sample. A ``map`` or
 sample it is returned for (a forgotten ``return``; a sample is dropped with ``filter``),
 the same on every runner (each runs :meth:`MapOp.apply_one`). The
 function's identity (:func:`~zephon.pipeline.fingerprint.fn_identity`) is the
-op's part of the fingerprint.
+op's part of the fingerprint. A ``map`` or ``filter`` whose function draws from torch's,
+NumPy's legacy or Python's global generator gets them seeded from the sample's identity
+before each call (its ``global_rngs``, decided by validation per run): the stage
+program does that around :meth:`MapOp.apply_one` (:mod:`zephon.pipeline.rngs`).
 """
 
 from __future__ import annotations

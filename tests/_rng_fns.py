@@ -1,0 +1,106 @@
+"""Ops that draw from the global generators (torch's, NumPy's legacy ``np.random``,
+Python's ``random``) and ops with randomness no seeding reaches, for
+``tests/test_global_rngs.py``. Module level, so spawn workers import them."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+
+#: a generator made once, without a seed, and kept between calls
+_KEPT = random.Random()
+#: a torch.Generator made on first use and kept between calls
+_TORCH_KEPT: dict = {}
+
+
+def make_sample(i):
+    return {"id": i, "x": np.full(3, i, dtype=np.float64)}
+
+
+def torch_noise(s):
+    """torch's global generator, as torchvision's random transforms draw from it."""
+    import torch
+
+    return {**s, "torch": torch.rand(3).numpy().astype(np.float64)}
+
+
+def numpy_noise(s):
+    return {**s, "numpy": np.random.random(3)}
+
+
+def numpy_noise_again(s):
+    return {**s, "numpy2": np.random.random(3)}
+
+
+def random_noise(s):
+    return {**s, "random": random.random()}
+
+
+def albumentations_like(s):
+    """A flip decided by ``random``, a jitter drawn from ``np.random``."""
+    flip = random.random() < 0.5
+    x = s["x"][::-1] if flip else s["x"]
+    return {**s, "x": x + np.random.uniform(-1, 1, size=x.shape), "flip": flip}
+
+
+def random_keep(s):
+    """A filter on a coin of the random module's generator."""
+    return random.random() < 0.7
+
+
+def ctx_noise(s, ctx):
+    return {**s, "ctx": ctx.rng.random(2)}
+
+
+def numpy_on_some(s):
+    """Draws only on samples whose id is odd (validation sees sample 0 only)."""
+    return {**s, "some": float(np.random.random()) if s["id"] % 2 else 0.0}
+
+
+def unseeded_generator(s):
+    return {**s, "u": np.random.default_rng().random()}
+
+
+def kept_generator(s):
+    return {**s, "u": _KEPT.random()}
+
+
+def urandom(s):
+    return {**s, "u": os.urandom(8)}
+
+
+def torch_and_unseeded(s):
+    """torch's global generator (seeded per call) and a torch.Generator kept between calls
+    (as one made at import would be)."""
+    import torch
+
+    if "torch" not in _TORCH_KEPT:
+        _TORCH_KEPT["torch"] = torch.Generator()
+    return {**s, "a": float(torch.rand(1)), "b": float(torch.rand(1, generator=_TORCH_KEPT["torch"]))}
+
+
+_OVERLAP = {"now": 0, "peak": 0}
+_OVERLAP_LOCK = __import__("threading").Lock()
+
+
+def overlap_peak(reset: bool = False) -> int:
+    peak = _OVERLAP["peak"]
+    if reset:
+        _OVERLAP.update(now=0, peak=0)
+    return peak
+
+
+def numpy_noise_counting_overlap(s):
+    """Draws from np.random and records how many calls of it overlap (threads runner)."""
+    import time
+
+    with _OVERLAP_LOCK:
+        _OVERLAP["now"] += 1
+        _OVERLAP["peak"] = max(_OVERLAP["peak"], _OVERLAP["now"])
+    value = np.random.random()
+    time.sleep(0.005)
+    with _OVERLAP_LOCK:
+        _OVERLAP["now"] -= 1
+    return {**s, "numpy": value}
