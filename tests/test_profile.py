@@ -100,8 +100,8 @@ def test_process_stage_reports_busy_time_and_arena_bytes():
     pipe = Pipeline(sources.from_callable(96, F.array_sample), chunk_size=8) \
         .map(F.slow_array).batch(8) \
         .options(RuntimeOptions(runner="process", max_workers=1,
-                                execution_tracking="stages"))
-    assert len(list(pipe)) == 12
+                                execution_tracking="stages", persistent_workers=False))
+    assert len(list(pipe)) == 12  # (with persistent workers they are kept: no stop)
     stage = pipe.stats(report=True)["stages"]["stage0"]
     assert stage["runner"] == "process"
     assert stage["busy_s"] >= 96 * F.SLOW_S * 0.9  # measured in the worker

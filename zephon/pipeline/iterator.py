@@ -349,6 +349,8 @@ class PipelineIterator:
         progress: the pipeline's :class:`~zephon.pipeline.progress.Progress`: once the
             ops pass their checks on the first sample, the run is its latest (its
             checkpoint rounds are counted there too).
+        seeded: per op of the spec, the global generators seeded before each of its
+            calls (what ``validate(plan, "pickle")`` decided for the run; None: none).
 
     Raises:
         ValidationError: with ``auto_validation="strict"``, an op fails the checks run on

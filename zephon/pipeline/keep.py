@@ -14,11 +14,12 @@ Progress` holds the keep), each under a key that names what its workers run:
 - a stage's :class:`~zephon.runners.ProcessExecutor`, under ``("stage", index)``;
 - the MTP subprocess's end (:class:`~zephon.runners.mtp.MtpSource`), under ``("mtp",)``.
 
-Each entry also records the spec and the options it was made for; :meth:`take` gives
-it back only to a run of the very same spec (``is``) under equal options, so a worker
-never runs a program other than the one it was started with. A pipeline's spec and
-options never change (a builder method makes a new pipeline with a new keep), so in
-practice every run of one pipeline reuses the previous run's workers.
+Each entry also records the spec and what else it was made for (the options, the
+global generators seeded per op: what the stage program depends on besides the spec);
+:meth:`take` gives it back only to a run of the very same spec (``is``) made for an
+equal rest, so a worker never runs a program other than the one it was started with. A
+pipeline's spec and options never change (a builder method makes a new pipeline with a
+new keep), so in practice every run of one pipeline reuses the previous run's workers.
 
 Invariants:
 
@@ -59,7 +60,7 @@ class WorkerKeep:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[Hashable, tuple[Any, Any, Any]] = {}  # key -> (pool, spec, opts)
+        self._entries: dict[Hashable, tuple[Any, Any, Any]] = {}  # key -> (pool, spec, made_for)
         self._timer: threading.Timer | None = None
         #: pools parked and taken back so far (what a test or a report can count)
         self.parked = self.reused = 0
@@ -73,20 +74,21 @@ class WorkerKeep:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def park(self, key: Hashable, pool: Any, spec: Any, opts: Any,
+    def park(self, key: Hashable, pool: Any, spec: Any, made_for: Any,
              idle_s: float | None) -> None:
-        """Keep ``pool`` (idle) for the next run of ``spec`` under ``opts``; every parked
-        pool is stopped after ``idle_s`` seconds unless a run takes it (None: never)."""
+        """Keep ``pool`` (idle) for the next run of ``spec`` made for ``made_for``; every
+        parked pool is stopped after ``idle_s`` seconds unless a run takes it (None:
+        never)."""
         with self._lock:
             old = self._entries.pop(key, None)
-            self._entries[key] = (pool, spec, opts)
+            self._entries[key] = (pool, spec, made_for)
             self.parked += 1
             self._arm(idle_s)
         if old is not None:
             _stop(old[0])
 
-    def take(self, key: Hashable, spec: Any, opts: Any) -> Any | None:
-        """The pool parked under ``key`` for ``spec`` and ``opts`` (None: none, or one
+    def take(self, key: Hashable, spec: Any, made_for: Any) -> Any | None:
+        """The pool parked under ``key`` for ``spec`` and ``made_for`` (None: none, or one
         made for something else, which is stopped)."""
         with self._lock:
             entry = self._entries.pop(key, None)
@@ -95,8 +97,8 @@ class WorkerKeep:
                 self._timer = None
         if entry is None:
             return None
-        pool, kept_spec, kept_opts = entry
-        if kept_spec is not spec or kept_opts != opts or not pool.keepable():
+        pool, kept_spec, kept_for = entry
+        if kept_spec is not spec or kept_for != made_for or not pool.keepable():
             _stop(pool)
             return None
         self.reused += 1
