@@ -8,12 +8,16 @@
     loader.load_state_dict(ckpt["data"])        # continues after the last delivered batch
     ds = zt.dataset(pipe)                        # for DataLoader(ds, batch_size=None, num_workers=0)
 
+    loader = zt.loader(pipe, device="cuda", pin_memory=True,   # uint8 images in,
+                       normalize={"image": (mean, std)})       # float NCHW on the GPU out
+
 What it owns: turning zephon batches into tensors (:func:`to_torch`: through
 the batch's structure, dict, list, tuple or namedtuple; ``uint16`` and
 ``uint32`` arrays, token ids, become ``int64`` as ``nn.Embedding`` and
 ``cross_entropy`` need, unless ``keep_dtypes=True``), the
 loader wrapper (:class:`TorchLoader`: optional pinning on a background thread,
-``state_dict()`` / ``load_state_dict()``) and the ``IterableDataset`` adapter
+the move to a device and the normalisation of image columns there
+(:mod:`zephon.torch._device`), ``state_dict()`` / ``load_state_dict()``) and the ``IterableDataset`` adapter
 (:func:`dataset`). torch is imported when one of these is used, never by
 importing ``zephon`` itself; without torch they raise an ImportError naming
 ``python -m pip install -e ".[torch]"`` in the zephon checkout.
@@ -40,8 +44,19 @@ def _require_torch():
 
 
 def loader(pipe, *, pin_memory: bool = False, prefetch: int = 2,
-           keep_dtypes: bool = False, to_training: bool | dict = False) -> "TorchLoader":
+           keep_dtypes: bool = False, to_training: bool | dict = False, device=None,
+           non_blocking: bool = True, normalize=None, layout: str = "HWC",
+           channels_last: bool = False) -> "TorchLoader":
     """Wrap ``pipe`` (a zephon Pipeline) so that it yields batches of torch tensors.
+
+    Image batches are best left ``uint8`` in the pipeline (a quarter of ``float32``'s
+    bytes between processes and over the host-to-device link) and converted on the
+    device: ``device="cuda"`` moves every tensor of a batch there and ``normalize=``
+    turns the named image columns into the float tensors a vision model takes, as
+    torchvision's ``ToTensor()`` + ``Normalize(mean, std)`` do, after the copy. With
+    ``pin_memory=True`` both run on the loader's background thread, on CUDA on a side
+    stream that the training loop's stream waits on when it takes the batch, so they
+    overlap the training step.
 
     Args:
         pipe: the pipeline, options included (``.options(RuntimeOptions(...))``).
@@ -56,6 +71,23 @@ def loader(pipe, *, pin_memory: bool = False, prefetch: int = 2,
             (:func:`to_training`) instead of its columns: True, or a dict of
             :func:`to_training`'s keyword arguments (``field``, ``ignore_index``,
             ``loss_mask``).
+        device: a ``torch.device``, a string (``"cuda"``, ``"cuda:1"``, ``"cpu"``) or a
+            device index: every tensor of a batch is moved there
+            (``tensor.to(device, non_blocking=non_blocking)``); None (the default): the
+            batches stay on the host.
+        non_blocking: copy to the device asynchronously (from pinned memory; the loader
+            makes the consumer's stream wait for the copy, see above).
+        normalize: None, or column -> ``(mean, std)``, each a number or one per channel
+            in 0-1 units, torchvision's convention (``{"image": ((0.485, 0.456, 0.406),
+            (0.229, 0.224, 0.225))}``): each named column, a ``uint8`` batch of images,
+            becomes ``(x / 255 - mean) / std`` as ``(N, C, H, W)`` float32, on the device
+            (on the host with ``device=None``).
+        layout: the layout of each image of the named columns, as the decode op made it:
+            ``"HWC"`` (the default: height, width, channels, what image decoders make) or
+            ``"CHW"``; images of shape ``(H, W)`` are one channel.
+        channels_last: give the normalised images ``torch.channels_last`` memory format
+            (their shape stays ``(N, C, H, W)``; from ``"HWC"`` images it needs no
+            transposition); False: contiguous ``(N, C, H, W)``.
 
     Returns:
         A :class:`TorchLoader`; iterate it, and checkpoint it with ``state_dict()``.
@@ -63,18 +95,31 @@ def loader(pipe, *, pin_memory: bool = False, prefetch: int = 2,
     Raises:
         ImportError: torch is missing (``python -m pip install -e ".[torch]"`` in the zephon checkout).
         ZephonConfigError: ``pipe`` is not a Pipeline, or a bad ``pin_memory``,
-            ``prefetch``, ``keep_dtypes`` or ``to_training``.
+            ``prefetch``, ``keep_dtypes`` or ``to_training``; a ``device`` torch does not
+            know or this machine does not have; a ``normalize`` that is not a mapping of
+            ``(mean, std)`` pairs in 0-1 units; a bad ``layout``, ``non_blocking`` or
+            ``channels_last``. When a batch is normalised: a named column that is missing,
+            not ``uint8``, or has another number of channels than ``mean`` and ``std``.
 
     Example:
         >>> src = sources.from_callable(6, lambda i: {"x": np.full(3, i, dtype=np.float32)})
         >>> loader = zephon.torch.loader(Pipeline(src, shuffle=False).batch(2))
         >>> [type(b["x"]).__name__ for b in loader]
         ['Tensor', 'Tensor', 'Tensor']
+        >>> images = sources.from_callable(4, lambda i: {
+        ...     "image": np.full((2, 2, 3), 255 * (i % 2), dtype=np.uint8), "label": i})
+        >>> loader = zephon.torch.loader(Pipeline(images, shuffle=False).batch(2),
+        ...                              device="cpu", normalize={"image": (0.5, 0.5)})
+        >>> batch = next(iter(loader))
+        >>> batch["image"].shape, batch["image"].dtype, batch["image"][:, 0, 0, 0].tolist()
+        (torch.Size([2, 3, 2, 2]), torch.float32, [-1.0, 1.0])
     """
     from zephon.torch._loader import TorchLoader
 
     return TorchLoader(pipe, pin_memory=pin_memory, prefetch=prefetch,
-                       keep_dtypes=keep_dtypes, to_training=to_training)
+                       keep_dtypes=keep_dtypes, to_training=to_training, device=device,
+                       non_blocking=non_blocking, normalize=normalize, layout=layout,
+                       channels_last=channels_last)
 
 
 def dataset(pipe, *, pin_memory: bool = False, keep_dtypes: bool = False):

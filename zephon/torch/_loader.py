@@ -20,6 +20,14 @@ consumer left early it rewinds the run to them (``PipelineIterator.rewind``),
 so the pipeline's next run continues after the last batch handed out, not
 after the prefetched ones.
 
+Placement (:mod:`zephon.torch._device`): with ``device=`` every tensor of a batch is
+moved there, and ``normalize=`` turns the named ``uint8`` image columns into
+normalised ``(N, C, H, W)`` float32 tensors after the move. With ``pin_memory=True``
+the background thread does it too (on CUDA: on a side stream, the consumer's stream
+made to wait on an event when the batch is handed out); else the consumer's thread
+does it when it takes the batch. Placement never changes which batches count: the
+hand-off carries each batch's delivered positions as before.
+
 ``state_dict()`` is collective across ranks, like ``pipe.checkpoint()``: every
 rank calls it at the same step. Its value is ``{"zephon_checkpoint": bytes}``:
 ``torch.save`` stores it (and ``torch.load(weights_only=True)`` reads it
@@ -37,6 +45,7 @@ from zephon.errors import CheckpointError, ZephonConfigError
 from zephon.pipeline.iterator import Handoff, HandoffClosed
 from zephon.torch import STATE_KEY, _require_torch
 from zephon.torch._convert import map_leaves, to_torch
+from zephon.torch._device import Placement, placement
 
 if TYPE_CHECKING:
     from zephon.pipeline.iterator import PipelineIterator
@@ -79,10 +88,12 @@ def _converter(keep_dtypes: bool, training: dict | None):
     return lambda batch: to_torch(to_training(batch, **training), keep_dtypes=keep_dtypes)
 
 
-def _prefetch(items, pin, out: Handoff, convert) -> None:
+def _prefetch(items, pin, out: Handoff, convert, place: Placement | None) -> None:
     try:
         for batch in items:
-            if not out.put((pin(convert(batch)), items.delivered())):
+            ready, event = (pin(convert(batch)), None) if place is None else \
+                place.move(pin(convert(batch)))
+            if not out.put((ready, event, items.delivered())):
                 return
         out.finish()
     except BaseException as exc:  # noqa: BLE001 - handed to the consumer
@@ -109,11 +120,20 @@ class TorchLoader:
             :func:`zephon.torch.to_torch`).
         to_training: hand out :func:`zephon.torch.to_training` of each batch instead
             (True, or a dict of its keyword arguments).
+        device: move every tensor of a batch to this device (see
+            :func:`zephon.torch.loader`); None: leave them on the host.
+        non_blocking: copy to the device with ``non_blocking`` (asynchronous from pinned
+            memory).
+        normalize: column -> ``(mean, std)`` in 0-1 units: those ``uint8`` image columns
+            become normalised ``(N, C, H, W)`` float32 tensors (after the move).
+        layout: the layout of each image, ``"HWC"`` or ``"CHW"``.
+        channels_last: give normalised images ``torch.channels_last`` memory format.
 
     Raises:
         ImportError: torch is missing.
-        ZephonConfigError: ``pipe`` is not a Pipeline, or a bad ``pin_memory`` or
-            ``prefetch``.
+        ZephonConfigError: ``pipe`` is not a Pipeline, or a bad ``pin_memory``,
+            ``prefetch``, ``device``, ``non_blocking``, ``normalize``, ``layout`` or
+            ``channels_last``.
 
     Example:
         >>> src = sources.from_sequence([{"x": np.float32(i)} for i in range(6)])
@@ -127,7 +147,9 @@ class TorchLoader:
     """
 
     def __init__(self, pipe, *, pin_memory: bool = False, prefetch: int = 2,
-                 keep_dtypes: bool = False, to_training: bool | dict = False) -> None:
+                 keep_dtypes: bool = False, to_training: bool | dict = False,
+                 device=None, non_blocking: bool = True, normalize=None,
+                 layout: str = "HWC", channels_last: bool = False) -> None:
         from zephon.pipeline import Pipeline
         from zephon.pipeline.training import check_options
 
@@ -144,6 +166,9 @@ class TorchLoader:
         training = None if to_training is False else check_options(to_training)
         self._convert = _converter(keep_dtypes, training)
         self._torch = _require_torch()
+        self._place = placement(self._torch, device, non_blocking, normalize, layout,
+                                channels_last)
+        self.device = None if self._place is None else self._place.device
         self.pipe, self.pin_memory, self.prefetch = pipe, pin_memory, prefetch
         self._it: PipelineIterator | None = None
         self._last_it: PipelineIterator | None = None  # the run that just ended or was closed
@@ -168,7 +193,8 @@ class TorchLoader:
             self._delivered = it.delivered()
             self._handoff = Handoff(self.prefetch)
             self._thread = thread = threading.Thread(
-                target=_prefetch, args=(it, self._pin, self._handoff, self._convert),
+                target=_prefetch,
+                args=(it, self._pin, self._handoff, self._convert, self._place),
                 name="zephon-pin-memory", daemon=True)
             thread.start()
         return self
@@ -180,12 +206,13 @@ class TorchLoader:
         assert it is not None, "__iter__ starts a run"
         if self._thread is None or pinned is None:
             try:
-                return self._convert(next(it))
+                batch = self._convert(next(it))
             except StopIteration:
                 self._last_it, self._it = it, None
                 raise
+            return batch if self._place is None else self._place.now(batch)
         try:
-            batch, self._delivered = pinned.get()
+            batch, event, self._delivered = pinned.get()
         except HandoffClosed:  # closed from another thread while waiting
             self.close()
             raise StopIteration from None
@@ -196,7 +223,9 @@ class TorchLoader:
         except BaseException:  # the run's error
             self.close()
             raise
-        return batch
+        if event is None or self._place is None:  # an event comes only from a placement
+            return batch
+        return self._place.ready(batch, event)
 
     def close(self) -> None:
         """Stop the pinning thread and close the pipeline's run (idempotent).

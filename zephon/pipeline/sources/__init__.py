@@ -21,6 +21,8 @@ and retry policy of ``RuntimeOptions.io_options`` (:class:`~zephon.StoreOptions`
   footers and a per-process cache of decoded row groups (``parquet`` extra).
 - :func:`webdataset` — tar shards; one dict ``{extension: bytes}`` per key.
 - :func:`hf_dataset` — a Hugging Face ``datasets.Dataset`` (loaded or saved to disk).
+- :func:`image_folder` — an ImageFolder tree ``root/<class>/<image>``; one dict
+  ``{"image": bytes, "label": int, "path": str}`` per image.
 - :func:`mixture` — components sampled at their weights (sampling rates).
 
 Submodules import their format library (pyarrow, fsspec, datasets) only when a
@@ -40,6 +42,7 @@ from zephon.pipeline.sources.base import (
     SourceError,
 )
 from zephon.pipeline.sources.hf import HfDatasetSource
+from zephon.pipeline.sources.images import ImageFolderSource
 from zephon.pipeline.sources.jsonl import DEFAULT_MAX_DECOMPRESSED, JsonlSource
 from zephon.pipeline.sources.mixture import MixtureSource, Weights
 from zephon.pipeline.sources.parquet import ParquetSource
@@ -52,6 +55,7 @@ __all__ = [
     "from_callable",
     "from_sequence",
     "hf_dataset",
+    "image_folder",
     "jsonl",
     "mixture",
     "parquet",
@@ -339,6 +343,70 @@ def hf_dataset(ds, *, name: str = "hf", columns: Sequence[str] | None = None) ->
         >>> src = sources.hf_dataset("saved_dataset_dir", columns=["text"])  # doctest: +SKIP
     """
     return HfDatasetSource(ds, name, columns)
+
+
+def image_folder(root, *, extensions: Sequence[str] | None = None, name: str = "image_folder",
+                 io_options=None, storage_options: dict | None = None,
+                 allow_empty: bool = False, fingerprint_mtimes: bool = True) -> Source:
+    """An ImageFolder tree (``root/<class>/<image>``), read as torchvision's ``ImageFolder``
+    reads it, one sample per image file: ``{"image": bytes, "label": int, "path": str}``.
+
+    Classes are the sorted names of the directories under ``root`` (``.classes``,
+    ``.class_to_idx``); a sample's label is its class's index. Images are the files found
+    recursively under each class directory whose name ends, in any case, with one of
+    ``extensions``, in torchvision's order, so sample ``i`` is ``ImageFolder(root).samples[i]``.
+    ``"image"`` holds the file's encoded bytes: decode them with a ``map`` op. The tree is
+    listed once, when the source is built (one ``os.scandir`` per directory, one ``stat``
+    per image); reading a sample is one open and one read, checked against the size and
+    mtime listed. Symbolic links are followed (a dangling one, or a directory link back to
+    a directory above it, is refused). The pipeline fingerprint holds a digest of the
+    listing, so a checkpoint does not resume over another tree.
+
+    Args:
+        root: the tree's directory (a path, ``~`` expanded), or an fsspec URL (``s3://...``,
+            read through the io layer like the other file sources).
+        extensions: the image suffixes to take, with their dot (``[".jpg", ".png"]``;
+            compared in lower case); None: torchvision's ``IMG_EXTENSIONS`` (.jpg .jpeg
+            .png .ppm .bmp .pgm .tif .tiff .webp).
+        name: the source's name, the first part of every sample identity.
+        io_options: a :class:`~zephon.StoreOptions` (retries of transient open errors, and
+            for a remote root caching, retries and timeouts) for the reads made while
+            building the source; while iterating, the pipeline's
+            ``RuntimeOptions.io_options`` govern. None: the defaults.
+        storage_options: fsspec options for a remote root (endpoint, credentials).
+        allow_empty: keep a class directory that holds no image (its label is still
+            reserved), as torchvision's ``allow_empty``; False: refuse it.
+        fingerprint_mtimes: include each image's mtime in the fingerprint (with the names
+            and sizes); False for copies of one tree whose mtimes differ (a copy per node
+            made without keeping times) that must resume each other's checkpoints.
+
+    Returns:
+        A :class:`Source` of one sample per image, with ``.classes`` (list of names),
+        ``.class_to_idx`` (name -> label) and ``.targets`` (every sample's label).
+
+    Raises:
+        SourceError: the root is missing or not a directory, holds no class directory, a
+            class directory holds no image (naming it; unless ``allow_empty``), an image is
+            a dangling link or not a regular file, or a directory link loops; when read, an
+            image that vanished or changed since the listing (naming it).
+        ZephonConfigError: ``root`` is not a path, ``extensions`` is not a list of
+            suffixes starting with a dot, or a flag is not a bool.
+
+    Example:
+        >>> import os
+        >>> for path in ["pets/dog/b.png", "pets/cat/a.JPG", "pets/cat/notes.txt"]:
+        ...     os.makedirs(os.path.dirname(path), exist_ok=True)
+        ...     with open(path, "wb") as f:
+        ...         _ = f.write(b"encoded image bytes")
+        >>> src = sources.image_folder("pets")
+        >>> src.classes, len(src)
+        (['cat', 'dog'], 2)
+        >>> sample = src.get(1)
+        >>> sample["label"], sample["path"], sample["image"][:7]
+        (1, 'pets/dog/b.png', b'encoded')
+    """
+    return ImageFolderSource(root, extensions, name, _io(io_options), storage_options,
+                             allow_empty, fingerprint_mtimes)
 
 
 def mixture(components: Mapping[str, Source], weights: Weights = None, *,
