@@ -33,8 +33,8 @@ import pytest
 
 import zephon
 
-PUBLIC = ["zephon", "zephon.sources", "zephon.jobs", "zephon.torch", "zephon.checkpoint",
-          "zephon.options"]
+PUBLIC = ["zephon", "zephon.vision", "zephon.sources", "zephon.jobs", "zephon.torch",
+          "zephon.checkpoint", "zephon.options"]
 # Handed out by the public API without being in an ``__all__``: (module, name, needs).
 HANDED_OUT = [("zephon.pipeline.iterator", "PipelineIterator", None),
               ("zephon.torch._dataset", "PipelineDataset", "torch")]

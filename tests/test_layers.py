@@ -40,6 +40,7 @@ ALLOWED = {
     "torch": {"pipeline", "checkpoint", "transport", "runners", "options", "kernels",
               "_kernels", "jobs"},
     "report": {"pipeline", "options"},  # profiling runs and renders pipeline statistics
+    "vision": set(),  # image ops: plain map ops, they need nothing of the engine
 }
 # zephon.pipeline module (or subpackage) -> pipeline modules it may import (besides
 # itself). Bottom: what flows down a lane and how callables are named; then the ops;
@@ -80,6 +81,7 @@ PIPELINE_APART = {("iterator", "progress")}
 THIRD_PARTY_OK = {
     "options": set(),
     "kernels": {"numpy"},
+    "vision": {"numpy"},  # Pillow and simplejpeg are imported when an image is decoded
 }
 
 

@@ -30,7 +30,7 @@ FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 EXAMPLE_DATA = "python -m zephon example-data ."
 # substring of a block -> the module it needs (an extra): without it the block is skipped
 NEEDS = {"import torch": "torch", 'backend="ray"': "ray", "sources.parquet(": "pyarrow",
-         "sources.hf_dataset(": "datasets"}
+         "sources.hf_dataset(": "datasets", "zephon.vision": "simplejpeg"}
 
 
 def readme() -> str:

@@ -139,6 +139,30 @@ def _hf_saved(root: str) -> None:
             datasets.enable_progress_bars()
 
 
+def _image_folder(root: str) -> None:
+    from PIL import Image, ImageDraw
+
+    classes = ("circle", "square", "stripes")
+    rng = np.random.default_rng(3)
+    for label, name in enumerate(classes):
+        os.makedirs(os.path.join(root, "images", name), exist_ok=True)
+        for k in range(8):
+            w, h = int(rng.integers(120, 200)), int(rng.integers(90, 150))
+            ramp = np.linspace(0, 1, w)[None, :, None] * rng.integers(40, 200, 3)
+            pixels = (ramp + rng.normal(0, 8, (h, w, 3))).clip(0, 255).astype(np.uint8)
+            img = Image.fromarray(pixels, "RGB")
+            draw, box = ImageDraw.Draw(img), (w // 4, h // 4, 3 * w // 4, 3 * h // 4)
+            fill = tuple(int(c) for c in rng.integers(0, 255, 3))
+            if label == 0:
+                draw.ellipse(box, fill=fill)
+            elif label == 1:
+                draw.rectangle(box, fill=fill)
+            else:
+                for x in range(0, w, 12):
+                    draw.line((x, 0, x, h), fill=fill, width=4)
+            img.save(os.path.join(root, "images", name, f"{k:03d}.jpg"), quality=90)
+
+
 @dataclass(frozen=True)
 class _Example:
     path: str
@@ -160,6 +184,8 @@ EXAMPLES = (
              _jsonl_zst),
     _Example("hf_saved/", "a datasets.Dataset of 64 rows saved with save_to_disk",
              _hf_saved, "datasets", "hf"),
+    _Example("images/", "an ImageFolder of 3 classes, 24 JPEGs", _image_folder, "PIL",
+             "vision"),
 )
 
 
