@@ -134,6 +134,8 @@ class JpegLayout(NamedTuple):
     components: int
     exif: tuple[int, int] | None  # (offset, length) of the Exif TIFF data, if any
     complete: bool  # an end-of-image marker follows the first scan
+    max_scale: int = 8  # the largest DCT scale that keeps the chroma: 2 when a component
+    # is sampled 4x apart from another (4:1:1, 1x4), whose scaled chroma loses too much
 
 
 def _segments(data: bytes):
@@ -186,11 +188,15 @@ def _layout(data: bytes, sof: tuple[int, int], exif: tuple[int, int] | None,
     if precision != 8 or height == 0 or width == 0 or comps not in (1, 3, 4) or \
             length != 8 + 3 * comps:
         return None
-    vmax = max(data[at + 11 + 3 * c] & 0x0F for c in range(comps))
-    if not 1 <= vmax <= 4:
+    factors = [data[at + 11 + 3 * c] for c in range(comps)]
+    hs, vs = [f >> 4 for f in factors], [f & 0x0F for f in factors]
+    vmax = max(vs)
+    if not 1 <= vmax <= 4 or min(vs) < 1 or min(hs) < 1:
         return None
     complete = data.rfind(b"\xff\xd9", sos) >= 0
-    return JpegLayout(at + 5, width, height, vmax if comps > 1 else 1, comps, exif, complete)
+    apart = max(max(hs) // min(hs), vmax // min(vs))
+    return JpegLayout(at + 5, width, height, vmax if comps > 1 else 1, comps, exif, complete,
+                      2 if apart >= 4 else 8)
 
 
 def _exif_orientation(data: bytes, exif: tuple[int, int]) -> int:
@@ -287,6 +293,7 @@ def probe(data: Any, path: str | None = None, *, exif: bool = False) -> Probe:
     layout = jpeg_layout(p.data)
     if layout is not None:
         p.jpeg, p.width, p.height = layout, layout.width, layout.height
+        _refuse_bomb(p)
         if layout.components != 4:
             p.colorspace = _jpeg_colorspace(p.data)
         if exif and layout.exif is not None:
@@ -302,6 +309,20 @@ def probe(data: Any, path: str | None = None, *, exif: bool = False) -> Probe:
     except Exception as exc:  # Pillow raises many types for bad headers
         raise _failure(p, exc) from exc
     return p
+
+
+def _refuse_bomb(p: Probe) -> None:
+    """Pillow's decompression-bomb guard, which a JPEG read from its markers skips: more
+    than twice ``PIL.Image.MAX_IMAGE_PIXELS`` pixels is refused as Pillow refuses it
+    (torchvision's loader too); ``MAX_IMAGE_PIXELS = None`` lifts it, as in Pillow."""
+    image = _module("PIL.Image")
+    limit = image.MAX_IMAGE_PIXELS
+    if limit is not None and p.width * p.height > 2 * limit:
+        bomb = image.DecompressionBombError(
+            f"image size ({p.width * p.height} pixels) exceeds limit of {2 * limit} pixels, "
+            "could be decompression bomb DOS attack (raise PIL.Image.MAX_IMAGE_PIXELS, or "
+            "set it to None, in every worker: e.g. in the module that defines your ops)")
+        raise _failure(p, bomb) from bomb
 
 
 def _jpeg_colorspace(data: bytes) -> str | None:
@@ -329,7 +350,7 @@ def _dct_scale(p: Probe, box_w: float, box_h: float, size: tuple[int, int],
     if p.jpeg is None or support == 0:
         return 1
     for s in DCT_SCALES:
-        if box_w / s >= size[0] and box_h / s >= size[1]:
+        if s <= p.jpeg.max_scale and box_w / s >= size[0] and box_h / s >= size[1]:
             return s
     return 1
 
@@ -430,9 +451,11 @@ def _region(decoded: _Decoded, bounds: tuple[int, int, int, int]):
     px = decoded.pixels
     if isinstance(px, np.ndarray):
         _, w, c = px.shape
-        mode = "RGB" if c == 3 else "L"
-        flat = px.reshape(-1).data[(y0 * w + x0) * c:]
-        return image.frombuffer(mode, (x1 - x0, y1 - y0), flat, "raw", mode, w * c, 1)
+        if c == 1:  # Pillow maps an L buffer in place, wanting whole rows of the stride
+            # past the region's start (one short at the last row when x0 > 0): a copy
+            return image.fromarray(np.ascontiguousarray(px[y0:y1, x0:x1, 0]), "L")
+        flat = px.reshape(-1).data[(y0 * w + x0) * c:]  # RGB is read row by row: no copy
+        return image.frombuffer("RGB", (x1 - x0, y1 - y0), flat, "raw", "RGB", w * c, 1)
     region = px if bounds == (0, 0, *px.size) else px.crop(bounds)
     return region if region.mode in ("RGB", "L") else region.convert("RGB")
 

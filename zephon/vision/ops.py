@@ -337,7 +337,8 @@ class CenterCrop:
 
     Args:
         size: the output size: an int (square) or (height, width).
-        resize: the shorter side before the crop (int), an exact (height, width), or None.
+        resize: the shorter side before the crop (an int, or a one-element sequence as in
+            torchvision), an exact (height, width), or None.
         interpolation: the resize's filter: "bilinear" (torchvision's default),
             "bicubic", "lanczos", "hamming", "box" or "nearest".
         layout: "HWC" (height, width, 3) or "CHW" (3, height, width).
@@ -363,6 +364,9 @@ class CenterCrop:
         self.resize: int | tuple[int, int] | None = None
         if isinstance(resize, (int, np.integer)) and _positive_int(resize):
             self.resize = int(resize)
+        elif isinstance(resize, (tuple, list)) and len(resize) == 1 and \
+                _positive_int(resize[0]):  # torchvision's Resize([n]): the shorter side too
+            self.resize = int(resize[0])
         elif resize is not None:
             self.resize = _check_size(op, "resize", resize)
         self.interpolation, self.layout = _check_common(op, interpolation, layout, key)

@@ -423,7 +423,9 @@ class ImageFolderSource(Source):
         return clone
 
     def describe(self) -> str:
-        where = self.root if self.remote else os.path.basename(self.root.rstrip(os.sep))
-        return (f"ImageFolderSource({self.name}, root={where}, classes={len(self.classes)}, "
+        # a local root's path (its name included) is left out: a copy of the tree anywhere
+        # else (a per-node copy) is the same data; a remote root is named
+        where = f"root={self.root}, " if self.remote else ""
+        return (f"ImageFolderSource({self.name}, {where}classes={len(self.classes)}, "
                 f"n={len(self)}, extensions={list(self.extensions)}, "
                 f"tree={self.digest[:32]})")
