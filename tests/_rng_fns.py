@@ -104,3 +104,13 @@ def numpy_noise_counting_overlap(s):
     with _OVERLAP_LOCK:
         _OVERLAP["now"] -= 1
     return {**s, "numpy": value}
+
+
+def inner_numpy_pipeline(s):
+    """Draws nothing itself: iterates a pipeline of its own whose op draws from np.random
+    on 2 threads (a nested pipeline, as a data-generation op may run)."""
+    from zephon import Pipeline, RuntimeOptions, sources
+
+    inner = (Pipeline(sources.from_callable(4, make_sample), shuffle=False)
+             .map(numpy_noise).options(RuntimeOptions(runner="threads", max_workers=2)))
+    return {**s, "inner": [float(x["numpy"][0]) for x in inner]}

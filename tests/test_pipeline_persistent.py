@@ -192,3 +192,74 @@ def test_the_torch_loader_keeps_them_across_epochs():
         loader.close()
         pipe.close()
     assert not wait_gone(pids[0], HANG_S)
+
+
+class Level:
+    """An op with state the training loop changes between epochs (a curriculum)."""
+
+    def __init__(self) -> None:
+        self.level = 0
+
+    def __call__(self, s):
+        return {**s, "pid": os.getpid(), "level": self.level}
+
+
+def test_an_op_changed_between_epochs_gets_workers_that_run_it():
+    op = Level()
+    pipe = (Pipeline(sources.from_callable(32, F.make_sample), chunk_size=4)
+            .map(op, parallelism=2).batch(8)
+            .options(RuntimeOptions(runner="process", max_workers=2)))
+    try:
+        seen = []
+        for e in range(3):
+            op.level = e // 2  # changed before epoch 2 only: epoch 1 keeps the workers
+            levels, pids = set(), set()
+            for b in pipe:
+                levels |= set(np.asarray(b["level"]).tolist())
+                pids |= set(np.asarray(b["pid"]).tolist())
+            seen.append((levels, pids))
+        assert [lv for lv, _ in seen] == [{0}, {0}, {1}]
+        assert seen[0][1] == seen[1][1] and not seen[1][1] & seen[2][1]
+    finally:
+        pipe.close()
+    assert not wait_gone(seen[2][1], HANG_S)
+
+
+class Trainer:
+    """Holds its pipeline, whose op is one of its bound methods (a reference cycle)."""
+
+    def __init__(self) -> None:
+        self.pipe = (Pipeline(sources.from_callable(16, F.make_sample), chunk_size=4)
+                     .map(self.augment).batch(4)
+                     .options(RuntimeOptions(runner="process", max_workers=1)))
+
+    def augment(self, s):
+        return {**s, "pid": os.getpid()}
+
+
+def test_a_pipeline_in_a_cycle_with_its_owner_is_collected_with_its_workers():
+    import weakref
+
+    trainer = Trainer()
+    pids = set()
+    for b in trainer.pipe:
+        pids |= set(np.asarray(b["pid"]).tolist())
+    gone = weakref.ref(trainer)
+    del trainer, b
+    gc.collect()
+    assert gone() is None
+    assert pids and not wait_gone(pids, HANG_S)
+
+
+def test_a_run_left_early_stops_the_workers_an_earlier_pass_kept():
+    pipe = make()
+    try:
+        _, pids = epoch(pipe)
+        it = iter(pipe)  # takes them ...
+        next(it)
+        it.close()  # ... and leaves early: stopped
+        assert not wait_gone(pids, HANG_S)
+        _, again = epoch(pipe)
+        assert again and not again & pids
+    finally:
+        pipe.close()

@@ -287,6 +287,8 @@ class Engine:
         self.plan, self.states = plan, dict(states)
         self.seeded = seeded or tuple(frozenset() for _ in plan.spec.ops)
         self.keep = keep if plan.opts.persistent_workers else None
+        #: the keep's generation when the run began: its pools park into that one only
+        self._generation = keep.generation if keep is not None else 0
         #: lanes whose last unit of the run has been handed to their chain
         self._issued: set[int] = set()
         #: source samples of the units handed to the lanes' chains (counted only for the
@@ -363,11 +365,17 @@ class Engine:
         config = replace(self.pool_config, arena_bytes=stage.arena_bytes)
 
         def make(workers: int, meter: StageMeter) -> ProcessExecutor:
-            kept = self.keep.take(("stage", stage.index), self.plan.spec, self._made_for) \
+            kept = self.keep.take(("stage", stage.index), self._made_for) \
                 if self.keep is not None else None
-            if kept is not None:
-                kept.adopt(meter, workers)
+            if kept is not None and kept.pool.runs(program):
+                try:
+                    kept.adopt(meter, workers)
+                except BaseException:
+                    kept.close()  # (taken from the keep: nobody else would stop it)
+                    raise
                 return kept
+            if kept is not None:  # an op or the source changed since its workers started
+                kept.close()
             return ProcessExecutor(program, workers, config=config, name=name,
                                    max_retries=o.max_worker_retries,
                                    deterministic=o.deterministic, meter=meter)
@@ -604,8 +612,8 @@ class Engine:
 
     @property
     def _made_for(self) -> tuple:
-        """What a kept pool's stage program depends on besides the spec: the options and
-        the generators seeded per op."""
+        """What a kept pool was made for besides its program: the options and the
+        generators seeded per op (its program is checked with ``pool.runs``)."""
         return self.plan.opts, self.seeded
 
     def _park(self) -> None:
@@ -621,8 +629,8 @@ class Engine:
             elif isinstance(ex, AdaptiveExecutor):
                 pool = ex.detach()
             if pool is not None:
-                keep.park(("stage", index), pool, self.plan.spec, self._made_for,
-                          o.persistent_workers_idle_s)
+                keep.park(("stage", index), pool, self._made_for,
+                          o.persistent_workers_idle_s, self._generation)
 
 
 def _close_executor(ex) -> None:

@@ -408,14 +408,17 @@ class PipelineIterator:
 
             start = (states, self.record.start_epoch)
             keep = self.progress.keep if opts.persistent_workers else None
-            made_for = (opts, self.seeded)
-            self.remote = keep.take(("mtp",), plan.spec, made_for) if keep else None
+            self._generation = keep.generation if keep else 0
+            factory = _EngineFactory(plan.spec, opts, self.seeded)
+            self.remote = keep.take(("mtp",), (opts, self.seeded)) if keep else None
+            if self.remote is not None and not self.remote.runs(factory):
+                self.remote.close()  # an op or the source changed since it started
+                self.remote = None
             if self.remote is not None:
                 self.remote.start(start)
             else:
                 config, requests = mtp_pool(opts)
-                self.remote = MtpSource(_EngineFactory(plan.spec, opts, self.seeded),
-                                        start, config, requests)
+                self.remote = MtpSource(factory, start, config, requests)
             self._source = self.remote.items()
             depth = resolve_mtp_prefetch(opts)
             threaded = depth > 0
@@ -752,7 +755,8 @@ class PipelineIterator:
 
     def _stop(self) -> None:
         self.closed = True
-        steps = [self._forget, self._stop_engine, self._stop_remote, self._join_pump]
+        steps = [self._forget, self._stop_engine, self._stop_remote, self._join_pump,
+                 self._stop_kept]
         try:
             stop_each(steps)
         except KeyboardInterrupt:
@@ -780,11 +784,16 @@ class PipelineIterator:
         if remote is None:
             return
         if self._park and opts.persistent_workers:
-            self.progress.keep.park(("mtp",), remote, self.plan.spec,
-                                    (opts, self.seeded),
-                                    opts.persistent_workers_idle_s)
+            self.progress.keep.park(("mtp",), remote, (opts, self.seeded),
+                                    opts.persistent_workers_idle_s, self._generation)
         else:
             remote.close()
+
+    def _stop_kept(self) -> None:
+        """A run that ends early (a break, an error, a Ctrl-C, a restart) stops the
+        workers kept for the pipeline too: only a completed pass leaves workers behind."""
+        if not self._park:
+            self.progress.keep.close()
 
     def _join_pump(self) -> None:
         thread, self.thread = self.thread, None

@@ -14,12 +14,14 @@ Progress` holds the keep), each under a key that names what its workers run:
 - a stage's :class:`~zephon.runners.ProcessExecutor`, under ``("stage", index)``;
 - the MTP subprocess's end (:class:`~zephon.runners.mtp.MtpSource`), under ``("mtp",)``.
 
-Each entry also records the spec and what else it was made for (the options, the
-global generators seeded per op: what the stage program depends on besides the spec);
-:meth:`take` gives it back only to a run of the very same spec (``is``) made for an
-equal rest, so a worker never runs a program other than the one it was started with. A
-pipeline's spec and options never change (a builder method makes a new pipeline with a
-new keep), so in practice every run of one pipeline reuses the previous run's workers.
+Each entry also records what it was made for (the options and the global generators
+seeded per op); :meth:`take` gives it back only to a run made for an equal one, and the
+run then checks that the pool's workers run its very program (``runs(program)``: the
+program pickles to the bytes they were started with; an op or a source whose state the
+user changed between epochs does not, and gets new workers), so a worker never runs a
+program other than the run's. The keep holds no reference to the spec, the ops or the
+program (a pool keeps only their bytes): a pipeline whose ops reference its owner (a
+bound method of a trainer holding the pipeline) is still garbage collected.
 
 Invariants:
 
@@ -27,9 +29,13 @@ Invariants:
   one that is not is stopped instead of parked;
 - an entry is held by the keep or by a run, never both: :meth:`take` removes it;
 - nothing outlives its pipeline: :meth:`close` stops every parked pool; it runs at
-  ``pipe.close()``, when the pipeline (its Progress) is garbage collected (a
-  ``weakref.finalize``), after ``idle_s`` seconds with nothing taken (a daemon timer),
-  and, as for every pool, at interpreter exit (the transport closes live pools then);
+  ``pipe.close()``, when a run of the pipeline ends early (a break, an error: the
+  workers of every run are stopped then), when the pipeline (its Progress) is garbage
+  collected (a ``weakref.finalize``), after ``idle_s`` seconds with nothing taken (a
+  daemon timer, holding the keep weakly), and, as for every pool, at interpreter exit
+  (the transport closes live pools then);
+- a pool parked by a run that began before the last :meth:`close` (``generation``) is
+  stopped, not kept: a ``pipe.close()`` racing a run that is finishing its pass wins;
 - a pool whose worker died while parked is stopped, not handed out.
 
 Lifecycle: ``park`` (run end) -> ``take`` (next run's start) or timer/close -> stopped.
@@ -55,13 +61,21 @@ def _stop(pool: Any) -> None:
         log.debug("closing a kept pool failed", exc_info=True)
 
 
+def _close_if_alive(ref: "weakref.ref[WorkerKeep]") -> None:
+    keep = ref()
+    if keep is not None:
+        keep.close()
+
+
 class WorkerKeep:
     """The parked pools of one pipeline (see the module docstring)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: dict[Hashable, tuple[Any, Any, Any]] = {}  # key -> (pool, spec, made_for)
+        self._entries: dict[Hashable, tuple[Any, Any]] = {}  # key -> (pool, made_for)
         self._timer: threading.Timer | None = None
+        #: counts the closes: a run parks only into the generation it began in
+        self.generation = 0
         #: pools parked and taken back so far (what a test or a report can count)
         self.parked = self.reused = 0
 
@@ -74,22 +88,25 @@ class WorkerKeep:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def park(self, key: Hashable, pool: Any, spec: Any, made_for: Any,
-             idle_s: float | None) -> None:
-        """Keep ``pool`` (idle) for the next run of ``spec`` made for ``made_for``; every
-        parked pool is stopped after ``idle_s`` seconds unless a run takes it (None:
-        never)."""
+    def park(self, key: Hashable, pool: Any, made_for: Any, idle_s: float | None,
+             generation: int) -> None:
+        """Keep ``pool`` (idle) for the next run made for ``made_for``; every parked pool
+        is stopped after ``idle_s`` seconds unless a run takes it (None: never). A pool
+        of a run that began before the last :meth:`close` (``generation``) is stopped."""
         with self._lock:
-            old = self._entries.pop(key, None)
-            self._entries[key] = (pool, spec, made_for)
-            self.parked += 1
-            self._arm(idle_s)
+            if generation != self.generation:
+                old: tuple | None = (pool, made_for)
+            else:
+                old = self._entries.pop(key, None)
+                self._entries[key] = (pool, made_for)
+                self.parked += 1
+                self._arm(idle_s)
         if old is not None:
             _stop(old[0])
 
-    def take(self, key: Hashable, spec: Any, made_for: Any) -> Any | None:
-        """The pool parked under ``key`` for ``spec`` and ``made_for`` (None: none, or one
-        made for something else, which is stopped)."""
+    def take(self, key: Hashable, made_for: Any) -> Any | None:
+        """The pool parked under ``key`` for ``made_for`` (None: none, or one made for
+        something else, or with a dead worker, which is stopped)."""
         with self._lock:
             entry = self._entries.pop(key, None)
             if not self._entries and self._timer is not None:
@@ -97,8 +114,8 @@ class WorkerKeep:
                 self._timer = None
         if entry is None:
             return None
-        pool, kept_spec, kept_for = entry
-        if kept_spec is not spec or kept_for != made_for or not pool.keepable():
+        pool, kept_for = entry
+        if kept_for != made_for or not pool.keepable():
             _stop(pool)
             return None
         self.reused += 1
@@ -108,10 +125,11 @@ class WorkerKeep:
         """Stop every parked pool (idempotent)."""
         with self._lock:
             entries, self._entries = list(self._entries.values()), {}
+            self.generation += 1
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-        for pool, _, _ in entries:
+        for pool, _ in entries:
             _stop(pool)
 
     def _arm(self, idle_s: float | None) -> None:
@@ -121,7 +139,7 @@ class WorkerKeep:
             self._timer = None
         if idle_s is None:
             return
-        timer = threading.Timer(idle_s, self.close)
+        timer = threading.Timer(idle_s, _close_if_alive, (weakref.ref(self),))
         timer.name, timer.daemon = "zephon-keep-idle", True
         timer.start()
         self._timer = timer

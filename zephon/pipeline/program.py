@@ -144,6 +144,9 @@ class StageProgram:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_seeded"] = {}  # made again where the copy runs
+        # what the last unit run here was: not the program (a kept pool's workers are
+        # checked against the program's bytes, :meth:`WorkerPool.runs`)
+        state["_stage"] = 0
         return state
 
     def _seeded_ops(self, where: str) -> list[list]:

@@ -181,12 +181,14 @@ def chosen(mode: str, drew: frozenset[str] | None) -> frozenset[str]:
     """The generators a ``map`` or ``filter`` op is seeded for under
     ``seed_global_rngs=mode``: ``"off"`` none; ``"all"`` all three (torch's only when torch
     is imported when the run starts: a process that never imports it pays nothing for
-    it); ``"auto"`` those validation saw the op draw from (``drew``; None: it did not
-    look, e.g. ``auto_validation="off"``, or the op is not among the leading ones)."""
-    if mode == "all":
-        return frozenset(g for g in GENERATORS if g != TORCH or TORCH in sys.modules)
-    if mode == "auto" and drew:
-        return frozenset(drew)
+    it); ``"auto"``: an op validation saw draw from any of them (``drew``; None: it did
+    not look, e.g. ``auto_validation="off"``, or the op is not among the leading ones)
+    is seeded for all three (torch's when it drew from it or torch is imported): the
+    probe sees one sample, and an op whose draws depend on its sample (``if
+    random.random() < p: np.random...``) would leave the others unseeded."""
+    if mode == "all" or (mode == "auto" and drew):
+        return frozenset(g for g in GENERATORS
+                         if g != TORCH or TORCH in sys.modules or (drew and TORCH in drew))
     return _NONE
 
 

@@ -60,6 +60,7 @@ seeded under ``"all"`` and not under ``"auto"``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pickle
@@ -279,14 +280,19 @@ def _leading(pipeline):
         yield ordinal, op
 
 
-def _call(op, value, sid, seed: int, ordinal: int, which: frozenset[str]) -> tuple:
+def _call(op, value, sid, seed: int, ordinal: int, which: frozenset[str],
+          guard: bool = False) -> tuple:
     """``(output, drew)``: ``op`` on ``value`` with the generators ``which`` seeded as the
     run seeds them, and the generators the call drew from. The callers keep the
     consumer's states around all of their calls (:func:`_kept`), not around each: two
     calls drawing from a generator left unseeded draw different numbers, as two samples
     of the run would."""
     args = (value, OpContext(sid, seed)) if op.with_ctx else (value,)
-    with rngs.LOCK:
+    # ``guard``: under rngs.LOCK, as the run's seeded calls are, for a seeded op probed
+    # while the run's threads may already run seeded calls; a probe before any worker
+    # exists, or of an op seeded for nothing, takes no lock (its user code may iterate a
+    # pipeline of its own, whose seeded calls on other threads would wait for ever)
+    with rngs.LOCK if guard and which else contextlib.nullcontext():
         rngs.plant(which, rngs.global_seeds(seed, sid, ordinal))
         marks = rngs.snapshot()
         out = op.fn(*args)
@@ -309,7 +315,8 @@ def _first_calls(pipeline, which: Callable[[Any], frozenset[str]]) -> list[_Call
         return _walk(pipeline, which)
 
 
-def _walk(pipeline, which: Callable[[Any], frozenset[str]]) -> list[_Call]:
+def _walk(pipeline, which: Callable[[Any], frozenset[str]],
+          guard: bool = False) -> list[_Call]:
     """:func:`_first_calls` without keeping the consumer's states."""
     calls: list[_Call] = []
     try:
@@ -324,7 +331,7 @@ def _walk(pipeline, which: Callable[[Any], frozenset[str]]) -> list[_Call]:
         except Exception:  # noqa: BLE001 - a sample that cannot be copied (a lock in it)
             break  # the checks need copies of it; inline and threads run it as it is
         try:
-            first, drew = _first_call(op, sample, sid, pipeline.seed, ordinal, which)
+            first, drew = _first_call(op, sample, sid, pipeline.seed, ordinal, which, guard)
         except Exception:  # noqa: BLE001 - op errors surface at run time, with the sample id
             break
         calls.append(_Call(op, ordinal, sid, sample, before, first, drew))
@@ -339,13 +346,13 @@ def _walk(pipeline, which: Callable[[Any], frozenset[str]]) -> list[_Call]:
 
 
 def _first_call(op, sample, sid, seed: int, ordinal: int,
-                which: Callable[[Any], frozenset[str]]) -> tuple:
+                which: Callable[[Any], frozenset[str]], guard: bool = False) -> tuple:
     """One probe call; made again when it imported torch (torch's generator could not be
     seeded before it), so the output is the one the run gives."""
     had_torch = rngs.TORCH in sys.modules
-    first, drew = _call(op, copy.deepcopy(sample), sid, seed, ordinal, which(op))
+    first, drew = _call(op, copy.deepcopy(sample), sid, seed, ordinal, which(op), guard)
     if not had_torch and rngs.TORCH in sys.modules and rngs.TORCH in which(op) | drew:
-        first, drew = _call(op, copy.deepcopy(sample), sid, seed, ordinal, which(op))
+        first, drew = _call(op, copy.deepcopy(sample), sid, seed, ordinal, which(op), guard)
     return first, drew
 
 
@@ -358,7 +365,7 @@ def _behaviour_issues(plan, seeded: Seeded,
     with _kept():
         calls = _FIRST_CALLS.pop(plan, None)
         if calls is None:
-            calls = _walk(plan.spec, _seeded_for(plan, seeded))
+            calls = _walk(plan.spec, _seeded_for(plan, seeded), guard=True)
         return _second_calls(plan, seeded, calls, needs_pickle)
 
 
@@ -380,7 +387,8 @@ def _second_calls(plan, seeded: Seeded, calls: list[_Call],
             break
         try:
             probe = copy.deepcopy(c.sample)
-            second, drew = _call(c.op, probe, c.sid, pipeline.seed, c.ordinal, which)
+            second, drew = _call(c.op, probe, c.sid, pipeline.seed, c.ordinal, which,
+                                 guard=True)
         except Exception:  # noqa: BLE001 - op errors surface at run time, with the sample id
             break
         unseeded = (c.drew | drew) - which
@@ -443,6 +451,8 @@ def _cause(unseeded: frozenset[str], seeded: frozenset[str], mode: str) -> str:
         return (f"{_labels(seeded)} {'was' if len(seeded) == 1 else 'were'} seeded from "
                 f"the sample's identity before each call, so {UNSEEDABLE}. Ways out: "
                 f"{UNSEEDABLE_WAYS}")
+    if mode != "off":  # no global draw was seen: the randomness is of another kind
+        return f"{UNSEEDABLE}. Ways out: {UNSEEDABLE_WAYS}"
     return ("it draws from randomness nothing seeds for it: a global RNG under "
             "seed_global_rngs='off' (torch's, as torchvision's random transforms do, "
             "numpy's np.random, the random module's), a generator made without a seed or "

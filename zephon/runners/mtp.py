@@ -91,6 +91,11 @@ class MtpSource:
         self.pool.submit(("start", start))
         self.pool.get()
 
+    def runs(self, factory: Callable[[Any], Iterator]) -> bool:
+        """Whether the subprocess runs ``factory`` (it pickles to the bytes it started
+        with)."""
+        return self.pool.runs(MtpHandler(factory))
+
     def keepable(self) -> bool:
         """Whether the subprocess can serve another run (it is running)."""
         return self.pool.all_running()

@@ -333,6 +333,9 @@ class WorkerPool:
             "log_level": logging.getLogger("zephon").getEffectiveLevel(),
             "timing": self.config.timing,
         }
+        # the workers run these bytes: the object is not needed any more, and holding it
+        # would keep what the handler references (a user's objects) alive with the pool
+        self.handler = None
         _start_resource_tracker(self.config.mp_context)
         try:
             for k in range(self.num_workers):
@@ -376,6 +379,14 @@ class WorkerPool:
         """Every worker that died by itself so far: slot index -> exit code (negative: the
         signal), as the death watch saw it, even while nobody is in ``get()``."""
         return cast("dict[int, int | None]", self._deaths.crashed())
+
+    def runs(self, handler) -> bool:
+        """Whether the workers run ``handler``: it pickles to the very bytes they were
+        started with (a handler whose objects changed since does not)."""
+        try:
+            return pickle.dumps(handler, protocol=5) == getattr(self, "_boot", {}).get("handler")
+        except Exception:  # noqa: BLE001 - one that cannot be pickled is not what they run
+            return False
 
     def all_running(self) -> bool:
         """Whether the pool is open and every worker in service (not retiring) is running:
