@@ -350,6 +350,20 @@ def write_json(path: str | None, payload: dict) -> None:
         print(f"wrote {path}", file=sys.stderr)
 
 
+def conclude(script: str, args, rows: list[dict], table: dict, found: dict, skipped: list,
+             meta: dict) -> int:
+    """The end every script shares: the rows not run, the ratios' line, the JSON
+    (``meta``: its script-specific entries) and the exit status."""
+    for reason in skipped:
+        print(f"not run here: {reason}")
+    print(" ".join(f"{k}={v:.3f}" for k, v in found.items()))
+    failed = [r["name"] for r in rows if r["name"] not in table]
+    write_json(args.json, {"script": script, "skipped": skipped, "versions": versions(),
+                           "malloc_threshold": args.malloc_threshold, "failed": failed,
+                           "rows": table, "ratios": found, **meta})
+    return exit_code(failed)
+
+
 def exit_code(failed: list[str]) -> int:
     """The script's exit status: 1 when a row gave no result in any repetition."""
     if failed:

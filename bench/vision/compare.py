@@ -334,17 +334,9 @@ def main(argv=None) -> int:
                          args.malloc_threshold)
     table = {name: C.summarise(rs, KEYS) for name, rs in results.items() if rs}
     print_table(rows, table, reps, manifest["n"])
-    for reason in skipped:
-        print(f"not run here: {reason}")
-    found = ratios(table)
-    print(" ".join(f"{k}={v:.3f}" for k, v in found.items()))
-    failed = [r["name"] for r in rows if r["name"] not in table]
-    C.write_json(args.json, {"script": "compare", "images": manifest["n"], "reps": reps,
-                             "features": feat, "versions": C.versions(), "skipped": skipped,
-                             "malloc_threshold": args.malloc_threshold,
-                             "failed": failed,
-                             "rows": table, "runs": results, "ratios": found})
-    return C.exit_code(failed)
+    return C.conclude("compare", args, rows, table, ratios(table), skipped,
+                      {"images": manifest["n"], "reps": reps, "features": feat,
+                       "runs": results})
 
 
 if __name__ == "__main__":
