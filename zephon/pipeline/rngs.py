@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import os
 import random
 import sys
@@ -195,9 +196,7 @@ def chosen(mode: str, drew: frozenset[str] | None) -> frozenset[str]:
 def _torch_generator() -> Any:
     """torch's default CPU generator (torch is imported here if the process has not yet:
     an op seeded for torch uses it)."""
-    torch: Any = sys.modules.get("torch")
-    if torch is None:
-        import torch
+    torch: Any = sys.modules.get("torch") or importlib.import_module("torch")
     return torch.default_generator
 
 
