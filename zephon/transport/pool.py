@@ -259,6 +259,35 @@ class _WorkerHandle:
         self.retiring = False  # retire_worker(): no new tasks, STOP once it has none
 
 
+class _Waker:
+    """The wake-up pipe's write end: ``wake()`` writes one byte (nothing once closed; the
+    lock keeps a write from reaching an fd number that :meth:`close` freed and another
+    file took since)."""
+
+    __slots__ = ("_fd", "_lock")
+
+    def __init__(self, fd: int) -> None:
+        self._fd, self._lock = fd, threading.RLock()  # (a finalizer may release inside)
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._fd < 0:
+                return
+            try:
+                os.write(self._fd, b"\0")
+            except OSError:
+                pass  # already awake (the pipe is full)
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, -1
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
 class WorkerPool:
     """N worker processes running ``handler(payload) -> result`` (see the module docstring)."""
 
@@ -293,6 +322,7 @@ class WorkerPool:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._waker = _Waker(self._wake_w)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._closed = False
@@ -613,14 +643,16 @@ class WorkerPool:
         try:
             self._selector.close()
         finally:
-            fds = (self._wake_r, self._wake_w)
-            self._wake_r = self._wake_w = -1  # _wake() writes no more
-            for fd in fds:
-                try:
-                    if fd >= 0:
-                        os.close(fd)
-                except OSError:
-                    pass
+            # the write end is closed by the waker, under its lock: a release of a region
+            # the consumer drops after the close writes nothing (the fd number may belong
+            # to another file by then)
+            read, self._wake_r, self._wake_w = self._wake_r, -1, -1
+            self._waker.close()
+            try:
+                if read >= 0:
+                    os.close(read)
+            except OSError:
+                pass
         self.registry.close_all()
         if self.arena_kind == "named" and self._started:
             sweep_segments_of(os.getpid(), self._worker_pids)
@@ -628,12 +660,7 @@ class WorkerPool:
 
     def _wake(self) -> None:
         """Wake a ``get()`` blocked in another thread (the wake-up pipe)."""
-        if self._wake_w < 0:
-            return
-        try:
-            os.write(self._wake_w, b"\0")
-        except OSError:
-            pass  # already awake (the pipe is full), or the pool is closed
+        self._waker.wake()
 
     def _drain(self, children: list[Child], deadline: float) -> None:
         """One wait of ``close()`` for the workers to exit, reading and dropping what they
@@ -669,14 +696,11 @@ class WorkerPool:
         queue = self._frees.get(owner)
         if queue is None:
             return None
-        wake_w = self._wake_w
+        waker = self._waker
 
         def release(token: int) -> None:
             queue.append(token)
-            try:
-                os.write(wake_w, b"\0")
-            except (BlockingIOError, OSError):
-                pass  # already awake, or the pool is closed
+            waker.wake()
 
         return release
 
