@@ -485,3 +485,26 @@ def test_an_op_may_run_a_multiprocessing_pool(make_pool, transport):
     got = pool.get(timeout=120).value
     assert got["squares"] == [0, 1, 4, 9, 16]
     assert len(got["pids"]) == 2 and not [p for p in got["pids"] if alive(p)]
+
+
+def test_a_region_dropped_after_close_writes_nothing_to_a_reused_fd(make_pool):
+    """The consumer may hold a result past ``close()``; dropping it then must not write the
+    pool's wake-up byte to the fd number the closed pipe freed (another file's by then)."""
+    pool = make_pool(workers=1)
+    pool.submit(("full", (8 << 20, 7)))
+    held = pool.get().value  # lives in the worker's arena until dropped
+    pool.close()
+    fds = [os.pipe() for _ in range(4)]  # take the freed numbers (the lowest free ones)
+    try:
+        del held
+        import gc
+
+        gc.collect()
+        for r, _ in fds:
+            os.set_blocking(r, False)
+            with pytest.raises(BlockingIOError):  # empty: nothing was written into it
+                os.read(r, 16)
+    finally:
+        for pair in fds:
+            for fd in pair:
+                os.close(fd)
