@@ -4,6 +4,7 @@ back-pressure, errors and faults, over both transports, with real processes."""
 from __future__ import annotations
 
 import fcntl
+import gc
 import logging
 import os
 import select
@@ -497,8 +498,6 @@ def test_a_region_dropped_after_close_writes_nothing_to_a_reused_fd(make_pool):
     fds = [os.pipe() for _ in range(4)]  # take the freed numbers (the lowest free ones)
     try:
         del held
-        import gc
-
         gc.collect()
         for r, _ in fds:
             os.set_blocking(r, False)
