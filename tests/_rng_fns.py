@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 
 import numpy as np
 
@@ -114,3 +115,29 @@ def inner_numpy_pipeline(s):
     inner = (Pipeline(sources.from_callable(4, make_sample), shuffle=False)
              .map(numpy_noise).options(RuntimeOptions(runner="threads", max_workers=2)))
     return {**s, "inner": [float(x["numpy"][0]) for x in inner]}
+
+
+#: set by a test: the second call of :func:`held_once` waits for it (at most 30 s)
+HOLD = {"entered": threading.Event(), "release": threading.Event(), "calls": 0,
+        "b_entered": threading.Event(), "a_done": threading.Event(), "b_calls": 0}
+
+
+def held_once(s):
+    """Draws nothing; its second call (validation's second probe, which the first
+    showed drawing nothing) waits until the test releases it, so another pipeline is
+    checked on another thread meanwhile."""
+    HOLD["calls"] += 1
+    if HOLD["calls"] == 2:
+        HOLD["entered"].set()
+        HOLD["release"].wait(30)
+    return {**s, "held": 1}
+
+
+def waits_for_a(s):
+    """Draws nothing; its first call (validation's first probe, after the seeds are
+    planted) waits until the test says :func:`held_once`'s pipeline is checked."""
+    HOLD["b_calls"] += 1
+    if HOLD["b_calls"] == 1:
+        HOLD["b_entered"].set()
+        HOLD["a_done"].wait(30)
+    return {**s, "waited": 1}

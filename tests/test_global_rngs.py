@@ -289,9 +289,49 @@ def test_a_seeded_op_that_also_draws_from_its_own_generator_is_refused():
 
 
 def test_an_op_iterating_a_seeded_threads_pipeline_of_its_own_does_not_hang():
-    """The outer op draws nothing, so its probes take no lock; the inner pipeline's seeded
-    calls on its threads then run (they used to wait for ever on the probe's lock)."""
+    """Probes hold the lock of the seeded calls; the inner pipeline, started inside the
+    outer op's probe, would run seeded calls on its threads that wait for it: it is
+    refused there (the probe stops at the op), and the run proper calls the op with no
+    lock held, so the inner pipeline runs."""
     pipe = Pipeline(sources.from_callable(3, F.make_sample), shuffle=False) \
         .map(F.inner_numpy_pipeline)
     first, second = list(pipe), list(pipe)
     assert len(first) == 3 and [s["inner"] for s in first] == [s["inner"] for s in second]
+
+
+def test_two_pipelines_checked_at_once_on_two_threads_see_no_draw_of_each_other():
+    """Validation under seed_global_rngs="auto" plants all three generators before an
+    op's first probe call: unlocked, a pipeline checked on another thread at that moment
+    saw the plants as its own op's draws (a false Z002 that failed a CI run of two ranks
+    in threads). Pipeline A's op, seen drawing nothing, is inside its second probe when
+    B's first probe plants; B's op waits until A's check is over."""
+    import threading
+
+    F.HOLD.update(entered=threading.Event(), release=threading.Event(), calls=0,
+                  b_entered=threading.Event(), a_done=threading.Event(), b_calls=0)
+    errors: list[BaseException] = []
+
+    def first_of(pipe):
+        try:
+            it = iter(pipe)
+            next(it)
+            it.close()
+        except BaseException as exc:  # noqa: BLE001 - reported by the assert below
+            errors.append(exc)
+
+    def pipe(fn):
+        return Pipeline(sources.from_callable(4, F.make_sample), shuffle=False) \
+            .map(fn).options(RuntimeOptions(runner="inline"))
+
+    a = threading.Thread(target=first_of, args=(pipe(F.held_once),), daemon=True)
+    b = threading.Thread(target=first_of, args=(pipe(F.waits_for_a),), daemon=True)
+    a.start()
+    assert F.HOLD["entered"].wait(30)
+    b.start()
+    F.HOLD["b_entered"].wait(1.0)  # B planted (unlocked) or waits for A's probe to end
+    F.HOLD["release"].set()
+    a.join(60)
+    F.HOLD["a_done"].set()
+    b.join(60)
+    assert not a.is_alive() and not b.is_alive()
+    assert not errors, errors

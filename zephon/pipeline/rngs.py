@@ -53,9 +53,10 @@ Invariants:
 
 - a seeded call starts from generators in a state that is a function of the identity
   alone, whatever the runner, the worker count or the restore: its draws are exact;
-- seeded calls of one process never overlap: each holds :data:`LOCK` for the whole
-  call (threads run seeded ops one at a time; unseeded ops and the reads beside them
-  stay parallel; ``runner="process"`` runs seeded ops in parallel, one process each);
+- seeded calls of one process never overlap, with each other or with validation's probe
+  calls (:func:`probe`): each holds :data:`LOCK` for the whole call (threads run
+  seeded ops one at a time; unseeded ops and the reads beside them stay parallel;
+  ``runner="process"`` runs seeded ops in parallel, one process each);
 - the consumer's own states are given back: after a unit (``UNIT``) or a call
   (``CALL``). What this cannot cover: code of the consumer's process that draws from
   these generators *while* a seeded call runs on another thread (a training step on
@@ -110,6 +111,8 @@ __all__ = [
     "own_process",
     "placement",
     "plant",
+    "probe",
+    "probing",
     "restore",
     "save",
     "snapshot",
@@ -135,8 +138,10 @@ OWN: Final = "own"
 UNIT: Final = "unit"
 CALL: Final = "call"
 
-#: held by every seeded call, and while a consumer's states are saved or restored
+#: held by every seeded call, by every probe call of validation (:func:`probe`), and
+#: while a consumer's states are saved or restored
 LOCK = threading.RLock()
+_PROBER: dict[str, int | None] = {"ident": None}  # the thread inside probe() now
 
 _NONE: frozenset[str] = frozenset()
 _OWNED = {"pid": -1}  # the process that said its generators are the pipeline's
@@ -244,6 +249,28 @@ def kept(which: frozenset[str]) -> Iterator[None]:
     finally:
         with LOCK:
             restore(states)
+
+
+@contextlib.contextmanager
+def probe() -> Iterator[None]:
+    """One probe call of validation: planting, the op's call and the two snapshots that
+    say what it drew from, all under :data:`LOCK`. Without it two pipelines checked at
+    once on two threads see each other's planted seeds as draws (a false Z002), and a
+    probe's plants land inside another thread's seeded call (wrong draws there)."""
+    with LOCK:
+        outer = _PROBER["ident"]
+        _PROBER["ident"] = threading.get_ident()
+        try:
+            yield
+        finally:
+            _PROBER["ident"] = outer
+
+
+def probing() -> bool:
+    """Whether this thread is inside :func:`probe` (an op being probed runs a pipeline of
+    its own): that run's seeded calls on other threads would wait for :data:`LOCK` for
+    ever, so it is refused (:func:`refuse_nested`)."""
+    return _PROBER["ident"] == threading.get_ident()
 
 
 def snapshot() -> dict[str, Any]:

@@ -60,7 +60,6 @@ seeded under ``"all"`` and not under ``"auto"``.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import pickle
@@ -72,7 +71,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from zephon.errors import ValidationError, ValidationIssue
+from zephon.errors import ValidationError, ValidationIssue, ZephonConfigError
 from zephon.pipeline import rngs
 from zephon.pipeline.ops import FilterOp, MapOp, OpContext
 from zephon.transport.codec import find_unpicklable
@@ -280,19 +279,17 @@ def _leading(pipeline):
         yield ordinal, op
 
 
-def _call(op, value, sid, seed: int, ordinal: int, which: frozenset[str],
-          guard: bool = False) -> tuple:
+def _call(op, value, sid, seed: int, ordinal: int, which: frozenset[str]) -> tuple:
     """``(output, drew)``: ``op`` on ``value`` with the generators ``which`` seeded as the
     run seeds them, and the generators the call drew from. The callers keep the
     consumer's states around all of their calls (:func:`_kept`), not around each: two
     calls drawing from a generator left unseeded draw different numbers, as two samples
     of the run would."""
     args = (value, OpContext(sid, seed)) if op.with_ctx else (value,)
-    # ``guard``: under rngs.LOCK, as the run's seeded calls are, for a seeded op probed
-    # while the run's threads may already run seeded calls; a probe before any worker
-    # exists, or of an op seeded for nothing, takes no lock (its user code may iterate a
-    # pipeline of its own, whose seeded calls on other threads would wait for ever)
-    with rngs.LOCK if guard and which else contextlib.nullcontext():
+    # under rngs.LOCK, as the run's seeded calls are: another thread's plants and seeded
+    # calls (a second pipeline checked at once, this run's own threads) neither show here
+    # as draws nor see this call's plants
+    with rngs.probe():
         rngs.plant(which, rngs.global_seeds(seed, sid, ordinal))
         marks = rngs.snapshot()
         out = op.fn(*args)
@@ -315,8 +312,7 @@ def _first_calls(pipeline, which: Callable[[Any], frozenset[str]]) -> list[_Call
         return _walk(pipeline, which)
 
 
-def _walk(pipeline, which: Callable[[Any], frozenset[str]],
-          guard: bool = False) -> list[_Call]:
+def _walk(pipeline, which: Callable[[Any], frozenset[str]]) -> list[_Call]:
     """:func:`_first_calls` without keeping the consumer's states."""
     calls: list[_Call] = []
     try:
@@ -331,7 +327,7 @@ def _walk(pipeline, which: Callable[[Any], frozenset[str]],
         except Exception:  # noqa: BLE001 - a sample that cannot be copied (a lock in it)
             break  # the checks need copies of it; inline and threads run it as it is
         try:
-            first, drew = _first_call(op, sample, sid, pipeline.seed, ordinal, which, guard)
+            first, drew = _first_call(op, sample, sid, pipeline.seed, ordinal, which)
         except Exception:  # noqa: BLE001 - op errors surface at run time, with the sample id
             break
         calls.append(_Call(op, ordinal, sid, sample, before, first, drew))
@@ -346,13 +342,13 @@ def _walk(pipeline, which: Callable[[Any], frozenset[str]],
 
 
 def _first_call(op, sample, sid, seed: int, ordinal: int,
-                which: Callable[[Any], frozenset[str]], guard: bool = False) -> tuple:
+                which: Callable[[Any], frozenset[str]]) -> tuple:
     """One probe call; made again when it imported torch (torch's generator could not be
     seeded before it), so the output is the one the run gives."""
     had_torch = rngs.TORCH in sys.modules
-    first, drew = _call(op, copy.deepcopy(sample), sid, seed, ordinal, which(op), guard)
+    first, drew = _call(op, copy.deepcopy(sample), sid, seed, ordinal, which(op))
     if not had_torch and rngs.TORCH in sys.modules and rngs.TORCH in which(op) | drew:
-        first, drew = _call(op, copy.deepcopy(sample), sid, seed, ordinal, which(op), guard)
+        first, drew = _call(op, copy.deepcopy(sample), sid, seed, ordinal, which(op))
     return first, drew
 
 
@@ -365,7 +361,7 @@ def _behaviour_issues(plan, seeded: Seeded,
     with _kept():
         calls = _FIRST_CALLS.pop(plan, None)
         if calls is None:
-            calls = _walk(plan.spec, _seeded_for(plan, seeded), guard=True)
+            calls = _walk(plan.spec, _seeded_for(plan, seeded))
         return _second_calls(plan, seeded, calls, needs_pickle)
 
 
@@ -387,8 +383,7 @@ def _second_calls(plan, seeded: Seeded, calls: list[_Call],
             break
         try:
             probe = copy.deepcopy(c.sample)
-            second, drew = _call(c.op, probe, c.sid, pipeline.seed, c.ordinal, which,
-                                 guard=True)
+            second, drew = _call(c.op, probe, c.sid, pipeline.seed, c.ordinal, which)
         except Exception:  # noqa: BLE001 - op errors surface at run time, with the sample id
             break
         unseeded = (c.drew | drew) - which
@@ -479,6 +474,26 @@ def decide_global_rngs(plan) -> Seeded:
         else frozenset() for op in pipeline.ops)
 
 
+def _refuse_nested(plan, seeded: Seeded) -> Seeded:
+    """``seeded``, unless this run starts inside a probe call of another pipeline's op
+    (:func:`~zephon.pipeline.rngs.probing`: the op iterates a pipeline of its own) and
+    would run seeded calls on threads of this process: they would wait for ever for the
+    lock the probe holds, so this raises instead (the probe stops at the op, and the run
+    proper calls it with no lock held)."""
+    if not rngs.probing() or not any(seeded) or plan.opts.mtp_mode:
+        return seeded
+    stage_of = {id(op): stage.mode for stage in plan.stages for op in stage.ops}
+    names = [op.name for op, which in zip(plan.spec.ops, seeded, strict=True)
+             if which and stage_of.get(id(op)) != "process"]
+    if not names:
+        return seeded
+    raise ZephonConfigError(
+        f"a pipeline iterated inside an op that zephon is checking runs {', '.join(names)} "
+        "seeded for the global generators on threads of this process, which would wait "
+        "for the check's lock: the check of the outer op stops here and the run calls "
+        "it unchecked")
+
+
 def _none(plan) -> Seeded:
     """No op seeded."""
     return tuple(frozenset() for _ in plan.spec.ops)
@@ -518,8 +533,8 @@ def validate(plan, checks: str = "all", seeded: Seeded | None = None) -> Seeded:
     issues = find_issues(plan, "pickle") if mode != "off" else []
     if checks == "pickle":
         _report(mode, issues)
-        return decide_global_rngs(plan)
-    seeded = decide_global_rngs(plan)
+        return _refuse_nested(plan, decide_global_rngs(plan))
+    seeded = _refuse_nested(plan, decide_global_rngs(plan))
     if mode != "off":
         _report(mode, find_issues(plan, "all", seeded))
     return seeded
