@@ -25,7 +25,8 @@ import pytest
 import zephon
 
 ROOT = pathlib.Path(zephon.__file__).parent
-# package -> zephon packages it may import (besides itself and zephon.errors)
+# package -> zephon packages it may import (besides itself, zephon.errors and
+# zephon._modules, two leaf modules of the standard library alone)
 ALLOWED = {
     "options": set(),
     "kernels": set(),
@@ -109,7 +110,7 @@ def test_package_imports_only_downward(package):
         for name in _imports(path):
             parts = name.split(".")
             if parts[0] == "zephon":
-                if len(parts) == 1 or parts[1] in ("errors", package):
+                if len(parts) == 1 or parts[1] in ("errors", "_modules", package):
                     continue
                 assert parts[1] in ALLOWED[package], f"{path}: imports {name}"
             elif package in THIRD_PARTY_OK:
@@ -290,3 +291,10 @@ def test_the_pipeline_reads_executors_through_their_contract():
 def test_errors_module_is_stdlib_only():
     for name in _imports(ROOT / "errors.py"):
         assert name.split(".")[0] in sys.stdlib_module_names or name == "__future__"
+
+
+def test_the_leaf_modules_import_the_standard_library_alone():
+    for leaf in ("errors.py", "_modules.py"):
+        for name in _imports(ROOT / leaf):
+            top = name.split(".")[0]
+            assert top in sys.stdlib_module_names or top == "__future__", f"{leaf}: {name}"

@@ -85,12 +85,13 @@ import hashlib
 import importlib
 import os
 import random
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any, Final, NamedTuple
 
 import numpy as np
+
+from zephon._modules import imported
 
 __all__ = [
     "CALL",
@@ -194,14 +195,15 @@ def chosen(mode: str, drew: frozenset[str] | None) -> frozenset[str]:
     random.random() < p: np.random...``) would leave the others unseeded."""
     if mode == "all" or (mode == "auto" and drew):
         return frozenset(g for g in GENERATORS
-                         if g != TORCH or TORCH in sys.modules or (drew and TORCH in drew))
+                         if g != TORCH or imported(TORCH) is not None
+                         or (drew and TORCH in drew))
     return _NONE
 
 
 def _torch_generator() -> Any:
     """torch's default CPU generator (torch is imported here if the process has not yet:
     an op seeded for torch uses it)."""
-    torch: Any = sys.modules.get("torch") or importlib.import_module("torch")
+    torch: Any = imported(TORCH) or importlib.import_module(TORCH)
     return torch.default_generator
 
 
@@ -282,7 +284,7 @@ def snapshot() -> dict[str, Any]:
         NUMPY: (legacy[1].tobytes(), *legacy[2:]),
         RANDOM: random.getstate(),
     }
-    if TORCH in sys.modules:
+    if imported(TORCH) is not None:
         states[TORCH] = _torch_generator().get_state().numpy().tobytes()
     return states
 

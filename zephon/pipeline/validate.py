@@ -71,6 +71,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from zephon._modules import imported
 from zephon.errors import ValidationError, ValidationIssue, ZephonConfigError
 from zephon.pipeline import rngs
 from zephon.pipeline.ops import FilterOp, MapOp, OpContext
@@ -90,7 +91,7 @@ def _same(a, b) -> bool:
     """Equal values, bit for bit where arrays or tensors are involved (a NaN equals a NaN
     in the same place): dtype, shape and contents. Tensors compare with ``torch.equal``
     (``bool(a == b)`` is ambiguous for them); torch is looked up, never imported."""
-    torch = sys.modules.get("torch")
+    torch = imported("torch")
     if torch is not None and (isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor)):
         return _same_tensors(torch, a, b)
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
@@ -199,7 +200,6 @@ UNSEEDABLE_WAYS = (
 def _unimportable_main(obj) -> str | None:
     """The name of a function (or class) that ``obj`` pickles by reference to ``__main__``
     when ``__main__`` has no file a spawn worker could import, else None."""
-    import sys
 
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
@@ -300,7 +300,7 @@ def _kept():
     """The consumer's states of the generators (torch's when torch is imported), given
     back when the probes are done (a generator a probe imported keeps its state)."""
     return rngs.kept(frozenset(g for g in rngs.GENERATORS
-                               if g != rngs.TORCH or rngs.TORCH in sys.modules))
+                               if g != rngs.TORCH or imported(rngs.TORCH) is not None))
 
 
 def _first_calls(pipeline, which: Callable[[Any], frozenset[str]]) -> list[_Call]:
@@ -345,9 +345,9 @@ def _first_call(op, sample, sid, seed: int, ordinal: int,
                 which: Callable[[Any], frozenset[str]]) -> tuple:
     """One probe call; made again when it imported torch (torch's generator could not be
     seeded before it), so the output is the one the run gives."""
-    had_torch = rngs.TORCH in sys.modules
+    had_torch = imported(rngs.TORCH) is not None
     first, drew = _call(op, copy.deepcopy(sample), sid, seed, ordinal, which(op))
-    if not had_torch and rngs.TORCH in sys.modules and rngs.TORCH in which(op) | drew:
+    if not had_torch and imported(rngs.TORCH) is not None and rngs.TORCH in which(op) | drew:
         first, drew = _call(op, copy.deepcopy(sample), sid, seed, ordinal, which(op))
     return first, drew
 

@@ -47,6 +47,8 @@ import logging
 import os
 import sys
 
+from zephon._modules import imported
+
 __all__ = ["THREAD_ENV_VARS", "ComputeThreads", "compute_threads_report",
            "limit_compute_threads"]
 
@@ -78,7 +80,7 @@ def limit_compute_threads(n: int) -> None:
 
 def _limit_torch(n: int) -> bool:
     """``torch.set_num_threads(n)`` if torch is imported; whether it was."""
-    set_threads = getattr(sys.modules.get("torch"), "set_num_threads", None)
+    set_threads = getattr(imported("torch"), "set_num_threads", None)
     if not callable(set_threads):
         return False
     set_threads(n)
@@ -102,7 +104,7 @@ class ComputeThreads:
 
     def before_task(self) -> None:
         """Limit torch's threads if a task imported torch since the last check."""
-        if self._torch_pending and "torch" in sys.modules:
+        if self._torch_pending and imported("torch") is not None:
             self._torch_pending = not _limit_torch(self.n)
 
 
