@@ -41,7 +41,9 @@ ALLOWED = {
     "torch": {"pipeline", "checkpoint", "transport", "runners", "options", "kernels",
               "_kernels", "jobs"},
     "report": {"pipeline", "options"},  # profiling runs and renders pipeline statistics
-    "vision": set(),  # image ops: plain map ops, they need nothing of the engine
+    # image ops: plain map ops, they need nothing of the engine; _kernels: the optional
+    # region decoder (kernels/jpeg)
+    "vision": {"_kernels"},
 }
 # zephon.pipeline module (or subpackage) -> pipeline modules it may import (besides
 # itself). Bottom: what flows down a lane and how callables are named; then the ops;

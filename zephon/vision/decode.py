@@ -24,6 +24,18 @@ How a JPEG is decoded with less work (:func:`decode_box`):
   bit-identical to a full decode's (tested for baseline, progressive, restart markers,
   4:2:0, 4:2:2, 4:4:4 and grayscale). The rows above the box and the columns beside it
   cannot be skipped: the entropy data is one sequential stream.
+- **Region decode.** Where zephon was built with libjpeg's headers, the optional kernel
+  ``zephon._kernels.jpeg_region`` (libjpeg-turbo's partial-decode API:
+  ``jpeg_skip_scanlines`` and ``jpeg_crop_scanline``) decodes a YCbCr or grayscale JPEG's
+  box alone: the rows above it are entropy-decoded but get no inverse DCT, upsampling or
+  colour conversion, the columns beside it get none either, and nothing below it is read
+  (with the row limit, not even in a progressive file's later scans). The kernel is asked
+  for :data:`REGION_EDGE` more columns on each side than the box needs: libjpeg upsamples
+  the chroma of a cropped row's first and last columns from themselves, where a full
+  decode reads their neighbours; two columns further in the pixels are a full decode's,
+  bit for bit (tested for baseline, progressive, restart markers, 4:2:0, 4:2:2, 4:4:4
+  and grayscale, at every scale, with each IDCT and upsampling setting). Without the
+  kernel the rows above and the columns beside the box are decoded in full.
 - **Region only.** Only the box's rows and columns of the decoded image (with the reach
   of the resampling kernel when ``clamp=False``) become a Pillow image, which is resized
   to the output size in one step (``Image.resize(size, filter, box=...)``).
@@ -83,7 +95,7 @@ import numpy as np
 from zephon.errors import SourceError
 
 __all__ = ["EXTRA_HINT", "FILTERS", "JpegLayout", "Probe", "decode_box", "decode_image",
-           "jpeg_layout", "probe", "stored_box"]
+           "jpeg_layout", "probe", "region_kernel", "stored_box"]
 
 EXTRA_HINT = 'python -m pip install -e ".[vision]" (in the zephon checkout)'
 #: resampling filters by name (torchvision's InterpolationMode values): Pillow's name and
@@ -104,7 +116,28 @@ _MODULES: dict[str, ModuleType] = {}
 #: the largest buffer (bytes) a decoding thread keeps between decodes (one for the input,
 #: one for the output)
 SCRATCH_MAX = 16 << 20
+#: columns decoded past each side of a box by the region kernel (see the module docstring)
+REGION_EDGE = 2
+#: columns crop_scanline may add on the left and the right (iMCU edges: at most 32 each)
+_REGION_SLACK = 64
 _LOCAL = threading.local()
+#: the region kernel: False before the first lookup, None where it was not built
+_REGION: dict[str, Any] = {"kernel": False}
+
+
+def region_kernel() -> Any:
+    """The region decoder (``zephon._kernels.jpeg_region.decode_region``), or None where
+    zephon was built without libjpeg's headers."""
+    kernel = _REGION["kernel"]
+    if kernel is False:
+        try:
+            from zephon._kernels.jpeg_region import decode_region
+        except ImportError:
+            kernel = None
+        else:
+            kernel = decode_region
+        _REGION["kernel"] = kernel
+    return kernel
 
 
 def _module(name: str) -> ModuleType:
@@ -442,6 +475,31 @@ def _decode(p: Probe, scale: int, rows: int, fast: tuple[bool, bool]) -> _Decode
     return _decode_pil(p, scale, limit)
 
 
+def _decode_region(p: Probe, scale: int, bounds: tuple[int, int, int, int], rows: int,
+                   fast: tuple[bool, bool]):
+    """The Pillow image of ``bounds`` (x0, y0, x1, y1, at ``scale``) decoded by the region
+    kernel, or None where it is missing or declines (it failed, warned of corrupt data,
+    or the box is too wide for the scratch buffer): the whole-row path then decides, as
+    it always did."""
+    kernel = region_kernel()
+    if kernel is None or p.colorspace is None or p.jpeg is None or not p.jpeg.complete:
+        return None
+    x0, y0, x1, y1 = bounds
+    data, _ = _limited(p, rows, scale, reuse=True)
+    xa = max(0, x0 - REGION_EDGE)
+    xb = min(-(-p.width // scale), x1 + REGION_EDGE)
+    comps = 3 if p.colorspace == "YCbCr" else 1
+    out = _scratch("output", (y1 - y0) * (xb - xa + _REGION_SLACK) * comps)
+    if out is None:
+        return None
+    status, xoff, width, got, warnings, _ = kernel(
+        data, scale, xa, y0, xb - xa, y1 - y0, comps == 1, fast[0], fast[1], out)
+    if status != 0 or warnings or got != comps:
+        return None
+    px = np.frombuffer(out, np.uint8, (y1 - y0) * width * comps).reshape(y1 - y0, width, comps)
+    return _region(_Decoded(px, scale), (x0 - xoff, 0, x1 - xoff, y1 - y0))
+
+
 def _region(decoded: _Decoded, bounds: tuple[int, int, int, int]):
     """The Pillow image of ``bounds`` (x0, y0, x1, y1) of the decoded pixels, in RGB or L
     (every other mode converted: Pillow's conversions to RGB are per pixel, so converting
@@ -470,6 +528,16 @@ def _margin(clamp: bool, support: float, box: tuple[float, float, float, float],
     return math.ceil(support * reach) + 1
 
 
+def _bounds(box: tuple[float, float, float, float], margin: int, scale: int,
+            have: tuple[int, int]) -> tuple[int, int, int, int]:
+    """The pixels (x0, y0, x1, y1) of an image decoded at ``scale``, ``have`` (width,
+    height) in size, that cover ``box`` with ``margin`` more on each side."""
+    left, top, right, bottom = box
+    return (max(0, math.floor(left / scale) - margin), max(0, math.floor(top / scale) - margin),
+            min(have[0], math.ceil(right / scale) + margin),
+            min(have[1], math.ceil(bottom / scale) + margin))
+
+
 def decode_box(p: Probe, box: tuple[float, float, float, float], size: tuple[int, int], *,
                resample: str = "bilinear", clamp: bool = True, fast_idct: bool = True,
                fast_upsample: bool = False):
@@ -486,15 +554,17 @@ def decode_box(p: Probe, box: tuple[float, float, float, float], size: tuple[int
     left, top, right, bottom = box
     s = _dct_scale(p, right - left, bottom - top, size, support)
     rows = min(p.height, s * (math.ceil(bottom / s) + _margin(clamp, support, box, size, s)))
-    decoded = _decode(p, s, rows, (fast_idct, fast_upsample))
-    s = decoded.scale
-    margin = _margin(clamp, support, box, size, s)
-    px = decoded.pixels
-    have_w, have_h = (px.shape[1], px.shape[0]) if isinstance(px, np.ndarray) else px.size
-    bounds = (max(0, math.floor(left / s) - margin), max(0, math.floor(top / s) - margin),
-              min(have_w, math.ceil(right / s) + margin),
-              min(have_h, math.ceil(bottom / s) + margin))
-    region = _region(decoded, bounds)
+    fast = (fast_idct, fast_upsample)
+    bounds = _bounds(box, _margin(clamp, support, box, size, s), s,
+                     (-(-p.width // s), -(-rows // s)))
+    region = _decode_region(p, s, bounds, rows, fast)
+    if region is None:
+        decoded = _decode(p, s, rows, fast)
+        s = decoded.scale
+        px = decoded.pixels
+        have = (px.shape[1], px.shape[0]) if isinstance(px, np.ndarray) else px.size
+        bounds = _bounds(box, _margin(clamp, support, box, size, s), s, have)
+        region = _region(decoded, bounds)
     x0, y0 = bounds[:2]
     rel = (left / s - x0, top / s - y0, right / s - x0, bottom / s - y0)
     if region.size == size and rel == (0, 0, *size):
