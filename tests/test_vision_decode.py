@@ -3,7 +3,9 @@
 The reference everywhere is what torchvision does on ImageFolder's PIL image:
 ``Image.open(...).convert("RGB")``, then ``crop(box).resize(size, filter)`` (its
 RandomResizedCrop on a PIL image), or ``resize`` then a centre crop (Resize +
-CenterCrop), then the flip. With ``fast_idct=False`` and a crop decoded at DCT scale 1
+CenterCrop), then the flip; the resize is Pillow 12's, which the op's compiled
+resampler reproduces (``pil_resize``; tests/test_kernels_resample.py holds it to
+Pillow). With ``fast_idct=False`` and a crop decoded at DCT scale 1
 the ops must give exactly its pixels; at other scales and with the fast inverse DCT
 they must stay within 30 dB PSNR. The box sampler is checked against an independent
 implementation of torchvision's algorithm (a different generator) with two-sample
@@ -39,6 +41,7 @@ from zephon.vision import (  # noqa: E402
     random_resized_crop_box,
     resized_size,
 )
+from zephon.kernels import resample_ref  # noqa: E402
 from zephon.vision import decode as dec  # noqa: E402
 
 FILTERS = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC,
@@ -67,11 +70,22 @@ def draws(width, height, i, seed=0, op=None):
     return box, op.flip > 0 and rng.random() < op.flip
 
 
+def pil_resize(img, size_wh, interpolation):
+    """Pillow's resize as the op's resampler does it where it is compiled: the reference
+    of the kernel (``zephon.kernels.resample_ref``, Pillow 12's resize bit for bit; Pillow
+    13 may order its passes otherwise, one off in places); Pillow's own where the kernel is
+    missing, and for ``nearest`` (no kernel)."""
+    if interpolation == "nearest" or dec.resize_kernel() is None:
+        return img.resize(size_wh, FILTERS[interpolation])
+    out = resample_ref.resample(np.asarray(img), (0, 0, *img.size), size_wh, interpolation)
+    return Image.fromarray(out)
+
+
 def reference_rrc(data, box, size_hw, flip, interpolation="bilinear", exif=False):
     img = Image.open(io.BytesIO(data))
     if exif:
         img = ImageOps.exif_transpose(img)
-    img = img.convert("RGB").crop(box).resize(size_hw[::-1], FILTERS[interpolation])
+    img = pil_resize(img.convert("RGB").crop(box), size_hw[::-1], interpolation)
     if flip:
         img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return np.asarray(img)
@@ -477,7 +491,7 @@ def reference_center(data, size_hw, resize, interpolation="bilinear"):
             w, h = (resize, new_long) if img.width <= img.height else (new_long, resize)
         else:
             h, w = resize
-        img = img.resize((w, h), FILTERS[interpolation])
+        img = pil_resize(img, (w, h), interpolation)
     ch, cw = size_hw
     if cw > w or ch > h:
         pad = Image.new("RGB", (max(w, cw), max(h, ch)))

@@ -24,6 +24,11 @@ specification the compiled version must match):
   :mod:`zephon.jobs.runner` to check that a run's subject ids are unique)
 - result types and helpers              (:mod:`zephon.kernels.types`)
 
+One compiled kernel is not selected here: ``zephon._kernels.resample`` (specified by
+:mod:`zephon.kernels.resample_ref`, Pillow's resize of a uint8 array), which
+:mod:`zephon.vision.decode` calls when it is built and replaces with Pillow itself, not
+with the much slower reference, when it is not.
+
 Leaves are rebuilt on the receiving side by the codec's decoder with one
 ``np.ndarray`` per leaf; that step has no kernel, as a compiled ``rebuild`` is
 slower than NumPy making the views itself.

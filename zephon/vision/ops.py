@@ -204,25 +204,34 @@ def _probe(op: str, key: str, sample: Any, exif: bool) -> Probe:
 
 
 def _render(op: Any, p: Probe, box: tuple[float, float, float, float],
-            size: tuple[int, int], clamp: bool):
+            size: tuple[int, int], clamp: bool, flip: bool = False):
     """The displayed ``box`` of the probed image at ``size`` (h, w), with ``op``'s filter
-    and decoder settings: a Pillow RGB image."""
+    and decoder settings, mirrored when ``flip``: a uint8 RGB array (H, W, 3) or a Pillow
+    RGB image (see :func:`~zephon.vision.decode.decode_box`)."""
     h, w = size
     o = p.orientation
     settings = {"resample": op.interpolation, "clamp": clamp, "fast_idct": op.fast_idct,
                 "fast_upsample": op.fast_upsample}
     if o == 1:
-        return decode_box(p, box, (w, h), **settings)
+        return decode_box(p, box, (w, h), flip=flip, **settings)
+    image = _module("PIL.Image")
     stored = stored_box(box, o, p.width, p.height)
     out = decode_box(p, stored, (w, h) if o < 5 else (h, w), **settings)
-    return out.transpose(getattr(_module("PIL.Image").Transpose, ORIENTATION_TRANSPOSE[o]))
+    if isinstance(out, np.ndarray):
+        out = image.fromarray(out, "RGB")
+    out = out.transpose(getattr(image.Transpose, ORIENTATION_TRANSPOSE[o]))
+    return out.transpose(image.Transpose.FLIP_LEFT_RIGHT) if flip else out
 
 
 def _result(sample: Mapping, key: str, img, layout: str) -> dict:
-    """The sample with ``img`` at ``key`` as a C-contiguous, writable array in ``layout``
-    (NumPy's asarray of a Pillow image is read-only)."""
-    arr = np.asarray(img)
-    arr = np.array(arr.transpose(2, 0, 1) if layout == "CHW" else arr, order="C")
+    """The sample with ``img`` (an array the op owns, or a Pillow image) at ``key`` as a
+    C-contiguous, writable array in ``layout`` (NumPy's asarray of a Pillow image is
+    read-only)."""
+    if isinstance(img, np.ndarray) and layout == "HWC":
+        arr = img  # fresh from the resampler: C-contiguous, writable, nobody else's
+    else:
+        arr = np.asarray(img)
+        arr = np.array(arr.transpose(2, 0, 1) if layout == "CHW" else arr, order="C")
     out = dict(sample)
     out[key] = arr
     return out
@@ -313,9 +322,7 @@ class RandomResizedCrop:
         width, height = p.display_size
         box = random_resized_crop_box(width, height, rng, self.scale, self.ratio)
         flip = self.flip > 0 and rng.random() < self.flip
-        img = _render(self, p, box, self.size, clamp=True)
-        if flip:  # on the small output: a NumPy copy of a reversed view is ten times slower
-            img = img.transpose(_module("PIL.Image").Transpose.FLIP_LEFT_RIGHT)
+        img = _render(self, p, box, self.size, clamp=True, flip=flip)
         return _result(sample, self.key, img, self.layout)
 
     def __repr__(self) -> str:
@@ -400,8 +407,8 @@ class CenterCrop:
         box = (sx * fx, sy * fy, (sx + lx) * fx, (sy + ly) * fy)
         img = _render(self, p, box, (ly, lx), clamp=self.resize is None)
         if (lx, ly) != (cw, ch):
-            canvas = _module("PIL.Image").new("RGB", (cw, ch))
-            canvas.paste(img, (dx, dy))
+            canvas = np.zeros((ch, cw, 3), np.uint8)
+            canvas[dy:dy + ly, dx:dx + lx] = np.asarray(img)
             img = canvas
         return _result(sample, self.key, img, self.layout)
 
