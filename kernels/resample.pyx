@@ -198,7 +198,9 @@ def resample(src, box, size, name, flip=False):
         res = np.empty((out_h, out.shape[1], channels), np.uint8)
         _vertical_any(out, res, 0, bounds_v, kk_v)
         out = res
-    return np.ascontiguousarray(out)
+    # a new array always: with neither pass (the box is the output) ``out`` is ``src``,
+    # which may be a decoder's buffer that its next decode overwrites
+    return np.array(out, order="C", copy=True) if out is src else out
 
 
 def _horizontal_any(src, dst, int row0, bounds, kk, bint flip):

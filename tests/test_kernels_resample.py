@@ -79,3 +79,22 @@ def test_bad_input_is_refused():
         resample_ref.resample(np.zeros((4, 4, 2), np.uint8), (0, 0, 4, 4), (2, 2), "box")
     with pytest.raises(ValueError, match="unknown filter"):
         resample_ref.filter_weight("cubic", 0.5)
+
+
+def test_a_box_that_is_the_output_still_gives_a_new_array():
+    """No pass runs when the box is the output size at the origin: the result must still
+    be a new array (the input may be a decoder's buffer its next decode overwrites)."""
+    kernels = [resample_ref.resample]
+    try:
+        from zephon._kernels.resample import resample as compiled
+    except ImportError:
+        pass
+    else:
+        kernels.append(compiled)
+    src = np.arange(4 * 5 * 3, dtype=np.uint8).reshape(4, 5, 3)
+    for kernel in kernels:
+        for flip in (False, True):
+            out = kernel(src, (0, 0, 5, 4), (5, 4), "bilinear", flip)
+            assert not np.shares_memory(out, src)
+            assert np.array_equal(out, src[:, ::-1] if flip else src)
+            assert out.flags.c_contiguous and out.flags.writeable

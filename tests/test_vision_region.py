@@ -133,3 +133,20 @@ def test_a_box_the_kernel_declines_goes_to_the_whole_row_path(monkeypatch):
     box = (0.0, 0.0, float(p.width), float(p.height))
     got = np.asarray(dec.decode_box(p, box, (64, 48)))
     assert np.array_equal(got, _whole_rows(monkeypatch, p, box, (64, 48)))
+
+
+def test_outputs_never_share_the_decoders_buffers():
+    """Every output is the op's own array: a crop that is exactly the output size (no
+    resampling pass at all) must not hand back a view of the per-thread decode buffer
+    the next image overwrites."""
+    from zephon.pipeline.ops.base import OpContext
+    from zephon.vision import CenterCrop, RandomResizedCrop
+
+    datas = [_jpeg(kind, (256, 192), seed=i) for i, kind in enumerate(
+        ["baseline", "progressive", "444", "gray", "baseline", "422"])]
+    for op in (CenterCrop(192), CenterCrop((192, 256)), RandomResizedCrop(64)):
+        outs = [op({"image": d}, OpContext(("s", i, 0), 0))["image"] for i, d in enumerate(datas)]
+        for i, d in enumerate(datas):
+            alone = op({"image": d}, OpContext(("s", i, 0), 0))["image"]
+            assert np.array_equal(outs[i], alone), (op, i)
+            assert outs[i].flags.writeable and outs[i].flags.c_contiguous

@@ -136,4 +136,7 @@ def resample(src: np.ndarray, box: tuple[float, float, float, float],
         bounds_v[:, 0] -= first
     if need_v:
         out = _pass(out, bounds_v, kk_v, axis=0)
-    return np.ascontiguousarray(out[:, ::-1] if flip else out)
+    out = out[:, ::-1] if flip else out
+    # a new array always, even when neither pass ran (``out`` would be ``src``)
+    return np.array(out, order="C", copy=True) if np.shares_memory(out, src) else \
+        np.ascontiguousarray(out)
