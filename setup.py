@@ -8,8 +8,9 @@ pyproject.toml; this file only declares the extensions.
 (for debugging a kernel against its reference).
 
 One extension is optional: ``zephon._kernels.jpeg_region`` (``kernels/jpeg/``), the
-region decoder of :mod:`zephon.vision`, links the system's libjpeg (libjpeg-turbo >= 1.5,
-for its partial-decode API). It is built when ``jpeglib.h`` is found (in
+region decoder of :mod:`zephon.vision`, links the system's libjpeg (libjpeg-turbo >= 2.1.3,
+for a partial-decode API without its known bugs: an older library fails the compile, and
+the build goes on without the kernel). It is built when ``jpeglib.h`` is found (in
 ``ZEPHON_JPEG_INCLUDE`` or the usual include directories) and skipped, with the build
 going on, when it is not or when it fails to compile or link; the vision ops then use
 simplejpeg and Pillow alone. ``ZEPHON_JPEG=0`` never builds it; ``ZEPHON_JPEG=1`` makes a

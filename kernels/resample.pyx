@@ -4,13 +4,14 @@
 Two separable passes over a uint8 (H, W, C) array, C 1 or 3 (rows may be strided): the
 reference's fixed-point coefficients, computed here in C with the same double
 arithmetic, and its order of passes; the horizontal pass writes the columns mirrored
-when asked to flip. The passes release the GIL. Outputs wider than 4096 values a row
-go to the reference (the vertical pass's accumulator row is on the stack).
+when asked to flip. The passes release the GIL; the vertical pass's accumulator row is
+allocated per call.
 """
 
 cimport cython
 from libc.math cimport ceil, cos, sin, M_PI
 from libc.stdint cimport int32_t, int64_t, uint8_t
+from libc.stdlib cimport free, malloc
 
 import numpy as np
 
@@ -48,7 +49,7 @@ cdef double _weight(int f, double x) noexcept nogil:
         if x >= 1.0:
             return 0.0
         x = x * M_PI
-        return sin(x) / x * (0.54 + 0.46 * cos(x))
+        return sin(x) / x * (<double>(<float>0.54) + <double>(<float>0.46) * cos(x))
     if f == 3:
         if x < 1.0:
             return ((-0.5 + 2.0) * x - (-0.5 + 3.0)) * x * x + 1
@@ -144,15 +145,17 @@ cdef void _horizontal(const uint8_t[:, :, :] src, uint8_t[:, :, ::1] dst, int ro
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-cdef void _vertical(const uint8_t[:, :, :] src, uint8_t[:, :, ::1] dst, int col0,
-                    const int64_t[:, ::1] bounds, const int32_t[:, ::1] kk) noexcept nogil:
+cdef int _vertical(const uint8_t[:, :, :] src, uint8_t[:, :, ::1] dst, int col0,
+                   const int64_t[:, ::1] bounds, const int32_t[:, ::1] kk) noexcept nogil:
     cdef Py_ssize_t yy, xx, y, c
     cdef int width = dst.shape[1] * dst.shape[2]
     cdef int ymin, count
     cdef int32_t k
-    cdef int32_t acc[4096]
+    cdef int32_t* acc = <int32_t*>malloc(max(width, 1) * sizeof(int32_t))
     cdef const uint8_t* row
     cdef Py_ssize_t offset = col0 * src.shape[2]
+    if acc == NULL:
+        return -1
     for yy in range(dst.shape[0]):
         ymin = <int>bounds[yy, 0]
         count = <int>bounds[yy, 1]
@@ -165,6 +168,8 @@ cdef void _vertical(const uint8_t[:, :, :] src, uint8_t[:, :, ::1] dst, int col0
                 acc[xx] += row[xx] * k
         for xx in range(width):
             (&dst[yy, 0, 0])[xx] = _clip8(acc[xx])
+    free(acc)
+    return 0
 
 
 def resample(src, box, size, name, flip=False):
@@ -177,9 +182,6 @@ def resample(src, box, size, name, flip=False):
     cdef int height = src.shape[0], width = src.shape[1], channels = src.shape[2]
     left, top, right, bottom = (float(np.float32(v)) for v in box)
     out_w, out_h = size
-    if out_w * channels > 4096:
-        from zephon.kernels.resample_ref import resample as ref
-        return ref(src, box, size, name, flip)
     need_h = out_w != width or left != 0 or right != out_w
     need_v = out_h != height or top != 0 or bottom != out_h
     bounds_h, kk_h = coefficients(width, left, right, out_w, name)
@@ -200,7 +202,7 @@ def resample(src, box, size, name, flip=False):
         out = res
     # a new array always: with neither pass (the box is the output) ``out`` is ``src``,
     # which may be a decoder's buffer that its next decode overwrites
-    return np.array(out, order="C", copy=True) if out is src else out
+    return np.array(out, order="C", copy=True) if np.shares_memory(out, src) else out
 
 
 def _horizontal_any(src, dst, int row0, bounds, kk, bint flip):
@@ -217,5 +219,8 @@ def _vertical_any(src, dst, int col0, bounds, kk):
     cdef uint8_t[:, :, ::1] d = dst
     cdef const int64_t[:, ::1] b = np.ascontiguousarray(bounds, np.int64)
     cdef const int32_t[:, ::1] k = np.ascontiguousarray(kk, np.int32)
+    cdef int failed
     with nogil:
-        _vertical(s, d, col0, b, k)
+        failed = _vertical(s, d, col0, b, k)
+    if failed:
+        raise MemoryError("resample: no memory for a row of the vertical pass")

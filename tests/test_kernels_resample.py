@@ -91,10 +91,23 @@ def test_a_box_that_is_the_output_still_gives_a_new_array():
         pass
     else:
         kernels.append(compiled)
-    src = np.arange(4 * 5 * 3, dtype=np.uint8).reshape(4, 5, 3)
-    for kernel in kernels:
-        for flip in (False, True):
-            out = kernel(src, (0, 0, 5, 4), (5, 4), "bilinear", flip)
-            assert not np.shares_memory(out, src)
-            assert np.array_equal(out, src[:, ::-1] if flip else src)
-            assert out.flags.c_contiguous and out.flags.writeable
+    for width in (5, 1):  # one column: its mirror is still contiguous, still the input
+        src = np.arange(4 * width * 3, dtype=np.uint8).reshape(4, width, 3)
+        for kernel in kernels:
+            for flip in (False, True):
+                out = kernel(src, (0, 0, width, 4), (width, 4), "bilinear", flip)
+                assert not np.shares_memory(out, src)
+                assert np.array_equal(out, src[:, ::-1] if flip else src)
+                assert out.flags.c_contiguous and out.flags.writeable
+
+
+def test_wide_outputs_stay_compiled_and_exact():
+    """Rows wider than the old stack accumulator (4096 values) are resized by the
+    compiled kernel too, with the reference's bits."""
+    compiled = pytest.importorskip("zephon._kernels.resample",
+                                   reason="zephon's kernels are not built")
+    src = np.random.default_rng(5).integers(0, 256, (7, 900, 3), dtype=np.uint8)
+    for size in ((1366, 3), (2100, 5)):
+        got = compiled.resample(src, (0.5, 0.25, 899.5, 6.5), size, "bilinear")
+        assert np.array_equal(got, resample_ref.resample(src, (0.5, 0.25, 899.5, 6.5),
+                                                         size, "bilinear"))

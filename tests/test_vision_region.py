@@ -150,3 +150,56 @@ def test_outputs_never_share_the_decoders_buffers():
             alone = op({"image": d}, OpContext(("s", i, 0), 0))["image"]
             assert np.array_equal(outs[i], alone), (op, i)
             assert outs[i].flags.writeable and outs[i].flags.c_contiguous
+
+
+@kernel
+@pytest.mark.parametrize("kind", ["baseline", "progressive", "restarts"])
+def test_a_cut_frame_height_is_decoded_by_the_kernel_without_warnings(kind):
+    """The row limit cuts the frame height in a copy of the bytes; every scan then has
+    data past that height, which libjpeg warns about. That warning is expected there, so
+    the kernel takes the box (progressive files used to be declined every time and
+    decoded twice)."""
+    data = _jpeg(kind, (320, 240), seed=9)
+    p = dec.probe(data)
+    cut, height = dec._limited(p, 64)
+    assert height < p.height
+    out = np.empty(1 << 20, np.uint8)
+    status, _, _, _, warnings, message = dec.region_kernel()(
+        bytes(cut), 1, 10, 5, 100, 50, False, False, False, out, True)
+    assert status == 0 and warnings == 0, message
+    # without the flag the same bytes warn (a genuine extraneous-data warning counts)
+    if kind == "progressive":
+        assert dec.region_kernel()(bytes(cut), 1, 10, 5, 100, 50, False, False, False,
+                                   out, False)[4] > 0
+
+
+def _cjpeg(tmp_path, sample: str) -> bytes:
+    import shutil
+    import subprocess
+
+    if shutil.which("cjpeg") is None:
+        pytest.skip("cjpeg (libjpeg-turbo's tools) is not installed")
+    ppm = tmp_path / "in.ppm"
+    Image.fromarray(np.asarray(make_image((96, 80), np.random.default_rng(2)))).save(ppm)
+    out = tmp_path / "out.jpg"
+    subprocess.run(["cjpeg", "-sample", sample, "-outfile", str(out), str(ppm)], check=True)
+    return out.read_bytes()
+
+
+@pytest.mark.parametrize("sample", ["1x4", "4x1", "4x2"])
+def test_unusual_sampling_is_decoded_as_the_full_decode_decodes_it(tmp_path, sample):
+    """4:4:1 once raised a bare KeyError from simplejpeg's header reader; 4:1:1 and 4x2
+    are declined by the region kernel (libjpeg-turbo before 3.0 misplaces their cropped
+    columns when scaled) and go to the whole-row path."""
+    from zephon.pipeline.ops.base import OpContext
+    from zephon.vision import CenterCrop
+
+    data = _cjpeg(tmp_path, sample)
+    got = CenterCrop((80, 96), resize=None)({"image": data}, OpContext(("s", 0, 0), 0))["image"]
+    full = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    mse = float(np.mean((got.astype(np.float64) - full) ** 2))
+    assert got.shape == full.shape and (mse == 0 or 10 * np.log10(255 ** 2 / mse) >= 40)
+    if dec.region_kernel() is not None and sample != "1x4":
+        out = np.empty(1 << 20, np.uint8)
+        status = dec.region_kernel()(data, 2, 0, 0, 40, 30, False, False, False, out)[0]
+        assert status == 3

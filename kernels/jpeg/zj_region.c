@@ -14,13 +14,24 @@
 #include <string.h>
 
 #include <jpeglib.h>
+#include <jerror.h>
 
 #include "zj_region.h"
+
+/* The partial-decode API has known bugs before libjpeg-turbo 2.1.3: jpeg_skip_scanlines
+ * crashes with non-fancy upsampling before 2.0.6 (CVE-2020-35538), and the merged 4:2:0
+ * upsampler writes a whole uncropped row into a cropped output before 2.1.3. Building
+ * against an older library fails here, and setup.py then builds zephon without this
+ * optional kernel. */
+#if !defined(LIBJPEG_TURBO_VERSION_NUMBER) || LIBJPEG_TURBO_VERSION_NUMBER < 2001003
+#error "zj_region needs libjpeg-turbo >= 2.1.3"
+#endif
 
 typedef struct {
     struct jpeg_error_mgr pub;
     jmp_buf jump;
     zj_result *result;
+    int cut; /* the caller cut the frame height: the scans' data past it is expected */
 } zj_error;
 
 static void zj_on_error(j_common_ptr cinfo) {
@@ -34,6 +45,8 @@ static void zj_on_error(j_common_ptr cinfo) {
 static void zj_on_message(j_common_ptr cinfo, int level) {
     zj_error *err = (zj_error *)cinfo->err;
     if (level < 0) {
+        if (err->cut && cinfo->err->msg_code == JWRN_EXTRANEOUS_DATA)
+            return; /* the rows below the cut height, skipped as the caller meant */
         err->result->warnings++;
         if (err->result->message[0] == '\0') {
             char text[JMSG_LENGTH_MAX];
@@ -44,7 +57,7 @@ static void zj_on_message(j_common_ptr cinfo, int level) {
 }
 
 int zj_decode_region(const unsigned char *data, size_t size, int scale, int x, int y,
-                     int w, int h, int gray, int fast_idct, int fast_upsample,
+                     int w, int h, int gray, int fast_idct, int fast_upsample, int cut,
                      unsigned char *out, size_t out_size, zj_result *result) {
     struct jpeg_decompress_struct cinfo;
     zj_error err;
@@ -57,6 +70,7 @@ int zj_decode_region(const unsigned char *data, size_t size, int scale, int x, i
     err.pub.error_exit = zj_on_error;
     err.pub.emit_message = zj_on_message;
     err.result = result;
+    err.cut = cut;
     if (setjmp(err.jump)) {
         jpeg_destroy_decompress(&cinfo);
         return 1;
@@ -64,6 +78,17 @@ int zj_decode_region(const unsigned char *data, size_t size, int scale, int x, i
     jpeg_create_decompress(&cinfo);
     jpeg_mem_src(&cinfo, data, (unsigned long)size);
     jpeg_read_header(&cinfo, TRUE);
+    for (int c = 0; c < cinfo.num_components; c++) {
+        /* jpeg_crop_scanline misplaces the columns of 4x2 and 2x4 sampling with DCT
+         * scaling before libjpeg-turbo 3.0: only the usual factors (1 and 2) are taken */
+        jpeg_component_info *comp = &cinfo.comp_info[c];
+        if (comp->h_samp_factor > 2 || comp->v_samp_factor > 2) {
+            snprintf(result->message, ZJ_MSG_MAX, "sampling %dx%d: declined",
+                     comp->h_samp_factor, comp->v_samp_factor);
+            jpeg_destroy_decompress(&cinfo);
+            return 3;
+        }
+    }
     cinfo.out_color_space = gray ? JCS_GRAYSCALE : JCS_RGB;
     cinfo.scale_num = 1;
     cinfo.scale_denom = (unsigned int)scale;

@@ -14,8 +14,10 @@ typedef struct {
 } zj_result;
 
 /* 0: done; 1: libjpeg failed (message set); 2: the output buffer is too small
-   (width set to what one row needs). */
+   (width set to what one row needs); 3: declined (sampling factors above 2). ``cut``:
+   the caller cut the frame's height, so libjpeg's "extraneous data" warning (the
+   scans' rows past that height) is not counted. */
 int zj_decode_region(const unsigned char *data, size_t size, int scale, int x, int y,
-                     int w, int h, int gray, int fast_idct, int fast_upsample,
+                     int w, int h, int gray, int fast_idct, int fast_upsample, int cut,
                      unsigned char *out, size_t out_size, zj_result *result);
 #endif
