@@ -141,3 +141,36 @@ def waits_for_a(s):
         HOLD["b_entered"].set()
         HOLD["a_done"].wait(30)
     return {**s, "waited": 1}
+
+
+def _inner(runner: str, fn=None, **opts):
+    from zephon import Pipeline, RuntimeOptions, sources
+
+    return (Pipeline(sources.from_callable(4, make_sample), shuffle=False)
+            .map(fn or numpy_noise).options(RuntimeOptions(runner=runner, max_workers=2,
+                                                           **opts)))
+
+
+def _plain(s):
+    return {**s, "plain": 1}
+
+
+def draws_then_inner_threads(s):
+    """Draws, then iterates a seeded threads pipeline of its own."""
+    own = np.random.random()
+    return {**s, "own": own, "inner": [float(x["numpy"][0]) for x in _inner("threads")]}
+
+
+def draws_then_inner_inline(s):
+    """Draws, then iterates a seeded inline pipeline of its own (same thread)."""
+    own = np.random.random()
+    return {**s, "own": own, "inner": [float(x["numpy"][0]) for x in _inner("inline")]}
+
+
+def inner_on_a_helper_thread(s):
+    """Draws nothing; iterates a plain inline pipeline on a helper thread."""
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        n = pool.submit(lambda: len(list(_inner("inline", _plain)))).result(timeout=60)
+    return {**s, "inner": n}

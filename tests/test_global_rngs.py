@@ -289,10 +289,10 @@ def test_a_seeded_op_that_also_draws_from_its_own_generator_is_refused():
 
 
 def test_an_op_iterating_a_seeded_threads_pipeline_of_its_own_does_not_hang():
-    """Probes hold the lock of the seeded calls; the inner pipeline, started inside the
-    outer op's probe, would run seeded calls on its threads that wait for it: it is
-    refused there (the probe stops at the op), and the run proper calls the op with no
-    lock held, so the inner pipeline runs."""
+    """The outer op draws nothing, so it is not seeded and its probes run its code
+    without the seeded calls' lock: the inner pipeline's seeded calls on its threads run
+    (they used to wait for ever on the probe's lock), and the probe's plants by another
+    thread are told apart from draws by making the call again."""
     pipe = Pipeline(sources.from_callable(3, F.make_sample), shuffle=False) \
         .map(F.inner_numpy_pipeline)
     first, second = list(pipe), list(pipe)
@@ -304,7 +304,8 @@ def test_two_pipelines_checked_at_once_on_two_threads_see_no_draw_of_each_other(
     op's first probe call: unlocked, a pipeline checked on another thread at that moment
     saw the plants as its own op's draws (a false Z002 that failed a CI run of two ranks
     in threads). Pipeline A's op, seen drawing nothing, is inside its second probe when
-    B's first probe plants; B's op waits until A's check is over."""
+    B's first probe plants; B's op waits until A's check is over. A's probe sees that
+    the generators changed under it and calls the op again."""
     import threading
 
     F.HOLD.update(entered=threading.Event(), release=threading.Event(), calls=0,
@@ -335,3 +336,38 @@ def test_two_pipelines_checked_at_once_on_two_threads_see_no_draw_of_each_other(
     b.join(60)
     assert not a.is_alive() and not b.is_alive()
     assert not errors, errors
+
+
+def _nested(name: str, mode: str, consumer: int) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    done = subprocess.run([sys.executable, os.path.join(here, "_nested_rng_run.py"), name,
+                           mode, str(consumer)], capture_output=True, text=True, timeout=120,
+                          cwd=here)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines, (done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("name", ["draws_then_inner_inline", "inner_on_a_helper_thread"])
+def test_ops_running_pipelines_of_their_own_are_seeded_and_do_not_hang(name):
+    """An op that iterates a pipeline of its own (inline, on its thread or on a helper
+    thread) runs, its own draws are seeded, and the stream does not depend on the
+    consumer's generators."""
+    first, second = _nested(name, "auto", 1), _nested(name, "auto", 2)
+    assert "stream" in first, first
+    assert first == second
+
+
+@pytest.mark.parametrize("name, mode", [("draws_then_inner_threads", "auto"),
+                                        ("draws_then_inner_threads", "all")])
+def test_a_seeded_op_starting_a_seeded_threads_pipeline_is_an_error_not_a_hang(name, mode):
+    """The seeded op's call holds the lock the inner pipeline's threads would wait for:
+    the inner run is refused with the ways out (it used to hang for ever)."""
+    got = _nested(name, mode, 1)
+    assert "error" in got, got
+    assert "runner='inline' or runner='process'" in got["text"], got

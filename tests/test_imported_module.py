@@ -35,3 +35,31 @@ def test_a_module_not_imported_is_not_imported():
     import json
 
     assert imported("json") is json
+
+
+def test_an_import_that_fails_on_another_thread_is_not_run_again(tmp_path, monkeypatch):
+    """The other thread's import raised: the module is gone, and the lookup says so
+    without running the module's code a second time (it never imports)."""
+    name = "zephon_failing_import_probe"
+    runs = tmp_path / "runs"
+    (tmp_path / f"{name}.py").write_text(
+        f"import time\nopen({str(runs)!r}, 'a').write('x')\ntime.sleep(0.5)\n"
+        "raise RuntimeError('this import fails')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    failures = []
+
+    def importer():
+        try:
+            __import__(name)
+        except RuntimeError as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=importer, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while name not in sys.modules and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert imported(name) is None
+    thread.join(30)
+    assert failures and runs.read_text() == "x"

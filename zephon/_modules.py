@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
 from types import ModuleType
 
 __all__ = ["imported"]
@@ -19,12 +20,33 @@ __all__ = ["imported"]
 
 def imported(name: str) -> ModuleType | None:
     """Module ``name`` if it is imported (waiting for an import another thread is running
-    to end), else None; never imports it."""
+    to end), else None; never imports it. An import that fails in the other thread
+    leaves None here (the module is gone from ``sys.modules``); in the thread that is
+    importing it, the partial module is handed back at once, as ``import`` does."""
     module = sys.modules.get(name)
     if module is None:
         return None
-    if getattr(getattr(module, "__spec__", None), "_initializing", False):
-        # importlib waits on the module's import lock here (or, in the thread that is
-        # importing it, hands the partial module back at once, as ``import`` does)
-        module = importlib.import_module(name)
+    if not getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return module
+    lock_of = getattr(importlib._bootstrap, "_get_module_lock", None)
+    if lock_of is None:  # an interpreter without it: wait as ``import`` does
+        try:
+            return importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the other thread's import failed here too
+            return None
+    # the import system's own lock of this module: held by the importing thread for the
+    # whole import (re-entrant in that thread), free once the import is over
+    lock = lock_of(name)
+    lock.acquire()
+    lock.release()
+    module = sys.modules.get(name)
+    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return module if module is not None and _importing_here(name) else None
     return module
+
+
+def _importing_here(name: str) -> bool:
+    """Whether this thread is the one importing ``name`` (a circular import)."""
+    lock = getattr(importlib._bootstrap, "_module_locks", {}).get(name)
+    ref = lock() if callable(lock) else None
+    return getattr(ref, "owner", None) == threading.get_ident()

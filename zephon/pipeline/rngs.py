@@ -53,8 +53,8 @@ Invariants:
 
 - a seeded call starts from generators in a state that is a function of the identity
   alone, whatever the runner, the worker count or the restore: its draws are exact;
-- seeded calls of one process never overlap, with each other or with validation's probe
-  calls (:func:`probe`): each holds :data:`LOCK` for the whole call (threads run
+- seeded calls of one process never overlap: each holds :data:`LOCK` for the whole
+  call (threads run
   seeded ops one at a time; unseeded ops and the reads beside them stay parallel;
   ``runner="process"`` runs seeded ops in parallel, one process each);
 - the consumer's own states are given back: after a unit (``UNIT``) or a call
@@ -106,14 +106,15 @@ __all__ = [
     "UNIT",
     "SeededOp",
     "Seeds",
+    "changes",
     "chosen",
     "global_seeds",
+    "held_here",
+    "hold",
     "kept",
     "own_process",
     "placement",
     "plant",
-    "probe",
-    "probing",
     "restore",
     "save",
     "snapshot",
@@ -139,10 +140,15 @@ OWN: Final = "own"
 UNIT: Final = "unit"
 CALL: Final = "call"
 
-#: held by every seeded call, by every probe call of validation (:func:`probe`), and
-#: while a consumer's states are saved or restored
+#: held by every seeded call (through :func:`hold`), by validation's probe of a seeded op
+#: while the run's threads may run seeded calls, and while a consumer's states are saved,
+#: planted or restored
 LOCK = threading.RLock()
-_PROBER: dict[str, int | None] = {"ident": None}  # the thread inside probe() now
+_HELD = threading.local()  # .depth: how deep this thread is in hold()
+#: how many times zephon changed a generator's state in this process (planted or
+#: restored, always under LOCK): validation's unlocked probe calls compare it before and
+#: after, to tell another thread's plants from their op's own draws (:func:`changes`)
+_CHANGES = [0]
 
 _NONE: frozenset[str] = frozenset()
 _OWNED = {"pid": -1}  # the process that said its generators are the pipeline's
@@ -176,6 +182,7 @@ def global_seeds(seed: int, sample_id, ordinal: int) -> Seeds:
 
 def _plant_digest(which: frozenset[str], digest: bytes) -> None:
     """:func:`plant` from the bytes of :func:`_digest` (each seed made only if needed)."""
+    _CHANGES[0] += 1
     if TORCH in which:
         _torch_generator().manual_seed(int.from_bytes(digest[:8], "little"))
     if NUMPY in which:
@@ -208,7 +215,9 @@ def _torch_generator() -> Any:
 
 
 def plant(which: frozenset[str], seeds: Seeds) -> None:
-    """Seed the generators named in ``which`` with ``seeds``."""
+    """Seed the generators named in ``which`` with ``seeds`` (the caller holds
+    :data:`LOCK`)."""
+    _CHANGES[0] += 1
     if TORCH in which:
         _torch_generator().manual_seed(seeds.torch)
     if NUMPY in which:
@@ -230,7 +239,8 @@ def save(which: frozenset[str]) -> list[tuple[str, Any]]:
 
 
 def restore(states: list[tuple[str, Any]]) -> None:
-    """Put back the states :func:`save` took."""
+    """Put back the states :func:`save` took (the caller holds :data:`LOCK`)."""
+    _CHANGES[0] += 1
     for name, state in states:
         if name == TORCH:
             _torch_generator().set_state(state)
@@ -254,25 +264,28 @@ def kept(which: frozenset[str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def probe() -> Iterator[None]:
-    """One probe call of validation: planting, the op's call and the two snapshots that
-    say what it drew from, all under :data:`LOCK`. Without it two pipelines checked at
-    once on two threads see each other's planted seeds as draws (a false Z002), and a
-    probe's plants land inside another thread's seeded call (wrong draws there)."""
+def hold() -> Iterator[None]:
+    """:data:`LOCK`, with this thread marked as holding it (:func:`held_here`)."""
     with LOCK:
-        outer = _PROBER["ident"]
-        _PROBER["ident"] = threading.get_ident()
+        _HELD.depth = getattr(_HELD, "depth", 0) + 1
         try:
             yield
         finally:
-            _PROBER["ident"] = outer
+            _HELD.depth -= 1
 
 
-def probing() -> bool:
-    """Whether this thread is inside :func:`probe` (an op being probed runs a pipeline of
-    its own): that run's seeded calls on other threads would wait for :data:`LOCK` for
-    ever, so it is refused (:func:`refuse_nested`)."""
-    return _PROBER["ident"] == threading.get_ident()
+def held_here() -> bool:
+    """Whether this thread holds :data:`LOCK` through :func:`hold`: a seeded call (or
+    the probe of a seeded op) is running user code here, and a pipeline that code starts
+    must not run seeded calls on other threads, which would wait for the lock for ever
+    (:func:`zephon.pipeline.validate.validate` refuses it)."""
+    return getattr(_HELD, "depth", 0) > 0
+
+
+def changes() -> int:
+    """The count of zephon's changes to the generators' states in this process (read it
+    under :data:`LOCK`)."""
+    return _CHANGES[0]
 
 
 def snapshot() -> dict[str, Any]:
@@ -330,7 +343,7 @@ class SeededOp:
 
     def apply_one(self, r: Any, seed: int) -> Any:
         digest = _digest(seed, r.ids[0], self.ordinal)
-        with LOCK:
+        with hold():
             states = save(self.which) if self.keep else None
             try:
                 _plant_digest(self.which, digest)

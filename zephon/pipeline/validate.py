@@ -279,21 +279,51 @@ def _leading(pipeline):
         yield ordinal, op
 
 
-def _call(op, value, sid, seed: int, ordinal: int, which: frozenset[str]) -> tuple:
+#: unlocked probe calls made again when another thread changed the generators meanwhile
+PROBE_ATTEMPTS = 4
+
+
+def _call(op, value, sid, seed: int, ordinal: int, which: frozenset[str],
+          guard: bool = False) -> tuple:
     """``(output, drew)``: ``op`` on ``value`` with the generators ``which`` seeded as the
     run seeds them, and the generators the call drew from. The callers keep the
     consumer's states around all of their calls (:func:`_kept`), not around each: two
     calls drawing from a generator left unseeded draw different numbers, as two samples
-    of the run would."""
-    args = (value, OpContext(sid, seed)) if op.with_ctx else (value,)
-    # under rngs.LOCK, as the run's seeded calls are: another thread's plants and seeded
-    # calls (a second pipeline checked at once, this run's own threads) neither show here
-    # as draws nor see this call's plants
-    with rngs.probe():
-        rngs.plant(which, rngs.global_seeds(seed, sid, ordinal))
-        marks = rngs.snapshot()
-        out = op.fn(*args)
-        return out, _drawn_from(marks, rngs.snapshot())
+    of the run would.
+
+    ``guard`` (a seeded op probed while the run's threads may already run seeded calls):
+    the whole call holds the seeded calls' lock, as theirs do, so neither disturbs the
+    other. Every other probe runs the op's code without the lock (it may wait on other
+    pipelines' threads, whose seeded calls take the lock): the plant and the two
+    snapshots take it, and a call during which another thread planted or restored the
+    generators (:func:`~zephon.pipeline.rngs.changes` moved) is made again on a fresh
+    copy, up to :data:`PROBE_ATTEMPTS` times, so those plants are not taken for the
+    op's draws. Draws by other code of the process at that moment (a training step on
+    another thread) cannot be told apart; see :mod:`zephon.pipeline.rngs`."""
+    if guard and which:
+        with rngs.hold():
+            return _observed_call(op, value, sid, seed, ordinal, which)
+    pristine = copy.deepcopy(value)
+    for attempt in range(PROBE_ATTEMPTS):
+        arg = value if attempt == 0 else copy.deepcopy(pristine)
+        with rngs.LOCK:
+            rngs.plant(which, rngs.global_seeds(seed, sid, ordinal))
+            marks, before = rngs.snapshot(), rngs.changes()
+        out = op.fn(*((arg, OpContext(sid, seed)) if op.with_ctx else (arg,)))
+        with rngs.LOCK:
+            after, moved = rngs.snapshot(), rngs.changes() != before
+        if not moved:
+            break
+    return out, _drawn_from(marks, after)
+
+
+def _observed_call(op, value, sid, seed: int, ordinal: int, which: frozenset[str]) -> tuple:
+    """One call with the seeds planted and the generators compared (the caller holds the
+    lock)."""
+    rngs.plant(which, rngs.global_seeds(seed, sid, ordinal))
+    marks = rngs.snapshot()
+    out = op.fn(*((value, OpContext(sid, seed)) if op.with_ctx else (value,)))
+    return out, _drawn_from(marks, rngs.snapshot())
 
 
 def _kept():
@@ -312,7 +342,8 @@ def _first_calls(pipeline, which: Callable[[Any], frozenset[str]]) -> list[_Call
         return _walk(pipeline, which)
 
 
-def _walk(pipeline, which: Callable[[Any], frozenset[str]]) -> list[_Call]:
+def _walk(pipeline, which: Callable[[Any], frozenset[str]],
+          guard: bool = False) -> list[_Call]:
     """:func:`_first_calls` without keeping the consumer's states."""
     calls: list[_Call] = []
     try:
@@ -327,7 +358,7 @@ def _walk(pipeline, which: Callable[[Any], frozenset[str]]) -> list[_Call]:
         except Exception:  # noqa: BLE001 - a sample that cannot be copied (a lock in it)
             break  # the checks need copies of it; inline and threads run it as it is
         try:
-            first, drew = _first_call(op, sample, sid, pipeline.seed, ordinal, which)
+            first, drew = _first_call(op, sample, sid, pipeline.seed, ordinal, which, guard)
         except Exception:  # noqa: BLE001 - op errors surface at run time, with the sample id
             break
         calls.append(_Call(op, ordinal, sid, sample, before, first, drew))
@@ -342,13 +373,13 @@ def _walk(pipeline, which: Callable[[Any], frozenset[str]]) -> list[_Call]:
 
 
 def _first_call(op, sample, sid, seed: int, ordinal: int,
-                which: Callable[[Any], frozenset[str]]) -> tuple:
+                which: Callable[[Any], frozenset[str]], guard: bool = False) -> tuple:
     """One probe call; made again when it imported torch (torch's generator could not be
     seeded before it), so the output is the one the run gives."""
     had_torch = imported(rngs.TORCH) is not None
-    first, drew = _call(op, copy.deepcopy(sample), sid, seed, ordinal, which(op))
+    first, drew = _call(op, copy.deepcopy(sample), sid, seed, ordinal, which(op), guard)
     if not had_torch and imported(rngs.TORCH) is not None and rngs.TORCH in which(op) | drew:
-        first, drew = _call(op, copy.deepcopy(sample), sid, seed, ordinal, which(op))
+        first, drew = _call(op, copy.deepcopy(sample), sid, seed, ordinal, which(op), guard)
     return first, drew
 
 
@@ -361,7 +392,7 @@ def _behaviour_issues(plan, seeded: Seeded,
     with _kept():
         calls = _FIRST_CALLS.pop(plan, None)
         if calls is None:
-            calls = _walk(plan.spec, _seeded_for(plan, seeded))
+            calls = _walk(plan.spec, _seeded_for(plan, seeded), guard=True)
         return _second_calls(plan, seeded, calls, needs_pickle)
 
 
@@ -383,7 +414,8 @@ def _second_calls(plan, seeded: Seeded, calls: list[_Call],
             break
         try:
             probe = copy.deepcopy(c.sample)
-            second, drew = _call(c.op, probe, c.sid, pipeline.seed, c.ordinal, which)
+            second, drew = _call(c.op, probe, c.sid, pipeline.seed, c.ordinal, which,
+                                 guard=True)
         except Exception:  # noqa: BLE001 - op errors surface at run time, with the sample id
             break
         unseeded = (c.drew | drew) - which
@@ -475,12 +507,17 @@ def decide_global_rngs(plan) -> Seeded:
 
 
 def _refuse_nested(plan, seeded: Seeded) -> Seeded:
-    """``seeded``, unless this run starts inside a probe call of another pipeline's op
-    (:func:`~zephon.pipeline.rngs.probing`: the op iterates a pipeline of its own) and
-    would run seeded calls on threads of this process: they would wait for ever for the
-    lock the probe holds, so this raises instead (the probe stops at the op, and the run
-    proper calls it with no lock held)."""
-    if not rngs.probing() or not any(seeded) or plan.opts.mtp_mode:
+    """``seeded``, unless this run starts inside a seeded call of another pipeline's op
+    (or the probe of one: :func:`~zephon.pipeline.rngs.held_here`, the op iterates a
+    pipeline of its own) and would run seeded calls on other threads of this process
+    (a threads or process stage puts the engine on a pump thread): they would wait for
+    ever for the lock the outer call holds, so this raises instead of hanging. An inline
+    run stays on this thread (the lock is re-entrant), and process workers seed their
+    own generators."""
+    if not rngs.held_here() or not any(seeded) or plan.opts.mtp_mode:
+        return seeded
+    modes = {stage.mode for stage in plan.stages}
+    if not modes & {"threads", "process"}:
         return seeded
     stage_of = {id(op): stage.mode for stage in plan.stages for op in stage.ops}
     names = [op.name for op, which in zip(plan.spec.ops, seeded, strict=True)
@@ -488,10 +525,11 @@ def _refuse_nested(plan, seeded: Seeded) -> Seeded:
     if not names:
         return seeded
     raise ZephonConfigError(
-        f"a pipeline iterated inside an op that zephon is checking runs {', '.join(names)} "
-        "seeded for the global generators on threads of this process, which would wait "
-        "for the check's lock: the check of the outer op stops here and the run calls "
-        "it unchecked")
+        f"a pipeline iterated inside a seeded op's call runs {', '.join(names)} seeded "
+        "for the global generators on other threads of this process, which would wait for "
+        "ever for the lock the outer call holds: run the inner pipeline with "
+        "runner='inline' or runner='process', or the outer op unseeded "
+        "(seed_global_rngs='off', and draw from ctx.rng)")
 
 
 def _none(plan) -> Seeded:
