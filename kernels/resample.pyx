@@ -15,7 +15,7 @@ from libc.stdlib cimport free, malloc
 
 import numpy as np
 
-from zephon.kernels.resample_ref import FILTER_SUPPORT
+from zephon.kernels.resample_ref import FILTER_SUPPORT, own_array, plan
 
 _FILTER_IDS = {"box": 0, "bilinear": 1, "hamming": 2, "bicubic": 3, "lanczos": 4}
 
@@ -175,34 +175,20 @@ cdef int _vertical(const uint8_t[:, :, :] src, uint8_t[:, :, ::1] dst, int col0,
 def resample(src, box, size, name, flip=False):
     """``src``'s ``box`` resized to ``size`` (width, height), as the reference."""
     src = np.asarray(src)
-    if src.ndim != 3 or src.dtype != np.uint8 or src.shape[2] not in (1, 3):
-        raise ValueError("resample: src must be a uint8 array (H, W, 1 or 3)")
+    p = plan(src, box, size, name, coefficients)
     if src.strides[2] != 1 or src.strides[1] != src.shape[2]:
         src = np.ascontiguousarray(src)
-    cdef int height = src.shape[0], width = src.shape[1], channels = src.shape[2]
-    left, top, right, bottom = (float(np.float32(v)) for v in box)
-    out_w, out_h = size
-    need_h = out_w != width or left != 0 or right != out_w
-    need_v = out_h != height or top != 0 or bottom != out_h
-    bounds_h, kk_h = coefficients(width, left, right, out_w, name)
-    bounds_v, kk_v = coefficients(height, top, bottom, out_h, name)
     out = src
-    if need_h:
-        first = int(bounds_v[0, 0])
-        last = int(bounds_v[-1, 0] + bounds_v[-1, 1])
-        out = np.empty((last - first, out_w, channels), np.uint8)
-        _horizontal_any(src, out, first, bounds_h, kk_h, flip)
-        bounds_v = bounds_v.copy()
-        bounds_v[:, 0] -= first
+    if p.need_h:
+        out = np.empty((p.last - p.first, size[0], src.shape[2]), np.uint8)
+        _horizontal_any(src, out, p.first, p.bounds_h, p.kk_h, flip)
     elif flip:
-        out = np.ascontiguousarray(src[:, ::-1])
-    if need_v:
-        res = np.empty((out_h, out.shape[1], channels), np.uint8)
-        _vertical_any(out, res, 0, bounds_v, kk_v)
+        out = src[:, ::-1]
+    if p.need_v:
+        res = np.empty((size[1], out.shape[1], src.shape[2]), np.uint8)
+        _vertical_any(np.ascontiguousarray(out), res, 0, p.bounds_v, p.kk_v)
         out = res
-    # a new array always: with neither pass (the box is the output) ``out`` is ``src``,
-    # which may be a decoder's buffer that its next decode overwrites
-    return np.array(out, order="C", copy=True) if np.shares_memory(out, src) else out
+    return own_array(out, src)
 
 
 def _horizontal_any(src, dst, int row0, bounds, kk, bint flip):

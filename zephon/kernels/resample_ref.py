@@ -28,10 +28,13 @@ array itself does a quarter less arithmetic and no copies (``zephon.vision.decod
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["FILTER_SUPPORT", "PRECISION_BITS", "coefficients", "filter_weight", "resample"]
+__all__ = ["FILTER_SUPPORT", "PRECISION_BITS", "Plan", "coefficients", "filter_weight",
+           "own_array", "plan", "resample"]
 
 PRECISION_BITS = 32 - 8 - 2
 #: each filter's support at scale 1, in input pixels
@@ -118,10 +121,25 @@ def _pass(src: np.ndarray, bounds: np.ndarray, kk: np.ndarray, axis: int) -> np.
     return np.moveaxis(clipped, 0, axis)
 
 
-def resample(src: np.ndarray, box: tuple[float, float, float, float],
-             size: tuple[int, int], name: str, flip: bool = False) -> np.ndarray:
-    """``src``'s ``box`` resized to ``size`` (width, height), mirrored left to right when
-    ``flip``: a new C-contiguous uint8 array (height, width, C)."""
+class Plan(NamedTuple):
+    """What one resize does: which passes run, their coefficients (the vertical pass's
+    first input row counted from ``first``, the first row the horizontal pass reads),
+    and the rows ``first:last`` that pass reads."""
+
+    need_h: bool
+    need_v: bool
+    bounds_h: np.ndarray
+    kk_h: np.ndarray
+    bounds_v: np.ndarray
+    kk_v: np.ndarray
+    first: int
+    last: int
+
+
+def plan(src: np.ndarray, box: tuple[float, float, float, float], size: tuple[int, int],
+         name: str, coefficients_of: Callable = coefficients) -> Plan:
+    """The :class:`Plan` of resizing ``src``'s ``box`` to ``size`` with filter ``name``
+    (``coefficients_of``: :func:`coefficients`, or the compiled kernel's copy of it)."""
     if src.ndim != 3 or src.dtype != np.uint8 or src.shape[2] not in (1, 3):
         raise ValueError("resample: src must be a uint8 array (H, W, 1 or 3)")
     height, width = src.shape[:2]
@@ -129,18 +147,32 @@ def resample(src: np.ndarray, box: tuple[float, float, float, float],
     out_w, out_h = size
     need_h = out_w != width or left != 0 or right != out_w
     need_v = out_h != height or top != 0 or bottom != out_h
-    bounds_h, kk_h = coefficients(width, left, right, out_w, name)
-    bounds_v, kk_v = coefficients(height, top, bottom, out_h, name)
-    out = src
+    bounds_h, kk_h = coefficients_of(width, left, right, out_w, name)
+    bounds_v, kk_v = coefficients_of(height, top, bottom, out_h, name)
+    first, last = 0, height
     if need_h:
         first = int(bounds_v[0, 0])
         last = int(bounds_v[-1, 0] + bounds_v[-1, 1])
-        out = _pass(src[first:last], bounds_h, kk_h, axis=1)
         bounds_v = bounds_v.copy()
         bounds_v[:, 0] -= first
-    if need_v:
-        out = _pass(out, bounds_v, kk_v, axis=0)
-    out = out[:, ::-1] if flip else out
-    # a new array always, even when neither pass ran (``out`` would be ``src``)
-    return np.array(out, order="C", copy=True) if np.shares_memory(out, src) else \
-        np.ascontiguousarray(out)
+    return Plan(need_h, need_v, bounds_h, kk_h, bounds_v, kk_v, first, last)
+
+
+def own_array(out: np.ndarray, src: np.ndarray) -> np.ndarray:
+    """``out`` as a new C-contiguous array, never memory of ``src`` (with neither pass,
+    or a mirrored single column, ``out`` is ``src`` or a view of it, and ``src`` may be
+    a decoder's buffer that its next decode overwrites)."""
+    if np.shares_memory(out, src):
+        return np.array(out, order="C", copy=True)
+    return np.ascontiguousarray(out)
+
+
+def resample(src: np.ndarray, box: tuple[float, float, float, float],
+             size: tuple[int, int], name: str, flip: bool = False) -> np.ndarray:
+    """``src``'s ``box`` resized to ``size`` (width, height), mirrored left to right when
+    ``flip``: a new C-contiguous uint8 array (height, width, C)."""
+    p = plan(src, box, size, name)
+    out = _pass(src[p.first:p.last], p.bounds_h, p.kk_h, axis=1) if p.need_h else src
+    if p.need_v:
+        out = _pass(out, p.bounds_v, p.kk_v, axis=0)
+    return own_array(out[:, ::-1] if flip else out, src)
