@@ -144,12 +144,19 @@ def test_outputs_never_share_the_decoders_buffers():
 
     datas = [_jpeg(kind, (256, 192), seed=i) for i, kind in enumerate(
         ["baseline", "progressive", "444", "gray", "baseline", "422"])]
-    for op in (CenterCrop(192), CenterCrop((192, 256)), RandomResizedCrop(64)):
-        outs = [op({"image": d}, OpContext(("s", i, 0), 0))["image"] for i, d in enumerate(datas)]
-        for i, d in enumerate(datas):
+    # 1x1 images cropped to 1x1 and mirrored: no resampling pass at all, and a mirrored
+    # single column is still contiguous (the case an earlier fix missed)
+    tiny = [_jpeg("baseline", (1, 1), seed=20 + i) for i in range(6)]
+    cases = [(CenterCrop(192), datas), (CenterCrop((192, 256)), datas),
+             (RandomResizedCrop(64), datas), (RandomResizedCrop(1, flip=1.0), tiny)]
+    for op, images in cases:
+        outs = [op({"image": d}, OpContext(("s", i, 0), 0))["image"]
+                for i, d in enumerate(images)]
+        for i, d in enumerate(images):
             alone = op({"image": d}, OpContext(("s", i, 0), 0))["image"]
             assert np.array_equal(outs[i], alone), (op, i)
             assert outs[i].flags.writeable and outs[i].flags.c_contiguous
+        assert len({o.tobytes() for o in outs}) > 1 or len(images) == 1, op  # not one buffer
 
 
 @kernel
