@@ -27,16 +27,29 @@ from zephon.vision import decode as dec  # noqa: E402
 
 
 def _headers_here() -> bool:
-    """Whether this machine has libjpeg's headers where setup.py looks for them."""
+    """Whether this machine has, where setup.py looks, the headers of a libjpeg-turbo the
+    kernel compiles against (2.1.3 or later: ``zj_region.c`` refuses older ones)."""
+    import glob
+    import re
+
     dirs = [os.environ.get("ZEPHON_JPEG_INCLUDE", ""), "/usr/include", "/usr/local/include",
             "/opt/homebrew/include", "/opt/local/include",
             sysconfig.get_paths().get("include", "")]
-    return any(d and os.path.exists(os.path.join(d, "jpeglib.h")) for d in dirs)
+    for d in dirs:
+        if not d or not os.path.exists(os.path.join(d, "jpeglib.h")):
+            continue
+        for conf in [os.path.join(d, "jconfig.h"), *glob.glob(os.path.join(d, "*", "jconfig.h"))]:
+            if os.path.exists(conf):
+                found = re.search(r"LIBJPEG_TURBO_VERSION_NUMBER\s+(\d+)", open(conf).read())
+                return bool(found) and int(found.group(1)) >= 2001003
+        return False
+    return False
 
 
 def test_the_kernel_is_built_wherever_libjpeg_s_headers_are():
     if not _headers_here() or os.environ.get("ZEPHON_JPEG") == "0":
-        pytest.skip("no jpeglib.h here: zephon builds without the region kernel")
+        pytest.skip("no libjpeg-turbo >= 2.1.3 headers here: zephon builds without the "
+                    "region kernel")
     assert dec.region_kernel() is not None, \
         "jpeglib.h is here but zephon._kernels.jpeg_region was not built (setup.py)"
 
