@@ -196,6 +196,35 @@ def test_the_arena_grows_by_bounded_steps_and_never_past_what_is_needed_plus_a_s
         arena.close()
 
 
+def test_large_regions_take_only_the_room_of_those_live_at_once():
+    # Two image workers, each with at most three 37 MiB batches out at once, grew to
+    # 244 MiB apiece when large slabs doubled (room for five): the slabs are resident, so
+    # that was 270 MiB of the process tree's memory for nothing. A large need now gets a
+    # slab of its size class alone; small regions go to the smallest hole that fits.
+    mib = 1 << 20
+    batch = 38535168  # 64 float32 images of 3x224x224
+    arena = ShmArena(1, "memfd" if MEMFD else "named", 1 << 30, parent_pid=os.getpid(),
+                     min_slab_bytes=8 * mib, wait_timeout_s=0.01)
+    try:
+        small = arena.alloc(4096)[2]  # a small message first, as in a run
+        live = [arena.alloc(batch)[2] for _ in range(3)]
+        for _ in range(20):  # the steady state: one back, one out, small ones between
+            arena.free([live.pop(0)])
+            smalls = [arena.alloc(n)[2] for n in (1024, 70000, 3 * mib)]
+            live.append(arena.alloc(batch)[2])
+            arena.free(smalls)
+        large = [s.size for s in arena.slabs.values() if s.size >= batch]
+        assert len(large) == 3 and max(large) <= batch * 9 // 8
+        assert arena.total_bytes <= 3 * batch * 9 // 8 + 16 * mib
+        arena.free(live + [small])
+        # a slightly larger region of the same kind reuses a slab of the class
+        bigger = arena.alloc(batch + 2 * mib)[2]
+        assert len([s for s in arena.slabs.values() if s.size >= batch]) == 3
+        arena.free([bigger])
+    finally:
+        arena.close()
+
+
 @pytest.mark.parametrize("region", [17 << 20, (16 << 20) + 1, 12 << 20, 9 << 20])
 def test_bounded_growth_steps_leave_most_of_the_bound_usable(region):
     # With 32 MiB steps a 17 MiB region took a slab of its own (one per 32 MiB slab):

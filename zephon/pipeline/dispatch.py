@@ -42,7 +42,9 @@ Bounds (per lane and stage): at most ``depth`` parts queued beyond one per
 worker (``depth + workers`` in flight; ``depth`` on an inline stage). With only
 ``depth`` in flight, a lane of 16 workers at the default depth of 8 would leave
 half of them idle, and 2 workers at depth 4 waited a fifth of the time for
-their next part. At most ``op_queue_capacity`` items are in flight (always at
+their next part. Parts known to take :data:`LONG_PART_S` of a worker's time or more
+(units that are not cut) queue one per worker at most: more only hold large results
+in memory sooner. At most ``op_queue_capacity`` items are in flight (always at
 least one part; a process stage with the default ``op_queue_capacity=None`` has
 no item bound, only the byte bound below), and sequence numbers never further
 ahead of the oldest unfinished part than the reorder window, so a slow
@@ -90,6 +92,7 @@ __all__ = [
     "DISPATCH_MAX_BYTES",
     "DISPATCH_TARGET_BYTES",
     "DISPATCH_TARGET_SECONDS",
+    "LONG_PART_S",
     "MIN_PART_SAMPLES",
     "approx_nbytes",
     "merge_units",
@@ -113,6 +116,10 @@ DISPATCH_MAX_BYTES = 16 << 20
 #: whole part of them. (A message costs well under a millisecond at each end: 50 ms of
 #: work per part keeps that within a few percent.)
 DISPATCH_TARGET_SECONDS = 0.05
+#: Op seconds of one part from which a lane queues one part per worker at most (see
+#: ``_LaneDispatch.limit``): four times what a cut part aims at, so only units that are
+#: not cut (a fused batch, a ``map_batch``) reach it.
+LONG_PART_S = 4 * DISPATCH_TARGET_SECONDS
 #: Seconds per sample from which the time bound applies when the executor reports no op
 #: time and only the time from send to result is known: that counts queueing too, so for
 #: fast samples it overstates the work many times over (bounding 4 KiB samples by it cost
@@ -341,6 +348,7 @@ class _LaneDispatch:
         self.per_item: float | None = None  # output bytes per input sample, from results
         self.per_sample_s: float | None = None  # seconds per input sample, from results
         self.op_timed = False  # per_sample_s is op time (else send-to-result time)
+        self.part_s: float | None = None  # op seconds of a whole part (its worker's time)
         self.sent_at: dict[int, float] = {}  # seq -> when a part in flight was sent
         self.cap = 1  # samples per part at most: doubles with each result (see target)
         self.items = 0  # input samples in flight
@@ -368,8 +376,18 @@ class _LaneDispatch:
         """Parts in flight at most: depth queued beyond one per worker (an inline stage
         runs a part when it is submitted: nothing to keep busy, and reading ahead delays
         the first: one part; an adaptive stage planned with the process runner's depth
-        keeps to one part while it runs inline)."""
-        return 1 if self.inline else self.depth + self.workers
+        keeps to one part while it runs inline). Parts that take a worker
+        :data:`LONG_PART_S` or more (units that are not cut: a fused batch, a
+        ``map_batch``) queue one per worker at most: one queued part hides a message's
+        round trip hundreds of times over, and each further one only makes its large
+        result earlier, to wait in memory while the consumer is the slower side."""
+        if self.inline:
+            return 1
+        workers = self.workers
+        queued = self.depth
+        if self.part_s is not None and self.part_s >= LONG_PART_S:
+            queued = min(queued, workers)
+        return queued + workers
 
     def target(self) -> int:
         """Samples per part: ~DISPATCH_TARGET_BYTES of output (1 until a result says)."""
@@ -467,6 +485,8 @@ class _LaneDispatch:
             else:
                 self.per_sample_s = 0.5 * (self.per_sample_s + s)
             self.op_timed = timed
+            if timed:
+                self.part_s = busy_s if self.part_s is None else 0.5 * (self.part_s + busy_s)
         if deterministic:
             nbytes = (self.per_item or 0.0) * consumed
             self.buffered[seq] = nbytes

@@ -25,8 +25,10 @@ Ownership and lifecycle
   it by sending that message in-band (and the pool warns once).
 - The :class:`ShmArena` lives in the worker that owns it: it creates slabs on
   demand (pre-faulted with ``MAP_POPULATE``; each at least ``min_slab_bytes``,
-  doubling the arena while it is small, then adding at most 32 MiB a slab, or room
-  for four regions of a request larger than 8 MiB) until ``max_bytes``, the bound,
+  doubling the arena while it is small, then adding at most 32 MiB a slab; a request
+  of 8 MiB or more gets a slab of its own size class, at most an eighth over it, so
+  that the arena holds as many large regions as were live at once and no more)
+  until ``max_bytes``, the bound,
   which the recycled slabs never pass (:mod:`zephon.transport.budget` splits it
   into parts). All the regions of one message
   are allocated at once or not at all (:meth:`ShmArena.alloc_many`), so a
@@ -130,6 +132,7 @@ _WAIT_SLICE_S = 0.25  # re-check the consumer's liveness at least this often whi
 DEFAULT_MIN_SLAB_BYTES = 8 << 20
 _GROW_GRANULE_BYTES = 1 << 20  # a recycled slab's size is rounded up to this
 _GROW_STEP_BYTES = 32 << 20  # the most a recycled slab grows the arena by (unless needed)
+_LARGE_NEED_BYTES = 8 << 20  # from here a new slab is sized for the need alone (_size_class)
 # posix_fallocate errors that mean "no space" (an answer: in-band) and those that mean
 # "this filesystem cannot preallocate" (space is then reserved by the first write).
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
@@ -142,6 +145,13 @@ _NAME_RE = re.compile(rf"^{SEGMENT_PREFIX}([0-9a-f]+)_([0-9a-f]+)_[0-9a-f]+_[0-9
 
 def memfd_available() -> bool:
     return hasattr(os, "memfd_create") and sys.platform.startswith("linux")
+
+
+def _size_class(need: int) -> int:
+    """``need`` rounded up to its size class: eight classes per power of two, on a
+    1 MiB grain (so at most an eighth over, and 1 MiB while that is more)."""
+    step = 1 << max(need.bit_length() - 4, 20)
+    return -(-need // step) * step
 
 
 def _align(n: int, a: int = REGION_ALIGN) -> int:
@@ -386,6 +396,7 @@ class ShmArena:
         self._nonce = os.urandom(2).hex()  # (secrets would import hashlib: +3 ms per worker)
         self.slabs: dict[int, Slab] = {}
         self._free: dict[int, list[list[int]]] = {}  # slab_id -> sorted [[offset, size], ...]
+        self._large: set[int] = set()  # recycled slabs grown for one large need each
         self._live: dict[int, int] = {}  # token -> size (regions of recycled slabs)
         self._dedicated: dict[int, set[int]] = {}  # dedicated slab id -> its live tokens
         self.cond = threading.Condition()
@@ -459,7 +470,7 @@ class ShmArena:
             self._drain_gives()
             if self._held_bytes + need > held_limit:
                 return None
-            found = self._first_fit(need)
+            found = self._fit(need)
             if found is None:
                 # the heap's part is inside the bound: the slabs never exceed it
                 if self.total_bytes + need > self.max_bytes:
@@ -468,7 +479,7 @@ class ShmArena:
                     self._grow(need)
                 except (ArenaFull, ShmSpaceError):
                     return None
-                found = self._first_fit(need)
+                found = self._fit(need)
                 if found is None:
                     return None
             self._heap[found[2]] = _HELD
@@ -524,7 +535,7 @@ class ShmArena:
         not fit)`` with nothing taken."""
         got, missing = [], 0
         for need in needs:
-            found = self._first_fit(need)
+            found = self._fit(need)
             if found is None:
                 missing += need
             else:
@@ -534,17 +545,26 @@ class ShmArena:
             return None, missing
         return got, 0
 
-    def _first_fit(self, need: int):
-        for slab_id, holes in self._free.items():
-            for k, (offset, size) in enumerate(holes):
-                if size >= need:
-                    if size == need:
-                        del holes[k]
-                    else:
-                        holes[k] = [offset + need, size - need]
-                    token = region_token(slab_id, offset)
-                    self._live[token] = need
-                    return self.slabs[slab_id], offset, token
+    def _fit(self, need: int):
+        """The first free hole that holds ``need``, looking first in the slabs grown for
+        needs of its kind (large: :data:`_LARGE_NEED_BYTES` or more, or small), then in
+        the others: a small region does not take the room a large one's slab was made
+        for while a small slab has a hole for it, and a sample's temporary freed before
+        the next one is made still gets the same (cache-warm) region back."""
+        large = need >= _LARGE_NEED_BYTES
+        for same_kind in (True, False):
+            for slab_id, holes in self._free.items():
+                if (slab_id in self._large) != (large if same_kind else not large):
+                    continue
+                for k, (offset, size) in enumerate(holes):
+                    if size >= need:
+                        if size == need:
+                            del holes[k]
+                        else:
+                            holes[k] = [offset + need, size - need]
+                        token = region_token(slab_id, offset)
+                        self._live[token] = need
+                        return self.slabs[slab_id], offset, token
         return None
 
     def _new_slab(self, size: int, dedicated: bool) -> Slab:
@@ -566,19 +586,29 @@ class ShmArena:
 
     def _grow(self, need: int) -> None:
         room = self.max_bytes - self.total_bytes
-        # doubling, but by at most _GROW_STEP_BYTES (or 4 regions of this size) at a
-        # time: a new slab's pages are zeroed when it is created (about 1 ms per MiB
-        # here, all of it a stall of the op that needed the space), so a 128 MiB step for
-        # a working set of 130 MiB would pay for 126 MiB never used, at start-up and
-        # again when they are freed. (A step of room for 4 regions keeps what a slab
-        # cannot use below a quarter of it: with one 17 MiB region per 32 MiB slab, half
-        # of the bound would be unusable.)
-        step = max(_GROW_STEP_BYTES, 4 * need)
-        size = max(self.min_slab_bytes, _align(need, _GROW_GRANULE_BYTES),
-                   min(self.total_bytes, room, step))
-        size = max(need, min(size, room))
+        if need >= _LARGE_NEED_BYTES:
+            # A large need gets a slab of its size class alone. Doubling (even bounded to
+            # room for four such regions) paid for regions never live at once: two image
+            # workers with at most three 37 MiB batches out each grew to 244 MiB apiece,
+            # room for five, under doubling. A new slab's pages are zeroed and resident
+            # from its creation (MAP_POPULATE), so every byte of room costs memory. The
+            # class (8 per power of two) lets a slightly larger region of the same kind
+            # reuse the slab, and small regions look for room in the small slabs first.
+            size = max(need, min(_size_class(need), room))
+            large = True
+        else:
+            # doubling, but by at most _GROW_STEP_BYTES at a time: a new slab's pages are
+            # zeroed when it is created (about 1 ms per MiB here, all of it a stall of the
+            # op that needed the space), so a 128 MiB step for a working set of 130 MiB
+            # would pay for 126 MiB never used, at start-up and again when they are freed.
+            size = max(self.min_slab_bytes, _align(need, _GROW_GRANULE_BYTES),
+                       min(self.total_bytes, room, _GROW_STEP_BYTES))
+            size = max(need, min(size, room))
+            large = False
         slab = self._new_slab(size, dedicated=False)
         self._free[slab.slab_id] = [[0, size]]
+        if large:
+            self._large.add(slab.slab_id)
         self.total_bytes += size
 
     def _alloc_dedicated(self, needs: list[int]) -> list[tuple[Slab, int, int]]:
