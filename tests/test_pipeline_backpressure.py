@@ -239,6 +239,35 @@ def test_parts_are_cut_when_sent_with_the_estimates_of_that_moment():
     assert d.split_off(d.pending(list(range(10)))) == (list(range(5)), list(range(5, 10)))
 
 
+def test_long_parts_queue_one_per_worker_and_short_ones_the_depth():
+    # A fused batch of 64 images took 0.27 s of a worker: depth 4 beyond one per worker
+    # kept six 37 MiB batches coming while the consumer was the slower side, each of them
+    # memory. One queued part per worker hides a message's round trip hundreds of times
+    # over; parts cut to DISPATCH_TARGET_SECONDS keep the whole depth.
+    from zephon.pipeline.dispatch import DISPATCH_TARGET_SECONDS, LONG_PART_S
+
+    d = _lane_dispatch(workers=2)
+    deep = d.limit
+    assert deep == d.depth + 2 and d.depth > 2
+
+    from types import SimpleNamespace
+
+    def result(seq, busy_s):
+        d.sent(seq, 64)
+        d.done(seq, [SimpleNamespace(value=np.zeros(8))] * 64, True, busy_s=busy_s)
+
+    result(0, DISPATCH_TARGET_SECONDS)
+    assert d.limit == deep
+    result(1, 1.5 * LONG_PART_S)
+    result(2, 1.5 * LONG_PART_S)
+    assert d.limit == 2 + 2
+    result(3, None)  # a part lost to a crash says nothing of the time
+    assert d.limit == 2 + 2
+    for seq in range(4, 12):  # the parts turned short again
+        result(seq, DISPATCH_TARGET_SECONDS / 4)
+    assert d.limit == deep
+
+
 def test_the_feeder_sizes_each_part_when_it_sends_it():
     # The lane's feeder itself (not only the sizing rule): a unit read while 4 MiB samples
     # were fast goes out four to a part; once a result says they are slow, the next part
