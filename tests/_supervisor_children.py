@@ -72,13 +72,14 @@ def watches_parent(channel, parent_pid: int) -> None:
     time.sleep(600)
 
 
-def _orphaning_parent(pid_file: str) -> None:
-    """Run as a script: start one ``watches_parent`` child, write its pid, die abruptly."""
+def _orphaning_parent(pid_file: str, method: str) -> None:
+    """Run as a script: start one ``watches_parent`` child (start method ``method``),
+    write its pid, die abruptly."""
     import multiprocessing
 
     from zephon.transport.supervisor import Child, await_ready
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context(method)
     child = Child.spawn(ctx, watches_parent, (os.getpid(),), name="zephon-test-orphan")
     await_ready({0: child}, 60.0, "the orphaning parent")
     with open(pid_file, "w") as fh:
@@ -87,4 +88,4 @@ def _orphaning_parent(pid_file: str) -> None:
 
 
 if __name__ == "__main__":
-    _orphaning_parent(sys.argv[1])
+    _orphaning_parent(sys.argv[1], sys.argv[2])

@@ -123,11 +123,15 @@ def test_the_group_of_a_child_that_forked_a_grandchild_is_swept(spawn):
     assert not wait_gone([grandchild], max(1.0, deadline - time.monotonic()))
 
 
-def test_a_child_exits_when_its_parent_dies(tmp_path):
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_child_exits_when_its_parent_dies(tmp_path, method):
+    # Under forkserver the child's parent is multiprocessing's fork server, which exits
+    # when the zephon parent does: the child goes then, and not before (see the test
+    # below: comparing with the zephon parent's pid read every such child as orphaned).
     pid_file = tmp_path / "child.pid"
     here = os.path.dirname(__file__)
     parent = subprocess.Popen([sys.executable, os.path.join(here, "_supervisor_children.py"),
-                               str(pid_file)], cwd=here)
+                               str(pid_file), method], cwd=here)
     child_pid = None
     try:
         assert parent.wait(120) == 0
@@ -169,3 +173,24 @@ def test_exit_statuses_are_named():
     assert exit_text(-signal.SIGTERM) == "signal SIGTERM"
     assert exit_text(2) == "exit code 2"
     assert exit_text(None) == "an unknown cause"
+
+
+def test_a_pipeline_runs_its_workers_under_forkserver():
+    # RuntimeOptions(mp_context=forkserver) killed every worker at its first idle half
+    # second: the worker compared its parent (the fork server) with the zephon parent's
+    # pid, took itself for orphaned and killed its own process group, so no op longer
+    # than PARENT_POLL_S ever finished. Each sample here spans a poll.
+    import _pipeline_fns as F
+
+    from zephon import Pipeline, RuntimeOptions, sources
+    from zephon.transport.supervisor import PARENT_POLL_S
+
+    values = [1.2 * PARENT_POLL_S] * 4
+    pipe = (Pipeline(sources.from_sequence(values), seed=0, shuffle=False)
+            .map(F.slow_identity, parallelism=2)
+            .options(RuntimeOptions(runner="process", max_workers=2, max_worker_retries=0,
+                                    mp_context=multiprocessing.get_context("forkserver"))))
+    try:
+        assert list(pipe) == values
+    finally:
+        pipe.close()

@@ -263,9 +263,43 @@ def exit_text(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
+#: Child side: the pid of the process that started this one, noted first thing by
+#: :func:`_spawned` (None in a process zephon did not start). Under ``spawn`` that is the
+#: zephon parent; under ``forkserver`` it is ``multiprocessing``'s fork server, which
+#: exits when the zephon parent does (its end of the server's alive pipe closes).
+_STARTED_BY: int | None = None
+
+
+def _leave_fork_server() -> None:
+    """Under ``forkserver``: close this child's copy of the fork server's alive pipe.
+
+    ``multiprocessing`` hands every child of its fork server the write end of the pipe
+    whose end-of-file tells the server that its last client is gone (so that a child
+    could start processes through the same server). A zephon worker holding it kept
+    the server alive after the zephon parent died, and the server, still the worker's
+    parent, kept the worker from seeing that it was orphaned: both lived for ever. The
+    child's view of the fork server is reset to a spawned child's (none started), so an
+    op that uses ``forkserver`` itself starts a server of its own."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is None or getattr(server, "_forkserver_pid", None) is not None:
+        return  # not a child of a fork server (or this process runs one itself)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    server._forkserver_alive_fd = None
+    server._forkserver_address = None
+
+
 def _spawned(channel) -> None:
     """Every child's process entry: its target and arguments are the channel's first
     message (see the module docstring, step 1), then ``target(channel, *args)``."""
+    global _STARTED_BY
+    _STARTED_BY = os.getppid()
+    _leave_fork_server()
     _, frames, _ = channel.recv()
     target, args = pickle.loads(frames[0])
     target(channel, *args)
@@ -454,8 +488,14 @@ def await_ready(children: dict[Any, Child], timeout: float, where: str) -> None:
 
 
 def parent_changed(parent_pid: int) -> bool:
-    """Child side: True when the process that started this one is gone (re-parented)."""
-    return os.getppid() != parent_pid
+    """Child side: True when the process that started this one is gone (re-parented).
+
+    That process is the one that forked this child, noted at its start
+    (:data:`_STARTED_BY`), else ``parent_pid``, the zephon parent. They differ under
+    ``forkserver``: comparing with the zephon parent there read every worker as
+    orphaned at its first idle second, and each killed its own process group."""
+    started_by = parent_pid if _STARTED_BY is None else _STARTED_BY
+    return os.getppid() != started_by
 
 
 def watch_parent(parent_pid: int, on_gone: Callable[[], None],
