@@ -28,7 +28,7 @@ _LAZY = {"Pipeline": "zephon.pipeline", "Batch": "zephon.pipeline",
          "ExecutionTrackingMode": "zephon.options", "MetricsSinkConfig": "zephon.options",
          "MixtureReadConfig": "zephon.options", "RunPolicy": "zephon.options",
          "RuntimeOptions": "zephon.options", "StoreOptions": "zephon.options",
-         "profile": "zephon.report"}
+         "profile": "zephon.report", "forkserver_context": "zephon.transport.preload"}
 
 
 def __dir__():
@@ -67,6 +67,7 @@ __all__ = [
     "ZephonConfigError",
     "ZephonError",
     "__version__",
+    "forkserver_context",
     "profile",
     "sources",
 ]

@@ -151,6 +151,9 @@ def features() -> dict:
 
     fields = getattr(RuntimeOptions, "__dataclass_fields__", {})
     out["persistent_workers_option"] = "persistent_workers" in fields
+    import zephon
+
+    out["forkserver_context"] = hasattr(zephon, "forkserver_context")
     return out
 
 

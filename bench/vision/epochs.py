@@ -35,6 +35,11 @@ Rows:
   (uint8 CHW), and
   ``zephon.torch.loader(normalize={"image": (mean, std)}, layout="CHW")`` makes the
   float32 batch in the consumer: 4x fewer bytes cross processes;
+- ``zephon forkserver`` (``--rows all``): the ``zephon`` row with
+  ``RuntimeOptions(mp_context=zephon.forkserver_context("torch",
+  "torchvision.transforms.v2", "PIL.Image"))``: the workers fork from one server that
+  imported those once and froze its heap (less memory per worker, see
+  ``zephon.transport.preload``);
 - ``zephon vision op`` (``--rows all``): ``zephon.vision.RandomResizedCrop(224)`` in
   place of Pillow + torchvision (decode and crop in one step) with the loader's
   ``normalize``.
@@ -178,8 +183,14 @@ def loader_zephon(spec: dict):
         fn = (TvMap if seeded else TvMapSeeded)("uint8" if op == "tv_uint8" else "float")
         kw = {"normalize": {"image": (C.MEAN, C.STD)}, "layout": "CHW"} \
             if op == "tv_uint8" else {}
+    extra = {}
+    if spec.get("forkserver"):
+        import zephon
+
+        extra["mp_context"] = zephon.forkserver_context(
+            "torch", "torchvision.transforms.v2", "PIL.Image")
     pipe = Pipeline(source, seed=0).map(fn, parallelism=2).batch(C.BATCH) \
-        .options(RuntimeOptions(runner="process", max_workers=2))
+        .options(RuntimeOptions(runner="process", max_workers=2, **extra))
     loader = zt.loader(pipe, **kw)
 
     def close():
@@ -256,6 +267,8 @@ def plan(feat: dict, which: str) -> tuple[list[dict], list[str]]:
     row("zephon", "zephon", op="tv_float")
     row("zephon uint8 + normalize", "zephon", default=False, op="tv_uint8",
         needs=("loader_normalize",))
+    row("zephon forkserver", "zephon", default=False, op="tv_float", forkserver=True,
+        needs=("forkserver_context",))
     row("zephon vision op", "zephon", default=False, op="vision",
         needs=("zephon_vision", "loader_normalize"))
     return rows, skipped

@@ -485,7 +485,7 @@ class _LaneDispatch:
             else:
                 self.per_sample_s = 0.5 * (self.per_sample_s + s)
             self.op_timed = timed
-            if timed:
+            if busy_s is not None:
                 self.part_s = busy_s if self.part_s is None else 0.5 * (self.part_s + busy_s)
         if deterministic:
             nbytes = (self.per_item or 0.0) * consumed

@@ -282,9 +282,9 @@ def _leave_fork_server() -> None:
     op that uses ``forkserver`` itself starts a server of its own."""
     from multiprocessing import forkserver
 
-    server = getattr(forkserver, "_forkserver", None)
+    server: Any = getattr(forkserver, "_forkserver", None)
     fd = getattr(server, "_forkserver_alive_fd", None)
-    if fd is None or getattr(server, "_forkserver_pid", None) is not None:
+    if server is None or fd is None or getattr(server, "_forkserver_pid", None) is not None:
         return  # not a child of a fork server (or this process runs one itself)
     try:
         os.close(fd)
