@@ -492,6 +492,22 @@ def option_class(cls: type[_O]) -> type[_O]:
     return document(cls)
 
 
+_CHECKED_DEFAULTS: dict[tuple[type, str], Any] = {}
+
+
+def _checked_default(cls: type, f: dataclasses.Field) -> Any:
+    """Field ``f``'s default as its check returns it, checked on first use only (defaults
+    are immutable values, checks pure functions of the value: an options object with
+    fifty fields left at their defaults was checking all fifty on every construction)."""
+    key = (cls, f.name)
+    try:
+        return _CHECKED_DEFAULTS[key]
+    except KeyError:
+        value = _CHECKED_DEFAULTS[key] = f.metadata["check"].validate(cls.__name__, f.name,
+                                                                      f.default)
+        return value
+
+
 class OptionsBase:
     """Validation, dict round trip, ``replace`` and pickling for option classes."""
 
@@ -500,9 +516,14 @@ class OptionsBase:
         __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def __post_init__(self) -> None:
-        owner = type(self).__name__
+        cls = type(self)
+        owner = cls.__name__
         for f in dataclasses.fields(self):
             raw = getattr(self, f.name)
+            if raw is f.default:  # a field left at its (immutable) default: checked once
+                value = _checked_default(cls, f)
+                object.__setattr__(self, f.name, value)
+                continue
             try:
                 value = f.metadata["check"].validate(owner, f.name, raw)
             except ZephonConfigError:
