@@ -20,6 +20,11 @@ def make_sample(i):
     return {"id": i, "x": np.full(3, i, dtype=np.float64)}
 
 
+def no_draw(s):
+    """Draws from nothing."""
+    return {**s, "y": s["x"] * 2}
+
+
 def torch_noise(s):
     """torch's global generator, as torchvision's random transforms draw from it."""
     import torch

@@ -351,6 +351,9 @@ class PipelineIterator:
             checkpoint rounds are counted there too).
         seeded: per op of the spec, the global generators seeded before each of its
             calls (what ``validate(plan, "pickle")`` decided for the run; None: none).
+        checked: the ops already passed the behaviour checks (``validate(plan, "all")``,
+            for a run that starts no process); False: the iterator runs them while the
+            workers boot.
 
     Raises:
         ValidationError: with ``auto_validation="strict"``, an op fails the checks run on
@@ -374,7 +377,7 @@ class PipelineIterator:
     """
 
     def __init__(self, plan: Plan, start: RunStart, progress: Progress,
-                 seeded: Seeded | None = None) -> None:
+                 seeded: Seeded | None = None, *, checked: bool = False) -> None:
         self.plan, self.progress = plan, progress
         #: per op of the spec, the global generators seeded before each call (validation's
         #: decision for the run, :func:`~zephon.pipeline.validate.decide_global_rngs`)
@@ -390,11 +393,12 @@ class PipelineIterator:
         self._closed_by = "close()"  # what stopped the run, for next()'s error
         self._pid = os.getpid()  # the process that may stop the run (not a forked copy)
         self._start()
-        try:  # workers are booting while the ops are checked on the first sample
-            validate(plan, "behaviour", self.seeded)
-        except BaseException:
-            self.close()
-            raise
+        if not checked:
+            try:  # workers are booting while the ops are checked on the first sample
+                validate(plan, "behaviour", self.seeded)
+            except BaseException:
+                self.close()
+                raise
         progress.begin(self, self._restart)
 
     # -- running ---------------------------------------------------------------------------

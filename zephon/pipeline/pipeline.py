@@ -45,6 +45,7 @@ Dropping an iterator (leaving a ``for`` loop with ``break``) closes its run at o
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 from zephon.checkpoint import decode_state
@@ -62,6 +63,14 @@ from zephon.pipeline.validate import validate
 from zephon.transport.spawn_guard import refuse_in_spawn_bootstrap
 
 __all__ = ["Pipeline"]
+
+
+@functools.lru_cache(maxsize=1)
+def _default_runtime() -> RuntimeOptions:
+    """The default options, made once: they are frozen, so every pipeline can share them
+    (checking every field costs ~120 us, on every pipeline built, most of which are
+    given options of their own next)."""
+    return RuntimeOptions()
 
 
 class Pipeline:
@@ -132,7 +141,7 @@ class Pipeline:
         #: the definition (frozen): source, ops, seed, epoch order, chunking, epochs
         self.spec = PipelineSpec(source, (), seed, resolve_order(source, shuffle, shuffle_window),
                                  chunk_size, num_epochs)
-        self.runtime = RuntimeOptions()
+        self.runtime = _default_runtime()
         self._progress = Progress()  # where the next run starts: the only mutable member
         self._plan: Plan | None = None  # the spec resolved under the options, made once
 
@@ -719,9 +728,14 @@ class Pipeline:
         """
         refuse_in_spawn_bootstrap("iterating a zephon Pipeline")
         plan = self.plan()
-        seeded = validate(plan, "pickle")  # before any worker process exists
+        if plan.opts.mtp_mode or any(stage.mode == "process" for stage in plan.stages):
+            # the pickle checks before any worker process exists; the behaviour checks
+            # while the workers boot (the iterator runs them)
+            seeded, checked = validate(plan, "pickle"), False
+        else:  # nothing boots: both at once, under one keep of the generators' states
+            seeded, checked = validate(plan, "all"), True
         return PipelineIterator(plan, self._progress.next_start(plan), self._progress,
-                                seeded)
+                                seeded, checked=checked)
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next run at the beginning of ``epoch``.

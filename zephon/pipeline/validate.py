@@ -60,6 +60,7 @@ seeded under ``"all"`` and not under ``"auto"``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pickle
@@ -212,11 +213,12 @@ def _unimportable_main(obj) -> str | None:
     return None
 
 
-def find_issues(plan, checks: str = "all",
-                seeded: Seeded | None = None) -> list[ValidationIssue]:
+def find_issues(plan, checks: str = "all", seeded: Seeded | None = None,
+                keep: bool = True) -> list[ValidationIssue]:
     """``checks``: "pickle" (before workers start), "behaviour" (while they start), "all".
     The behaviour checks seed each op's generators as ``seeded`` says (per op of the
-    spec, :func:`decide_global_rngs`; None: none)."""
+    spec, :func:`decide_global_rngs`; None: none); ``keep=False``: the caller keeps the
+    consumer's generator states around them."""
     pipeline, opts = plan.spec, plan.opts
     issues: list[ValidationIssue] = []
     # an adaptive stage whose ops or samples do not pickle stays inline (its executor finds
@@ -226,7 +228,7 @@ def find_issues(plan, checks: str = "all",
         issues.extend(_pickle_issues(pipeline))
     if len(pipeline.source) == 0 or checks == "pickle":
         return issues
-    issues.extend(_behaviour_issues(plan, seeded or _none(plan), needs_pickle))
+    issues.extend(_behaviour_issues(plan, seeded or _none(plan), needs_pickle, keep))
     return issues
 
 
@@ -253,8 +255,9 @@ def _pickle_issues(pipeline) -> list[ValidationIssue]:
 
 class _Call(NamedTuple):
     """The first probe call of a leading op: its input (``sample``, and ``before``, a copy
-    to see whether the second call mutates it), its output and the generators it drew
-    from."""
+    to see whether the second call mutates it), its output, the generators it drew
+    from, and what of the output does not pickle (None: it all does; found once, an
+    output is not pickled again for the behaviour checks)."""
 
     op: Any
     ordinal: int
@@ -263,6 +266,7 @@ class _Call(NamedTuple):
     before: Any
     first: Any
     drew: frozenset[str]
+    unpicklable: Any = None
 
 
 #: the first calls ``validate(plan, "pickle")`` made under seed_global_rngs="auto", for
@@ -326,19 +330,26 @@ def _observed_call(op, value, sid, seed: int, ordinal: int, which: frozenset[str
     return out, _drawn_from(marks, rngs.snapshot())
 
 
-def _kept():
+def _kept(keep: bool = True):
     """The consumer's states of the generators (torch's when torch is imported), given
-    back when the probes are done (a generator a probe imported keeps its state)."""
+    back when the probes are done (a generator a probe imported keeps its state).
+    ``keep=False``: the caller keeps them around more than this (:func:`validate` takes
+    one keep around both phases: each save and give-back of NumPy's state costs ~40 us).
+    A pipeline that an op iterates during a probe is validated with a keep of its own, so
+    its probes never show as the outer op's draws."""
+    if not keep:
+        return contextlib.nullcontext()
     return rngs.kept(frozenset(g for g in rngs.GENERATORS
                                if g != rngs.TORCH or imported(rngs.TORCH) is not None))
 
 
-def _first_calls(pipeline, which: Callable[[Any], frozenset[str]]) -> list[_Call]:
+def _first_calls(pipeline, which: Callable[[Any], frozenset[str]],
+                 keep: bool = True) -> list[_Call]:
     """The first probe call of each leading op on the first sample (each op gets the
     output of the one before it; a filter that drops it ends the walk), seeded for
     ``which(op)``; the walk also ends at an op that raises, at an output that cannot be
     pickled (nothing after it is judged) and at a sample that cannot be copied."""
-    with _kept():
+    with _kept(keep):
         return _walk(pipeline, which)
 
 
@@ -361,8 +372,9 @@ def _walk(pipeline, which: Callable[[Any], frozenset[str]],
             first, drew = _first_call(op, sample, sid, pipeline.seed, ordinal, which, guard)
         except Exception:  # noqa: BLE001 - op errors surface at run time, with the sample id
             break
-        calls.append(_Call(op, ordinal, sid, sample, before, first, drew))
-        if find_unpicklable(first, "output") is not None:
+        unpicklable = find_unpicklable(first, "output")
+        calls.append(_Call(op, ordinal, sid, sample, before, first, drew, unpicklable))
+        if unpicklable is not None:
             break  # objects that do not pickle compare by identity: nothing more to judge
         if isinstance(op, FilterOp):
             if not first:
@@ -383,13 +395,13 @@ def _first_call(op, sample, sid, seed: int, ordinal: int,
     return first, drew
 
 
-def _behaviour_issues(plan, seeded: Seeded,
-                      needs_pickle: bool = False) -> list[ValidationIssue]:
+def _behaviour_issues(plan, seeded: Seeded, needs_pickle: bool = False,
+                      keep: bool = True) -> list[ValidationIssue]:
     """Z004 (output cannot be pickled, process runners), Z002 (not deterministic), Z005
     (outputs share a buffer) and Z003 (mutates its input) for the leading per-sample ops,
     probed on the first sample: a second call of each op, seeded as ``seeded`` says,
     against its first (the pickle phase's, else made now)."""
-    with _kept():
+    with _kept(keep):
         calls = _FIRST_CALLS.pop(plan, None)
         if calls is None:
             calls = _walk(plan.spec, _seeded_for(plan, seeded), guard=True)
@@ -404,7 +416,7 @@ def _second_calls(plan, seeded: Seeded, calls: list[_Call],
     issues: list[ValidationIssue] = []
     for c in calls:
         which = seeded_for(c.op)
-        unpicklable = find_unpicklable(c.first, "output")
+        unpicklable = c.unpicklable
         if unpicklable is not None:
             if needs_pickle:
                 issues.append(ValidationIssue(
@@ -487,7 +499,7 @@ def _cause(unseeded: frozenset[str], seeded: frozenset[str], mode: str) -> str:
             f"{WAYS_OUT}")
 
 
-def decide_global_rngs(plan) -> Seeded:
+def decide_global_rngs(plan, keep: bool = True) -> Seeded:
     """Decide, for every ``map`` and ``filter`` op of ``plan``, the global generators seeded
     before each of its calls in the run about to start (``plan.global_rngs``, see the
     module docstring); under ``seed_global_rngs="auto"`` with validation on, this runs
@@ -497,7 +509,7 @@ def decide_global_rngs(plan) -> Seeded:
     if opts.seed_global_rngs == "auto" and opts.auto_validation != "off" and \
             len(pipeline.source) > 0:
         # all three seeded (torch's as soon as it is imported, by the op's first call too)
-        calls = _first_calls(pipeline, lambda op: rngs.chosen("all", None))
+        calls = _first_calls(pipeline, lambda op: rngs.chosen("all", None), keep)
         _FIRST_CALLS[plan] = calls
         for c in calls:
             drew[id(c.op)] = drew.get(id(c.op), frozenset()) | c.drew
@@ -572,7 +584,10 @@ def validate(plan, checks: str = "all", seeded: Seeded | None = None) -> Seeded:
     if checks == "pickle":
         _report(mode, issues)
         return _refuse_nested(plan, decide_global_rngs(plan))
-    seeded = _refuse_nested(plan, decide_global_rngs(plan))
+    with _kept():  # one save and give-back of the consumer's states for both phases
+        seeded = _refuse_nested(plan, decide_global_rngs(plan, keep=False))
+        if mode != "off":  # the pickle checks are done: the behaviour ones follow them
+            issues += find_issues(plan, "behaviour", seeded, keep=False)
     if mode != "off":
-        _report(mode, find_issues(plan, "all", seeded))
+        _report(mode, issues)
     return seeded
