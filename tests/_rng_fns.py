@@ -20,6 +20,11 @@ def make_sample(i):
     return {"id": i, "x": np.full(3, i, dtype=np.float64)}
 
 
+def numpy_normal(s):
+    """One normal from np.random (legacy caches the pair's second)."""
+    return {**s, "normal": np.random.standard_normal()}
+
+
 def no_draw(s):
     """Draws from nothing."""
     return {**s, "y": s["x"] * 2}

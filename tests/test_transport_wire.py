@@ -225,6 +225,30 @@ def test_large_regions_take_only_the_room_of_those_live_at_once():
         arena.close()
 
 
+def test_under_a_tight_bound_a_later_larger_region_still_finds_room():
+    # A review's sequence: with slabs of exactly their size class, the 16 MiB region took
+    # the 30 MiB slab and the last 30 MiB one found no hole and no room to grow under an
+    # 80 MiB bound, though the consumer held only 16 MiB (ArenaFull after the wait).
+    from zephon.errors import ArenaFull
+
+    mib = 1 << 20
+    arena = ShmArena(1, "memfd" if MEMFD else "named", 80 * mib, parent_pid=os.getpid(),
+                     wait_timeout_s=0.01)
+    try:
+        t1 = arena.alloc(30 * mib)[2]
+        t2 = arena.alloc(24 * mib)[2]
+        arena.free([t1])
+        t3 = arena.alloc(16 * mib)[2]
+        arena.free([t2])
+        try:
+            t4 = arena.alloc(30 * mib)[2]
+        except ArenaFull as exc:  # pragma: no cover - the failure this test pins
+            pytest.fail(f"no room for 30 MiB while 16 MiB is held: {exc}")
+        arena.free([t3, t4])
+    finally:
+        arena.close()
+
+
 @pytest.mark.parametrize("region", [17 << 20, (16 << 20) + 1, 12 << 20, 9 << 20])
 def test_bounded_growth_steps_leave_most_of_the_bound_usable(region):
     # With 32 MiB steps a 17 MiB region took a slab of its own (one per 32 MiB slab):

@@ -189,6 +189,7 @@ def _plant_digest(which: frozenset[str], digest: bytes) -> None:
         _torch_generator().manual_seed(int.from_bytes(digest[:8], "little"))
     if NUMPY in which:
         np.random.seed(np.frombuffer(digest, dtype="<u4", count=4, offset=8))
+        _clear_cached_normal()
     if RANDOM in which:
         random.seed(int.from_bytes(digest[24:], "little"))
 
@@ -224,8 +225,23 @@ def plant(which: frozenset[str], seeds: Seeds) -> None:
         _torch_generator().manual_seed(seeds.torch)
     if NUMPY in which:
         np.random.seed(seeds.numpy)
+        _clear_cached_normal()
     if RANDOM in which:
         random.seed(seeds.random)
+
+
+def _clear_cached_normal() -> None:
+    """Drop legacy ``np.random``'s cached second normal. ``np.random.seed`` drops it only
+    for MT19937; under another global bit generator (``np.random.set_bit_generator``)
+    it survived the seeding, so a seeded call drawing a normal took the one the call
+    before had cached, and the stream depended on it."""
+    get = getattr(np.random, "get_bit_generator", None)
+    if get is None or type(get()) is np.random.MT19937:
+        return
+    state = np.random.get_state(legacy=False)
+    if state.get("has_gauss"):
+        state["has_gauss"], state["gauss"] = 0, 0.0
+        np.random.set_state(state)
 
 
 def save(which: frozenset[str]) -> list[tuple[str, Any]]:

@@ -25,9 +25,11 @@ Ownership and lifecycle
   it by sending that message in-band (and the pool warns once).
 - The :class:`ShmArena` lives in the worker that owns it: it creates slabs on
   demand (pre-faulted with ``MAP_POPULATE``; each at least ``min_slab_bytes``,
-  doubling the arena while it is small, then adding at most 32 MiB a slab; a request
-  of 8 MiB or more gets a slab of its own size class, at most an eighth over it, so
-  that the arena holds as many large regions as were live at once and no more)
+  doubling the arena while it is small, then adding at most 32 MiB a slab, or room
+  for four regions of a request larger than 8 MiB; a request of 8 MiB or more, where
+  the bound holds eight of them, gets a slab of its own size class instead, at most an
+  eighth over it, so that the arena holds as many such regions as were live at once;
+  large regions take the smallest hole that fits)
   until ``max_bytes``, the bound,
   which the recycled slabs never pass (:mod:`zephon.transport.budget` splits it
   into parts). All the regions of one message
@@ -133,6 +135,7 @@ DEFAULT_MIN_SLAB_BYTES = 8 << 20
 _GROW_GRANULE_BYTES = 1 << 20  # a recycled slab's size is rounded up to this
 _GROW_STEP_BYTES = 32 << 20  # the most a recycled slab grows the arena by (unless needed)
 _LARGE_NEED_BYTES = 8 << 20  # from here a new slab is sized for the need alone (_size_class)
+_LARGE_NEEDS_IN_BOUND = 8  # ... where the bound holds at least this many such needs
 # posix_fallocate errors that mean "no space" (an answer: in-band) and those that mean
 # "this filesystem cannot preallocate" (space is then reserved by the first write).
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
@@ -546,25 +549,36 @@ class ShmArena:
         return got, 0
 
     def _fit(self, need: int):
-        """The first free hole that holds ``need``, looking first in the slabs grown for
-        needs of its kind (large: :data:`_LARGE_NEED_BYTES` or more, or small), then in
-        the others: a small region does not take the room a large one's slab was made
-        for while a small slab has a hole for it, and a sample's temporary freed before
-        the next one is made still gets the same (cache-warm) region back."""
+        """A free hole that holds ``need``, looking first in the slabs grown for needs of
+        its kind (large: :data:`_LARGE_NEED_BYTES` or more, or small), then in the
+        others: a small region does not take the room a large one's slab was made for
+        while a small slab has a hole for it. A small need takes the first hole (a
+        sample's temporary freed before the next one is made gets the same, cache-warm,
+        region back); a large one the smallest (best fit: it leaves the larger holes to
+        larger regions)."""
         large = need >= _LARGE_NEED_BYTES
         for same_kind in (True, False):
+            best = None
             for slab_id, holes in self._free.items():
                 if (slab_id in self._large) != (large if same_kind else not large):
                     continue
-                for k, (offset, size) in enumerate(holes):
-                    if size >= need:
-                        if size == need:
-                            del holes[k]
-                        else:
-                            holes[k] = [offset + need, size - need]
-                        token = region_token(slab_id, offset)
-                        self._live[token] = need
-                        return self.slabs[slab_id], offset, token
+                for k, (_, size) in enumerate(holes):
+                    if size >= need and (best is None or size < best[3]):
+                        best = (slab_id, holes, k, size)
+                        if not large or size == need:
+                            break  # small: the first hole; large: an exact one ends it
+                if best is not None and (not large or best[3] == need):
+                    break
+            if best is not None:
+                slab_id, holes, k, size = best
+                offset = holes[k][0]
+                if size == need:
+                    del holes[k]
+                else:
+                    holes[k] = [offset + need, size - need]
+                token = region_token(slab_id, offset)
+                self._live[token] = need
+                return self.slabs[slab_id], offset, token
         return None
 
     def _new_slab(self, size: int, dedicated: bool) -> Slab:
@@ -586,25 +600,30 @@ class ShmArena:
 
     def _grow(self, need: int) -> None:
         room = self.max_bytes - self.total_bytes
-        if need >= _LARGE_NEED_BYTES:
+        large = _LARGE_NEED_BYTES <= need and need * _LARGE_NEEDS_IN_BOUND <= self.max_bytes
+        if large:
             # A large need gets a slab of its size class alone. Doubling (even bounded to
             # room for four such regions) paid for regions never live at once: two image
             # workers with at most three 37 MiB batches out each grew to 244 MiB apiece,
             # room for five, under doubling. A new slab's pages are zeroed and resident
             # from its creation (MAP_POPULATE), so every byte of room costs memory. The
             # class (8 per power of two) lets a slightly larger region of the same kind
-            # reuse the slab, and small regions look for room in the small slabs first.
+            # reuse the slab; large regions take the smallest hole that fits, small ones
+            # look in the small slabs first. Only where the bound holds eight such needs:
+            # under a tight bound, slabs of exactly their size left a later, larger region
+            # no hole to take and no room to grow (a review's 30/24/16/30 MiB sequence
+            # under an 80 MiB bound starved), where doubling's larger slabs had room.
             size = max(need, min(_size_class(need), room))
-            large = True
         else:
-            # doubling, but by at most _GROW_STEP_BYTES at a time: a new slab's pages are
-            # zeroed when it is created (about 1 ms per MiB here, all of it a stall of the
-            # op that needed the space), so a 128 MiB step for a working set of 130 MiB
-            # would pay for 126 MiB never used, at start-up and again when they are freed.
+            # doubling, but by at most _GROW_STEP_BYTES (or room for 4 regions of this
+            # size) at a time: a new slab's pages are zeroed when it is created (about 1
+            # ms per MiB here, all of it a stall of the op that needed the space), so a
+            # 128 MiB step for a working set of 130 MiB would pay for 126 MiB never used,
+            # at start-up and again when they are freed.
+            step = max(_GROW_STEP_BYTES, 4 * need)
             size = max(self.min_slab_bytes, _align(need, _GROW_GRANULE_BYTES),
-                       min(self.total_bytes, room, _GROW_STEP_BYTES))
+                       min(self.total_bytes, room, step))
             size = max(need, min(size, room))
-            large = False
         slab = self._new_slab(size, dedicated=False)
         self._free[slab.slab_id] = [[0, size]]
         if large:
