@@ -24,8 +24,10 @@ the same epoch times; each further worker saves about as much again.
 Limits (``multiprocessing``'s): a program has one fork server, started by its
 first ``forkserver`` process, and its preload is fixed then. A context asked for
 after that with modules the running server lacks still works (the workers import
-them themselves) and says so with a :class:`RuntimeWarning`. The server exits when
-the program does; zephon's workers leave it no reason to stay (see
+them themselves) and says so with a :class:`RuntimeWarning`. Workers get the
+server's environment, the one the program had when the server started: a variable
+set later reaches spawned workers but not these. The server exits when the program
+does; zephon's workers leave it no reason to stay (see
 :func:`~zephon.transport.supervisor._leave_fork_server`).
 """
 
