@@ -83,3 +83,14 @@ def pytest_sessionfinish(session, exitstatus):
             if reporter is not None:
                 reporter.write_line(f"LEAK: {line}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="session")
+def clusters():
+    """The session's Ray clusters (``tests/_ray_clusters.py``); Ray's tests skip without
+    it, so this is only made where Ray is installed."""
+    from _ray_clusters import RayClusters
+
+    c = RayClusters()
+    yield c
+    c.close()

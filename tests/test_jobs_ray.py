@@ -29,6 +29,7 @@ ray = pytest.importorskip(
 import _job_fns as J  # noqa: E402
 import _job_fns_ray as R  # noqa: E402
 from _procs import wait_gone  # noqa: E402
+from _ray_clusters import TESTS  # noqa: E402
 from zephon import SubjectTimeoutError, WorkerCrashedError, ZephonConfigError  # noqa: E402
 from zephon.errors import SerializationError  # noqa: E402
 from zephon.jobs import (  # noqa: E402
@@ -38,62 +39,7 @@ from zephon.options import backend_reason, resolve_backend  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 FAST = dict(graceful_shutdown_sec=2.0, subject_spawn_timeout_sec=120.0)  # a loaded machine starts Ray workers slowly
-
-
-class RayClusters:
-    """The session's Ray: ``local()`` (2 CPUs) or ``two_nodes()``, one at a time."""
-
-    def __init__(self) -> None:
-        self.kind = None
-        self.cluster = None
-        self.old_pythonpath = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            p for p in (TESTS, self.old_pythonpath) if p)
-
-    def local(self, num_gpus: int = 0) -> None:
-        """A local cluster with 2 CPUs (and ``num_gpus`` GPU resources: Ray only counts
-        them, so they need no hardware)."""
-        if self.kind != ("local", num_gpus):
-            self.stop()
-            ray.init(num_cpus=2, num_gpus=num_gpus, include_dashboard=False)
-            self.kind = ("local", num_gpus)
-
-    def two_nodes(self):
-        """A fresh head (2 CPUs) plus a second node (2 CPUs); returns (cluster, node)."""
-        from ray.cluster_utils import Cluster
-
-        self.stop()
-        self.cluster = Cluster(initialize_head=True,
-                               head_node_args={"num_cpus": 2, "include_dashboard": False})
-        second = self.cluster.add_node(num_cpus=2)
-        self.cluster.wait_for_nodes()
-        ray.init(address=self.cluster.address)
-        self.kind = "two_nodes"
-        return self.cluster, second
-
-    def stop(self) -> None:
-        if ray.is_initialized():
-            ray.shutdown()
-        if self.cluster is not None:
-            self.cluster.shutdown()
-            self.cluster = None
-        self.kind = None
-
-    def close(self) -> None:
-        self.stop()
-        if self.old_pythonpath is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = self.old_pythonpath
-
-
-@pytest.fixture(scope="session")
-def clusters():
-    c = RayClusters()
-    yield c
-    c.close()
 
 
 @pytest.fixture(params=["process", "ray"])

@@ -173,7 +173,8 @@ def test_resolved_view_reports_provenance():
     assert view["max_workers"] == (24, "explicit")
     assert view["prefetch_batches"] == (48, "derived")
     assert view["mtp_prefetch"] == (4, "derived")
-    assert view["default_stage_prefetch"].value == {"inline": 24, "threads": 24, "process": 12}
+    assert view["default_stage_prefetch"].value == {"inline": 24, "threads": 24, "process": 12,
+                                                    "ray": 12}
     assert view["shm_enabled"] == (False, "explicit")
     assert view["deterministic"] == (True, "default")
     assert view["canonical_replicas"] == (1, "derived")

@@ -12,7 +12,10 @@ backend uses that connection and leaves it open. Otherwise it calls
 ``ray.init(address=RAY_ADDRESS)`` when ``RAY_ADDRESS`` is set, else
 ``ray.init()`` (which joins a cluster ``ray start`` left on this machine, or
 starts a local one), and shuts that connection (and a local cluster it started)
-down at the end of the run. ``describe_cluster`` says which, for ``explain()``.
+down at the end of the run unless a pipeline's Ray stage still holds it
+(:mod:`zephon.transport.ray_cluster` owns connecting, placement and disconnecting
+for both).
+``describe_cluster`` says which, for ``explain()``.
 Ray itself is imported only inside this module's functions (the ``zephon[ray]``
 extra); the callable and the subjects travel with Ray's serializer
 (cloudpickle), and every node needs zephon and the callable's module installed.
@@ -74,7 +77,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import sys
 import time
 from typing import Any, Iterable, Iterator
 
@@ -86,6 +88,13 @@ from zephon.errors import (
 )
 from zephon.jobs.process import JobSetupError, Outcome, max_consecutive_failures
 from zephon.jobs.subjects import subject_label
+from zephon.transport.ray_cluster import (
+    actor_options,
+    connect,
+    describe_cluster,
+    import_ray,
+    where,
+)
 from zephon.transport.remote_errors import decode_exception, encode_exception
 
 __all__ = [
@@ -101,37 +110,6 @@ log = logging.getLogger("zephon.jobs")
 
 BATCH_TARGET_S = 0.05
 MAX_BATCH = 64
-
-
-def import_ray():
-    """Import ``ray`` or raise a :class:`ZephonConfigError` naming the extra to install."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise ZephonConfigError(
-            "RunPolicy(backend='ray') needs Ray: python -m pip install -e \".[ray]\" (in the zephon checkout) "
-            f"(import failed: {exc})") from exc
-    return ray
-
-
-def describe_cluster() -> str:
-    """Which Ray cluster a run started now would use, without connecting or importing Ray.
-
-    Example: ``"RAY_ADDRESS=ray://head:10001"`` or ``"a local Ray cluster started by
-    zephon for this run (no RAY_ADDRESS; ...)"``."""
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        try:
-            address = ray.get_runtime_context().gcs_address
-        except Exception:  # noqa: BLE001 - a client connection has no gcs address
-            address = "?"
-        return f"this process's existing Ray connection (ray.init already called; {address})"
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
-        return f"RAY_ADDRESS={address} (zephon connects for the run and disconnects after)"
-    return ("a local Ray cluster started by zephon for this run and stopped after it "
-            "(no RAY_ADDRESS; ray.init() joins a cluster `ray start` left on this machine "
-            "instead, if there is one)")
 
 
 def explain_lines(backend: "RayBackend | None", store_dir: str | None) -> list[str]:
@@ -177,9 +155,7 @@ def _export_gpu_slot() -> None:
 
 
 def _where() -> tuple[int, str]:
-    import ray
-
-    return os.getpid(), ray.get_runtime_context().get_node_id()
+    return where()[:2]
 
 
 class _SubjectActor:
@@ -275,19 +251,12 @@ class RayBackend:
     def __init__(self, fn, policy, workers: int, *, batching: bool = True,
                  names=None) -> None:
         self.names = names  # subject ids by position, to name subjects in errors
-        self.ray = ray = import_ray()
+        self.cluster = describe_cluster()
         self.policy = policy
         self.stats: collections.Counter[str] = collections.Counter()
-        self.owns_connection = not ray.is_initialized()
-        self.cluster = describe_cluster()
-        if self.owns_connection:
-            address = os.environ.get("RAY_ADDRESS") or None
-            try:
-                ray.init(address=address, logging_level=logging.WARNING)
-            except Exception as exc:
-                raise ZephonConfigError(
-                    f"RunPolicy(backend='ray') could not reach a Ray cluster "
-                    f"(RAY_ADDRESS={address!r}): {type(exc).__name__}: {exc}") from exc
+        self.link = connect("RunPolicy(backend='ray')")  # see zephon.transport.ray_cluster
+        self.ray = ray = self.link.ray
+        self.owns_connection = self.link.made
         self.gpu = bool(policy.cap_workers_to_gpu_pool)
         self.gpu_count = None
         resources = ray.cluster_resources()
@@ -311,11 +280,11 @@ class RayBackend:
                 f"{type(exc).__name__}: {exc}") from exc
         self.persistent = policy.parallel_mode == "persistent"
         self.batching = batching and self.persistent
-        opts = {"num_cpus": 1, "num_gpus": 1 if self.gpu else 0}
+        opts = actor_options(num_gpus=1 if self.gpu else 0)
         if self.persistent:
-            self.actor_cls = ray.remote(max_restarts=0, max_task_retries=0, **opts)(
-                _SubjectActor)
+            self.actor_cls = ray.remote(**opts)(_SubjectActor)
         else:
+            del opts["max_restarts"], opts["max_task_retries"]
             self.task = ray.remote(max_retries=0, max_calls=1, **opts)(_isolated_task)
         self.actors: list[_Actor] = []
         self.calls: dict[Any, _Call] = {}
@@ -336,8 +305,7 @@ class RayBackend:
         return lines
 
     def _disconnect(self) -> None:
-        if self.owns_connection and self.ray.is_initialized():
-            self.ray.shutdown()
+        self.link.release()
 
     # -- actors ----------------------------------------------------------------------
     def _spawn(self) -> _Actor:

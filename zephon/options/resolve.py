@@ -44,6 +44,7 @@ from zephon.options.limits import MAX_MTP_BUFFER
 
 __all__ = [
     "CLOUD_AGGREGATE_MIN_TIMEOUT_S",
+    "OUT_OF_PROCESS_RUNNERS",
     "STAGE_RUNNERS",
     "ResolvedValue",
     "available_cpus",
@@ -71,7 +72,10 @@ __all__ = [
     "resolve_stage_workers",
 ]
 
-STAGE_RUNNERS = ("inline", "threads", "process")
+STAGE_RUNNERS = ("inline", "threads", "process", "ray")
+#: runners whose stages run in processes of their own (a worker process, a Ray actor):
+#: their ops and samples must pickle and each process seeds its own generators
+OUT_OF_PROCESS_RUNNERS = frozenset({"process", "ray"})
 CLOUD_AGGREGATE_MIN_TIMEOUT_S = 90.0
 AUTO_FLUSH_EVERY_K_CHUNKS = 8
 
@@ -198,12 +202,12 @@ def resolve_mtp_prefetch(opts, *, cpu_count: int | None = None) -> int:
 
 def resolve_default_stage_prefetch(opts, runner: str, *, cpu_count: int | None = None) -> int:
     """Items buffered between stages for a stage on ``runner``: ``default_stage_prefetch``,
-    else ``max(4, prefetch // 4)`` for process stages and ``max(8, prefetch // 2)`` for
+    else ``max(4, prefetch // 4)`` for process and Ray stages and ``max(8, prefetch // 2)`` for
     thread and inline stages.
 
     Args:
         opts: a :class:`~zephon.RuntimeOptions`.
-        runner: ``"inline"``, ``"threads"`` or ``"process"``.
+        runner: ``"inline"``, ``"threads"``, ``"process"`` or ``"ray"``.
         cpu_count: the CPU count to assume (None: ``os.cpu_count()``).
 
     Returns:
@@ -224,7 +228,7 @@ def resolve_default_stage_prefetch(opts, runner: str, *, cpu_count: int | None =
     if opts.default_stage_prefetch is not None:
         return opts.default_stage_prefetch
     prefetch = resolve_prefetch_batches(opts, cpu_count=cpu_count)
-    if runner == "process":
+    if runner in OUT_OF_PROCESS_RUNNERS:
         return max(4, prefetch // 4)
     return max(8, prefetch // 2)
 

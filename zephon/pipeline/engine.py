@@ -81,6 +81,7 @@ from zephon.pipeline.records import Batch, BatchList, Boundary
 from zephon.pipeline.stats import RunStats
 from zephon.runners import AdaptiveExecutor, InlineExecutor, ProcessExecutor, ThreadExecutor
 from zephon.runners.contract import StageExecutor, StageMeter
+from zephon.runners.ray import RayExecutor
 from zephon.transport.codec import ShmPolicy
 from zephon.transport.config import PoolConfig
 
@@ -354,6 +355,8 @@ class Engine:
                                     name=name, meter=meter)
         if stage.mode == "process":
             return self._process_maker(stage, name)(stage.workers, meter)
+        if stage.mode == "ray":
+            return self._ray_executor(stage, name, meter)
         if stage.mode == "threads":
             return ThreadExecutor(self.program, stage.workers, name=name, meter=meter)
         return InlineExecutor(self.program, name=name, meter=meter)
@@ -380,6 +383,27 @@ class Engine:
                                    max_retries=o.max_worker_retries,
                                    deterministic=o.deterministic, meter=meter)
         return make
+
+    def _ray_executor(self, stage, name: str, meter: StageMeter) -> StageExecutor:
+        """The :class:`~zephon.runners.ray.RayExecutor` of ``stage``: the one the keep holds
+        from the pipeline's previous run when its actors run this run's program, else a
+        new one."""
+        program, o = self.program, self.plan.opts
+        kept = self.keep.take(("stage", stage.index), self._made_for) \
+            if self.keep is not None else None
+        if kept is not None and kept.runs(program):
+            try:
+                kept.adopt(meter, stage.workers)
+            except BaseException:
+                kept.close()
+                raise
+            return kept
+        if kept is not None:
+            kept.close()
+        return RayExecutor(program, stage.workers, name=name,
+                           max_retries=o.max_worker_retries, deterministic=o.deterministic,
+                           meter=meter, compute_threads=o.worker_compute_threads,
+                           spawn_timeout_s=self.pool_config.spawn_timeout_s)
 
     def lane_stream(self, lane: int) -> Iterator:
         """``(record, lane state after it)`` for every item of ``lane`` from its state."""
@@ -623,7 +647,7 @@ class Engine:
         assert keep is not None
         for index, ex in list(self.executors.items()):
             pool = None
-            if isinstance(ex, ProcessExecutor) and ex.keepable():
+            if isinstance(ex, (ProcessExecutor, RayExecutor)) and ex.keepable():
                 pool = ex
                 del self.executors[index]
             elif isinstance(ex, AdaptiveExecutor):

@@ -78,6 +78,7 @@ from typing import Any, NoReturn
 from zephon.checkpoint import decode_state, encode_state
 from zephon.errors import IteratorClosedError
 from zephon.options import resolve_mtp_prefetch
+from zephon.options.resolve import OUT_OF_PROCESS_RUNNERS
 from zephon.pipeline import rngs
 from zephon.pipeline.dispatch import approx_nbytes
 from zephon.pipeline.engine import NOTHING, Engine, mtp_pool, stop_each
@@ -431,11 +432,13 @@ class PipelineIterator:
                                  self.progress.keep, self.seeded)
             self.record.stats = self.engine.stats
             self.record.autotune = self.engine.tuner
+            self.record.ray = [ex for ex in self.engine.executors.values()
+                               if ex.runner == "ray"]
             self._source = self.engine.items()
             # adaptive stages (autotune) run inline until moved: the engine stays in the
             # consumer's thread until one is on process workers (see __next__)
             modes = {s.mode for s in plan.stages}
-            threaded = bool(modes & {"threads", "process"})
+            threaded = bool(modes & {"threads", *OUT_OF_PROCESS_RUNNERS})
             self._lazy_pump = not threaded and "adaptive" in modes
             depth = plan.prefetch
         if threaded:

@@ -51,6 +51,7 @@ from typing import Mapping
 from zephon.checkpoint import decode_state
 from zephon.errors import ZephonConfigError
 from zephon.options import RuntimeOptions
+from zephon.options.resolve import OUT_OF_PROCESS_RUNNERS
 from zephon.pipeline import ops as O
 from zephon.pipeline.iterator import PipelineIterator
 from zephon.pipeline.plan import Plan, upstream_aligned
@@ -694,12 +695,17 @@ class Pipeline:
             >>> "stage 0: read, map(abs)" in text
             True
 
-        Under ``worker_allocation="autotune"`` it ends with the latest run's worker
-        counts and the controller's decisions (:mod:`zephon.pipeline.autotune`).
+        After a run with Ray stages (``runner="ray"``) it says where their actors were
+        (nodes, units in flight, units re-run after lost actors); under
+        ``worker_allocation="autotune"`` it ends with the latest run's worker counts and
+        the controller's decisions (:mod:`zephon.pipeline.autotune`).
         """
         text = self.plan().explain()
-        tuner = self._progress.latest.autotune
-        return text if tuner is None else "\n".join([text, *tuner.explain()])
+        latest = self._progress.latest
+        lines = [f"  ray {ex.name}: {ex.describe()}" for ex in latest.ray]
+        if latest.autotune is not None:
+            lines += latest.autotune.explain()
+        return "\n".join([text, *lines])
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> PipelineIterator:
@@ -728,7 +734,8 @@ class Pipeline:
         """
         refuse_in_spawn_bootstrap("iterating a zephon Pipeline")
         plan = self.plan()
-        if plan.opts.mtp_mode or any(stage.mode == "process" for stage in plan.stages):
+        if plan.opts.mtp_mode or any(stage.mode in OUT_OF_PROCESS_RUNNERS
+                                     for stage in plan.stages):
             # the pickle checks before any worker process exists; the behaviour checks
             # while the workers boot (the iterator runs them)
             seeded, checked = validate(plan, "pickle"), False

@@ -68,6 +68,7 @@ from zephon.options import (
     resolve_stage_prefetch,
     resolve_stage_workers,
 )
+from zephon.options.resolve import OUT_OF_PROCESS_RUNNERS
 from zephon.pipeline.fingerprint import pipeline_fingerprint
 from zephon.pipeline.lanes import lane_length, owned_lanes
 from zephon.pipeline.ops import (
@@ -117,7 +118,8 @@ class Stage:
     #: one lane may have in flight or waiting to be reordered (a share of it)
     arena_bytes: int | None = None
     budget_bytes: int | None = None
-    #: what runs the stage's units: ``"inline"``, ``"threads"``, ``"process"``, or
+    #: what runs the stage's units: ``"inline"``, ``"threads"``, ``"process"``, ``"ray"``
+    #: (actors on a Ray cluster, :mod:`zephon.runners.ray`), or
     #: ``"adaptive"`` (autotune with the runner not pinned: the stage starts inline and
     #: the controller moves it to process workers when that pays; ``runner`` is then
     #: ``"process"``, the runner whose bounds it is planned with so that it can).
@@ -127,7 +129,7 @@ class Stage:
     def __post_init__(self) -> None:
         if not self.mode:
             object.__setattr__(self, "mode", self.runner)
-        if self.mode not in ("inline", "threads", "process", "adaptive"):
+        if self.mode not in ("inline", "threads", "process", "ray", "adaptive"):
             raise ValueError(f"Stage.mode {self.mode!r}")
 
     @property
@@ -303,7 +305,7 @@ def build_stages(opts, groups: list[tuple[StatelessOp, ...]], fused: bool) -> li
         # A process stage's samples in flight are bounded by their bytes (the lane's
         # share of the arena) unless op_queue_capacity is set: a count of samples
         # would keep small samples to one part (one busy worker) at a time.
-        item_cap = None if runner == "process" and opts.op_queue_capacity is None \
+        item_cap = None if runner in OUT_OF_PROCESS_RUNNERS and opts.op_queue_capacity is None \
             else resolve_op_queue_capacity(opts)
         adaptive = _adaptive(opts, i)
         stage = Stage(i, ops, runner, workers, depth, split, item_cap,
@@ -317,7 +319,10 @@ def build_stages(opts, groups: list[tuple[StatelessOp, ...]], fused: bool) -> li
 
 def with_arena(stage: Stage, memory: MemoryBudget) -> Stage:
     """``stage`` with, on the process runner, its workers' arena bound and the byte budget
-    of each lane the rank owns (both from the budget ``memory``)."""
+    of each lane the rank owns (both from the budget ``memory``); on the Ray runner the
+    lane's byte budget alone (results wait in Ray's object store, not in an arena)."""
+    if stage.runner == "ray":
+        return replace(stage, budget_bytes=memory.lane_bytes)
     if stage.runner != "process":
         return stage
     return replace(stage, arena_bytes=memory.arena_bytes, budget_bytes=memory.lane_bytes)
@@ -459,6 +464,12 @@ class Plan:
                      "the libraries' defaults (worker_compute_threads=0)")
         if self._arenas:
             lines.append("  " + self.memory.describe())
+        if "ray" in self.runners:
+            from zephon.transport.ray_cluster import describe_cluster
+
+            lines.append("  ray: a ray stage's workers are Ray actors (1 CPU each, spread "
+                         f"over the nodes) on {describe_cluster()}; results travel through "
+                         "Ray's object store, a lost actor's units run again on another")
         return lines
 
     def _explain_stage(self, s: Stage) -> str:

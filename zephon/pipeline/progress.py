@@ -63,7 +63,8 @@ class RunRecord:
     Its iterator creates and writes it; :class:`Progress` refers to the latest one.
     """
 
-    __slots__ = ("autotune", "final_state", "finished", "start_epoch", "states", "stats")
+    __slots__ = ("autotune", "final_state", "finished", "ray", "start_epoch", "states",
+                 "stats")
 
     def __init__(self, start: RunStart | None = None) -> None:
         start = start if start is not None else RunStart({}, 0)
@@ -73,6 +74,9 @@ class RunRecord:
         self.final_state: bytes | None = None
         self.stats: Any = None  # the run's RunStats while it runs with tracking on
         self.autotune: Any = None  # the run's autotune Controller (zephon.pipeline.autotune)
+        #: the run's Ray stages (zephon.runners.ray.RayExecutor): what explain() and the
+        #: report say of their actors, nodes, units in flight and re-runs
+        self.ray: list = []
 
     def start(self) -> RunStart:
         """Where the record's states say a run goes on."""
@@ -82,8 +86,11 @@ class RunRecord:
         """The run's counters as a dict (empty without tracking, or without a run);
         ``report``: the report-grade snapshot (:mod:`zephon.pipeline.stats`). Under
         ``worker_allocation="autotune"`` it has an ``"autotune"`` entry, tracking or not:
-        the controller's budgets, worker counts and decisions."""
+        the controller's budgets, worker counts and decisions; a report of a run with Ray
+        stages a ``"ray"`` entry (stage -> its actors, nodes, units in flight, re-runs)."""
         snap = {} if self.stats is None else self.stats.snapshot(report)
+        if self.ray and report:
+            snap = {**snap, "ray": {ex.name: ex.describe() for ex in self.ray}}
         if self.autotune is not None:
             snap = {**snap, "autotune": self.autotune.snapshot()}
         return snap

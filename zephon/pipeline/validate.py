@@ -74,6 +74,7 @@ import numpy as np
 
 from zephon._modules import imported
 from zephon.errors import ValidationError, ValidationIssue, ZephonConfigError
+from zephon.options.resolve import OUT_OF_PROCESS_RUNNERS
 from zephon.pipeline import rngs
 from zephon.pipeline.ops import FilterOp, MapOp, OpContext
 from zephon.transport.codec import find_unpicklable
@@ -223,7 +224,7 @@ def find_issues(plan, checks: str = "all", seeded: Seeded | None = None,
     issues: list[ValidationIssue] = []
     # an adaptive stage whose ops or samples do not pickle stays inline (its executor finds
     # out, see AdaptiveExecutor): only what runs in process workers must pickle
-    needs_pickle = opts.mtp_mode or any(s.mode == "process" for s in plan.stages)
+    needs_pickle = opts.mtp_mode or any(s.mode in OUT_OF_PROCESS_RUNNERS for s in plan.stages)
     if needs_pickle and checks in ("pickle", "all"):
         issues.extend(_pickle_issues(pipeline))
     if len(pipeline.source) == 0 or checks == "pickle":
@@ -529,11 +530,11 @@ def _refuse_nested(plan, seeded: Seeded) -> Seeded:
     if not rngs.held_here() or not any(seeded) or plan.opts.mtp_mode:
         return seeded
     modes = {stage.mode for stage in plan.stages}
-    if not modes & {"threads", "process"}:
+    if not modes & {"threads", *OUT_OF_PROCESS_RUNNERS}:
         return seeded
     stage_of = {id(op): stage.mode for stage in plan.stages for op in stage.ops}
     names = [op.name for op, which in zip(plan.spec.ops, seeded, strict=True)
-             if which and stage_of.get(id(op)) != "process"]
+             if which and stage_of.get(id(op)) not in OUT_OF_PROCESS_RUNNERS]
     if not names:
         return seeded
     raise ZephonConfigError(

@@ -35,7 +35,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 __all__ = ["MovableExecutor", "Runner", "StageExecutor", "StageMeter"]
 
 #: where a stage's units run now
-Runner = Literal["inline", "threads", "process"]
+Runner = Literal["inline", "threads", "process", "ray"]
 
 
 class StageMeter:

@@ -1,0 +1,102 @@
+"""Ops and sources for the Ray runner's tests (``test_pipeline_ray.py``) and benchmark:
+module level, so Ray actors import them by name (``tests/`` is on their
+``PYTHONPATH``, see ``_ray_clusters.py``)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import numpy as np
+
+
+def item(i: int) -> dict:
+    return {"id": i, "x": np.arange(16, dtype=np.int64) + i}
+
+
+def noisy(sample: dict, ctx) -> dict:
+    """A seeded draw per sample: the stream shows any change in what ``ctx.rng`` gives."""
+    return {"id": sample["id"], "x": sample["x"] + ctx.rng.integers(0, 100, 16)}
+
+
+def not_div7(sample) -> bool:
+    return sample["id"] % 7 != 0
+
+
+def value_sample(i: int) -> dict:
+    return {"v": np.full(4, i, dtype=np.float32)}
+
+
+def plus_one(sample: dict) -> dict:
+    return {"v": sample["v"] + 1}
+
+
+def drop_every_fifth(sample: dict) -> bool:
+    return int(sample["v"][0]) % 5 != 0
+
+
+def jpeg_sample(i: int) -> dict:
+    """An encoded JPEG of its own (64x48, natural-ish content) and its id."""
+    from _images import jpeg_bytes, make_image
+
+    image = make_image((64, 48), np.random.default_rng(i))
+    return {"id": i, "image": jpeg_bytes(image)}
+
+
+class Logged:
+    """A map that appends ``"<id> <pid>\\n"`` to ``path`` for every call (a side effect
+    to count) after ``sleep`` seconds of "work"."""
+
+    def __init__(self, path: str, sleep: float = 0.0) -> None:
+        self.path, self.sleep = path, sleep
+
+    def __call__(self, sample: dict) -> dict:
+        if self.sleep:
+            time.sleep(self.sleep)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, f"{sample['id']} {os.getpid()}\n".encode())
+        finally:
+            os.close(fd)
+        return sample
+
+
+def calls(path: str) -> list[tuple[int, int]]:
+    """The ``(id, pid)`` of every call :class:`Logged` recorded in ``path``."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as fh:
+        return [(int(a), int(b)) for a, b in (line.split() for line in fh if line.strip())]
+
+
+def fail_at(sample: dict) -> dict:
+    if sample["id"] == 123:
+        raise ValueError("sample 123 is bad")
+    return sample
+
+
+def wait_10ms(sample: dict) -> dict:
+    """An I/O-bound op: waits 10 ms per sample, as a remote read does."""
+    time.sleep(0.01)
+    return sample
+
+
+def digest(batches) -> str:
+    """One hash of every batch's every column (name, dtype, shape, bytes) and meta."""
+    h = hashlib.sha256()
+    for batch in batches:
+        for name in sorted(batch):
+            value = batch[name]
+            h.update(name.encode())
+            if isinstance(value, np.ndarray):
+                h.update(f"{value.dtype.str}{value.shape}".encode())
+                h.update(np.ascontiguousarray(value).tobytes())
+            else:
+                h.update(repr(value).encode())
+        h.update(repr(batch.meta.get("sample_ids")).encode())
+    return h.hexdigest()
+
+
+def plus_id(sample: dict) -> dict:
+    return {"id": sample["id"], "x": sample["x"] + sample["id"]}
