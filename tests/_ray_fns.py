@@ -100,3 +100,22 @@ def digest(batches) -> str:
 
 def plus_id(sample: dict) -> dict:
     return {"id": sample["id"], "x": sample["x"] + sample["id"]}
+
+
+def ranked(runner: str, world: int = 1, rank: int = 0, lanes: int = 4, workers: int = 2):
+    """The pipeline the rank tests run: 4 lanes, ``world`` ranks, this one ``rank``."""
+    from zephon import Pipeline, RuntimeOptions, sources
+
+    return (Pipeline(sources.from_callable(640, item), seed=3, chunk_size=16)
+            .map(noisy).shuffle(32).batch(8)
+            .options(RuntimeOptions(runner=runner, max_workers=workers,
+                                    worker_allocation="per_stage_fixed",
+                                    world_size=world, global_rank=rank,
+                                    canonical_replicas=lanes)))
+
+
+def lane_keys(batches) -> list:
+    """``[lane, index in the lane, ids, a digest of x]`` of every batch."""
+    return [[int(b.meta["lane"]), int(b.meta["lane_index"]), [int(i) for i in b["id"]],
+             hashlib.sha256(np.ascontiguousarray(b["x"]).tobytes()).hexdigest()]
+            for b in batches]

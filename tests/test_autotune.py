@@ -65,7 +65,7 @@ def gate():
 class _FakeExecutor:
     """A threads stage's side of the executor contract, without threads."""
 
-    runner, booting, adaptive = "threads", 0, False
+    runner, booting, adaptive, cpu_pool = "threads", 0, False, None
 
     def __init__(self):
         self.workers, self.max_workers, self.meter = 1, 1, StageMeter()

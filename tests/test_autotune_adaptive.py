@@ -52,7 +52,7 @@ class _FakeAdaptive:
     """An adaptive executor's side of the contract without processes: ``workers`` 1
     while inline."""
 
-    adaptive, booting, unable = True, 0, ""
+    adaptive, booting, unable, cpu_pool = True, 0, "", None
 
     def __init__(self):
         self.procs, self.max_workers = 0, 1

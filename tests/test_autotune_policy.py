@@ -45,11 +45,12 @@ class World:
     worker asks (default 1: CPU-bound); ``progress(world)``: the run's (read, left)."""
 
     def __init__(self, kinds, cpu_budget=4, memory_bytes=1 << 40, params=P, boot=0.0,
-                 progress=None, own_rss=0, rss=None, cpu=None):
+                 progress=None, own_rss=0, rss=None, cpu=None, budgets=None):
         self.kinds, self.params, self.boot = dict(kinds), params, boot
         self.state = initial_state(
-            params, {s: (k == "adaptive", k != "threads") for s, k in kinds.items()},
-            cpu_budget, memory_bytes, 0.0)
+            params, {s: (k == "adaptive", k not in ("threads", "ray"))
+                     for s, k in kinds.items()},
+            cpu_budget, memory_bytes, 0.0, budgets)
         self.counts = {s: 0 if k == "adaptive" else 1 for s, k in kinds.items()}
         self.ready_at = dict.fromkeys(kinds, 0.0)
         self.profile = dict.fromkeys(kinds, (1e-3, 8.0))
@@ -109,11 +110,12 @@ class World:
         stages = []
         for s, kind in sorted(self.kinds.items()):
             cpu_s = None
-            if kind != "threads":
+            if kind not in ("threads", "ray"):  # (a Ray stage's CPU is read nowhere)
                 share = self.cpu(self, s) if self.cpu else 1.0
                 cpu_s = share * self.counts[s] * elapsed if self.runner(s) == "process" \
                     else 0.0
-            rss = (self.rss[s],) * self.counts[s] if self.rss.get(s) and kind != "threads" \
+            rss = (self.rss[s],) * self.counts[s] \
+                if self.rss.get(s) and kind not in ("threads", "ray") \
                 else ()
             stages.append(StageSignals(
                 s, self.runner(s), self.workers(s),
@@ -286,6 +288,28 @@ def test_a_grow_that_pays_is_kept():
     drive(w, 8 * P.period_s, lambda world: PER_PERIOD * world.counts[0])
     assert w.counts[0] == 2 and len(w.decisions) == 1, w.decisions
     assert w.trials == [("grow", 0, True)] and w.state.trial is None
+
+
+def test_a_stage_with_a_budget_of_its_own_grows_within_it_and_not_the_hosts():
+    """A Ray stage (budget: the cluster's 6 CPUs) is the bottleneck beside a process
+    stage on a 2-CPU host: it grows one actor at a time past the host's budget up to its
+    own; the host's stage is tried within the host's budget (its grows do not pay and
+    are taken back); every grow is judged as any other."""
+    w = World({0: "process", 1: "ray"}, cpu_budget=2, budgets={1: 6})
+    assert w.state.of(1).cap == 6 and w.state.of(0).cap == 2
+    drive(w, 40 * P.period_s, lambda world: PER_PERIOD * world.counts[1])
+    assert w.counts == {0: 1, 1: 6}, w.decisions
+    ray_steps = [(d.before, d.after) for d in w.decisions if d.stage == 1]
+    assert ray_steps == [(k, k + 1) for k in range(1, 6)]
+    assert max(d.after for d in w.decisions if d.stage == 0) <= 2
+    assert w.replayed()
+
+
+def test_a_stage_with_a_budget_of_its_own_shrinks_when_its_actors_idle():
+    w = World({0: "threads", 1: "ray"}, cpu_budget=2, budgets={1: 6})
+    w.counts[1] = 4
+    drive(w, (P.shrink_periods + 1) * P.period_s, flat, busy=0.1)
+    assert w.counts[1] == 3 and w.counts[0] == 1, w.decisions
 
 
 # -- the moves of an adaptive stage ------------------------------------------------------------

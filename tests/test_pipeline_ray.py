@@ -11,6 +11,7 @@ names are ``ci`` too.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -41,8 +42,10 @@ def cluster(clusters):
 
 
 def opts(runner: str, workers: int = 2, **kw) -> RuntimeOptions:
+    """``workers`` workers (actors) in every stage."""
     return RuntimeOptions(runner=runner, max_workers=workers,
-                          **{"execution_tracking": "stages", **kw})
+                          **{"worker_allocation": "per_stage_fixed",
+                             "execution_tracking": "stages", **kw})
 
 
 def numbers(runner: str, workers: int = 2, n: int = 600, **kw) -> Pipeline:
@@ -103,7 +106,7 @@ def test_one_stage_on_ray_the_rest_on_threads(cluster):
         return (Pipeline(sources.from_callable(300, R.item), seed=1, chunk_size=16)
                 .map(R.noisy).shuffle(32).map(R.plus_id).batch(8)
                 .options(RuntimeOptions(runner="threads", per_stage_runner=per_stage,
-                                        max_workers=2)))
+                                        max_workers=2, worker_allocation="per_stage_fixed")))
 
     plan = make({0: "ray"}).plan()
     assert [s.mode for s in plan.stages] == ["ray", "threads"]
@@ -207,6 +210,72 @@ def test_a_ray_checkpoint_restores_on_another_number_of_actors(cluster, actors):
                    key=batch_key, next_pass=False)
 
 
+RANK = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import ray
+ray.init(address={address!r}, logging_level="ERROR")
+import _ray_fns as R
+print(json.dumps(R.lane_keys(R.ranked("ray", {world}, {rank}))))
+"""
+
+
+@pytest.mark.ci
+def test_two_ranks_each_with_their_own_ray_stage_make_the_one_rank_stream(cluster):
+    """Two driver processes (as torchrun ranks are), each with its own Ray stage on the
+    one shared cluster: their batches, merged lane by lane in the round-robin order, are
+    the stream one rank makes on threads."""
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", RANK.format(tests=TESTS, address=cluster[0].address,
+                                           world=2, rank=rank)],
+        stdout=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    by_lane: dict = {}
+    for rank_batches in outs:
+        for lane, index, ids, x in rank_batches:
+            by_lane.setdefault(lane, []).append((index, ids, x))
+    assert sorted(by_lane) == [0, 1, 2, 3] and all(outs)
+    single = R.lane_keys(R.ranked("threads"))
+    merged, counts = [], dict.fromkeys(by_lane, 0)
+    queues = {lane: sorted(items) for lane, items in by_lane.items()}
+    while any(queues.values()):
+        lane = min((k for k in queues if queues[k]), key=lambda k: (counts[k], k))
+        index, ids, x = queues[lane].pop(0)
+        merged.append([lane, index, ids, x])
+        counts[lane] += 1
+    assert merged == single
+
+
+# -- autotune -----------------------------------------------------------------------------
+
+@pytest.mark.ci
+def test_autotune_grows_a_ray_stage_past_the_hosts_cores_within_the_cluster(cluster):
+    """An I/O-bound Ray stage under autotune: the controller grows it while the consumer
+    waits, past this host's CPU budget (its actors draw on the cluster's 6 CPUs)."""
+    pipe = (Pipeline(sources.from_callable(2400, R.item), seed=1, chunk_size=64)
+            .map(R.wait_10ms).batch(16)
+            .options(RuntimeOptions(runner="ray", worker_allocation="autotune")))
+    it = iter(pipe)
+    reference = R.digest(numbers_of(2400, "threads"))
+    got = R.digest(it)
+    snap = it.stats()["autotune"]
+    it.close()
+    assert got == reference
+    most = max(d["after"] for d in snap["decisions"])
+    assert most > snap["cpu_budget"], snap["decisions"]
+    assert most <= ray.cluster_resources()["CPU"]
+    assert "the Ray cluster's CPUs" in pipe.explain()
+
+
+def numbers_of(n: int, runner: str) -> Pipeline:
+    return (Pipeline(sources.from_callable(n, R.item), seed=1, chunk_size=64)
+            .map(R.wait_10ms).batch(16).options(opts(runner, 4)))
+
+
 # -- errors, exits ------------------------------------------------------------------------
 
 def test_without_ray_the_error_names_the_extra():
@@ -280,7 +349,8 @@ import _ray_fns as R
 from zephon import Pipeline, RuntimeOptions, sources
 pipe = (Pipeline(sources.from_callable(5000, R.item), seed=7, chunk_size=8)
         .map(R.Logged({path!r}, sleep=0.004)).batch(8)
-        .options(RuntimeOptions(runner="ray", max_workers=3)))
+        .options(RuntimeOptions(runner="ray", max_workers=3,
+                                worker_allocation="per_stage_fixed")))
 try:
     for k, batch in enumerate(pipe):
         if k == 5:

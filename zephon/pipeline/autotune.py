@@ -172,7 +172,10 @@ more of the largest stays within the memory budget
 (:func:`~zephon.options.resolve_autotune_memory_bytes`: ``autotune_memory_bytes``,
 else half of what is available at start), and workers taken back whenever the measured
 total passes it (the rule's first item). Thread workers count against the CPU
-budget only.
+budget only. A stage whose workers run elsewhere (a Ray stage: its executor's
+``cpu_pool``, the cluster's CPUs) is a budget of its own: it grows within that pool,
+one actor at a time while the consumer waits on it, shrinks by the same rule, and its
+actors count against nothing of the host's.
 
 **Lifecycle.** Made by the engine with its executors (none when no stage is
 threads, process or adaptive), it sets each executor's ``max_workers``,
@@ -350,7 +353,8 @@ class Controller:
         self.started = clock()
         self.state: TuningState = initial_state(
             params, {s: (s in self.adaptive, s in self._procs) for s in self.executors},
-            cpu_budget, memory_bytes, self.started)
+            cpu_budget, memory_bytes, self.started,
+            {s: ex.cpu_pool for s, ex in self.executors.items() if ex.cpu_pool is not None})
         self.cpu_budget, self.memory_bytes = self.state.cpu_budget, memory_bytes
         self.caps = {ss.stage: ss.cap for ss in self.state.stages}
         self.waiting_caps = {ss.stage: ss.waiting_cap for ss in self.state.stages

@@ -403,7 +403,8 @@ class Engine:
         return RayExecutor(program, stage.workers, name=name,
                            max_retries=o.max_worker_retries, deterministic=o.deterministic,
                            meter=meter, compute_threads=o.worker_compute_threads,
-                           spawn_timeout_s=self.pool_config.spawn_timeout_s)
+                           spawn_timeout_s=self.pool_config.spawn_timeout_s,
+                           most=o.max_workers)
 
     def lane_stream(self, lane: int) -> Iterator:
         """``(record, lane state after it)`` for every item of ``lane`` from its state."""

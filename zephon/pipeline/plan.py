@@ -504,6 +504,12 @@ def _workers_why(opts, runner: str, parallelism: int, workers: int,
         within = (f"within {budget} worker(s) in all "
                   f"({'max_workers' if cap is not None else 'cores available'}) and "
                   f"{memory >> 20} MiB of worker memory")
+        if runner == "ray":
+            top = "the Ray cluster's CPUs" + (f" (at most max_workers={cap})"
+                                              if cap is not None else "")
+            return (f"autotune: starts at 1 actor; grown while the consumer waits on it and "
+                    f"shrunk when its actors idle, within {top}, a budget apart from "
+                    "this host's")
         if adaptive:
             return ("autotune, runner not pinned: starts inline (the engine's thread, "
                     "nothing spawned); moved to process workers when a trial shows it pays, "

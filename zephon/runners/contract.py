@@ -119,6 +119,11 @@ class StageExecutor(Protocol):
     def workers(self) -> int:
         """Workers in service now (1 inline: the engine's thread)."""
 
+    #: the CPUs of the pool its workers draw from when that is not this host's (a Ray
+    #: stage: the cluster's CPUs when it started): the autotune controller gives such a
+    #: stage a budget of its own; None: this host's CPUs, shared by the stages
+    cpu_pool: int | None
+
     #: the most workers the executor may be grown to: the dispatch sizes its lane windows
     #: by it; the autotune controller lowers it to the stage's cap once it knows the
     #: budgets (an attribute the controller may set, nothing else)

@@ -115,6 +115,7 @@ class InlineExecutor:
 
     runner: Runner = "inline"
     adaptive = False
+    cpu_pool: int | None = None
     workers = max_workers = 1
     booting = 0
 
@@ -254,6 +255,7 @@ class ThreadExecutor:
 
     runner: Runner = "threads"
     adaptive = False
+    cpu_pool: int | None = None
     booting = 0
 
     def __init__(self, program: Callable, workers: int, name: str = "stage", *,
@@ -320,6 +322,7 @@ class ProcessExecutor:
 
     runner: Runner = "process"
     adaptive = False
+    cpu_pool: int | None = None
 
     def __init__(self, program: Callable, workers: int, *, config: PoolConfig | None = None,
                  name: str = "stage", max_retries: int = 3, deterministic: bool = True,
@@ -495,6 +498,7 @@ class AdaptiveExecutor:
     (called at a move to processes, never before)."""
 
     adaptive = True
+    cpu_pool: int | None = None
 
     def __init__(self, program: Callable,
                  make_process: Callable[[int, StageMeter], ProcessExecutor],

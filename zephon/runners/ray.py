@@ -52,7 +52,12 @@ order; a result that cannot be serialized is the unit's
 **Sizing.** ``workers`` actors from the start; ``grow`` starts one more (it comes into
 service when Ray has placed it), ``shrink`` retires the one with the least in flight
 once its calls are back. ``max_workers`` (what the autotune controller may grow to)
-defaults to the cluster's CPUs when the executor is made.
+defaults to the cluster's CPUs when the executor is made, and ``cpu_pool`` says so to
+the controller, which gives the stage a budget of its own (the cluster's CPUs,
+:mod:`zephon.pipeline.tuning`): it grows while the consumer waits on it and the
+cluster has CPUs, shrinks when its actors idle, and its actors never count against
+the host's budget. An autoscaling cluster that adds nodes adds CPUs Ray places new
+actors on; the budget is read once, when the stage starts.
 
 **Lifecycle.** Made by the engine for one run (connecting through
 :func:`zephon.transport.ray_cluster.connect`); ``close`` (any thread, idempotent, never
@@ -178,6 +183,8 @@ class RayExecutor:
         compute_threads: the actors' numerical thread-pool limit
             (``worker_compute_threads``; 0 leaves them alone).
         spawn_timeout_s: seconds within which some actor must have started.
+        most: the most actors it may be grown to (``max_workers``; None: the cluster's
+            CPUs).
 
     Example::
 
@@ -193,7 +200,7 @@ class RayExecutor:
     def __init__(self, program: Callable, workers: int, *, name: str = "stage",
                  max_retries: int = 3, deterministic: bool = True,
                  meter: StageMeter | None = None, compute_threads: int = 0,
-                 spawn_timeout_s: float = 120.0) -> None:
+                 spawn_timeout_s: float = 120.0, most: int | None = None) -> None:
         self.name, self.max_retries, self.deterministic = name, max_retries, deterministic
         self.meter = meter if meter is not None else StageMeter()
         self.compute_threads, self.spawn_timeout_s = compute_threads, spawn_timeout_s
@@ -224,7 +231,10 @@ class RayExecutor:
         self._retries: collections.Counter = collections.Counter()
         self._done: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
         self.workers = workers
-        self.max_workers = max(workers, cpus)
+        #: the cluster's CPUs when the stage started: the autotune controller's budget for
+        #: this stage, apart from the host's (see the contract)
+        self.cpu_pool: int | None = max(1, min(cpus, most) if most else cpus)
+        self.max_workers = max(workers, self.cpu_pool)
         #: units run again after their actor was lost, and actors lost
         self.reruns = self.lost = 0
         self._first_start = time.monotonic()

@@ -204,7 +204,7 @@ def _waiting_width(params: TuningParams, state: TuningState, sig: Signals, m: Me
     measured to use leaves can feed, at most its waiting cap and at least ``n``, halved
     while that many would not fit in the memory budget."""
     used = sum(g.workers * m.cpu.get(g.stage, 1.0) for g in sig.stages
-               if g.stage not in inline)
+               if g.stage not in inline and state.of(g.stage).budget is None)
     k = min(int((state.cpu_budget - used) / max(asked, 1e-3)),
             state.of(s).waiting_cap or n)
     size = _new_worker_size(params, sig)
@@ -224,7 +224,8 @@ def _to_process(params: TuningParams, state: TuningState, sig: Signals, m: Measu
                 inline: set[int], ripe: list[int]) -> _Go:
     """Move the ripe inline stage that is busiest to processes (see the moves)."""
     s = max(ripe, key=lambda x: (m.busy[x], -x))
-    taken = sum(g.workers for g in sig.stages if g.stage not in inline)
+    taken = sum(g.workers for g in sig.stages
+                if g.stage not in inline and state.of(g.stage).budget is None)
     n = min(params.move_workers, state.cpu_budget - taken, params.max_process_workers)
     why = ""
     asked = state.of(s).asked
@@ -320,8 +321,22 @@ def _choose(params: TuningParams, state: TuningState, sig: Signals, m: Measures,
             holds.append(why)
         return ok
 
-    choice, idle = choose(params, sub, workers, caps, state.cpu_budget,
-                          {s: state.of(s).idle for s in workers}, memory_ok, waiting)
+    # the host's stages share its budget; a stage with a budget of its own (a Ray stage)
+    # is a pool of its own, chosen for after them
+    pools = [({s: w for s, w in workers.items() if state.of(s).budget is None},
+              state.cpu_budget)]
+    for s, w in workers.items():
+        own = state.of(s).budget
+        if own is not None:
+            pools.append(({s: w}, own))
+    choice, idle = None, {}
+    for pool, budget in pools:
+        if not pool:
+            continue
+        pick, after = choose(params, sub, pool, caps, budget,
+                             {s: state.of(s).idle for s in pool}, memory_ok, waiting)
+        idle.update(after)
+        choice = choice or pick
     for s, n in idle.items():
         state = state.update(s, idle=n)
     for why in holds:

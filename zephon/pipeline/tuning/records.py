@@ -119,6 +119,9 @@ class StageState:
     #: past its cap because its workers waited: the periods in a row they did not read
     #: as waiting (None: not past its cap that way)
     wide: int | None = None
+    #: the CPUs of a pool of its own its workers draw from, apart from the host's budget
+    #: (a Ray stage: the cluster's CPUs); None: the host's budget, shared
+    budget: int | None = None
     #: periods in a row its work on processes would have fit inline
     spare: int = 0
     #: the rule (or a test) changed it in this run

@@ -189,24 +189,38 @@ def _inline(state: TuningState, sig: Signals) -> set[int]:
 
 
 def _caps_now(params: TuningParams, state: TuningState, inline: set[int]) -> dict[int, int]:
-    """Each stage's cap now: the budget less one worker per other stage not inline."""
+    """Each stage's cap now: the budget less one worker per other stage on it not inline
+    (a stage with a budget of its own: that budget)."""
     out = {}
     for ss in state.stages:
-        others = sum(1 for t in state.stages if t.stage != ss.stage and t.stage not in inline)
+        if ss.budget is not None:
+            out[ss.stage] = ss.budget
+            continue
+        others = sum(1 for t in state.stages if t.stage != ss.stage and t.stage not in inline
+                     and t.budget is None)
         most = max(1, state.cpu_budget - others)
         out[ss.stage] = min(most, params.max_process_workers) if ss.process else most
     return out
 
 
 def initial_state(params: TuningParams, stages: Mapping[int, tuple[bool, bool]],
-                  cpu_budget: int, memory_bytes: int, started: float) -> TuningState:
-    """The state a run starts from: ``stages``: stage -> ``(adaptive, process)``; the
-    budget is at least one worker per stage pinned to workers."""
-    pinned = sum(1 for adaptive, _ in stages.values() if not adaptive)
+                  cpu_budget: int, memory_bytes: int, started: float,
+                  budgets: Mapping[int, int] | None = None) -> TuningState:
+    """The state a run starts from: ``stages``: stage -> ``(adaptive, process)``;
+    ``budgets``: the stages whose workers draw on CPUs of their own (a Ray stage: the
+    cluster's), apart from the host's ``cpu_budget``, which is at least one worker per
+    other stage pinned to workers."""
+    own = dict(budgets or {})
+    host = {s: v for s, v in stages.items() if s not in own}
+    pinned = sum(1 for adaptive, _ in host.values() if not adaptive)
     budget = max(cpu_budget, pinned, 1)
-    most = max(1, budget - (len(stages) - 1))
+    most = max(1, budget - (len(host) - 1))
     records = []
     for s, (adaptive, process) in sorted(stages.items()):
+        if s in own:
+            records.append(StageState(s, adaptive, process, cap=max(1, own[s]),
+                                      budget=max(1, own[s])))
+            continue
         records.append(StageState(
             s, adaptive, process,
             cap=min(most, params.max_process_workers) if process else most,
@@ -220,7 +234,10 @@ def most_workers(params: TuningParams, state: TuningState, stage: int) -> int:
     budget less one per other pinned stage (adaptive ones may all be inline), or its
     waiting cap."""
     ss = state.of(stage)
-    others = sum(1 for t in state.stages if not t.adaptive) - (not ss.adaptive)
+    if ss.budget is not None:
+        return ss.budget
+    others = sum(1 for t in state.stages if not t.adaptive and t.budget is None) - \
+        (not ss.adaptive)
     top = state.cpu_budget - others
     return max(min(top, params.max_process_workers) if ss.process else top, ss.waiting_cap)
 
