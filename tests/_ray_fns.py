@@ -17,7 +17,8 @@ def item(i: int) -> dict:
 
 def noisy(sample: dict, ctx) -> dict:
     """A seeded draw per sample: the stream shows any change in what ``ctx.rng`` gives."""
-    return {"id": sample["id"], "x": sample["x"] + ctx.rng.integers(0, 100, 16)}
+    x = sample["x"]
+    return {"id": sample["id"], "x": x + ctx.rng.integers(0, 100, x.shape).astype(x.dtype)}
 
 
 def not_div7(sample) -> bool:
@@ -119,3 +120,13 @@ def lane_keys(batches) -> list:
     return [[int(b.meta["lane"]), int(b.meta["lane_index"]), [int(i) for i in b["id"]],
              hashlib.sha256(np.ascontiguousarray(b["x"]).tobytes()).hexdigest()]
             for b in batches]
+
+
+def big_item(i: int) -> dict:
+    return {"id": i, "x": np.full(1 << 18, i, dtype=np.float32)}  # 1 MiB
+
+
+def bump_in_place(sample: dict) -> dict:
+    """Works in place, as many augmentations do."""
+    sample["x"] += 1
+    return sample

@@ -113,6 +113,21 @@ def test_one_stage_on_ray_the_rest_on_threads(cluster):
     assert digest_of(make({0: "ray"})) == digest_of(make({}))
 
 
+@pytest.mark.parametrize("make", [R.item, R.big_item])
+def test_arrays_after_a_ray_stage_are_writable_as_on_every_runner(cluster, make):
+    """Ray's object store hands arrays over read-only; an op after the stage that works in
+    place, and the loop, get arrays they may write to (small and 1 MiB ones)."""
+    def pipe(first):
+        return (Pipeline(sources.from_callable(64, make), seed=1, chunk_size=8)
+                .map(R.noisy).shuffle(8).map(R.bump_in_place).batch(8)
+                .options(RuntimeOptions(per_stage_runner={0: first, 1: "inline"},
+                                        max_workers=2, worker_allocation="per_stage_fixed")))
+
+    got = list(pipe("ray"))
+    assert all(b["x"].flags.writeable for b in got)
+    assert R.digest(got) == digest_of(pipe("process"))
+
+
 # -- exactly once through failures -------------------------------------------------------
 
 def _ids(batches) -> list[int]:

@@ -28,9 +28,11 @@ cluster has no free CPU for one) that is an error too, naming the cluster's reso
 units in flight (Ray runs an actor's calls in order, so that actor's oldest call is
 the one running). A stage that reads the source reads it on the actor's node: the
 payload of a reading stage is the unit's indices, never its data. Results travel
-back through Ray's object store (NumPy arrays zero-copy and read-only, as Ray gives
-them; small results inline in the reply); the driver holds a result from ``get``
-until the engine takes it. What is in flight is bounded by the dispatch, as on the
+back through Ray's object store (small results inline in the reply). Ray hands NumPy
+arrays over from the store read-only; the driver copies each read-only array once
+(:func:`own_arrays`, at memory bandwidth), so the loop and the ops after the stage get
+arrays they may write to, as on every other runner. The driver holds a result from
+``get`` until the engine takes it. What is in flight is bounded by the dispatch, as on the
 process runner: the lane's depth and its byte budget (in flight plus parked behind
 a sequence gap), and the consumer holds at most the prefetch depth.
 
@@ -80,6 +82,8 @@ import traceback
 import warnings
 from typing import Any, Callable
 
+import numpy as np
+
 from zephon.errors import (
     SerializationError,
     TransportError,
@@ -88,6 +92,7 @@ from zephon.errors import (
 )
 from zephon.runners.contract import Runner, StageMeter
 from zephon.transport.failure import UnitFailure, Unwind
+from zephon.transport.heap import WALK_ITEMS_MARKER, WALK_MARKER
 from zephon.transport.optime import OpClock
 from zephon.transport.ray_cluster import (
     actor_options,
@@ -464,10 +469,11 @@ class RayExecutor:
             tb, blob, records = failure
             error = decode_exception(blob, tb, f"stage {self.name} on Ray actor {actor.pid}")
             self._done[call.lane].append(
-                (call.seq, UnitFailure(error, records, payload=call.payload), None))
+                (call.seq, UnitFailure(error, own_arrays(records), payload=call.payload),
+                 None))
         else:
             self.meter.ran(busy)
-            self._done[call.lane].append((call.seq, value, busy))
+            self._done[call.lane].append((call.seq, own_arrays(value), busy))
         self._after_call(actor)
 
     def _after_call(self, actor: _Actor) -> None:
@@ -513,6 +519,39 @@ class RayExecutor:
                     continue
             self.reruns += 1
             self._send(c)
+
+
+def own_arrays(value):
+    """``value`` with every read-only NumPy array in it replaced by a writable copy, in
+    place where the container allows (lists, dicts, a dict subclass marked
+    ``__heap_walk_items__`` such as a batch, a record's ``value``; tuples are rebuilt).
+    Ray hands arrays over from its object store read-only (the store's memory is
+    immutable); every other runner hands the loop arrays it may write to, and an op
+    after a Ray stage that works in place (``x += 1``) must not fail on Ray alone. One
+    copy per array, at memory bandwidth; arrays inside objects of other classes are
+    handed over as Ray gives them."""
+    if isinstance(value, np.ndarray):
+        return value if value.flags.writeable else value.copy()
+    if isinstance(value, list):
+        for k, item in enumerate(value):
+            new = own_arrays(item)
+            if new is not item:
+                value[k] = new
+        return value
+    if type(value) is dict or getattr(type(value), WALK_ITEMS_MARKER, False):
+        for key, item in value.items():
+            new = own_arrays(item)
+            if new is not item:
+                value[key] = new
+        return value
+    if type(value) is tuple:
+        items = tuple(own_arrays(item) for item in value)
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
+    if getattr(type(value), WALK_MARKER, False):
+        new = own_arrays(value.value)
+        if new is not value.value:
+            value.value = new
+    return value
 
 
 def _dumps(program) -> bytes:
