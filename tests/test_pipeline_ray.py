@@ -211,10 +211,16 @@ def test_an_op_error_is_raised_in_stream_order_as_on_threads(cluster):
 # -- checkpoints across runners and actor counts ------------------------------------------
 
 @pytest.mark.ci
-@pytest.mark.parametrize("there,back", [("ray", "threads"), ("threads", "ray")])
-def test_a_checkpoint_restores_across_ray_and_threads(cluster, there, back):
+@pytest.mark.parametrize("there,back", [("ray", "threads"), ("threads", "ray"),
+                                        ("ray", "process"), ("ray", "mtp")])
+def test_a_checkpoint_restores_across_ray_and_the_other_runners(cluster, there, back):
+    def make(runner):
+        if runner == "mtp":  # the engine in a subprocess, its stage on threads
+            return numbers("threads", mtp_mode=True)
+        return numbers(runner)
+
     k = int(np.random.default_rng().integers(1, 60))
-    assert_resumes(lambda: numbers(there), k, again=lambda: numbers(back), key=batch_key)
+    assert_resumes(lambda: make(there), k, again=lambda: make(back), key=batch_key)
 
 
 @pytest.mark.ci
@@ -398,14 +404,20 @@ def test_ctrl_c_in_the_driver_leaves_no_actor(cluster, tmp_path):
             proc.wait()
 
 
-def test_explain_and_stats_show_the_ray_stage(cluster):
+def test_explain_and_the_report_show_the_ray_stage(cluster):
+    import zephon
+
     pipe = numbers("ray", 2)
     assert "runner=ray" in pipe.explain()
     it = iter(pipe)
     next(it)
-    text = pipe.explain()
+    report = it.stats(report=True)
     it.close()
-    assert "Ray actor" in text
+    assert report["stages"]["stage0"]["runner"] == "ray"
+    assert "2 Ray actor(s) ready" in report["ray"]["stage0"], report["ray"]
+    assert "Ray actor(s) ready" in pipe.explain()
+    html = zephon.profile(numbers("ray", 2), steps=10).html()
+    assert "Ray stages" in html and "re-run after" in html
 
 
 def test_persistent_workers_keep_the_actors_between_epochs(cluster, tmp_path):

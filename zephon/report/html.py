@@ -1,7 +1,8 @@
 """The HTML report: one self-contained page (inline SVG and CSS, one tiny inline script,
 nothing fetched) rendered from report snapshots (``stats(report=True)``).
 
-Per run: the diagnosis paragraph, a table of the stages, and the plots:
+Per run: the diagnosis paragraph, a table of the stages (and where Ray stages ran), and
+the plots:
 
 - ``timeline``: one row per stage, one cell per time bucket, shaded by how busy the
   stage's workers were (worker starts, stops and restarts as ticks);
@@ -208,6 +209,16 @@ def _table(snap: dict) -> str:
     return "<table>" + "".join(rows) + "</table>"
 
 
+def _ray(snap: dict) -> str:
+    """Where a run's Ray stages ran (``snap["ray"]``: stage -> its actors, nodes, units
+    in flight and re-runs), or nothing."""
+    ray = snap.get("ray") or {}
+    if not ray:
+        return ""
+    items = "".join(f"<li>{_esc(node)}: {_esc(text)}</li>" for node, text in sorted(ray.items()))
+    return f"<h3>Ray stages</h3><ul>{items}</ul>"
+
+
 def _run_section(title: str, snap: dict) -> str:
     series = snap["series"]
     t, bucket = series["t"], series["bucket_s"]
@@ -221,7 +232,7 @@ def _run_section(title: str, snap: dict) -> str:
              f"{c.get('startup_s', 0.0):.2f} s; wait per step p50 "
              f"{c.get('wait_p50_ms', 0.0):.1f} ms, p99 {c.get('wait_p99_ms', 0.0):.1f} ms; "
              f"time buckets of {bucket:g} s.</p>",
-             _table(snap),
+             _table(snap), _ray(snap),
              "<h3>Stage timeline</h3>", _timeline(snap),
              "<h3>Throughput</h3>",
              _lines("throughput", t, bucket,

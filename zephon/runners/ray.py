@@ -58,8 +58,9 @@ defaults to the cluster's CPUs when the executor is made, and ``cpu_pool`` says 
 the controller, which gives the stage a budget of its own (the cluster's CPUs,
 :mod:`zephon.pipeline.tuning`): it grows while the consumer waits on it and the
 cluster has CPUs, shrinks when its actors idle, and its actors never count against
-the host's budget. An autoscaling cluster that adds nodes adds CPUs Ray places new
-actors on; the budget is read once, when the stage starts.
+the host's budget. The budget is read when the stage starts and again when a kept
+stage serves the next epoch: CPUs an autoscaling cluster adds during a run are used
+from the next epoch on.
 
 **Lifecycle.** Made by the engine for one run (connecting through
 :func:`zephon.transport.ray_cluster.connect`); ``close`` (any thread, idempotent, never
@@ -238,6 +239,7 @@ class RayExecutor:
         self.workers = workers
         #: the cluster's CPUs when the stage started: the autotune controller's budget for
         #: this stage, apart from the host's (see the contract)
+        self._most = most
         self.cpu_pool: int | None = max(1, min(cpus, most) if most else cpus)
         self.max_workers = max(workers, self.cpu_pool)
         #: units run again after their actor was lost, and actors lost
@@ -339,6 +341,10 @@ class RayExecutor:
                                  "cannot serve another run")
         self.meter = meter
         self._retries.clear()
+        # the cluster may have grown (or shrunk) since: the new run's budget is today's
+        cpus = int(self.ray.cluster_resources().get("CPU", 0))
+        self.cpu_pool = max(1, min(cpus, self._most) if self._most else cpus)
+        self.max_workers = max(workers, self.cpu_pool)
         while self.workers < workers:
             self.grow()
         while self.workers > workers and self.workers > 1:
