@@ -130,3 +130,12 @@ def bump_in_place(sample: dict) -> dict:
     """Works in place, as many augmentations do."""
     sample["x"] += 1
     return sample
+
+
+def lock_at_50(sample: dict) -> dict:
+    """Sample 50's value holds a lock: it cannot be pickled."""
+    if sample["id"] == 50:
+        import threading
+
+        return {**sample, "lock": threading.Lock()}
+    return sample

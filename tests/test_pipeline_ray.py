@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -114,18 +115,53 @@ def test_one_stage_on_ray_the_rest_on_threads(cluster):
 
 
 @pytest.mark.parametrize("make", [R.item, R.big_item])
-def test_arrays_after_a_ray_stage_are_writable_as_on_every_runner(cluster, make):
-    """Ray's object store hands arrays over read-only; an op after the stage that works in
-    place, and the loop, get arrays they may write to (small and 1 MiB ones)."""
-    def pipe(first):
+@pytest.mark.parametrize("runners", [("ray", "inline"), ("process", "ray"), ("ray", "ray")])
+def test_arrays_in_and_out_of_a_ray_stage_are_writable_as_on_every_runner(cluster, make,
+                                                                           runners):
+    """Ray's object store hands arrays over read-only; an op of a Ray stage, an op after
+    one, and the loop that work in place get arrays they may write to (small and 1 MiB
+    ones)."""
+    def pipe(first, second):
         return (Pipeline(sources.from_callable(64, make), seed=1, chunk_size=8)
                 .map(R.noisy).shuffle(8).map(R.bump_in_place).batch(8)
-                .options(RuntimeOptions(per_stage_runner={0: first, 1: "inline"},
+                .options(RuntimeOptions(per_stage_runner={0: first, 1: second},
                                         max_workers=2, worker_allocation="per_stage_fixed")))
 
-    got = list(pipe("ray"))
+    got = list(pipe(*runners))
     assert all(b["x"].flags.writeable for b in got)
-    assert R.digest(got) == digest_of(pipe("process"))
+    assert R.digest(got) == digest_of(pipe("process", "inline"))
+
+
+def test_a_result_that_cannot_be_pickled_fails_as_on_the_process_runner(cluster):
+    """The records before it delivered, then the OpError naming the op, the sample and
+    the object, as a process worker reports it."""
+    def run(runner):
+        got, error = [], None
+        pipe = (Pipeline(sources.from_callable(80, R.item), seed=2, chunk_size=8)
+                .map(R.lock_at_50).options(opts(runner, 2)))
+        try:
+            got.extend(int(s["id"]) for s in pipe)
+        except Exception as exc:  # noqa: BLE001 - compared below
+            error = exc
+        return got, type(error).__name__, str(error)
+
+    on_ray, on_process = run("ray"), run("process")
+    assert on_ray[1] == on_process[1] == "OpError"
+    assert on_ray[0] == on_process[0]
+    assert "lock_at_50" in on_ray[2] and "50" in on_ray[2] and "cannot be pickled" in on_ray[2]
+
+
+def test_more_actors_than_the_cluster_has_cpus_for_run_on_those_it_places(cluster):
+    """8 actors asked of a 6-CPU cluster: Ray places 6; no unit waits on the other two."""
+    def make(runner):
+        return (Pipeline(sources.from_callable(400, R.item), seed=2, chunk_size=8)
+                .map(R.noisy).batch(8).options(opts(runner, 8)))
+
+    pipe = make("ray")
+    assert R.digest(pipe) == digest_of(make("threads"))
+    ready = int(re.search(r"(\d+) Ray actor\(s\) ready", pipe.explain()).group(1))
+    assert 1 <= ready <= 6
+    pipe.close()
 
 
 # -- exactly once through failures -------------------------------------------------------
@@ -404,6 +440,30 @@ def test_ctrl_c_in_the_driver_leaves_no_actor(cluster, tmp_path):
             proc.wait()
 
 
+SHUT_DOWN = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import ray
+ray.init(address={address!r}, logging_level="ERROR")
+import _ray_fns as R
+pipe = R.ranked("ray")
+list(pipe)                    # an epoch: its actors are kept for the next
+ray.shutdown()                # the user ends their connection (its actors go with it)
+t = time.monotonic()
+pipe.close()                  # must not start a Ray to stop what is gone
+print(round(time.monotonic() - t, 2), ray.is_initialized())
+"""
+
+
+def test_closing_kept_actors_after_the_user_shut_ray_down_starts_nothing(cluster):
+    code = SHUT_DOWN.format(tests=TESTS, address=cluster[0].address)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=HANG_S * 2)
+    assert out.returncode == 0, out.stderr
+    seconds, initialized = out.stdout.split()
+    assert initialized == "False" and float(seconds) < 2.0, out.stdout
+
+
 def test_explain_and_the_report_show_the_ray_stage(cluster):
     import zephon
 
@@ -414,7 +474,8 @@ def test_explain_and_the_report_show_the_ray_stage(cluster):
     report = it.stats(report=True)
     it.close()
     assert report["stages"]["stage0"]["runner"] == "ray"
-    assert "2 Ray actor(s) ready" in report["ray"]["stage0"], report["ray"]
+    assert re.match(r"[12] Ray actor\(s\) ready, [01] starting, on [12] node", report["ray"]["stage0"])
+    assert "unit(s) in flight" in report["ray"]["stage0"]
     assert "Ray actor(s) ready" in pipe.explain()
     html = zephon.profile(numbers("ray", 2), steps=10).html()
     assert "Ray stages" in html and "re-run after" in html

@@ -318,6 +318,12 @@ def _busy(reading: tuple[int, float, float, int, float]) -> float:
     return reading[1] - reading[4]
 
 
+def _own_budgets(executors: Mapping[int, Any]) -> dict[int, int]:
+    """The stages whose workers draw on CPUs of their own (an executor's ``cpu_pool``: a
+    Ray stage's cluster) and those budgets."""
+    return {s: ex.cpu_pool for s, ex in executors.items() if ex.cpu_pool is not None}
+
+
 class Controller:
     """The controller of one run (see the module docstring).
 
@@ -353,8 +359,7 @@ class Controller:
         self.started = clock()
         self.state: TuningState = initial_state(
             params, {s: (s in self.adaptive, s in self._procs) for s in self.executors},
-            cpu_budget, memory_bytes, self.started,
-            {s: ex.cpu_pool for s, ex in self.executors.items() if ex.cpu_pool is not None})
+            cpu_budget, memory_bytes, self.started, _own_budgets(self.executors))
         self.cpu_budget, self.memory_bytes = self.state.cpu_budget, memory_bytes
         self.caps = {ss.stage: ss.cap for ss in self.state.stages}
         self.waiting_caps = {ss.stage: ss.waiting_cap for ss in self.state.stages

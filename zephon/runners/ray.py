@@ -24,24 +24,36 @@ load the program (a module missing on its node) is a
 the first ``get``. When no actor has started within the pool's spawn timeout (the
 cluster has no free CPU for one) that is an error too, naming the cluster's resources.
 
-**Units and data.** ``submit`` sends ``run(payload)`` to the live actor with the fewest
-units in flight (Ray runs an actor's calls in order, so that actor's oldest call is
-the one running). A stage that reads the source reads it on the actor's node: the
-payload of a reading stage is the unit's indices, never its data. Results travel
-back through Ray's object store (small results inline in the reply). Ray hands NumPy
-arrays over from the store read-only; the driver copies each read-only array once
-(:func:`own_arrays`, at memory bandwidth), so the loop and the ops after the stage get
-arrays they may write to, as on every other runner. The driver holds a result from
-``get`` until the engine takes it. What is in flight is bounded by the dispatch, as on the
-process runner: the lane's depth and its byte budget (in flight plus parked behind
-a sequence gap), and the consumer holds at most the prefetch depth.
+**Units and data.** ``submit`` sends ``run(payload)`` to the ready actor with the
+fewest units in flight (Ray runs an actor's calls in order, so that actor's oldest
+call is the one running). A unit is never queued on an actor that has not started:
+while none is ready (at the start, or after every actor was lost) units wait on the
+driver, and Ray may never place an actor the cluster has no free CPU for. A stage
+that reads the source reads it on the actor's node: the payload of a reading stage is
+the unit's indices, never its data. Payloads and results travel :func:`pack`-ed
+(pickle protocol 5; arrays of 64 KiB and more out of band, as arrays of their own
+through Ray's object store); a result that cannot be pickled is found in the actor
+and reported as a process worker reports it (an :class:`~zephon.errors.OpError`
+naming the op, the sample and the object, the records before it handed on first).
+Ray hands the out-of-band arrays over read-only (its store is immutable):
+:func:`unpack` copies each once, at memory bandwidth, so every array a stage's ops,
+the ops after it and the loop get is one they may write to, as on every other
+runner. The driver holds a result from ``get`` until the engine takes it. What is in
+flight is bounded by the dispatch, as on the process runner: the lane's depth and
+its byte budget (in flight plus parked behind a sequence gap), and the consumer
+holds at most the prefetch depth. When no actor has been ready for the spawn
+timeout (a cluster without a free CPU, every node holding the actors gone for good)
+the stage fails with a :class:`~zephon.errors.TransportError` naming the cluster's
+CPUs.
 
 **Exactly once.** Every unit in flight is kept on the driver with its payload until its
 result is taken. An actor lost (killed, out of memory, its node gone: Ray reports
 the death on each of its calls) takes none of the results it had not returned: its
 units go again, in their order, to the other actors, and a replacement actor is
 started (Ray places it on a live node). The unit the lost actor was running (its
-oldest) is charged a retry; past ``max_worker_retries`` it fails in its place in the
+oldest) is charged a retry (an actor lost before it started ran nothing and charges
+none; more than ``max(3, max_worker_retries)`` of those in a row with none ready is a
+:class:`~zephon.errors.TransportError`); past ``max_worker_retries`` it fails in its place in the
 stream with :class:`~zephon.errors.WorkerCrashedError` (``deterministic=False``:
 dropped with a warning), as on the process runner. A result is taken once: the
 lost calls' references are dropped, so a call that still finishes somewhere is
@@ -93,7 +105,6 @@ from zephon.errors import (
 )
 from zephon.runners.contract import Runner, StageMeter
 from zephon.transport.failure import UnitFailure, Unwind
-from zephon.transport.heap import WALK_ITEMS_MARKER, WALK_MARKER
 from zephon.transport.optime import OpClock
 from zephon.transport.ray_cluster import (
     actor_options,
@@ -135,12 +146,14 @@ class _StageActor:
         self.program = program
         return pid, node, address, None, None
 
-    def run(self, payload) -> tuple:
-        """One unit: ``(op seconds, result, None)`` or ``(op seconds, None, (traceback,
-        error blob, records before the error))``."""
+    def run(self, data: bytes, *buffers) -> tuple:
+        """One unit (its payload :func:`pack`-ed): ``(op seconds, packed result, None)``
+        or ``(op seconds, None, (traceback, error blob, packed records before the
+        error))``."""
         self.threads.before_task()
         program = self.program
         assert program is not None  # run() comes after a start() that loaded it
+        payload = unpack(data, buffers)
         clock = OpClock()
         try:
             result = program(payload)
@@ -149,10 +162,13 @@ class _StageActor:
         except BaseException as exc:  # noqa: BLE001 - the unit's failure, in stream order
             result = UnitFailure(exc)
         busy = clock.seconds()
-        if type(result) is UnitFailure:
-            tb, blob = encode_exception(result.error)
-            return busy, None, (tb, blob, result.done)
-        return busy, result, None
+        if type(result) is not UnitFailure:
+            try:
+                return busy, pack(result), None
+            except Exception as exc:  # noqa: BLE001 - a record that cannot be pickled
+                result = _unsendable(program, result, exc)
+        tb, blob = encode_exception(result.error)
+        return busy, None, (tb, blob, pack(result.done))
 
 
 class _Actor:
@@ -244,8 +260,12 @@ class RayExecutor:
         self.max_workers = max(workers, self.cpu_pool)
         #: units run again after their actor was lost, and actors lost
         self.reruns = self.lost = 0
-        self._first_start = time.monotonic()
-        self._ever_ready = False
+        #: units waiting for a ready actor (none is ready yet, or every one was lost)
+        self._pending: collections.deque[_Call] = collections.deque()
+        #: since when no actor has been ready (None: one is); actors lost while starting,
+        #: in a row
+        self._no_ready_since: float | None = time.monotonic()
+        self._start_deaths = 0
         try:
             for _ in range(workers):
                 self._spawn()
@@ -281,7 +301,7 @@ class RayExecutor:
             self._retire(actor)
 
     def submit(self, lane, seq: int, payload) -> None:
-        self._send(_Call(lane, seq, payload, next(self._order)))
+        self._dispatch(_Call(lane, seq, payload, next(self._order)))
 
     def get(self, lane):
         done = self._done[lane]
@@ -328,6 +348,8 @@ class RayExecutor:
 
     def runs(self, program) -> bool:
         """Whether the actors run ``program`` (it pickles to the bytes they loaded)."""
+        if not self.ray.is_initialized():  # the connection is gone, and its actors
+            return False
         try:
             return _dumps(program) == self.blob
         except Exception:  # noqa: BLE001 - one that cannot be pickled is not what they run
@@ -368,6 +390,8 @@ class RayExecutor:
 
     def _kill(self, actor: _Actor) -> None:
         actor.state = "gone"
+        if not self.ray.is_initialized():  # the user shut Ray down: its actors went with it
+            return  # (and ray.kill would start a local Ray to kill nothing)
         try:
             self.ray.kill(actor.handle, no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
@@ -379,19 +403,22 @@ class RayExecutor:
         self._kill(actor)
         self.meter.event("stop", actor.index)
 
-    def _pick(self) -> _Actor:
-        live = [a for a in self.actors if not a.retiring and a.state != "gone"]
-        ready = [a for a in live if a.state == "ready"]
-        pool = ready or live
-        if not pool:  # every actor lost at once: start the stage's count again
-            for _ in range(max(1, self.workers)):
-                self._spawn()
-            pool = self.actors
-        return min(pool, key=lambda a: (len(a.calls), a.index))
+    def _ready(self) -> list[_Actor]:
+        return [a for a in self.actors if a.state == "ready" and not a.retiring]
 
-    def _send(self, call: _Call) -> None:
-        actor = self._pick()
-        ref = actor.handle.run.remote(call.payload)
+    def _dispatch(self, call: _Call) -> None:
+        """Send ``call`` to the ready actor with the fewest in flight, or hold it until one
+        is ready: a unit is never queued on an actor that has not started (Ray may never
+        place it: a cluster without a free CPU)."""
+        ready = self._ready()
+        if not ready:
+            self._pending.append(call)
+            if not any(a.state == "starting" and not a.retiring for a in self.actors):
+                self._spawn()  # every actor lost: start one (the count follows as they go)
+            return
+        actor = min(ready, key=lambda a: (len(a.calls), a.index))
+        data, buffers = pack(call.payload)
+        ref = actor.handle.run.remote(data, *buffers)
         call.actor = actor
         actor.calls[ref] = call
         self.calls[ref] = call
@@ -413,8 +440,12 @@ class RayExecutor:
                 f"the stage's ops: {error}{fix}")
         if actor.state == "starting":
             actor.state = "ready"
-            self._ever_ready = True
+            self._start_deaths = 0
             self.meter.event("start", actor.index)
+            if actor.retiring:
+                self._retire(actor)
+            while self._pending and self._ready():
+                self._dispatch(self._pending.popleft())
 
     def _poll(self) -> None:
         """Wait up to :data:`POLL_S` for results or actor starts and take what is ready."""
@@ -422,6 +453,7 @@ class RayExecutor:
         refs = list(starting) + list(self.calls)
         if not refs:
             raise TransportError(f"stage {self.name!r}: get() with nothing in flight")
+        self._check_placed()
         ray = self.ray
         ready, _ = ray.wait(refs, num_returns=1, timeout=POLL_S, fetch_local=False)
         if ready:
@@ -434,14 +466,28 @@ class RayExecutor:
                 self._started(actor)
             else:
                 self._settle(ref)
-        if not self._ever_ready and not ready and \
-                time.monotonic() - self._first_start > self.spawn_timeout_s:
-            resources = ray.available_resources()
-            self.close()
-            raise TransportError(
-                f"stage {self.name!r}: no Ray actor started within {self.spawn_timeout_s:g} "
-                f"s (each asks for 1 CPU; the cluster has {resources.get('CPU', 0):g} free of "
-                f"{ray.cluster_resources().get('CPU', 0):g})")
+
+    def _check_placed(self) -> None:
+        """Raise when the stage has had no ready actor for ``spawn_timeout_s`` (at the
+        start, or after every actor was lost): a cluster without a free CPU, or nodes gone
+        for good."""
+        if self._ready():
+            self._no_ready_since = None
+            return
+        now = time.monotonic()
+        if self._no_ready_since is None:
+            self._no_ready_since = now
+            return
+        if now - self._no_ready_since <= self.spawn_timeout_s:
+            return
+        ray = self.ray
+        free, total = (ray.available_resources().get("CPU", 0),
+                       ray.cluster_resources().get("CPU", 0))
+        self.close()
+        raise TransportError(
+            f"stage {self.name!r}: no Ray actor ready for {self.spawn_timeout_s:g} s (each "
+            f"asks for 1 CPU; the cluster has {free:g} free of {total:g}, on "
+            f"{len(alive_nodes(ray))} live node(s))")
 
     def _settle(self, ref) -> None:
         call = self.calls.pop(ref, None)
@@ -452,7 +498,7 @@ class RayExecutor:
         actor.calls.pop(ref, None)
         errors = self._errors
         try:
-            busy, value, failure = self.ray.get(ref)
+            busy, packed, failure = self.ray.get(ref)
         except errors.RayActorError as exc:
             self._lost(actor, exc, call)
             return
@@ -461,7 +507,7 @@ class RayExecutor:
                         "running it again", self.name, call.seq, call.lane,
                         type(exc).__name__)
             self.reruns += 1
-            self._send(call)
+            self._dispatch(call)
             return
         except errors.RayTaskError as exc:  # run() returns its failures: this is Ray's
             value = UnitFailure(SerializationError(
@@ -475,11 +521,10 @@ class RayExecutor:
             tb, blob, records = failure
             error = decode_exception(blob, tb, f"stage {self.name} on Ray actor {actor.pid}")
             self._done[call.lane].append(
-                (call.seq, UnitFailure(error, own_arrays(records), payload=call.payload),
-                 None))
+                (call.seq, UnitFailure(error, unpack(*records), payload=call.payload), None))
         else:
             self.meter.ran(busy)
-            self._done[call.lane].append((call.seq, own_arrays(value), busy))
+            self._done[call.lane].append((call.seq, unpack(*packed), busy))
         self._after_call(actor)
 
     def _after_call(self, actor: _Actor) -> None:
@@ -487,8 +532,10 @@ class RayExecutor:
             self._retire(actor)
 
     def _lost(self, actor: _Actor, exc: BaseException, call: _Call | None) -> None:
-        """``actor`` died: its calls go again (the oldest charged a retry), a replacement
-        starts unless it was retiring."""
+        """``actor`` died: its calls go again, in order (the oldest, the one it was
+        running, charged a retry), and a replacement starts unless it was retiring. One
+        that died before it started ran nothing: nothing is charged, but starts that die
+        time and again are an error."""
         lost = sorted(([call] if call is not None else []) + list(actor.calls.values()),
                       key=lambda c: c.order)
         for ref in list(actor.calls):
@@ -496,6 +543,7 @@ class RayExecutor:
         actor.calls.clear()
         if actor in self.actors:
             self.actors.remove(actor)
+        started = actor.state == "ready"
         self._kill(actor)
         self.lost += 1
         self.meter.event("restart", actor.index)
@@ -503,61 +551,84 @@ class RayExecutor:
         log.warning("stage %s: Ray actor %s lost (%s%s); %d unit(s) go to other actors",
                     self.name, actor.index, _first_line(exc),
                     "; its node is gone" if gone else "", len(lost))
+        if not started:
+            self._start_deaths += 1
+            if self._start_deaths > max(3, self.max_retries) and not self._ready():
+                self.close()
+                raise TransportError(
+                    f"stage {self.name!r}: {self._start_deaths} Ray actors in a row died "
+                    f"before they started (the last: {_first_line(exc)})")
         if not actor.retiring:
             self._spawn()
         for k, c in enumerate(lost):
-            if k == 0:  # the call it was running: Ray runs an actor's calls in order
-                key = (c.lane, c.seq)
-                self._retries[key] += 1
-                if self._retries[key] > self.max_retries:
-                    message = (f"stage {self.name}: sequence {c.seq} of lane {c.lane} was "
-                               f"running on a Ray actor that died {self._retries[key]} "
-                               f"times ({_first_line(exc)}); max_worker_retries="
-                               f"{self.max_retries} exhausted")
-                    if not self.deterministic:
-                        warnings.warn(f"zephon: dropping it: {message}", RuntimeWarning,
-                                      stacklevel=2)
-                        self._done[c.lane].append((c.seq, [], None))
-                        continue
-                    error = WorkerCrashedError(message, seq=c.seq, op=self.name,
-                                               worker=actor.index)
-                    self._done[c.lane].append((c.seq, UnitFailure(error), None))
-                    continue
+            if k == 0 and started and self._charge(c, exc, actor.index):
+                continue
             self.reruns += 1
-            self._send(c)
+            self._dispatch(c)
+
+    def _charge(self, c: _Call, exc: BaseException, worker: int) -> bool:
+        """Charge ``c`` a retry; True when that exhausts them (its failure, or its drop
+        with ``deterministic=False``, then takes its place in the stream)."""
+        key = (c.lane, c.seq)
+        self._retries[key] += 1
+        if self._retries[key] <= self.max_retries:
+            return False
+        message = (f"stage {self.name}: sequence {c.seq} of lane {c.lane} was running on a "
+                   f"Ray actor that died {self._retries[key]} times ({_first_line(exc)}); "
+                   f"max_worker_retries={self.max_retries} exhausted")
+        if not self.deterministic:
+            warnings.warn(f"zephon: dropping it: {message}", RuntimeWarning, stacklevel=3)
+            self._done[c.lane].append((c.seq, [], None))
+            return True
+        error = WorkerCrashedError(message, seq=c.seq, op=self.name, worker=worker)
+        self._done[c.lane].append((c.seq, UnitFailure(error), None))
+        return True
 
 
-def own_arrays(value):
-    """``value`` with every read-only NumPy array in it replaced by a writable copy, in
-    place where the container allows (lists, dicts, a dict subclass marked
-    ``__heap_walk_items__`` such as a batch, a record's ``value``; tuples are rebuilt).
-    Ray hands arrays over from its object store read-only (the store's memory is
-    immutable); every other runner hands the loop arrays it may write to, and an op
-    after a Ray stage that works in place (``x += 1``) must not fail on Ray alone. One
-    copy per array, at memory bandwidth; arrays inside objects of other classes are
-    handed over as Ray gives them."""
-    if isinstance(value, np.ndarray):
-        return value if value.flags.writeable else value.copy()
-    if isinstance(value, list):
-        for k, item in enumerate(value):
-            new = own_arrays(item)
-            if new is not item:
-                value[k] = new
-        return value
-    if type(value) is dict or getattr(type(value), WALK_ITEMS_MARKER, False):
-        for key, item in value.items():
-            new = own_arrays(item)
-            if new is not item:
-                value[key] = new
-        return value
-    if type(value) is tuple:
-        items = tuple(own_arrays(item) for item in value)
-        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
-    if getattr(type(value), WALK_MARKER, False):
-        new = own_arrays(value.value)
-        if new is not value.value:
-            value.value = new
-    return value
+#: arrays (contiguous buffers) of at least this many bytes travel out of band: as arrays
+#: of their own through Ray's object store, zero-copy to the other side; smaller ones
+#: inside the pickle
+OUT_OF_BAND_BYTES = 1 << 16
+
+
+def pack(value) -> tuple[bytes, list]:
+    """``value`` as ``(pickle, out-of-band buffers)`` (pickle protocol 5): what travels
+    between the driver and an actor, a payload one way and a result the other.
+
+    Raises:
+        Exception: whatever pickling ``value`` raises (a lock in a record).
+    """
+    buffers: list = []
+
+    def side(buffer: pickle.PickleBuffer) -> bool:
+        view = buffer.raw()
+        if view.nbytes < OUT_OF_BAND_BYTES:
+            return True  # in band
+        buffers.append(np.frombuffer(view, dtype=np.uint8))
+        return False
+
+    return pickle.dumps(value, protocol=5, buffer_callback=side), buffers
+
+
+def unpack(data: bytes, buffers) -> Any:
+    """The value :func:`pack` made. Ray hands the buffers over read-only (its store's
+    memory is immutable); each is copied once, so every array the value holds is one
+    its user may write to, as on every other runner (an op after a Ray stage that works
+    in place, ``x += 1``, the loop normalising a batch in place)."""
+    return pickle.loads(data, buffers=[bytearray(b) for b in buffers])
+
+
+def _unsendable(program, result, exc: BaseException) -> UnitFailure:
+    """The failure of a unit whose ``result`` cannot be pickled: the stage program's
+    (an :class:`~zephon.errors.OpError` naming the op, the sample and the object, the
+    records before it handed on first), as a process worker reports it."""
+    name = getattr(program, "unencodable", None)
+    failure = name(result, exc) if callable(name) else None
+    if failure is None:
+        failure = UnitFailure(SerializationError(
+            f"a result cannot travel back from a Ray actor: {type(exc).__name__}: {exc}"),
+            unsendable=True)
+    return failure
 
 
 def _dumps(program) -> bytes:

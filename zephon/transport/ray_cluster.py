@@ -54,9 +54,13 @@ __all__ = [
 log = logging.getLogger("zephon.ray")
 
 _lock = threading.Lock()
-#: connections zephon made that are in use now, and whether zephon made the current one
+#: holds on the connection zephon made, and which connection that is (a count of the
+#: connections zephon made: a hold on one the user shut down since counts for nothing)
 _users = 0
-_made = False
+_made = 0
+#: the Ray job of the connection zephon made (a connection the user made since, after
+#: shutting zephon's down, is another job)
+_job: str | None = None
 
 
 def import_ray(what: str = "RunPolicy(backend='ray')"):
@@ -98,12 +102,12 @@ class Connection:
     """One user's hold on the Ray connection (see the module docstring); ``release()``
     once, more calls are no-ops."""
 
-    __slots__ = ("made", "ray", "released")
+    __slots__ = ("generation", "made", "ray", "released")
 
-    def __init__(self, ray, made: bool) -> None:
+    def __init__(self, ray, made: bool, generation: int = 0) -> None:
         #: whether zephon made the connection this hold is on (the user's own otherwise)
         self.made = made
-        self.ray, self.released = ray, False
+        self.ray, self.released, self.generation = ray, False, generation
 
     def release(self) -> None:
         global _users, _made
@@ -111,12 +115,11 @@ class Connection:
             if self.released:
                 return
             self.released = True
-            if not self.made:
-                return
+            if not self.made or self.generation != _made:
+                return  # the user's connection, or one zephon made that is gone since
             _users -= 1
-            if _users > 0 or not _made:
+            if _users > 0:
                 return
-            _made = False
             if self.ray.is_initialized():
                 self.ray.shutdown()
 
@@ -127,13 +130,13 @@ def connect(what: str) -> Connection:
     Raises:
         ZephonConfigError: Ray is not installed, or the cluster cannot be reached.
     """
-    global _users, _made
+    global _users, _made, _job
     ray = import_ray(what)
     with _lock:
         if ray.is_initialized():
-            if _made:  # one zephon made, still held by another user
+            if _users > 0 and _job == _job_id(ray):  # zephon's, held by another user
                 _users += 1
-                return Connection(ray, True)
+                return Connection(ray, True, _made)
             return Connection(ray, False)
         address = os.environ.get("RAY_ADDRESS") or None
         try:
@@ -142,8 +145,15 @@ def connect(what: str) -> Connection:
             raise ZephonConfigError(
                 f"{what} could not reach a Ray cluster (RAY_ADDRESS={address!r}): "
                 f"{type(exc).__name__}: {exc}") from exc
-        _made, _users = True, 1
-        return Connection(ray, True)
+        _made, _users, _job = _made + 1, 1, _job_id(ray)
+        return Connection(ray, True, _made)
+
+
+def _job_id(ray) -> str | None:
+    try:
+        return str(ray.get_runtime_context().get_job_id())
+    except Exception:  # noqa: BLE001 - a connection that cannot say: not zephon's
+        return None
 
 
 def alive_nodes(ray) -> dict[str, str]:

@@ -321,16 +321,8 @@ def _choose(params: TuningParams, state: TuningState, sig: Signals, m: Measures,
             holds.append(why)
         return ok
 
-    # the host's stages share its budget; a stage with a budget of its own (a Ray stage)
-    # is a pool of its own, chosen for after them
-    pools = [({s: w for s, w in workers.items() if state.of(s).budget is None},
-              state.cpu_budget)]
-    for s, w in workers.items():
-        own = state.of(s).budget
-        if own is not None:
-            pools.append(({s: w}, own))
     choice, idle = None, {}
-    for pool, budget in pools:
+    for pool, budget in _pools(state, workers):
         if not pool:
             continue
         pick, after = choose(params, sub, pool, caps, budget,
@@ -342,6 +334,19 @@ def _choose(params: TuningParams, state: TuningState, sig: Signals, m: Measures,
     for why in holds:
         state = _hold(state, why)
     return choice, state
+
+
+def _pools(state: TuningState, workers: Mapping[int, int]
+           ) -> list[tuple[dict[int, int], int]]:
+    """The stages on workers by the CPU budget they draw on: the host's stages share its
+    budget (first); a stage with a budget of its own (a Ray stage) is a pool alone."""
+    pools = [({s: w for s, w in workers.items() if state.of(s).budget is None},
+              state.cpu_budget)]
+    for s, w in workers.items():
+        own = state.of(s).budget
+        if own is not None:
+            pools.append(({s: w}, own))
+    return pools
 
 
 def _tune(params: TuningParams, state: TuningState, sig: Signals, m: Measures) -> _Go:
