@@ -46,8 +46,9 @@ def jpeg_sample(i: int) -> dict:
 
 
 class Logged:
-    """A map that appends ``"<id> <pid>\\n"`` to ``path`` for every call (a side effect
-    to count) after ``sleep`` seconds of "work"."""
+    """A map that appends ``"<id> <pid> <node>\\n"`` to ``path`` for every call (a side
+    effect to count; the node is the Ray node id where Ray is connected, else "-") after
+    ``sleep`` seconds of "work"."""
 
     def __init__(self, path: str, sleep: float = 0.0) -> None:
         self.path, self.sleep = path, sleep
@@ -57,18 +58,33 @@ class Logged:
             time.sleep(self.sleep)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, f"{sample['id']} {os.getpid()}\n".encode())
+            os.write(fd, f"{sample['id']} {os.getpid()} {_node()}\n".encode())
         finally:
             os.close(fd)
         return sample
 
 
+def _node() -> str:
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return "-"
+    return ray.get_runtime_context().get_node_id()
+
+
 def calls(path: str) -> list[tuple[int, int]]:
     """The ``(id, pid)`` of every call :class:`Logged` recorded in ``path``."""
+    return [(i, pid) for i, pid, _ in placed_calls(path)]
+
+
+def placed_calls(path: str) -> list[tuple[int, int, str]]:
+    """The ``(id, pid, node id)`` of every call :class:`Logged` recorded in ``path``."""
     if not os.path.exists(path):
         return []
     with open(path) as fh:
-        return [(int(a), int(b)) for a, b in (line.split() for line in fh if line.strip())]
+        return [(int(a), int(b), c) for a, b, c in (line.split() for line in fh
+                                                    if line.strip())]
 
 
 def fail_at(sample: dict) -> dict:

@@ -310,7 +310,7 @@ class RayExecutor:
             while not done:
                 if self._stopped:
                     raise TransportError(f"stage {self.name!r}: the Ray stage was closed")
-                self._poll()
+                self._poll(lane)
         finally:
             with self._lock:
                 self._in_get = False
@@ -447,25 +447,33 @@ class RayExecutor:
             while self._pending and self._ready():
                 self._dispatch(self._pending.popleft())
 
-    def _poll(self) -> None:
-        """Wait up to :data:`POLL_S` for results or actor starts and take what is ready."""
+    def _poll(self, lane) -> None:
+        """Wait up to :data:`POLL_S` for the oldest unit of ``lane`` in flight and take it,
+        noticing actors that started on the way. The oldest is the one the lane's order
+        waits for (the engine hands on nothing of the lane before it), so waiting for it
+        alone loses no time, and one reference waited on costs the driver less than
+        every unit in flight (a unit lost with its actor raises there as well)."""
         starting = {a.start_ref: a for a in self.actors if a.state == "starting"}
-        refs = list(starting) + list(self.calls)
-        if not refs:
+        oldest = None
+        for ref, call in self.calls.items():
+            if call.lane == lane and (oldest is None or call.order < oldest[1].order):
+                oldest = (ref, call)
+        if oldest is None and not starting:
             raise TransportError(f"stage {self.name!r}: get() with nothing in flight")
         self._check_placed()
         ray = self.ray
-        ready, _ = ray.wait(refs, num_returns=1, timeout=POLL_S, fetch_local=False)
-        if ready:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
-        for ref in ready:
-            if self._stopped:
-                return
-            actor = starting.get(ref)
-            if actor is not None:
-                self._started(actor)
-            else:
-                self._settle(ref)
+        if starting:
+            waiting = oldest is None  # nothing of the lane in flight: wait for a start
+            ready, _ = ray.wait(list(starting), num_returns=1 if waiting else len(starting),
+                                timeout=POLL_S if waiting else 0, fetch_local=False)
+            for ref in ready:
+                if self._stopped:
+                    return
+                self._started(starting[ref])
+        if oldest is not None and not self._stopped and oldest[0] in self.calls:
+            ready, _ = ray.wait([oldest[0]], timeout=POLL_S, fetch_local=False)
+            if ready and not self._stopped:
+                self._settle(oldest[0])
 
     def _check_placed(self) -> None:
         """Raise when the stage has had no ready actor for ``spawn_timeout_s`` (at the
