@@ -26,9 +26,11 @@ cluster has no free CPU for one) that is an error too, naming the cluster's reso
 
 **Units and data.** ``submit`` sends ``run(payload)`` to the ready actor with the
 fewest units in flight (Ray runs an actor's calls in order, so that actor's oldest
-call is the one running). A unit is never queued on an actor that has not started:
-while none is ready (at the start, or after every actor was lost) units wait on the
-driver, and Ray may never place an actor the cluster has no free CPU for. A stage
+call is the one running), while that actor holds less than its share of the stage's
+units (over the actors ready or starting; so the first actor ready does not take
+every unit while the others start); the rest wait on the driver, in sequence, and go
+as actors start or free up. A unit is never queued on an actor that has not started:
+Ray may never place an actor the cluster has no free CPU for. A stage
 that reads the source reads it on the actor's node: the payload of a reading stage is
 the unit's indices, never its data. Payloads and results travel :func:`pack`-ed
 (pickle protocol 5; arrays of 64 KiB and more out of band, as arrays of their own
@@ -85,6 +87,7 @@ SIGKILL) leaves nothing either: Ray stops the actors of a dead driver.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import logging
@@ -192,6 +195,10 @@ class _Call:
         self.actor: _Actor | None = None
 
 
+def _order(call: _Call) -> int:
+    return call.order
+
+
 class RayExecutor:
     """A stage's units on Ray actors (see the module docstring).
 
@@ -261,7 +268,7 @@ class RayExecutor:
         #: units run again after their actor was lost, and actors lost
         self.reruns = self.lost = 0
         #: units waiting for a ready actor (none is ready yet, or every one was lost)
-        self._pending: collections.deque[_Call] = collections.deque()
+        self._pending: list[_Call] = []
         #: since when no actor has been ready (None: one is); actors lost while starting,
         #: in a row
         self._no_ready_since: float | None = time.monotonic()
@@ -310,7 +317,7 @@ class RayExecutor:
             while not done:
                 if self._stopped:
                     raise TransportError(f"stage {self.name!r}: the Ray stage was closed")
-                self._poll(lane)
+                self._poll()
         finally:
             with self._lock:
                 self._in_get = False
@@ -407,16 +414,33 @@ class RayExecutor:
         return [a for a in self.actors if a.state == "ready" and not a.retiring]
 
     def _dispatch(self, call: _Call) -> None:
-        """Send ``call`` to the ready actor with the fewest in flight, or hold it until one
-        is ready: a unit is never queued on an actor that has not started (Ray may never
-        place it: a cluster without a free CPU)."""
+        """Queue ``call`` among the units waiting on the driver, in sequence (a unit lost
+        with its actor goes before those submitted after it), and send what may go."""
+        bisect.insort(self._pending, call, key=_order)
+        if not self._drain() and not any(a.state != "gone" and not a.retiring
+                                          for a in self.actors):
+            self._spawn()  # every actor lost: start one (the count follows as they go)
+
+    def _drain(self) -> bool:
+        """Send waiting units, oldest first, each to the ready actor with the fewest in
+        flight while that one holds less than its share of the stage's units (those in
+        flight and waiting, over the actors ready or starting): a unit is never queued
+        on an actor that has not started (Ray may never place it: a cluster without a
+        free CPU), and the first actor ready does not take every unit while the others
+        start. True when some actor is ready."""
         ready = self._ready()
         if not ready:
-            self._pending.append(call)
-            if not any(a.state == "starting" and not a.retiring for a in self.actors):
-                self._spawn()  # every actor lost: start one (the count follows as they go)
-            return
-        actor = min(ready, key=lambda a: (len(a.calls), a.index))
+            return False
+        live = sum(1 for a in self.actors if a.state != "gone" and not a.retiring)
+        while self._pending:
+            actor = min(ready, key=lambda a: (len(a.calls), a.index))
+            share = -(-(len(self.calls) + len(self._pending)) // max(1, live))
+            if actor.calls and len(actor.calls) >= share:
+                break
+            self._send(actor, self._pending.pop(0))
+        return True
+
+    def _send(self, actor: _Actor, call: _Call) -> None:
         data, buffers = pack(call.payload)
         ref = actor.handle.run.remote(data, *buffers)
         call.actor = actor
@@ -444,36 +468,30 @@ class RayExecutor:
             self.meter.event("start", actor.index)
             if actor.retiring:
                 self._retire(actor)
-            while self._pending and self._ready():
-                self._dispatch(self._pending.popleft())
+            self._drain()
 
-    def _poll(self, lane) -> None:
-        """Wait up to :data:`POLL_S` for the oldest unit of ``lane`` in flight and take it,
-        noticing actors that started on the way. The oldest is the one the lane's order
-        waits for (the engine hands on nothing of the lane before it), so waiting for it
-        alone loses no time, and one reference waited on costs the driver less than
-        every unit in flight (a unit lost with its actor raises there as well)."""
+    def _poll(self) -> None:
+        """Wait up to :data:`POLL_S` for results or actor starts and take every one that
+        is ready (the dispatch sees all the results that came in at once, and sends the
+        next parts to the actors they freed)."""
         starting = {a.start_ref: a for a in self.actors if a.state == "starting"}
-        oldest = None
-        for ref, call in self.calls.items():
-            if call.lane == lane and (oldest is None or call.order < oldest[1].order):
-                oldest = (ref, call)
-        if oldest is None and not starting:
+        refs = list(starting) + list(self.calls)
+        if not refs:
             raise TransportError(f"stage {self.name!r}: get() with nothing in flight")
         self._check_placed()
         ray = self.ray
-        if starting:
-            waiting = oldest is None  # nothing of the lane in flight: wait for a start
-            ready, _ = ray.wait(list(starting), num_returns=1 if waiting else len(starting),
-                                timeout=POLL_S if waiting else 0, fetch_local=False)
-            for ref in ready:
-                if self._stopped:
-                    return
-                self._started(starting[ref])
-        if oldest is not None and not self._stopped and oldest[0] in self.calls:
-            ready, _ = ray.wait([oldest[0]], timeout=POLL_S, fetch_local=False)
-            if ready and not self._stopped:
-                self._settle(oldest[0])
+        ready, _ = ray.wait(refs, num_returns=1, timeout=POLL_S, fetch_local=False)
+        if ready:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        for ref in ready:
+            if self._stopped:
+                return
+            actor = starting.get(ref)
+            if actor is not None:
+                self._started(actor)
+            else:
+                self._settle(ref)
+        self._drain()
 
     def _check_placed(self) -> None:
         """Raise when the stage has had no ready actor for ``spawn_timeout_s`` (at the
