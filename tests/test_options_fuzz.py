@@ -299,6 +299,12 @@ def _run_tiny_pipeline(opts: RuntimeOptions):
         assert set(seen) <= {2 * i for i in range(12)} and len(seen) == len(set(seen))
 
 
+def _on_this_host(opts: RuntimeOptions) -> bool:
+    """No stage on the Ray runner: it needs a cluster whose workers import the tests'
+    modules (``tests/test_pipeline_ray.py`` runs it on one), and Ray, an extra."""
+    return opts.runner != "ray" and "ray" not in opts.per_stage_runner.values()
+
+
 def _small_workers(opts: RuntimeOptions) -> bool:
     """Default run: at most a few worker processes per example."""
     starts_processes = opts.runner == "process" or opts.mtp_mode or \
@@ -308,7 +314,7 @@ def _small_workers(opts: RuntimeOptions) -> bool:
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
-@given(_runtime_options(small=True).filter(_small_workers))
+@given(_runtime_options(small=True).filter(_small_workers).filter(_on_this_host))
 def test_accepted_runtime_options_run_a_pipeline(opts):
     _describe(opts)
     _run_tiny_pipeline(opts)
@@ -317,7 +323,7 @@ def test_accepted_runtime_options_run_a_pipeline(opts):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # the budget of the whole sweep (about 1 s per example)
 @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
-@given(_runtime_options(small=False))
+@given(_runtime_options(small=False).filter(_on_this_host))
 def test_accepted_runtime_options_run_a_pipeline_sweep(opts):
     _describe(opts)
     _run_tiny_pipeline(opts)
@@ -326,7 +332,7 @@ def test_accepted_runtime_options_run_a_pipeline_sweep(opts):
 @pytest.mark.slow
 @pytest.mark.ci
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(_runtime_options(small=True).filter(_small_workers))
+@given(_runtime_options(small=True).filter(_small_workers).filter(_on_this_host))
 def test_accepted_runtime_options_run_a_pipeline_ci(opts):
     _describe(opts)
     _run_tiny_pipeline(opts)
