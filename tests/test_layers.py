@@ -76,6 +76,8 @@ PIPELINE_ALLOWED = {
                "autotune", "keep"},
     "text": {"records", "ops"},
     "training": {"records"},
+    # what a checkpoint proves about the stream it continues (checked on restore)
+    "proof": {"engine", "lanes"},
 }
 PIPELINE_TOP = {"state", "iterator", "progress", "pipeline"}
 # pairs of top modules that may not import each other: one of the two sits below the

@@ -63,6 +63,7 @@ BAD = {
         "dp_group_id": [-1, True, 4096],
         "canonical_replicas": [0, True, 4097, 10**7],
         "mapping_strategy": ["round_robin", 0],
+        "resume_accept": ["files", ["everything"], [""], ("files", 3)],
         "shm_enabled": [1, None],
         "shm_coalesce": [0, None],
         "shm_min_item_bytes": [-1, True, None, 1.0, 2**40 + 1],

@@ -31,6 +31,7 @@ __all__ = [
     "RecordedFailure",
     "RemoteTraceback",
     "ResultTimeoutError",
+    "ResumeMismatchError",
     "SerializationError",
     "ShmSpaceError",
     "SourceError",
@@ -139,6 +140,23 @@ class WorkerCrashedError(ZephonError):
 
 class CheckpointError(ZephonError):
     """A checkpoint cannot be written or restored; the message gives the reason."""
+
+
+class ResumeMismatchError(CheckpointError):
+    """A checkpoint does not continue this pipeline's stream: its source files, the
+    samples its lanes read next, or its lane mapping differ (``kinds`` names them,
+    ``diff`` maps each kind to its lines). ``RuntimeOptions(resume_accept=kinds)``
+    restores anyway."""
+
+    def __init__(self, message: str, *, kinds: Sequence[str] = (),
+                 diff: dict | None = None) -> None:
+        super().__init__(message)
+        self.kinds = tuple(kinds)
+        self.diff = dict(diff or {})
+
+    def __reduce__(self):
+        return _with_state(self, (_rebuild_kw, (type(self), str(self),
+                                                {"kinds": self.kinds, "diff": self.diff})))
 
 
 class IteratorClosedError(ZephonError, RuntimeError):

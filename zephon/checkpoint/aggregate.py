@@ -264,9 +264,26 @@ def merge_states(states: dict) -> dict:
                               "state")
     merged = {k: v for k, v in first.items() if k not in _LOCAL_KEYS}
     merged["lanes"] = {str(lane): list(lanes[lane]) for lane in sorted(lanes)}
+    if isinstance(first.get("proof"), dict):  # rank 0's files and parts, every rank's lanes
+        merged["proof"] = _merged_proof(states, world)
     merged["world"] = world
     check_merged(merged, groups=groups, strategy=strategy, owners=owners)
     return merged
+
+
+def _merged_proof(states: dict, world: int) -> dict:
+    """Rank 0's proof with the ``next`` digests of every rank's lanes (each rank records
+    the lanes it owns: :mod:`zephon.pipeline.proof`)."""
+    proof = dict(states[0]["proof"])
+    nxt: dict = {}
+    for r in range(world):
+        theirs = states[r].get("proof")
+        if not isinstance(theirs, dict) or not isinstance(theirs.get("next"), dict):
+            raise CheckpointError(f"rank {r} submitted no resume proof while rank 0 did: "
+                                  "the ranks run different zephon versions")
+        nxt.update(theirs["next"])
+    proof["next"] = {lane: nxt[lane] for lane in sorted(nxt, key=lambda x: (len(x), x))}
+    return proof
 
 
 def _submission(local: dict, opts) -> dict:

@@ -1,10 +1,10 @@
 """Checkpoint bytes: a self-describing, versioned, checksummed envelope around a state dict.
 
-Format version 4 (all integers big-endian)::
+Format version 5 (all integers big-endian)::
 
     offset  size  field
     0       8     magic b"ZEPHONCK"
-    8       1     format version (4)
+    8       1     format version (5; 4 is read too)
     9       1     serializer (0 msgpack, 1 json)
     10      1     compressor (0 none, 1 zstd)
     11      1     reserved, 0
@@ -32,7 +32,9 @@ costs more memory than the bounds below.
   could continue as the same stream; version 3 has no ended lanes (a lane that
   delivered its last item of the pass looks like one with more to come), so after
   the pass's last item a restore could not tell every rank alike that the pass was
-  over.
+  over. Version 4 is read: its state is version 5's without the resume proof
+  (:mod:`zephon.pipeline.proof`), and restores with the fingerprint check only; every
+  state written now is version 5.
 
 msgpack integers wider than 64 bits (a NumPy PCG64 state has them) travel as an
 extension type; JSON carries them natively. The schema of the pipeline state inside
@@ -63,7 +65,9 @@ __all__ = [
 ]
 
 MAGIC = b"ZEPHONCK"
-VERSION = 4
+VERSION = 5
+#: the format versions this zephon reads (4: a state without the resume proof)
+READABLE = (4, 5)
 #: why an older format version cannot be read
 _OLDER = {
     1: " (written by an earlier zephon, without a checksum); re-create the checkpoint "
@@ -189,10 +193,10 @@ def decode_state(data: Any) -> dict:
         raise CheckpointError("not a zephon checkpoint (bad magic or too short: "
                               f"{len(data)} bytes)")
     version = data[len(MAGIC)]
-    if version != VERSION:
+    if version not in READABLE:
         hint = _OLDER.get(version, "")
         raise CheckpointError(f"checkpoint format version {version}{hint}; this zephon "
-                              f"reads version {VERSION}")
+                              f"reads versions {READABLE[0]} to {READABLE[-1]}")
     if len(data) < _HEADER.size + _CHECKSUM_BYTES:
         raise CheckpointError(f"corrupt or truncated checkpoint: {len(data)} bytes, shorter "
                               f"than the {_HEADER.size + _CHECKSUM_BYTES}-byte envelope")

@@ -399,10 +399,18 @@ class StrMap(Check):
 class StrTuple(Check):
     allowed = "a list or tuple of non-empty strings (not a single string)"
 
+    def __init__(self, choices: tuple[str, ...] | None = None) -> None:
+        super().__init__()
+        self.choices = choices
+        if choices is not None:
+            self.allowed = f"a list or tuple of {', '.join(map(repr, choices))} (not a string)"
+
     def _validate(self, owner, name, value):
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             raise fail(owner, name, value, self.describe())
         if not all(isinstance(v, str) and v for v in value):
+            raise fail(owner, name, value, self.describe())
+        if self.choices is not None and not set(value) <= set(self.choices):
             raise fail(owner, name, value, self.describe())
         return tuple(value)
 

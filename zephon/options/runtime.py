@@ -35,6 +35,7 @@ from zephon.options._spec import (
     OptionsBase,
     PathStr,
     Str,
+    StrTuple,
     option,
     option_class,
 )
@@ -297,6 +298,13 @@ class RuntimeOptions(OptionsBase):
         None, check=Str(choices=("contiguous", "interleaved"), optional=True),
         doc="Lanes to dp groups: contiguous blocks or interleaved (lane % dp_degree); "
             "None = contiguous.",
+    )
+    resume_accept: tuple = option(
+        (), check=StrTuple(choices=("files", "samples", "mapping")),
+        doc="Differences a restore lets through (with a warning) instead of raising "
+            "ResumeMismatchError: 'files' (the source's files changed size, mtime or "
+            "ETag), 'samples' (a lane would read other samples next than the checkpoint "
+            "recorded), 'mapping' (another mapping_strategy on several dp groups).",
     )
     shm_enabled: bool = option(
         True, check=Bool(),

@@ -28,7 +28,8 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-__all__ = ["MAIN_SCRIPT", "fn_identity", "fn_name", "pipeline_fingerprint", "stable_repr"]
+__all__ = ["MAIN_SCRIPT", "fingerprint_parts", "fn_identity", "fn_name", "pipeline_fingerprint",
+           "stable_repr"]
 
 
 class _Described(Protocol):
@@ -57,11 +58,18 @@ def pipeline_fingerprint(spec: _Spec, flush_every: int) -> str:
     hex digest of one line per part (the source's description, the seed, the epoch
     order, the chunk size, the epochs, each op's ``describe()``, the flush cadence). A
     checkpoint restores only into a pipeline with the same one."""
+    return hashlib.sha256("\n".join(fingerprint_parts(spec, flush_every)).encode()).hexdigest()
+
+
+def fingerprint_parts(spec: _Spec, flush_every: int) -> list[str]:
+    """The lines :func:`pipeline_fingerprint` hashes, in order: the source's description,
+    the seed, the epoch order, the chunk size, the epochs, each op's ``describe()``, the
+    flush cadence (a checkpoint records them to say what differs)."""
     parts = [spec.source.describe(), f"seed={spec.seed}", f"shuffle={spec.permute}",
              f"chunk={spec.chunk_size}", f"epochs={spec.num_epochs}"]
     parts += [op.describe() for op in spec.ops]
     parts.append(f"flush={flush_every}")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    return parts
 
 
 def fn_name(fn: Any) -> str:

@@ -69,7 +69,7 @@ from zephon.options import (
     resolve_stage_workers,
 )
 from zephon.options.resolve import OUT_OF_PROCESS_RUNNERS
-from zephon.pipeline.fingerprint import pipeline_fingerprint
+from zephon.pipeline.fingerprint import fingerprint_parts, pipeline_fingerprint
 from zephon.pipeline.lanes import lane_length, owned_lanes
 from zephon.pipeline.ops import (
     PASSES_ON,
@@ -385,6 +385,17 @@ class Plan:
         """The fingerprint of :attr:`spec` with this plan's flush cadence (what a
         checkpoint must match to restore), computed once."""
         return pipeline_fingerprint(self.spec, self.flush_every)
+
+    @functools.cached_property
+    def fingerprint_parts(self) -> tuple[str, ...]:
+        """The lines the fingerprint hashes (a checkpoint's proof records them)."""
+        return tuple(fingerprint_parts(self.spec, self.flush_every))
+
+    @functools.cached_property
+    def stamps(self) -> list | None:
+        """The source's files as ``(name, size, mtime or ETag)`` (``Source.stamps()``),
+        read once; None for a source without files."""
+        return self.spec.source.stamps()
 
     @property
     def runners(self) -> set[str]:

@@ -52,6 +52,7 @@ from typing import Any, NamedTuple
 from zephon.errors import CheckpointError
 from zephon.pipeline.carry import carry_bounds, decode_carry
 from zephon.pipeline.engine import is_ended
+from zephon.pipeline.proof import describe_parts_diff, make_proof, verify
 
 __all__ = ["MAX_COUNT", "RunStart", "check_run", "check_state", "local_state", "rank_state",
            "settle"]
@@ -60,7 +61,7 @@ __all__ = ["MAX_COUNT", "RunStart", "check_run", "check_state", "local_state", "
 #: beyond any real run, and keeps every figure exact in JSON and msgpack alike.
 MAX_COUNT = 1 << 48
 _REQUIRED = ("fingerprint", "lanes_total", "lanes", "resume", "start_epoch")
-_OPTIONAL = ("group", "world", "dp_degree", "mapping")
+_OPTIONAL = ("group", "world", "dp_degree", "mapping", "proof")
 _LANE_ID = re.compile(r"0|[1-9][0-9]{0,5}")  # canonical decimal, ASCII only
 
 
@@ -85,19 +86,25 @@ def settle(start: RunStart, plan) -> RunStart:
     return RunStart({}, end)
 
 
-def local_state(plan, states: dict[int, tuple], start_epoch: int = 0) -> dict:
-    """The state dict of this rank's owned lanes under ``plan`` (its fingerprint, lanes
-    and resume mode), in a run that started at ``start_epoch``."""
+def local_state(plan, states: dict[int, tuple], start_epoch: int = 0,
+                whole: bool | None = None) -> dict:
+    """The state dict of this rank's owned lanes under ``plan`` (its fingerprint, lanes,
+    resume mode and proof, :mod:`zephon.pipeline.proof`), in a run that started at
+    ``start_epoch``; ``whole``: the proof holds the source's files and the fingerprint's
+    parts too (None: on global rank 0 only, whose proof a merged state keeps)."""
     lanes = {str(lane): list(states[lane]) for lane in plan.owned if lane in states}
+    if whole is None:
+        whole = plan.opts.global_rank == 0
     return {"fingerprint": plan.fingerprint, "lanes_total": plan.lanes, "lanes": lanes,
             "group": plan.group, "resume": "cursor" if plan.cursor_resume else "replay",
-            "start_epoch": start_epoch}
+            "start_epoch": start_epoch,
+            "proof": make_proof(plan, states, start_epoch, plan.owned, whole)}
 
 
 def rank_state(plan, states: dict[int, tuple], start_epoch: int = 0) -> dict:
     """This rank's own state, restorable without any exchange on a rank of the same
     layout: :func:`local_state` plus the layout that says which lanes it owns."""
-    return dict(local_state(plan, states, start_epoch), dp_degree=plan.dp,
+    return dict(local_state(plan, states, start_epoch, whole=True), dp_degree=plan.dp,
                 mapping=plan.mapping)
 
 
@@ -117,10 +124,13 @@ def check_state(decoded: Any, plan) -> dict[int, tuple]:
     return check_run(decoded, plan).states
 
 
-def check_run(decoded: Any, plan) -> RunStart:
+def check_run(decoded: Any, plan, accept: Any = None) -> RunStart:
     """Where the run of a decoded checkpoint goes on: its lane states and first epoch,
     checked against ``plan`` (its fingerprint first); raises
-    :class:`~zephon.errors.CheckpointError` naming the first field that is wrong."""
+    :class:`~zephon.errors.CheckpointError` naming the first field that is wrong, and
+    :class:`~zephon.errors.ResumeMismatchError` when its proof does not hold
+    (:func:`zephon.pipeline.proof.verify`; ``accept``: the kinds of difference to let
+    through, None: the options' ``resume_accept``)."""
     lanes, mode = _check_header(decoded, plan)
     start = _int(decoded["start_epoch"], "start_epoch", 0, MAX_COUNT - 1)
     end = plan.pass_end(start)
@@ -148,6 +158,8 @@ def check_run(decoded: Any, plan) -> RunStart:
             states[lane] = _cursor_lane(value, where, plan.lane_length(lane), epochs)
         else:
             states[lane] = _replay_lane(value, where, plan, lane, epochs)
+    verify(decoded, plan, states, start,
+           plan.opts.resume_accept if accept is None else accept)
     return settle(RunStart(states, start), plan)
 
 
@@ -166,9 +178,13 @@ def _check_header(decoded: Any, plan) -> tuple[int, str]:
         raise CheckpointError("corrupt checkpoint: fingerprint is not a string")
     fingerprint = plan.fingerprint
     if theirs != fingerprint:
+        proof = decoded.get("proof")
+        diff = describe_parts_diff(proof.get("parts") if isinstance(proof, dict) else None,
+                                   list(plan.fingerprint_parts))
         raise CheckpointError(
             f"checkpoint is from a different pipeline (its fingerprint {theirs[:12]} is not "
-            f"this pipeline's {fingerprint[:12]}: source, ops, seed, chunking or flush differ)")
+            f"this pipeline's {fingerprint[:12]}: "
+            + (diff or "source, ops, seed, chunking or flush differ") + ")")
     lanes = _int(decoded["lanes_total"], "lanes_total", 1)
     if lanes != plan.lanes:
         raise CheckpointError(

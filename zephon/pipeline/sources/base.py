@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -215,6 +216,23 @@ class Source:
         """
         return None
 
+    def stamps(self) -> list[tuple[str, int, str]] | None:
+        """The files behind the samples, as a checkpoint's proof records them.
+
+        A restore compares them with the checkpoint's (:mod:`zephon.pipeline.proof`): a
+        file rewritten in place keeps its name and size, and its samples change.
+
+        Returns:
+            One ``(name, size in bytes, stamp)`` per file (stamp: ``"mtime:<ns>"`` for a
+            local file, ``"etag:..."``/``"mtime:..."`` or the object version for a remote
+            one), or None for a source without files (the default).
+
+        Example:
+            >>> sources.from_sequence([1, 2]).stamps() is None
+            True
+        """
+        return None
+
     def describe(self) -> str:
         """A stable description of the source (part of the pipeline fingerprint).
 
@@ -346,6 +364,23 @@ class FileSource(Source):
 
     def file_names(self) -> list[str]:
         return [r.basename for r in self.refs]
+
+    def stamps(self) -> list[tuple[str, int, str]] | None:
+        """Each file's ``(name, size, stamp)``: a remote object's version as listed when
+        the source was built, a local file's mtime as ``stat`` gives it now (see
+        :meth:`Source.stamps`)."""
+        out = []
+        for ref in self.refs:
+            if ref.remote:
+                out.append((ref.url, ref.size, ref.version or ref.version_id))
+                continue
+            try:
+                st = os.stat(ref.url)
+            except OSError as exc:
+                out.append((ref.basename, -1, f"missing:{exc.errno}"))
+            else:
+                out.append((ref.basename, st.st_size, f"mtime:{st.st_mtime_ns}"))
+        return out
 
 
 class SequenceSource(Source):

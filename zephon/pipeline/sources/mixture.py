@@ -501,6 +501,17 @@ class MixtureSource(Source):
     def identity(self, i: int) -> tuple[str, int]:
         return self.view(np.array([i]), 0).identity(0)
 
+    def stamps(self) -> list[tuple[str, int, str]] | None:
+        """The components' files, each name prefixed with its component's (None when no
+        component has files), see :meth:`Source.stamps`."""
+        out, any_files = [], False
+        for name, comp in zip(self.names, self.components, strict=True):
+            found = comp.stamps()
+            if found is not None:
+                any_files = True
+                out.extend((f"{name}/{f}", size, stamp) for f, size, stamp in found)
+        return out if any_files else None
+
     def describe(self) -> str:
         parts = ", ".join(
             f"{n}: {c.describe()} x{w:g} ({p}"

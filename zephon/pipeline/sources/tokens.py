@@ -323,6 +323,13 @@ class TokenWindows(FileSource):
         """Bytes of one window: ``seq_len`` tokens of the file's dtype."""
         return float(self.nbytes)
 
+    def stamps(self) -> list[tuple[str, int, str]] | None:
+        """The token file as it was when the source was built (its size and mtime; a
+        remote one: its version), see :meth:`Source.stamps`."""
+        if self.refs[0].remote or self.stat is None:
+            return super().stamps()
+        return [(os.path.basename(self.path), self.stat[2], f"mtime:{self.stat[3]}")]
+
     def describe(self) -> str:
         where = self.path if is_remote(self.path) else os.path.basename(self.path)
         return (f"TokenWindows({self.name}, {where}, "

@@ -1,0 +1,216 @@
+"""Resumes that prove themselves (zephon.pipeline.proof): a checkpoint records what the
+fingerprint does not cover (the source's files, the identities of the samples each lane
+reads next, the lane mapping) and a restore that would deliver another stream raises a
+ResumeMismatchError naming every difference, unless resume_accept lets it through with a
+warning. Honest restores (another runner, another world size) never raise."""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+from zephon import Pipeline, RuntimeOptions, sources
+from zephon.checkpoint import codec, decode_state, encode_state
+from zephon.errors import CheckpointError, ResumeMismatchError
+from zephon.pipeline.proof import ResumeMismatchWarning
+
+
+def write_tokens(path, seed: int, n: int = 4096) -> None:
+    np.random.default_rng(seed).integers(0, 500, n, dtype=np.uint16).tofile(path)
+
+
+def token_pipe(path, **opts) -> Pipeline:
+    return Pipeline(sources.token_windows(str(path), 16, "uint16"), seed=3,
+                    chunk_size=8).batch(4).options(RuntimeOptions(**opts))
+
+
+def take(pipe, n):
+    it = iter(pipe)
+    out = [next(it)["tokens"].copy() for _ in range(n)]
+    return it, out
+
+
+def test_a_token_file_rewritten_in_place_with_its_size_is_refused_naming_it(tmp_path):
+    path = tmp_path / "train.bin"
+    write_tokens(path, 0)
+    it, _ = take(token_pipe(path), 3)
+    state = it.checkpoint()
+    it.close()
+    before = os.stat(path)
+    write_tokens(path, 1)  # the same name and size, other tokens
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))
+    assert os.stat(path).st_size == before.st_size
+    again = token_pipe(path)
+    assert again.fingerprint() == decode_state(state)["fingerprint"]  # the fingerprint can't see it
+    with pytest.raises(ResumeMismatchError) as err:
+        again.restore(state)
+    text = str(err.value)
+    assert "changed: train.bin" in text and "modified" in text
+    assert err.value.kinds == ("files",)
+    assert "resume_accept=('files',)" in text
+    # told to accept it: a warning that names it, and the restore goes on
+    accepting = token_pipe(path, resume_accept=("files",))
+    with pytest.warns(ResumeMismatchWarning, match="train.bin"):
+        accepting.restore(state)
+    assert len(list(accepting)) > 0
+
+
+def test_an_unchanged_file_restores_silently_on_another_runner(tmp_path):
+    path = tmp_path / "train.bin"
+    write_tokens(path, 0)
+    it, _ = take(token_pipe(path), 3)
+    state = it.checkpoint()
+    rest = [b["tokens"].copy() for b in it]
+    it.close()
+    other = token_pipe(path, runner="threads", max_workers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResumeMismatchWarning)
+        other.restore(state)
+        got = [b["tokens"].copy() for b in other]
+    assert len(got) == len(rest) and all(np.array_equal(a, b) for a, b in zip(got, rest))
+
+
+def test_a_source_added_to_a_mixture_names_the_part_that_differs():
+    def mix(names):
+        return Pipeline(sources.mixture({n: sources.from_sequence(list(range(40)), name=n)
+                                         for n in names}), seed=1, chunk_size=4).batch(2)
+
+    it = iter(mix(["web", "code"]))
+    next(it)
+    state = it.checkpoint()
+    it.close()
+    with pytest.raises(CheckpointError) as err:
+        mix(["web", "code", "math"]).restore(state)
+    text = str(err.value)
+    assert "source: " in text and "at the checkpoint, now" in text and "math" in text
+
+
+def test_an_op_added_names_the_op():
+    def pipe():
+        return Pipeline(sources.from_sequence(list(range(20))), seed=0).map(abs)
+
+    state = pipe().checkpoint()
+    with pytest.raises(CheckpointError, match=r"1 op\(s\) at the checkpoint, 2 now"):
+        pipe().map(abs).restore(state)
+
+
+class Renumbered(sources.Source):
+    """A custom source whose description does not change when what an index means does."""
+
+    def __init__(self, stride: int) -> None:
+        self.name, self.stride = "items", stride
+
+    def __len__(self) -> int:
+        return 64
+
+    def get(self, i: int):
+        return i * self.stride
+
+    def identity(self, i: int):
+        return self.name, i * self.stride
+
+    def describe(self) -> str:
+        return "Renumbered(items)"
+
+
+def test_lanes_that_would_read_other_samples_are_refused_naming_the_lanes():
+    def pipe(stride):
+        return Pipeline(Renumbered(stride), seed=5, chunk_size=4).options(
+            RuntimeOptions(canonical_replicas=4))
+
+    it = iter(pipe(1))
+    for _ in range(6):
+        next(it)
+    state = it.checkpoint()
+    it.close()
+    with pytest.raises(ResumeMismatchError) as err:
+        pipe(3).restore(state)
+    assert err.value.kinds == ("samples",)
+    assert "lane 0 (epoch 0" in str(err.value) and "items[" in str(err.value)
+    pipe(1).restore(state)  # the same source: no complaint
+
+
+def ranks_state(tmp_path, mapping: str, world: int = 2, take_n: int = 4) -> bytes:
+    """A merged checkpoint of ``world`` ranks (threads exchanging through a directory)."""
+    out: dict = {}
+    errors: list = []
+
+    def rank(r):
+        try:
+            pipe = Pipeline(sources.from_sequence(list(range(64))), seed=2, chunk_size=4) \
+                .batch(2).options(RuntimeOptions(
+                    world_size=world, global_rank=r, canonical_replicas=4,
+                    mapping_strategy=mapping, aggregate_dir=str(tmp_path / f"agg-{mapping}"),
+                    run_id=f"proof-{mapping}", aggregate_timeout_s=60))
+            it = iter(pipe)
+            for _ in range(take_n):
+                next(it)
+            out[r] = it.checkpoint()
+            it.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert out[0] == out[1]
+    return out[0]
+
+
+def restore_on(state: bytes, world: int, rank: int, mapping: str, **extra):
+    pipe = Pipeline(sources.from_sequence(list(range(64))), seed=2, chunk_size=4).batch(2) \
+        .options(RuntimeOptions(world_size=world, global_rank=rank, canonical_replicas=4,
+                                mapping_strategy=mapping, **extra))
+    pipe.restore(state)
+    return pipe
+
+
+def test_another_mapping_on_several_ranks_is_refused_and_any_world_size_is_not(tmp_path):
+    state = ranks_state(tmp_path, "interleaved")
+    proof = decode_state(state)["proof"]
+    assert sorted(proof["next"], key=int) == ["0", "1", "2", "3"]  # every rank's lanes
+    assert proof["mapping"] == "interleaved" and proof["dp_degree"] == 2
+    with pytest.raises(ResumeMismatchError, match="mapping_strategy='interleaved'") as err:
+        restore_on(state, 2, 0, "contiguous")
+    assert err.value.kinds == ("mapping",)
+    with pytest.warns(ResumeMismatchWarning):
+        restore_on(state, 2, 0, "contiguous", resume_accept=("mapping",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResumeMismatchWarning)
+        for world in (1, 4):  # an honest restore on another world size
+            for r in range(world):
+                restore_on(state, world, r, "interleaved")
+        restore_on(state, 1, 0, "contiguous")  # one rank: the mapping decides nothing
+
+
+def test_a_state_of_format_version_4_restores_without_a_proof(monkeypatch):
+    pipe = Pipeline(sources.from_sequence(list(range(30))), seed=4, chunk_size=3)
+    it = iter(pipe)
+    for _ in range(5):
+        next(it)
+    state = decode_state(it.checkpoint())
+    rest = list(it)
+    it.close()
+    del state["proof"]
+    monkeypatch.setattr(codec, "VERSION", 4)
+    old = encode_state(state)
+    monkeypatch.undo()
+    assert old[8] == 4
+    again = Pipeline(sources.from_sequence(list(range(30))), seed=4, chunk_size=3)
+    again.restore(old)
+    assert list(again) == rest
+
+
+def test_a_tampered_proof_is_a_corrupt_checkpoint():
+    pipe = Pipeline(sources.from_sequence(list(range(30))), seed=4)
+    state = decode_state(pipe.checkpoint())
+    state["proof"]["next"] = ["not", "a", "mapping"]
+    with pytest.raises(CheckpointError, match="proof next"):
+        pipe.restore(encode_state(state))

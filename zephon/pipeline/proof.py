@@ -1,0 +1,366 @@
+"""What a checkpoint proves about the stream it continues, and the check of it on restore.
+
+The fingerprint (:mod:`zephon.pipeline.fingerprint`) pins the pipeline's definition:
+source description, seed, order, chunking, ops. Three things it does not cover still
+decide what a restored run delivers:
+
+- the **bytes behind the source**: a token file rewritten in place keeps its name and
+  size, so its description (and the fingerprint) stays the same while every sample
+  changes;
+- **what a source makes of an index**: a custom source's ``identity``, a mixture's
+  choice of component, a source whose length its description does not state;
+- the **lane mapping**: with several ranks, ``mapping_strategy`` decides which lanes
+  share an optimizer step; a merged state restores under any mapping, and the steps
+  after the restore would take other samples together.
+
+Every state therefore carries a ``proof`` field, taken with it::
+
+    {"k": K,                      # samples per lane in the digests below
+     "next": {"<lane>": hex},     # digest of the identities of the K samples each lane
+                                  # reads next: (source name, index, epoch) of each
+     "files": {"count": N, "block": B, "digests": [...], "names": [...]} | None,
+                                  # the source's files (Source.stamps(): name, size and
+                                  # mtime or ETag), one digest per block of B files
+     "parts": [...],              # the lines the fingerprint hashes, for a readable diff
+     "mapping": "contiguous" | "interleaved", "dp_degree": G}
+
+Each rank computes ``next`` for the lanes it owns (a merged state holds the union,
+:func:`zephon.checkpoint.aggregate.merge_states`); ``files`` and ``parts`` come
+from rank 0. :func:`verify` runs inside every restore (``Pipeline.restore``,
+``it.restore``/``set_state``, ``TorchLoader.load_state_dict``), before anything is
+applied: it recomputes the same figures for the lanes this rank reads from the
+state's own positions, compares them and raises one
+:class:`~zephon.errors.ResumeMismatchError` listing every difference (the files
+that changed, were added or removed; the lanes whose next samples differ; the
+mapping), unless ``RuntimeOptions(resume_accept=...)`` names the kind, in which
+case a ``ResumeMismatchWarning`` says what was accepted. A fingerprint mismatch
+names the parts that differ (:func:`describe_parts_diff`).
+
+Costs: ``next`` is ``K`` identities per lane (index arithmetic, no read: a few
+microseconds a lane); ``files`` is computed once per plan from what the source
+recorded when it was built (a local file source stats its files once). Nothing is
+read from storage at restore. What the proof cannot see: a file rewritten with its
+size and mtime both preserved (its content is never read here; the readers check
+size and mtime too), and a source without files (``stamps()`` None) whose items
+change under the same identities.
+
+A state without ``proof`` (checkpoint format version 4) restores as before, with the
+fingerprint check only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import warnings
+import weakref
+from typing import Any, Iterable
+
+import numpy as np
+
+from zephon.errors import CheckpointError, ResumeMismatchError
+from zephon.pipeline.engine import is_ended
+from zephon.pipeline.lanes import epoch_slice
+
+__all__ = ["ACCEPTABLE", "NEXT_SAMPLES", "ResumeMismatchWarning", "describe_parts_diff",
+           "files_proof", "make_proof", "verify"]
+
+#: samples per lane whose identities a proof records
+NEXT_SAMPLES = 8
+#: the kinds of difference ``resume_accept`` may name
+ACCEPTABLE = ("files", "samples", "mapping")
+#: files per digest block: a source of up to this many files is compared file by file
+_BLOCKS = 256
+_SHOWN = 5  # differences listed per kind
+
+
+class ResumeMismatchWarning(UserWarning):
+    """A restore went on past a difference that ``resume_accept`` named."""
+
+
+# -- what a lane reads next ---------------------------------------------------------------
+
+def _next_position(plan, lane: int, entry: tuple | None, start_epoch: int):
+    """``(epoch, lane position)`` of the first sample ``lane`` reads after a restore to
+    ``entry`` (its lane state; None: it delivered nothing), or None when it reads none."""
+    if entry is not None and is_ended(entry):
+        return None
+    if entry is None:
+        epoch, pos = start_epoch, 0
+    elif plan.cursor_resume:
+        epoch, pos = entry[0], entry[1]
+    else:  # replay: from the boundary's lane chunk
+        epoch, pos = entry[0], entry[1] * plan.spec.chunk_size
+    if pos >= plan.lane_length(lane):
+        epoch, pos = epoch + 1, 0
+    end = plan.pass_end(start_epoch)
+    return None if end is not None and epoch >= end else (epoch, pos)
+
+
+def next_identities(plan, lane: int, epoch: int, pos: int, k: int) -> list[tuple]:
+    """The identities ``(source name, index, epoch)`` of up to ``k`` samples of ``lane``
+    from lane position ``pos`` of ``epoch`` on (across epoch starts, within the pass)."""
+    spec = plan.spec
+    source, n, chunk = spec.source, len(spec.source), spec.chunk_size
+    length = plan.lane_length(lane)
+    end = plan.pass_end(epoch)
+    out: list[tuple] = []
+    while len(out) < k and length and (end is None or epoch < end):
+        indices = []
+        p = pos
+        while len(indices) < k - len(out) and p < length:
+            j, offset = divmod(p, chunk)
+            first = (lane + j * plan.lanes) * chunk + offset
+            take = min(k - len(out) - len(indices), chunk - offset, length - p)
+            indices.extend(epoch_slice(n, spec.seed, epoch, spec.permute, first,
+                                       first + take).tolist())
+            p += take
+        view = source.view(np.asarray(indices, dtype=np.int64), epoch)
+        out.extend((*view.identity(m), epoch) for m in range(len(indices)))
+        epoch, pos = epoch + 1, 0
+    return out
+
+
+def _digest(identities: Iterable[tuple]) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for name, index, epoch in identities:
+        h.update(f"{name}\0{index}\0{epoch}\n".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def _lane_next(plan, lane: int, entry, start_epoch: int, k: int):
+    at = _next_position(plan, lane, entry, start_epoch)
+    if at is None:
+        return None, None
+    ids = next_identities(plan, lane, at[0], at[1], k)
+    return at, ids
+
+
+# -- the source's files ------------------------------------------------------------------
+
+_FILES: "weakref.WeakKeyDictionary[Any, dict | None]" = weakref.WeakKeyDictionary()
+
+
+def plan_files(plan) -> dict | None:
+    """The ``files`` part of ``plan``'s proofs, computed once per plan."""
+    try:
+        return _FILES[plan]
+    except KeyError:
+        found = _FILES[plan] = files_proof(plan.stamps)
+        return found
+
+
+def files_proof(stamps: list | None) -> dict | None:
+    """The ``files`` part of a proof from ``Source.stamps()`` (a list of ``(name, size,
+    stamp)``), or None for a source without files."""
+    if stamps is None:
+        return None
+    count = len(stamps)
+    block = max(1, -(-count // _BLOCKS))
+    digests, names = [], []
+    for start in range(0, count, block):
+        part = stamps[start:start + block]
+        h = hashlib.blake2b(digest_size=8)
+        for name, size, stamp in part:
+            h.update(f"{name}\0{size}\0{stamp}\n".encode("utf-8", "surrogatepass"))
+        digests.append(h.hexdigest())
+        names.append(str(part[0][0]))
+    return {"count": count, "block": block, "digests": digests, "names": names,
+            "stamps": [list(s) for s in stamps] if block == 1 else None}
+
+
+def _files_diff(theirs: dict, ours: dict | None, stamps: list | None) -> list[str]:
+    if ours is None:
+        return [f"the checkpoint's source had {theirs['count']} file(s); this source "
+                "has none"]
+    if theirs["digests"] == ours["digests"] and theirs["count"] == ours["count"]:
+        return []
+    old = theirs.get("stamps")
+    if old is not None and stamps is not None and ours["block"] == 1:
+        return _stamps_diff([tuple(s) for s in old], list(stamps))
+    lines = [f"{theirs['count']} file(s) at the checkpoint, {ours['count']} now"] \
+        if theirs["count"] != ours["count"] else []
+    block = ours["block"]
+    for b, (a, c) in enumerate(zip(theirs["digests"], ours["digests"], strict=False)):
+        if a != c and theirs["block"] == block:
+            last = min(ours["count"], (b + 1) * block) - 1
+            lines.append(f"files {b * block}..{last} (from {ours['names'][b]!r}): a name, "
+                         "size or mtime/ETag among them changed")
+            if len(lines) >= _SHOWN:
+                break
+    return lines or ["the files' names, sizes or mtimes/ETags changed"]
+
+
+def _stamps_diff(old: list[tuple], new: list[tuple]) -> list[str]:
+    before = {s[0]: s for s in old}
+    after = {s[0]: s for s in new}
+    lines = []
+    for name in [s[0] for s in old if s[0] not in after][:_SHOWN]:
+        lines.append(f"removed: {name}")
+    for name in [s[0] for s in new if s[0] not in before][:_SHOWN]:
+        lines.append(f"added: {name}")
+    for name, size, stamp in new:
+        was = before.get(name)
+        if was is None or (was[1], was[2]) == (size, stamp):
+            continue
+        what = (f"size {was[1]} -> {size} bytes" if was[1] != size
+                else f"{_show_stamp(was[2])} -> {_show_stamp(stamp)}")
+        lines.append(f"changed: {name} ({what})")
+        if len(lines) >= 3 * _SHOWN:
+            break
+    if not lines and [s[0] for s in old] != [s[0] for s in new]:
+        lines.append("the same files in another order")
+    return lines
+
+
+def _show_stamp(stamp: str) -> str:
+    """A stamp as a reader wants it: a local mtime as a UTC time to the nanosecond."""
+    kind, _, value = stamp.partition(":")
+    if kind == "mtime" and value.isdigit():
+        seconds, ns = divmod(int(value), 10**9)
+        when = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+        return f"modified {when:%Y-%m-%d %H:%M:%S}.{ns:09d} UTC"
+    return stamp or "no version"
+
+
+# -- making and checking a proof ---------------------------------------------------------
+
+def make_proof(plan, states: dict, start_epoch: int, lanes: Iterable[int],
+               whole: bool = True) -> dict:
+    """The proof of a state whose lane states are ``states`` (lane -> entry), for
+    ``lanes`` (the ones this rank reads); ``whole``: with the source's files and the
+    fingerprint's parts (rank 0's submission and every rank's own state)."""
+    k = NEXT_SAMPLES
+    nxt = {}
+    for lane in lanes:
+        _, ids = _lane_next(plan, lane, states.get(lane), start_epoch, k)
+        if ids is not None:
+            nxt[str(lane)] = _digest(ids)
+    proof: dict[str, Any] = {"k": k, "next": nxt, "mapping": plan.mapping,
+                             "dp_degree": plan.dp}
+    if whole:
+        proof["files"] = plan_files(plan)
+        proof["parts"] = list(plan.fingerprint_parts)
+    return proof
+
+
+def describe_parts_diff(theirs: Any, ours: list[str]) -> str:
+    """What differs between the fingerprint parts a checkpoint recorded and this
+    pipeline's, as one phrase ('' when the checkpoint recorded none)."""
+    if not isinstance(theirs, list) or not all(isinstance(p, str) for p in theirs):
+        return ""
+    names = ["source", "seed", "order", "chunking", "epochs"]
+
+    def label(i: int, n: int) -> str:
+        return names[i] if i < len(names) else \
+            ("flush cadence" if i == n - 1 else f"op {i - len(names)}")
+
+    lines = []
+    if len(theirs) != len(ours):
+        lines.append(f"{len(theirs) - 6} op(s) at the checkpoint, {len(ours) - 6} now")
+    for i, (a, b) in enumerate(zip(theirs, ours, strict=False)):
+        if a != b:
+            lines.append(f"{label(i, len(ours))}: {a[:160]!r} at the checkpoint, now "
+                         f"{b[:160]!r}")
+            if len(lines) >= _SHOWN:
+                break
+    return "; ".join(lines)
+
+
+def _check_shape(proof: Any) -> dict:
+    if not isinstance(proof, dict):
+        raise CheckpointError("corrupt checkpoint: proof must be a mapping")
+    k = proof.get("k")
+    if type(k) is not int or not 0 < k <= 1024:
+        raise CheckpointError(f"corrupt checkpoint: proof k = {k!r:.40}")
+    nxt = proof.get("next")
+    if not isinstance(nxt, dict) or not all(isinstance(a, str) and isinstance(b, str)
+                                             for a, b in nxt.items()):
+        raise CheckpointError("corrupt checkpoint: proof next must map lane ids to digests")
+    if proof.get("mapping") not in ("contiguous", "interleaved"):
+        raise CheckpointError(f"corrupt checkpoint: proof mapping {proof.get('mapping')!r:.40}")
+    dp = proof.get("dp_degree")
+    if type(dp) is not int or dp < 1:
+        raise CheckpointError(f"corrupt checkpoint: proof dp_degree {dp!r:.40}")
+    files = proof.get("files")
+    if files is not None and not (
+            isinstance(files, dict) and type(files.get("count")) is int
+            and type(files.get("block")) is int and isinstance(files.get("digests"), list)
+            and isinstance(files.get("names"), list)):
+        raise CheckpointError("corrupt checkpoint: proof files is malformed")
+    return proof
+
+
+def verify(decoded: dict, plan, states: dict, start_epoch: int,
+           accept: Iterable[str] = ()) -> None:
+    """Check a decoded state's proof against ``plan`` for the lanes this rank reads
+    (``states``: its checked lane states, before the pass is settled); raises
+    :class:`~zephon.errors.ResumeMismatchError` naming every difference whose kind
+    ``accept`` does not name (those are warned about instead). A state without a proof
+    passes."""
+    if "proof" not in decoded:
+        return
+    proof = _check_shape(decoded["proof"])
+    found: dict[str, list[str]] = {}
+    if "files" in proof:
+        ours = plan_files(plan)
+        if proof["files"] is not None:
+            lines = _files_diff(proof["files"], ours, plan.stamps)
+        elif ours is not None:
+            lines = [f"the checkpoint's source had no files; this one has {ours['count']}"]
+        else:
+            lines = []
+        if lines:
+            found["files"] = lines
+    if proof["mapping"] != plan.mapping and min(proof["dp_degree"], plan.dp) > 1:
+        found["mapping"] = [
+            f"mapping_strategy={proof['mapping']!r} on {proof['dp_degree']} dp group(s) at "
+            f"the checkpoint, {plan.mapping!r} on {plan.dp} now: the lanes that share an "
+            "optimizer step differ"]
+    samples = _samples_diff(proof, plan, states, start_epoch)
+    if samples:
+        found["samples"] = samples
+    _report(found, set(accept))
+
+
+def _samples_diff(proof: dict, plan, states: dict, start_epoch: int) -> list[str]:
+    k, recorded = proof["k"], proof["next"]
+    lines, bad = [], 0
+    for lane in plan.owned:
+        want = recorded.get(str(lane))
+        if want is None:
+            continue
+        at, ids = _lane_next(plan, lane, states.get(lane), start_epoch, k)
+        if ids is not None and _digest(ids) == want:
+            continue
+        bad += 1
+        if len(lines) < _SHOWN:
+            if ids is None:
+                lines.append(f"lane {lane}: the checkpoint recorded samples to come, this "
+                             "pipeline has none left in the pass")
+            else:
+                shown = ", ".join(f"{n}[{i}]" for n, i, _ in ids[:4])
+                lines.append(f"lane {lane} (epoch {at[0]}, position {at[1]}): the next "
+                             f"{len(ids)} samples are not the checkpoint's (now {shown}, ...)")
+    if bad > len(lines):
+        lines.append(f"... {bad - len(lines)} more lane(s)")
+    return lines
+
+
+_WHY = {"files": "the source's files changed since the checkpoint",
+        "samples": "the lanes would read other samples than the checkpoint recorded",
+        "mapping": "the lane mapping changed"}
+
+
+def _report(found: dict[str, list[str]], accept: set) -> None:
+    refused = {kind: lines for kind, lines in found.items() if kind not in accept}
+    for kind in found.keys() - refused.keys():
+        warnings.warn(f"restore accepted ({kind}, resume_accept): {_WHY[kind]}: "
+                      + "; ".join(found[kind]), ResumeMismatchWarning, stacklevel=4)
+    if not refused:
+        return
+    lines = [f"{_WHY[kind]}:\n  " + "\n  ".join(v) for kind, v in refused.items()]
+    raise ResumeMismatchError(
+        "the checkpoint does not continue this pipeline's stream:\n" + "\n".join(lines)
+        + f"\n(to restore anyway: RuntimeOptions(resume_accept={tuple(sorted(refused))!r}))",
+        kinds=tuple(sorted(refused)), diff=refused)
