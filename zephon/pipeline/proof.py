@@ -106,7 +106,7 @@ def next_identities(plan, lane: int, epoch: int, pos: int, k: int) -> list[tuple
     end = plan.pass_end(epoch)
     out: list[tuple] = []
     while len(out) < k and length and (end is None or epoch < end):
-        indices = []
+        indices: list[int] = []
         p = pos
         while len(indices) < k - len(out) and p < length:
             j, offset = divmod(p, chunk)
@@ -325,7 +325,8 @@ def verify(decoded: dict, plan, states: dict, start_epoch: int,
 
 def _samples_diff(proof: dict, plan, states: dict, start_epoch: int) -> list[str]:
     k, recorded = proof["k"], proof["next"]
-    lines, bad = [], 0
+    lines: list[str] = []
+    bad = 0
     for lane in plan.owned:
         want = recorded.get(str(lane))
         if want is None:

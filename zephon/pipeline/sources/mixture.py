@@ -504,7 +504,8 @@ class MixtureSource(Source):
     def stamps(self) -> list[tuple[str, int, str]] | None:
         """The components' files, each name prefixed with its component's (None when no
         component has files), see :meth:`Source.stamps`."""
-        out, any_files = [], False
+        out: list[tuple[str, int, str]] = []
+        any_files = False
         for name, comp in zip(self.names, self.components, strict=True):
             found = comp.stamps()
             if found is not None:
