@@ -86,7 +86,7 @@ from zephon.pipeline.keep import WorkerKeep
 from zephon.pipeline.plan import Plan
 from zephon.pipeline.progress import Progress, RunRecord
 from zephon.pipeline.spec import PipelineSpec
-from zephon.pipeline.state import RunStart, check_run, rank_state
+from zephon.pipeline.state import Position, RunStart, check_run, position, rank_state
 from zephon.pipeline.validate import Seeded, validate
 from zephon.transport.supervisor import InterruptGuard
 
@@ -588,6 +588,27 @@ class PipelineIterator:
             >>> it.close()
         """
         return dict(self.record.states)
+
+    def position(self, delivered: dict[int, tuple] | None = None) -> Position:
+        """Where this run stands: batches (items) and samples delivered, on this rank and
+        over every lane (:class:`~zephon.pipeline.state.Position`).
+
+        After a restore on another number of ranks, ``batches`` is the whole stream's
+        count as the checkpoint had it, so the optimizer step to continue from is
+        ``position().batches // global_batch_in_batches``.
+
+        Args:
+            delivered: positions from :meth:`delivered` to read instead of the current ones.
+
+        Example:
+            >>> it = iter(Pipeline(sources.from_sequence(list(range(6))), shuffle=False).batch(2))
+            >>> _ = next(it), next(it)
+            >>> it.position().batches, it.position().samples
+            (2, 4)
+            >>> it.close()
+        """
+        return position(self.plan, self.record.states if delivered is None else delivered,
+                        self.record.start_epoch)
 
     def checkpoint(self, delivered: dict[int, tuple] | None = None) -> bytes:
         """The delivered position of every lane as checkpoint bytes.

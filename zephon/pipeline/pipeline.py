@@ -59,7 +59,7 @@ from zephon.pipeline.progress import Progress
 from zephon.pipeline.shards import resolve_order
 from zephon.pipeline.sources import Source
 from zephon.pipeline.spec import PipelineSpec
-from zephon.pipeline.state import MAX_COUNT, RunStart, check_run
+from zephon.pipeline.state import MAX_COUNT, Position, RunStart, check_run, position
 from zephon.pipeline.validate import validate
 from zephon.transport.spawn_guard import refuse_in_spawn_bootstrap
 
@@ -816,6 +816,22 @@ class Pipeline:
         return self._progress.latest.final_state
 
     # -- checkpoint ------------------------------------------------------------------------
+    def position(self) -> Position:
+        """Where the latest run stands (``it.position()``, also after the run ended, and
+        right after a :meth:`restore`: where the restored run will start).
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence(list(range(8))), seed=1).batch(2)
+            >>> for _, batch in zip(range(3), pipe):
+            ...     pass
+            >>> again = Pipeline(sources.from_sequence(list(range(8))), seed=1).batch(2)
+            >>> again.restore(pipe.checkpoint())
+            >>> again.position().batches, again.position().samples
+            (3, 6)
+        """
+        latest = self._progress.latest
+        return position(self.plan(), latest.states, latest.start_epoch)
+
     def checkpoint(self) -> bytes:
         """The latest run's delivered position as checkpoint bytes (a shortcut for
         ``it.checkpoint()``, also after the run ended).

@@ -54,8 +54,8 @@ from zephon.pipeline.carry import carry_bounds, decode_carry
 from zephon.pipeline.engine import is_ended
 from zephon.pipeline.proof import describe_parts_diff, make_proof, verify
 
-__all__ = ["MAX_COUNT", "RunStart", "check_run", "check_state", "local_state", "rank_state",
-           "settle"]
+__all__ = ["MAX_COUNT", "Position", "RunStart", "check_run", "check_state", "local_state",
+           "position", "rank_state", "settle"]
 
 #: No count in a state can be larger (items, positions, epochs): 2**48 items is far
 #: beyond any real run, and keeps every figure exact in JSON and msgpack alike.
@@ -70,6 +70,62 @@ class RunStart(NamedTuple):
 
     states: dict
     start_epoch: int
+
+
+class Position(NamedTuple):
+    """Where a run stands, as this rank knows it (:func:`position`).
+
+    ``rank_batches``/``rank_samples``: the items (batches, with a ``batch`` op) the lanes
+    this rank reads have delivered in the run, and the source samples they consumed for
+    it; ``batches``/``samples``: the same over every lane, the other ranks' lanes counted
+    as the restored checkpoint had them (exact right after a restore, and on one rank);
+    ``epoch``: the epoch this rank's lanes are in (the earliest of them); ``start_epoch``:
+    the run's first epoch. A run is one pass (``num_epochs`` epochs): the counts start
+    at 0 with each pass. The samples are None when the pipeline resumes by replay (a
+    packer or a shuffle buffer: what was consumed is not a count a state holds).
+    """
+
+    epoch: int
+    start_epoch: int
+    rank_batches: int
+    batches: int
+    rank_samples: int | None
+    samples: int | None
+
+
+def _lane_counts(plan, lane: int, entry: tuple, start: int, end: int | None):
+    """``(items delivered, samples consumed or None, epoch or None)`` of one lane entry."""
+    length = plan.lane_length(lane)
+    if is_ended(entry):
+        return entry[0], None if end is None else (end - start) * length, None
+    if plan.cursor_resume:
+        return entry[2], (entry[0] - start) * length + entry[1], entry[0]
+    return entry[3], None, entry[0]
+
+
+def position(plan, states: dict[int, tuple], start_epoch: int) -> Position:
+    """The :class:`Position` of a run whose lane states are ``states``."""
+    end = plan.pass_end(start_epoch)
+    owned = set(plan.owned)
+    batches = rank_batches = 0
+    samples: int | None = 0
+    rank_samples: int | None = 0
+    epochs = []
+    for lane, entry in states.items():
+        items, used, epoch = _lane_counts(plan, lane, entry, start_epoch, end)
+        batches += items
+        samples = None if samples is None or used is None else samples + used
+        if lane in owned:
+            rank_batches += items
+            rank_samples = None if rank_samples is None or used is None else rank_samples + used
+            if epoch is not None:
+                epochs.append(epoch)
+    if not plan.cursor_resume:
+        samples = rank_samples = None
+    epoch = min(epochs) if epochs else start_epoch
+    if len(epochs) < len(owned) and any(lane not in states for lane in owned):
+        epoch = start_epoch  # a lane that delivered nothing yet is at the run's start
+    return Position(epoch, start_epoch, rank_batches, batches, rank_samples, samples)
 
 
 def settle(start: RunStart, plan) -> RunStart:

@@ -261,6 +261,102 @@ class TorchLoader:
         except Exception:  # noqa: BLE001
             pass
 
+    # -- where it is ------------------------------------------------------------------------
+    def position(self):
+        """Where the stream stands after the last batch handed to the caller: batches and
+        samples delivered on this rank and over every lane
+        (:class:`~zephon.pipeline.state.Position`; after a restore on another number of
+        ranks, ``batches`` is the whole stream's count as the checkpoint had it).
+
+        Example:
+            >>> loader = zephon.torch.loader(Pipeline(sources.from_sequence(list(range(8))),
+            ...                                       seed=0).batch(2))
+            >>> _ = next(iter(loader)), next(iter(loader))
+            >>> loader.position().batches
+            2
+            >>> loader.close()
+        """
+        it = self._it if self._it is not None else self._last_it
+        if it is None:
+            return self.pipe.position()
+        return it.position(self._delivered if self._pinned_run else None)
+
+    def steps(self, total: int, *, micro_batches: int = 1, start: int | None = None):
+        """Run a fixed number of optimizer steps, across epochs, from where the stream is.
+
+        Yields ``(step, batches)`` for ``step`` in ``[start, total)``: ``batches`` is a list
+        of ``micro_batches`` batches (gradient accumulation). When a pass ends mid-step the
+        next pass goes on (the next epoch). ``start`` defaults to the step the stream is
+        at: ``position().batches // (micro_batches * dp_degree)``, the optimizer steps
+        already taken with a global batch of ``micro_batches`` per dp group, so after a
+        restore on any world size the loop goes on at the checkpoint's step.
+
+        Args:
+            total: the step to stop before (an int >= 0).
+            micro_batches: batches per rank and step (an int >= 1).
+            start: the first step's number; None: from the position (only in the first
+                pass of a ``num_epochs=k`` pipeline, whose counts start again with each
+                pass; ``num_epochs=None`` is one pass for ever).
+
+        Raises:
+            ZephonConfigError: a bad ``total``/``micro_batches``/``start``; a position
+                that is not at a step boundary of ``micro_batches * dp_degree`` batches
+                (the checkpoint was taken mid-step, or with another global batch); a
+                position in a later pass without ``start``; a pass that delivers no batch.
+
+        Example:
+            >>> pipe = Pipeline(sources.from_sequence(list(range(6))), seed=0).batch(2)
+            >>> loader = zephon.torch.loader(pipe)
+            >>> [(step, len(b)) for step, b in loader.steps(4, micro_batches=2)]
+            [(0, 2), (1, 2), (2, 2), (3, 2)]
+            >>> loader.close()
+        """
+        for name, value, low in (("total", total, 0), ("micro_batches", micro_batches, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ZephonConfigError(f"steps(): {name} must be an int >= {low}, got "
+                                        f"{value!r}")
+        if start is None:
+            start = self._start_step(micro_batches)
+        elif isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ZephonConfigError(f"steps(): start must be an int >= 0, got {start!r}")
+        return self._steps(start, total, micro_batches)
+
+    def _start_step(self, micro_batches: int) -> int:
+        plan = self.pipe.plan()
+        pos = self.position()
+        epochs = plan.spec.num_epochs
+        if epochs is not None and pos.start_epoch >= epochs and pos.batches:
+            raise ZephonConfigError(
+                f"steps(): the stream is in pass {pos.start_epoch // epochs} (epoch "
+                f"{pos.start_epoch}); its counts start again with each pass of "
+                f"num_epochs={epochs}: give start= (your trainer's step), or build the "
+                "pipeline with num_epochs=None")
+        per_step = micro_batches * plan.dp
+        if pos.batches % per_step:
+            raise ZephonConfigError(
+                f"steps(): {pos.batches} batches were delivered, not a whole number of steps "
+                f"of {micro_batches} micro-batch(es) x {plan.dp} dp group(s): the checkpoint "
+                "was taken mid-step or with another global batch; give start=")
+        return pos.batches // per_step
+
+    def _steps(self, start: int, total: int, micro_batches: int):
+        empty = 0  # passes in a row that ended without a batch (a run restored at its end
+        step = start  # is one: the next is the next pass)
+        while step < total:
+            batches = []
+            while len(batches) < micro_batches:
+                try:
+                    batches.append(next(self))
+                    empty = 0
+                except StopIteration:  # the next next() starts the next pass
+                    empty += 1
+                    if empty > 1:
+                        raise ZephonConfigError(
+                            f"steps(): a pass of the pipeline delivered no batch (step {step} "
+                            f"of {total})") from None
+            yield step, batches
+            step += 1
+
     # -- Stateful ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The position after the last batch this loader handed out.
