@@ -343,7 +343,7 @@ class TorchLoader:
         empty = 0  # passes in a row that ended without a batch (a run restored at its end
         step = start  # is one: the next is the next pass)
         while step < total:
-            batches = []
+            batches: list = []
             while len(batches) < micro_batches:
                 try:
                     batches.append(next(self))
