@@ -358,8 +358,29 @@ class TorchLoader:
             step += 1
 
     # -- Stateful ----------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """The position after the last batch this loader handed out.
+    def delivered(self) -> dict:
+        """The lane positions after the last batch handed to the caller (a copy): what
+        :meth:`state_dict` saves now. A framework that takes batches ahead of the step that
+        trains on them keeps the copy of each batch and passes the one of the batch last
+        trained on to ``state_dict(delivered=...)``.
+
+        Example:
+            >>> loader = zephon.torch.loader(Pipeline(sources.from_sequence([1, 2]), shuffle=False))
+            >>> loader.delivered()
+            {}
+            >>> _ = next(iter(loader))
+            >>> loader.delivered()
+            {0: (0, 1, 1)}
+            >>> loader.close()
+        """
+        if self._pinned_run:
+            return dict(self._delivered)
+        it = self._it if self._it is not None else self._last_it
+        return {} if it is None else it.delivered()
+
+    def state_dict(self, delivered: dict | None = None) -> dict:
+        """The position after the last batch this loader handed out (or at ``delivered``,
+        a copy :meth:`delivered` returned earlier in the same run).
 
         Collective across ranks, like ``Pipeline.checkpoint()``: every rank calls it at
         the same step. Batches prefetched by the pinning thread but not handed out are not
@@ -384,7 +405,9 @@ class TorchLoader:
             >>> loader.close()
         """
         it = self._it if self._it is not None else self._last_it
-        if it is not None and self._pinned_run:
+        if it is not None and delivered is not None:
+            state = it.checkpoint(delivered)
+        elif it is not None and self._pinned_run:
             state = it.checkpoint(self._delivered)  # what the loop got, not the prefetch
         elif it is not None:
             state = it.checkpoint()
