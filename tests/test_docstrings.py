@@ -37,7 +37,10 @@ PUBLIC = ["zephon", "zephon.vision", "zephon.sources", "zephon.jobs", "zephon.to
           "zephon.checkpoint", "zephon.options"]
 # Handed out by the public API without being in an ``__all__``: (module, name, needs).
 HANDED_OUT = [("zephon.pipeline.iterator", "PipelineIterator", None),
-              ("zephon.torch._dataset", "PipelineDataset", "torch")]
+              ("zephon.torch._dataset", "PipelineDataset", "torch"),
+              ("zephon.torch.lightning", "ZephonDataModule", "lightning"),
+              ("zephon.torch.hf", "ZephonTrainer", "transformers"),
+              ("zephon.torch.hf", "register", "transformers")]
 _SECTION = re.compile(r"^(\s*)(Args|Arguments|Attributes):\s*$")
 _ENTRY = re.compile(r"^(\*{0,2}\w+)(\s*\(.*\))?:(\s|$)")
 _INHERITED_FROM = (object, BaseException, tuple)
@@ -51,8 +54,13 @@ def _module(name: str):
 
 def _member_names(cls: type) -> Iterator[tuple[str, Any]]:
     """(name, raw attribute) of every public method/property a user reaches on ``cls``,
-    defined by zephon (not by object, Exception or tuple)."""
+    defined by zephon (not by object, Exception or tuple). A framework's hook that a
+    zephon class overrides (Lightning's ``setup``, the Trainer's ``train``) is the
+    framework's to document; the class's docstring says what zephon does in it."""
     seen: set[str] = set()
+    framework = [k for k in cls.__mro__ if k not in _INHERITED_FROM
+                 and k.__module__.split(".")[0] != "zephon"]
+    seen.update(name for klass in framework for name in vars(klass))
     for klass in cls.__mro__:
         if klass in _INHERITED_FROM or klass.__module__.split(".")[0] != "zephon":
             continue

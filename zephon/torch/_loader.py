@@ -386,6 +386,10 @@ class TorchLoader:
         the same step. Batches prefetched by the pinning thread but not handed out are not
         counted (they come again after a restore).
 
+        Args:
+            delivered: positions :meth:`delivered` returned earlier in this run, to save
+                instead of the current ones (None: the current ones).
+
         Returns:
             ``{"zephon_checkpoint": bytes}``: ``torch.save`` stores it (and
             ``torch.load(weights_only=True)`` reads it back); ``torch.distributed.checkpoint``

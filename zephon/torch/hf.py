@@ -99,6 +99,28 @@ class ZephonTrainer(Trainer):
     Raises:
         ZephonConfigError: ``train_loader`` is not a zephon loader, or a
             ``train_dataset`` is given too.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from transformers import TrainingArguments
+        >>> class Tiny(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = torch.nn.Parameter(torch.zeros(1))
+        ...     def forward(self, x):
+        ...         return {"loss": ((x - self.w) ** 2).mean()}
+        >>> pipe = Pipeline(sources.from_sequence([{"x": np.float32(i)} for i in range(8)]),
+        ...                 seed=0, num_epochs=None).batch(2)
+        >>> out = tempfile.mkdtemp()
+        >>> trainer = ZephonTrainer(model=Tiny(), args=TrainingArguments(
+        ...     output_dir=out, max_steps=2, save_steps=2, use_cpu=True, report_to="none",
+        ...     disable_tqdm=True), train_loader=zephon.torch.loader(pipe))
+        >>> trainer.train().global_step
+        {...}
+        2
+        >>> "zephon_data.pt" in os.listdir(f"{out}/checkpoint-2")
+        True
+        >>> trainer.train_loader.close()
     """
 
     def __init__(self, *args: Any, train_loader: Any, **kwargs: Any) -> None:
@@ -160,6 +182,14 @@ def register(accelerator: Any, loader: Any) -> Any:
 
     Raises:
         ZephonConfigError: ``loader`` is not a zephon loader.
+
+    Example:
+        >>> from accelerate import Accelerator
+        >>> accelerator = Accelerator(cpu=True)
+        >>> loader = zephon.torch.loader(Pipeline(sources.from_sequence(list(range(4)))))
+        >>> register(accelerator, loader) is loader
+        True
+        >>> loader.close()
     """
     _require_loader(loader, "zephon.torch.hf.register")
     accelerator.register_for_checkpointing(loader)
