@@ -40,7 +40,8 @@ HANDED_OUT = [("zephon.pipeline.iterator", "PipelineIterator", None),
               ("zephon.torch._dataset", "PipelineDataset", "torch"),
               ("zephon.torch.lightning", "ZephonDataModule", "lightning"),
               ("zephon.torch.hf", "ZephonTrainer", "transformers"),
-              ("zephon.torch.hf", "register", "transformers")]
+              ("zephon.torch.hf", "register", "transformers"),
+              ("zephon.torch.titan", "ZephonDataLoader", "torchtitan")]
 _SECTION = re.compile(r"^(\s*)(Args|Arguments|Attributes):\s*$")
 _ENTRY = re.compile(r"^(\*{0,2}\w+)(\s*\(.*\))?:(\s|$)")
 _INHERITED_FROM = (object, BaseException, tuple)

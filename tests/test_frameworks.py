@@ -1,5 +1,7 @@
 """End to end under torchrun (gloo, CPU) for each framework integration: Lightning
-(zephon.torch.lightning), transformers' Trainer and accelerate (zephon.torch.hf).
+(zephon.torch.lightning), transformers' Trainer and accelerate (zephon.torch.hf), and
+torchtitan's data loader and CheckpointManager (zephon.torch.titan; it installs in an
+environment of its own, see the torchtitan extra).
 
 For each, examples/frameworks/<framework>_train.py trains K steps on 2 ranks, writes a
 checkpoint (model, optimizer and data, through the framework's own checkpointing) and
@@ -32,11 +34,13 @@ FRAMEWORKS = {  # example -> the module it needs
     "lightning_train.py": "lightning",
     "hf_trainer_train.py": "transformers",
     "accelerate_train.py": "accelerate",
+    "torchtitan_train.py": "torchtitan",
 }
 CHECKPOINT = {  # where each example's step-K checkpoint is
     "lightning_train.py": os.path.join("ckpt", f"step{K}.ckpt"),
     "hf_trainer_train.py": os.path.join("ckpt", f"checkpoint-{K}"),
     "accelerate_train.py": os.path.join("ckpt", f"step-{K}"),
+    "torchtitan_train.py": os.path.join("ckpt", f"step-{K}"),
 }
 
 
