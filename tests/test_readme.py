@@ -29,7 +29,7 @@ BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 EXAMPLE_DATA = "python -m zephon example-data ."
 # substring of a block -> the module it needs (an extra): without it the block is skipped
-NEEDS = {"import torch": "torch", 'backend="ray"': "ray", '"ray")': "ray", "sources.parquet(": "pyarrow",
+NEEDS = {"import torch": "torch", "import zephon.torch": "torch", 'backend="ray"': "ray", '"ray")': "ray", "sources.parquet(": "pyarrow",
          "sources.hf_dataset(": "datasets", "zephon.vision": "simplejpeg"}
 
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import sys
 import warnings
 import weakref
 from typing import Any, Iterable
@@ -348,6 +349,15 @@ def _samples_diff(proof: dict, plan, states: dict, start_epoch: int) -> list[str
     return lines
 
 
+def _outside_zephon() -> int:
+    """The ``stacklevel`` of the first caller outside zephon (the user's restore call),
+    seen from the ``warnings.warn`` call in :func:`_report`."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("zephon."):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 _WHY = {"files": "the source's files changed since the checkpoint",
         "samples": "the lanes would read other samples than the checkpoint recorded",
         "mapping": "the lane mapping changed"}
@@ -357,7 +367,8 @@ def _report(found: dict[str, list[str]], accept: set) -> None:
     refused = {kind: lines for kind, lines in found.items() if kind not in accept}
     for kind in found.keys() - refused.keys():
         warnings.warn(f"restore accepted ({kind}, resume_accept): {_WHY[kind]}: "
-                      + "; ".join(found[kind]), ResumeMismatchWarning, stacklevel=4)
+                      + "; ".join(found[kind]), ResumeMismatchWarning,
+                      stacklevel=_outside_zephon())
     if not refused:
         return
     lines = [f"{_WHY[kind]}:\n  " + "\n  ".join(v) for kind, v in refused.items()]
