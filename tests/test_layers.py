@@ -77,7 +77,7 @@ PIPELINE_ALLOWED = {
     "text": {"records", "ops"},
     "training": {"records"},
     # what a checkpoint proves about the stream it continues (checked on restore)
-    "proof": {"engine", "lanes"},
+    "proof": {"engine", "lanes", "sources"},
 }
 PIPELINE_TOP = {"state", "iterator", "progress", "pipeline"}
 # pairs of top modules that may not import each other: one of the two sits below the

@@ -47,7 +47,7 @@ from typing import Iterator
 
 import numpy as np
 
-from zephon.kernels import order_key, permute_range
+from zephon.kernels import order_key, permute_positions, permute_range
 from zephon.pipeline.records import Boundary
 from zephon.pipeline.shards import ShardShuffle
 
@@ -198,6 +198,30 @@ def epoch_slice(n: int, seed: int, epoch: int, shuffle: Order, start: int,
     if not shuffle:
         return np.arange(start, max(start, stop), dtype=np.int64)
     return permute_range(n, _epoch_key(seed, epoch), start, max(start, stop))
+
+
+def epoch_positions(n: int, seed: int, epoch: int, shuffle: Order,
+                    positions: np.ndarray) -> np.ndarray:
+    """The source indices at arbitrary ``positions`` (an int64 array within ``[0, n)``) of
+    epoch ``epoch``'s visiting order: ``epoch_order(...)[positions]`` in one call, without
+    the order."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if isinstance(shuffle, ShardShuffle):
+        return np.array([shuffle.slice(seed, epoch, int(p), int(p) + 1)[0] for p in positions],
+                        dtype=np.int64)
+    if not shuffle or n <= 1:
+        return positions.copy()
+    return permute_positions(n, _epoch_key(seed, epoch), positions)
+
+
+def lane_lengths(n: int, chunk_size: int, lanes: int) -> np.ndarray:
+    """:func:`lane_length` of every lane ``0 .. lanes - 1`` (an int64 array)."""
+    lane = np.arange(lanes, dtype=np.int64)
+    chunks = -(-n // chunk_size)
+    count = np.where(lane >= chunks, 0, -(-(chunks - lane) // lanes))
+    last = lane + (count - 1) * lanes
+    tail = np.minimum(chunk_size, n - last * chunk_size)
+    return np.where(count == 0, 0, (count - 1) * chunk_size + tail)
 
 
 @functools.lru_cache(maxsize=64)

@@ -51,6 +51,7 @@ fingerprint check only.
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import sys
 import warnings
@@ -61,7 +62,8 @@ import numpy as np
 
 from zephon.errors import CheckpointError, ResumeMismatchError
 from zephon.pipeline.engine import is_ended
-from zephon.pipeline.lanes import epoch_slice
+from zephon.pipeline.lanes import epoch_positions, lane_lengths
+from zephon.pipeline.sources.base import IndexView, Source
 
 __all__ = ["ACCEPTABLE", "NEXT_SAMPLES", "ResumeMismatchWarning", "describe_parts_diff",
            "files_proof", "make_proof", "verify"]
@@ -81,9 +83,11 @@ class ResumeMismatchWarning(UserWarning):
 
 # -- what a lane reads next ---------------------------------------------------------------
 
-def _next_position(plan, lane: int, entry: tuple | None, start_epoch: int):
-    """``(epoch, lane position)`` of the first sample ``lane`` reads after a restore to
-    ``entry`` (its lane state; None: it delivered nothing), or None when it reads none."""
+def _next_position(plan, lane: int, entry: tuple | None, start_epoch: int,
+                   length: int):
+    """``(epoch, lane position)`` of the first sample ``lane`` (of ``length`` samples an
+    epoch) reads after a restore to ``entry`` (its lane state; None: it delivered
+    nothing), or None when it reads none."""
     if entry is not None and is_ended(entry):
         return None
     if entry is None:
@@ -92,49 +96,145 @@ def _next_position(plan, lane: int, entry: tuple | None, start_epoch: int):
         epoch, pos = entry[0], entry[1]
     else:  # replay: from the boundary's lane chunk
         epoch, pos = entry[0], entry[1] * plan.spec.chunk_size
-    if pos >= plan.lane_length(lane):
+    if pos >= length:
         epoch, pos = epoch + 1, 0
     end = plan.pass_end(start_epoch)
-    return None if end is not None and epoch >= end else (epoch, pos)
+    return None if not length or (end is not None and epoch >= end) else (epoch, pos)
 
 
 def next_identities(plan, lane: int, epoch: int, pos: int, k: int) -> list[tuple]:
     """The identities ``(source name, index, epoch)`` of up to ``k`` samples of ``lane``
     from lane position ``pos`` of ``epoch`` on (across epoch starts, within the pass)."""
     spec = plan.spec
-    source, n, chunk = spec.source, len(spec.source), spec.chunk_size
+    n = len(spec.source)
     length = plan.lane_length(lane)
     end = plan.pass_end(epoch)
     out: list[tuple] = []
     while len(out) < k and length and (end is None or epoch < end):
-        indices: list[int] = []
-        p = pos
-        while len(indices) < k - len(out) and p < length:
-            j, offset = divmod(p, chunk)
-            first = (lane + j * plan.lanes) * chunk + offset
-            take = min(k - len(out) - len(indices), chunk - offset, length - p)
-            indices.extend(epoch_slice(n, spec.seed, epoch, spec.permute, first,
-                                       first + take).tolist())
-            p += take
-        view = source.view(np.asarray(indices, dtype=np.int64), epoch)
-        out.extend((*view.identity(m), epoch) for m in range(len(indices)))
+        take = min(k - len(out), length - pos)
+        names, indices = _identities(spec.source, epoch_positions(
+            n, spec.seed, epoch, spec.permute, _lane_positions(plan, [lane], [pos], take)),
+            epoch)
+        if names is None:
+            names = [spec.source.name] * take
+        out.extend(zip(names, indices.tolist(), [epoch] * take, strict=True))
         epoch, pos = epoch + 1, 0
     return out
 
 
-def _digest(identities: Iterable[tuple]) -> str:
-    h = hashlib.blake2b(digest_size=8)
-    for name, index, epoch in identities:
-        h.update(f"{name}\0{index}\0{epoch}\n".encode("utf-8", "surrogatepass"))
-    return h.hexdigest()
+def _lane_positions(plan, lanes, starts, k: int) -> np.ndarray:
+    """The epoch positions of lane positions ``start .. start + k - 1`` of each lane (one
+    row per lane, flattened)."""
+    chunk = plan.spec.chunk_size
+    q = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(k, dtype=np.int64)
+    chunks, offset = np.divmod(q, chunk)
+    lane = np.asarray(lanes, dtype=np.int64)[:, None]
+    return ((lane + chunks * plan.lanes) * chunk + offset).ravel()
 
 
-def _lane_next(plan, lane: int, entry, start_epoch: int, k: int):
-    at = _next_position(plan, lane, entry, start_epoch)
-    if at is None:
-        return None, None
-    ids = next_identities(plan, lane, at[0], at[1], k)
-    return at, ids
+def _identities(source, indices: np.ndarray, epoch: int) -> tuple[list | None, np.ndarray]:
+    """``(names, indices)`` of the identities of the source's ``indices`` in ``epoch``:
+    read from the source's view, or straight from the indices for a source that keeps
+    the default identity ``(its name, i)`` (then ``names`` is None: every one is the
+    source's name)."""
+    view = source.view(indices, epoch)
+    if type(view) is IndexView and type(source).identity is Source.identity:
+        return None, indices
+    pairs = [view.identity(m) for m in range(len(indices))]
+    return [str(name) for name, _ in pairs], np.array([i for _, i in pairs], dtype=np.int64)
+
+
+@functools.lru_cache(maxsize=1024)
+def _name_key(name: str) -> int:
+    """A 64-bit key of a source name (BLAKE2b), folded into each sample's hash."""
+    return int.from_bytes(hashlib.blake2b(name.encode("utf-8", "surrogatepass"),
+                                          digest_size=8).digest(), "little")
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser, elementwise on uint64 (wrapping)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+_START = np.uint64(0x5A5EED0F5A5EED0F)
+
+
+def _digests(keys: np.ndarray, indices: np.ndarray, epochs: np.ndarray) -> list[str]:
+    """One digest per row of ``(rows, k)`` matrices of name keys, indices and epochs:
+    an order-dependent 64-bit chain of splitmix64 over each identity, as 16 hex digits
+    (vectorised over the rows: a lane each)."""
+    with np.errstate(over="ignore"):
+        h = np.full(keys.shape[0], _START, dtype=np.uint64)
+        ind, ep = indices.astype(np.uint64), epochs.astype(np.uint64)
+        for j in range(keys.shape[1]):
+            sample = _mix(keys[:, j] ^ _mix(ind[:, j] ^ _mix(ep[:, j] + _START)))
+            h = _mix(h ^ sample)
+    return [f"{x:016x}" for x in h.tolist()]
+
+
+def _digest_of(ids: list[tuple]) -> str:
+    """The digest of a list of identities ``(name, index, epoch)``."""
+    keys = np.array([[_name_key(str(n)) for n, _, _ in ids]], dtype=np.uint64)
+    return _digests(keys, np.array([[i for _, i, _ in ids]], dtype=np.int64),
+                    np.array([[e for _, _, e in ids]], dtype=np.int64))[0]
+
+
+#: what a lane reads next: (the digest of its next samples, (epoch, position) where they
+#: start, the first of their identities for a message); a plain tuple, made a lane at a
+#: time
+_Next = tuple
+
+def lane_digests(plan, lanes, states: dict, start_epoch: int, k: int,
+                 detail: bool = False) -> dict[int, _Next]:
+    """``lane -> (digest, (epoch, position), first identities)`` of the ``k`` samples each of ``lanes`` reads next from
+    ``states`` (lanes that read none are left out; ``detail``: with the first
+    identities, for a message). Lanes whose
+    next ``k`` samples lie in one epoch are computed together, an epoch at a time (one
+    index-shuffle call and one source view for all of them); the others one by one."""
+    spec = plan.spec
+    lengths = plan_lengths(plan)
+    together: dict[int, list] = {}
+    out: dict[int, _Next] = {}
+    for lane in lanes:
+        at = _next_position(plan, lane, states.get(lane), start_epoch, int(lengths[lane]))
+        if at is None:
+            continue
+        if at[1] + k <= lengths[lane]:
+            together.setdefault(at[0], []).append((lane, at[1]))
+        else:
+            ids = next_identities(plan, lane, at[0], at[1], k)
+            out[lane] = (_digest_of(ids), at, ids[:4])
+    n = len(spec.source)
+    for epoch, group in together.items():
+        positions = _lane_positions(plan, [g[0] for g in group], [g[1] for g in group], k)
+        names, indices = _identities(
+            spec.source, epoch_positions(n, spec.seed, epoch, spec.permute, positions), epoch)
+        rows = len(group)
+        keys = np.full((rows, k), _name_key(spec.source.name), dtype=np.uint64) \
+            if names is None else \
+            np.array([_name_key(x) for x in names], dtype=np.uint64).reshape(rows, k)
+        matrix = np.asarray(indices, dtype=np.int64).reshape(rows, k)
+        found = _digests(keys, matrix, np.full((rows, k), epoch, dtype=np.int64))
+        for row, (lane, pos) in enumerate(group):
+            first = [(spec.source.name if names is None else names[row * k + m],
+                      int(matrix[row, m]), epoch) for m in range(min(4, k))] \
+                if detail else []
+            out[lane] = (found[row], (epoch, pos), first)
+    return out
+
+
+_LENGTHS: "weakref.WeakKeyDictionary[Any, np.ndarray]" = weakref.WeakKeyDictionary()
+
+
+def plan_lengths(plan) -> np.ndarray:
+    """Every lane's samples an epoch under ``plan``, computed once per plan."""
+    found = _LENGTHS.get(plan)
+    if found is None:
+        spec = plan.spec
+        found = _LENGTHS[plan] = lane_lengths(len(spec.source), spec.chunk_size, plan.lanes)
+    return found
 
 
 # -- the source's files ------------------------------------------------------------------
@@ -232,11 +332,9 @@ def make_proof(plan, states: dict, start_epoch: int, lanes: Iterable[int],
     ``lanes`` (the ones this rank reads); ``whole``: with the source's files and the
     fingerprint's parts (rank 0's submission and every rank's own state)."""
     k = NEXT_SAMPLES
-    nxt = {}
-    for lane in lanes:
-        _, ids = _lane_next(plan, lane, states.get(lane), start_epoch, k)
-        if ids is not None:
-            nxt[str(lane)] = _digest(ids)
+    nxt = {str(lane): found[0]
+           for lane, found in sorted(lane_digests(plan, lanes, states, start_epoch,
+                                                  k).items())}
     proof: dict[str, Any] = {"k": k, "next": nxt, "mapping": plan.mapping,
                              "dp_degree": plan.dp}
     if whole:
@@ -326,24 +424,26 @@ def verify(decoded: dict, plan, states: dict, start_epoch: int,
 
 def _samples_diff(proof: dict, plan, states: dict, start_epoch: int) -> list[str]:
     k, recorded = proof["k"], proof["next"]
+    mine = [lane for lane in plan.owned if str(lane) in recorded]
+    found = lane_digests(plan, mine, states, start_epoch, k)
+    if any(lane not in found or found[lane][0] != recorded[str(lane)] for lane in mine):
+        found = lane_digests(plan, mine, states, start_epoch, k, detail=True)
     lines: list[str] = []
     bad = 0
-    for lane in plan.owned:
-        want = recorded.get(str(lane))
-        if want is None:
-            continue
-        at, ids = _lane_next(plan, lane, states.get(lane), start_epoch, k)
-        if ids is not None and _digest(ids) == want:
+    for lane in mine:
+        now = found.get(lane)
+        if now is not None and now[0] == recorded[str(lane)]:
             continue
         bad += 1
-        if len(lines) < _SHOWN:
-            if ids is None:
-                lines.append(f"lane {lane}: the checkpoint recorded samples to come, this "
-                             "pipeline has none left in the pass")
-            else:
-                shown = ", ".join(f"{n}[{i}]" for n, i, _ in ids[:4])
-                lines.append(f"lane {lane} (epoch {at[0]}, position {at[1]}): the next "
-                             f"{len(ids)} samples are not the checkpoint's (now {shown}, ...)")
+        if len(lines) >= _SHOWN:
+            continue
+        if now is None:
+            lines.append(f"lane {lane}: the checkpoint recorded samples to come, this "
+                         "pipeline has none left in the pass")
+        else:
+            (epoch, pos), shown = now[1], ", ".join(f"{n}[{i}]" for n, i, _ in now[2])
+            lines.append(f"lane {lane} (epoch {epoch}, position {pos}): the next {k} samples "
+                         f"are not the checkpoint's (now {shown}, ...)")
     if bad > len(lines):
         lines.append(f"... {bad - len(lines)} more lane(s)")
     return lines
@@ -352,7 +452,8 @@ def _samples_diff(proof: dict, plan, states: dict, start_epoch: int) -> list[str
 def _outside_zephon() -> int:
     """The ``stacklevel`` of the first caller outside zephon (the user's restore call),
     seen from the ``warnings.warn`` call in :func:`_report`."""
-    frame, level = sys._getframe(2), 2
+    frame: Any = sys._getframe(2)
+    level = 2
     while frame is not None and frame.f_globals.get("__name__", "").startswith("zephon."):
         frame, level = frame.f_back, level + 1
     return level
