@@ -214,3 +214,36 @@ def test_a_tampered_proof_is_a_corrupt_checkpoint():
     state["proof"]["next"] = ["not", "a", "mapping"]
     with pytest.raises(CheckpointError, match="proof next"):
         pipe.restore(encode_state(state))
+
+
+@pytest.mark.parametrize("order", [False, True, "shards"])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_lanes_computed_together_digest_as_each_alone(order, mixed):
+    """The proof's fast path (all lanes of an epoch at once) gives every lane the digest of
+    its identities read one by one through the source's view."""
+    from zephon.pipeline.lanes import epoch_positions, epoch_slice, lane_length, lane_lengths
+    from zephon.pipeline.proof import _digest_of, lane_digests, next_identities
+
+    items = list(range(300))
+    if mixed:
+        source = sources.mixture({"a": sources.from_sequence(items, name="a"),
+                                  "b": sources.from_sequence(items[:120], name="b")})
+    else:
+        source = sources.from_sequence(items, name="s")
+    kwargs = {"shuffle": "shards", "shuffle_window": 2} if order == "shards" else \
+        {"shuffle": order}
+    plan = Pipeline(source, seed=11, chunk_size=5, **kwargs).options(
+        RuntimeOptions(canonical_replicas=7)).plan()
+    spec = plan.spec
+    n = len(spec.source)
+    assert list(lane_lengths(n, 5, 7)) == [lane_length(n, 5, 7, lane) for lane in range(7)]
+    positions = np.arange(0, n, 3)
+    assert np.array_equal(epoch_positions(n, 11, 2, spec.permute, positions),
+                          epoch_slice(n, 11, 2, spec.permute, 0, n)[positions])
+    states = {0: (0, 4, 1), 1: (1, 0, 3), 3: (0, plan.lane_length(3) - 2, 5)}
+    found = lane_digests(plan, range(7), states, 0, 8, detail=True)
+    for lane, (digest, (epoch, pos), first) in found.items():
+        ids = next_identities(plan, lane, epoch, pos, 8)
+        assert digest == _digest_of(ids), lane
+        assert first == ids[:4]
+

@@ -206,9 +206,13 @@ def epoch_positions(n: int, seed: int, epoch: int, shuffle: Order,
     epoch ``epoch``'s visiting order: ``epoch_order(...)[positions]`` in one call, without
     the order."""
     positions = np.asarray(positions, dtype=np.int64)
-    if isinstance(shuffle, ShardShuffle):
-        return np.array([shuffle.slice(seed, epoch, int(p), int(p) + 1)[0] for p in positions],
-                        dtype=np.int64)
+    if isinstance(shuffle, ShardShuffle):  # one slice per run of consecutive positions
+        if not len(positions):
+            return positions.copy()
+        cuts = np.flatnonzero(np.diff(positions) != 1) + 1
+        runs = np.split(positions, cuts)
+        return np.concatenate([shuffle.slice(seed, epoch, int(r[0]), int(r[-1]) + 1)
+                               for r in runs]).astype(np.int64, copy=False)
     if not shuffle or n <= 1:
         return positions.copy()
     return permute_positions(n, _epoch_key(seed, epoch), positions)

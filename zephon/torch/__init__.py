@@ -18,8 +18,11 @@ the batch's structure, dict, list, tuple or namedtuple; ``uint16`` and
 loader wrapper (:class:`TorchLoader`: optional pinning on a background thread,
 the move to a device and the normalisation of image columns there
 (:mod:`zephon.torch._device`), ``state_dict()`` / ``load_state_dict()``) and the ``IterableDataset`` adapter
-(:func:`dataset`). torch is imported when one of these is used, never by
-importing ``zephon`` itself; without torch they raise an ImportError naming
+(:func:`dataset`). The training frameworks' integrations are modules of their own, imported only by
+their users: :mod:`zephon.torch.lightning` (a ``LightningDataModule``),
+:mod:`zephon.torch.hf` (transformers' ``Trainer`` and accelerate) and
+:mod:`zephon.torch.titan` (a torchtitan data loader). torch is imported when one of
+these is used, never by importing ``zephon`` itself; without torch they raise an ImportError naming
 ``python -m pip install -e ".[torch]"`` in the zephon checkout.
 """
 
