@@ -6,6 +6,7 @@ warning. Honest restores (another runner, another world size) never raise."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import warnings
@@ -247,3 +248,126 @@ def test_lanes_computed_together_digest_as_each_alone(order, mixed):
         assert digest == _digest_of(ids), lane
         assert first == ids[:4]
 
+
+
+def write_jsonl(path, tag: str) -> None:
+    with open(path, "w") as fh:
+        for i in range(40):
+            fh.write(json.dumps({"x": i, "t": tag}) + "\n")
+
+
+def jsonl_pipe(path) -> Pipeline:
+    return Pipeline(sources.jsonl(str(path)), seed=1, chunk_size=4).batch(2)
+
+
+def test_files_are_compared_as_they_are_at_the_restore_on_the_same_pipeline(tmp_path):
+    path = tmp_path / "a.jsonl"
+    write_jsonl(path, "a")
+    pipe = jsonl_pipe(path)
+    it = iter(pipe)
+    for _ in range(3):
+        next(it)
+    state = it.checkpoint()
+    it.close()
+    before = os.stat(path)
+    write_jsonl(path, "b")  # same size
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))
+    with pytest.raises(ResumeMismatchError, match="changed: a.jsonl"):
+        pipe.restore(state)  # the same object: its files are looked at again
+
+
+def test_a_file_rewritten_before_the_first_checkpoint_is_recorded_as_it_was_built(tmp_path):
+    path = tmp_path / "a.jsonl"
+    write_jsonl(path, "a")
+    it = iter(jsonl_pipe(path))
+    for _ in range(3):
+        next(it)
+    before = os.stat(path)
+    write_jsonl(path, "b")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))
+    state = it.checkpoint()  # the stream so far came from the file as it was built
+    it.close()
+    with pytest.raises(ResumeMismatchError, match="changed: a.jsonl"):
+        jsonl_pipe(path).restore(state)
+
+
+def test_a_state_at_the_end_of_a_pass_proves_the_next_pass():
+    def pipe(stride):
+        return Pipeline(Renumbered(stride), seed=3, chunk_size=4)
+
+    it = iter(pipe(1))
+    assert sum(1 for _ in it) == 64
+    state = it.checkpoint()
+    it.close()
+    assert len(decode_state(state)["proof"]["next"]) == 1  # the next pass's first samples
+    pipe(1).restore(state)
+    with pytest.raises(ResumeMismatchError, match="samples"):
+        pipe(3).restore(state)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("stamps", 5), ("stamps", [[]]), ("stamps", [["a.jsonl"]]), ("stamps", [[["x"], 1, "s"]]),
+    ("count", 10**30), ("block", 0), ("names", [1]), ("digests", ["0", "1"]),
+])
+def test_tampered_files_in_a_proof_are_a_corrupt_checkpoint(tmp_path, field, value):
+    path = tmp_path / "a.jsonl"
+    write_jsonl(path, "a")
+    state = decode_state(jsonl_pipe(path).checkpoint())
+    state["proof"]["files"][field] = value
+    with pytest.raises(CheckpointError, match="corrupt checkpoint: proof files"):
+        jsonl_pipe(path).restore(encode_state(state))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("next", {"abc": "0123456789abcdef"}), ("next", {"99": "0123456789abcdef"}),
+    ("next", {"0": "xyz"}), ("dp_degree", 2**62), ("extra", 1), ("parts", "source"),
+    ("digest", "blake2b"), ("k", 10**9),
+])
+def test_tampered_fields_of_a_proof_are_a_corrupt_checkpoint(field, value):
+    pipe = Pipeline(sources.from_sequence(list(range(30))), seed=4)
+    state = decode_state(pipe.checkpoint())
+    state["proof"][field] = value
+    with pytest.raises(CheckpointError, match="corrupt checkpoint: proof"):
+        pipe.restore(encode_state(state))
+
+
+def test_a_mapping_that_gives_every_rank_the_same_lanes_is_no_difference(tmp_path):
+    out: dict = {}
+
+    def rank(r):
+        it = iter(Pipeline(sources.from_sequence(list(range(64))), seed=2, chunk_size=4)
+                  .batch(2).options(RuntimeOptions(
+                      world_size=2, global_rank=r, canonical_replicas=2,
+                      mapping_strategy="contiguous", aggregate_dir=str(tmp_path / "agg"),
+                      run_id="same-lanes", aggregate_timeout_s=60)))
+        for _ in range(3):
+            next(it)
+        out[r] = it.checkpoint()
+        it.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResumeMismatchWarning)
+        pipe = Pipeline(sources.from_sequence(list(range(64))), seed=2, chunk_size=4) \
+            .batch(2).options(RuntimeOptions(world_size=2, global_rank=0, canonical_replicas=2,
+                                             mapping_strategy="interleaved"))
+        pipe.restore(out[0])  # C = 2 on 2 ranks: one lane each, whatever the mapping
+
+
+def test_a_long_source_description_is_recorded_by_its_digest_and_still_named(tmp_path):
+    paths = []
+    for k in range(120):
+        path = tmp_path / f"shard-with-a-long-name-{k:05d}.jsonl"
+        write_jsonl(path, "a")
+        paths.append(str(path))
+    pipe = Pipeline(sources.jsonl(paths), seed=1, chunk_size=4).batch(2)
+    state = pipe.checkpoint()
+    parts = decode_state(state)["proof"]["parts"]
+    assert len(parts[0]) < 1100 and "sha256" in parts[0]
+    other = Pipeline(sources.jsonl(paths[:-1]), seed=1, chunk_size=4).batch(2)
+    with pytest.raises(CheckpointError, match="source: "):
+        other.restore(state)

@@ -391,12 +391,6 @@ class Plan:
         """The lines the fingerprint hashes (a checkpoint's proof records them)."""
         return tuple(fingerprint_parts(self.spec, self.flush_every))
 
-    @functools.cached_property
-    def stamps(self) -> list | None:
-        """The source's files as ``(name, size, mtime or ETag)`` (``Source.stamps()``),
-        read once; None for a source without files."""
-        return self.spec.source.stamps()
-
     @property
     def runners(self) -> set[str]:
         """The runners the stages are planned with (``"inline"``, ``"threads"``,

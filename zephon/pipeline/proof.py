@@ -18,13 +18,17 @@ Every state therefore carries a ``proof`` field, taken with it::
     {"k": K,                      # samples per lane in the digests below
      "next": {"<lane>": hex},     # digest of the identities of the K samples each lane
                                   # reads next: (source name, index, epoch) of each
-     "files": {"count": N, "block": B, "digests": [...], "names": [...]} | None,
+     "digest": "splitmix64/1",    # how the next digests are made
+     "files": {"count": N, "block": B, "digests": [...], "names": [...],
+               "stamps": [...] | None} | None,
                                   # the source's files (Source.stamps(): name, size and
-                                  # mtime or ETag), one digest per block of B files
+                                  # mtime or ETag) as built, one digest per block of B
+                                  # files (and each file's stamp when B is 1)
      "parts": [...],              # the lines the fingerprint hashes, for a readable diff
      "mapping": "contiguous" | "interleaved", "dp_degree": G}
 
-Each rank computes ``next`` for the lanes it owns (a merged state holds the union,
+Each rank computes ``next`` for the lanes it owns (a lane that ended its pass: the
+next pass's first samples; a merged state holds the union,
 :func:`zephon.checkpoint.aggregate.merge_states`); ``files`` and ``parts`` come
 from rank 0. :func:`verify` runs inside every restore (``Pipeline.restore``,
 ``it.restore``/``set_state``, ``TorchLoader.load_state_dict``), before anything is
@@ -32,17 +36,28 @@ applied: it recomputes the same figures for the lanes this rank reads from the
 state's own positions, compares them and raises one
 :class:`~zephon.errors.ResumeMismatchError` listing every difference (the files
 that changed, were added or removed; the lanes whose next samples differ; the
-mapping), unless ``RuntimeOptions(resume_accept=...)`` names the kind, in which
+mapping, when it would give the ranks other lanes than the checkpoint's mapping on
+as many dp groups), unless ``RuntimeOptions(resume_accept=...)`` names the kind, in which
 case a ``ResumeMismatchWarning`` says what was accepted. A fingerprint mismatch
 names the parts that differ (:func:`describe_parts_diff`).
 
-Costs: ``next`` is ``K`` identities per lane (index arithmetic, no read: a few
-microseconds a lane); ``files`` is computed once per plan from what the source
-recorded when it was built (a local file source stats its files once). Nothing is
-read from storage at restore. What the proof cannot see: a file rewritten with its
-size and mtime both preserved (its content is never read here; the readers check
-size and mtime too), and a source without files (``stamps()`` None) whose items
-change under the same identities.
+Costs: ``next`` is ``K`` identities per lane, index arithmetic without a read (all
+the lanes of an epoch in one index-shuffle call and one source view, one vectorised
+64-bit digest each); the checkpoint's ``files`` are the files as the source saw them
+when it was built (a local file source stats its files then), computed once per
+plan; a restore stats each local file once more (the files as they are now: a file
+rewritten after the restoring pipeline was built is seen too) and reads nothing. A
+fingerprint part longer than 1024 characters (a listing of ten thousand files) is
+recorded as its head and its SHA-256.
+
+What the proof cannot see: a file rewritten with its size and mtime both kept (its
+content is never read here); a source without files (``stamps()`` None) whose items
+change under the same identities; an image folder's files, which its description
+(and so the fingerprint) lists with their sizes and mtimes already, unless
+``fingerprint_mtimes=False`` asked to leave the mtimes out. Only the token-window and
+image readers check each read against the size and mtime the source was built with;
+the other file readers do not, so a file rewritten during a run changes what the run
+reads (the next restore refuses the state).
 
 A state without ``proof`` (checkpoint format version 4) restores as before, with the
 fingerprint check only.
@@ -53,6 +68,7 @@ from __future__ import annotations
 import datetime
 import functools
 import hashlib
+import re
 import sys
 import warnings
 import weakref
@@ -62,7 +78,7 @@ import numpy as np
 
 from zephon.errors import CheckpointError, ResumeMismatchError
 from zephon.pipeline.engine import is_ended
-from zephon.pipeline.lanes import epoch_positions, lane_lengths
+from zephon.pipeline.lanes import epoch_positions, lane_lengths, owned_lanes
 from zephon.pipeline.sources.base import IndexView, Source
 
 __all__ = ["ACCEPTABLE", "NEXT_SAMPLES", "ResumeMismatchWarning", "describe_parts_diff",
@@ -70,11 +86,17 @@ __all__ = ["ACCEPTABLE", "NEXT_SAMPLES", "ResumeMismatchWarning", "describe_part
 
 #: samples per lane whose identities a proof records
 NEXT_SAMPLES = 8
+#: how the ``next`` digests are made (:func:`_digests`); a state made otherwise is refused
+DIGEST = "splitmix64/1"
+#: longest fingerprint part a proof records whole (see :func:`compact_parts`)
+_PART_CHARS = 1024
 #: the kinds of difference ``resume_accept`` may name
 ACCEPTABLE = ("files", "samples", "mapping")
 #: files per digest block: a source of up to this many files is compared file by file
 _BLOCKS = 256
 _SHOWN = 5  # differences listed per kind
+_LANE = re.compile(r"0|[1-9][0-9]{0,5}")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
 class ResumeMismatchWarning(UserWarning):
@@ -88,8 +110,10 @@ def _next_position(plan, lane: int, entry: tuple | None, start_epoch: int,
     """``(epoch, lane position)`` of the first sample ``lane`` (of ``length`` samples an
     epoch) reads after a restore to ``entry`` (its lane state; None: it delivered
     nothing), or None when it reads none."""
+    end = plan.pass_end(start_epoch)
     if entry is not None and is_ended(entry):
-        return None
+        # the lane is done with this pass: what it reads next is the next pass's start
+        return None if end is None or not length else (end, 0)
     if entry is None:
         epoch, pos = start_epoch, 0
     elif plan.cursor_resume:
@@ -98,8 +122,9 @@ def _next_position(plan, lane: int, entry: tuple | None, start_epoch: int,
         epoch, pos = entry[0], entry[1] * plan.spec.chunk_size
     if pos >= length:
         epoch, pos = epoch + 1, 0
-    end = plan.pass_end(start_epoch)
-    return None if not length or (end is not None and epoch >= end) else (epoch, pos)
+    if not length:
+        return None
+    return (end, 0) if end is not None and epoch >= end else (epoch, pos)
 
 
 def next_identities(plan, lane: int, epoch: int, pos: int, k: int) -> list[tuple]:
@@ -247,7 +272,7 @@ def plan_files(plan) -> dict | None:
     try:
         return _FILES[plan]
     except KeyError:
-        found = _FILES[plan] = files_proof(plan.stamps)
+        found = _FILES[plan] = files_proof(plan.spec.source.stamps())
         return found
 
 
@@ -335,12 +360,25 @@ def make_proof(plan, states: dict, start_epoch: int, lanes: Iterable[int],
     nxt = {str(lane): found[0]
            for lane, found in sorted(lane_digests(plan, lanes, states, start_epoch,
                                                   k).items())}
-    proof: dict[str, Any] = {"k": k, "next": nxt, "mapping": plan.mapping,
+    proof: dict[str, Any] = {"k": k, "digest": DIGEST, "next": nxt, "mapping": plan.mapping,
                              "dp_degree": plan.dp}
     if whole:
         proof["files"] = plan_files(plan)
-        proof["parts"] = list(plan.fingerprint_parts)
+        proof["parts"] = compact_parts(plan.fingerprint_parts)
     return proof
+
+
+def compact_parts(parts) -> list[str]:
+    """The fingerprint's parts as a proof records them: a part of more than
+    :data:`_PART_CHARS` characters (a source listing ten thousand files) as its
+    SHA-256 and its head, so the state stays small and a diff still names the part."""
+    out = []
+    for part in parts:
+        if len(part) > _PART_CHARS:
+            head = part[:_PART_CHARS // 2]
+            part = f"{head}... (sha256 {hashlib.sha256(part.encode()).hexdigest()[:16]})"
+        out.append(part)
+    return out
 
 
 def describe_parts_diff(theirs: Any, ours: list[str]) -> str:
@@ -348,6 +386,7 @@ def describe_parts_diff(theirs: Any, ours: list[str]) -> str:
     pipeline's, as one phrase ('' when the checkpoint recorded none)."""
     if not isinstance(theirs, list) or not all(isinstance(p, str) for p in theirs):
         return ""
+    ours = compact_parts(ours)
     names = ["source", "seed", "order", "chunking", "epochs"]
 
     def label(i: int, n: int) -> str:
@@ -366,28 +405,61 @@ def describe_parts_diff(theirs: Any, ours: list[str]) -> str:
     return "; ".join(lines)
 
 
-def _check_shape(proof: Any) -> dict:
+_PROOF_KEYS = {"k", "digest", "next", "mapping", "dp_degree", "files", "parts"}
+
+
+def _bad(what: str) -> CheckpointError:
+    return CheckpointError(f"corrupt checkpoint: proof {what}")
+
+
+def _check_shape(proof: Any, lanes_total: int) -> dict:
+    """The proof, every field checked for type and range (a CheckpointError names the
+    first that is wrong)."""
     if not isinstance(proof, dict):
-        raise CheckpointError("corrupt checkpoint: proof must be a mapping")
+        raise _bad("must be a mapping")
+    unknown = sorted(str(key)[:40] for key in proof if key not in _PROOF_KEYS)
+    if unknown:
+        raise _bad(f"has unknown field(s) {unknown[:5]}")
     k = proof.get("k")
-    if type(k) is not int or not 0 < k <= 1024:
-        raise CheckpointError(f"corrupt checkpoint: proof k = {k!r:.40}")
+    if type(k) is not int or not 0 < k <= 64:
+        raise _bad(f"k = {k!r:.40}")
+    if proof.get("digest") != DIGEST:
+        raise _bad(f"digest {proof.get('digest')!r:.40}: this zephon makes {DIGEST!r}")
     nxt = proof.get("next")
-    if not isinstance(nxt, dict) or not all(isinstance(a, str) and isinstance(b, str)
-                                             for a, b in nxt.items()):
-        raise CheckpointError("corrupt checkpoint: proof next must map lane ids to digests")
+    if not isinstance(nxt, dict) or len(nxt) > lanes_total or not all(
+            isinstance(a, str) and _LANE.fullmatch(a) and int(a) < lanes_total
+            and isinstance(b, str) and _HEX16.fullmatch(b) for a, b in nxt.items()):
+        raise _bad("next must map lane ids below lanes_total to 16-digit hex digests")
     if proof.get("mapping") not in ("contiguous", "interleaved"):
-        raise CheckpointError(f"corrupt checkpoint: proof mapping {proof.get('mapping')!r:.40}")
+        raise _bad(f"mapping {proof.get('mapping')!r:.40}")
     dp = proof.get("dp_degree")
-    if type(dp) is not int or dp < 1:
-        raise CheckpointError(f"corrupt checkpoint: proof dp_degree {dp!r:.40}")
-    files = proof.get("files")
-    if files is not None and not (
-            isinstance(files, dict) and type(files.get("count")) is int
-            and type(files.get("block")) is int and isinstance(files.get("digests"), list)
-            and isinstance(files.get("names"), list)):
-        raise CheckpointError("corrupt checkpoint: proof files is malformed")
+    if type(dp) is not int or not 1 <= dp <= lanes_total:
+        raise _bad(f"dp_degree {dp!r:.40}")
+    parts = proof.get("parts", [])
+    if not isinstance(parts, list) or not all(isinstance(x, str) for x in parts):
+        raise _bad("parts must be a list of strings")
+    if proof.get("files") is not None:
+        _check_files(proof["files"])
     return proof
+
+
+def _check_files(files: Any) -> None:
+    if not isinstance(files, dict):
+        raise _bad("files must be a mapping")
+    count, block = files.get("count"), files.get("block")
+    digests, names, stamps = files.get("digests"), files.get("names"), files.get("stamps")
+    if type(count) is not int or type(block) is not int or count < 0 or block < 1:
+        raise _bad("files count/block out of range")
+    blocks = -(-count // block)
+    if not (isinstance(digests, list) and isinstance(names, list)
+            and len(digests) == len(names) == blocks
+            and all(isinstance(x, str) for x in digests + names)):
+        raise _bad("files digests/names do not match its count")
+    if stamps is not None and not (
+            block == 1 and isinstance(stamps, list) and len(stamps) == count
+            and all(isinstance(t, list) and len(t) == 3 and isinstance(t[0], str)
+                    and type(t[1]) is int and isinstance(t[2], str) for t in stamps)):
+        raise _bad("files stamps must be [name, size, stamp] for each file")
 
 
 def verify(decoded: dict, plan, states: dict, start_epoch: int,
@@ -399,19 +471,20 @@ def verify(decoded: dict, plan, states: dict, start_epoch: int,
     passes."""
     if "proof" not in decoded:
         return
-    proof = _check_shape(decoded["proof"])
+    proof = _check_shape(decoded["proof"], plan.lanes)
     found: dict[str, list[str]] = {}
     if "files" in proof:
-        ours = plan_files(plan)
+        stamps = plan.spec.source.stamps(now=True)  # as the files are now
+        ours = files_proof(stamps)
         if proof["files"] is not None:
-            lines = _files_diff(proof["files"], ours, plan.stamps)
+            lines = _files_diff(proof["files"], ours, stamps)
         elif ours is not None:
             lines = [f"the checkpoint's source had no files; this one has {ours['count']}"]
         else:
             lines = []
         if lines:
             found["files"] = lines
-    if proof["mapping"] != plan.mapping and min(proof["dp_degree"], plan.dp) > 1:
+    if _regrouped(proof, plan):
         found["mapping"] = [
             f"mapping_strategy={proof['mapping']!r} on {proof['dp_degree']} dp group(s) at "
             f"the checkpoint, {plan.mapping!r} on {plan.dp} now: the lanes that share an "
@@ -420,6 +493,15 @@ def verify(decoded: dict, plan, states: dict, start_epoch: int,
     if samples:
         found["samples"] = samples
     _report(found, set(accept))
+
+
+def _regrouped(proof: dict, plan) -> bool:
+    """Whether this rank layout groups the lanes otherwise than the checkpoint's mapping
+    would on as many dp groups (one group: every mapping is the one-rank stream)."""
+    if proof["mapping"] == plan.mapping or min(proof["dp_degree"], plan.dp) == 1:
+        return False
+    return any(owned_lanes(plan.lanes, plan.dp, g, proof["mapping"])
+               != owned_lanes(plan.lanes, plan.dp, g, plan.mapping) for g in range(plan.dp))
 
 
 def _samples_diff(proof: dict, plan, states: dict, start_epoch: int) -> list[str]:

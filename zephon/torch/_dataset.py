@@ -10,6 +10,9 @@ whole pipeline and the batches would repeat, so iterating there raises a
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import torch.utils.data
 
 from zephon.errors import ZephonConfigError
@@ -47,6 +50,14 @@ class PipelineDataset(torch.utils.data.IterableDataset):
                 "the whole pipeline in every DataLoader worker and repeat each batch; use "
                 "DataLoader(ds, batch_size=None, num_workers=0) and give zephon the workers: "
                 "RuntimeOptions(runner='process', max_workers=N)")
+        resharder = _resharding_caller()
+        if resharder is not None and self.loader.pipe.plan().opts.world_size > 1:
+            raise ZephonConfigError(
+                f"zephon.torch.dataset: {resharder} is iterating this dataset to share its "
+                "batches out among the ranks again, but every rank's pipeline already reads "
+                "only that rank's lanes (the other ranks' lanes would never be read); do not "
+                "pass it to accelerator.prepare(): iterate zephon.torch.loader(pipe) on every "
+                "rank and register it with zephon.torch.hf.register(accelerator, loader)")
         return iter(self.loader)
 
     def state_dict(self) -> dict:
@@ -80,3 +91,22 @@ class PipelineDataset(torch.utils.data.IterableDataset):
             [1, 2]
         """
         self.loader.load_state_dict(state_dict)
+
+
+#: the wrappers that deal a dataset's batches out among ranks (accelerate's prepare())
+_RESHARDERS = ("accelerate.",)
+
+
+def _resharding_caller() -> str | None:
+    """The class of the caller, a few frames up, that re-shards a dataset among ranks
+    (accelerate's DataLoaderDispatcher or IterableDatasetShard), if any."""
+    frame: Any = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return None
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith(_RESHARDERS):
+            owner = frame.f_locals.get("self")
+            return f"{module}.{type(owner).__name__}" if owner is not None else module
+        frame = frame.f_back
+    return None

@@ -63,9 +63,9 @@ def _require_loader(loader: Any, who: str) -> None:
 
     if not isinstance(loader, TorchLoader):
         raise ZephonConfigError(
-            f"{who} takes a zephon.torch.loader(pipe), got {type(loader).__name__}"
-            + (": a torch DataLoader would be sharded again by the framework"
-               if type(loader).__name__ == "DataLoader" else ""))
+            f"{who} takes a zephon.torch.loader(pipe), got {type(loader).__name__}: a "
+            "DataLoader, prepared by accelerate or not, shares batches out among the ranks "
+            "again, while every rank's pipeline already reads only its own lanes")
 
 
 class _SaveData(TrainerCallback):

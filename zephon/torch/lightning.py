@@ -24,8 +24,10 @@ Invariants:
   ahead of the step that uses it (for an iterable without ``len``), so the loader's
   own position is one batch ahead when a checkpoint is written. The data module
   records the loader's position with every batch it hands out and takes the one of
-  the batch in ``on_before_batch_transfer`` (called for the batch about to be trained
-  on, in order): the checkpoint holds exactly the batches the optimizer saw.
+  the batch Lightning starts training on (a callback's ``on_train_batch_start``,
+  which the data module adds to the trainer in ``setup``; the LightningModule's own
+  batch hooks stay the user's): the checkpoint holds exactly the batches the
+  optimizer saw.
 - **Resharding is zephon's.** The iterable is not a ``torch.utils.data.DataLoader``, so
   Lightning adds no ``DistributedSampler`` and re-wraps nothing; each rank's pipeline
   reads the lanes its rank owns, and the checkpoint is the merged state of every rank
@@ -74,6 +76,19 @@ class _Batches:
             yield batch
 
 
+class _TrainedOn(pl.Callback):
+    """Takes the position of each batch as Lightning starts training on it (a callback,
+    so that the LightningModule's own batch hooks stay the user's)."""
+
+    def __init__(self, module: "ZephonDataModule") -> None:
+        self.module = module
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        handed = self.module._handed
+        if handed:
+            self.module._trained = handed.popleft()
+
+
 class ZephonDataModule(pl.LightningDataModule):
     """A LightningDataModule over a zephon pipeline built per rank.
 
@@ -108,14 +123,18 @@ class ZephonDataModule(pl.LightningDataModule):
         self._handed: deque = deque()  # positions of batches handed out, not yet trained on
         self._trained: dict | None = None  # position after the last batch trained on
         self._pending: dict | None = None  # a state loaded before setup()
+        self._callback = _TrainedOn(self)
 
     # -- Lightning's hooks ---------------------------------------------------------------
     def setup(self, stage: str) -> None:
+        trainer = self.trainer
+        callbacks = getattr(trainer, "callbacks", None)  # the trainer's list, set at run time
+        if callbacks is not None and self._callback not in callbacks:
+            callbacks.append(self._callback)
         if self.loader is not None:
             return
         from zephon.torch import loader
 
-        trainer = self.trainer
         world, rank = (1, 0) if trainer is None else (trainer.world_size, trainer.global_rank)
         pipe = self.build(world, rank)
         opts = pipe.plan().opts
@@ -156,12 +175,6 @@ class ZephonDataModule(pl.LightningDataModule):
         # at a batch's end has one batch ready and not yet completed) still holds
         for counter in ("ready", "started", "processed", "completed"):
             setattr(progress, counter, getattr(progress, counter) + shift)
-
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        trainer = self.trainer
-        if self._handed and (trainer is None or trainer.training):
-            self._trained = self._handed.popleft()
-        return batch
 
     def state_dict(self) -> dict:
         """The position after the last batch Lightning trained on (collective: every rank

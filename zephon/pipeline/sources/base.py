@@ -216,16 +216,24 @@ class Source:
         """
         return None
 
-    def stamps(self) -> list[tuple[str, int, str]] | None:
+    def stamps(self, now: bool = False) -> list[tuple[str, int, str]] | None:
         """The files behind the samples, as a checkpoint's proof records them.
 
-        A restore compares them with the checkpoint's (:mod:`zephon.pipeline.proof`): a
-        file rewritten in place keeps its name and size, and its samples change.
+        A restore compares the checkpoint's (the files as the source saw them when it was
+        built) with the files as they are when it restores
+        (:mod:`zephon.pipeline.proof`): a file rewritten in place keeps its name and
+        size, and its samples change.
+
+        Args:
+            now: the files as they are now (a ``stat`` of each local file) rather than as
+                they were when the source was built.
 
         Returns:
             One ``(name, size in bytes, stamp)`` per file (stamp: ``"mtime:<ns>"`` for a
             local file, ``"etag:..."``/``"mtime:..."`` or the object version for a remote
-            one), or None for a source without files (the default).
+            one), or None for a source without files (the default), or one whose
+            description covers its files already (an image folder lists each image's
+            size and mtime in it).
 
         Example:
             >>> sources.from_sequence([1, 2]).stamps() is None
@@ -347,6 +355,18 @@ class FileSource(Source):
     def _set_files(self, refs: list) -> None:
         self.refs = list(refs)
         self.files = [r.url for r in self.refs]
+        #: each local file's mtime (ns) when the source was built (-1: remote, or gone)
+        self.built_mtimes = self._mtimes()
+
+    def _mtimes(self) -> np.ndarray:
+        out = np.full(len(self.refs), -1, dtype=np.int64)
+        for k, ref in enumerate(self.refs):
+            if not ref.remote:
+                try:
+                    out[k] = os.stat(ref.url).st_mtime_ns
+                except OSError:
+                    pass
+        return out
 
     def reader(self, k: int) -> FileReader:
         """The per-process reader of file ``k``."""
@@ -365,21 +385,26 @@ class FileSource(Source):
     def file_names(self) -> list[str]:
         return [r.basename for r in self.refs]
 
-    def stamps(self) -> list[tuple[str, int, str]] | None:
-        """Each file's ``(name, size, stamp)``: a remote object's version as listed when
-        the source was built, a local file's mtime as ``stat`` gives it now (see
-        :meth:`Source.stamps`)."""
+    def stamps(self, now: bool = False) -> list[tuple[str, int, str]] | None:
+        """Each file's ``(name, size, stamp)`` (see :meth:`Source.stamps`): a remote
+        object's version as listed when the source was built; a local file's size and
+        mtime when the source was built, or with ``now`` as ``stat`` gives them now."""
+        built = getattr(self, "built_mtimes", None)
+        if built is None or len(built) != len(self.refs):
+            built = self.built_mtimes = self._mtimes()
         out = []
-        for ref in self.refs:
+        for k, ref in enumerate(self.refs):
             if ref.remote:
                 out.append((ref.url, ref.size, ref.version or ref.version_id))
-                continue
-            try:
-                st = os.stat(ref.url)
-            except OSError as exc:
-                out.append((ref.basename, -1, f"missing:{exc.errno}"))
+            elif not now:
+                out.append((ref.basename, ref.size, f"mtime:{int(built[k])}"))
             else:
-                out.append((ref.basename, st.st_size, f"mtime:{st.st_mtime_ns}"))
+                try:
+                    st = os.stat(ref.url)
+                except OSError as exc:
+                    out.append((ref.basename, -1, f"missing:{exc.errno}"))
+                else:
+                    out.append((ref.basename, st.st_size, f"mtime:{st.st_mtime_ns}"))
         return out
 
 

@@ -501,13 +501,13 @@ class MixtureSource(Source):
     def identity(self, i: int) -> tuple[str, int]:
         return self.view(np.array([i]), 0).identity(0)
 
-    def stamps(self) -> list[tuple[str, int, str]] | None:
+    def stamps(self, now: bool = False) -> list[tuple[str, int, str]] | None:
         """The components' files, each name prefixed with its component's (None when no
         component has files), see :meth:`Source.stamps`."""
         out: list[tuple[str, int, str]] = []
         any_files = False
         for name, comp in zip(self.names, self.components, strict=True):
-            found = comp.stamps()
+            found = comp.stamps(now)
             if found is not None:
                 any_files = True
                 out.extend((f"{name}/{f}", size, stamp) for f, size, stamp in found)

@@ -323,11 +323,12 @@ class TokenWindows(FileSource):
         """Bytes of one window: ``seq_len`` tokens of the file's dtype."""
         return float(self.nbytes)
 
-    def stamps(self) -> list[tuple[str, int, str]] | None:
+    def stamps(self, now: bool = False) -> list[tuple[str, int, str]] | None:
         """The token file as it was when the source was built (its size and mtime; a
-        remote one: its version), see :meth:`Source.stamps`."""
-        if self.refs[0].remote or self.stat is None:
-            return super().stamps()
+        remote one: its version), or with ``now`` as it is now; see
+        :meth:`Source.stamps`."""
+        if now or self.refs[0].remote or self.stat is None:
+            return super().stamps(now)
         return [(os.path.basename(self.path), self.stat[2], f"mtime:{self.stat[3]}")]
 
     def describe(self) -> str:
