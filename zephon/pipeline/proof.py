@@ -18,7 +18,7 @@ Every state therefore carries a ``proof`` field, taken with it::
     {"k": K,                      # samples per lane in the digests below
      "next": {"<lane>": hex},     # digest of the identities of the K samples each lane
                                   # reads next: (source name, index, epoch) of each
-     "digest": "splitmix64/1",    # how the next digests are made
+     "digest": "splitmix64-sum/2",  # how the next digests are made
      "files": {"count": N, "block": B, "digests": [...], "names": [...],
                "stamps": [...] | None} | None,
                                   # the source's files (Source.stamps(): name, size and
@@ -87,7 +87,7 @@ __all__ = ["ACCEPTABLE", "NEXT_SAMPLES", "ResumeMismatchWarning", "describe_part
 #: samples per lane whose identities a proof records
 NEXT_SAMPLES = 8
 #: how the ``next`` digests are made (:func:`_digests`); a state made otherwise is refused
-DIGEST = "splitmix64/1"
+DIGEST = "splitmix64-sum/2"
 #: longest fingerprint part a proof records whole (see :func:`compact_parts`)
 _PART_CHARS = 1024
 #: the kinds of difference ``resume_accept`` may name
@@ -95,8 +95,13 @@ ACCEPTABLE = ("files", "samples", "mapping")
 #: files per digest block: a source of up to this many files is compared file by file
 _BLOCKS = 256
 _SHOWN = 5  # differences listed per kind
-_LANE = re.compile(r"0|[1-9][0-9]{0,5}")
-_HEX16 = re.compile(r"[0-9a-f]{16}")
+_HEX16S = re.compile(r"(?:[0-9a-f]{16})*")
+
+
+@functools.lru_cache(maxsize=8)
+def _lane_ids(lanes_total: int) -> frozenset:
+    """The canonical ids of the lanes ``0 .. lanes_total - 1``."""
+    return frozenset(str(lane) for lane in range(lanes_total))
 
 
 class ResumeMismatchWarning(UserWarning):
@@ -105,12 +110,11 @@ class ResumeMismatchWarning(UserWarning):
 
 # -- what a lane reads next ---------------------------------------------------------------
 
-def _next_position(plan, lane: int, entry: tuple | None, start_epoch: int,
-                   length: int):
-    """``(epoch, lane position)`` of the first sample ``lane`` (of ``length`` samples an
-    epoch) reads after a restore to ``entry`` (its lane state; None: it delivered
-    nothing), or None when it reads none."""
-    end = plan.pass_end(start_epoch)
+def _next_position(plan, entry: tuple | None, start_epoch: int, length: int,
+                   end: int | None):
+    """``(epoch, lane position)`` of the first sample a lane of ``length`` samples an
+    epoch reads after a restore to ``entry`` (its lane state; None: it delivered
+    nothing) in a pass that ends before ``end``, or None when it reads none."""
     if entry is not None and is_ended(entry):
         # the lane is done with this pass: what it reads next is the next pass's start
         return None if end is None or not length else (end, 0)
@@ -176,27 +180,42 @@ def _name_key(name: str) -> int:
                                           digest_size=8).digest(), "little")
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser, elementwise on uint64 (wrapping)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _START = np.uint64(0x5A5EED0F5A5EED0F)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-def _digests(keys: np.ndarray, indices: np.ndarray, epochs: np.ndarray) -> list[str]:
-    """One digest per row of ``(rows, k)`` matrices of name keys, indices and epochs:
-    an order-dependent 64-bit chain of splitmix64 over each identity, as 16 hex digits
-    (vectorised over the rows: a lane each)."""
+def _mix(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser, elementwise on uint64 (wrapping), in place where it can."""
+    x = x ^ (x >> _S30)
+    x *= _M1
+    x ^= x >> _S27
+    x *= _M2
+    x ^= x >> _S31
+    return x
+
+
+@functools.lru_cache(maxsize=16)
+def _places(k: int) -> np.ndarray:
+    return (np.arange(1, k + 1, dtype=np.uint64) * _GOLDEN)[None, :]
+
+
+def _digests(keys, indices: np.ndarray, epochs) -> list[str]:
+    """One digest per row of ``(rows, k)`` matrices of indices, name keys and epochs
+    (``keys``/``epochs``: a matrix, or one number for every sample), as 16 hex digits:
+    each identity mixed (splitmix64) with its place in the row, the row's mixes summed
+    (wrapping) and mixed again. Whole matrices at a time: the cost hardly depends on the
+    number of rows (a lane each)."""
     with np.errstate(over="ignore"):
-        h = np.full(keys.shape[0], _START, dtype=np.uint64)
-        ind, ep = indices.astype(np.uint64), epochs.astype(np.uint64)
-        for j in range(keys.shape[1]):
-            sample = _mix(keys[:, j] ^ _mix(ind[:, j] ^ _mix(ep[:, j] + _START)))
-            h = _mix(h ^ sample)
-    return [f"{x:016x}" for x in h.tolist()]
+        k = indices.shape[1]
+        tag = _mix(np.asarray(epochs, dtype=np.uint64) + _START) ^ np.asarray(keys,
+                                                                              dtype=np.uint64)
+        x = indices.astype(np.uint64)
+        x ^= tag
+        x = _mix(_mix(x) ^ _places(k))
+        h = _mix(x.sum(axis=1, dtype=np.uint64) ^ np.uint64(k))
+    return [f"{v:016x}" for v in h.tolist()]
 
 
 def _digest_of(ids: list[tuple]) -> str:
@@ -219,11 +238,14 @@ def lane_digests(plan, lanes, states: dict, start_epoch: int, k: int,
     next ``k`` samples lie in one epoch are computed together, an epoch at a time (one
     index-shuffle call and one source view for all of them); the others one by one."""
     spec = plan.spec
-    lengths = plan_lengths(plan)
+    lanes = list(lanes)
+    lengths: Any = plan_lengths(plan) if len(lanes) > 64 else \
+        {lane: plan.lane_length(lane) for lane in lanes}
     together: dict[int, list] = {}
     out: dict[int, _Next] = {}
+    end = plan.pass_end(start_epoch)
     for lane in lanes:
-        at = _next_position(plan, lane, states.get(lane), start_epoch, int(lengths[lane]))
+        at = _next_position(plan, states.get(lane), start_epoch, int(lengths[lane]), end)
         if at is None:
             continue
         if at[1] + k <= lengths[lane]:
@@ -237,11 +259,10 @@ def lane_digests(plan, lanes, states: dict, start_epoch: int, k: int,
         names, indices = _identities(
             spec.source, epoch_positions(n, spec.seed, epoch, spec.permute, positions), epoch)
         rows = len(group)
-        keys = np.full((rows, k), _name_key(spec.source.name), dtype=np.uint64) \
-            if names is None else \
+        keys: Any = _name_key(spec.source.name) if names is None else \
             np.array([_name_key(x) for x in names], dtype=np.uint64).reshape(rows, k)
         matrix = np.asarray(indices, dtype=np.int64).reshape(rows, k)
-        found = _digests(keys, matrix, np.full((rows, k), epoch, dtype=np.int64))
+        found = _digests(keys, matrix, epoch)
         for row, (lane, pos) in enumerate(group):
             first = [(spec.source.name if names is None else names[row * k + m],
                       int(matrix[row, m]), epoch) for m in range(min(4, k))] \
@@ -426,9 +447,10 @@ def _check_shape(proof: Any, lanes_total: int) -> dict:
     if proof.get("digest") != DIGEST:
         raise _bad(f"digest {proof.get('digest')!r:.40}: this zephon makes {DIGEST!r}")
     nxt = proof.get("next")
-    if not isinstance(nxt, dict) or len(nxt) > lanes_total or not all(
-            isinstance(a, str) and _LANE.fullmatch(a) and int(a) < lanes_total
-            and isinstance(b, str) and _HEX16.fullmatch(b) for a, b in nxt.items()):
+    if not isinstance(nxt, dict) or not nxt.keys() <= _lane_ids(lanes_total) \
+            or not all(type(v) is str for v in nxt.values()) \
+            or not _HEX16S.fullmatch("".join(nxt.values())) \
+            or sum(map(len, nxt.values())) != 16 * len(nxt):
         raise _bad("next must map lane ids below lanes_total to 16-digit hex digests")
     if proof.get("mapping") not in ("contiguous", "interleaved"):
         raise _bad(f"mapping {proof.get('mapping')!r:.40}")
