@@ -371,3 +371,45 @@ def test_a_long_source_description_is_recorded_by_its_digest_and_still_named(tmp
     other = Pipeline(sources.jsonl(paths[:-1]), seed=1, chunk_size=4).batch(2)
     with pytest.raises(CheckpointError, match="source: "):
         other.restore(state)
+
+
+def test_the_digest_is_the_same_computed_in_numpy_or_in_python_ints():
+    from zephon.pipeline.proof import _digests, _digests_small
+
+    rng = np.random.default_rng(0)
+    indices = rng.integers(0, 2**40, (12, 8)).astype(np.int64)  # 96 > 16: the NumPy path
+    keys = rng.integers(0, 2**63, (12, 8)).astype(np.uint64)
+    epochs = rng.integers(0, 100, (12, 8)).astype(np.int64)
+    assert _digests(keys, indices, epochs) == _digests_small(keys, indices, epochs)
+    assert _digests(np.uint64(7), indices, 3) == _digests_small(np.uint64(7), indices, 3)
+
+
+class Sized(sources.Source):
+    """A source with the default identity whose description leaves its length out."""
+
+    def __init__(self, n: int) -> None:
+        self.name, self.n = "sized", n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def get(self, i: int):
+        return i
+
+    def describe(self) -> str:
+        return "Sized(sized)"
+
+
+def test_a_plain_source_whose_length_changed_under_the_same_description_is_refused():
+    def pipe(n):
+        return Pipeline(Sized(n), seed=5, chunk_size=4)
+
+    it = iter(pipe(64))
+    for _ in range(6):
+        next(it)
+    state = it.checkpoint()
+    it.close()
+    pipe(64).restore(state)  # the same length: nothing is recomputed, nothing differs
+    with pytest.raises(ResumeMismatchError) as err:
+        pipe(80).restore(state)
+    assert err.value.kinds == ("samples",)

@@ -25,7 +25,8 @@ Every state therefore carries a ``proof`` field, taken with it::
                                   # mtime or ETag) as built, one digest per block of B
                                   # files (and each file's stamp when B is 1)
      "parts": [...],              # the lines the fingerprint hashes, for a readable diff
-     "mapping": "contiguous" | "interleaved", "dp_degree": G}
+     "mapping": "contiguous" | "interleaved", "dp_degree": G,
+     "n": the source's length, "plain": whether it keeps the default identity (name, i)}
 
 Each rank computes ``next`` for the lanes it owns (a lane that ended its pass: the
 next pass's first samples; a merged state holds the union,
@@ -41,7 +42,9 @@ as many dp groups), unless ``RuntimeOptions(resume_accept=...)`` names the kind,
 case a ``ResumeMismatchWarning`` says what was accepted. A fingerprint mismatch
 names the parts that differ (:func:`describe_parts_diff`).
 
-Costs: ``next`` is ``K`` identities per lane, index arithmetic without a read (all
+Costs: for a source that keeps the default identity ``(name, i)`` on both sides,
+with the same length, the identities are a function of what the fingerprint holds:
+a restore does not recompute them. Otherwise ``next`` is ``K`` identities per lane, index arithmetic without a read (all
 the lanes of an epoch in one index-shuffle call and one source view, one vectorised
 64-bit digest each); the checkpoint's ``files`` are the files as the source saw them
 when it was built (a local file source stats its files then), computed once per
@@ -201,12 +204,42 @@ def _places(k: int) -> np.ndarray:
     return (np.arange(1, k + 1, dtype=np.uint64) * _GOLDEN)[None, :]
 
 
+_MASK = (1 << 64) - 1
+
+
+def _mix_int(x: int) -> int:
+    """:func:`_mix` of one Python int (for a few lanes, where NumPy's per-call cost
+    dominates)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def _digests_small(keys, indices: np.ndarray, epochs) -> list[str]:
+    """:func:`_digests` in plain Python ints: the same digests."""
+    rows, k = indices.shape
+    key_rows = np.broadcast_to(np.asarray(keys, dtype=np.uint64), (rows, k)).tolist()
+    epoch_rows = np.broadcast_to(np.asarray(epochs, dtype=np.uint64), (rows, k)).tolist()
+    out = []
+    for index_row, key_row, epoch_row in zip(indices.astype(np.uint64).tolist(), key_rows,
+                                             epoch_rows, strict=True):
+        total = 0
+        for j in range(k):
+            tag = _mix_int((epoch_row[j] + int(_START)) & _MASK) ^ key_row[j]
+            x = _mix_int(_mix_int(index_row[j] ^ tag) ^ (((j + 1) * int(_GOLDEN)) & _MASK))
+            total = (total + x) & _MASK
+        out.append(f"{_mix_int(total ^ k):016x}")
+    return out
+
+
 def _digests(keys, indices: np.ndarray, epochs) -> list[str]:
     """One digest per row of ``(rows, k)`` matrices of indices, name keys and epochs
     (``keys``/``epochs``: a matrix, or one number for every sample), as 16 hex digits:
     each identity mixed (splitmix64) with its place in the row, the row's mixes summed
     (wrapping) and mixed again. Whole matrices at a time: the cost hardly depends on the
     number of rows (a lane each)."""
+    if indices.size <= 16:  # a lane or two
+        return _digests_small(keys, indices, epochs)
     with np.errstate(over="ignore"):
         k = indices.shape[1]
         tag = _mix(np.asarray(epochs, dtype=np.uint64) + _START) ^ np.asarray(keys,
@@ -382,11 +415,19 @@ def make_proof(plan, states: dict, start_epoch: int, lanes: Iterable[int],
            for lane, found in sorted(lane_digests(plan, lanes, states, start_epoch,
                                                   k).items())}
     proof: dict[str, Any] = {"k": k, "digest": DIGEST, "next": nxt, "mapping": plan.mapping,
-                             "dp_degree": plan.dp}
+                             "dp_degree": plan.dp, "n": len(plan.spec.source),
+                             "plain": _plain(plan.spec.source)}
     if whole:
         proof["files"] = plan_files(plan)
         proof["parts"] = compact_parts(plan.fingerprint_parts)
     return proof
+
+
+def _plain(source) -> bool:
+    """Whether ``source`` keeps the default identity ``(its name, i)`` of each index: then
+    the identities a lane reads are a function of what the fingerprint holds and the
+    source's length alone."""
+    return type(source).identity is Source.identity and type(source).view is Source.view
 
 
 def compact_parts(parts) -> list[str]:
@@ -426,7 +467,7 @@ def describe_parts_diff(theirs: Any, ours: list[str]) -> str:
     return "; ".join(lines)
 
 
-_PROOF_KEYS = {"k", "digest", "next", "mapping", "dp_degree", "files", "parts"}
+_PROOF_KEYS = {"k", "digest", "next", "mapping", "dp_degree", "n", "plain", "files", "parts"}
 
 
 def _bad(what: str) -> CheckpointError:
@@ -457,6 +498,10 @@ def _check_shape(proof: Any, lanes_total: int) -> dict:
     dp = proof.get("dp_degree")
     if type(dp) is not int or not 1 <= dp <= lanes_total:
         raise _bad(f"dp_degree {dp!r:.40}")
+    if "n" in proof and (type(proof["n"]) is not int or proof["n"] < 0):
+        raise _bad(f"n {proof['n']!r:.40}")
+    if type(proof.get("plain", False)) is not bool:
+        raise _bad("plain must be True or False")
     parts = proof.get("parts", [])
     if not isinstance(parts, list) or not all(isinstance(x, str) for x in parts):
         raise _bad("parts must be a list of strings")
@@ -527,6 +572,11 @@ def _regrouped(proof: dict, plan) -> bool:
 
 
 def _samples_diff(proof: dict, plan, states: dict, start_epoch: int) -> list[str]:
+    source = plan.spec.source
+    if proof.get("plain") and _plain(source) and proof.get("n") == len(source):
+        # both sides name index i (name, i): with the same fingerprint (checked) and the
+        # same length, every lane reads the same identities; nothing to recompute
+        return []
     k, recorded = proof["k"], proof["next"]
     mine = [lane for lane in plan.owned if str(lane) in recorded]
     found = lane_digests(plan, mine, states, start_epoch, k)
