@@ -146,10 +146,10 @@ def test_restore_proof_check(benchmark, record_ratio, proof, case):
     lanes, runner = int(case.split("-")[0]), case.split("-")[1]
     proven, bare = proof_states(lanes)
     benchmark.group = f"restore + first batch, {case}"
-    rounds = 5 if runner == "process" else 15
+    rounds = 8 if runner == "process" else 60
     benchmark.pedantic(restore_first_batch,
                        args=(lanes, proven if proof == "proven" else bare, runner),
-                       rounds=rounds, warmup_rounds=1)
+                       rounds=rounds, warmup_rounds=2)
     target = 0.95 if runner == "process" else None
     record_ratio(f"proof_check_{case}", "subject" if proof == "proven" else "baseline",
                  target=target)
