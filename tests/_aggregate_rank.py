@@ -98,3 +98,28 @@ def main(cfg: dict) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(json.loads(sys.argv[1])))
+
+
+def ranks_in_threads(world: int, body, timeout: float = 120.0) -> dict:
+    """``{rank: body(rank)}`` for ranks ``0 .. world - 1``, each in a thread of this
+    process (ranks that exchange through a directory or a store need no processes);
+    re-raises the first rank's error."""
+    import threading
+
+    errors: list = []
+    out: dict = {}
+
+    def run(rank):
+        try:
+            out[rank] = body(rank)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise errors[0]
+    return out

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import warnings
 
 import numpy as np
 import pytest
+from _aggregate_rank import ranks_in_threads
 
 from zephon import Pipeline, RuntimeOptions, sources
 from zephon.checkpoint import codec, decode_state, encode_state
@@ -72,7 +72,7 @@ def test_an_unchanged_file_restores_silently_on_another_runner(tmp_path):
         warnings.simplefilter("error", ResumeMismatchWarning)
         other.restore(state)
         got = [b["tokens"].copy() for b in other]
-    assert len(got) == len(rest) and all(np.array_equal(a, b) for a, b in zip(got, rest))
+    assert len(got) == len(rest) and all(np.array_equal(a, b) for a, b in zip(got, rest, strict=True))
 
 
 def test_a_source_added_to_a_mixture_names_the_part_that_differs():
@@ -137,30 +137,20 @@ def test_lanes_that_would_read_other_samples_are_refused_naming_the_lanes():
 
 def ranks_state(tmp_path, mapping: str, world: int = 2, take_n: int = 4) -> bytes:
     """A merged checkpoint of ``world`` ranks (threads exchanging through a directory)."""
-    out: dict = {}
-    errors: list = []
-
     def rank(r):
-        try:
-            pipe = Pipeline(sources.from_sequence(list(range(64))), seed=2, chunk_size=4) \
-                .batch(2).options(RuntimeOptions(
-                    world_size=world, global_rank=r, canonical_replicas=4,
-                    mapping_strategy=mapping, aggregate_dir=str(tmp_path / f"agg-{mapping}"),
-                    run_id=f"proof-{mapping}", aggregate_timeout_s=60))
-            it = iter(pipe)
-            for _ in range(take_n):
-                next(it)
-            out[r] = it.checkpoint()
-            it.close()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        pipe = Pipeline(sources.from_sequence(list(range(64))), seed=2, chunk_size=4) \
+            .batch(2).options(RuntimeOptions(
+                world_size=world, global_rank=r, canonical_replicas=4,
+                mapping_strategy=mapping, aggregate_dir=str(tmp_path / f"agg-{mapping}"),
+                run_id=f"proof-{mapping}", aggregate_timeout_s=60))
+        it = iter(pipe)
+        for _ in range(take_n):
+            next(it)
+        state = it.checkpoint()
+        it.close()
+        return state
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    out = ranks_in_threads(world, rank)
     assert out[0] == out[1]
     return out[0]
 
@@ -272,7 +262,7 @@ def test_files_are_compared_as_they_are_at_the_restore_on_the_same_pipeline(tmp_
     before = os.stat(path)
     write_jsonl(path, "b")  # same size
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))
-    with pytest.raises(ResumeMismatchError, match="changed: a.jsonl"):
+    with pytest.raises(ResumeMismatchError, match=r"changed: a\.jsonl"):
         pipe.restore(state)  # the same object: its files are looked at again
 
 
@@ -287,7 +277,7 @@ def test_a_file_rewritten_before_the_first_checkpoint_is_recorded_as_it_was_buil
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))
     state = it.checkpoint()  # the stream so far came from the file as it was built
     it.close()
-    with pytest.raises(ResumeMismatchError, match="changed: a.jsonl"):
+    with pytest.raises(ResumeMismatchError, match=r"changed: a\.jsonl"):
         jsonl_pipe(path).restore(state)
 
 
@@ -332,8 +322,6 @@ def test_tampered_fields_of_a_proof_are_a_corrupt_checkpoint(field, value):
 
 
 def test_a_mapping_that_gives_every_rank_the_same_lanes_is_no_difference(tmp_path):
-    out: dict = {}
-
     def rank(r):
         it = iter(Pipeline(sources.from_sequence(list(range(64))), seed=2, chunk_size=4)
                   .batch(2).options(RuntimeOptions(
@@ -342,14 +330,11 @@ def test_a_mapping_that_gives_every_rank_the_same_lanes_is_no_difference(tmp_pat
                       run_id="same-lanes", aggregate_timeout_s=60)))
         for _ in range(3):
             next(it)
-        out[r] = it.checkpoint()
+        state = it.checkpoint()
         it.close()
+        return state
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    out = ranks_in_threads(2, rank)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ResumeMismatchWarning)
         pipe = Pipeline(sources.from_sequence(list(range(64))), seed=2, chunk_size=4) \

@@ -3,9 +3,8 @@ steps() runs a fixed number of optimizer steps across epochs from the restored s
 
 from __future__ import annotations
 
-import threading
-
 import pytest
+from _aggregate_rank import ranks_in_threads
 
 from zephon import Pipeline, RuntimeOptions, sources
 from zephon.errors import ZephonConfigError
@@ -71,8 +70,6 @@ def test_a_position_mid_step_is_refused():
 
 
 def test_position_after_a_restore_on_one_rank_counts_every_ranks_batches(tmp_path):
-    states = {}
-
     def rank(r):
         loader = zt.loader(pipe(num_epochs=None, world_size=2, global_rank=r,
                                 canonical_replicas=4, mapping_strategy="interleaved",
@@ -80,14 +77,11 @@ def test_position_after_a_restore_on_one_rank_counts_every_ranks_batches(tmp_pat
         for _ in loader.steps(3, micro_batches=2):
             pass
         assert loader.position().rank_batches == 6
-        states[r] = loader.state_dict()
+        state = loader.state_dict()
         loader.close()
+        return state
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    states = ranks_in_threads(2, rank)
     assert states[0] == states[1]
     one = zt.loader(pipe(num_epochs=None, canonical_replicas=4, mapping_strategy="interleaved"))
     one.load_state_dict(states[0])
