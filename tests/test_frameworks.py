@@ -21,7 +21,6 @@ import sys
 import time
 
 import pytest
-
 from _aggregate_rank import free_port
 
 pytest.importorskip("torch.distributed")

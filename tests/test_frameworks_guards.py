@@ -13,7 +13,6 @@ import sys
 import textwrap
 
 import pytest
-
 from _aggregate_rank import free_port
 
 torch = pytest.importorskip("torch")

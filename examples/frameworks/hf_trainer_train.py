@@ -21,13 +21,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-import torch._dynamo  # noqa: E402,F401 - before the process group: see common.shut_down
-from common import StepLog, TinyLM, accumulation, build_pipeline, parse, shut_down  # noqa: E402
-from transformers import TrainerCallback, TrainingArguments  # noqa: E402
+import torch
+import torch._dynamo  # before the process group exists: see common.shut_down
+from common import StepLog, TinyLM, accumulation, build_pipeline, parse, shut_down
+from transformers import TrainerCallback, TrainingArguments
 
-import zephon.torch as zt  # noqa: E402
-from zephon.torch.hf import ZephonTrainer  # noqa: E402
+import zephon.torch as zt
+from zephon.torch.hf import ZephonTrainer
 
 
 class Logged(ZephonTrainer):

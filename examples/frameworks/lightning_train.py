@@ -23,13 +23,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import lightning as L  # noqa: E402
-import torch  # noqa: E402
-import torch._dynamo  # noqa: E402,F401 - before the process group: see common.shut_down
-from common import StepLog, TinyLM, accumulation, build_pipeline, parse, shut_down  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+import lightning as L
+import torch
+import torch._dynamo  # before the process group exists: see common.shut_down
+from common import StepLog, TinyLM, accumulation, build_pipeline, parse, shut_down
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-from zephon.torch.lightning import ZephonDataModule  # noqa: E402
+from zephon.torch.lightning import ZephonDataModule
 
 
 class LitLM(L.LightningModule):

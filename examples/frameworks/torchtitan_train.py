@@ -27,17 +27,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch._dynamo  # noqa: E402,F401 - before the process group: see common.shut_down
-import torch.distributed as dist  # noqa: E402
-from common import SEQ, VOCAB, StepLog, TinyLM, accumulation, parse, shut_down  # noqa: E402
-from torch.distributed.checkpoint.stateful import Stateful  # noqa: E402
-from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
-from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
+import numpy as np
+import torch
+import torch._dynamo  # before the process group exists: see common.shut_down
+import torch.distributed as dist
+from common import SEQ, VOCAB, StepLog, TinyLM, accumulation, parse, shut_down
+from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
-from zephon import Pipeline, RuntimeOptions, sources  # noqa: E402
-from zephon.torch.titan import ZephonDataLoader  # noqa: E402
+from zephon import Pipeline, RuntimeOptions, sources
+from zephon.torch.titan import ZephonDataLoader
 
 SAMPLES = int(os.environ.get("ZEPHON_EXAMPLE_SAMPLES", "96"))
 SEED = int(os.environ.get("ZEPHON_EXAMPLE_SEED", "7"))
