@@ -71,8 +71,8 @@ from __future__ import annotations
 import datetime
 import functools
 import hashlib
+import inspect
 import re
-import sys
 import warnings
 import weakref
 from typing import Any, Iterable
@@ -467,66 +467,71 @@ def describe_parts_diff(theirs: Any, ours: list[str]) -> str:
     return "; ".join(lines)
 
 
-_PROOF_KEYS = {"k", "digest", "next", "mapping", "dp_degree", "n", "plain", "files", "parts"}
-
-
 def _bad(what: str) -> CheckpointError:
     return CheckpointError(f"corrupt checkpoint: proof {what}")
 
 
+def _next_ok(value: Any, lanes_total: int) -> bool:
+    return (isinstance(value, dict) and value.keys() <= _lane_ids(lanes_total)
+            and all(type(v) is str for v in value.values())
+            and sum(map(len, value.values())) == 16 * len(value)
+            and _HEX16S.fullmatch("".join(value.values())) is not None)
+
+
+#: field -> (its check given the state's lanes_total, what it must be); "n", "plain",
+#: "parts" and "files" may be absent (a rank's submission other than rank 0's)
+_FIELDS: dict = {
+    "k": (lambda v, c: type(v) is int and 0 < v <= 64, "an int in [1, 64]"),
+    "digest": (lambda v, c: v == DIGEST, f"{DIGEST!r} (how this zephon makes them)"),
+    "next": (_next_ok, "a map of lane ids below lanes_total to 16-digit hex digests"),
+    "mapping": (lambda v, c: v in ("contiguous", "interleaved"), "a mapping strategy"),
+    "dp_degree": (lambda v, c: type(v) is int and 1 <= v <= c, "an int in [1, lanes_total]"),
+    "n": (lambda v, c: type(v) is int and v >= 0, "an int >= 0"),
+    "plain": (lambda v, c: type(v) is bool, "True or False"),
+    "parts": (lambda v, c: isinstance(v, list) and all(isinstance(x, str) for x in v),
+              "a list of strings"),
+    "files": (lambda v, c: v is None or _files_ok(v), "None or the files' digests"),
+}
+_OPTIONAL_FIELDS = ("n", "plain", "parts", "files")
+
+
 def _check_shape(proof: Any, lanes_total: int) -> dict:
-    """The proof, every field checked for type and range (a CheckpointError names the
-    first that is wrong)."""
+    """The proof, every field checked for type and range against :data:`_FIELDS` (a
+    CheckpointError names the first that is wrong)."""
     if not isinstance(proof, dict):
         raise _bad("must be a mapping")
-    unknown = sorted(str(key)[:40] for key in proof if key not in _PROOF_KEYS)
+    unknown = sorted(str(key)[:40] for key in proof if key not in _FIELDS)
     if unknown:
         raise _bad(f"has unknown field(s) {unknown[:5]}")
-    k = proof.get("k")
-    if type(k) is not int or not 0 < k <= 64:
-        raise _bad(f"k = {k!r:.40}")
-    if proof.get("digest") != DIGEST:
-        raise _bad(f"digest {proof.get('digest')!r:.40}: this zephon makes {DIGEST!r}")
-    nxt = proof.get("next")
-    if not isinstance(nxt, dict) or not nxt.keys() <= _lane_ids(lanes_total) \
-            or not all(type(v) is str for v in nxt.values()) \
-            or not _HEX16S.fullmatch("".join(nxt.values())) \
-            or sum(map(len, nxt.values())) != 16 * len(nxt):
-        raise _bad("next must map lane ids below lanes_total to 16-digit hex digests")
-    if proof.get("mapping") not in ("contiguous", "interleaved"):
-        raise _bad(f"mapping {proof.get('mapping')!r:.40}")
-    dp = proof.get("dp_degree")
-    if type(dp) is not int or not 1 <= dp <= lanes_total:
-        raise _bad(f"dp_degree {dp!r:.40}")
-    if "n" in proof and (type(proof["n"]) is not int or proof["n"] < 0):
-        raise _bad(f"n {proof['n']!r:.40}")
-    if type(proof.get("plain", False)) is not bool:
-        raise _bad("plain must be True or False")
-    parts = proof.get("parts", [])
-    if not isinstance(parts, list) or not all(isinstance(x, str) for x in parts):
-        raise _bad("parts must be a list of strings")
-    if proof.get("files") is not None:
-        _check_files(proof["files"])
+    for name, (ok, what) in _FIELDS.items():
+        if name not in proof:
+            if name in _OPTIONAL_FIELDS:
+                continue
+            raise _bad(f"lacks {name!r}")
+        if not ok(proof[name], lanes_total):
+            raise _bad(f"{name} {proof[name]!r:.60}: must be {what}")
     return proof
 
 
-def _check_files(files: Any) -> None:
+def _stamps_ok(stamps: Any, count: int, block: int) -> bool:
+    return stamps is None or (
+        block == 1 and isinstance(stamps, list) and len(stamps) == count
+        and all(isinstance(t, list) and len(t) == 3 and isinstance(t[0], str)
+                and type(t[1]) is int and isinstance(t[2], str) for t in stamps))
+
+
+def _files_ok(files: Any) -> bool:
     if not isinstance(files, dict):
-        raise _bad("files must be a mapping")
+        return False
     count, block = files.get("count"), files.get("block")
-    digests, names, stamps = files.get("digests"), files.get("names"), files.get("stamps")
     if type(count) is not int or type(block) is not int or count < 0 or block < 1:
-        raise _bad("files count/block out of range")
+        return False
+    digests, names = files.get("digests"), files.get("names")
     blocks = -(-count // block)
-    if not (isinstance(digests, list) and isinstance(names, list)
+    return (isinstance(digests, list) and isinstance(names, list)
             and len(digests) == len(names) == blocks
-            and all(isinstance(x, str) for x in digests + names)):
-        raise _bad("files digests/names do not match its count")
-    if stamps is not None and not (
-            block == 1 and isinstance(stamps, list) and len(stamps) == count
-            and all(isinstance(t, list) and len(t) == 3 and isinstance(t[0], str)
-                    and type(t[1]) is int and isinstance(t[2], str) for t in stamps)):
-        raise _bad("files stamps must be [name, size, stamp] for each file")
+            and all(isinstance(x, str) for x in digests + names)
+            and _stamps_ok(files.get("stamps"), count, block))
 
 
 def verify(decoded: dict, plan, states: dict, start_epoch: int,
@@ -606,7 +611,8 @@ def _samples_diff(proof: dict, plan, states: dict, start_epoch: int) -> list[str
 def _outside_zephon() -> int:
     """The ``stacklevel`` of the first caller outside zephon (the user's restore call),
     seen from the ``warnings.warn`` call in :func:`_report`."""
-    frame: Any = sys._getframe(2)
+    frame: Any = inspect.currentframe()
+    frame = frame.f_back.f_back if frame is not None else None
     level = 2
     while frame is not None and frame.f_globals.get("__name__", "").startswith("zephon."):
         frame, level = frame.f_back, level + 1

@@ -10,7 +10,7 @@ whole pipeline and the batches would repeat, so iterating there raises a
 
 from __future__ import annotations
 
-import sys
+import inspect
 from typing import Any
 
 import torch.utils.data
@@ -100,7 +100,8 @@ _RESHARDERS = ("accelerate.",)
 def _resharding_caller() -> str | None:
     """The class of the caller, a few frames up, that re-shards a dataset among ranks
     (accelerate's DataLoaderDispatcher or IterableDatasetShard), if any."""
-    frame: Any = sys._getframe(2)
+    frame: Any = inspect.currentframe()
+    frame = frame.f_back.f_back if frame is not None else None
     for _ in range(8):
         if frame is None:
             return None
