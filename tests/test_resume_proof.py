@@ -398,3 +398,25 @@ def test_a_plain_source_whose_length_changed_under_the_same_description_is_refus
     with pytest.raises(ResumeMismatchError) as err:
         pipe(80).restore(state)
     assert err.value.kinds == ("samples",)
+
+
+def test_an_accepted_difference_is_said_once_through_the_torch_loader(tmp_path):
+    zt = pytest.importorskip("zephon.torch")
+    pytest.importorskip("torch")
+    path = tmp_path / "train.bin"
+    write_tokens(path, 0)
+    loader = zt.loader(token_pipe(path))
+    next(iter(loader))
+    state = loader.state_dict()
+    loader.close()
+    before = os.stat(path)
+    write_tokens(path, 1)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))
+    again = zt.loader(token_pipe(path, resume_accept=("files",)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again.load_state_dict(state)
+    assert [w.category for w in caught] == [ResumeMismatchWarning]
+    with pytest.raises(ResumeMismatchError):
+        zt.loader(token_pipe(path)).load_state_dict(state)
+    again.close()
