@@ -38,10 +38,14 @@ def assert_same(ours, theirs, where="batch"):
         assert ours == theirs, where
 
 
-def incremental(samples, size):
+def incremental(samples, size, arrays_first=False):
+    """The collator fed as a fused stage feeds it: with ``arrays_first``, each sample is
+    offered to ``add_arrays`` first (taken when every field is a numeric array that goes
+    into its row) and ``add``-ed only when refused."""
     c = Collator(size)
     for s in samples:
-        c.add(s)
+        if not (arrays_first and c.add_arrays(s)):
+            c.add(s)
     return c.result()
 
 
@@ -54,10 +58,11 @@ def outcome(make):
 
 def check(samples, size):
     want, want_error = outcome(lambda: collate(list(samples)))
-    got, got_error = outcome(lambda: incremental(samples, size))
-    assert got_error == want_error
-    if want_error is None:
-        assert_same(got, want)
+    for arrays_first in (False, True):
+        got, got_error = outcome(lambda a=arrays_first: incremental(samples, size, a))
+        assert got_error == want_error
+        if want_error is None:
+            assert_same(got, want)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
@@ -139,6 +144,21 @@ def test_a_fused_stage_streams_the_collated_samples(runner):
     assert len(got) == 8
     for k, batch in enumerate(got):
         assert_same(dict(batch), collate(samples[5 * k:5 * k + 5]))
+
+
+def test_arrays_taken_whole_are_copied_and_anything_else_is_refused():
+    buffer = np.arange(8, dtype=np.int64)
+    c = Collator(3)
+    assert c.add_arrays({"x": buffer[:-1], "y": buffer[1:]})  # views of one array: copied
+    buffer[:] = -1  # the op reuses its buffer: the batch does not see it
+    assert not c.add_arrays({"x": buffer[:-1], "y": 7})  # a plain value: add() it
+    assert not c.add_arrays({"x": buffer[:-1]})  # another set of keys
+    assert not c.add_arrays({"x": buffer[:-2], "y": buffer[2:]})  # another shape
+    c.add({"x": buffer[:-1], "y": 7})
+    assert not c.add_arrays({"x": buffer[:-1], "y": buffer[1:]})  # a list column now
+    out = c.result()
+    assert out["x"][0].tolist() == list(range(7))
+    assert Collator(1).add_arrays({}) and not Collator(1).add_arrays([buffer])
 
 
 def test_the_collator_keeps_no_reference_to_its_result():

@@ -96,3 +96,23 @@ def test_grouped_windows_resume_mid_message(files):
         runner="inline", canonical_replicas=2)), 2, key)
     assert_resumes(lambda: pipe.options(GROUPED), 5, key=key, reference=expected,
                    following=following)
+
+
+def test_a_mapped_stage_sends_many_batches_a_message_and_the_same_stream(files):
+    """Per-sample ops on the process runner: the batches travel several to a message
+    (a message costs the consumer about as much as 20 cheap samples), and the stream, a
+    resume in the middle of a message included, is the inline one."""
+    from zephon.pipeline.engine import Plan
+    from zephon.pipeline.program import OPS_GROUP_SAMPLES, batches_per_message
+
+    src = _sources(files)[0]
+    mapped = Pipeline(src, seed=4, chunk_size=5, shuffle=True, num_epochs=2) \
+        .map(F.identity).batch(3)
+    per = batches_per_message(src, 3, Plan(mapped.spec, GROUPED).stages[0])
+    assert per == -(-OPS_GROUP_SAMPLES // 3)
+    inline = RuntimeOptions(runner="inline", canonical_replicas=2)
+    rows = [key(b) for b in mapped.options(inline)]
+    assert [key(b) for b in mapped.options(GROUPED)] == rows
+    expected, following = passes(lambda: mapped.options(inline), 2, key)
+    assert_resumes(lambda: mapped.options(GROUPED), 7, key=key, reference=expected,
+                   following=following)

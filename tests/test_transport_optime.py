@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import os
 import threading
 import time
 
@@ -43,10 +45,35 @@ def test_the_wait_for_a_cpu_is_taken_off(monkeypatch):
     assert clock.seconds() == pytest.approx(time.perf_counter() - clock.started, abs=0.01)
 
 
+def _in_a_thread(fn):
+    """``fn()`` in a thread of its own (a thread opens its statistics at its first read)."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
 def test_without_scheduler_statistics_it_is_the_wall_time(monkeypatch):
     monkeypatch.setattr(optime, "_SCHEDSTAT", "/nonexistent/schedstat")
-    assert run_queue_wait_s() is None
-    clock = OpClock()
-    time.sleep(0.01)
-    seconds = clock.seconds()
-    assert seconds >= 0.01 and seconds <= time.perf_counter() - clock.started
+
+    def timed():
+        assert run_queue_wait_s() is None
+        clock = OpClock()
+        time.sleep(0.01)
+        seconds = clock.seconds()
+        return seconds, time.perf_counter() - clock.started
+
+    seconds, wall = _in_a_thread(timed)
+    assert 0.01 <= seconds <= wall
+
+
+def test_each_thread_holds_one_descriptor_closed_when_it_ends():
+    if run_queue_wait_s() is None:
+        pytest.skip("no /proc/thread-self/schedstat here")
+    before = len(os.listdir("/proc/self/fd"))
+    seen = [_in_a_thread(lambda: [run_queue_wait_s() for _ in range(100)])
+            for _ in range(20)]
+    gc.collect()
+    assert all(v is not None for reads in seen for v in reads)
+    assert len(os.listdir("/proc/self/fd")) == before  # 20 threads ended: none left open

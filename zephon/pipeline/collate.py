@@ -338,6 +338,39 @@ class Collator:
         else:
             self._add_row(value, i)
 
+    def add_arrays(self, value) -> bool:
+        """Take sample ``value`` when every field is a numeric array copied into its row of
+        the batch (a dict of such arrays, as the first sample's or the batch's columns
+        take them): True, and nothing of ``value`` is kept, so its caller need not make
+        it independent of the op first (:func:`~zephon.transport.heap.settle`). False,
+        with nothing taken, otherwise: :meth:`add` it then."""
+        i = self._count
+        if self._values is not None or type(value) is not dict or i >= self._size:
+            return False
+        if i == 0:
+            for v in value.values():
+                if type(v) is not np.ndarray or v.dtype.kind not in _NUMERIC_KINDS or \
+                        not v.dtype.isnative:
+                    return False
+            self._count = 1
+            self._keys = list(value)
+            self._columns = [self._start(value[k]) for k in self._keys]
+            return True
+        keys = self._keys
+        if keys is None or len(value) != len(keys):
+            return False
+        columns = self._columns
+        for j, key in enumerate(keys):
+            v = value.get(key)
+            column = columns[j]
+            if type(column) is list or type(v) is not np.ndarray or \
+                    v.dtype != column.dtype or v.shape != column.shape[1:]:
+                return False
+        for j, key in enumerate(keys):
+            columns[j][i] = value[key]
+        self._count = i + 1
+        return True
+
     def _start(self, first):
         if type(first) is np.ndarray and first.dtype.kind in _NUMERIC_KINDS and \
                 first.dtype.isnative:

@@ -73,23 +73,40 @@ GROUP_TARGET_BYTES = 16 << 20
 #: first messages of a lane are smaller (see :func:`~zephon.pipeline.lanes.grouped_units`),
 #: so the first batches arrive early whatever the target.
 GROUP_MAX_BATCHES = 1024
+#: Samples one message aims at when the stage runs per-sample ops: a message costs the
+#: consumer about 0.4 ms (a submit, a result, their encoding and wake-ups), which next to
+#: a cheap op (a window made into int64 x/y: about 15 us a sample) halved the process
+#: runner's rate at one batch of 16 per message; 256 samples make it about 1.5 us a sample.
+OPS_GROUP_SAMPLES = 256
+#: ... and at most this many bytes of the source's samples (their estimate, as read): an op
+#: may make its output several times larger (uint16 windows made int64 x/y: 8x), and samples
+#: this large (decoded images) already make a message whose cost vanishes next to them.
+OPS_GROUP_BYTES = 2 << 20
 
 
 def batches_per_message(source, batch_size: int, stage) -> int:
     """How many micro-batches of a fused ``read -> batch`` stage travel in one message
-    (see :class:`~zephon.pipeline.lanes.BatchGroup`): several only on the process runner,
-    for a stage without ops over a source that reads batches column by column and can
-    estimate its sample size; 1 otherwise (the batch is the message). A message holds at
-    most :data:`GROUP_TARGET_BYTES` and leaves every worker a message of its own within
-    the stage's items-in-flight bound (``stage.item_cap`` batches per lane, when the stage
-    has one; otherwise its byte budget bounds what is in flight)."""
-    if stage.runner != "process" or stage.ops or \
-            type(source).get_batch is Source.get_batch:
+    (see :class:`~zephon.pipeline.lanes.BatchGroup`): several only on the process runner
+    over a source that can estimate its sample size (1 otherwise: the batch is the
+    message). A stage without ops over a source that reads batches column by column sends
+    up to :data:`GROUP_TARGET_BYTES` a message; a stage with per-sample ops sends
+    :data:`OPS_GROUP_SAMPLES` samples a message, at most :data:`OPS_GROUP_BYTES` of the
+    source's bytes. Either leaves every worker a message of its own within the stage's
+    items-in-flight bound (``stage.item_cap`` batches per lane, when the stage has one;
+    otherwise its byte budget bounds what is in flight)."""
+    if stage.runner != "process":
         return 1
     row = source.sample_nbytes()
     if not row:
         return 1
-    per = int(GROUP_TARGET_BYTES // max(1.0, row * batch_size))
+    batch_bytes = max(1.0, row * batch_size)
+    if stage.ops:
+        per = min(-(-OPS_GROUP_SAMPLES // max(1, batch_size)),
+                  int(OPS_GROUP_BYTES // batch_bytes))
+    elif type(source).get_batch is Source.get_batch:
+        return 1
+    else:
+        per = int(GROUP_TARGET_BYTES // batch_bytes)
     if stage.item_cap is not None:
         per = min(per, stage.item_cap // max(1, stage.workers))
     return max(1, min(GROUP_MAX_BATCHES, per))
@@ -118,6 +135,21 @@ def _taker(records):
         return lambda: records.pop() if records else None
     it = iter(records)
     return lambda: next(it, None)
+
+
+def _handed_on(r: Record, mapped: bool, collator: Collator | None) -> Record:
+    """What goes on of a sample that passed every op (``mapped``: there was one): settled,
+    or with a ``collator`` added to the batch (a value whose fields are all numeric arrays
+    copied into their rows without settling first) and kept as its identity alone."""
+    if collator is None:
+        if mapped:
+            settle(r)
+        return r
+    if not collator.add_arrays(r.value):
+        if mapped:
+            settle(r)
+        collator.add(r.value)
+    return Record(None, r.ids, r.pos)
 
 
 class StageProgram:
@@ -245,9 +277,12 @@ class StageProgram:
         may still hold the list a part was cut from).
 
         With a ``collator`` (a fused batch's default collation), each record's value goes
-        to it once settled and the record keeps only its identity and position: the
-        collator has copied its arrays into the batch's rows, so the sample's memory is
-        freed before the next sample is made."""
+        to it and the record keeps only its identity and position: the collator has
+        copied its arrays into the batch's rows, so the sample's memory is freed before
+        the next sample is made. A value whose fields are all numeric arrays is not
+        settled first (:meth:`~zephon.pipeline.collate.Collator.add_arrays`: the row copy
+        already makes the batch independent of the op; settling copied views such as
+        ``t[:-1]``, ``t[1:]`` a second time); any other value is settled, then added."""
         if any(op.batched for op in ops):
             return self._run_batched(records, ops)
         seed, take, given = self.seed, _taker(records), type(records) is list
@@ -268,12 +303,7 @@ class StageProgram:
                     if r is None:
                         break
                 else:
-                    if ops:
-                        settle(r)
-                    if collator is not None:
-                        collator.add(r.value)
-                        r = Record(None, r.ids, r.pos)
-                    out.append(r)
+                    out.append(_handed_on(r, bool(ops), collator))
         except (TaskAbandoned, Unwind):
             raise
         except BaseException as exc:  # noqa: BLE001 - an op's SystemExit too: what came before goes on

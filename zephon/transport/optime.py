@@ -16,13 +16,16 @@ as it should: that is latency the part really costs. Where the scheduler statist
 not available (not Linux, or ``/proc`` not mounted) it is the plain wall time.
 
 Invariants: the result is never negative and never more than the wall time; reading the
-statistics costs two small ``/proc`` reads per unit (a few microseconds each), nothing is
-kept open between units (no descriptor outlives the call, whichever thread makes it).
+statistics costs two ``pread`` calls per unit (about a microsecond each) on one descriptor
+per thread that times units, opened at its first unit and closed when the thread ends
+(its ``threading.local`` is cleared then): opening ``/proc`` for every reading cost
+about 11 us a unit, 8 % of an inline pipeline of cheap per-sample ops.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 __all__ = ["OpClock", "run_queue_wait_s"]
@@ -30,19 +33,42 @@ __all__ = ["OpClock", "run_queue_wait_s"]
 _SCHEDSTAT = "/proc/thread-self/schedstat"
 
 
+class _Schedstat:
+    """This thread's ``schedstat`` descriptor (-1: the kernel does not give one), closed
+    when the object goes: when its thread ends and the thread's local storage is cleared."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self) -> None:
+        try:
+            self.fd = os.open(_SCHEDSTAT, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self.fd = -1
+
+    def __del__(self) -> None:
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+
+
+_local = threading.local()
+
+
 def run_queue_wait_s() -> float | None:
     """Seconds the calling thread has waited in the run queue since it started, or None
     when the kernel does not say (``schedstat``'s second field, in nanoseconds)."""
-    try:
-        fd = os.open(_SCHEDSTAT, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    stat = getattr(_local, "schedstat", None)
+    if stat is None:
+        stat = _local.schedstat = _Schedstat()
+    if stat.fd < 0:
         return None
     try:
-        fields = os.read(fd, 128).split()
+        fields = os.pread(stat.fd, 128, 0).split()
     except OSError:
         return None
-    finally:
-        os.close(fd)
     try:
         return int(fields[1]) * 1e-9
     except (IndexError, ValueError):

@@ -261,25 +261,43 @@ class TokenWindows(FileSource):
                               f"after the source was built: {what}")
 
     def get(self, i: int) -> Any:
+        return self._read(i, self._checked_fd(i))
+
+    def _checked_fd(self, i: int) -> int:
+        """This process's descriptor of the file after one ``fstat`` check that it is as
+        built (-1 for a streamed remote file: each window is then a ranged request)."""
         if not 0 <= i < self.n_tokens // self.seq_len:
             raise IndexError(f"token_windows: window {i} out of range [0, {len(self)})")
-        at = self.offset + i * self.nbytes
         fd = self._fd
         if fd < 0:
-            reader = self.reader(0)
-            if reader.streamed:
-                data = reader.pread(at, self.nbytes, f"window {i}")
-                return {"tokens": np.frombuffer(data, dtype=self.dtype).copy()}
+            if self.reader(0).streamed:
+                return -1
             fd = self._open(i)
         st = os.fstat(fd)
         if st.st_size != self.stat[2] or st.st_mtime_ns != self.stat[3]:  # type: ignore[index]
             self._check(identity(st), i)
+        return fd
+
+    def _read(self, i: int, fd: int) -> dict:
+        """Window ``i`` through ``fd`` (checked by :meth:`_checked_fd`)."""
+        if not 0 <= i < self.n_tokens // self.seq_len:
+            raise IndexError(f"token_windows: window {i} out of range [0, {len(self)})")
+        at = self.offset + i * self.nbytes
+        if fd < 0:
+            data = self.reader(0).pread(at, self.nbytes, f"window {i}")
+            return {"tokens": np.frombuffer(data, dtype=self.dtype).copy()}
         out = np.empty(self.seq_len, dtype=self.dtype)
         got = os.preadv(fd, [out.data], at)
         if got != self.nbytes:
             raise SourceError(f"token_windows: {self.path}, window {i}: truncated: expected "
                               f"{self.nbytes} bytes at offset {at}, read {got}")
         return {"tokens": out}
+
+    def view(self, indices, epoch: int) -> "_WindowsView":
+        """The windows of one read unit: the file is checked (one ``fstat``: its size and
+        mtime as built) once for the unit, not once per window, then each window is one
+        ``os.preadv``."""
+        return _WindowsView(self, indices)
 
     def get_batch(self, indices) -> dict | None:
         """Windows ``indices`` collated (see :meth:`Source.get_batch`): one ``(n, seq_len)``
@@ -335,3 +353,22 @@ class TokenWindows(FileSource):
         where = self.path if is_remote(self.path) else os.path.basename(self.path)
         return (f"TokenWindows({self.name}, {where}, "
                 f"tokens={self.n_tokens}, seq_len={self.seq_len}, {self.dtype.str})")
+
+
+class _WindowsView:
+    """:meth:`TokenWindows.view`: the unit's windows, the file checked at the first read."""
+
+    __slots__ = ("fd", "indices", "source")
+
+    def __init__(self, source: TokenWindows, indices) -> None:
+        self.source, self.fd = source, -2  # -2: not checked yet (-1: a streamed file)
+        self.indices = indices.tolist() if isinstance(indices, np.ndarray) else list(indices)
+
+    def identity(self, n: int) -> tuple[str, int]:
+        return self.source.identity(self.indices[n])
+
+    def get(self, n: int) -> Any:
+        i = self.indices[n]
+        if self.fd == -2:
+            self.fd = self.source._checked_fd(i)
+        return self.source._read(i, self.fd)
