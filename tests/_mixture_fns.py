@@ -62,3 +62,10 @@ def only_b(sample):
 def huge_from_2(epoch):
     """A weight schedule of equal weights whose sum overflows a float from epoch 2."""
     return {"a": 1.0, "b": 1.0} if epoch < 2 else {"a": 1e308, "b": 1e308}
+
+
+def code_then_web(position):
+    """A position-keyed schedule: code falls from 0.6 to 0.1 over the first 20,000
+    positions, the rest split evenly."""
+    code = max(0.1, 0.6 - 0.5 * position / 20_000)
+    return {"code": code, "web": (1 - code) / 2, "books": (1 - code) / 2}

@@ -139,6 +139,12 @@ class Pipeline:
             raise ZephonConfigError(f"Pipeline: num_epochs must be None or an int >= 1, "
                                     f"got {num_epochs!r}")
         # ``shuffle`` (the flag) orders each epoch; ``shuffle(n)`` (the method) is the op.
+        if source.orders_itself():  # a position-keyed mixture: read in its own order
+            if not isinstance(shuffle, bool):
+                raise ZephonConfigError(f"Pipeline: {type(source).__name__} orders itself (a "
+                                        f"mixture with a position-keyed schedule): shuffle "
+                                        f"must be True or False, got {shuffle!r}")
+            source, shuffle = source.ordered(shuffle), False
         #: the definition (frozen): source, ops, seed, epoch order, chunking, epochs
         self.spec = PipelineSpec(source, (), seed, resolve_order(source, shuffle, shuffle_window),
                                  chunk_size, num_epochs)

@@ -413,7 +413,8 @@ def mixture(components: Mapping[str, Source], weights: Weights = None, *,
             config=None, name: str = "mixture", exhausted: str | Mapping[str, str] = "repeat",
             max_repeats: float | Mapping[str, float] | None = None, by: str = "samples",
             tokens_per_sample: Mapping[str, float] | None = None,
-            token_count: Callable[[Any], int] | None = None) -> Source:
+            token_count: Callable[[Any], int] | None = None, schedule_unit: str = "epochs",
+            interpolate: str = "step") -> Source:
     """Components sampled at their weights: each weight is the component's expected share
     of the output, under every shuffle setting, runner, worker count and world size.
 
@@ -453,6 +454,20 @@ def mixture(components: Mapping[str, Source], weights: Weights = None, *,
         token_count: with ``by="tokens"`` and no ``tokens_per_sample``, tokens of one
             sample (default: the size of its ``"tokens"`` field, else the words of its
             ``"text"`` field).
+        schedule_unit: what a schedule's steps count: ``"epochs"`` (above), or
+            ``"samples"`` / ``"tokens"``: the weights are a function of the position in
+            the stream (``[(first_position, weights), ...]`` or a module-level callable
+            ``position -> weights``), exact in every stretch of the stream, on every
+            runner, world size and restore (see
+            :mod:`zephon.pipeline.sources.stream_schedule`). The mixture then orders
+            itself: the pipeline reads it in its own order, its ``shuffle`` flag
+            shuffling each component's passes; every component repeats
+            (``exhausted="repeat"``, no ``max_repeats``) and none is a mixture.
+            ``"tokens"`` places the steps by each component's tokens per sample (given,
+            known to the source, or measured as with ``by="tokens"``).
+        interpolate: with a list of steps and ``schedule_unit`` samples or tokens,
+            ``"step"`` (each step's weights hold until the next) or ``"linear"`` (the
+            sample rates move linearly from one step to the next).
 
     Returns:
         A :class:`Source` whose length is one epoch of the mixture.
@@ -473,6 +488,13 @@ def mixture(components: Mapping[str, Source], weights: Weights = None, *,
     Example:
         >>> a = sources.from_sequence(["a0", "a1", "a2", "a3"], name="a")
         >>> b = sources.from_sequence(["b0", "b1"], name="b")
+        >>> warm = sources.mixture(  # all of a for 1024 samples, then all of b
+        ...     {"a": sources.from_sequence(list(range(1000)), name="a"),
+        ...      "b": sources.from_sequence(list(range(1000, 1500)), name="b")},
+        ...     [(0, {"a": 1, "b": 0}), (1024, {"a": 0, "b": 1})], schedule_unit="samples")
+        >>> stream = list(Pipeline(warm, num_epochs=3))
+        >>> sum(x < 1000 for x in stream[:1024]), sum(x >= 1000 for x in stream[1024:])
+        (1024, 1976)
         >>> mix = sources.mixture({"a": a, "b": b}, {"a": 0.5, "b": 0.5})
         >>> [mix.get(i) for i in range(len(mix))]
         ['a0', 'b0', 'a1', 'b1', 'a2', 'b1', 'a3', 'b0']
@@ -481,4 +503,5 @@ def mixture(components: Mapping[str, Source], weights: Weights = None, *,
     """
     return MixtureSource(components, weights, config, name, exhausted=exhausted,
                          max_repeats=max_repeats, by=by, tokens_per_sample=tokens_per_sample,
-                         token_count=token_count)
+                         token_count=token_count, schedule_unit=schedule_unit,
+                         interpolate=interpolate)

@@ -156,6 +156,34 @@ class Source:
         """
         return None
 
+    def orders_itself(self) -> bool:
+        """Whether the source defines the order it is read in (a mixture with a
+        position-keyed schedule): the pipeline then reads it in source order and hands
+        its ``shuffle`` flag to :meth:`ordered`.
+
+        Example:
+            >>> sources.from_sequence([1]).orders_itself()
+            False
+        """
+        return False
+
+    def ordered(self, shuffle: bool) -> "Source":
+        """The source as a pipeline with ``shuffle`` reads it, when it orders itself
+        (:meth:`orders_itself`); this default: the source itself.
+
+        Args:
+            shuffle: the pipeline's ``shuffle`` flag (True or False).
+
+        Returns:
+            The source to read in source order.
+
+        Example:
+            >>> src = sources.from_sequence([1])
+            >>> src.ordered(True) is src
+            True
+        """
+        return self
+
     def sample_nbytes(self) -> float | None:
         """An estimate of one sample's bytes once read, used to size the messages that carry
         many batches read column by column.

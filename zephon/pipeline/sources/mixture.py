@@ -128,6 +128,7 @@ from zephon.options._spec import check_positive
 from zephon.pipeline.fingerprint import fn_identity
 from zephon.pipeline.shares import weight_shares
 from zephon.pipeline.sources.base import Source
+from zephon.pipeline.sources.stream_schedule import BLOCK, StreamSchedule, check_unit
 
 __all__ = ["EXHAUSTION_POLICIES", "LONG_EPOCH", "MAX_EPOCH", "TOKEN_PROBE", "MixtureSource",
            "WeightSchedule"]
@@ -167,8 +168,8 @@ class WeightSchedule:
     ``spans(epoch)`` covers the epochs before ``epoch`` as ``(epochs, vector)`` runs of
     equal weights: one run per step of a list, one per epoch of a callable."""
 
-    def __init__(self, names: list[str], weights: Weights) -> None:
-        self.names = names
+    def __init__(self, names: list[str], weights: Weights, unit: str = "epoch") -> None:
+        self.names, self.unit = names, unit
         #: the component a name that samples of a nested mixture carry belongs to
         #: (``{inner name: name}``, set by the mixture; what ``ensure_mixture`` counts)
         self.aliases: dict[str, str] = {}
@@ -194,7 +195,7 @@ class WeightSchedule:
 
     def at(self, epoch: int) -> np.ndarray:
         if self.fn is not None:
-            return self._vector(self.fn(epoch), f"weight (epoch {epoch})", positive=False)
+            return self._vector(self.fn(epoch), f"weight ({self.unit} {epoch})", positive=False)
         return self.vectors[bisect.bisect_right(self.firsts, epoch) - 1]
 
     def spans(self, epoch: int):
@@ -221,20 +222,20 @@ class WeightSchedule:
         for step in steps:
             if not (isinstance(step, (list, tuple)) and len(step) == 2
                     and isinstance(step[1], Mapping)):
-                raise ZephonConfigError(f"mixture: a weight step is (first_epoch, "
+                raise ZephonConfigError(f"mixture: a weight step is (first_{self.unit}, "
                                         f"{{name: weight}}), got {step!r}")
             first = step[0]
             if isinstance(first, bool) or not isinstance(first, (int, np.integer)) or \
                     first < (firsts[-1] + 1 if firsts else 0):
                 raise ZephonConfigError(f"mixture: weight steps need increasing integer "
-                                        f"first epochs >= 0, got {first!r} after "
+                                        f"first {self.unit}s >= 0, got {first!r} after "
                                         f"{firsts[-1] if firsts else None!r}")
             firsts.append(int(first))
-            vectors.append(self._vector(step[1], f"weight (from epoch {first})",
+            vectors.append(self._vector(step[1], f"weight (from {self.unit} {first})",
                                         positive=False))
         if not firsts or firsts[0] != 0:
-            raise ZephonConfigError(f"mixture: the first weight step must start at epoch 0, "
-                                    f"got {firsts[:1]}")
+            raise ZephonConfigError(f"mixture: the first weight step must start at "
+                                    f"{self.unit} 0, got {firsts[:1]}")
         return firsts, vectors
 
     def _vector(self, weights, what: str, *, positive: bool) -> np.ndarray:
@@ -257,15 +258,20 @@ class MixtureSource(Source):
                  config, name: str, *, exhausted: str | Mapping[str, str] = "repeat",
                  max_repeats: float | Mapping[str, float] | None = None,
                  by: str = "samples", tokens_per_sample: Mapping[str, float] | None = None,
-                 token_count: Callable[[Any], int] | None = None) -> None:
+                 token_count: Callable[[Any], int] | None = None,
+                 schedule_unit: str = "epochs", interpolate: str = "step") -> None:
         from zephon.options import MixtureReadConfig
 
+        check_unit(schedule_unit, interpolate)
+        self.schedule_unit, self.interpolate = schedule_unit, interpolate
         self._take_components(components)
         self._take_weights(weights, exhausted, max_repeats)
         if by not in ("samples", "tokens"):
             raise ZephonConfigError(f"mixture: by must be 'samples' or 'tokens', got {by!r}")
         self.by, self.token_count = by, token_count
-        self.tokens_per_sample = self._tokens(tokens_per_sample) if by == "tokens" else None
+        self.tokens_per_sample = self._tokens(tokens_per_sample) \
+            if by == "tokens" or schedule_unit == "tokens" else None
+        self.shuffle_passes = False  # set by ordered(): the pipeline's shuffle flag
         self.own_config = config is not None  # else RuntimeOptions.mixture_config applies
         self.config, self.name = config or MixtureReadConfig(), name
         what = self._count_epoch()
@@ -278,7 +284,8 @@ class MixtureSource(Source):
         self.cum = _cumulative(self.counts)
         self._epochs: dict = {}  # epoch -> (counts, cum, occurrences before it)
         self._lock = threading.Lock()
-        if not self.schedule.fixed and self.schedule.fn is None:
+        self.stream = self._stream() if schedule_unit != "epochs" else None
+        if self.stream is None and not self.schedule.fixed and self.schedule.fn is None:
             for vector in self.schedule.vectors:  # every step fits the epoch, or fails now
                 self._fit(vector)
 
@@ -299,12 +306,19 @@ class MixtureSource(Source):
     def _take_weights(self, weights: Weights, exhausted, max_repeats) -> None:
         """The weight schedule (with the names a nested mixture's records go by), epoch 0's
         weights and each component's exhaustion policy and repeat bound."""
-        self.schedule = WeightSchedule(self.names, weights)
+        self.schedule = WeightSchedule(self.names, weights, self.schedule_unit.rstrip("s"))
         self.schedule.aliases = {inner: n for n, c in zip(self.names, self.components,
                                                             strict=True)
                                  if isinstance(c, MixtureSource) for inner in c.record_names()}
         self.weights = self.schedule.at(0)
         self.policies = _per_component(self.names, exhausted, "exhausted", _policy)
+        if self.schedule_unit != "epochs" and (set(self.policies) != {"repeat"}
+                                               or max_repeats is not None):
+            raise ZephonConfigError(
+                f"mixture: a {self.schedule_unit}-keyed schedule reads every component as "
+                f"often as its share asks (exhausted='repeat', no max_repeats): it has no "
+                f"epoch for a component to end or be capped in; got exhausted={exhausted!r}, "
+                f"max_repeats={max_repeats!r}")
         if not self.schedule.fixed and "stop" in self.policies:
             raise ZephonConfigError("mixture: exhausted='stop' ends an epoch early, which a "
                                     "weight schedule cannot (its epochs have one length); "
@@ -335,6 +349,36 @@ class MixtureSource(Source):
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+
+    def _stream(self) -> StreamSchedule:
+        """The position-keyed schedule (see :mod:`~zephon.pipeline.sources.stream_schedule`)."""
+        sched = self.schedule
+        if len(self.names) > BLOCK:
+            raise ZephonConfigError(f"mixture: a {self.schedule_unit}-keyed schedule holds at "
+                                    f"most {BLOCK} components (a block of {BLOCK} positions "
+                                    f"gives each its count), got {len(self.names)}")
+        if any(isinstance(c, MixtureSource) for c in self.components):
+            raise ZephonConfigError(f"mixture: a {self.schedule_unit}-keyed schedule reads its "
+                                    f"components at stream positions; a nested mixture has "
+                                    f"positions of its own: flatten it into this mixture")
+        if sched.fn is not None:  # (a bound method: it pickles with the callable)
+            return StreamSchedule(self.schedule_unit, self.interpolate, None, None, sched.at,
+                                  self.rates, self.tokens_per_sample)
+        return StreamSchedule(self.schedule_unit, self.interpolate, sched.firsts,
+                              sched.vectors, None, self.rates, self.tokens_per_sample)
+
+    def orders_itself(self) -> bool:
+        """True for a position-keyed schedule: the pipeline reads it in its own order."""
+        return self.stream is not None
+
+    def ordered(self, shuffle: bool) -> "MixtureSource":
+        """This mixture as a pipeline with ``shuffle`` reads it (a position-keyed
+        schedule: in its own order, each component's passes shuffled with ``shuffle``)."""
+        if self.stream is None or shuffle == self.shuffle_passes:
+            return self
+        clone = copy.copy(self)
+        clone.shuffle_passes = shuffle
+        return clone
 
     # -- what the epoch holds -------------------------------------------------------------
 
@@ -523,12 +567,18 @@ class MixtureSource(Source):
         tokens = self.tokens_per_sample
         by = "" if tokens is None else f"; by tokens {np.round(tokens, 3).tolist()}"
         schedule = "" if self.schedule.fixed else f"; {self.schedule.describe()}"
+        if self.stream is not None:
+            schedule += f"; {self.stream.describe()}" + (
+                "; passes shuffled" if self.shuffle_passes else "")
         return f"MixtureSource({parts}; {self.config.to_dict()}{by}{schedule})"
 
     # -- positions -> (component, occurrence) ---------------------------------------------
 
     def locate(self, positions: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(component, occurrence within the epoch)`` of each position of ``epoch``."""
+        """``(component, occurrence within the epoch)`` of each position of ``epoch``
+        (a position-keyed schedule: the occurrence from the stream's start)."""
+        if self.stream is not None:
+            return self.stream.locate(epoch * self.length + positions, self.config.seed)
         counts, cum, _ = self.epoch_plan(epoch)
         if self.config.mode == "weighted_random":
             place = permute(self.length, _key(self.config.seed, 0x3D, epoch), positions)
@@ -538,15 +588,20 @@ class MixtureSource(Source):
 
     def local(self, comp: np.ndarray, occurrence: np.ndarray,
               epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(component index, pass, repeat within the epoch)`` of each occurrence."""
-        before = self.epoch_plan(epoch)[2][comp]
+        """``(component index, pass, repeat within the epoch)`` of each occurrence (a
+        position-keyed schedule: the repeat is the pass, from the stream's start)."""
         sizes = self.sizes[comp]
-        run = before + occurrence  # occurrences run on across epochs
+        if self.stream is not None:
+            run = occurrence
+            first_pass = np.zeros(len(comp), dtype=np.int64)
+        else:
+            before = self.epoch_plan(epoch)[2][comp]
+            run = before + occurrence  # occurrences run on across epochs
+            first_pass = before // sizes
         passes, place = run // sizes, run % sizes
-        first_pass = before // sizes
         index = place.copy()
-        shuffled = passes > 0 if self.config.within_component == "as_is" else \
-            np.ones(len(place), dtype=bool)
+        shuffled = passes > 0 if self.config.within_component == "as_is" and \
+            not self.shuffle_passes else np.ones(len(place), dtype=bool)
         if shuffled.any():  # each (component, pass) in a seeded order of its own
             where = np.flatnonzero(shuffled)
             pairs, inverse = np.unique(np.stack([comp[where], passes[where]], axis=1),
