@@ -196,3 +196,85 @@ def test_far_positions_cost_what_near_ones_do_and_build_nothing_of_their_size():
     last = mix.stream.share(np.array([10**12]))[0]  # the last step's rates
     counts = np.bincount(far[0], minlength=3) / 4096
     assert np.abs(counts - last).max() < 0.02
+
+
+def two(size_a=1_000, size_b=1_000):
+    return {"a": sources.from_callable(size_a, F.row, name="a"),
+            "b": sources.from_callable(size_b, F.row, name="b")}
+
+
+def names_at(mix, n, shuffle=False):
+    """The component names of the stream's first ``n`` positions, epoch after epoch."""
+    ordered, out = mix.ordered(shuffle), []
+    for epoch in range(-(-n // len(mix))):
+        count = min(len(mix), n - len(out))
+        view = ordered.view(np.arange(count), epoch)
+        out += [view.identity(i)[0] for i in range(count)]
+    return out
+
+
+def test_a_token_keyed_schedule_of_sample_weights_keeps_them_sample_weights():
+    mix = sources.mixture(two(), [(0, {"a": 1, "b": 1}), (10**6, {"a": 1, "b": 3})],
+                          schedule_unit="tokens", tokens_per_sample={"a": 1, "b": 100})
+    assert mix.stream.share(np.array([0.0]))[0].tolist() == [0.5, 0.5]
+    assert len(mix) == 2_000  # an epoch: each component's size once
+
+
+def test_a_pass_is_read_whole_before_the_next_and_in_order_unshuffled():
+    got = names_at(sources.mixture(two(), {"a": 1, "b": 1}, schedule_unit="samples"), 4_000)
+    a = [n for n in got if n.split("#")[0] == "a"]
+    assert a.index("a#1") == 1_000 and a[1_000:].count("a") == 0
+    mix = sources.mixture(two(), {"a": 1, "b": 1}, schedule_unit="samples")
+    view = mix.ordered(False).view(np.arange(600), 0)
+    first = [view.identity(i)[1] for i in range(600) if view.identity(i)[0] == "a"]
+    assert first == list(range(len(first)))  # as_is: the component's own order
+
+
+def test_a_component_switched_off_holds_no_position_between_its_steps():
+    mix = sources.mixture(two(), [(0, {"a": 1, "b": 1}), (1_000, {"a": 1, "b": 0}),
+                                  (5_000, {"a": 1, "b": 1})], schedule_unit="samples")
+    got = names_at(mix, 6_000, shuffle=True)
+    # the steps land on the nearest multiples of 256: 1024 and 5120
+    assert not any(n.startswith("b") for n in got[1_024:5_120])
+    assert sum(n.startswith("b") for n in got[:1_024]) == 512
+
+
+def test_tiny_weights_make_no_epoch_too_long_and_far_positions_are_refused_by_name():
+    mix = sources.mixture(two(10**7, 10**7), {"a": 1, "b": 1e-9}, schedule_unit="samples")
+    assert len(mix) == 2 * 10**7
+    with pytest.raises(ZephonConfigError, match="2\\*\\*48"):
+        mix.stream.locate(np.array([2**49]), 0)
+
+
+def test_a_function_schedule_far_out_is_cheap_pickles_small_and_is_thread_safe():
+    import pickle
+    import threading
+
+    mix = mixture(F.code_then_web)
+    fresh = pickle.loads(pickle.dumps(mix))
+    small = len(pickle.dumps(mix))
+    far = mix.stream.locate(np.arange(10**9, 10**9 + 4096), 5)
+    assert len(pickle.dumps(mix)) < small + 4096  # the grown breakpoints stay behind
+    results = {}
+
+    def run(name, start):
+        results[name] = mix.stream.locate(np.arange(start, start + 4096), 5)
+
+    threads = [threading.Thread(target=run, args=(n, s))
+               for n, s in (("far", 3 * 10**9), ("near", 3_000_000))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name, start in (("far", 3 * 10**9), ("near", 3_000_000)):
+        want = fresh.stream.locate(np.arange(start, start + 4096), 5)
+        assert all(np.array_equal(a, b) for a, b in zip(results[name], want, strict=True))
+    assert np.array_equal(far[0], fresh.stream.locate(np.arange(10**9, 10**9 + 4096), 5)[0])
+
+
+def test_ensure_mixture_and_a_position_keyed_mixture_inside_another_are_refused():
+    with pytest.raises(ZephonConfigError, match="drop ensure_mixture"):
+        Pipeline(mixture()).ensure_mixture()
+    with pytest.raises(ZephonConfigError, match="flatten it into one mixture"):
+        sources.mixture({"s": mixture(), "z": sources.from_callable(5, F.row, name="z")},
+                        {"s": 1, "z": 1})

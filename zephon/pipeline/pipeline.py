@@ -365,6 +365,12 @@ class Pipeline:
                 raise ZephonConfigError(
                     f"ensure_mixture: the pipeline's source {type(source).__name__} is "
                     "not a mixture: give weights={component: weight}")
+            if mixture.stream is not None:
+                raise ZephonConfigError(
+                    f"ensure_mixture: the mixture's weights are a {mixture.schedule_unit}-keyed "
+                    "schedule, exact in every block of 256 positions already; its targets "
+                    "would be read per epoch: drop ensure_mixture() (after a filter, give "
+                    "weights={component: weight} to hold fixed shares)")
             op = O.EnsureMixtureOp(mixture.schedule, by, field, max_buffer, leftover)
         else:
             op = O.EnsureMixtureOp(weights, by, field, max_buffer, leftover)

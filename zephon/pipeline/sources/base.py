@@ -156,6 +156,31 @@ class Source:
         """
         return None
 
+    def with_weight_overrides(self, overrides) -> "Source":
+        """This source with mixture weights a trainer set: only a mixture with a
+        position-keyed schedule has them (see ``set_mixture_weights``); any other source
+        refuses.
+
+        Args:
+            overrides: ``(position, weight vector)`` pairs in order of position.
+
+        Returns:
+            The source with those weights from their positions on.
+
+        Raises:
+            ZephonConfigError: the source is not a position-keyed mixture.
+
+        Example:
+            >>> sources.from_sequence([1]).with_weight_overrides(())
+            Traceback (most recent call last):
+            ...
+            zephon.errors.ZephonConfigError: set_mixture_weights: the pipeline's source is SequenceSource, not a mixture with a position-keyed schedule (sources.mixture(..., schedule_unit='samples'))
+        """
+        raise ZephonConfigError(
+            f"set_mixture_weights: the pipeline's source is {type(self).__name__}, not a "
+            f"mixture with a position-keyed schedule (sources.mixture(..., "
+            f"schedule_unit='samples'))")
+
     def orders_itself(self) -> bool:
         """Whether the source defines the order it is read in (a mixture with a
         position-keyed schedule): the pipeline then reads it in source order and hands

@@ -87,6 +87,12 @@ component's occurrences still run on across epochs, ``J = sum of its counts in
 the earlier epochs + j``: closed form over the steps of a list; a callable is
 called once per epoch (cached per process) to sum them.
 
+Weights keyed by the position in the stream (``schedule_unit="samples"`` or
+``"tokens"``: a run shorter than an epoch, weights a trainer sets) are
+:mod:`zephon.pipeline.sources.stream_schedule`'s: there an epoch is every
+component's size once (``sum of sizes`` positions), every component repeats, and the
+mixture orders itself.
+
 Where a position lands (:class:`~zephon.options.MixtureReadConfig` ``mode``):
 
 - ``weighted_random``: a seeded bijection of ``[0, L)`` per epoch takes
@@ -269,13 +275,17 @@ class MixtureSource(Source):
         if by not in ("samples", "tokens"):
             raise ZephonConfigError(f"mixture: by must be 'samples' or 'tokens', got {by!r}")
         self.by, self.token_count = by, token_count
-        self.tokens_per_sample = self._tokens(tokens_per_sample) \
+        unit_tokens = self._tokens(tokens_per_sample) \
             if by == "tokens" or schedule_unit == "tokens" else None
+        #: tokens per sample of each component: what by="tokens" weighs (None: by samples)
+        self.tokens_per_sample = unit_tokens if by == "tokens" else None
+        #: ... and what places a token-keyed schedule's steps (None: not token-keyed)
+        self.unit_tokens = unit_tokens if schedule_unit == "tokens" else None
         self.shuffle_passes = False  # set by ordered(): the pipeline's shuffle flag
         self.own_config = config is not None  # else RuntimeOptions.mixture_config applies
         self.config, self.name = config or MixtureReadConfig(), name
         what = self._count_epoch()
-        if self.length > LONG_EPOCH:
+        if self.length > LONG_EPOCH and schedule_unit == "epochs":
             warnings.warn(f"mixture {name!r}: {what} make an epoch of {self.length} positions, "
                           f"more than {LONG_EPOCH} (2**32): its end, where each component's "
                           f"count is exact, will in all likelihood never be reached; raise "
@@ -301,6 +311,13 @@ class MixtureSource(Source):
                                     f"(a sample's identity and what ensure_mixture counts), "
                                     f"got {bad[0]!r}")
         self.components = [components[k] for k in self.names]
+        nested = [n for n, c in zip(self.names, self.components, strict=True)
+                  if isinstance(c, MixtureSource) and c.stream is not None]
+        if nested:
+            raise ZephonConfigError(f"mixture: component {nested[0]!r} is a mixture with a "
+                                    f"position-keyed schedule: its positions are the stream's, "
+                                    f"which a mixture around it would not keep; flatten it "
+                                    f"into one mixture")
         _check_record_names(self.names, self.components)
 
     def _take_weights(self, weights: Weights, exhausted, max_repeats) -> None:
@@ -334,6 +351,9 @@ class MixtureSource(Source):
             empty = [n for n, s in zip(self.names, self.sizes.tolist(), strict=True) if not s]
             raise ZephonConfigError(f"mixture: component(s) {empty} have no samples")
         what = f"the weights {dict(zip(self.names, self.weights.tolist(), strict=True))}"
+        if self.schedule_unit != "epochs":  # an epoch: every component's size once
+            self.counts, self.length = self.sizes.copy(), int(self.sizes.sum())
+            return what
         if self.tokens_per_sample is not None:
             what += f" with tokens_per_sample {self._tokens_named()}"
         self.counts = epoch_counts(self.sizes, self.rates(), self.policies, self.max_repeats,
@@ -363,9 +383,22 @@ class MixtureSource(Source):
                                     f"positions of its own: flatten it into this mixture")
         if sched.fn is not None:  # (a bound method: it pickles with the callable)
             return StreamSchedule(self.schedule_unit, self.interpolate, None, None, sched.at,
-                                  self.rates, self.tokens_per_sample)
+                                  self.rates, self.unit_tokens)
         return StreamSchedule(self.schedule_unit, self.interpolate, sched.firsts,
-                              sched.vectors, None, self.rates, self.tokens_per_sample)
+                              sched.vectors, None, self.rates, self.unit_tokens)
+
+    def with_weight_overrides(self, overrides) -> "MixtureSource":
+        """This mixture with weights a trainer set (``(position, weight vector)`` in order,
+        see :meth:`StreamSchedule.with_overrides`); it describes itself as before (the
+        overrides are run state, not the pipeline's definition)."""
+        if self.stream is None:
+            raise ZephonConfigError(
+                f"set_mixture_weights: mixture {self.name!r} keys its weights by the epoch; "
+                f"weights a trainer sets need a position-keyed schedule: build it with "
+                f"schedule_unit='samples' (or 'tokens')")
+        clone = copy.copy(self)
+        clone.stream = self.stream.with_overrides(overrides)
+        return clone
 
     def orders_itself(self) -> bool:
         """True for a position-keyed schedule: the pipeline reads it in its own order."""

@@ -17,13 +17,15 @@ Weights are given at breakpoints ``[(position, {name: w}), ...]`` (the first at 
 and hold until the next one (``interpolate="step"``) or move linearly to it
 (``"linear"``: each component's *sample rate* moves linearly in samples), or come
 from a module-level function ``position -> {name: w}`` evaluated every
-:data:`CALLABLE_EVERY` samples (the position it is given: samples, or tokens with
-``schedule_unit="tokens"``). Weights become sample rates as the mixture's weights
-do (with ``by="tokens"``: token shares over tokens per sample). Breakpoints in
-tokens are placed in samples from each component's tokens per sample (a step: its
-tokens over the segment's mean tokens per sample; linear: over the mean of both
-ends' means, exact for a linear move of the rates), so a token-keyed schedule is
-as exact as the tokens per sample it is given.
+:data:`CALLABLE_EVERY` samples and held in between (the position it is given:
+samples, or tokens with ``schedule_unit="tokens"``). Weights become sample rates
+as the mixture's weights do (with ``by="tokens"``: token shares over tokens per
+sample). Breakpoints in tokens are placed in samples from each component's tokens
+per sample (a step: its tokens over the segment's mean tokens per sample; linear:
+over the mean of both ends' means), so a token-keyed schedule is as exact as the
+tokens per sample it is given. Every breakpoint lands on a multiple of
+:data:`BLOCK` samples (the nearest; a trainer's change: the next), so no block
+straddles one: a component switched off holds no position past its step.
 
 Exact counts, random interleave
 -------------------------------
@@ -34,22 +36,34 @@ blocks of :data:`BLOCK` samples of ``x``: component ``k`` has ``A_k(b) = floor(W
 every stretch of the stream holds each component at its scheduled count within one
 sample per component, plus the interleave's noise inside a block. Block ``b``'s
 positions start at ``P(b) = sum_k A_k(b)`` (within ``K / 2`` of ``b * BLOCK``); a
-seeded bijection of the block (one per block) places a position among the block's
-counts, so the interleave is random where the counts are exact. Position ``t`` of
-component ``k`` is that component's occurrence ``J = A_k(b) + place``, read as pass
-``J // size`` of the component at ``J % size`` (see the mixture). Everything is a
-pure function of the position, the schedule and the seed, computed per position in
-``O(K)`` (plus a search over the breakpoints): nothing is carried from one position
-to the next, so a lane, a restore on any world size and every runner compute the
-same stream. A callable's breakpoints are computed in order once per process up to
-the farthest position read and kept (``CALLABLE_EVERY`` apart: a restore at 10**9
-samples calls it about 250,000 times once).
+seeded bijection of the block (one per block) deals its positions out to the
+block's counts, so the interleave is random where the counts are exact, and the
+positions a component gets take its occurrences in order (``A_k(b)``, ``A_k(b) +
+1``, ...): a component's occurrences rise with the position, so a pass of it (``J //
+size``) is read whole before the next begins. Everything is a pure function of the
+position, the schedule and the seed, computed per read unit in ``O(K)`` per
+position (plus a search over the breakpoints, and the unit's blocks dealt whole):
+nothing is carried from one position to the next, so a lane, a restore on any
+world size and every runner compute the same stream. Positions stop at
+:data:`MAX_POSITION` (2**48: float64 keeps the counts exact there).
+
+A callable's breakpoints are computed in order up to the farthest position read, once
+per process (``position / CALLABLE_EVERY`` calls: 15,259 for 10**9 samples) and kept;
+they do not travel in a pickle.
+
+Weights a trainer sets
+----------------------
+:meth:`StreamSchedule.with_overrides` is the schedule with the weights changed from
+given positions on: each ``(position, weights)`` holds from its position (rounded up
+to a block) until the next one, replacing what the schedule said there. The
+overrides travel in the pipeline's state, not in its definition (see
+:meth:`~zephon.pipeline.iterator.PipelineIterator.set_mixture_weights`).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -57,14 +71,26 @@ from zephon.errors import ZephonConfigError
 from zephon.kernels import order_key as _key
 from zephon.kernels import permute_positions
 
-__all__ = ["BLOCK", "CALLABLE_EVERY", "SCHEDULE_UNITS", "StreamSchedule"]
+__all__ = ["BLOCK", "CALLABLE_EVERY", "MAX_POSITION", "SCHEDULE_UNITS", "StreamSchedule"]
 
 #: samples of ``x`` per block: counts exact per block, interleave random within one
 BLOCK = 256
-#: samples between two evaluations of a callable schedule
-CALLABLE_EVERY = 4096
+#: samples between two evaluations of a callable schedule (a multiple of BLOCK)
+CALLABLE_EVERY = 1 << 16
+#: the last stream position: counts of up to 2**48 stay exact in float64 arithmetic
+MAX_POSITION = 1 << 48
 SCHEDULE_UNITS = ("epochs", "samples", "tokens")
 INTERPOLATIONS = ("step", "linear")
+
+
+class _Arrays(NamedTuple):
+    """One consistent view of the breakpoints (read at once, replaced at once)."""
+
+    x: np.ndarray  # breakpoints, samples (float64, increasing, multiples of BLOCK)
+    rates: np.ndarray  # (n, K) sample rates there
+    slopes: np.ndarray  # (n, K) rate change per sample on the segment after each
+    cum: np.ndarray  # (n, K) W at each breakpoint
+    end: float  # W is known below this (a callable's last evaluation; inf otherwise)
 
 
 class StreamSchedule:
@@ -86,77 +112,119 @@ class StreamSchedule:
                  rates: Callable[[np.ndarray], np.ndarray], tokens: np.ndarray | None
                  ) -> None:
         self.unit, self.interpolate = unit, interpolate
-
         self.fn, self.rates, self.tokens = fn, rates, tokens
+        self.overrides: tuple[tuple[int, np.ndarray], ...] = ()
         self._lock = threading.Lock()
         if fn is not None:
-            self._x: list[float] = []
-            self._s: list[np.ndarray] = []
+            self._given_x: list[float] = []
+            self._given: list[np.ndarray] = []
             self._at_token = 0.0
-            self._grow(0)
-            self._freeze()
         else:
             assert firsts is not None and vectors is not None
             shares = [rates(v) for v in vectors]
-            self._x = self._in_samples([float(f) for f in firsts], shares)
-            self._s = shares
-            self._freeze()
+            self._given_x = self._in_samples([float(f) for f in firsts], shares)
+            self._given = shares
+        self._arrays: _Arrays | None = self._build(0.0)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_lock"] = None
+        if self.fn is not None:  # rebuilt where it is read (a callable's growth stays here)
+            state["_given_x"], state["_given"], state["_at_token"] = [], [], 0.0
+            state["_arrays"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self.__dict__.update(state)  # (a callable's arrays: built at the first read, once
+        self._lock = threading.Lock()  # the mixture its ``rates`` belongs to is whole)
 
     # -- breakpoints -------------------------------------------------------------------
 
     def _in_samples(self, firsts: list[float], shares: list[np.ndarray]) -> list[float]:
-        """The breakpoints' positions in samples (tokens: placed by tokens per sample)."""
-        if self.unit == "samples":
-            return firsts
-        assert self.tokens is not None
+        """The breakpoints' positions in samples (tokens: placed by tokens per sample),
+        each on the nearest multiple of :data:`BLOCK`."""
         x = [0.0]
         for i in range(1, len(firsts)):
             span = firsts[i] - firsts[i - 1]
-            per = float(shares[i - 1] @ self.tokens)
-            if self.interpolate == "linear":
-                per = (per + float(shares[i] @ self.tokens)) / 2
-            x.append(x[-1] + span / per)
-        return x
+            if self.unit == "tokens":
+                assert self.tokens is not None
+                per = float(shares[i - 1] @ self.tokens)
+                if self.interpolate == "linear":
+                    per = (per + float(shares[i] @ self.tokens)) / 2
+                span /= per
+            x.append(x[-1] + span)
+        return [float(round(v / BLOCK) * BLOCK) for v in x]
 
     def _grow(self, upto: float) -> None:
-        """A callable's breakpoints up to ``upto`` samples (and one past it)."""
+        """A callable's breakpoints past ``upto`` samples."""
         assert self.fn is not None
-        while not self._x or self._x[-1] <= upto:
-            g = len(self._x)
+        while not self._given_x or self._given_x[-1] <= upto:
+            g = len(self._given_x)
             where = g * CALLABLE_EVERY if self.unit == "samples" else int(self._at_token)
             share = self.rates(self.fn(where))
             if self.unit == "tokens":
                 assert self.tokens is not None
                 self._at_token += CALLABLE_EVERY * float(share @ self.tokens)
-            self._x.append(float(g * CALLABLE_EVERY))
-            self._s.append(share)
+            self._given_x.append(float(g * CALLABLE_EVERY))
+            self._given.append(share)
 
-    def _freeze(self) -> None:
-        """The arrays the positions are computed from: breakpoints ``X`` (samples), the
-        rates ``S`` there, each segment's slope and ``W`` at every breakpoint."""
-        x, s = list(self._x), list(self._s)
+    def _build(self, upto: float) -> _Arrays:
+        """The arrays positions are computed from, covering ``upto`` samples (a callable
+        grown to twice as far, so that growing costs O(1) a position over a run), the
+        overrides applied."""
+        end = np.inf
+        if self.fn is not None:
+            last = float(self.overrides[-1][0]) if self.overrides else 0.0
+            self._grow(max(upto * 2, upto + CALLABLE_EVERY, last + CALLABLE_EVERY))
+            end = self._given_x[-1] if not self.overrides else np.inf  # (held after one)
+        x, s = list(self._given_x), list(self._given)
         linear = self.interpolate == "linear" and self.fn is None
+        for at, vector in self.overrides:  # each holds from ``at`` until the next
+            at_x = float(at)
+            inside = _rate_at(x, s, linear, at_x)
+            keep = int(np.searchsorted(np.array(x), at_x, side="left"))
+            x, s = x[:keep], s[:keep]  # what the schedule said from ``at`` on is replaced
+            if linear:  # the segment before ``at`` still moves as it did, up to ``at``
+                x.append(at_x)
+                s.append(inside)
+            x.append(at_x)
+            s.append(vector)
         xs = np.array(x, dtype=np.float64)
         ss = np.array(s, dtype=np.float64).reshape(len(x), -1)
         slopes = np.zeros_like(ss)
+        span = np.diff(xs)
         if linear and len(x) > 1:
-            span = np.diff(xs)
             with np.errstate(divide="ignore", invalid="ignore"):
-                slopes[:-1] = np.where(span[:, None] > 0, np.diff(ss, axis=0) / span[:, None], 0)
-        cum = np.zeros_like(ss)
-        for i in range(1, len(x)):
-            d = xs[i] - xs[i - 1]
-            cum[i] = cum[i - 1] + ss[i - 1] * d + slopes[i - 1] * d * d / 2
-        self._X, self._S, self._slopes, self._cum = xs, ss, slopes, cum
+                slopes[:-1] = np.where(span[:, None] > 0,
+                                       np.diff(ss, axis=0) / span[:, None], 0.0)
+        pieces = ss[:-1] * span[:, None] + slopes[:-1] * (span * span / 2)[:, None]
+        cum = np.concatenate([np.zeros((1, ss.shape[1])), np.cumsum(pieces, axis=0)])
+        return _Arrays(xs, ss, slopes, cum, float(end))
+
+    def _covering(self, upto: float) -> _Arrays:
+        """The arrays, grown (a callable) to cover ``upto`` samples."""
+        arrays = self._arrays
+        if arrays is not None and upto < arrays.end:
+            return arrays
+        with self._lock:
+            arrays = self._arrays
+            if arrays is None or upto >= arrays.end:
+                arrays = self._arrays = self._build(upto)
+            return arrays
+
+    def with_overrides(self, overrides) -> "StreamSchedule":
+        """This schedule with ``overrides`` (``(position in samples, weight vector)``, in
+        order of position) each holding from its position, rounded up to a multiple of
+        :data:`BLOCK`, on (see the module docstring)."""
+        clone = StreamSchedule.__new__(StreamSchedule)
+        clone.__dict__.update(self.__dict__)
+        clone._given_x, clone._given = list(self._given_x), list(self._given)
+        clone._lock = threading.Lock()
+        clone.overrides = tuple((-(-int(at) // BLOCK) * BLOCK,
+                                 self.rates(np.asarray(v, dtype=np.float64)))
+                                for at, v in overrides)
+        clone._arrays = clone._build(0.0)
+        return clone
 
     # -- positions ---------------------------------------------------------------------
 
@@ -164,57 +232,81 @@ class StreamSchedule:
         """``W(x)``: the expected count of each component in the first ``x`` samples
         (rows: the ``x``, columns: the components)."""
         x = np.asarray(x, dtype=np.float64)
-        if self.fn is not None and len(x) and float(x.max()) >= self._x[-1]:
-            with self._lock:
-                if float(x.max()) >= self._x[-1]:
-                    self._grow(float(x.max()))
-                    self._freeze()
-        i = np.searchsorted(self._X, x, side="right") - 1
-        d = (x - self._X[i])[:, None]
-        return self._cum[i] + self._S[i] * d + self._slopes[i] * d * d / 2
+        arrays = self._covering(float(x.max()) if len(x) else 0.0)
+        i = np.searchsorted(arrays.x, x, side="right") - 1
+        d = (x - arrays.x[i])[:, None]
+        return arrays.cum[i] + arrays.rates[i] * d + arrays.slopes[i] * d * d / 2
+
+    def share(self, x: np.ndarray) -> np.ndarray:
+        """The scheduled sample rates at ``x`` samples (rows: the ``x``)."""
+        x = np.asarray(x, dtype=np.float64)
+        arrays = self._covering(float(x.max()) if len(x) else 0.0)
+        i = np.searchsorted(arrays.x, x, side="right") - 1
+        return arrays.rates[i] + arrays.slopes[i] * (x - arrays.x[i])[:, None]
 
     def _before(self, blocks: np.ndarray) -> np.ndarray:
         """``A(b)``: positions of each component before each block (int64, (m, K))."""
         return np.floor(self.expected(blocks * float(BLOCK)) + 0.5).astype(np.int64)
 
-    def share(self, x: np.ndarray) -> np.ndarray:
-        """The scheduled sample rates at ``x`` samples (rows: the ``x``)."""
-        x = np.asarray(x, dtype=np.float64)
-        self.expected(x)  # (a callable's breakpoints that far)
-        i = np.searchsorted(self._X, x, side="right") - 1
-        return self._S[i] + self._slopes[i] * (x - self._X[i])[:, None]
-
     def locate(self, t: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """``(component, occurrence of that component from the stream's start)`` of each
         stream position ``t`` (int64), the interleave within a block seeded by ``seed``."""
         t = np.asarray(t, dtype=np.int64)
+        if len(t) and (int(t.min()) < 0 or int(t.max()) > MAX_POSITION):
+            raise ZephonConfigError(f"mixture: stream position {int(t.max())} is past the "
+                                    f"last a position-keyed schedule counts exactly "
+                                    f"(2**48 = {MAX_POSITION})")
         guess = t // BLOCK  # the block is this one or a neighbour: |P(b) - b * BLOCK| <= K / 2
         blocks = np.unique(np.concatenate([guess - 1, guess, guess + 1, guess + 2]))
         blocks = blocks[blocks >= 0]
-        before = self._before(blocks)  # A at every candidate block (a read unit: ~20)
+        before = self._before(blocks)  # A at every candidate block (a read unit: a few)
         starts = before.sum(axis=1)
         at = np.searchsorted(starts, t, side="right") - 1
-        assert (blocks[at + 1] == blocks[at] + 1).all()  # (K <= BLOCK, checked when built)
-        b = blocks[at]
-        low, high = before[at], before[at + 1]
+        comp = np.empty(len(t), dtype=np.int64)
+        occurrence = np.empty(len(t), dtype=np.int64)
+        for j in np.unique(at).tolist():
+            rows = np.flatnonzero(at == j)
+            low, high = before[j], before[j + 1]
+            if blocks[j + 1] != blocks[j] + 1 or (high < low).any():
+                raise ZephonConfigError(f"mixture: the schedule's counts at block "
+                                        f"{int(blocks[j])} do not rise (a rate below what "
+                                        f"float64 separates at this position)")
+            k, n = self._deal(low, high, int(blocks[j]), seed)
+            local = t[rows] - starts[j]
+            comp[rows] = k[local]
+            occurrence[rows] = low[k[local]] + n[local]
+        return comp, occurrence
+
+    @staticmethod
+    def _deal(low: np.ndarray, high: np.ndarray, block: int,
+              seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """The block's positions dealt out: each one's component and its rank among that
+        component's positions in the block (so occurrences rise with the position)."""
         counts = high - low
-        size = counts.sum(axis=1)
-        place = t - low.sum(axis=1)
-        for block in np.unique(b).tolist():
-            rows = np.flatnonzero(b == block)
-            n = int(size[rows[0]])
-            if n > 1:
-                place[rows] = permute_positions(n, _key(seed, 0x5C, block), place[rows])
-        cum = np.cumsum(counts, axis=1)
-        comp = (cum > place[:, None]).argmax(axis=1)
-        rows = np.arange(len(t))
-        occurrence = low[rows, comp] + place - (cum[rows, comp] - counts[rows, comp])
-        return comp.astype(np.int64), occurrence.astype(np.int64)
+        size = int(counts.sum())
+        places = np.arange(size, dtype=np.int64)
+        if size > 1:
+            places = permute_positions(size, _key(seed, 0x5C, block), places)
+        k = np.searchsorted(np.cumsum(counts), places, side="right")
+        order = np.argsort(k, kind="stable")  # positions grouped by component, in order
+        rank = np.empty(size, dtype=np.int64)
+        first = np.concatenate([[0], np.cumsum(np.bincount(k, minlength=len(counts)))])
+        rank[order] = np.arange(size) - first[k[order]]
+        return k, rank
 
     def describe(self) -> str:
         what = f"fn every {CALLABLE_EVERY}" if self.fn is not None else \
-            f"{self.interpolate} at {np.round(self._x, 6).tolist()}"
+            f"{self.interpolate} at {np.asarray(self._given_x, dtype=np.int64).tolist()}"
         return f"{self.unit}-keyed schedule ({what})"
+
+
+def _rate_at(x: list[float], s: list[np.ndarray], linear: bool, at: float) -> np.ndarray:
+    """The schedule's rates at ``at`` samples (``x``, ``s``: its breakpoints)."""
+    i = int(np.searchsorted(np.array(x), at, side="right")) - 1
+    if not linear or i + 1 >= len(x) or x[i + 1] == x[i]:
+        return s[i]
+    f = (at - x[i]) / (x[i + 1] - x[i])
+    return s[i] + (s[i + 1] - s[i]) * f
 
 
 def check_unit(unit: str, interpolate: str) -> None:
