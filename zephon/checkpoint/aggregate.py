@@ -229,7 +229,7 @@ def merge_states(states: dict) -> dict:
     if sorted(states) != list(range(world)):
         raise CheckpointError(f"merge: expected ranks 0..{world - 1}, got {sorted(states)}")
     first = states[0]
-    for key in ("fingerprint", "lanes_total", "world", "dp_degree", "mapping"):
+    for key in ("fingerprint", "lanes_total", "world", "dp_degree", "mapping", "mixture"):
         for r in range(1, world):
             if states[r].get(key) != first.get(key):
                 raise CheckpointError(

@@ -65,9 +65,10 @@ __all__ = [
 ]
 
 MAGIC = b"ZEPHONCK"
-VERSION = 5
-#: the format versions this zephon reads (4: a state without the resume proof)
-READABLE = (4, 5)
+VERSION = 6
+#: the format versions this zephon reads (4: a state without the resume proof; 5: without
+#: a ``mixture`` field, which no pipeline of version 5 could have)
+READABLE = (4, 5, 6)
 #: why an older format version cannot be read
 _OLDER = {
     1: " (written by an earlier zephon, without a checksum); re-create the checkpoint "

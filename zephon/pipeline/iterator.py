@@ -76,7 +76,7 @@ import weakref
 from typing import Any, NoReturn
 
 from zephon.checkpoint import decode_state, encode_state
-from zephon.errors import IteratorClosedError
+from zephon.errors import IteratorClosedError, ZephonConfigError
 from zephon.options import resolve_mtp_prefetch
 from zephon.options.resolve import OUT_OF_PROCESS_RUNNERS
 from zephon.pipeline import rngs
@@ -86,7 +86,7 @@ from zephon.pipeline.keep import WorkerKeep
 from zephon.pipeline.plan import Plan
 from zephon.pipeline.progress import Progress, RunRecord
 from zephon.pipeline.spec import PipelineSpec
-from zephon.pipeline.state import Position, RunStart, check_run, position, rank_state
+from zephon.pipeline.state import Position, RunStart, check_run, first_unread, position, rank_state
 from zephon.pipeline.validate import Seeded, validate
 from zephon.transport.supervisor import InterruptGuard
 
@@ -379,7 +379,10 @@ class PipelineIterator:
 
     def __init__(self, plan: Plan, start: RunStart, progress: Progress,
                  seeded: Seeded | None = None, *, checked: bool = False) -> None:
-        self.plan, self.progress = plan, progress
+        #: the plan as the pipeline made it; ``plan``: with the mixture weights a trainer
+        #: set (the same plan when there are none)
+        self.base_plan = plan
+        self.plan, self.progress = plan.with_mixture(start.mixture), progress
         #: per op of the spec, the global generators seeded before each call (validation's
         #: decision for the run, :func:`~zephon.pipeline.validate.decide_global_rngs`)
         self.seeded: Seeded = seeded or tuple(frozenset() for _ in plan.spec.ops)
@@ -538,6 +541,9 @@ class PipelineIterator:
         self.close()
         record = self.record
         record.states, record.start_epoch = dict(start.states), start.start_epoch
+        if start.mixture != record.mixture:
+            self.plan = self.base_plan.with_mixture(start.mixture)
+        record.mixture = start.mixture
         record.finished = False
         self._start()
 
@@ -666,7 +672,62 @@ class PipelineIterator:
             >>> list(it)
             [0, 1, 2, 3, 4]
         """
-        self._restart(check_run(decode_state(state), self.plan))
+        self._restart(check_run(decode_state(state), self.base_plan))
+
+    def set_mixture_weights(self, weights: dict) -> int:
+        """Set new weights of the pipeline's mixture from the next sample no lane has
+        delivered on (a mixture with ``schedule_unit="samples"`` or ``"tokens"``): they
+        replace the schedule there and hold until the next call. Call it between steps;
+        with several ranks every rank calls it at the same step with the same weights
+        (the ranks exchange their positions, as :meth:`checkpoint` does).
+
+        The change is exact and replays: it takes effect at the first stream position
+        past every lane's delivered one (rounded up to a block of 256 positions; with a
+        packer, past the lane's current flush segment), which depends only on the
+        stream so far; what was read ahead is read again under the new weights; and
+        every change is part of the checkpoint, so a restore on any world size goes on
+        with the same weights at the same positions.
+
+        Args:
+            weights: component name -> weight, every component named (0 switches one off;
+                one must be positive).
+
+        Returns:
+            The stream position (in samples) from which the weights hold.
+
+        Raises:
+            ZephonConfigError: the source is no mixture with a position-keyed schedule,
+                or the weights do not name exactly its components.
+            CheckpointError: with several ranks, their positions could not be exchanged.
+
+        Example:
+            >>> mix = sources.mixture(
+            ...     {"a": sources.from_sequence(list(range(1000)), name="a"),
+            ...      "b": sources.from_sequence(list(range(1000, 2000)), name="b")},
+            ...     {"a": 1, "b": 1}, schedule_unit="samples")
+            >>> it = iter(Pipeline(mix, num_epochs=None).batch(64))
+            >>> _ = [next(it) for _ in range(4)]
+            >>> it.set_mixture_weights({"a": 0, "b": 1})  # 4 batches of 64 delivered
+            256
+            >>> all(x >= 1000 for x in next(it))
+            True
+            >>> it.close()
+        """
+        from zephon.pipeline.sources.stream_schedule import BLOCK, override_vector
+
+        source = self.base_plan.spec.source
+        names = getattr(source, "names", None)
+        if getattr(source, "stream", None) is None or names is None:
+            source.with_weight_overrides(())  # raises, naming what the source is
+            raise ZephonConfigError("set_mixture_weights: no position-keyed mixture")
+        vector = override_vector(list(names), weights)
+        merged = self.checkpoint() if self.plan.opts.world_size > 1 else None
+        start = check_run(decode_state(merged), self.base_plan) if merged is not None else \
+            RunStart(dict(self.record.states), self.record.start_epoch, self.record.mixture)
+        at = first_unread(self.plan, start)
+        at = max(-(-at // BLOCK) * BLOCK, start.mixture[-1][0] if start.mixture else 0)
+        self._restart(start._replace(mixture=(*start.mixture, (at, tuple(vector.tolist())))))
+        return at
 
     def get_state(self) -> bytes:
         """This rank's delivered position as checkpoint bytes, without any exchange.
@@ -692,7 +753,8 @@ class PipelineIterator:
             [2, 3, 4]
         """
         opts = self.plan.opts
-        local = rank_state(self.plan, self.record.states, self.record.start_epoch)
+        local = rank_state(self.plan, self.record.states, self.record.start_epoch,
+                           self.record.mixture)
         return encode_state(local, opts.aggregate_serializer, opts.aggregate_compressor)
 
     def set_state(self, state: bytes) -> None:

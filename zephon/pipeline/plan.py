@@ -380,6 +380,16 @@ class Plan:
             raise AttributeError(f"a Plan does not change once built: cannot set {name!r}")
         object.__setattr__(self, name, value)
 
+    def with_mixture(self, overrides: tuple) -> "Plan":
+        """This plan with the mixture weights a trainer set (``RunStart.mixture``) in its
+        source (the plan itself when there are none and its source has none); its
+        fingerprint is this plan's (the overrides are run state)."""
+        source = self.spec.source
+        if not overrides and not getattr(getattr(source, "stream", None), "overrides", ()):
+            return self
+        return Plan(replace(self.spec, source=source.with_weight_overrides(overrides)),
+                    self.opts)
+
     @functools.cached_property
     def fingerprint(self) -> str:
         """The fingerprint of :attr:`spec` with this plan's flush cadence (what a

@@ -63,13 +63,15 @@ class RunRecord:
     Its iterator creates and writes it; :class:`Progress` refers to the latest one.
     """
 
-    __slots__ = ("autotune", "final_state", "finished", "ray", "start_epoch", "states",
-                 "stats")
+    __slots__ = ("autotune", "final_state", "finished", "mixture", "ray", "start_epoch",
+                 "states", "stats")
 
     def __init__(self, start: RunStart | None = None) -> None:
         start = start if start is not None else RunStart({}, 0)
         self.states: dict[int, tuple] = dict(start.states)
         self.start_epoch = start.start_epoch
+        #: the mixture weights a trainer set (``RunStart.mixture``): they hold on
+        self.mixture: tuple = start.mixture
         self.finished = False  # the run reached the end of its pass
         self.final_state: bytes | None = None
         self.stats: Any = None  # the run's RunStats while it runs with tracking on
@@ -80,7 +82,7 @@ class RunRecord:
 
     def start(self) -> RunStart:
         """Where the record's states say a run goes on."""
-        return RunStart(dict(self.states), self.start_epoch)
+        return RunStart(dict(self.states), self.start_epoch, self.mixture)
 
     def stats_snapshot(self, report: bool = False) -> dict:
         """The run's counters as a dict (empty without tracking, or without a run);
@@ -144,7 +146,7 @@ class Progress:
         latest = self.latest
         if latest.finished:
             end = plan.pass_end(latest.start_epoch)
-            return RunStart({}, latest.start_epoch if end is None else end)
+            return RunStart({}, latest.start_epoch if end is None else end, latest.mixture)
         return settle(latest.start(), plan)
 
     def begin(self, run: LiveRun, restart: Callable[[RunStart], None]) -> None:
@@ -189,6 +191,6 @@ class Progress:
         from zephon.checkpoint import exchange_state
 
         local = local_state(plan, record.states if states is None else states,
-                            record.start_epoch)
+                            record.start_epoch, mixture=record.mixture)
         self.rounds += 1
         return exchange_state(local, plan.opts, self.rounds)

@@ -6,6 +6,7 @@ A run's local state is a dict::
      "start_epoch": the run's first epoch (lanes without an entry start there),
      "group": dp group (one rank's state) | "world": ranks (a merged state),
      "dp_degree": G, "mapping": "contiguous" | "interleaved"  (a rank's own state),
+     "mixture": [[position, [weight, ...]], ...]   (weights a trainer set, if any),
      "lanes": {"<lane>": [epoch, pos, total]                 (cursor resume)
                          [epoch, k, since, total, *carry]    (replay)
                          [total]}}                           (ended)
@@ -54,22 +55,25 @@ from zephon.pipeline.carry import carry_bounds, decode_carry
 from zephon.pipeline.engine import is_ended
 from zephon.pipeline.proof import describe_parts_diff, make_proof, verify
 
-__all__ = ["MAX_COUNT", "Position", "RunStart", "check_run", "check_state", "local_state",
-           "position", "rank_state", "settle"]
+__all__ = ["MAX_COUNT", "Position", "RunStart", "check_run", "check_state", "first_unread",
+           "local_state", "position", "rank_state", "settle"]
 
 #: No count in a state can be larger (items, positions, epochs): 2**48 items is far
 #: beyond any real run, and keeps every figure exact in JSON and msgpack alike.
 MAX_COUNT = 1 << 48
 _REQUIRED = ("fingerprint", "lanes_total", "lanes", "resume", "start_epoch")
-_OPTIONAL = ("group", "world", "dp_degree", "mapping", "proof")
+_OPTIONAL = ("group", "world", "dp_degree", "mapping", "proof", "mixture")
 _LANE_ID = re.compile(r"0|[1-9][0-9]{0,5}")  # canonical decimal, ASCII only
 
 
 class RunStart(NamedTuple):
-    """Where a run starts: the lane states and the epoch lanes without one start at."""
+    """Where a run starts: the lane states, the epoch lanes without one start at, and the
+    mixture weights a trainer set (``(stream position, weight vector)`` pairs in order:
+    :meth:`~zephon.pipeline.iterator.PipelineIterator.set_mixture_weights`)."""
 
     states: dict
     start_epoch: int
+    mixture: tuple = ()
 
 
 class Position(NamedTuple):
@@ -139,11 +143,41 @@ def settle(start: RunStart, plan) -> RunStart:
     for lane in range(plan.lanes):
         if not is_ended(states.get(lane)) and plan.lane_length(lane) > 0:
             return start
-    return RunStart({}, end)
+    return RunStart({}, end, start.mixture)
+
+
+def first_unread(plan, start: RunStart) -> int:
+    """The first stream position past every position a lane of ``start`` has consumed
+    for what it delivered (the pipeline reads its source in source order: a mixture that
+    orders itself), in samples of the stream (``epoch * len(source) + position``).
+
+    A lane's position ``p`` of epoch ``e`` is source position ``((p // cs) * C + lane) *
+    cs + p % cs`` (chunks of ``cs`` dealt round robin to ``C`` lanes); a cursor state
+    has consumed up to its position, a replay state (a packer) possibly up to the end
+    of its flush segment (the epoch's end when it flushes at epochs only); a lane
+    without a state is at the run's start, an ended lane at the pass's end."""
+    n, cs, lanes = len(plan.spec.source), plan.spec.chunk_size, plan.lanes
+    end = plan.pass_end(start.start_epoch)
+    out = 0
+    for lane in range(lanes):
+        entry = start.states.get(lane)
+        length = plan.lane_length(lane)
+        if entry is None:
+            epoch, p = start.start_epoch, 0
+        elif is_ended(entry):
+            epoch, p = (start.start_epoch if end is None else end), 0
+        elif plan.cursor_resume:
+            epoch, p = entry[0], entry[1]
+        else:
+            k, every = entry[1], plan.flush_every
+            epoch, p = entry[0], (k + every) * cs if every else length
+        q = n if p >= length else ((p // cs) * lanes + lane) * cs + p % cs
+        out = max(out, epoch * n + q)
+    return out
 
 
 def local_state(plan, states: dict[int, tuple], start_epoch: int = 0,
-                whole: bool | None = None) -> dict:
+                whole: bool | None = None, mixture: tuple = ()) -> dict:
     """The state dict of this rank's owned lanes under ``plan`` (its fingerprint, lanes,
     resume mode and proof, :mod:`zephon.pipeline.proof`), in a run that started at
     ``start_epoch``; ``whole``: the proof holds the source's files and the fingerprint's
@@ -151,17 +185,21 @@ def local_state(plan, states: dict[int, tuple], start_epoch: int = 0,
     lanes = {str(lane): list(states[lane]) for lane in plan.owned if lane in states}
     if whole is None:
         whole = plan.opts.global_rank == 0
-    return {"fingerprint": plan.fingerprint, "lanes_total": plan.lanes, "lanes": lanes,
-            "group": plan.group, "resume": "cursor" if plan.cursor_resume else "replay",
-            "start_epoch": start_epoch,
-            "proof": make_proof(plan, states, start_epoch, plan.owned, whole)}
+    local = {"fingerprint": plan.fingerprint, "lanes_total": plan.lanes, "lanes": lanes,
+             "group": plan.group, "resume": "cursor" if plan.cursor_resume else "replay",
+             "start_epoch": start_epoch,
+             "proof": make_proof(plan, states, start_epoch, plan.owned, whole)}
+    if mixture:
+        local["mixture"] = [[at, list(weights)] for at, weights in mixture]
+    return local
 
 
-def rank_state(plan, states: dict[int, tuple], start_epoch: int = 0) -> dict:
+def rank_state(plan, states: dict[int, tuple], start_epoch: int = 0,
+               mixture: tuple = ()) -> dict:
     """This rank's own state, restorable without any exchange on a rank of the same
     layout: :func:`local_state` plus the layout that says which lanes it owns."""
-    return dict(local_state(plan, states, start_epoch, whole=True), dp_degree=plan.dp,
-                mapping=plan.mapping)
+    return dict(local_state(plan, states, start_epoch, whole=True, mixture=mixture),
+                dp_degree=plan.dp, mapping=plan.mapping)
 
 
 def _int(value: Any, what: str, low: int = 0, high: int = MAX_COUNT) -> int:
@@ -214,9 +252,36 @@ def check_run(decoded: Any, plan, accept: Any = None) -> RunStart:
             states[lane] = _cursor_lane(value, where, plan.lane_length(lane), epochs)
         else:
             states[lane] = _replay_lane(value, where, plan, lane, epochs)
-    verify(decoded, plan, states, start,
+    mixture = _mixture(decoded.get("mixture", []), plan)
+    verify(decoded, plan.with_mixture(mixture), states, start,
            plan.opts.resume_accept if accept is None else accept)
-    return settle(RunStart(states, start), plan)
+    return settle(RunStart(states, start, mixture), plan)
+
+
+def _mixture(value: Any, plan) -> tuple:
+    """The weights a trainer set, checked: ``[[position, [weight per component]], ...]``
+    in order of position, each weight 0 or positive and finite, one positive."""
+    if not isinstance(value, list):
+        raise CheckpointError(f"corrupt checkpoint: mixture must be a list, got "
+                              f"{type(value).__name__}")
+    names = getattr(plan.spec.source, "names", None)
+    if value and getattr(plan.spec.source, "stream", None) is None:
+        raise CheckpointError("checkpoint holds mixture weights a trainer set, but this "
+                              "pipeline's source is no mixture with a position-keyed schedule")
+    out: list = []
+    for n, entry in enumerate(value):
+        where = f"mixture entry {n}"
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)):
+            raise CheckpointError(f"corrupt checkpoint: {where} must be [position, weights]")
+        at = _int(entry[0], f"{where} position", out[-1][0] if out else 0)
+        weights = entry[1]
+        if len(weights) != len(names or ()) or any(
+                type(w) not in (int, float) or not 0 <= w < float("inf") for w in weights) \
+                or not any(weights):
+            raise CheckpointError(f"corrupt checkpoint: {where} must hold {len(names or ())} "
+                                  f"weights, each 0 or positive and finite, one positive")
+        out.append((at, tuple(float(w) for w in weights)))
+    return tuple(out)
 
 
 def _check_header(decoded: Any, plan) -> tuple[int, str]:

@@ -184,7 +184,12 @@ class TorchLoader:
         if self._it is not None and not self._it.closed:
             return self  # a run in progress goes on (a loop left early continues here)
         self.close()
-        self._it = it = iter(self.pipe)
+        self._attach(iter(self.pipe))
+        return self
+
+    def _attach(self, it: PipelineIterator) -> None:
+        """Make ``it`` (a run going on) this loader's, with its pinning thread."""
+        self._it = it
         self._pinned_run = self.pin_memory
         self._ended = False
         if self.pin_memory:
@@ -197,7 +202,53 @@ class TorchLoader:
                 args=(it, self._pin, self._handoff, self._convert, self._place),
                 name="zephon-pin-memory", daemon=True)
             thread.start()
-        return self
+
+    def set_mixture_weights(self, weights: dict) -> int:
+        """Set new weights of the pipeline's mixture from the next sample no batch handed
+        out holds on (:meth:`~zephon.pipeline.iterator.PipelineIterator.set_mixture_weights`:
+        a mixture with ``schedule_unit="samples"`` or ``"tokens"``; every rank calls it at
+        the same step). Batches the pinning thread took ahead are made again under the new
+        weights; the change is part of :meth:`state_dict` from then on.
+
+        Args:
+            weights: component name -> weight, every component named.
+
+        Returns:
+            The stream position (in samples) from which the weights hold.
+
+        Raises:
+            ZephonConfigError: the source is no mixture with a position-keyed schedule,
+                or the weights do not name exactly its components.
+
+        Example:
+            >>> mix = sources.mixture(
+            ...     {"a": sources.from_sequence(list(range(1000)), name="a"),
+            ...      "b": sources.from_sequence(list(range(1000, 2000)), name="b")},
+            ...     {"a": 1, "b": 1}, schedule_unit="samples")
+            >>> loader = zephon.torch.loader(Pipeline(mix, num_epochs=None).batch(64))
+            >>> _ = [next(iter(loader)) for _ in range(4)]  # 256 samples handed out
+            >>> loader.set_mixture_weights({"a": 1, "b": 0})
+            256
+            >>> bool((next(iter(loader)) < 1000).all())
+            True
+            >>> loader.close()
+        """
+        it = self._it
+        if it is None:
+            self.__iter__()
+            it = self._it
+        assert it is not None, "__iter__ starts a run"
+        pinned = self._thread is not None
+        if pinned:
+            self.close()  # the thread stops; the run goes back to what was handed out
+        try:
+            at = it.set_mixture_weights(weights)
+        finally:
+            if pinned and not it.closed:
+                self._attach(it)
+            elif not pinned:
+                self._it = it
+        return at
 
     def __next__(self):
         if self._it is None:

@@ -494,7 +494,7 @@ def mixture(components: Mapping[str, Source], weights: Weights = None, *,
         ...     [(0, {"a": 1, "b": 0}), (1024, {"a": 0, "b": 1})], schedule_unit="samples")
         >>> stream = list(Pipeline(warm, num_epochs=3))
         >>> sum(x < 1000 for x in stream[:1024]), sum(x >= 1000 for x in stream[1024:])
-        (1024, 1976)
+        (1024, 3476)
         >>> mix = sources.mixture({"a": a, "b": b}, {"a": 0.5, "b": 0.5})
         >>> [mix.get(i) for i in range(len(mix))]
         ['a0', 'b0', 'a1', 'b1', 'a2', 'b1', 'a3', 'b0']

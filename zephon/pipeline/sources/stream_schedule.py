@@ -63,7 +63,7 @@ overrides travel in the pipeline's state, not in its definition (see
 from __future__ import annotations
 
 import threading
-from typing import Callable, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -71,7 +71,8 @@ from zephon.errors import ZephonConfigError
 from zephon.kernels import order_key as _key
 from zephon.kernels import permute_positions
 
-__all__ = ["BLOCK", "CALLABLE_EVERY", "MAX_POSITION", "SCHEDULE_UNITS", "StreamSchedule"]
+__all__ = ["BLOCK", "CALLABLE_EVERY", "MAX_POSITION", "SCHEDULE_UNITS", "StreamSchedule",
+           "override_vector"]
 
 #: samples of ``x`` per block: counts exact per block, interleave random within one
 BLOCK = 256
@@ -316,3 +317,24 @@ def check_unit(unit: str, interpolate: str) -> None:
     if interpolate not in INTERPOLATIONS:
         raise ZephonConfigError(f"mixture: interpolate must be one of {INTERPOLATIONS}, "
                                 f"got {interpolate!r}")
+
+
+def override_vector(names: list[str], weights) -> np.ndarray:
+    """A trainer's weights as a vector in the components' order: every component named,
+    each weight 0 or a positive finite number, one positive."""
+    if not isinstance(weights, Mapping) or set(weights) != set(names):
+        got = list(weights) if isinstance(weights, Mapping) else weights
+        raise ZephonConfigError(f"set_mixture_weights: the weights must name exactly the "
+                                f"components {names}, got {got!r:.200}")
+    vector = []
+    for name in names:
+        w = weights[name]
+        if isinstance(w, bool) or not isinstance(w, (int, float, np.integer, np.floating)) \
+                or not 0 <= float(w) < float("inf"):
+            raise ZephonConfigError(f"set_mixture_weights: the weight of {name!r} must be 0 "
+                                    f"or a positive finite number, got {w!r:.60}")
+        vector.append(float(w))
+    if not any(vector):
+        raise ZephonConfigError("set_mixture_weights: the weights are all 0; at least one "
+                                "must be positive")
+    return np.array(vector)

@@ -1,0 +1,172 @@
+"""Weights a trainer sets (``set_mixture_weights``) on a position-keyed mixture: they
+hold from the first position no lane has delivered, replay exactly after a restore on
+another world size (three changes at random steps, a checkpoint between them), are
+part of the checkpoint, and what cannot take them is refused by name."""
+
+from __future__ import annotations
+
+import collections
+
+import _mixture_fns as F
+import numpy as np
+import pytest
+from _aggregate_rank import ranks_in_threads
+from _streams import sample_ids, take
+
+from zephon import Pipeline, RuntimeOptions, sources
+from zephon.checkpoint import decode_state
+from zephon.errors import CheckpointError, ZephonConfigError
+
+C, BATCH = 4, 16
+SIZES = {"code": 3_000, "web": 50_000, "books": 7_000}
+STEPS = [(0, {"code": 6, "web": 3, "books": 1}), (20_000, {"code": 1, "web": 5, "books": 4})]
+
+
+def mixture():
+    return sources.mixture({k: sources.from_callable(n, F.row, name=k) for k, n in SIZES.items()},
+                           STEPS, schedule_unit="samples", interpolate="linear")
+
+
+def pipe(world=1, rank=0, **opts):
+    return Pipeline(mixture(), seed=3, chunk_size=64, num_epochs=None).batch(BATCH).options(
+        RuntimeOptions(canonical_replicas=C, world_size=world, global_rank=rank, **opts))
+
+
+def keyed(batches) -> dict:
+    return {(b.meta["lane"], b.meta["lane_index"]): b.meta["sample_ids"] for b in batches}
+
+
+def changes(seed):
+    """Three (global step, weights) changes at random steps (multiples of 4: a step of
+    every rank on 1, 2 and 4 ranks)."""
+    rng = np.random.default_rng(seed)
+    steps = sorted(rng.choice(np.arange(25, 450), 3, replace=False).tolist())
+    weights = [{"code": 0.0, "web": 1.0, "books": 1.0}, {"code": 5.0, "web": 1.0, "books": 0.0},
+               {"code": 1.0, "web": 1.0, "books": 1.0}]
+    return [(4 * s, w) for s, w in zip(steps, weights, strict=True)]
+
+
+def uninterrupted(plan, total):
+    it = iter(pipe())
+    out, todo = [], list(plan)
+    for step in range(total):
+        if todo and todo[0][0] == step:
+            it.set_mixture_weights(todo.pop(0)[1])
+        out.append(next(it))
+    it.close()
+    return out
+
+
+def ranks_run(world, body, tmp_path, tag):
+    return ranks_in_threads(world, lambda r: body(r, pipe(
+        world, r, aggregate_dir=str(tmp_path / f"agg-{tag}"), run_id=tag,
+        aggregate_timeout_s=60)))
+
+
+@pytest.mark.parametrize("seed, saved, restored", [(1, 2, 4), (2, 4, 1), (3, 1, 2)])
+def test_three_changes_with_a_checkpoint_between_replay_on_another_world_size(
+        tmp_path, seed, saved, restored):
+    plan = changes(seed)
+    total = 4 * 480
+    cut = plan[0][0] + 4 * int(np.random.default_rng(seed).integers(
+        1, (plan[1][0] - plan[0][0]) // 4))  # between the first two changes
+    want = keyed(uninterrupted(plan, total))
+    assert want != keyed(take(pipe(), total))  # the changes changed the stream
+
+    def first(rank, p):  # up to the cut, the first change made on the way
+        it, got = iter(p), []
+        for step in range(0, cut, saved):
+            if step == plan[0][0]:
+                it.set_mixture_weights(plan[0][1])
+            got.append(next(it))
+        state = it.checkpoint()
+        it.close()
+        return got, state
+
+    out = ranks_run(saved, first, tmp_path, "saved")
+    state = out[0][1]
+    assert all(o[1] == state for o in out.values())
+    assert decode_state(state)["mixture"][0][1] == [0.0, 1.0, 1.0]
+
+    def second(rank, p):  # from the cut, the other two changes at their steps
+        p.restore(state)
+        it, got, todo = iter(p), [], list(plan[1:])
+        for step in range(cut, total, restored):
+            if todo and todo[0][0] == step:
+                it.set_mixture_weights(todo.pop(0)[1])
+            got.append(next(it))
+        it.close()
+        return got
+
+    got = keyed([b for o in out.values() for b in o[0]])
+    for batches in ranks_run(restored, second, tmp_path, "restored").values():
+        got.update(keyed(batches))
+    assert got == want
+
+
+def test_the_weights_hold_from_the_first_undelivered_block_and_nothing_before_changes():
+    plain = take(pipe(), 300)
+    it = iter(pipe())
+    head = [next(it) for _ in range(100)]
+    at = it.set_mixture_weights({"code": 0, "web": 0, "books": 1})
+    tail = [next(it) for _ in range(200)]
+    it.close()
+    assert at == 1_792  # 100 batches of 16 read by 4 lanes: 1,600 positions, a block up
+    assert sample_ids(head) == sample_ids(plain[:100])
+    after = collections.Counter(s[0].split("#")[0] for s in sample_ids(tail[12:]))
+    assert set(after) == {"books"}  # once past the block the change rounded up to
+
+
+def test_the_change_is_in_the_checkpoint_and_a_plain_restore_keeps_it():
+    it = iter(pipe())
+    for _ in range(40):
+        next(it)
+    it.set_mixture_weights({"code": 1, "web": 0, "books": 0})
+    state = it.checkpoint()
+    rest = [next(it) for _ in range(50)]
+    it.close()
+    again = pipe()
+    again.restore(state)
+    assert sample_ids(take(again, 50)) == sample_ids(rest)
+
+
+@pytest.mark.parametrize("weights, match", [
+    ({"code": 1, "web": 1}, "name exactly the components"),
+    ({"code": 0, "web": 0, "books": 0}, "all 0"),
+    ({"code": -1, "web": 1, "books": 1}, "0 or a positive finite number"),
+    ({"code": float("nan"), "web": 1, "books": 1}, "0 or a positive finite number"),
+])
+def test_bad_weights_are_refused_and_the_run_goes_on(weights, match):
+    it = iter(pipe())
+    first = next(it)
+    with pytest.raises(ZephonConfigError, match=match):
+        it.set_mixture_weights(weights)
+    assert sample_ids([next(it)]) == sample_ids(take(pipe(), 2)[1:])
+    assert first is not None
+    it.close()
+
+
+def test_a_source_that_cannot_take_weights_is_refused_by_name():
+    it = iter(Pipeline(sources.from_callable(100, F.row)).batch(4))
+    with pytest.raises(ZephonConfigError, match="not a mixture with a position-keyed"):
+        it.set_mixture_weights({"a": 1})
+    it.close()
+    epochs = sources.mixture({"a": sources.from_callable(10, F.row, name="a"),
+                              "b": sources.from_callable(10, F.row, name="b")})
+    it = iter(Pipeline(epochs).batch(4))
+    with pytest.raises(ZephonConfigError, match="keys its weights by the epoch"):
+        it.set_mixture_weights({"a": 1, "b": 1})
+    it.close()
+
+
+def test_a_checkpoint_with_changes_is_refused_by_a_pipeline_without_a_stream_mixture():
+    it = iter(pipe())
+    next(it)
+    it.set_mixture_weights({"code": 1, "web": 1, "books": 0})
+    state = decode_state(it.checkpoint())
+    it.close()
+    from zephon.pipeline.state import check_run
+
+    state["mixture"] = [[512, [1.0, -1.0, 0.0]]]
+    with pytest.raises(CheckpointError, match="each 0 or positive and finite"):
+        check_run(state, pipe().plan())
