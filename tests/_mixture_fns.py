@@ -69,3 +69,13 @@ def code_then_web(position):
     positions, the rest split evenly."""
     code = max(0.1, 0.6 - 0.5 * position / 20_000)
     return {"code": code, "web": (1 - code) / 2, "books": (1 - code) / 2}
+
+
+def heavy_doc(i):
+    """A document whose length is heavy-tailed: most are short, a few are 100x longer."""
+    return {"tokens": np.ones(2 + 2_000 // (1 + (i * 7919) % 1_009), dtype=np.int32)}
+
+
+def even_doc(i):
+    """A document of 20 to 39 tokens."""
+    return {"tokens": np.ones(20 + (i * 104729) % 20, dtype=np.int32)}

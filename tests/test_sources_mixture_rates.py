@@ -236,3 +236,23 @@ def test_concurrent_views_of_one_mixture_agree():
     for t in threads:
         t.join()
     assert all(g == ref for g in got)
+
+
+def test_counted_tokens_per_sample_make_heavy_tailed_token_shares_exact():
+    """A probe of 64 misses the rare long documents of a heavy tail; 'count' reads every
+    sample once when the mixture is built, so the token share over an epoch is the
+    target."""
+    comps = {"heavy": sources.from_callable(20_000, F.heavy_doc, name="heavy"),
+             "even": sources.from_callable(20_000, F.even_doc, name="even")}
+    mix = sources.mixture(comps, {"heavy": 0.7, "even": 0.3}, by="tokens",
+                          tokens_per_sample="count")
+    lengths = {"heavy": F.heavy_doc, "even": F.even_doc}
+    tokens = collections.Counter()
+    view = mix.view(np.arange(len(mix)), 0)
+    for n in range(len(mix)):
+        name, index = view.identity(n)
+        tokens[name.split("#")[0]] += lengths[name.split("#")[0]](index)["tokens"].size
+    assert abs(tokens["heavy"] / sum(tokens.values()) - 0.7) <= 0.01
+    with pytest.raises(ZephonConfigError, match="'count' or None"):
+        sources.mixture(comps, {"heavy": 0.7, "even": 0.3}, by="tokens",
+                        tokens_per_sample="probe")

@@ -412,7 +412,7 @@ def image_folder(root, *, extensions: Sequence[str] | None = None, name: str = "
 def mixture(components: Mapping[str, Source], weights: Weights = None, *,
             config=None, name: str = "mixture", exhausted: str | Mapping[str, str] = "repeat",
             max_repeats: float | Mapping[str, float] | None = None, by: str = "samples",
-            tokens_per_sample: Mapping[str, float] | None = None,
+            tokens_per_sample: Mapping[str, float] | str | None = None,
             token_count: Callable[[Any], int] | None = None, schedule_unit: str = "epochs",
             interpolate: str = "step") -> Source:
     """Components sampled at their weights: each weight is the component's expected share
@@ -450,7 +450,9 @@ def mixture(components: Mapping[str, Source], weights: Weights = None, *,
             else measured on a seeded probe of 64 samples of each component: an
             estimate (exact only for a component of at most 64 samples), for which a
             ``UserWarning`` gives the probe's size and the standard error of each token
-            share. Give it for exact token shares.
+            share; ``"count"``: known to the source, else counted over every sample
+            (each read once when the mixture is built: exact, with ``token_count`` a
+            tokenizer's count for text). Give it for exact token shares.
         token_count: with ``by="tokens"`` and no ``tokens_per_sample``, tokens of one
             sample (default: the size of its ``"tokens"`` field, else the words of its
             ``"text"`` field).

@@ -43,7 +43,8 @@ given (``tokens_per_sample``), known to the source (with the default
 ``token_count``: :meth:`~zephon.pipeline.sources.base.Source.known_tokens_per_sample`,
 ``token_windows``' ``seq_len``), or measured on a seeded sample of up to
 :data:`TOKEN_PROBE` samples per component (``token_count``, default: the length
-of the ``"tokens"`` field): exact when the probe is the whole component, else an
+of the ``"tokens"`` field; ``tokens_per_sample="count"``: every sample counted once, when
+the mixture is built): exact when the probe is the whole component, else an
 estimate, and then a ``UserWarning`` names the probe's size, each estimated mean
 with its standard error and the standard error this gives each token share (from
 the probe's spread: lengths rarer than about 1 in :data:`TOKEN_PROBE` samples are
@@ -263,7 +264,7 @@ class MixtureSource(Source):
     def __init__(self, components: Mapping[str, Source], weights: Weights,
                  config, name: str, *, exhausted: str | Mapping[str, str] = "repeat",
                  max_repeats: float | Mapping[str, float] | None = None,
-                 by: str = "samples", tokens_per_sample: Mapping[str, float] | None = None,
+                 by: str = "samples", tokens_per_sample: Mapping[str, float] | str | None = None,
                  token_count: Callable[[Any], int] | None = None,
                  schedule_unit: str = "epochs", interpolate: str = "step") -> None:
         from zephon.options import MixtureReadConfig
@@ -443,7 +444,13 @@ class MixtureSource(Source):
         assert self.tokens_per_sample is not None
         return dict(zip(self.names, self.tokens_per_sample.tolist(), strict=True))
 
-    def _tokens(self, given: Mapping[str, float] | None) -> np.ndarray:
+    def _tokens(self, given: Mapping[str, float] | str | None) -> np.ndarray:
+        if isinstance(given, str):
+            if given != "count":
+                raise ZephonConfigError(f"mixture: tokens_per_sample must be a mapping, "
+                                        f"'count' or None, got {given!r}")
+            count = self.token_count or _token_field_length
+            return np.array([self._counted(comp, count) for comp in self.components])
         if given is not None:
             if set(given) != set(self.names):
                 raise ZephonConfigError(f"mixture: tokens_per_sample must name exactly the "
@@ -457,6 +464,16 @@ class MixtureSource(Source):
         if any(e is not None for e in errors):
             self._note_probe(means, errors)
         return means
+
+    def _counted(self, comp: Source, count) -> float:
+        """Mean tokens per sample of ``comp`` over every sample (``tokens_per_sample=
+        "count"``): known to the source (with the default ``token_count``), else
+        counted, every sample read once."""
+        known = comp.known_tokens_per_sample() if self.token_count is None else None
+        if known is not None:
+            return max(1.0, float(known))
+        total = sum(count(comp.get(i)) for i in range(len(comp)))
+        return max(1.0, total / len(comp))
 
     def _probe(self, k: int, comp: Source, count) -> tuple[float, float | None]:
         """``(mean tokens per sample, its standard error)`` of component ``k``: exact
@@ -497,7 +514,8 @@ class MixtureSource(Source):
             f"samples per component, ± one standard error from the probe's spread (lengths "
             f"rarer than about 1 in {TOKEN_PROBE} samples are likely missed, and not in it): "
             f"{tokens}; the token share of {shares}; give tokens_per_sample= (each "
-            f"component's mean tokens per sample) for exact shares", UserWarning, stacklevel=5)
+            f"component's mean tokens per sample, or 'count': every sample counted once) "
+            f"for exact shares", UserWarning, stacklevel=5)
 
     # -- what each epoch of a schedule holds ----------------------------------------------
 
