@@ -170,3 +170,73 @@ def test_a_checkpoint_with_changes_is_refused_by_a_pipeline_without_a_stream_mix
     state["mixture"] = [[512, [1.0, -1.0, 0.0]]]
     with pytest.raises(CheckpointError, match="each 0 or positive and finite"):
         check_run(state, pipe().plan())
+
+
+def three():
+    return sources.mixture({k: sources.from_callable(1_000, F.row, name=k) for k in "abc"},
+                           {"a": 1, "b": 1, "c": 1}, schedule_unit="samples")
+
+
+def one_lane(mix, **kw):
+    return Pipeline(mix, seed=1, shuffle=False, num_epochs=None, **kw).batch(64).options(
+        RuntimeOptions(canonical_replicas=1))
+
+
+def test_a_change_never_redeals_a_delivered_position_where_blocks_start_early():
+    """Three equal weights round a block's counts to 85 + 85 + 85 = 255: block 1 starts
+    at 255; after 256 samples the change goes to block 2 (at 513), nothing delivered
+    is dealt again."""
+    plain = sample_ids(take(one_lane(three()), 24))
+    it = iter(one_lane(three()))
+    head = [next(it) for _ in range(4)]
+    at = it.set_mixture_weights({"a": 1, "b": 1, "c": 2})
+    ids = sample_ids(head + [next(it) for _ in range(20)])
+    it.close()
+    assert at == 513 and ids[:at] == plain[:at] and len(set(ids)) == len(ids)
+
+
+def test_a_second_change_in_the_same_block_replaces_the_first_and_nothing_before_it():
+    def linear():
+        return sources.mixture({k: sources.from_callable(5_000, F.row, name=k) for k in "ab"},
+                               [(0, {"a": 1, "b": 0}), (4_096, {"a": 0, "b": 1})],
+                               schedule_unit="samples", interpolate="linear")
+
+    plain = sample_ids(take(one_lane(linear()), 60))
+    twice, once = iter(one_lane(linear())), iter(one_lane(linear()))
+    head = [next(twice) for _ in range(30)]
+    for _ in range(30):
+        next(once)
+    assert twice.set_mixture_weights({"a": 1, "b": 1}) == \
+        twice.set_mixture_weights({"a": 3, "b": 1}) == once.set_mixture_weights({"a": 3, "b": 1})
+    got = sample_ids(head + [next(twice) for _ in range(30)])
+    assert got == sample_ids(head + [next(once) for _ in range(30)])
+    assert got[:1_920] == plain[:1_920] and len(set(got)) == len(got)
+    twice.close()
+    once.close()
+
+
+def test_the_pipelines_checkpoint_after_a_change_restores():
+    p = pipe()
+    it = iter(p)
+    for _ in range(30):
+        next(it)
+    it.set_mixture_weights({"code": 1, "web": 0, "books": 1})
+    for _ in range(200):  # past the change
+        next(it)
+    state = p.checkpoint()
+    rest = [next(it) for _ in range(20)]
+    it.close()
+    again = pipe()
+    again.restore(state)
+    assert sample_ids(take(again, 20)) == sample_ids(rest)
+
+
+def test_a_closed_iterator_is_refused_and_stays_closed():
+    from zephon.errors import IteratorClosedError
+
+    it = iter(pipe())
+    next(it)
+    it.close()
+    with pytest.raises(IteratorClosedError, match="set_mixture_weights on a closed"):
+        it.set_mixture_weights({"code": 1, "web": 1, "books": 1})
+    assert it.closed

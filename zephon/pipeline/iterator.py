@@ -693,12 +693,15 @@ class PipelineIterator:
                 one must be positive).
 
         Returns:
-            The stream position (in samples) from which the weights hold.
+            The stream position (in samples) from which the weights hold: the start of
+            the first block of 256 positions past everything delivered (a second change
+            in that block replaces the first).
 
         Raises:
             ZephonConfigError: the source is no mixture with a position-keyed schedule,
                 or the weights do not name exactly its components.
             CheckpointError: with several ranks, their positions could not be exchanged.
+            IteratorClosedError: the iterator is closed (or its pass has ended).
 
         Example:
             >>> mix = sources.mixture(
@@ -715,6 +718,10 @@ class PipelineIterator:
         """
         from zephon.pipeline.sources.stream_schedule import BLOCK, override_vector
 
+        if self.closed:
+            raise IteratorClosedError(
+                f"set_mixture_weights on a closed PipelineIterator (stopped by "
+                f"{self._closed_by}): restore() or iter(pipe) starts a run to set them in")
         source = self.base_plan.spec.source
         names = getattr(source, "names", None)
         if getattr(source, "stream", None) is None or names is None:
@@ -724,10 +731,15 @@ class PipelineIterator:
         merged = self.checkpoint() if self.plan.opts.world_size > 1 else None
         start = check_run(decode_state(merged), self.base_plan) if merged is not None else \
             RunStart(dict(self.record.states), self.record.start_epoch, self.record.mixture)
-        at = first_unread(self.plan, start)
-        at = max(-(-at // BLOCK) * BLOCK, start.mixture[-1][0] if start.mixture else 0)
-        self._restart(start._replace(mixture=(*start.mixture, (at, tuple(vector.tolist())))))
-        return at
+        mixture: Any = self.plan.spec.source  # a MixtureSource, with the changes so far
+        stream = mixture.stream
+        block = stream.first_block_from(first_unread(self.plan, start))
+        if start.mixture:  # a change in the block of the last one replaces it
+            block = max(block, start.mixture[-1][0] // BLOCK)
+        changes = tuple(c for c in start.mixture if c[0] < block * BLOCK)
+        self._restart(start._replace(
+            mixture=(*changes, (block * BLOCK, tuple(vector.tolist())))))
+        return stream.block_start(block)
 
     def get_state(self) -> bytes:
         """This rank's delivered position as checkpoint bytes, without any exchange.

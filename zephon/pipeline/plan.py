@@ -373,6 +373,9 @@ class Plan:
         #: its part of the arena bound, so that what waits there, what the lanes hold and
         #: what the consumer holds never fill a worker's arena
         self.prefetch_bytes = self.memory.prefetch_bytes if self._arenas else None
+        #: the mixture weights a trainer set that this plan's source holds
+        #: (:meth:`with_mixture`; the pipeline's own plan: none)
+        self.mixture: tuple = ()
         self._sealed = True
 
     def __setattr__(self, name: str, value) -> None:
@@ -384,11 +387,12 @@ class Plan:
         """This plan with the mixture weights a trainer set (``RunStart.mixture``) in its
         source (the plan itself when there are none and its source has none); its
         fingerprint is this plan's (the overrides are run state)."""
-        source = self.spec.source
-        if not overrides and not getattr(getattr(source, "stream", None), "overrides", ()):
+        if tuple(overrides) == self.mixture:
             return self
-        return Plan(replace(self.spec, source=source.with_weight_overrides(overrides)),
-                    self.opts)
+        plan = Plan(replace(self.spec, source=self.spec.source.with_weight_overrides(
+            overrides)), self.opts)
+        object.__setattr__(plan, "mixture", tuple(overrides))
+        return plan
 
     @functools.cached_property
     def fingerprint(self) -> str:

@@ -190,6 +190,7 @@ class Progress:
         with one rank)."""
         from zephon.checkpoint import exchange_state
 
+        plan = plan.with_mixture(record.mixture)  # (the proof reads what the run reads)
         local = local_state(plan, record.states if states is None else states,
                             record.start_epoch, mixture=record.mixture)
         self.rounds += 1

@@ -152,27 +152,34 @@ def first_unread(plan, start: RunStart) -> int:
     orders itself), in samples of the stream (``epoch * len(source) + position``).
 
     A lane's position ``p`` of epoch ``e`` is source position ``((p // cs) * C + lane) *
-    cs + p % cs`` (chunks of ``cs`` dealt round robin to ``C`` lanes); a cursor state
-    has consumed up to its position, a replay state (a packer) possibly up to the end
-    of its flush segment (the epoch's end when it flushes at epochs only); a lane
-    without a state is at the run's start, an ended lane at the pass's end."""
+    cs + p % cs`` (chunks of ``cs`` dealt round robin to ``C`` lanes). A cursor state
+    has consumed its positions before ``p`` (the previous epoch's last one at ``p = 0``),
+    a replay state (a packer) possibly up to the end of its flush segment (the epoch's
+    end when it flushes at epochs only); a lane without a state has consumed nothing,
+    an ended lane its whole pass."""
     n, cs, lanes = len(plan.spec.source), plan.spec.chunk_size, plan.lanes
     end = plan.pass_end(start.start_epoch)
+
+    def past(lane: int, epoch: int, p: int) -> int:  # one past lane position p - 1
+        if p <= 0:
+            return 0 if epoch <= start.start_epoch else \
+                past(lane, epoch - 1, plan.lane_length(lane))
+        last = min(p, plan.lane_length(lane)) - 1
+        return epoch * n + ((last // cs) * lanes + lane) * cs + last % cs + 1
+
     out = 0
     for lane in range(lanes):
         entry = start.states.get(lane)
-        length = plan.lane_length(lane)
         if entry is None:
-            epoch, p = start.start_epoch, 0
-        elif is_ended(entry):
-            epoch, p = (start.start_epoch if end is None else end), 0
+            continue
+        if is_ended(entry):
+            out = max(out, (start.start_epoch if end is None else end) * n)
         elif plan.cursor_resume:
-            epoch, p = entry[0], entry[1]
+            out = max(out, past(lane, entry[0], entry[1]))
         else:
-            k, every = entry[1], plan.flush_every
-            epoch, p = entry[0], (k + every) * cs if every else length
-        q = n if p >= length else ((p // cs) * lanes + lane) * cs + p % cs
-        out = max(out, epoch * n + q)
+            every = plan.flush_every
+            p = (entry[1] + every) * cs if every else plan.lane_length(lane)
+            out = max(out, past(lane, entry[0], p))
     return out
 
 

@@ -238,17 +238,18 @@ class TorchLoader:
             self.__iter__()
             it = self._it
         assert it is not None, "__iter__ starts a run"
-        pinned = self._thread is not None
-        if pinned:
-            self.close()  # the thread stops; the run goes back to what was handed out
+        thread, pinned = self._thread, self._handoff
+        if thread is None or pinned is None:
+            return it.set_mixture_weights(weights)
+        pinned.close()  # the pinning thread stops; the run goes back to what was handed out
+        thread.join(timeout=_JOIN_TIMEOUT_S)
+        self._thread = None
+        it.rewind(self._delivered)
         try:
-            at = it.set_mixture_weights(weights)
+            return it.set_mixture_weights(weights)
         finally:
-            if pinned and not it.closed:
-                self._attach(it)
-            elif not pinned:
-                self._it = it
-        return at
+            if not it.closed:
+                self._attach(it)  # the run (restarted, or as it was) with a new thread
 
     def __next__(self):
         if self._it is None:

@@ -182,7 +182,7 @@ class StreamSchedule:
         linear = self.interpolate == "linear" and self.fn is None
         for at, vector in self.overrides:  # each holds from ``at`` until the next
             at_x = float(at)
-            inside = _rate_at(x, s, linear, at_x)
+            inside = _rate_before(x, s, linear, at_x)
             keep = int(np.searchsorted(np.array(x), at_x, side="left"))
             x, s = x[:keep], s[:keep]  # what the schedule said from ``at`` on is replaced
             if linear:  # the segment before ``at`` still moves as it did, up to ``at``
@@ -249,6 +249,18 @@ class StreamSchedule:
         """``A(b)``: positions of each component before each block (int64, (m, K))."""
         return np.floor(self.expected(blocks * float(BLOCK)) + 0.5).astype(np.int64)
 
+    def first_block_from(self, t: int) -> int:
+        """The first block whose positions all lie at or past stream position ``t`` (a
+        block starts at ``P(b) = sum_k A_k(b)``, within ``K / 2`` of ``b * BLOCK``)."""
+        b = -(-int(t) // BLOCK)
+        while int(self._before(np.array([b])).sum()) < t:
+            b += 1
+        return b
+
+    def block_start(self, b: int) -> int:
+        """``P(b)``: the stream position where block ``b`` starts."""
+        return int(self._before(np.array([b])).sum())
+
     def locate(self, t: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """``(component, occurrence of that component from the stream's start)`` of each
         stream position ``t`` (int64), the interleave within a block seeded by ``seed``."""
@@ -301,9 +313,13 @@ class StreamSchedule:
         return f"{self.unit}-keyed schedule ({what})"
 
 
-def _rate_at(x: list[float], s: list[np.ndarray], linear: bool, at: float) -> np.ndarray:
-    """The schedule's rates at ``at`` samples (``x``, ``s``: its breakpoints)."""
-    i = int(np.searchsorted(np.array(x), at, side="right")) - 1
+def _rate_before(x: list[float], s: list[np.ndarray], linear: bool, at: float) -> np.ndarray:
+    """The rates the segment ending at ``at`` reaches there, from the left (``x``, ``s``:
+    the breakpoints; an earlier override at ``at`` itself does not count: a second one
+    there replaces it, leaving the segment before it as it was)."""
+    i = int(np.searchsorted(np.array(x), at, side="left")) - 1
+    if i < 0:
+        return s[0]
     if not linear or i + 1 >= len(x) or x[i + 1] == x[i]:
         return s[i]
     f = (at - x[i]) / (x[i + 1] - x[i])
