@@ -230,3 +230,18 @@ def test_a_closed_iterator_is_refused_and_stays_closed():
     with pytest.raises(IteratorClosedError, match="set_mixture_weights on a closed"):
         it.set_mixture_weights({"code": 1, "web": 1, "books": 1})
     assert it.closed
+
+
+def test_thousands_of_changes_build_in_one_pass_and_equal_one_at_a_time():
+    """A trainer reweighting every few steps makes thousands of changes: the schedule
+    with all of them equals the one built a few changes at a time."""
+    stream = mixture().stream
+    rng = np.random.default_rng(0)
+    changes = [(256 * (4 * i + 1), rng.random(3) + 0.01) for i in range(3_000)]
+    whole = stream.with_overrides(changes)
+    step = stream
+    for i in range(0, len(changes), 600):  # the same, a few at a time
+        step = step.with_overrides(changes[:i + 600])
+    t = np.arange(0, 256 * 4 * 3_000, 997)
+    assert np.array_equal(whole.locate(t, 7)[0], step.locate(t, 7)[0])
+    assert np.allclose(whole.share(t.astype(float))[::50], step.share(t.astype(float))[::50])

@@ -180,16 +180,22 @@ class StreamSchedule:
             end = self._given_x[-1] if not self.overrides else np.inf  # (held after one)
         x, s = list(self._given_x), list(self._given)
         linear = self.interpolate == "linear" and self.fn is None
-        for at, vector in self.overrides:  # each holds from ``at`` until the next
-            at_x = float(at)
-            inside = _rate_before(x, s, linear, at_x)
-            keep = int(np.searchsorted(np.array(x), at_x, side="left"))
-            x, s = x[:keep], s[:keep]  # what the schedule said from ``at`` on is replaced
-            if linear:  # the segment before ``at`` still moves as it did, up to ``at``
+        changes: list = []  # each holds from its position until the next (one pass: a
+        for at, vector in self.overrides:  # run may make thousands); at one position the last
+            if changes and changes[-1][0] == float(at):
+                changes.pop()
+            changes.append((float(at), vector))
+        if changes:  # what the schedule said from the first change on is replaced
+            inside = _rate_before(x, s, linear, changes[0][0])
+            keep = int(np.searchsorted(np.array(x), changes[0][0], side="left"))
+            x, s = x[:keep], s[:keep]
+            for at_x, vector in changes:
+                if linear:  # the segment before ``at`` moves as it did, up to ``at``
+                    x.append(at_x)
+                    s.append(inside)
                 x.append(at_x)
-                s.append(inside)
-            x.append(at_x)
-            s.append(vector)
+                s.append(vector)
+                inside = vector  # (held until the next change)
         xs = np.array(x, dtype=np.float64)
         ss = np.array(s, dtype=np.float64).reshape(len(x), -1)
         slopes = np.zeros_like(ss)
