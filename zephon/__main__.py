@@ -226,6 +226,55 @@ def cmd_example_data(args: argparse.Namespace) -> int:
     return 0
 
 
+#: file endings -> the source ``python -m zephon index`` builds over them
+_INDEX_KINDS = ((".tar", "webdataset"), (".parquet", "parquet"), (".jsonl", "jsonl"),
+                (".jsonl.gz", "jsonl"), (".jsonl.zst", "jsonl"), (".array_record", "array_record"))
+
+
+def _index_kind(paths: Sequence[str], kind: str | None) -> str:
+    if kind:
+        return kind
+    names = []
+    for path in paths:
+        if os.path.isdir(path):
+            names.extend(os.listdir(path))
+        else:
+            names.append(path)
+    found = {k for n in names for suffix, k in _INDEX_KINDS if n.endswith(suffix)
+             or (k == "array_record" and ".array_record-" in n)}
+    if len(found) != 1:
+        raise UsageError(f"index: cannot tell the kind of {list(paths)} (found "
+                         f"{sorted(found) or 'no known file ending'}); name it with --kind")
+    return found.pop()
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from zephon import sources
+    from zephon.io.errors import SourceError
+    from zephon.io.index import building
+
+    kind = _index_kind(args.paths, args.kind)
+    make = getattr(sources, kind, None)
+    if make is None:
+        raise UsageError(f"index: no source {kind!r}")
+    storage = json.loads(args.storage_options) if args.storage_options else None
+    index = args.index if args.index else None
+    if index is None and any("://" in p for p in args.paths):
+        index = args.paths[0].rstrip("/").rsplit("/", 1)[0] + "/_zephon_index" \
+            if not args.paths[0].endswith("/") else args.paths[0] + "_zephon_index"
+    try:
+        with building(args.workers, args.save_every):
+            src = make(args.paths if len(args.paths) > 1 else args.paths[0], index=index,
+                       storage_options=storage)
+    except SourceError as exc:
+        raise UsageError(str(exc)) from None
+    read, scanned = src.index_counts
+    store = src.index_store
+    print(f"{kind}: {len(src.files)} files, {len(src)} samples: {scanned} scanned, "
+          f"{read} already in the index {store.top if store is not None else '(none)'}")
+    return 0
+
+
 def split_profile_args(tail: Sequence[str]) -> tuple[str | None, list[str]]:
     """zephon's ``--out`` and the script's arguments from what follows SCRIPT on the
     command line: ``--out FILE`` and ``--out=FILE`` are zephon's wherever they stand
@@ -371,6 +420,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="replace existing files of the same names whose contents "
                              "differ (refused without it; a symbolic link is refused always)")
     p_data.set_defaults(func=cmd_example_data)
+    p_index = sub.add_parser(
+        "index", help="build the shared index of data files ahead of training",
+        description="Learn what the sources need of each file (a tar's members, a Parquet "
+                    "footer, a jsonl's lines, an ArrayRecord's record count) once, on "
+                    "several processes, into the shared index (_zephon_index/ beside the "
+                    "data, or --index): every later build of a source over these files, on "
+                    "every rank, reads it instead of opening them. Files already indexed at "
+                    "their current version are skipped, so an interrupted build resumes.")
+    p_index.add_argument("paths", nargs="+", metavar="PATH",
+                         help="the files, globs, brace patterns or directories (local or "
+                              "fsspec URLs) a source reads")
+    p_index.add_argument("--kind", default=None,
+                         choices=["webdataset", "parquet", "jsonl", "array_record"],
+                         help="the source kind (default: told from the file endings)")
+    p_index.add_argument("--index", default=None, metavar="DIR",
+                         help="where the index lives (default: _zephon_index/ beside the "
+                              "first file)")
+    p_index.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                         help="processes scanning files (default: the CPU count)")
+    p_index.add_argument("--save-every", type=float, default=5.0, metavar="SECONDS",
+                         help="how often what was learnt is saved (default 5)")
+    p_index.add_argument("--storage-options", default=None, metavar="JSON",
+                         help="fsspec options for remote paths (endpoint, credentials)")
+    p_index.set_defaults(func=cmd_index)
     p_prof = sub.add_parser(
         "profile", help="run a script with execution tracking on and write an HTML report",
         description="Run SCRIPT as `python SCRIPT ARGS` with execution tracking on for every "

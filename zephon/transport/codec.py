@@ -671,6 +671,7 @@ def _rebuild_leaf(desc: LeafDesc, buffer: Any, dt: np.dtype) -> Any:
     if kind in _BYTES_KINDS:
         data = bytes(memoryview(buffer)[offset:offset + shape[0]])
         return data if kind == _BYTES else bytearray(data)
+    arr: np.ndarray
     if desc.strides is not None:
         arr = np.ndarray(shape, dt, buffer=buffer, offset=offset, strides=desc.strides)
     elif len(buffer) or not dt.itemsize:

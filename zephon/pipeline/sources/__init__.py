@@ -179,7 +179,8 @@ def token_windows(path: str, seq_len: int, dtype: str | None = "uint16", *,
 
 def jsonl(paths: str | Sequence[str], *, name: str = "jsonl", io_options=None,
           storage_options: dict | None = None,
-          max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED) -> Source:
+          max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED,
+          index: str | bool | None = None) -> Source:
     """One dict per non-blank JSON line over one or more files.
 
     The files are streamed once when the source is built, to index their lines (in
@@ -198,6 +199,11 @@ def jsonl(paths: str | Sequence[str], *, name: str = "jsonl", io_options=None,
         storage_options: fsspec options for remote paths (endpoint, credentials).
         max_decompressed_bytes: the most bytes one compressed file may decompress to
             (default 1 GiB), and the most decompressed bytes a reading process holds.
+        index: the shared index (see :mod:`zephon.io.index`): None reads
+            ``_zephon_index/`` beside the first file (and writes it there when local); a
+            path or URL names the index directory; False: none. With it, a build reads each
+            file's line table from the index instead of scanning the file, and only when
+            the file is first read.
 
     Returns:
         A :class:`Source` whose sample ``i`` is the parsed line.
@@ -219,13 +225,14 @@ def jsonl(paths: str | Sequence[str], *, name: str = "jsonl", io_options=None,
         >>> len(src), src.get(1)
         (2, {'stars': 5})
     """
-    return JsonlSource(paths, name, _io(io_options), storage_options, max_decompressed_bytes)
+    return JsonlSource(paths, name, _io(io_options), storage_options, max_decompressed_bytes,
+                       index)
 
 
 def parquet(paths: str | Sequence[str], columns: Sequence[str] | None = None, *,
             name: str = "parquet", shuffle: bool = False, seed: int = 0,
             row_group_cache_bytes: int = 256 << 20, io_options=None,
-            storage_options: dict | None = None) -> Source:
+            storage_options: dict | None = None, index: str | bool | None = None) -> Source:
     """One dict ``{column: value}`` per row over Parquet files (``parquet`` extra).
 
     Rows are read at random through the files' footers; each process keeps a budget
@@ -249,6 +256,11 @@ def parquet(paths: str | Sequence[str], columns: Sequence[str] | None = None, *,
             ``RuntimeOptions.io_options`` govern. None: the defaults.
         storage_options: fsspec options for remote paths (endpoint, credentials).
 
+        index: the shared index (see :mod:`zephon.io.index`): None reads
+            ``_zephon_index/`` beside the first file (and writes it there when local); a
+            path or URL names the index directory; False: none. With it, a build reads each
+            file's row groups from the index instead of its footer.
+
     Returns:
         A :class:`Source` of one sample per row.
 
@@ -263,11 +275,11 @@ def parquet(paths: str | Sequence[str], columns: Sequence[str] | None = None, *,
         {'text': 'first row', 'score': 0.5}
     """
     return ParquetSource(paths, columns, name, shuffle, seed, row_group_cache_bytes,
-                         _io(io_options), storage_options)
+                         _io(io_options), storage_options, index)
 
 
 def webdataset(shards: str | Sequence[str], *, name: str = "webdataset", io_options=None,
-               storage_options: dict | None = None) -> Source:
+               storage_options: dict | None = None, index: str | bool | None = None) -> Source:
     """Samples from WebDataset tar shards, with random access.
 
     The members sharing a key (``000123.jpg``, ``000123.json``) form one sample
@@ -288,6 +300,11 @@ def webdataset(shards: str | Sequence[str], *, name: str = "webdataset", io_opti
             reads made while building the source; while iterating, the pipeline's
             ``RuntimeOptions.io_options`` govern. None: the defaults.
         storage_options: fsspec options for remote paths (endpoint, credentials).
+        index: the shared index (see :mod:`zephon.io.index`): None reads
+            ``_zephon_index/`` beside the first shard (and writes it there when local);
+            a path or URL names the index directory; False: none. With it, a build reads
+            each shard's member table from the index instead of scanning the shard, and
+            only when the shard is first read (``python -m zephon index`` builds it ahead).
 
     Returns:
         A :class:`Source` of one sample per key.
@@ -310,7 +327,7 @@ def webdataset(shards: str | Sequence[str], *, name: str = "webdataset", io_opti
         >>> len(src), src.get(0)
         (2, {'__key__': 'a', 'txt': b'hello', 'cls': b'1'})
     """
-    return WebDatasetSource(shards, name, _io(io_options), storage_options)
+    return WebDatasetSource(shards, name, _io(io_options), storage_options, index)
 
 
 def hf_dataset(ds, *, name: str = "hf", columns: Sequence[str] | None = None) -> Source:

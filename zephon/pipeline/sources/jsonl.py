@@ -38,6 +38,7 @@ import numpy as np
 
 from zephon.errors import ZephonConfigError
 from zephon.io.config import DEFAULT_IO, IoConfig
+from zephon.io.index import learn, load_detail
 from zephon.io.remote import expand, is_remote
 from zephon.pipeline.sources.base import FileSource, SourceError
 from zephon.pipeline.sources.files import require_regular_files
@@ -135,11 +136,12 @@ class _LineIndex:
 
 
 class JsonlSource(FileSource):
-    _per_process = ("_plain", "_plain_lock")
+    _per_process = ("_plain", "_plain_lock", "_tables")
 
     def __init__(self, paths: str | Sequence[str], name: str, io: IoConfig = DEFAULT_IO,
                  storage_options: dict | None = None,
-                 max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED) -> None:
+                 max_decompressed_bytes: int = DEFAULT_MAX_DECOMPRESSED,
+                 index: Any = None) -> None:
         if (isinstance(max_decompressed_bytes, bool)
                 or not isinstance(max_decompressed_bytes, (int, np.integer))
                 or max_decompressed_bytes < 1):
@@ -151,28 +153,59 @@ class JsonlSource(FileSource):
                                suffixes=(".jsonl", ".jsonl.gz", ".jsonl.zst")))
         require_regular_files(self.refs, "jsonl")
         self._fresh()
-        columns: list[tuple] = []
-        self.plain_size: list[int] = []
-        for k in range(len(self.files)):
-            index = _LineIndex()
-            with self._stream(k, "building the line index") as blocks:
-                for block in blocks:
-                    index.feed(block)
-            starts, ends, numbers = index.finish()
-            self.plain_size.append(index.pos)
-            columns.append((starts, ends, np.full(len(starts), k, dtype=np.int32), numbers))
-            self._readers.pop(k, None)  # the builder keeps no open file
-        if columns:
-            self.offsets, self.ends, self.file_index, self.line_no = (
-                np.concatenate(col) for col in zip(*columns, strict=True))
-        else:
-            self.offsets = self.ends = self.line_no = np.zeros(0, dtype=np.int64)
-            self.file_index = np.zeros(0, dtype=np.int32)
+        learnt = learn(self, "jsonl", 1, self._learn_file, index=index, detail=True)
+        #: per file ``[facts, detail]``: the detail (its line table) inline, or the digest of
+        #: its blob in the shared index (``index_store``), read when the file is first read
+        self.file_entries = list(learnt)
+        self.index_store = learnt.store
+        self.index_counts = (learnt.read, learnt.scanned)
+        self.plain_size = [int(facts["bytes"]) for facts, _ in self.file_entries]
+        counts = [int(facts["lines"]) for facts, _ in self.file_entries]
+        self.file_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    def _learn_file(self, k: int) -> tuple[dict, bytes]:
+        """File ``k``'s facts (lines, decompressed bytes) and line table (int64 starts,
+        ends and line numbers, as bytes)."""
+        index = _LineIndex()
+        with self._stream(k, "building the line index") as blocks:
+            for block in blocks:
+                index.feed(block)
+        starts, ends, numbers = index.finish()
+        self._readers.pop(k, None)  # the builder keeps no open file
+        table = np.stack([starts, ends, numbers]).astype(np.int64)
+        return {"lines": len(starts), "bytes": index.pos}, table.tobytes()
+
+    def lines(self, k: int) -> np.ndarray:
+        """File ``k``'s line table: rows of starts, ends and line numbers (``(3, n)``)."""
+        table = self._tables.get(k)
+        if table is None:
+            facts, detail = self.file_entries[k]
+            raw = load_detail(self.index_store, [facts, detail], self.files[k])
+            n = int(facts["lines"])
+            if not isinstance(raw, bytes) or len(raw) != 24 * n:
+                raise SourceError(f"jsonl: {self.files[k]}: the index's line table does not "
+                                  f"hold the {n} lines its entry names; rebuild the index")
+            table = np.frombuffer(raw, dtype=np.int64).reshape(3, n)
+            if n and (table[0].min() < 0 or table[1].max() > self.plain_size[k]
+                      or (table[1] < table[0]).any()):
+                raise SourceError(f"jsonl: {self.files[k]}: the index's line table places "
+                                  f"lines outside the file's {self.plain_size[k]} bytes: the "
+                                  f"index is forged or stale; rebuild it")
+            with self._plain_lock:
+                self._tables.setdefault(k, table)
+        return table
+
+    @property
+    def line_no(self) -> np.ndarray:
+        """Every sample's line number in its file (1-based), over all files."""
+        return np.concatenate([self.lines(k)[2] for k in range(len(self.files))]) \
+            if self.files else np.zeros(0, dtype=np.int64)
 
     def _fresh(self) -> None:
         super()._fresh()
         self._plain: OrderedDict[int, bytearray] = OrderedDict()
         self._plain_lock = threading.Lock()
+        self._tables: dict[int, np.ndarray] = {}
 
     class _Stream:
         def __init__(self, fh, blocks) -> None:
@@ -212,13 +245,12 @@ class JsonlSource(FileSource):
         return out
 
     def __len__(self) -> int:
-        return len(self.offsets)
+        return int(self.file_starts[-1])
 
     def shard_bounds(self) -> np.ndarray:
         """The files: each one's lines are consecutive indices (a compressed file is one
         stream, read once in order)."""
-        return np.searchsorted(self.file_index, np.arange(len(self.files) + 1),
-                               side="left").astype(np.int64)
+        return self.file_starts
 
     def _held(self, k: int, context: str) -> bytearray:
         """File ``k`` decompressed, from this process's bounded set."""
@@ -234,21 +266,31 @@ class JsonlSource(FileSource):
             self._plain[k] = data
             return data
 
-    def _line(self, i: int) -> bytes | bytearray:
-        k = int(self.file_index[i])
-        start, end = int(self.offsets[i]), int(self.ends[i])
-        context = f"line {int(self.line_no[i])}"
+    def _line(self, k: int, start: int, end: int, number: int) -> bytes | bytearray:
+        context = f"line {number}"
         if _codec(self.files[k]):
             return self._held(k, context)[start:end]
-        return self.reader(k).pread(start, end - start, context)
+        before = 1 if start else 0
+        line = self.reader(k).pread(start - before, end - start + before, context)
+        # a line lies between line ends (or the file's ends): an index entry that does not
+        # cut the file at line ends (forged or stale) fails here
+        if (before and line[:1] != b"\n") or (line[-1:] != b"\n" and end != self.plain_size[k]):
+            raise SourceError(f"jsonl: {self.files[k]}: {context} is not a whole line at "
+                              f"bytes [{start}, {end}) of the file: the index is forged or "
+                              f"stale; rebuild it with `python -m zephon index`")
+        return line[before:]
 
     def get(self, i: int) -> Any:
         if not 0 <= i < len(self):
             raise IndexError(f"jsonl: sample {i} out of range [0, {len(self)})")
-        path = self.files[self.file_index[i]]
-        line = self._line(i)
-        where = f"jsonl: {path}, line {int(self.line_no[i])}"
-        at = f"the line starts at byte {int(self.offsets[i])}"
+        k = int(np.searchsorted(self.file_starts, i, side="right")) - 1
+        path = self.files[k]
+        starts, ends, numbers = self.lines(k)
+        j = i - int(self.file_starts[k])
+        start, end, number = int(starts[j]), int(ends[j]), int(numbers[j])
+        line = self._line(k, start, end, number)
+        where = f"jsonl: {path}, line {number}"
+        at = f"the line starts at byte {start}"
         try:
             value = json.loads(line)
         except ValueError as exc:

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from zephon.io.config import DEFAULT_IO, IoConfig
+from zephon.io.index import learn
 from zephon.io.remote import expand, is_remote, require
 from zephon.kernels import order_key, permute_range
 from zephon.pipeline.sources.base import FileSource, SourceError
@@ -120,8 +121,8 @@ class ParquetSource(FileSource):
 
     def __init__(self, paths, columns: Sequence[str] | None, name: str, shuffle: bool,
                  seed: int, row_group_cache_bytes: int, io: IoConfig = DEFAULT_IO,
-                 storage_options: dict | None = None) -> None:
-        pq = _pyarrow()
+                 storage_options: dict | None = None, index: Any = None) -> None:
+        _pyarrow()  # a missing extra is named when the source is built
         if columns is not None:
             columns = [columns] if isinstance(columns, str) else list(columns)
         self.columns, self.name = columns, name
@@ -130,29 +131,23 @@ class ParquetSource(FileSource):
         self.io, self.storage_options = io, storage_options
         self._set_files(expand(paths, "parquet", io, storage_options, suffixes=(".parquet",)))
         self._fresh()
+        learnt = learn(self, "parquet", 1, self._learn_file, index=index)
+        self.index_store = learnt.store
+        self.index_counts = (learnt.read, learnt.scanned)
         group_rows, group_file, group_index = [], [], []
         group_bytes = 0  # uncompressed bytes of the chosen columns, from the footers
-        for k, path in enumerate(self.files):
-            try:
-                with self.reader(k).file_object("footer") as fh:
-                    meta = pq.ParquetFile(fh).metadata
-                    schema = meta.schema.to_arrow_schema()
-            except SourceError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - pyarrow raises several classes
-                raise SourceError(f"parquet: {path}: not a readable Parquet file (footer): "
-                                  f"{type(exc).__name__}: {exc}") from None
+        for k, facts in enumerate(learnt):
             if columns is not None:
-                missing = [c for c in columns if c not in schema.names]
+                missing = [c for c in columns if c not in facts["names"]]
                 if missing:
-                    raise SourceError(f"parquet: {path} has no column(s) {missing}; it has "
-                                      f"{schema.names}")
-            for g in range(meta.num_row_groups):
-                group_rows.append(meta.row_group(g).num_rows)
-                group_bytes += _selected_bytes(meta.row_group(g), columns)
+                    raise SourceError(f"parquet: {self.files[k]} has no column(s) {missing}; "
+                                      f"it has {facts['names']}")
+            for g, (rows, sizes) in enumerate(facts["groups"]):
+                group_rows.append(int(rows))
+                group_bytes += sum(int(v) for c, v in sizes.items()
+                                   if columns is None or c in columns)
                 group_file.append(k)
                 group_index.append(g)
-            self.readers_done(k)
         self.group_rows = np.asarray(group_rows, dtype=np.int64)
         self.group_file = np.asarray(group_file, dtype=np.int32)
         self.group_index = np.asarray(group_index, dtype=np.int32)
@@ -162,6 +157,32 @@ class ParquetSource(FileSource):
         self.group_order = order  # visiting position -> global row group
         self.row_nbytes = group_bytes / max(1, int(self.group_rows.sum()))
         self.starts = np.concatenate([[0], np.cumsum(self.group_rows[order])])
+
+    def _learn_file(self, k: int) -> dict:
+        """File ``k``'s footer facts: its column names, and per row group its rows and the
+        uncompressed bytes of each top-level column."""
+        pq = _pyarrow()
+        path = self.files[k]
+        try:
+            with self.reader(k).file_object("footer") as fh:
+                meta = pq.ParquetFile(fh).metadata
+                names = meta.schema.to_arrow_schema().names
+        except SourceError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several classes
+            raise SourceError(f"parquet: {path}: not a readable Parquet file (footer): "
+                              f"{type(exc).__name__}: {exc}") from None
+        groups = []
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            sizes: dict[str, int] = {}
+            for c in range(group.num_columns):
+                chunk = group.column(c)
+                top = chunk.path_in_schema.split(".")[0]
+                sizes[top] = sizes.get(top, 0) + chunk.total_uncompressed_size
+            groups.append([group.num_rows, sizes])
+        self.readers_done(k)
+        return {"names": names, "groups": groups}
 
     def readers_done(self, k: int) -> None:
         """Builder: drop the reader of file ``k`` (the footer pass keeps nothing open)."""
@@ -243,7 +264,9 @@ class ParquetSource(FileSource):
                               f"{type(exc).__name__}: {exc}") from None
         if table.num_rows != int(self.group_rows[g]):
             raise SourceError(f"parquet: {path}, {context}: has {table.num_rows} rows, the "
-                              f"footer said {int(self.group_rows[g])}")
+                              f"footer said {int(self.group_rows[g])} when the source was "
+                              f"built (or the shared index did: forged or stale; rebuild "
+                              f"it with `python -m zephon index`)")
         try:
             if self.shuffle:  # the rows in their seeded order once: a batch is then a slice
                 table = table.take(self._row_order(g))
@@ -399,17 +422,6 @@ def _numbers(arr) -> np.ndarray:
     if data is None or n == 0:
         return np.zeros(0, dtype=dtype)
     return np.frombuffer(data, dtype=dtype, count=n, offset=arr.offset * dtype.itemsize)
-
-
-def _selected_bytes(row_group, columns) -> int:
-    """Uncompressed bytes of the chosen top-level ``columns`` (all if None) in one row
-    group's footer entry."""
-    total = 0
-    for c in range(row_group.num_columns):
-        chunk = row_group.column(c)
-        if columns is None or chunk.path_in_schema.split(".")[0] in columns:
-            total += chunk.total_uncompressed_size
-    return total
 
 
 def _positions(index) -> list:

@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 
 from zephon.io.config import DEFAULT_IO, IoConfig
+from zephon.io.index import learn, load_detail
 from zephon.io.reader import RangeDigests
 from zephon.io.remote import DIGEST_SIZE, ObjectChanged, expand, is_remote
 from zephon.pipeline.sources.base import FileSource, SourceError
@@ -248,47 +249,64 @@ def index_tar(fileobj, shard: str, size: int, digest_range=None) -> dict:
     return {"layout": _INDEX_LAYOUT, "keys": index.keys, "members": index.members}
 
 
-class WebDatasetSource(FileSource):
-    def __init__(self, shards, name: str, io: IoConfig = DEFAULT_IO,
-                 storage_options: dict | None = None) -> None:
-        patterns = [shards] if isinstance(shards, (str, os.PathLike)) else list(shards)
-        expanded = [p for pattern in patterns for p in brace_expand(os.fspath(pattern))]
-        self.name, self.io, self.storage_options = name, io, storage_options
-        self._set_files(expand(expanded, "webdataset", io, storage_options, suffixes=(".tar",)))
-        require_regular_files(self.refs, "webdataset")
-        self._fresh()
-        keys: list = []
-        counts: list[int] = []
-        first: list = []
-        ext: list = []
-        offset: list = []
-        size: list = []
+def check_header(span: bytes, shard: str, key: str, table: "_Table", m: int,
+                 store: Any) -> None:
+    """The 512 bytes before member ``m`` (the span's first) are a tar header with a valid
+    checksum naming ``m``'s stored size: an entry of the shared index that does not point at
+    a member of the shard (forged, or of another shard) fails here, naming the index.
+    (Sparse members are not checked: their data follows a sparse map, not the header.)"""
+    header = span[:512]
+    stored = int(table.size[m])
+    try:
+        checksum = int(header[148:156].split(b"\0", 1)[0].strip() or b"-1", 8)
+        size = int(header[124:136].split(b"\0", 1)[0].strip() or b"-1", 8) \
+            if not header[124] & 0x80 else int.from_bytes(header[125:136], "big")
+    except ValueError:
+        checksum = size = -2
+    real = sum(header[:148]) + 8 * 32 + sum(header[156:])
+    if checksum != real or size != stored:
+        where = store.top if store is not None else "the index"
+        raise SourceError(f"webdataset: {shard}: {where} places member {key}."
+                          f"{table.ext[m]} at byte {int(table.offset[m])}, where the shard "
+                          f"holds no tar member of {stored} bytes: the index is forged or "
+                          f"stale; rebuild it with `python -m zephon index`")
+
+
+class _Table:
+    """One shard's samples as :func:`index_tar` found them, in arrays: per sample its key,
+    its first member (``first[j] .. first[j + 1]``) and the byte span read at once; per
+    member its extension, offset, stored size, sparse map and digest (remote shards)."""
+
+    __slots__ = ("digest", "digested", "ext", "first", "from_index", "keys", "offset", "size",
+                 "span_end", "span_start", "sparse")
+
+    def __init__(self, index: dict, digested: bool, from_index: bool) -> None:
+        #: read from the shared index, not scanned here: every read also checks the tar
+        #: header before the span's first member (see :func:`check_header`)
+        self.from_index = from_index
+        self.keys = index["keys"]
+        first: list[int] = []
+        ext: list[str] = []
+        offset: list[int] = []
+        size: list[int] = []
         digests = bytearray()
-        self.member_sparse: dict[int, list] = {}
-        self.shard_digested = [ref.remote for ref in self.refs]
-        for k in range(len(self.files)):
-            index = self._build_index(k)
-            counts.append(len(index["keys"]))
-            keys.extend(index["keys"])
-            for group in index["members"]:
-                first.append(len(ext))
-                for e, o, s, sparse, digest in group:
-                    if sparse is not None:
-                        self.member_sparse[len(ext)] = sparse
-                    ext.append(e)
-                    offset.append(o)
-                    size.append(s)
-                    digests += bytes.fromhex(digest) if digest else bytes(DIGEST_SIZE)
-            self._readers.pop(k, None)
+        self.sparse: dict[int, list] = {}
+        for group in index["members"]:
+            first.append(len(ext))
+            for e, o, n, sparse, digest in group:
+                if sparse is not None:
+                    self.sparse[len(ext)] = sparse
+                ext.append(e)
+                offset.append(o)
+                size.append(n)
+                digests += bytes.fromhex(digest) if digest else bytes(DIGEST_SIZE)
         first.append(len(ext))
-        # per member, the digest of its stored bytes (remote shards; zeros elsewhere)
-        self.member_digest = bytes(digests)
-        self.keys = keys
-        self.shard_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self.first_member = np.asarray(first, dtype=np.int64)
-        self.member_ext = ext
-        self.member_offset = np.asarray(offset, dtype=np.int64)
-        self.member_size = np.asarray(size, dtype=np.int64)
+        self.digested = digested
+        self.digest = bytes(digests)  # per member, the digest of its stored bytes
+        self.first = np.asarray(first, dtype=np.int64)
+        self.ext = ext
+        self.offset = np.asarray(offset, dtype=np.int64)
+        self.size = np.asarray(size, dtype=np.int64)
         self._spans()
 
     def _spans(self) -> None:
@@ -298,12 +316,64 @@ class WebDatasetSource(FileSource):
         if not self.keys:
             self.span_start = self.span_end = np.zeros(0, dtype=np.int64)
             return
-        groups = self.first_member[:-1]
-        ends = self.member_offset + self.member_size
-        self.span_start = np.minimum.reduceat(self.member_offset, groups)
+        groups = self.first[:-1]
+        ends = self.offset + self.size
+        self.span_start = np.minimum.reduceat(self.offset, groups)
         self.span_end = np.maximum.reduceat(ends, groups)
-        stored = np.add.reduceat(self.member_size, groups)
+        stored = np.add.reduceat(self.size, groups)
         self.span_end[self.span_end - self.span_start > stored + _SPAN_SLACK] = -1
+
+    def digests(self, members: range) -> RangeDigests | None:
+        if not self.digested:
+            return None
+        d = DIGEST_SIZE
+        return [(int(self.offset[m]), int(self.offset[m] + self.size[m]),
+                 self.digest[m * d:(m + 1) * d]) for m in members]
+
+
+class WebDatasetSource(FileSource):
+    _per_process = ("_tables",)
+
+    def __init__(self, shards, name: str, io: IoConfig = DEFAULT_IO,
+                 storage_options: dict | None = None, index: Any = None) -> None:
+        patterns = [shards] if isinstance(shards, (str, os.PathLike)) else list(shards)
+        expanded = [p for pattern in patterns for p in brace_expand(os.fspath(pattern))]
+        self.name, self.io, self.storage_options = name, io, storage_options
+        self._set_files(expand(expanded, "webdataset", io, storage_options, suffixes=(".tar",)))
+        require_regular_files(self.refs, "webdataset")
+        self._fresh()
+        learnt = learn(self, "webdataset", _INDEX_LAYOUT, self._learn_shard, index=index,
+                       detail=True)
+        #: per shard ``[facts, detail]``: the detail inline, or the digest of its blob in
+        #: the shared index (``index_store``), read when the shard is first read
+        self.shard_entries = list(learnt)
+        self.index_store = learnt.store
+        self.index_counts = (learnt.read, learnt.scanned)
+        counts = [int(facts["samples"]) for facts, _ in self.shard_entries]
+        self.shard_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    def _fresh(self) -> None:
+        super()._fresh()
+        self._tables: dict[int, _Table] = {}
+
+    def _learn_shard(self, k: int) -> tuple[dict, dict]:
+        index = self._build_index(k)
+        self._readers.pop(k, None)
+        return {"samples": len(index["keys"])}, index
+
+    def _table(self, k: int) -> _Table:
+        table = self._tables.get(k)
+        if table is None:
+            facts, detail = self.shard_entries[k]
+            index = load_detail(self.index_store, [facts, detail], self.files[k])
+            if not isinstance(index, dict) or len(index.get("keys", ())) != facts["samples"]:
+                raise SourceError(f"webdataset: {self.files[k]}: the index's member table "
+                                  f"does not hold the {facts['samples']} samples its entry "
+                                  f"names; rebuild the index")
+            table = _Table(index, self.refs[k].remote, isinstance(detail, str))
+            with self._lock:
+                self._tables.setdefault(k, table)
+        return table
 
     def _build_index(self, k: int) -> dict:
         """:meth:`_shard_index`, while the source is being built: a remote shard whose
@@ -357,18 +427,12 @@ class WebDatasetSource(FileSource):
         """The tar shards: each one's samples are consecutive indices."""
         return self.shard_starts
 
-    def _read(self, k: int, start: int, size: int, context: str,
+    def _read(self, k: int, table: _Table, start: int, size: int, context: str,
               members: range = range(0)) -> bytes:
         """``size`` bytes at ``start`` of shard ``k``, the stored bytes of ``members``
         compared with their digests when the shard has them (see the module docstring)."""
-        digests: RangeDigests | None = None
-        if self.shard_digested[k]:
-            d = DIGEST_SIZE
-            digests = [(int(self.member_offset[m]),
-                        int(self.member_offset[m] + self.member_size[m]),
-                        self.member_digest[m * d:(m + 1) * d]) for m in members]
         try:
-            return self.reader(k).pread(start, size, context, digests)
+            return self.reader(k).pread(start, size, context, table.digests(members))
         except SourceError as exc:
             raise SourceError(f"webdataset: {exc}") from None
 
@@ -376,23 +440,35 @@ class WebDatasetSource(FileSource):
         if not 0 <= i < len(self):
             raise IndexError(f"webdataset: sample {i} out of range [0, {len(self)})")
         k = int(np.searchsorted(self.shard_starts, i, side="right")) - 1
-        lo, hi = int(self.first_member[i]), int(self.first_member[i + 1])
-        key = self.keys[i]
+        table = self._table(k)
+        j = i - int(self.shard_starts[k])
+        lo, hi = int(table.first[j]), int(table.first[j + 1])
+        key = table.keys[j]
         sample: dict[str, Any] = {"__key__": key}
         if hi == lo:
             return sample
-        start, end = int(self.span_start[i]), int(self.span_end[i])
-        context = f"member {key}.{self.member_ext[lo]}" if hi - lo == 1 else \
-            f"members {key}.{{{','.join(self.member_ext[lo:hi])}}}"
-        span = self._read(k, start, end - start, context, range(lo, hi)) if end >= 0 else None
+        start, end = int(table.span_start[j]), int(table.span_end[j])
+        context = f"member {key}.{table.ext[lo]}" if hi - lo == 1 else \
+            f"members {key}.{{{','.join(table.ext[lo:hi])}}}"
+        span = None
+        if end >= 0:
+            first = lo + int(np.argmin(table.offset[lo:hi]))  # the member the span starts at
+            if table.from_index and start >= 512 and first not in table.sparse:
+                span = self._read(k, table, start - 512, end - start + 512, context,
+                                  range(lo, hi))
+                check_header(span, self.files[k], key, table, first, self.index_store)
+                span = span[512:]
+            else:
+                span = self._read(k, table, start, end - start, context, range(lo, hi))
         for m in range(lo, hi):
-            at, n = int(self.member_offset[m]), int(self.member_size[m])
+            at, n = int(table.offset[m]), int(table.size[m])
             if span is not None:
                 data = span[at - start:at - start + n]
             else:
-                data = self._read(k, at, n, f"member {key}.{self.member_ext[m]}", range(m, m + 1))
-            sparse = self.member_sparse.get(m)
-            sample[self.member_ext[m]] = data if sparse is None else unsparse(data, sparse)
+                data = self._read(k, table, at, n, f"member {key}.{table.ext[m]}",
+                                  range(m, m + 1))
+            sparse = table.sparse.get(m)
+            sample[table.ext[m]] = data if sparse is None else unsparse(data, sparse)
         return sample
 
     def describe(self) -> str:
