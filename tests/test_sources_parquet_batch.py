@@ -365,3 +365,24 @@ def test_an_op_error_after_a_columnar_batch_names_its_samples_in_a_plain_list(tm
         assert type(error.sample_id) is list
         assert [] + error.sample_id == [("parquet", i, 0) for i in range(8)]
     assert "(8 samples)" in str(info.value)
+
+
+def test_struct_and_string_list_columns_arrive_as_inline_gives_them(tmp_path):
+    """batch() collates a struct column into a dict of fields and equal-length lists of
+    strings into tuples per position: such columns cannot be cut by rows, so a grouped read
+    on the process runner reads each micro-batch on its own (it once sent a group's rows
+    untransposed, and crashed on the struct)."""
+    table = pa.table({"id": list(range(64)), "tags": [[f"a{i}", "b"] for i in range(64)],
+                      "st": [{"x": i, "y": f"s{i}"} for i in range(64)]})
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=16)
+
+    def key(b):
+        return (list(b.meta["sample_ids"]), b["id"].tolist(), b["tags"],
+                b["st"]["x"].tolist(), b["st"]["y"])
+
+    src = sources.parquet(str(tmp_path / "t.parquet"), columns=["id", "tags", "st"])
+    inline = keys_of(Pipeline(src, shuffle=False, num_epochs=1).batch(4), key)
+    grouped = keys_of(Pipeline(src, shuffle=False, num_epochs=1).batch(4).options(GROUPED),
+                      key)
+    assert grouped == inline
+    assert inline[0][2] == [("a0", "a1", "a2", "a3"), ("b", "b", "b", "b")]

@@ -378,8 +378,8 @@ class StageProgram:
         except Exception as exc:  # noqa: BLE001 - named per sample by the row-wise read
             _row_reads_warning(source, exc)
             return None
-        if columns is None:
-            return None
+        if columns is None or not _rows_first(columns, len(indices)):
+            return None  # each member's own columnar read (read_unit)
         return BatchRun(columns, source.name, indices, units[0].epoch,
                         [len(u) for u in units], [u.start for u in units])
 
@@ -445,3 +445,19 @@ class StageProgram:
             return Collator(len(unit))
         parts = unit.parts if isinstance(unit, ReadParts) else [unit]
         return Collator(sum(len(p.indices) for p in parts))
+
+
+def _rows_first(columns: dict, n: int) -> bool:
+    """Whether every collated column holds one entry per row in order (an array, or a list
+    of scalar values: strings, bytes, numbers and Nones), so that a :class:`BatchRun` can cut it into micro-batches; a
+    column ``batch()`` collated otherwise (a dict of a struct's fields, a list of lists
+    transposed) cannot be cut by rows."""
+    for column in columns.values():
+        if isinstance(column, np.ndarray):
+            if column.ndim == 0 or len(column) != n:
+                return False
+        elif not (type(column) is list and len(column) == n
+                  and not any(isinstance(v, (tuple, list, dict)) for v in column)):
+            return False
+    return True
+
