@@ -83,7 +83,9 @@ def check_restore_on_another_world(make_source: Callable[[], Any], tmp_path, sav
     """``cut`` global steps on ``saved`` ranks, a checkpoint, then the rest up to ``total``
     on ``restored`` ranks (fresh sources in each: as a new launch builds them) equal the
     uninterrupted one-rank run lane by lane. ``cut`` and ``total`` are multiples of both
-    world sizes."""
+    world sizes. Pairs such as (2, 4), (4, 2) and (3, 1) compare; (2, 3) and (3, 2) do not:
+    on 3 ranks the 4 lanes advance unevenly, so whole global steps cover other
+    (lane, index) keys than the one-rank run's first ``total`` batches."""
     assert cut % saved == 0 and cut % restored == 0 and total % restored == 0
     want = _keyed(take(_pipe(make_source()), total))
 

@@ -410,6 +410,7 @@ def test_webdataset_cached_index_of_an_older_layout_is_rebuilt(tmp_path):
 
     from zephon import StoreOptions
     from zephon.io import FileCache, IoConfig
+    from zephon.pipeline.sources.webdataset import _INDEX_LAYOUT
 
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -423,12 +424,12 @@ def test_webdataset_cached_index_of_an_older_layout_is_rebuilt(tmp_path):
         src = sources.webdataset(url, storage_options=so, io_options=opts)
         cache = FileCache(IoConfig.from_store_options(opts), so)
         stored = json.loads(cache.get_derived(src.refs[0], "wdsidx"))
-        assert stored["layout"] == 3
+        assert stored["layout"] == _INDEX_LAYOUT
         older = {"keys": stored["keys"],  # what the 3-field layout wrote: [ext, offset, size]
                  "members": [[m[:3] for m in group] for group in stored["members"]]}
         cache.put_derived(src.refs[0], "wdsidx", json.dumps(older).encode())
         again = sources.webdataset(url, storage_options=so, io_options=opts)
         assert [again.get(i)["txt"] for i in range(2)] == [b"zero", b"one"]
-        assert json.loads(cache.get_derived(src.refs[0], "wdsidx"))["layout"] == 3
+        assert json.loads(cache.get_derived(src.refs[0], "wdsidx"))["layout"] == _INDEX_LAYOUT
     finally:
         server.stop()

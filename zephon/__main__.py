@@ -231,15 +231,23 @@ _INDEX_KINDS = ((".tar", "webdataset"), (".parquet", "parquet"), (".jsonl", "jso
                 (".jsonl.gz", "jsonl"), (".jsonl.zst", "jsonl"), (".array_record", "array_record"))
 
 
-def _index_kind(paths: Sequence[str], kind: str | None) -> str:
+def _listed(path: str, storage_options: dict | None) -> list[str]:
+    """The names in ``path`` when it is a directory or a remote prefix, else ``[path]``."""
+    if "://" in path and not path.startswith("file://"):
+        from zephon.io.remote import filesystem
+
+        fs = filesystem(path, storage_options)
+        if fs.isdir(path):
+            return fs.ls(path, detail=False)
+        return [path]
+    local = path[len("file://"):] if path.startswith("file://") else path
+    return os.listdir(local) if os.path.isdir(local) else [path]
+
+
+def _index_kind(paths: Sequence[str], kind: str | None, storage_options: dict | None) -> str:
     if kind:
         return kind
-    names = []
-    for path in paths:
-        if os.path.isdir(path):
-            names.extend(os.listdir(path))
-        else:
-            names.append(path)
+    names = [name for path in paths for name in _listed(path, storage_options)]
     found = {k for n in names for suffix, k in _INDEX_KINDS if n.endswith(suffix)
              or (k == "array_record" and ".array_record-" in n)}
     if len(found) != 1:
@@ -253,25 +261,23 @@ def cmd_index(args: argparse.Namespace) -> int:
     from zephon.io.errors import SourceError
     from zephon.io.index import building
 
-    kind = _index_kind(args.paths, args.kind)
+    storage = json.loads(args.storage_options) if args.storage_options else None
+    kind = _index_kind(args.paths, args.kind, storage)
     make = getattr(sources, kind, None)
     if make is None:
         raise UsageError(f"index: no source {kind!r}")
-    storage = json.loads(args.storage_options) if args.storage_options else None
-    index = args.index if args.index else None
-    if index is None and any("://" in p for p in args.paths):
-        index = args.paths[0].rstrip("/").rsplit("/", 1)[0] + "/_zephon_index" \
-            if not args.paths[0].endswith("/") else args.paths[0] + "_zephon_index"
     try:
-        with building(args.workers, args.save_every):
-            src = make(args.paths if len(args.paths) > 1 else args.paths[0], index=index,
-                       storage_options=storage)
+        with building(args.workers, args.save_every, args.rebuild):
+            src = make(args.paths if len(args.paths) > 1 else args.paths[0],
+                       index=args.index or None, storage_options=storage)
     except SourceError as exc:
         raise UsageError(str(exc)) from None
     read, scanned = src.index_counts
     store = src.index_store
+    pruned = store.prune() if store is not None and args.prune else 0
     print(f"{kind}: {len(src.files)} files, {len(src)} samples: {scanned} scanned, "
-          f"{read} already in the index {store.top if store is not None else '(none)'}")
+          f"{read} already in the index {store.top if store is not None else '(none)'}"
+          + (f"; {pruned} stale blobs removed" if pruned else ""))
     return 0
 
 
@@ -427,7 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "several processes, into the shared index (_zephon_index/ beside the "
                     "data, or --index): every later build of a source over these files, on "
                     "every rank, reads it instead of opening them. Files already indexed at "
-                    "their current version are skipped, so an interrupted build resumes.")
+                    "their current version are skipped (their member tables checked), so "
+                    "an interrupted build resumes; an index that is refused is replaced.")
     p_index.add_argument("paths", nargs="+", metavar="PATH",
                          help="the files, globs, brace patterns or directories (local or "
                               "fsspec URLs) a source reads")
@@ -443,6 +450,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="how often what was learnt is saved (default 5)")
     p_index.add_argument("--storage-options", default=None, metavar="JSON",
                          help="fsspec options for remote paths (endpoint, credentials)")
+    p_index.add_argument("--rebuild", action="store_true",
+                         help="learn every file again, whatever the index holds")
+    p_index.add_argument("--prune", action="store_true",
+                         help="then remove the member tables no entry names any more "
+                              "(those of files that changed), once an hour old")
     p_index.set_defaults(func=cmd_index)
     p_prof = sub.add_parser(
         "profile", help="run a script with execution tracking on and write an HTML report",

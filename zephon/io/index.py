@@ -136,6 +136,7 @@ class IndexStore:
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".part-")
         try:
+            os.fchmod(fd, 0o666 & ~_umask())  # readable by whoever may read the data
             with os.fdopen(fd, "wb") as fh:
                 fh.write(data)
                 fh.flush()
@@ -154,7 +155,7 @@ class IndexStore:
         import fcntl
 
         os.makedirs(self.location, exist_ok=True)
-        fd = os.open(self.top + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.top + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -225,8 +226,60 @@ class IndexStore:
         if hashlib.sha256(data).hexdigest() != digest:
             raise SourceError(f"index: {path} (the detail of {file}) is refused: its bytes "
                               f"do not hash to its name (altered or torn); rebuild the index")
-        raw = zlib.decompress(data)
-        return raw[1:] if raw[:1] == b"B" else json.loads(raw[1:])
+        try:
+            raw = zlib.decompress(data)
+            return raw[1:] if raw[:1] == b"B" else json.loads(raw[1:] if raw[:1] == b"J"
+                                                              else b"!")
+        except (zlib.error, ValueError) as exc:
+            raise SourceError(f"index: {path} (the detail of {file}) is refused: it does not "
+                              f"decode ({exc}); rebuild the index") from None
+
+
+    def prune(self, older_than_s: float = 3600.0) -> int:
+        """Remove the blobs no entry names (left by files that changed) and older than
+        ``older_than_s`` (a build running beside this one writes its blobs before the
+        entries naming them); returns how many."""
+        with self._locked():
+            named = {entry[3] for entry in self.load().values() if isinstance(entry[3], str)}
+            directory = self.path(self.kind)
+            fs = filesystem(directory, self.storage_options) if self.remote else None
+            try:
+                listed = fs.ls(directory, detail=True) if fs is not None else \
+                    [{"name": e.path, "mtime": e.stat().st_mtime} for e in os.scandir(directory)]
+            except FileNotFoundError:
+                return 0
+            now, gone = time.time(), 0
+            for info in listed:
+                path = str(info["name"])
+                name = path.rsplit("/", 1)[-1]
+                if not name.endswith(".zblob") or name[:-6] in named or \
+                        now - _mtime(info) < older_than_s:
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    fs.rm_file(path) if fs is not None else os.unlink(path)
+                gone += 1
+            return gone
+
+
+def _mtime(info: dict) -> float:
+    """A listing entry's modification time (s since the epoch; now when it has none)."""
+    value = info.get("mtime", info.get("LastModified", info.get("last_modified")))
+    stamp = getattr(value, "timestamp", None)
+    if stamp is not None:
+        return float(stamp())
+    return float(value) if isinstance(value, (int, float)) else time.time()
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (threads may be creating files)."""
+    try:
+        with open("/proc/self/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def _default_location(url: str) -> str:
@@ -241,8 +294,8 @@ def store_for(source: Any, kind: str, layout: int, index: Any) -> IndexStore | N
         return None
     if index is None:
         first = source.refs[0].url
-        return IndexStore(_default_location(first), kind, layout, not is_remote(first),
-                          source.storage_options)
+        return IndexStore(_default_location(first), kind, layout,
+                          not is_remote(first) or _BUILD["building"], source.storage_options)
     if not isinstance(index, (str, os.PathLike)):
         raise SourceError(f"index must be None, False or a path/URL, got {index!r}")
     return IndexStore(os.fspath(index), kind, layout, True, source.storage_options)
@@ -283,52 +336,129 @@ def learn(source: Any, kind: str, layout: int, scan: Callable[[int], Any], *,
     ks = range(len(source.refs)) if indices is None else indices
     out = Learnt()
     out.store = store
-    known = store.load() if store is not None else {}
+    got, todo = _from_index(store, source, ks, detail)
+    out.read = len(got)
+    writer = _Writer(store)
+    for k, result in _scanned(source, scan, todo):
+        out.scanned += 1
+        facts, blob = result if detail else (result, None)
+        blob = writer.blob(blob)
+        got[k] = [facts, blob] if detail else facts
+        writer.entry(source, k, facts, blob)  # after the scan: it may have found a newer version
+    writer.finish()
+    out.extend(got[k] for k in ks)
+    return out
+
+
+def _from_index(store: IndexStore | None, source: Any, ks: Sequence[int],
+                detail: bool) -> tuple[dict[int, Any], list[int]]:
+    """What the index holds of files ``ks`` at their current versions (``{k: facts}``),
+    and the files it does not (to scan)."""
+    known = _known(store)
     got: dict[int, Any] = {}
     todo = []
     for k in ks:
         stamp = stamp_of(source, k)
         entry = known.get(store.name_of(source.refs[k].url)) if store is not None else None
         if entry is not None and stamp is not None and entry[0] == source.refs[k].size \
-                and entry[1] == stamp:
+                and entry[1] == stamp and _sound(store, entry):
             got[k] = [entry[2], entry[3]] if detail else entry[2]
-            out.read += 1
         else:
             todo.append(k)
-    writing = store is not None and store.writable
-    save = timed_saves(store, _BUILD["save_every_s"]) if writing and store is not None \
-        else None
-    for k, result in _scanned(source, scan, todo):
-        out.scanned += 1
-        facts, blob = result if detail else (result, None)
-        if save is not None and store is not None and blob is not None:
-            blob = store.put_blob(blob)
-        got[k] = [facts, blob] if detail else facts
-        stamp = stamp_of(source, k)  # the scan may have found a newer version (refs[k])
-        if save is not None and store is not None and stamp is not None:
-            _save_quietly(save, store, {store.name_of(source.refs[k].url):
-                                        [source.refs[k].size, stamp, facts, blob]}, False)
-    if save is not None and store is not None:
-        _save_quietly(save, store, {}, True)
-    out.extend(got[k] for k in ks)
-    return out
+    return got, todo
 
 
-#: how :func:`learn` scans when a build asks for it (``python -m zephon index``): processes
-#: and how often what was learnt is saved (a killed build resumes from there)
-_BUILD: dict[str, Any] = {"workers": 1, "save_every_s": 3600.0}
+class _Writer:
+    """What a build learnt, written to a writable index: blobs as they come, entries every
+    ``save_every_s`` and at the end; a location that refuses writes is given up (logged:
+    the next build scans again)."""
+
+    def __init__(self, store: IndexStore | None) -> None:
+        self.store = store if store is not None and store.writable else None
+        self.save = timed_saves(self.store, _BUILD["save_every_s"]) \
+            if self.store is not None else None
+
+    def _give_up(self, exc: OSError) -> None:
+        log.warning("index: could not write to %s (%s): the next build scans again",
+                    self.store.location if self.store is not None else "?", exc)
+        self.store = self.save = None
+
+    def blob(self, blob: Any) -> Any:
+        """The blob's digest once written (the blob itself when it is not)."""
+        if self.store is None or blob is None:
+            return blob
+        try:
+            return self.store.put_blob(blob)
+        except OSError as exc:
+            self._give_up(exc)
+            return blob
+
+    def entry(self, source: Any, k: int, facts: Any, blob: Any) -> None:
+        stamp = stamp_of(source, k)
+        if self.store is None or self.save is None or stamp is None:
+            return
+        ref = source.refs[k]
+        try:
+            self.save({self.store.name_of(ref.url): [ref.size, stamp, facts, blob]}, False)
+        except OSError as exc:
+            self._give_up(exc)
+
+    def finish(self) -> None:
+        if self.save is not None:
+            try:
+                self.save({}, True)
+            except OSError as exc:
+                self._give_up(exc)
+
+
+#: how :func:`learn` works inside :func:`building` (``python -m zephon index``): the
+#: processes scanning, how often what was learnt is saved (a killed build resumes from
+#: there), and whether every entry is re-learnt
+_BUILD: dict[str, Any] = {"building": False, "workers": 1, "save_every_s": 3600.0,
+                          "rebuild": False}
 
 
 @contextlib.contextmanager
-def building(workers: int, save_every_s: float = 5.0) -> Iterator[None]:
-    """Sources built inside scan their files on ``workers`` processes and save what they
-    learnt every ``save_every_s`` seconds (``python -m zephon index``)."""
+def building(workers: int, save_every_s: float = 5.0, rebuild: bool = False) -> Iterator[None]:
+    """Sources built inside build their index: they scan files on ``workers`` processes,
+    save what they learnt every ``save_every_s`` seconds, write the default index beside
+    remote data too, replace an index that is refused, check every blob an entry names
+    (a missing or altered one is learnt again) and, with ``rebuild``, learn every file
+    again (``python -m zephon index``)."""
     before = dict(_BUILD)
-    _BUILD.update(workers=max(1, int(workers)), save_every_s=float(save_every_s))
+    _BUILD.update(building=True, workers=max(1, int(workers)),
+                  save_every_s=float(save_every_s), rebuild=bool(rebuild))
     try:
         yield
     finally:
         _BUILD.update(before)
+
+
+def _known(store: IndexStore | None) -> dict:
+    """The entries of ``store``; a build replaces a refused index (and says so) instead of
+    failing on it; a rebuild learns everything again."""
+    if store is None or (_BUILD["building"] and _BUILD["rebuild"]):
+        return {}
+    try:
+        return store.load()
+    except SourceError as exc:
+        if not _BUILD["building"]:
+            raise
+        log.warning("%s: rebuilding it", exc)
+        return {}
+
+
+def _sound(store: IndexStore | None, entry: list) -> bool:
+    """Whether an entry may be used: always, except in a build, which reads its blob (and
+    learns the file again when the blob is missing or altered)."""
+    if not _BUILD["building"] or store is None or not isinstance(entry[3], str):
+        return True
+    try:
+        store.get_blob(entry[3], "(checked by the build)")
+    except SourceError as exc:
+        log.warning("%s: learning the file again", exc)
+        return False
+    return True
 
 
 def _scanned(source: Any, scan: Callable[[int], Any], todo: list) -> Iterator[tuple[int, Any]]:
@@ -343,20 +473,35 @@ def _scanned(source: Any, scan: Callable[[int], Any], todo: list) -> Iterator[tu
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        futures = {pool.submit(scan, k): k for k in todo}
+    # the source travels once per worker (not once per file: that grows with files squared)
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx,
+                                                initializer=_scan_worker,
+                                                initargs=(scan,)) as pool:
+        futures = {pool.submit(_scan_one, k): k for k in todo}
         for future in concurrent.futures.as_completed(futures):
             yield futures[future], future.result()
 
 
-def _save_quietly(save: Callable[[dict, bool], None], store: IndexStore, entries: dict,
-                  final: bool) -> None:
-    """Save learnt entries; a location that refuses writes only costs the next build a scan."""
+_WORKER: dict[str, Any] = {}
+
+
+def _scan_worker(scan: Callable[[int], Any]) -> None:
+    """A build's scanning process: it holds the source's scan, and dies with its parent
+    (a killed build leaves no worker behind)."""
+    _WORKER["scan"] = scan
     try:
-        save(entries, final)
-    except OSError as exc:
-        log.warning("index: could not write %s (%s): the next build scans again", store.top,
-                    exc)
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the pool's own shutdown applies
+        pass
+    if os.getppid() == 1:  # the parent died before the signal was asked for
+        os._exit(1)
+
+
+def _scan_one(k: int) -> Any:
+    return _WORKER["scan"](k)
 
 
 def load_detail(store: IndexStore | None, entry: list, file: str) -> Any:

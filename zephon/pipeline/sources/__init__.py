@@ -23,7 +23,15 @@ and retry policy of ``RuntimeOptions.io_options`` (:class:`~zephon.StoreOptions`
 - :func:`hf_dataset` — a Hugging Face ``datasets.Dataset`` (loaded or saved to disk).
 - :func:`image_folder` — an ImageFolder tree ``root/<class>/<image>``; one dict
   ``{"image": bytes, "label": int, "path": str}`` per image.
+- :func:`mds` — MosaicML Streaming's MDS shards (``index.json`` and its shards).
+- :func:`litdata` — LitData's ``optimize()`` chunks (items, or tokens in blocks).
+- :func:`lance` — a Lance dataset at a pinned version (``lance`` extra).
+- :func:`array_record` — ArrayRecord files of bytes records (``array_record`` extra).
 - :func:`mixture` — components sampled at their weights (sampling rates).
+
+What a file source learns of its files (a tar's members, a jsonl's lines, a Parquet
+footer, an ArrayRecord's record count) is kept in the shared index
+(:mod:`zephon.io.index`) and read from there by later builds, on every rank.
 
 Submodules import their format library (pyarrow, fsspec, datasets) only when a
 source that needs it is built or read: unpickling a jsonl source in a worker does
@@ -35,6 +43,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence
 
 from zephon.io.config import DEFAULT_IO, IoConfig
+from zephon.pipeline.sources.array_record import array_record
 from zephon.pipeline.sources.base import (
     CallableSource,
     SequenceSource,
@@ -44,6 +53,9 @@ from zephon.pipeline.sources.base import (
 from zephon.pipeline.sources.hf import HfDatasetSource
 from zephon.pipeline.sources.images import ImageFolderSource
 from zephon.pipeline.sources.jsonl import DEFAULT_MAX_DECOMPRESSED, JsonlSource
+from zephon.pipeline.sources.lance import lance
+from zephon.pipeline.sources.litdata import litdata
+from zephon.pipeline.sources.mds import mds
 from zephon.pipeline.sources.mixture import MixtureSource, Weights
 from zephon.pipeline.sources.parquet import ParquetSource
 from zephon.pipeline.sources.tokens import TokenWindows
@@ -52,11 +64,15 @@ from zephon.pipeline.sources.webdataset import WebDatasetSource
 __all__ = [
     "Source",
     "SourceError",
+    "array_record",
     "from_callable",
     "from_sequence",
     "hf_dataset",
     "image_folder",
     "jsonl",
+    "lance",
+    "litdata",
+    "mds",
     "mixture",
     "parquet",
     "token_windows",

@@ -80,7 +80,9 @@ log = logging.getLogger("zephon.sources")
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _PLAIN = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
 _INDEX_TAG = "wdsidx"
-_INDEX_LAYOUT = 3  # members [ext, offset, stored size, sparse, digest]; an older one is rebuilt
+# members [ext, offset, stored size, sparse, digest, header name or None (the member's own
+# name)]; an older layout is rebuilt
+_INDEX_LAYOUT = 4
 # a sample's members are read in one span unless the span holds this much more than them
 _SPAN_SLACK = 64 << 10
 
@@ -161,7 +163,8 @@ class _ShardIndex:
         if end > self.size:
             raise SourceError(f"webdataset: {self.shard}: truncated: member {info.name!r} "
                               f"ends at byte {end}, the shard has {self.size}")
-        return [info.offset_data, stored, sparse, self.slot(info.offset_data, stored)]
+        return [info.offset_data, stored, sparse, self.slot(info.offset_data, stored),
+                info.name]
 
     def linked(self, info: tarfile.TarInfo) -> list:
         """The entry of the earlier file a hard or symbolic link names."""
@@ -185,7 +188,8 @@ class _ShardIndex:
         if info.type in _PLAIN and info.sparse is None:  # the common case, kept short
             if info.offset_data + info.size > self.size:
                 self.stored(info)  # raises: truncated
-            entry = [info.offset_data, info.size, None, self.slot(info.offset_data, info.size)]
+            entry = [info.offset_data, info.size, None, self.slot(info.offset_data, info.size),
+                     name]
         elif info.isdir():
             return
         elif info.isreg():  # sparse files
@@ -209,7 +213,10 @@ class _ShardIndex:
                               f"with extension {ext!r} (the second is {info.name!r}): "
                               f"which one is meant cannot be told")
         self.exts.add(ext)
-        self.members[-1].append([ext, *entry])
+        member = [ext, *entry]
+        if member[5] == name:  # the header before the data names this member (not a link)
+            member[5] = None
+        self.members[-1].append(member)
 
 
 def _refuse_compressed(fileobj, shard: str) -> None:
@@ -249,27 +256,40 @@ def index_tar(fileobj, shard: str, size: int, digest_range=None) -> dict:
     return {"layout": _INDEX_LAYOUT, "keys": index.keys, "members": index.members}
 
 
-def check_header(span: bytes, shard: str, key: str, table: "_Table", m: int,
+def _octal(field: bytes) -> int:
+    if field[:1] and field[0] & 0x80:  # GNU base-256
+        return int.from_bytes(field[1:], "big")
+    return int(field.split(b"\0", 1)[0].strip() or b"-1", 8)
+
+
+def check_header(header: bytes, shard: str, key: str, table: "_Table", m: int,
                  store: Any) -> None:
-    """The 512 bytes before member ``m`` (the span's first) are a tar header with a valid
-    checksum naming ``m``'s stored size: an entry of the shared index that does not point at
-    a member of the shard (forged, or of another shard) fails here, naming the index.
-    (Sparse members are not checked: their data follows a sparse map, not the header.)"""
-    header = span[:512]
-    stored = int(table.size[m])
+    """``header``, the 512 bytes before member ``m``'s data, is the tar header of that
+    member: a valid checksum, ``m``'s stored size, and its name (the member's own,
+    ``key.ext``, or for a link the name of the file it links to; a name longer than the
+    header holds must begin with what it holds). A member table read from the shared index
+    that does not place every member where the shard has it (forged, shifted, of another
+    shard) fails here, naming the index. Sparse members are not checked (their data
+    follows a sparse map, not the header)."""
+    want = table.header_names.get(m) or f"{key}.{table.ext[m]}"
     try:
-        checksum = int(header[148:156].split(b"\0", 1)[0].strip() or b"-1", 8)
-        size = int(header[124:136].split(b"\0", 1)[0].strip() or b"-1", 8) \
-            if not header[124] & 0x80 else int.from_bytes(header[125:136], "big")
+        checksum, size = _octal(header[148:156]), _octal(header[124:136])
     except ValueError:
         checksum = size = -2
+    name = header[:100].split(b"\0", 1)[0]
+    prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
+    full = prefix + b"/" + name if prefix and header[257:263] == b"ustar\0" else name
+    expected = want.encode("utf-8", "surrogateescape")
+    named = full == expected or (len(expected) >= 100 and len(full) >= 99
+                                 and expected.startswith(full))
     real = sum(header[:148]) + 8 * 32 + sum(header[156:])
-    if checksum != real or size != stored:
+    if checksum != real or size != int(table.size[m]) or not named:
         where = store.top if store is not None else "the index"
         raise SourceError(f"webdataset: {shard}: {where} places member {key}."
-                          f"{table.ext[m]} at byte {int(table.offset[m])}, where the shard "
-                          f"holds no tar member of {stored} bytes: the index is forged or "
-                          f"stale; rebuild it with `python -m zephon index`")
+                          f"{table.ext[m]} ({int(table.size[m])} bytes) at byte "
+                          f"{int(table.offset[m])}, where the shard holds no such tar member: "
+                          f"the index is forged or stale; rebuild it with "
+                          f"`python -m zephon index --rebuild`")
 
 
 class _Table:
@@ -277,13 +297,15 @@ class _Table:
     its first member (``first[j] .. first[j + 1]``) and the byte span read at once; per
     member its extension, offset, stored size, sparse map and digest (remote shards)."""
 
-    __slots__ = ("digest", "digested", "ext", "first", "from_index", "keys", "offset", "size",
-                 "span_end", "span_start", "sparse")
+    __slots__ = ("digest", "digested", "ext", "first", "from_index", "header_names", "keys",
+                 "offset", "size", "span_end", "span_start", "sparse")
 
     def __init__(self, index: dict, digested: bool, from_index: bool) -> None:
         #: read from the shared index, not scanned here: every read also checks the tar
-        #: header before the span's first member (see :func:`check_header`)
+        #: header before each member (see :func:`check_header`)
         self.from_index = from_index
+        #: per member whose header names another file (a link), that file's name
+        self.header_names: dict[int, str] = {}
         self.keys = index["keys"]
         first: list[int] = []
         ext: list[str] = []
@@ -293,7 +315,9 @@ class _Table:
         self.sparse: dict[int, list] = {}
         for group in index["members"]:
             first.append(len(ext))
-            for e, o, n, sparse, digest in group:
+            for e, o, n, sparse, digest, header in group:
+                if header is not None:
+                    self.header_names[len(ext)] = header
                 if sparse is not None:
                     self.sparse[len(ext)] = sparse
                 ext.append(e)
@@ -367,9 +391,11 @@ class WebDatasetSource(FileSource):
             facts, detail = self.shard_entries[k]
             index = load_detail(self.index_store, [facts, detail], self.files[k])
             if not isinstance(index, dict) or len(index.get("keys", ())) != facts["samples"]:
-                raise SourceError(f"webdataset: {self.files[k]}: the index's member table "
-                                  f"does not hold the {facts['samples']} samples its entry "
-                                  f"names; rebuild the index")
+                where = self.index_store.top if self.index_store is not None else "the index"
+                raise SourceError(f"webdataset: {self.files[k]}: the member table {where} "
+                                  f"holds does not hold the {facts['samples']} samples its "
+                                  f"entry names: forged or stale; rebuild it with "
+                                  f"`python -m zephon index --rebuild`")
             table = _Table(index, self.refs[k].remote, isinstance(detail, str))
             with self._lock:
                 self._tables.setdefault(k, table)
@@ -450,23 +476,25 @@ class WebDatasetSource(FileSource):
         start, end = int(table.span_start[j]), int(table.span_end[j])
         context = f"member {key}.{table.ext[lo]}" if hi - lo == 1 else \
             f"members {key}.{{{','.join(table.ext[lo:hi])}}}"
-        span = None
-        if end >= 0:
-            first = lo + int(np.argmin(table.offset[lo:hi]))  # the member the span starts at
-            if table.from_index and start >= 512 and first not in table.sparse:
-                span = self._read(k, table, start - 512, end - start + 512, context,
-                                  range(lo, hi))
-                check_header(span, self.files[k], key, table, first, self.index_store)
-                span = span[512:]
-            else:
-                span = self._read(k, table, start, end - start, context, range(lo, hi))
+        # a table from the shared index is proven as it is used: each member's header too
+        check = table.from_index
+        pad = 512 if check else 0
+        span, base = None, start - pad
+        if end >= 0 and base >= 0:
+            span = self._read(k, table, base, end - base, context, range(lo, hi))
         for m in range(lo, hi):
             at, n = int(table.offset[m]), int(table.size[m])
             if span is not None:
-                data = span[at - start:at - start + n]
-            else:
-                data = self._read(k, table, at, n, f"member {key}.{table.ext[m]}",
+                data = span[at - base:at - base + n]
+                header = span[at - base - pad:at - base]
+            elif at - pad >= 0:
+                data = self._read(k, table, at - pad, n + pad, f"member {key}.{table.ext[m]}",
                                   range(m, m + 1))
+                header, data = data[:pad], data[pad:]
+            else:
+                data = header = b""
+            if check and m not in table.sparse:
+                check_header(header, self.files[k], key, table, m, self.index_store)
             sparse = table.sparse.get(m)
             sample[table.ext[m]] = data if sparse is None else unsparse(data, sparse)
         return sample
