@@ -265,25 +265,28 @@ def _octal(field: bytes) -> int:
 def check_header(header: bytes, shard: str, key: str, table: "_Table", m: int,
                  store: Any) -> None:
     """``header``, the 512 bytes before member ``m``'s data, is the tar header of that
-    member: a valid checksum, ``m``'s stored size, and its name (the member's own,
-    ``key.ext``, or for a link the name of the file it links to; a name longer than the
-    header holds must begin with what it holds). A member table read from the shared index
-    that does not place every member where the shard has it (forged, shifted, of another
-    shard) fails here, naming the index. Sparse members are not checked (their data
-    follows a sparse map, not the header)."""
+    member: it names ``m``'s stored size and ``m`` (the member's own name, ``key.ext``, or
+    for a link the name of the file it links to; a name longer than the header holds must
+    begin with what it holds). A member table read from the shared index that does not
+    place every member where the shard has it (forged, shifted, of another shard) fails
+    here, naming the index. Sparse members are not checked (their data follows a sparse
+    map, not the header). The header's checksum is not summed: the name and the size
+    already tie the bytes to the member, at a tenth of the cost per member."""
     want = table.header_names.get(m) or f"{key}.{table.ext[m]}"
     try:
-        checksum, size = _octal(header[148:156]), _octal(header[124:136])
+        size = _octal(header[124:136])
     except ValueError:
-        checksum = size = -2
+        size = -2
     name = header[:100].split(b"\0", 1)[0]
-    prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
-    full = prefix + b"/" + name if prefix and header[257:263] == b"ustar\0" else name
     expected = want.encode("utf-8", "surrogateescape")
-    named = full == expected or (len(expected) >= 100 and len(full) >= 99
-                                 and expected.startswith(full))
-    real = sum(header[:148]) + 8 * 32 + sum(header[156:])
-    if checksum != real or size != int(table.size[m]) or not named:
+    if name != expected and size == int(table.size[m]):
+        prefix = header[345:500].split(b"\0", 1)[0] if header[257:263] == b"ustar\0" else b""
+        full = prefix + b"/" + name if prefix else name
+        named = full == expected or (len(expected) >= 100 and len(full) >= 99
+                                     and expected.startswith(full))
+    else:
+        named = name == expected
+    if not named or size != int(table.size[m]):
         where = store.top if store is not None else "the index"
         raise SourceError(f"webdataset: {shard}: {where} places member {key}."
                           f"{table.ext[m]} ({int(table.size[m])} bytes) at byte "
@@ -298,7 +301,7 @@ class _Table:
     member its extension, offset, stored size, sparse map and digest (remote shards)."""
 
     __slots__ = ("digest", "digested", "ext", "first", "from_index", "header_names", "keys",
-                 "offset", "size", "span_end", "span_start", "sparse")
+                 "offset", "proven", "size", "span_end", "span_start", "sparse")
 
     def __init__(self, index: dict, digested: bool, from_index: bool) -> None:
         #: read from the shared index, not scanned here: every read also checks the tar
@@ -306,6 +309,8 @@ class _Table:
         self.from_index = from_index
         #: per member whose header names another file (a link), that file's name
         self.header_names: dict[int, str] = {}
+        #: per member, whether this process checked its header (see :func:`check_header`)
+        self.proven = np.zeros(sum(len(group) for group in index["members"]), dtype=bool)
         self.keys = index["keys"]
         first: list[int] = []
         ext: list[str] = []
@@ -383,6 +388,8 @@ class WebDatasetSource(FileSource):
     def _learn_shard(self, k: int) -> tuple[dict, dict]:
         index = self._build_index(k)
         self._readers.pop(k, None)
+        # scanned here: this process uses the table as it is (no header checks)
+        self._tables[k] = _Table(index, self.refs[k].remote, False)
         return {"samples": len(index["keys"])}, index
 
     def _table(self, k: int) -> _Table:
@@ -493,8 +500,9 @@ class WebDatasetSource(FileSource):
                 header, data = data[:pad], data[pad:]
             else:
                 data = header = b""
-            if check and m not in table.sparse:
+            if check and not table.proven[m] and m not in table.sparse:
                 check_header(header, self.files[k], key, table, m, self.index_store)
+                table.proven[m] = True  # the shard holds it there: later reads need no check
             sparse = table.sparse.get(m)
             sample[table.ext[m]] = data if sparse is None else unsparse(data, sparse)
         return sample
