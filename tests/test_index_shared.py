@@ -349,13 +349,18 @@ def _key(table):  # sample 0 renamed
     table["keys"][0] = "forged"
 
 
+def _twice(table):  # sample 0 again in place of sample 1 (a sample delivered twice)
+    table["keys"][1] = table["keys"][0]
+    table["members"][1] = [list(m) for m in table["members"][0]]
+
+
 def _count(table):  # one sample fewer than the .zidx entry says
     table["keys"].pop()
     table["members"].pop()
 
 
 @pytest.mark.parametrize("edit", [
-    _shift, _other_size, _shift1, _same_size, _second_member, _key, _count,
+    _shift, _other_size, _shift1, _same_size, _second_member, _key, _twice, _count,
 ], ids=lambda f: f.__name__.strip("_"))
 def test_an_entry_forged_with_its_checksum_recomputed_never_delivers_other_bytes(tmp_path,
                                                                                   edit):
@@ -367,8 +372,8 @@ def test_an_entry_forged_with_its_checksum_recomputed_never_delivers_other_bytes
     src = sources.webdataset(d + "/")  # the .zidx is intact: the build trusts it
     assert src.index_counts == (3, 0)
     with pytest.raises(SourceError, match=re.escape(top_of(d))):
-        got = src.get(0)
-        assert got == truth.get(0), f"delivered {got}, the shard holds {truth.get(0)}"
+        got = [src.get(0), src.get(1)]
+        assert got == [truth.get(0), truth.get(1)], f"delivered {got}"
     assert src.get(3) == truth.get(3)  # the other shards are not affected
 
 

@@ -342,6 +342,49 @@ def test_file_url_and_the_index_path(small):
                                                               strict=True))
 
 
+def test_a_remote_root_reads_its_own_chunks_not_a_sub_folder_s(tmp_path):
+    """A remote listing is recursive: a sub-corpus in a sub-folder holding chunks of the
+    same names must not stand in for the root's (chunk-compressed corpora list the folder
+    for the compressed files' sizes)."""
+    import fsspec
+
+    a = write(str(tmp_path / "a"), (record(i) for i in range(300)), chunk_size=100,
+              compression="zstd", compression_level="chunk")
+    b = write(str(tmp_path / "b"), (record(i + 5_000) for i in range(300)), chunk_size=100,
+              compression="zstd", compression_level="chunk")
+    fs = fsspec.filesystem("memory")
+    try:
+        for folder, target in ((a, "/litcorpus"), (b, "/litcorpus/v2")):
+            for name in os.listdir(folder):
+                fs.pipe(f"{target}/{name}", open(os.path.join(folder, name), "rb").read())
+        src = litdata("memory://litcorpus")
+        assert all("/v2/" not in f for f in src.files)
+        want = litdata_items(a)
+        assert not mismatches(src, want)
+    finally:
+        fs.rm("/litcorpus", recursive=True)
+
+
+def test_a_directory_whose_name_holds_brackets_is_read_as_named(small, tmp_path):
+    import shutil
+
+    path = str(tmp_path / "runs" / "lr[0.1]")
+    shutil.copytree(small, path)
+    assert len(litdata(path)) == 1_200
+
+
+def test_a_missing_pyarrow_for_arrow_footer_items_is_named_when_built(tmp_path):
+    pytest.importorskip("pyarrow")
+    path = write(str(tmp_path / "rows"), ({"id": i, "text": f"t{i}"} for i in range(300)),
+                 chunk_bytes=4_000)
+    code = ("import sys; sys.modules['pyarrow'] = None\n"
+            "from zephon.pipeline.sources.litdata import litdata\n"
+            f"litdata({path!r})\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0 and "Arrow footers" in out.stderr and "pyarrow" in out.stderr
+
+
 def test_pickling_keeps_no_handle_and_reads_the_same(small):
     src = litdata(small)
     first = [src.get(i) for i in (0, 150, 1_199)]

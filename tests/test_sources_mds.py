@@ -238,25 +238,34 @@ def test_image_encodings_without_the_package_init(images, monkeypatch):
         assert same_value(src.get(i), {k: want[i][k] for k in ("jpegs", "pil")})
     monkeypatch.setattr(module, "_LIBRARY", {})
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
-    with pytest.raises(SourceError, match=r"encoding 'jpeg' .*pip install -e \"\.\[mds\]\""):
+    with pytest.raises(SourceError, match=r"encoding 'jpeg' .*pip install mosaicml-streaming"):
         mds(root, columns=["jpeg"])
     assert mds(root, columns=["id"]).get(5) == {"id": 5}  # what zephon decodes needs nothing
 
 
-def test_a_raw_file_beside_a_compressed_one_is_read_instead(packed, tmp_path):
-    """A directory StreamingDataset decompressed into holds both forms of a shard."""
+def test_a_raw_copy_beside_a_compressed_shard_changes_nothing(packed, tmp_path):
+    """A directory StreamingDataset decompressed into holds both forms of a shard: the
+    listed (compressed) file is the one read and stamped, so a checkpoint taken before the
+    copy appeared restores after it."""
     import zstandard
+
+    from zephon import Pipeline
 
     root, want = packed
     root = copy_of(root, tmp_path)
+    pipe = Pipeline(mds(root), seed=1).batch(10)
+    it = iter(pipe)
+    next(it)
+    state = it.checkpoint()
+    it.close()
     entry = json.load(open(os.path.join(root, "index.json")))["shards"][1]
     raw = zstandard.ZstdDecompressor().decompress(open(shard_path(root, 1), "rb").read())
     with open(os.path.join(root, entry["raw_data"]["basename"]), "wb") as fh:
         fh.write(raw)
     src = mds(root)
-    assert src.files[1].endswith(".mds") and src.shard_codec[1] is None
-    assert src.files[0].endswith(".zstd") and src.files[2].endswith(".zstd")
+    assert all(f.endswith(".zstd") for f in src.files)
     assert_same(src, want)
+    Pipeline(src, seed=1).batch(10).restore(state)  # not refused
 
 
 @pytest.mark.parametrize("codec", ["gz:1", "bz2", "br:3", "snappy"])
@@ -392,6 +401,27 @@ def test_a_corrupt_compressed_shard_is_a_source_error_naming_it(packed, tmp_path
         fh.truncate(os.path.getsize(target) - 1)
     with pytest.raises(SourceError, match=rf"{re.escape(target)}.*truncated"):
         read_all(src, 2)
+
+
+@pytest.mark.parametrize("algo", ["sha224", "sha3_256", "blake2s"])
+def test_any_hash_the_writer_lists_that_hashlib_has_is_checked(tmp_path, algo):
+    root = write(tmp_path / "ds", {"id": "int", "vec": "ndarray:float32:64"},
+                 ({"id": i, "vec": np.full(64, i, np.float32)} for i in range(300)),
+                 compression="snappy", hashes=[algo], size_limit=1 << 13)
+    target = shard_path(root, 0)
+    flip(target, os.path.getsize(target) // 2, 8)
+    with pytest.raises(SourceError, match=rf"{re.escape(target)}: its {algo} is not"):
+        read_all(mds(root), 0)
+
+
+def test_a_shard_of_another_version_is_refused(small, tmp_path):
+    root = copy_of(small, tmp_path)
+    index = os.path.join(root, "index.json")
+    obj = json.load(open(index))
+    obj["shards"][0]["version"] = 7
+    json.dump(obj, open(index, "w"))
+    with pytest.raises(SourceError, match=r"shard version 7"):
+        mds(root)
 
 
 def test_a_bad_index_is_a_source_error_naming_it(small, tmp_path):

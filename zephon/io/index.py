@@ -30,7 +30,9 @@ Layout, for each kind of source (``webdataset``, ``jsonl``, ``parquet``, ``array
 Invariants (nothing read back is assumed):
 
 - an entry is used only for the file of that name whose size and version are the ones it
-  names: a changed file (another mtime, ETag or size) is scanned again and only it;
+  names: a changed file (another mtime, ETag or size) is scanned again and only it (a
+  local file rewritten to the same size with its mtime set back, as ``rsync --times``
+  can, keeps its entry: its facts are then checked where they are used, below);
 - the ``.zidx`` checksum covers every byte after its first line: an index that does not
   match it, or is not the zephon index format, is refused with a :class:`SourceError`
   naming it (delete it or rebuild it); a blob whose bytes do not hash to its name is
@@ -109,6 +111,8 @@ class IndexStore:
 
     def name_of(self, url: str) -> str:
         """The name the index gives the file at ``url``."""
+        if not is_remote(url):  # one name for a file however the source was given it
+            url = os.path.abspath(strip_file_url(url))
         base = self.base + ("/" if self.remote else os.sep)
         if url.startswith(base):
             return url[len(base):]
@@ -474,12 +478,18 @@ def _scanned(source: Any, scan: Callable[[int], Any], todo: list) -> Iterator[tu
 
     ctx = multiprocessing.get_context("spawn")
     # the source travels once per worker (not once per file: that grows with files squared)
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx,
-                                                initializer=_scan_worker,
-                                                initargs=(scan,)) as pool:
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx,
+                                                  initializer=_scan_worker, initargs=(scan,))
+    try:
         futures = {pool.submit(_scan_one, k): k for k in todo}
         for future in concurrent.futures.as_completed(futures):
             yield futures[future], future.result()
+    except BaseException:  # Ctrl-C, a failed scan: stop the workers now, not after the queue
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 _WORKER: dict[str, Any] = {}
@@ -489,9 +499,11 @@ def _scan_worker(scan: Callable[[int], Any]) -> None:
     """A build's scanning process: it holds the source's scan, and dies with its parent
     (a killed build leaves no worker behind)."""
     _WORKER["scan"] = scan
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     try:
         import ctypes
-        import signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the pool's own shutdown applies

@@ -140,7 +140,8 @@ class ArrayRecordSource(FileSource):
     _per_process = ("_ars", "_chunks", "_chunk_bytes", "_starts_list")
 
     def __init__(self, paths, decode: Callable[[bytes], Any] | None, name: str,
-                 io: IoConfig = DEFAULT_IO, storage_options: dict | None = None) -> None:
+                 io: IoConfig = DEFAULT_IO, storage_options: dict | None = None,
+                 index: Any = None) -> None:
         _module()
         if decode is not None and not callable(decode):
             raise SourceError(f"array_record: decode must be callable or None, got {decode!r}")
@@ -151,7 +152,9 @@ class ArrayRecordSource(FileSource):
         self.io = _with_cache(io) if any(r.remote for r in refs) else io
         self._set_files(refs)
         self._fresh()
-        facts = learn(self, _KIND, _LAYOUT, self._scan)
+        facts = learn(self, _KIND, _LAYOUT, self._scan, index=index)
+        self.index_store = facts.store
+        self.index_counts = (facts.read, facts.scanned)
         self.counts = np.asarray([f["records"] for f in facts], dtype=np.int64)
         self.group_sizes = np.asarray([f["group_size"] for f in facts], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
@@ -222,8 +225,12 @@ class ArrayRecordSource(FileSource):
         if counts is not None and int(ar.num_records()) != int(counts[k]):
             found = int(ar.num_records())
             _close(ar)
+            store = getattr(self, "index_store", None)
+            read = getattr(self, "index_counts", (0, 0))[0]
+            also = f"; or the shared index {store.top} it was built from is stale or forged: " \
+                f"rebuild it with `python -m zephon index --rebuild`" if store and read else ""
             raise SourceError(f"array_record: {path}: has {found} records, {int(counts[k])} "
-                              f"when the source was built (the file changed)")
+                              f"when the source was built (the file changed{also})")
         return ar
 
     def __len__(self) -> int:
@@ -329,7 +336,8 @@ def _close(ar) -> str:
 
 def array_record(paths: str | Sequence[str], *, decode: Callable[[bytes], Any] | None = None,
                  name: str = "array_record", io_options=None,
-                 storage_options: dict | None = None) -> Source:
+                 storage_options: dict | None = None,
+                 index: str | bool | None = None) -> Source:
     """The records of ArrayRecord files, with random access (``array_record`` extra).
 
     Sample ``i`` is the ``i``-th record over the files in order: its ``bytes``, or
@@ -349,6 +357,9 @@ def array_record(paths: str | Sequence[str], *, decode: Callable[[bytes], Any] |
             reads made while building the source; while iterating, the pipeline's
             ``RuntimeOptions.io_options`` govern. None: the defaults.
         storage_options: fsspec options for remote paths (endpoint, credentials).
+        index: the shared index of the files' record counts (see :mod:`zephon.io.index`):
+            None reads ``_zephon_index/`` beside the first file (and writes it there when
+            local); a path or URL names the index directory; False: none.
 
     Returns:
         A :class:`Source` of one sample per record.
@@ -369,4 +380,4 @@ def array_record(paths: str | Sequence[str], *, decode: Callable[[bytes], Any] |
         >>> len(src), src.get(1)  # doctest: +SKIP
         (2, b'world')
     """
-    return ArrayRecordSource(paths, decode, name, _io(io_options), storage_options)
+    return ArrayRecordSource(paths, decode, name, _io(io_options), storage_options, index)

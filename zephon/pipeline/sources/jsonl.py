@@ -136,7 +136,7 @@ class _LineIndex:
 
 
 class JsonlSource(FileSource):
-    _per_process = ("_plain", "_plain_lock", "_tables")
+    _per_process = ("_plain", "_plain_lock", "_tables", "_proven")
 
     def __init__(self, paths: str | Sequence[str], name: str, io: IoConfig = DEFAULT_IO,
                  storage_options: dict | None = None,
@@ -173,6 +173,8 @@ class JsonlSource(FileSource):
         starts, ends, numbers = index.finish()
         self._readers.pop(k, None)  # the builder keeps no open file
         table = np.stack([starts, ends, numbers]).astype(np.int64)
+        self._tables[k] = table  # scanned here: used as it is
+        self._proven.add(k)
         return {"lines": len(starts), "bytes": index.pos}, table.tobytes()
 
     def lines(self, k: int) -> np.ndarray:
@@ -186,14 +188,28 @@ class JsonlSource(FileSource):
                 raise SourceError(f"jsonl: {self.files[k]}: the index's line table does not "
                                   f"hold the {n} lines its entry names; rebuild the index")
             table = np.frombuffer(raw, dtype=np.int64).reshape(3, n)
-            if n and (table[0].min() < 0 or table[1].max() > self.plain_size[k]
-                      or (table[1] < table[0]).any()):
-                raise SourceError(f"jsonl: {self.files[k]}: the index's line table places "
-                                  f"lines outside the file's {self.plain_size[k]} bytes: the "
-                                  f"index is forged or stale; rebuild it")
+            self._check_table(k, table)
             with self._plain_lock:
                 self._tables.setdefault(k, table)
         return table
+
+    def _check_table(self, k: int, table: np.ndarray) -> None:
+        """A line table read from the shared index cuts the file into lines in order: each
+        line inside the file and after the one before (none listed twice, none out of
+        order), numbered rising; a plain file's size is the one indexed. (A compressed
+        file's table is compared with the file itself once it is decompressed.)"""
+        starts, ends, numbers = table
+        n, size = len(starts), self.plain_size[k]
+        plain = not _codec(self.files[k])
+        if (plain and size != self.refs[k].size) or (n and (
+                starts[0] < 0 or ends[-1] > size or (ends <= starts).any()
+                or (starts[1:] < ends[:-1]).any() or (numbers[1:] <= numbers[:-1]).any()
+                or numbers[0] < 1)):
+            raise SourceError(f"jsonl: {self.files[k]}: the line table "
+                              f"{self.index_store.top if self.index_store else 'the index'} "
+                              f"holds does not cut the file's {size} bytes into lines in "
+                              f"order: the index is forged or stale; rebuild it with "
+                              f"`python -m zephon index --rebuild`")
 
     @property
     def line_no(self) -> np.ndarray:
@@ -206,6 +222,7 @@ class JsonlSource(FileSource):
         self._plain: OrderedDict[int, bytearray] = OrderedDict()
         self._plain_lock = threading.Lock()
         self._tables: dict[int, np.ndarray] = {}
+        self._proven: set[int] = set()  # files whose line table this process scanned
 
     class _Stream:
         def __init__(self, fh, blocks) -> None:
@@ -260,6 +277,16 @@ class JsonlSource(FileSource):
                 self._plain.move_to_end(k)
                 return data
             data = self._decompressed(k, context)
+            if k not in self._proven:  # a table from the index: the file's own lines?
+                index = _LineIndex()
+                for at in range(0, len(data), _BLOCK):
+                    index.feed(bytes(data[at:at + _BLOCK]))
+                if not np.array_equal(np.stack(index.finish()), self.lines(k)):
+                    raise SourceError(f"jsonl: {self.files[k]}: its lines are not the ones "
+                                      f"the line table of {self.index_store.top if self.index_store else 'the index'} "
+                                      f"lists: the index is forged or stale; rebuild it with "
+                                      f"`python -m zephon index --rebuild`")
+                self._proven.add(k)
             held = sum(len(v) for v in self._plain.values())
             while self._plain and held + len(data) > self.max_decompressed_bytes:
                 held -= len(self._plain.popitem(last=False)[1])

@@ -66,11 +66,14 @@ from __future__ import annotations
 import bisect
 import collections
 import copy
+import importlib
+import importlib.util
 import itertools
 import json
 import math
 import os
 import struct
+import sys
 from typing import Any, Callable, cast
 
 import numpy as np
@@ -167,11 +170,29 @@ def _dtype_of(fmt: str, root: str) -> np.dtype:
                           f"read back (or an index.json from another litdata)") from None
 
 
+def _missing(module: str) -> bool:
+    """Whether ``module`` cannot be imported (found without importing it)."""
+    if module in sys.modules:
+        return sys.modules[module] is None
+    return importlib.util.find_spec(module) is None
+
+
+def _library(module: str, what: str) -> Any:
+    """A module of the litdata package, which decodes what zephon does not decode itself;
+    a SourceError naming the package when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise SourceError(f"{what} is decoded by the litdata package, which cannot be "
+                          f"imported: python -m pip install litdata (add --no-deps where "
+                          f"its torchvision requirement would replace your torch) "
+                          f"({exc})") from None
+
+
 def _litdata_leaf(fmt: str, root: str) -> Callable[[Any], Any]:
     """The ``deserialize`` of litdata's own serializer for ``fmt`` (set up as litdata's
     item loader sets it up)."""
-    mod = require("litdata.streaming.serializers", "litdata",
-                  f"litdata: {root}: the data format {fmt!r}")
+    mod = _library("litdata.streaming.serializers", f"litdata: {root}: the data format {fmt!r}")
     serializers = mod._get_serializers(None)
     name, _, sub = fmt.partition(":")
     key = sub if sub and sub in serializers else name
@@ -251,8 +272,8 @@ def tree_builder(spec: str | None, leaves: int, root: str) -> Callable[[list], A
             raise _Unknown(f"protocol {protocol}")
         build, count = _compile(schema)
     except _Unknown:
-        pytree = require("litdata.utilities._pytree", "litdata",
-                         f"litdata: {root}: its item structure (data_spec)")
+        pytree = _library("litdata.utilities._pytree",
+                          f"litdata: {root}: its item structure (data_spec)")
         tree = pytree.treespec_loads(spec)
         build, count = (lambda values: pytree.tree_unflatten(values, tree)), tree.num_leaves
     except (ValueError, TypeError, AttributeError, KeyError) as exc:
@@ -398,7 +419,10 @@ def _index_url(root) -> str:
 def read_index(root, io: IoConfig, storage_options: dict | None) -> tuple[FileRef, dict]:
     """``(ref of index.json, its content)``; a SourceError naming it when it is missing or
     not litdata's index."""
-    ref = expand(_index_url(root), "litdata", io, storage_options)[0]
+    url = _index_url(root)
+    # a local path that exists is itself (brackets in a directory name are not a glob)
+    ref = FileRef(url, os.path.getsize(url)) if not is_remote(url) and os.path.isfile(url) \
+        else expand(url, "litdata", io, storage_options)[0]
     reader = FileReader(ref, io, storage_options)
     try:
         data = json.loads(reader.pread(0, ref.size, INDEX))
@@ -468,6 +492,12 @@ def _folder(index_url: str) -> str:
     return index_url.rsplit("/", 1)[0] if "/" in index_url else "."
 
 
+def _parent(url: str) -> str:
+    """The folder of ``url``, without its protocol and slashes at either end."""
+    path = url.split("://", 1)[1] if "://" in url else os.path.abspath(url)
+    return path.rsplit("/", 1)[0].strip("/")
+
+
 def _chunk_refs(folder: str, names: list[str], sizes: list[int], compression: str | None,
                 io: IoConfig, storage_options: dict | None) -> tuple[list[FileRef], list[bool]]:
     """The chunk files and whether each is compressed whole. Their sizes are the index's,
@@ -480,8 +510,11 @@ def _chunk_refs(folder: str, names: list[str], sizes: list[int], compression: st
     if compression is None:
         return [FileRef(url, size) for url, size in zip(urls, sizes, strict=True)], \
             [False] * len(names)
+    # the folder's own files: a remote listing is recursive, and a sub-corpus in a
+    # sub-folder may hold chunks of the same names
     listed = {ref.basename: ref for ref in expand(folder, "litdata", io, storage_options,
-                                                  suffixes=(".bin",))}
+                                                  suffixes=(".bin",))
+              if _parent(ref.url) == _parent(folder + "/x")}
     refs, packed = [], []
     for name in names:
         plain = name.replace(f".{compression}", "")
@@ -554,6 +587,10 @@ class LitDataSource(FileSource):
         self._decoding_plan()  # every leaf decodable (a missing library named now)
         if self.wrap:
             _zstd_decompressor(self.root)  # likewise the zstd library
+        elif self.loader != "TokensLoader" and len(self.chunk_items) and \
+                _missing("pyarrow") and self._head(0).footer:
+            require("pyarrow", "litdata", f"litdata: {self.root}: its items (stored in the "
+                                          f"chunks' Arrow footers)")
 
     def _check_block(self, block_size, where: str) -> int | None:
         if self.loader == "TokensLoader":

@@ -30,9 +30,9 @@ a shard; ``shard_bounds`` are the shards. Each process reads a raw shard's heade
 (``4 * (n + 2)`` bytes) once and then one ``pread`` per sample; a compressed shard is
 read and decompressed whole (checked against a hash ``index.json`` lists for it, when
 it lists one this process can compute) and kept in a per-process LRU bounded by
-``shard_cache_bytes``, as are the headers. A local root whose shard also exists in
-raw form (a directory ``StreamingDataset`` decompressed into) is read from the raw
-file.
+``shard_cache_bytes``, as are the headers. The file read is always the one
+``index.json`` names (a raw copy ``StreamingDataset`` decompressed beside it is not
+used: the library evicts such copies, and a checkpoint's proof names the listed file).
 
 Decoding: zephon decodes the numeric, ``int``, ``str``, ``bytes``, ``json``,
 ``pkl``, ``str_int``, ``str_float``, ``str_decimal`` and ``ndarray[:dtype[:shape]]``
@@ -203,6 +203,9 @@ class _Shard:
         fmt = entry.get("format")
         if fmt != "mds":
             raise SourceError(f"{where}: format {fmt!r}; sources.mds reads 'mds' shards only")
+        if entry.get("version") != 2:
+            raise SourceError(f"{where}: shard version {entry.get('version')!r}; sources.mds "
+                              f"reads version 2 (as mosaicml-streaming's MDSReader does)")
         self.samples = _count(entry.get("samples"), "samples", where)
         self.schema = _schema(entry, where)
         raw = _file_info(entry.get("raw_data"), "raw_data", where)
@@ -221,10 +224,6 @@ class _Shard:
         if self.raw_bytes < 4 * (self.samples + 2):
             raise SourceError(f"{where}: raw_data of {self.raw_bytes} bytes cannot hold "
                               f"{self.samples} samples")
-
-    def use_raw(self) -> None:
-        """Read the shard from its raw file (present beside the compressed one)."""
-        self.basename, self.bytes, self.codec = self.raw_basename, self.raw_bytes, None
 
 
 def _count(value: Any, what: str, where: str) -> int:
@@ -297,13 +296,9 @@ def _read_index(ref: FileRef, io: IoConfig, storage_options: dict | None) -> lis
 
 def _local_refs(directory: str, shards: list[_Shard]) -> list[FileRef]:
     """The FileRefs of one local directory's shards, each ``stat``-ed once: a regular
-    file with the size index.json gives (a raw file present beside a compressed one
-    is read instead)."""
+    file with the size index.json gives."""
     refs = []
     for shard in shards:
-        if shard.codec and _stat_size(_join(directory, shard.raw_basename)) == \
-                shard.raw_bytes:
-            shard.use_raw()
         path = _join(directory, shard.basename)
         try:
             st = os.stat(path)
@@ -317,14 +312,6 @@ def _local_refs(directory: str, shards: list[_Shard]) -> list[FileRef]:
                               f"{shard.bytes} (truncated or rewritten)")
         refs.append(FileRef(path, shard.bytes))
     return refs
-
-
-def _stat_size(path: str) -> int:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return -1
-    return st.st_size if stat.S_ISREG(st.st_mode) else -1
 
 
 def _remote_refs(directory: str, shards: list[_Shard], io: IoConfig,
@@ -376,7 +363,8 @@ def _decompress(codec: str, data: bytes, size: int) -> bytes:
 def _hash_check(hashes: dict) -> tuple[str, str] | None:
     """``(algorithm, hex digest)`` of the cheapest hash in ``hashes`` this process can
     compute, or None."""
-    for algo in _HASHES:
+    # the cheap ones first, then any other the writer listed that hashlib or xxhash has
+    for algo in (*_HASHES, *sorted(hashes)):
         want = hashes.get(algo)
         if isinstance(want, str) and _hasher(algo) is not None:
             return algo, want
@@ -391,7 +379,7 @@ def _hasher(algo: str):
         except ImportError:
             return None
         return getattr(xxhash, algo, None)
-    return getattr(hashlib, algo, None)
+    return getattr(hashlib, algo, None) if algo in hashlib.algorithms_guaranteed else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -425,9 +413,9 @@ def _library(encoding: str):
             _LIBRARY["module"] = module
             return module
     raise SourceError(f"sources.mds: encoding {encoding!r} is decoded by mosaicml-streaming "
-                      f"(mds_decode), which cannot be imported: python -m pip install -e "
-                      f"\".[{EXTRA}]\" in the zephon checkout ({type(error).__name__}: "
-                      f"{error})")
+                      f"(mds_decode), which cannot be imported: python -m pip install "
+                      f"mosaicml-streaming (add --no-deps where its transformers<5 pin "
+                      f"clashes with yours) ({type(error).__name__}: {error})")
 
 
 _LIBRARY: dict = {}

@@ -184,6 +184,19 @@ class ParquetSource(FileSource):
         self.readers_done(k)
         return {"names": names, "groups": groups}
 
+    def _check_footer(self, k: int, meta) -> None:
+        """The footer a reading process opens has the row groups the source was built with
+        (from the footer then, or from the shared index: one forged or stale fails here)."""
+        want = self.group_rows[np.flatnonzero(self.group_file == k)].tolist()
+        have = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        if have != want:
+            where = f"the shared index {self.index_store.top}" \
+                if self.index_store is not None and self.index_counts[0] else "its footer"
+            raise SourceError(f"parquet: {self.files[k]}: has row groups of {have} rows, "
+                              f"{where} said {want} when the source was built (the file "
+                              f"changed, or the index is forged or stale: rebuild it with "
+                              f"`python -m zephon index --rebuild`)")
+
     def readers_done(self, k: int) -> None:
         """Builder: drop the reader of file ``k`` (the footer pass keeps nothing open)."""
         reader = self._readers.pop(k, None)
@@ -252,7 +265,9 @@ class ParquetSource(FileSource):
                             source = pa.memory_map(local, "r")
                         else:
                             source = reader.file_object(context)
-                        pf = self._files[k] = (pq.ParquetFile(source), threading.Lock())
+                        pfile = pq.ParquetFile(source)
+                        self._check_footer(k, pfile.metadata)
+                        pf = self._files[k] = (pfile, threading.Lock())
             pfile, lock = pf
             with lock:
                 table = pfile.read_row_group(rg, columns=self.columns,

@@ -404,6 +404,8 @@ class WebDatasetSource(FileSource):
                                   f"entry names: forged or stale; rebuild it with "
                                   f"`python -m zephon index --rebuild`")
             table = _Table(index, self.refs[k].remote, isinstance(detail, str))
+            if table.from_index:
+                self._check_order(k, table)
             with self._lock:
                 self._tables.setdefault(k, table)
         return table
@@ -452,6 +454,23 @@ class WebDatasetSource(FileSource):
         if cache is not None:
             cache.put_derived(ref, _INDEX_TAG, json.dumps(index).encode())
         return index
+
+    def _check_order(self, k: int, table: _Table) -> None:
+        """A member table from the shared index places the shard's own members (all but
+        links) in the shard in tar order, none twice and none overlapping: a table that
+        repeats or reorders samples fails here (each member's header is checked where it
+        is read: :func:`check_header`)."""
+        own = np.ones(len(table.ext), dtype=bool)
+        own[list(table.header_names)] = False
+        starts = table.offset[own]
+        ends = starts + table.size[own]
+        if len(starts) and ((starts[1:] < ends[:-1] + 512).any() or starts[0] < 512
+                            or ends[-1] > self.refs[k].size):
+            raise SourceError(f"webdataset: {self.files[k]}: the member table "
+                              f"{self.index_store.top if self.index_store else 'the index'} "
+                              f"holds does not place the shard's members in tar order: "
+                              f"forged or stale; rebuild it with "
+                              f"`python -m zephon index --rebuild`")
 
     def __len__(self) -> int:
         return int(self.shard_starts[-1])
