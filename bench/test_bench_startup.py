@@ -40,7 +40,6 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +48,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from _tars import tar_bytes
 
 from zephon import Pipeline, RuntimeOptions, sources
 
@@ -62,16 +62,6 @@ GROUP = "start-up: build + first batch of 8 over 10^4-sample tar shards"
 
 
 # -- corpus ---------------------------------------------------------------------------------
-
-def tar_bytes(members) -> bytes:
-    out = bytearray()
-    for name, data in members:
-        info = tarfile.TarInfo(name)
-        info.size, info.mtime, info.mode = len(data), 0, 0o644
-        out += info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
-        out += data + b"\0" * (-len(data) % 512)
-    return bytes(out + b"\0" * 1024)
-
 
 def shard(k: int, per: int) -> bytes:
     members = []

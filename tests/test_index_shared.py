@@ -17,7 +17,6 @@ import signal
 import stat
 import subprocess
 import sys
-import tarfile
 import time
 import uuid
 
@@ -25,6 +24,7 @@ import pytest
 from _index_ranks import digest
 from _procs import alive, wait_gone
 from _s3_server import BUCKET, s3, storage_options  # noqa: F401 (s3: the fixture)
+from _tars import tar_bytes, write_many
 
 from zephon import sources
 from zephon.io.errors import SourceError
@@ -36,17 +36,6 @@ TIMEOUT = 120
 
 
 # -- shards ---------------------------------------------------------------------------------
-
-def tar_bytes(members) -> bytes:
-    """A plain ustar archive of ``(name, data)`` members (written by hand: fast)."""
-    out = bytearray()
-    for name, data in members:
-        info = tarfile.TarInfo(name)
-        info.size, info.mtime, info.mode = len(data), 0, 0o644
-        out += info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
-        out += data + b"\0" * (-len(data) % 512)
-    return bytes(out + b"\0" * 1024)
-
 
 def shard_members(k: int, samples: int = 3, tag: str = "a") -> list:
     """Sample ``j`` of shard ``k``: ``.txt`` (12 bytes, the same size in every sample) and
@@ -452,13 +441,7 @@ def test_index_files_are_as_readable_as_the_umask_makes_files(tmp_path):
 
 @pytest.fixture(scope="module")
 def many(tmp_path_factory):
-    """240 shards of 400 samples (one member each): a build on 2 workers takes seconds."""
-    d = tmp_path_factory.mktemp("many")
-    for k in range(240):
-        members = [(f"m{k:03d}_{j:04d}.txt", b"%d.%d" % (k, j)) for j in range(400)]
-        with open(d / f"shard-{k:04d}.tar", "wb") as fh:
-            fh.write(tar_bytes(members))
-    return str(d)
+    return write_many(tmp_path_factory.mktemp("many"))
 
 
 def _entries(store: IndexStore) -> int:

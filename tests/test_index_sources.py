@@ -18,7 +18,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _procs import wait_gone
-from test_index_shared import kill_group, start, tar_bytes
+from _tars import write_many
+from test_index_shared import kill_group, start
 
 from zephon import sources
 from zephon.io.errors import SourceError
@@ -26,14 +27,8 @@ from zephon.io.index import IndexStore
 
 
 @pytest.fixture(scope="module")
-def many(tmp_path_factory):
-    """240 tar shards of 400 one-member samples: a build on 2 workers takes seconds."""
-    d = tmp_path_factory.mktemp("many")
-    for k in range(240):
-        members = [(f"m{k:03d}_{j:04d}.txt", b"%d.%d" % (k, j)) for j in range(400)]
-        with open(d / f"shard-{k:04d}.tar", "wb") as fh:
-            fh.write(tar_bytes(members))
-    return str(d)
+def shards(tmp_path_factory):
+    return write_many(tmp_path_factory.mktemp("many"))
 
 
 def forge(directory: str, kind: str, layout: int, name: str, edit) -> IndexStore:
@@ -133,9 +128,9 @@ def test_a_file_has_one_entry_however_its_path_is_written(tmp_path, monkeypatch)
     assert list(store.load()) == ["a.jsonl"]
 
 
-def test_ctrl_c_stops_a_build_at_once_and_leaves_no_process(many, tmp_path):
+def test_ctrl_c_stops_a_build_at_once_and_leaves_no_process(shards, tmp_path):
     index = str(tmp_path / "idx")
-    proc = start(["-m", "zephon", "index", many, "--index", index, "--workers", "2",
+    proc = start(["-m", "zephon", "index", shards, "--index", index, "--workers", "2",
                   "--save-every", "0.2"])
     try:
         deadline = time.monotonic() + 120

@@ -42,13 +42,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-from zephon.io.config import DEFAULT_IO, IoConfig
 from zephon.pipeline.sources.array_record import array_record
 from zephon.pipeline.sources.base import (
     CallableSource,
     SequenceSource,
     Source,
     SourceError,
+    io_of,
 )
 from zephon.pipeline.sources.hf import HfDatasetSource
 from zephon.pipeline.sources.images import ImageFolderSource
@@ -79,13 +79,6 @@ __all__ = [
     "webdataset",
 ]
 
-
-def _io(io_options) -> IoConfig:
-    if io_options is None:
-        return DEFAULT_IO
-    if isinstance(io_options, IoConfig):
-        return io_options
-    return IoConfig.from_store_options(io_options)
 
 
 def from_sequence(items: Sequence[Any], *, name: str = "sequence") -> Source:
@@ -189,7 +182,7 @@ def token_windows(path: str, seq_len: int, dtype: str | None = "uint16", *,
         >>> len(src), src.get(1)["tokens"].tolist()
         (2, [4, 5, 6, 7])
     """
-    return TokenWindows(path, seq_len, dtype, name, _io(io_options), storage_options,
+    return TokenWindows(path, seq_len, dtype, name, io_of(io_options), storage_options,
                         vocab_size)
 
 
@@ -241,7 +234,7 @@ def jsonl(paths: str | Sequence[str], *, name: str = "jsonl", io_options=None,
         >>> len(src), src.get(1)
         (2, {'stars': 5})
     """
-    return JsonlSource(paths, name, _io(io_options), storage_options, max_decompressed_bytes,
+    return JsonlSource(paths, name, io_of(io_options), storage_options, max_decompressed_bytes,
                        index)
 
 
@@ -291,7 +284,7 @@ def parquet(paths: str | Sequence[str], columns: Sequence[str] | None = None, *,
         {'text': 'first row', 'score': 0.5}
     """
     return ParquetSource(paths, columns, name, shuffle, seed, row_group_cache_bytes,
-                         _io(io_options), storage_options, index)
+                         io_of(io_options), storage_options, index)
 
 
 def webdataset(shards: str | Sequence[str], *, name: str = "webdataset", io_options=None,
@@ -343,7 +336,7 @@ def webdataset(shards: str | Sequence[str], *, name: str = "webdataset", io_opti
         >>> len(src), src.get(0)
         (2, {'__key__': 'a', 'txt': b'hello', 'cls': b'1'})
     """
-    return WebDatasetSource(shards, name, _io(io_options), storage_options, index)
+    return WebDatasetSource(shards, name, io_of(io_options), storage_options, index)
 
 
 def hf_dataset(ds, *, name: str = "hf", columns: Sequence[str] | None = None) -> Source:
@@ -438,7 +431,7 @@ def image_folder(root, *, extensions: Sequence[str] | None = None, name: str = "
         >>> sample["label"], sample["path"], sample["image"][:7]
         (1, 'pets/dog/b.png', b'encoded')
     """
-    return ImageFolderSource(root, extensions, name, _io(io_options), storage_options,
+    return ImageFolderSource(root, extensions, name, io_of(io_options), storage_options,
                              allow_empty, fingerprint_mtimes)
 
 

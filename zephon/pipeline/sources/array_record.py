@@ -56,7 +56,7 @@ import numpy as np
 from zephon.io.config import DEFAULT_IO, IoConfig
 from zephon.io.index import learn
 from zephon.io.remote import expand, is_remote, require, strip_file_url
-from zephon.pipeline.sources.base import FileSource, Source, SourceError, io_config
+from zephon.pipeline.sources.base import FileSource, Source, SourceError, io_config, io_of
 
 __all__ = ["CHUNK_CACHE_BYTES", "ArrayRecordSource", "array_record", "expand_specs"]
 
@@ -75,13 +75,6 @@ def _module():
     return require("array_record.python.array_record_module", "array_record",
                    "sources.array_record")
 
-
-def _io(io_options) -> IoConfig:
-    if io_options is None:
-        return DEFAULT_IO
-    if isinstance(io_options, IoConfig):
-        return io_options
-    return IoConfig.from_store_options(io_options)
 
 
 def _with_cache(io: IoConfig) -> IoConfig:
@@ -380,4 +373,4 @@ def array_record(paths: str | Sequence[str], *, decode: Callable[[bytes], Any] |
         >>> len(src), src.get(1)  # doctest: +SKIP
         (2, b'world')
     """
-    return ArrayRecordSource(paths, decode, name, _io(io_options), storage_options, index)
+    return ArrayRecordSource(paths, decode, name, io_of(io_options), storage_options, index)

@@ -46,6 +46,7 @@ __all__ = [
     "Source",
     "SourceError",
     "io_config",
+    "io_of",
     "open_with_retry",
 ]
 
@@ -57,6 +58,16 @@ DEFAULT_OPEN_RETRY = DEFAULT_IO.open_retry
 def io_config(opts) -> IoConfig:
     """The :class:`IoConfig` of ``opts.io_options`` (a RuntimeOptions)."""
     return IoConfig.from_store_options(opts.io_options)
+
+
+def io_of(io_options) -> IoConfig:
+    """The :class:`IoConfig` of a source constructor's ``io_options`` (None: the defaults;
+    a StoreOptions; an IoConfig as it is)."""
+    if io_options is None:
+        return DEFAULT_IO
+    if isinstance(io_options, IoConfig):
+        return io_options
+    return IoConfig.from_store_options(io_options)
 
 
 class Source:
@@ -358,30 +369,19 @@ class IndexView:
         return self.source.get(self.indices[n])
 
 
-class FileSource(Source):
-    """A source over :class:`~zephon.io.FileRef` files read through
-    :class:`~zephon.io.FileReader` (local, cached remote or streamed remote).
-
-    Subclasses call ``_set_files(refs)`` (``self.files`` is then the list of URLs
-    or paths, ``self.refs`` the FileRefs with sizes and, for remote objects, the
-    version seen when the source was built: every process reads that version, see
-    :mod:`zephon.io.remote`), set ``self.io`` (IoConfig) and
-    ``self.storage_options``, and list their per-process attributes in
-    ``_per_process`` (dropped when pickled or reconfigured, rebuilt by ``_fresh``).
-    """
+class PerProcessState:
+    """Pickling for a source with per-process state (open handles, decoded blocks): the
+    attributes named in ``_per_process`` (and ``_always_dropped``) are dropped when it is
+    pickled or copied and rebuilt by ``_fresh()`` where it is read."""
 
     _per_process: tuple[str, ...] = ()
-    files: list
-    refs: list
-    io: IoConfig = DEFAULT_IO
-    storage_options: dict | None = None
+    _always_dropped: tuple[str, ...] = ()
 
     def _fresh(self) -> None:
-        self._readers: dict[int, FileReader] = {}
-        self._lock = threading.RLock()  # guards the per-process state; re-entered by subclasses
+        raise NotImplementedError
 
     def __getstate__(self):
-        drop = {"_readers", "_lock", *self._per_process}
+        drop = {*self._always_dropped, *self._per_process}
         return {k: v for k, v in self.__dict__.items() if k not in drop}
 
     def __setstate__(self, state) -> None:
@@ -392,6 +392,14 @@ class FileSource(Source):
         clone = type(self).__new__(type(self))
         clone.__setstate__(self.__getstate__())
         return clone
+
+
+class IoConfigured(Source):
+    """A source read under an :class:`IoConfig` (``self.io``) that the runtime options
+    refine: its open retries are the config's, and ``configured`` copies it with the
+    pipeline's ``io_options``."""
+
+    io: IoConfig = DEFAULT_IO
 
     @property
     def open_retry(self) -> tuple:  # type: ignore[override]
@@ -404,6 +412,28 @@ class FileSource(Source):
         clone = copy.copy(self)
         clone.io = cfg
         return clone
+
+
+class FileSource(PerProcessState, IoConfigured):
+    """A source over :class:`~zephon.io.FileRef` files read through
+    :class:`~zephon.io.FileReader` (local, cached remote or streamed remote).
+
+    Subclasses call ``_set_files(refs)`` (``self.files`` is then the list of URLs
+    or paths, ``self.refs`` the FileRefs with sizes and, for remote objects, the
+    version seen when the source was built: every process reads that version, see
+    :mod:`zephon.io.remote`), set ``self.io`` (IoConfig) and
+    ``self.storage_options``, and list their per-process attributes in
+    ``_per_process`` (dropped when pickled or reconfigured, rebuilt by ``_fresh``).
+    """
+
+    _always_dropped = ("_readers", "_lock")
+    files: list
+    refs: list
+    storage_options: dict | None = None
+
+    def _fresh(self) -> None:
+        self._readers: dict[int, FileReader] = {}
+        self._lock = threading.RLock()  # guards the per-process state; re-entered by subclasses
 
     def _set_files(self, refs: list) -> None:
         self.refs = list(refs)

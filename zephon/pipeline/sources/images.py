@@ -58,7 +58,6 @@ file, and the source pickles without handles.
 from __future__ import annotations
 
 import bisect
-import copy
 import hashlib
 import os
 import stat
@@ -71,7 +70,7 @@ from zephon.errors import ZephonConfigError
 from zephon.io.config import DEFAULT_IO, IoConfig, call_with_retry, is_transient
 from zephon.io.reader import FileReader, pread_exact
 from zephon.io.remote import FileRef, expand, filesystem, is_remote, strip_file_url
-from zephon.pipeline.sources.base import Source, SourceError, io_config
+from zephon.pipeline.sources.base import IoConfigured, SourceError
 from zephon.pipeline.sources.files import changed, describe_kind
 
 __all__ = ["IMG_EXTENSIONS", "ImageFolderSource"]
@@ -252,7 +251,7 @@ def _flatten(classes: list[str], found: list[list]) -> tuple[list[str], list, li
     return rels, sizes, stamps, bounds
 
 
-class ImageFolderSource(Source):
+class ImageFolderSource(IoConfigured):
     """See :func:`zephon.sources.image_folder` and the module docstring."""
 
     def __init__(self, root: Any, extensions: Any, name: str, io: IoConfig = DEFAULT_IO,
@@ -410,18 +409,6 @@ class ImageFolderSource(Source):
             reader.close()
 
     # -- the Source contract -------------------------------------------------------------------
-    @property
-    def open_retry(self) -> tuple:  # type: ignore[override]
-        return self.io.open_retry
-
-    def configured(self, opts) -> Source:
-        cfg = io_config(opts)
-        if cfg == self.io:
-            return self
-        clone = copy.copy(self)
-        clone.io = cfg
-        return clone
-
     def describe(self) -> str:
         # a local root's path (its name included) is left out: a copy of the tree anywhere
         # else (a per-node copy) is the same data; a remote root is named

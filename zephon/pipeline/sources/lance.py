@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import copy
 import hashlib
 import itertools
 import os
@@ -58,7 +57,13 @@ import numpy as np
 from zephon.errors import ZephonConfigError
 from zephon.io.config import DEFAULT_IO, IoConfig
 from zephon.io.remote import is_remote, require
-from zephon.pipeline.sources.base import Source, SourceError, io_config
+from zephon.pipeline.sources.base import (
+    IoConfigured,
+    PerProcessState,
+    Source,
+    SourceError,
+    io_of,
+)
 from zephon.pipeline.sources.parquet import _Decoded, _gather
 
 __all__ = ["DEFAULT_BATCH_ROWS", "LanceSource", "lance"]
@@ -186,7 +191,7 @@ def _rows_order(idx: np.ndarray) -> bool:
     return int(idx[-1]) - int(idx[0]) == n - 1 and (n == 1 or bool((np.diff(idx) == 1).all()))
 
 
-class LanceSource(Source):
+class LanceSource(PerProcessState, IoConfigured):
     """The rows of one pinned version of a Lance dataset (see the module docstring)."""
 
     _per_process = ("_ds", "_fragments", "_decoded", "_cache_bytes", "_decode_locks",
@@ -247,30 +252,6 @@ class LanceSource(Source):
         self._starts: list | None = None
         self._decode_locks: dict[tuple, threading.Lock] = collections.defaultdict(
             threading.Lock)
-
-    def __getstate__(self):
-        return {k: v for k, v in self.__dict__.items() if k not in self._per_process}
-
-    def __setstate__(self, state) -> None:
-        self.__dict__.update(state)
-        self._fresh()
-
-    def __copy__(self):
-        clone = type(self).__new__(type(self))
-        clone.__setstate__(self.__getstate__())
-        return clone
-
-    @property
-    def open_retry(self) -> tuple:  # type: ignore[override]
-        return self.io.open_retry
-
-    def configured(self, opts) -> Source:
-        cfg = io_config(opts)
-        if cfg == self.io:
-            return self
-        clone = copy.copy(self)
-        clone.io = cfg
-        return clone
 
     def _open(self, version):
         """``lance.dataset(uri, version)``, retried (``io.open_retry``) unless the dataset
@@ -572,7 +553,5 @@ def lance(uri, *, columns: Sequence[str] | None = None, version: int | str | Non
         >>> len(src), src.get(2)  # doctest: +SKIP
         (3, {'x': np.int64(3)})
     """
-    from zephon.pipeline.sources import _io
-
-    return LanceSource(uri, columns, version, name, _io(io_options), storage_options,
+    return LanceSource(uri, columns, version, name, io_of(io_options), storage_options,
                        batch_rows, block_cache_bytes)

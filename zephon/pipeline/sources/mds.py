@@ -79,7 +79,7 @@ from zephon.errors import ZephonConfigError
 from zephon.io.config import DEFAULT_IO, IoConfig
 from zephon.io.reader import FileReader
 from zephon.io.remote import FileRef, expand, filesystem, is_remote, require, strip_file_url
-from zephon.pipeline.sources.base import FileSource, Source, SourceError
+from zephon.pipeline.sources.base import FileSource, Source, SourceError, io_of
 from zephon.pipeline.sources.files import describe_kind
 
 __all__ = ["MdsSource", "mds"]
@@ -154,7 +154,7 @@ def mds(root: str | os.PathLike | Sequence[str | os.PathLike], *, split: str | N
         {'t': 'one', 'x': 1}
     """
     return MdsSource(root, split, columns, name, allow_unsafe_types, shard_cache_bytes,
-                     _io(io_options), storage_options)
+                     io_of(io_options), storage_options)
 
 
 def _check_arguments(split, columns, allow_unsafe_types, shard_cache_bytes) -> list | None:
@@ -176,13 +176,6 @@ def _check_arguments(split, columns, allow_unsafe_types, shard_cache_bytes) -> l
                                 f"{columns!r}")
     return columns
 
-
-def _io(io_options) -> IoConfig:
-    if io_options is None:
-        return DEFAULT_IO
-    if isinstance(io_options, IoConfig):
-        return io_options
-    return IoConfig.from_store_options(io_options)
 
 
 # ---------------------------------------------------------------------------------------
