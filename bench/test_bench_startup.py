@@ -8,9 +8,7 @@ takes about 6 ms per upload and 20 ms per indexed object here, so 10^4 costs min
 set-up alone; set it to 10000 for the full size) holding 10^4 samples in all. The shared
 index is built once per corpus by ``python -m zephon index --workers W`` (its time is reported
 as ``index_build_s``); every measured build afterwards is warm. ``W`` is
-``ZEPHON_BENCH_INDEX_WORKERS`` (default 1: with 2 workers, 10^4 local shards took 260 s
-instead of about 10, because index._scanned pickles the whole source, all 10^4 file refs,
-into every task it submits: O(files^2)).
+``ZEPHON_BENCH_INDEX_WORKERS`` (default 2).
 
 What is measured (``extra_info`` holds the counts; no absolute time is asserted):
 
@@ -56,7 +54,7 @@ SHARDS = int(os.environ.get("ZEPHON_BENCH_SHARDS", "10000"))
 SAMPLES = SHARDS  # in all, in each corpus
 S3_SHARDS = int(os.environ.get("ZEPHON_BENCH_S3_SHARDS", "1000"))
 RANKS_MEASURED = int(os.environ.get("ZEPHON_BENCH_RANKS", "8"))
-INDEX_WORKERS = os.environ.get("ZEPHON_BENCH_INDEX_WORKERS", "1")
+INDEX_WORKERS = os.environ.get("ZEPHON_BENCH_INDEX_WORKERS", "2")
 BATCH = 8
 GROUP = "start-up: build + first batch of 8 over 10^4-sample tar shards"
 

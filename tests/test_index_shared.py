@@ -568,16 +568,17 @@ def test_a_remote_corpus_indexed_by_the_cli_builds_from_one_object(remote):
     scanned, already = counted(zephon_index(url, "--kind", "webdataset", "--workers", "1",
                                             "--storage-options", json.dumps(so)))
     assert (scanned, already) == (5, 0)
+    where = prefix.replace("/corpus", "/_zephon_index/corpus")  # beside the data's prefix
     keys = [o["Key"] for o in server.client.list_objects_v2(
-        Bucket=BUCKET, Prefix=f"{prefix}/_zephon_index/")["Contents"]]
-    assert f"{prefix}/_zephon_index/webdataset.zidx" in keys
+        Bucket=BUCKET, Prefix=f"{where}/")["Contents"]]
+    assert f"{where}/webdataset.zidx" in keys
     assert sum(k.endswith(".zblob") for k in keys) == 5
 
     truth = sources.webdataset(url, storage_options=so, index=False)
     via = storage_options(proxy.endpoint)
     src = sources.webdataset(url, storage_options=via)
     assert src.index_counts == (5, 0)
-    assert src.index_store.top == f"s3://{BUCKET}/{prefix}/_zephon_index/webdataset.zidx"
+    assert src.index_store.top == f"s3://{BUCKET}/{where}/webdataset.zidx"
     assert src.index_store.objects_read == 1
     assert _gets(proxy, ".tar") == [] and len(_gets(proxy, ".zidx")) == 1
     with proxy.lock:

@@ -7,9 +7,11 @@ index directory and every later build reads them from there instead of opening t
 
 Where it lives (the ``index`` argument of the file sources, and ``python -m zephon index``):
 
-- ``None`` (the default): ``_zephon_index/`` in the directory of the source's first file.
-  A local one is read, and written when something was learnt; beside remote data it is
-  read only (a thousand ranks writing one object at once is a stampede: build it ahead with
+- ``None`` (the default): ``_zephon_index/`` in the directory of the source's first file
+  (for remote data ``_zephon_index/<directory>`` beside that directory: object stores
+  list a directory recursively, and the index's blobs must not cost every rank's
+  listing). A local one is read, and written when something was learnt; beside remote
+  data it is read only (a thousand ranks writing one object at once is a stampede: build it ahead with
   ``python -m zephon index``, or name a location);
 - a path or fsspec URL: that directory, read and written;
 - ``False``: no index (every build scans).
@@ -287,8 +289,15 @@ def _umask() -> int:
 
 
 def _default_location(url: str) -> str:
+    """``_zephon_index/`` in a local file's directory; for a remote object, beside its
+    directory (``s3://b/data/train/x.tar`` -> ``s3://b/data/_zephon_index/train``), so that
+    listing the data (recursive on object stores) never lists the index's blobs."""
     if is_remote(url):
-        return url.rsplit("/", 1)[0] + "/" + DIRNAME
+        directory = url.rsplit("/", 1)[0]
+        parent, _, leaf = directory.rpartition("/")
+        if parent.endswith(":/") or "/" not in directory.split("://", 1)[1]:
+            return f"{directory}/{DIRNAME}"  # a bucket's root: nothing beside it
+        return f"{parent}/{DIRNAME}/{leaf}"
     return os.path.join(os.path.dirname(os.path.abspath(url)), DIRNAME)
 
 
