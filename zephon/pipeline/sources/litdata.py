@@ -328,8 +328,9 @@ class _Plan:
         self.kinds = [_leaf_kind(f) for f in formats]
 
 
-_NUMBERS = {"int": (8, np.dtype(np.int64)), "float": (8, np.dtype(np.float64)),
-            "bool": (1, np.dtype(np.uint8))}
+_NUMBERS: dict[str, tuple[int, np.dtype]] = {
+    "int": (8, np.dtype(np.int64)), "float": (8, np.dtype(np.float64)),
+    "bool": (1, np.dtype(np.uint8))}
 
 
 def _column(kind: str, decode, u8: np.ndarray, buf: bytes, at: np.ndarray,
