@@ -289,7 +289,7 @@ class RecordedFailure(ZephonError):
         error_type: the original exception's class name.
         traceback: the original traceback text, when one was recorded.
 
-    Example:
+    Examples:
         >>> err = RecordedFailure("boom", error_type="ValueError")
         >>> str(err), err.error_type
         ('boom', 'ValueError')
@@ -322,7 +322,7 @@ def remote_traceback(exc: BaseException) -> str | None:
     crossed into this process, whose text holds any from processes further off), or
     None when no link of the chain crossed a process boundary.
 
-    Example:
+    Examples:
         >>> try:
         ...     raise ValueError("here")
         ... except ValueError as err:

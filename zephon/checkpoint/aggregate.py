@@ -164,7 +164,7 @@ def check_merged(state: dict, *, groups: int | None = None, strategy: str | None
     Raises:
         CheckpointError: naming the lane and what is wrong with it.
 
-    Example:
+    Examples:
         >>> check_merged({"lanes_total": 2, "lanes": {"1": [0, 4, 4]}})
         >>> check_merged({"lanes_total": 2, "lanes": {"3": [0, 1, 1]}})
         Traceback (most recent call last):
@@ -217,7 +217,7 @@ def merge_states(states: dict) -> dict:
     Raises:
         CheckpointError: as above, naming the ranks, groups or lane concerned.
 
-    Example:
+    Examples:
         >>> def submission(rank):
         ...     return {"fingerprint": "f", "lanes_total": 2, "resume": "cursor",
         ...             "lanes": {str(rank): [0, 4, 4]}, "group": rank, "world": 2,
@@ -690,7 +690,7 @@ def exchange_state(local: dict, opts, round_no: int) -> bytes:
         AggregationTimeoutError: a rank did not take part in time (named).
         CheckpointError: inconsistent states, or the medium failed mid-round.
 
-    Example:
+    Examples:
         >>> local = {"fingerprint": "f", "lanes_total": 1, "lanes": {"0": [0, 5, 5]},
         ...          "group": 0}
         >>> decode_state(exchange_state(local, RuntimeOptions(), 1))
@@ -758,7 +758,7 @@ def aggregate_through_dir(local: dict, *, directory: str, run_id: str, round_no:
         AggregationTimeoutError: a rank did not take part in time (named).
         CheckpointError: inconsistent states, or the directory failed mid-round.
 
-    Example:
+    Examples:
         >>> local = {"fingerprint": "f", "lanes_total": 1, "lanes": {"0": [0, 5, 5]}}
         >>> data = aggregate_through_dir(local, directory="agg", run_id="r", round_no=1,
         ...                              rank=0, world=1, timeout_s=10.0,

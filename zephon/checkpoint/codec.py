@@ -135,7 +135,7 @@ def encode_state(state: dict, serializer: str = "msgpack", compressor: str = "zs
             encoded, or a state larger or deeper than a checkpoint may be (so nothing
             is written that :func:`decode_state` would refuse).
 
-    Example:
+    Examples:
         >>> decode_state(encode_state({"lanes": {"0": [0, 2**70]}}))
         {'lanes': {'0': [0, 1180591620717411303424]}}
     """
@@ -178,7 +178,7 @@ def decode_state(data: Any) -> dict:
             mismatch (corrupt or truncated), a size, element-count or nesting bound
             exceeded, or undecodable content; the message says which.
 
-    Example:
+    Examples:
         >>> data = encode_state({"lanes_total": 1})
         >>> decode_state(data)
         {'lanes_total': 1}

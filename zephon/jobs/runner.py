@@ -112,7 +112,7 @@ class SubjectResult(NamedTuple):
         attempts: how many times ``fn`` ran on the subject, retry rounds included.
         duration_s: seconds the last attempt took in its worker.
 
-    Example:
+    Examples:
         >>> job = zephon.jobs.run(len, ["ab"], RunPolicy(subject_timeout_sec=None,
         ...                       resume=False), progress=False)
         >>> [(r.subject_id, r.value, r.ok, r.from_cache, r.attempts) for r in job]
@@ -129,7 +129,7 @@ class SubjectResult(NamedTuple):
     def ok(self) -> bool:
         """True when the subject succeeded (``error`` is None).
 
-        Example:
+        Examples:
             >>> zephon.jobs.SubjectResult("s", 1, None, False, 1, 0.1).ok
             True
         """
@@ -188,7 +188,7 @@ class JobRun:
             duplicate ids, an unknown ``on_bad_entry``, or ``cap_workers_to_gpu_pool``
             without a visible GPU.
 
-    Example:
+    Examples:
         >>> job = zephon.jobs.JobRun(len, ["ab", "abc"], RunPolicy(subject_timeout_sec=None,
         ...                          resume=False), progress=False)
         >>> [r.value for r in job], job.summary["done"]
@@ -248,7 +248,7 @@ class JobRun:
             the worker count, the worker mode, the timeouts, the failure policy, and the
             store (directory, resume, fingerprint, what a bad entry does).
 
-        Example:
+        Examples:
             >>> job = zephon.jobs.JobRun(len, ["ab"], RunPolicy(subject_timeout_sec=None,
             ...                          resume=False), progress=False)
             >>> print(job.explain().splitlines()[1])
@@ -751,7 +751,7 @@ def run(fn, subjects: Iterable[Any], policy: RunPolicy | None = None,
     Raises:
         ZephonConfigError: an invalid policy, subject or option (when called).
 
-    Example:
+    Examples:
         >>> policy = RunPolicy(subject_timeout_sec=None, checkpoint_dir="ckpt")
         >>> [r.value for r in zephon.jobs.run(len, ["ab", "abc"], policy, progress=False)]
         [2, 3]

@@ -154,7 +154,7 @@ class CheckpointStore:
             another run holds its lock, it is of an unknown format, or (``strict``) it
             was written under another fingerprint.
 
-    Example:
+    Examples:
         >>> store = zephon.jobs.CheckpointStore("ckpt", "v1")
         >>> store.save_success("key-a", "a", {"n": 3}, attempts=1, duration_s=0.5)
         >>> store.load("key-a").value, store.load("key-b")
@@ -342,7 +342,7 @@ class CheckpointStore:
         Raises:
             CheckpointError: the commit failed (the entries stay queued).
 
-        Example:
+        Examples:
             >>> with zephon.jobs.CheckpointStore("ckpt", None) as store:
             ...     store.save_success("k", "s", 1, attempts=1, duration_s=0.1)
             ...     store.flush()
@@ -436,7 +436,7 @@ class CheckpointStore:
             CheckpointError: an entry that cannot be trusted or read (see the module
                 docstring).
 
-        Example:
+        Examples:
             >>> store = zephon.jobs.CheckpointStore("ckpt", None)
             >>> store.load("missing") is None
             True
@@ -454,7 +454,7 @@ class CheckpointStore:
         Returns:
             One ``StoredEntry``, ``None`` or ``CheckpointError`` per key.
 
-        Example:
+        Examples:
             >>> with zephon.jobs.CheckpointStore("ckpt", None) as store:
             ...     store.save_success("a", "a", 1, attempts=1, duration_s=0.1)
             ...     [e if e is None else e.value for e in store.load_many(["a", "b"])]
@@ -486,7 +486,7 @@ class CheckpointStore:
             SerializationError: a value that cannot be stored.
             CheckpointError: a failed commit, or a closed store.
 
-        Example:
+        Examples:
             >>> store = zephon.jobs.CheckpointStore("ckpt", None)
             >>> store.save_success("k", "s", np.arange(3), attempts=1, duration_s=0.1)
             >>> store.load("k").value.tolist()
@@ -516,7 +516,7 @@ class CheckpointStore:
             attempts: how many times the subject ran.
             duration_s: seconds the last attempt took.
 
-        Example:
+        Examples:
             >>> store = zephon.jobs.CheckpointStore("ckpt", None)
             >>> store.save_failure("k", "s", {"type": "ValueError", "message": "bad",
             ...                    "traceback": ""}, attempts=3, duration_s=0.1)
@@ -543,7 +543,7 @@ class CheckpointStore:
         Returns:
             The keys, in no particular order.
 
-        Example:
+        Examples:
             >>> with zephon.jobs.CheckpointStore("ckpt", None) as store:
             ...     store.save_success("a", "a", 1, attempts=1, duration_s=0.1)
             ...     sorted(store.keys())
@@ -587,7 +587,7 @@ class CheckpointStore:
         Raises:
             CheckpointError: the last commit failed (the store is released all the same).
 
-        Example:
+        Examples:
             >>> store = zephon.jobs.CheckpointStore("ckpt", None)
             >>> store.close()
         """
@@ -601,7 +601,7 @@ class CheckpointStore:
     def clear(self) -> None:
         """Remove the whole store, then release the lock (the run holds it while removing).
 
-        Example:
+        Examples:
             >>> store = zephon.jobs.CheckpointStore("ckpt", None)
             >>> store.clear()
             >>> import os; os.path.exists("ckpt")

@@ -98,7 +98,7 @@ def raised_by_signal(exc: BaseException) -> bool:
     cannot be told from a ``raise``, so it counts as a Ctrl-C). One raised by the
     subject's own code is the subject's failure, on every backend.
 
-    Example:
+    Examples:
         >>> try:
         ...     raise SystemExit(5)
         ... except SystemExit as exc:
@@ -128,7 +128,7 @@ def unpicklable_value_error(subject, value, error: Exception) -> SerializationEr
     """The error of a subject whose ``value`` failed to pickle with ``error``: it names
     the subject, the part of the value that does not pickle and why, and the way out.
 
-    Example:
+    Examples:
         >>> import threading
         >>> value = {"model": [1.0, threading.Lock()]}
         >>> try:

@@ -115,7 +115,7 @@ class FrozenMap(Mapping):
     Args:
         data: the items (None: empty); copied.
 
-    Example:
+    Examples:
         >>> m = FrozenMap({0: "process"})
         >>> m[0], m == {0: "process"}, len({m: 1})
         ('process', True, 1)
@@ -552,7 +552,7 @@ class OptionsBase:
         Returns:
             A tuple of field names.
 
-        Example:
+        Examples:
             >>> RuntimeOptions.field_names()[:2]
             ('runner', 'run_id')
         """
@@ -588,7 +588,7 @@ class OptionsBase:
         Returns:
             A dict: field name -> a str, number, bool, None, list or dict.
 
-        Example:
+        Examples:
             >>> StoreOptions(cache_enabled=True).to_dict()["cache_enabled"]
             True
         """
@@ -613,7 +613,7 @@ class OptionsBase:
             ZephonConfigError: not a mapping, an unknown key (with a did-you-mean), or an
                 invalid value (naming the field, the value and what is allowed).
 
-        Example:
+        Examples:
             >>> opts = RuntimeOptions.from_dict({"runner": "threads", "max_workers": 2})
             >>> RuntimeOptions.from_dict(opts.to_dict()) == opts
             True
@@ -647,7 +647,7 @@ class OptionsBase:
         Raises:
             ZephonConfigError: an unknown field name or an invalid value.
 
-        Example:
+        Examples:
             >>> RuntimeOptions(runner="threads").replace(max_workers=2).max_workers
             2
         """

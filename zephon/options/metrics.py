@@ -48,7 +48,7 @@ class ExecutionTrackingMode(str, enum.Enum):
     every serial op and the items delivered to the consumer. The option also accepts
     the plain strings ``"off"``, ``"stages"``, ``"nodes"``.
 
-    Example:
+    Examples:
         >>> src = sources.from_sequence(list(range(4)))
         >>> opts = RuntimeOptions(execution_tracking="stages")
         >>> opts.execution_tracking is zephon.ExecutionTrackingMode.STAGES
@@ -77,7 +77,7 @@ def effective_tracking(mode: "ExecutionTrackingMode | str") -> str:
     """The tracking mode a run uses: the more detailed of ``mode`` (the run's option)
     and :data:`TRACKING_ENV`; read once per run, never per item.
 
-    Example:
+    Examples:
         >>> from zephon.options.metrics import effective_tracking
         >>> effective_tracking("stages") in ("stages", "nodes")
         True
@@ -96,7 +96,7 @@ def effective_tracking(mode: "ExecutionTrackingMode | str") -> str:
 class MetricsSinkConfig(OptionsBase):
     """Destination of pipeline metrics (with ``RuntimeOptions.execution_tracking`` on).
 
-    Example:
+    Examples:
         >>> sink = zephon.MetricsSinkConfig(mode="log", default_tags={"job": "pretrain"})
         >>> opts = RuntimeOptions(execution_tracking="stages", metrics_sink_config=sink)
         >>> opts.metrics_sink_config.default_tags["job"]

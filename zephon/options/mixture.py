@@ -30,7 +30,7 @@ class MixtureReadConfig(OptionsBase):
     Give it to ``sources.mixture(..., config=...)``, or as
     ``RuntimeOptions(mixture_config=...)`` for every mixture without its own.
 
-    Example:
+    Examples:
         >>> cfg = zephon.MixtureReadConfig(mode="weighted_random", seed=7)
         >>> a = sources.from_sequence([0, 1, 2], name="a")
         >>> b = sources.from_sequence([10, 11, 12], name="b")

@@ -43,7 +43,7 @@ class RunPolicy(OptionsBase):
     :class:`~zephon.errors.ZephonConfigError` names the field, the value and what is
     allowed).
 
-    Example:
+    Examples:
         >>> policy = RunPolicy(backend="process", workers=4, subject_timeout_sec=600,
         ...                    on_subject_failure="fail_fast", checkpoint_dir="ckpt")
         >>> policy.replace(workers=2).workers

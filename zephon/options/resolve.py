@@ -90,7 +90,7 @@ def resolve_max_workers(opts, cpu_count: int | None = None) -> int:
     Returns:
         An int >= 1.
 
-    Example:
+    Examples:
         >>> resolve_max_workers(RuntimeOptions(), cpu_count=2)
         4
         >>> resolve_max_workers(RuntimeOptions(max_workers=3))
@@ -112,7 +112,7 @@ def default_prefetch_batches(cpu_count: int | None = None) -> int:
     :class:`~zephon.transport.WorkerPool` sizes its arena for it, as a pool of a default
     run does.
 
-    Example:
+    Examples:
         >>> default_prefetch_batches(cpu_count=2), default_prefetch_batches(cpu_count=64)
         (8, 32)
     """
@@ -130,7 +130,7 @@ def resolve_prefetch_batches(opts, *, cpu_count: int | None = None) -> int:
     Returns:
         An int >= 1.
 
-    Example:
+    Examples:
         >>> resolve_prefetch_batches(RuntimeOptions(max_workers=6))
         12
     """
@@ -150,7 +150,7 @@ def resolve_op_queue_capacity(opts, *, cpu_count: int | None = None) -> int:
     Returns:
         An int >= 1.
 
-    Example:
+    Examples:
         >>> resolve_op_queue_capacity(RuntimeOptions(prefetch_batches=20))
         20
     """
@@ -170,7 +170,7 @@ def resolve_mtp_buffer(opts, *, cpu_count: int | None = None) -> int:
     Returns:
         An int >= 1.
 
-    Example:
+    Examples:
         >>> resolve_mtp_buffer(RuntimeOptions(prefetch_batches=64))
         32
     """
@@ -190,7 +190,7 @@ def resolve_mtp_prefetch(opts, *, cpu_count: int | None = None) -> int:
     Returns:
         An int >= 0.
 
-    Example:
+    Examples:
         >>> resolve_mtp_prefetch(RuntimeOptions(mtp_buffer=100))
         10
     """
@@ -216,7 +216,7 @@ def resolve_default_stage_prefetch(opts, runner: str, *, cpu_count: int | None =
     Raises:
         ZephonConfigError: an unknown runner.
 
-    Example:
+    Examples:
         >>> opts = RuntimeOptions(prefetch_batches=32)
         >>> [resolve_default_stage_prefetch(opts, r) for r in ("process", "threads")]
         [8, 16]
@@ -245,7 +245,7 @@ def resolve_stage_prefetch(opts, stage: int, runner: str, *, cpu_count: int | No
     Returns:
         An int >= 1.
 
-    Example:
+    Examples:
         >>> opts = RuntimeOptions(per_stage_prefetch={1: 3}, prefetch_batches=32)
         >>> resolve_stage_prefetch(opts, 1, "threads"), resolve_stage_prefetch(opts, 0, "threads")
         (3, 16)
@@ -272,7 +272,7 @@ def resolve_flush_every_k_chunks(opts, preserves_cursor_order: bool) -> int:
     Raises:
         ZephonConfigError: an explicit 0 with an op that breaks cursor order.
 
-    Example:
+    Examples:
         >>> resolve_flush_every_k_chunks(RuntimeOptions(), preserves_cursor_order=False)
         8
         >>> resolve_flush_every_k_chunks(RuntimeOptions(), preserves_cursor_order=True)
@@ -301,7 +301,7 @@ def resolve_dp_degree(opts) -> int:
     Returns:
         An int >= 1.
 
-    Example:
+    Examples:
         >>> resolve_dp_degree(RuntimeOptions(world_size=4, global_rank=1))
         4
     """
@@ -318,7 +318,7 @@ def resolve_dp_group_id(opts) -> int:
     Returns:
         An int, ``0 <= group < dp_degree``.
 
-    Example:
+    Examples:
         >>> resolve_dp_group_id(RuntimeOptions(world_size=4, global_rank=3, dp_degree=2))
         1
     """
@@ -339,7 +339,7 @@ def resolve_canonical_replicas(opts) -> int:
     Returns:
         An int >= 1.
 
-    Example:
+    Examples:
         >>> resolve_canonical_replicas(RuntimeOptions(world_size=2, global_rank=0))
         2
     """
@@ -357,7 +357,7 @@ def resolve_mapping_strategy(opts) -> str:
     Returns:
         ``"contiguous"`` or ``"interleaved"``.
 
-    Example:
+    Examples:
         >>> resolve_mapping_strategy(RuntimeOptions())
         'contiguous'
     """
@@ -376,7 +376,7 @@ def is_cloud_path(path: str | None) -> bool:
     Returns:
         A bool.
 
-    Example:
+    Examples:
         >>> [is_cloud_path(p) for p in ("s3://bucket/runs", "/tmp/runs", "file:///tmp")]
         [True, False, False]
     """
@@ -396,7 +396,7 @@ def resolve_aggregate_timeout_s(opts) -> float:
     Returns:
         Seconds, a float > 0.
 
-    Example:
+    Examples:
         >>> opts = RuntimeOptions(aggregate_timeout_s=10.0, aggregate_dir="s3://bucket/agg")
         >>> resolve_aggregate_timeout_s(opts)
         90.0
@@ -432,7 +432,7 @@ def resolve_stage_workers(opts, stage_parallelism: Sequence[int], *,
     Raises:
         ZephonConfigError: a parallelism below 1.
 
-    Example:
+    Examples:
         >>> resolve_stage_workers(RuntimeOptions(max_workers=4), [1, 8])
         [1, 4]
         >>> resolve_stage_workers(RuntimeOptions(max_workers=4, worker_allocation="global"), [1, 3])
@@ -491,7 +491,7 @@ def available_cpus(cgroup_cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
     Returns:
         An int >= 1.
 
-    Example:
+    Examples:
         >>> available_cpus() >= 1
         True
     """
@@ -525,7 +525,7 @@ def available_memory_bytes() -> int | None:
     """Memory this process may still take: ``MemAvailable`` (``/proc/meminfo``), lowered
     to the cgroup's room (``memory.max - memory.current``); None when neither is known.
 
-    Example:
+    Examples:
         >>> m = available_memory_bytes()
         >>> m is None or m > 0
         True
@@ -549,7 +549,7 @@ def resolve_autotune_cpu_budget(opts, cpu_count: int | None = None) -> int:
     Returns:
         An int >= 1.
 
-    Example:
+    Examples:
         >>> resolve_autotune_cpu_budget(RuntimeOptions(max_workers=3))
         3
         >>> resolve_autotune_cpu_budget(RuntimeOptions(), cpu_count=6)
@@ -576,7 +576,7 @@ def resolve_autotune_memory_bytes(opts, memory_bytes: int | None = None) -> int:
     Returns:
         An int >= 1.
 
-    Example:
+    Examples:
         >>> resolve_autotune_memory_bytes(RuntimeOptions(autotune_memory_bytes=1 << 30))
         1073741824
         >>> resolve_autotune_memory_bytes(RuntimeOptions(), memory_bytes=8 << 30) >> 30
@@ -601,7 +601,7 @@ def resolve_backend(policy) -> str:
     Returns:
         ``"serial"``, ``"process"`` or ``"ray"``.
 
-    Example:
+    Examples:
         >>> resolve_backend(RunPolicy()), resolve_backend(RunPolicy(subject_timeout_sec=None))
         ('process', 'serial')
     """
@@ -621,7 +621,7 @@ def backend_reason(policy) -> str:
     Returns:
         A string (``JobRun.explain()`` shows it).
 
-    Example:
+    Examples:
         >>> backend_reason(RunPolicy(subject_timeout_sec=None))
         "backend='serial' and no subject timeout"
     """
@@ -649,7 +649,7 @@ class ResolvedValue(NamedTuple):
         source: ``"explicit"`` (set by the user), ``"derived"`` (computed from other
             options) or ``"default"``.
 
-    Example:
+    Examples:
         >>> RuntimeOptions(max_workers=2).resolved()["max_workers"]
         ResolvedValue(value=2, source='explicit')
     """
@@ -688,7 +688,7 @@ def resolve_all(opts, cpu_count: int | None = None) -> dict[str, ResolvedValue]:
         A dict: field name -> :class:`ResolvedValue` (``source`` is ``"explicit"``,
         ``"derived"`` or ``"default"``).
 
-    Example:
+    Examples:
         >>> resolve_all(RuntimeOptions(max_workers=2))["prefetch_batches"]
         ResolvedValue(value=8, source='derived')
     """

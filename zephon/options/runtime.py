@@ -90,7 +90,7 @@ class RuntimeOptions(OptionsBase):
     ``deterministic=False`` (completion order). Numeric knobs left at None are
     derived (see :meth:`resolved`).
 
-    Example:
+    Examples:
         >>> opts = RuntimeOptions(runner="threads", max_workers=2)
         >>> opts.resolved()["prefetch_batches"].value
         8
@@ -436,7 +436,7 @@ class RuntimeOptions(OptionsBase):
             A dict: field name -> ``ResolvedValue(value, source)`` with ``source``
             ``"explicit"``, ``"derived"`` or ``"default"``.
 
-        Example:
+        Examples:
             >>> RuntimeOptions().resolved(cpu_count=32)["max_workers"]
             ResolvedValue(value=16, source='derived')
         """

@@ -34,7 +34,7 @@ class StoreOptions(OptionsBase):
     source constructor's ``io_options=`` (the reads made while building the source).
     Keyword arguments only, validated at construction.
 
-    Example:
+    Examples:
         >>> io = StoreOptions(cache_enabled=True, cache_root="cache", cache_limit_bytes=1 << 30)
         >>> RuntimeOptions(io_options=io).io_options.cache_limit_bytes
         1073741824

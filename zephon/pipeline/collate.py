@@ -86,7 +86,7 @@ def collate(values) -> object:
         ZephonConfigError: samples of unequal structure (sequences of unequal length, a
             mapping where the first sample has a sequence, ...), naming where.
 
-    Example:
+    Examples:
         >>> out = collate([(np.zeros(2), 1), (np.ones(2), 2)])
         >>> type(out).__name__, out[0].shape, out[1].dtype
         ('list', (2, 2), dtype('int64'))
@@ -103,7 +103,7 @@ def collate(values) -> object:
 def collate_column(column: list):
     """One column of a dict batch: ``collate`` applied to the column's values.
 
-    Example:
+    Examples:
         >>> collate_column([np.arange(2), np.arange(2)]).shape
         (2, 2)
     """
@@ -308,7 +308,7 @@ class Collator:
     sample, in order (it never raises); ``result()`` once: ``collate`` of the values
     added, raising as ``collate`` does (the collator keeps no reference to it).
 
-    Example:
+    Examples:
         >>> c = Collator(2)
         >>> c.add({"x": np.zeros(3), "y": 1}); c.add({"x": np.ones(3), "y": 2})
         >>> out = c.result()

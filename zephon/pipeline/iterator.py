@@ -365,7 +365,7 @@ class PipelineIterator:
         record: the run's :class:`~zephon.pipeline.progress.RunRecord` (delivered lane
             states, first epoch, statistics, final state).
 
-    Example:
+    Examples:
         >>> pipe = Pipeline(sources.from_sequence(list(range(5))), shuffle=False)
         >>> with iter(pipe) as it:
         ...     first = next(it)
@@ -556,7 +556,7 @@ class PipelineIterator:
         Args:
             delivered: positions from :meth:`delivered`.
 
-        Example:
+        Examples:
             >>> pipe = Pipeline(sources.from_sequence(list(range(5))), shuffle=False)
             >>> it = iter(pipe)
             >>> seen = it.delivered(); _ = next(it), next(it)   # taken ahead, not used
@@ -584,7 +584,7 @@ class PipelineIterator:
             A dict: lane id -> lane state (a tuple of ints, the format of the checkpoint's
             ``lanes`` entries).
 
-        Example:
+        Examples:
             >>> it = iter(Pipeline(sources.from_sequence(list(range(5))), shuffle=False))
             >>> it.delivered()
             {}
@@ -606,7 +606,7 @@ class PipelineIterator:
         Args:
             delivered: positions from :meth:`delivered` to read instead of the current ones.
 
-        Example:
+        Examples:
             >>> it = iter(Pipeline(sources.from_sequence(list(range(6))), shuffle=False).batch(2))
             >>> _ = next(it), next(it)
             >>> it.position().batches, it.position().samples
@@ -635,7 +635,7 @@ class PipelineIterator:
             CheckpointError: the multi-rank exchange failed.
             AggregationTimeoutError: the exchange exceeded ``aggregate_timeout_s``.
 
-        Example:
+        Examples:
             >>> it = iter(Pipeline(sources.from_sequence(list(range(5))), shuffle=False))
             >>> _ = next(it)
             >>> earlier = it.delivered()
@@ -663,7 +663,7 @@ class PipelineIterator:
             CheckpointError: the bytes are corrupt or do not fit this pipeline (checked
                 before anything is applied: the current run then goes on).
 
-        Example:
+        Examples:
             >>> it = iter(Pipeline(sources.from_sequence(list(range(5))), shuffle=False))
             >>> state = it.checkpoint()      # nothing delivered yet: the start
             >>> next(it), next(it)
@@ -703,7 +703,7 @@ class PipelineIterator:
             CheckpointError: with several ranks, their positions could not be exchanged.
             IteratorClosedError: the iterator is closed (or its pass has ended).
 
-        Example:
+        Examples:
             >>> mix = sources.mixture(
             ...     {"a": sources.from_sequence(list(range(1000)), name="a"),
             ...      "b": sources.from_sequence(list(range(1000, 2000)), name="b")},
@@ -754,7 +754,7 @@ class PipelineIterator:
         Returns:
             The state as checkpoint bytes (a versioned, checksummed envelope).
 
-        Example:
+        Examples:
             >>> it = iter(Pipeline(sources.from_sequence(list(range(5))), shuffle=False))
             >>> _ = next(it), next(it)
             >>> state = it.get_state()
@@ -780,7 +780,7 @@ class PipelineIterator:
             CheckpointError: as :meth:`restore`; also a rank's own state taken under
                 another rank layout or dp group.
 
-        Example:
+        Examples:
             >>> pipe = Pipeline(sources.from_sequence(list(range(4))), shuffle=False)
             >>> it = iter(pipe)
             >>> state = it.get_state()       # nothing delivered yet: the start
@@ -804,7 +804,7 @@ class PipelineIterator:
             A dict snapshot of the run's counters (``RuntimeOptions.execution_tracking``);
             empty when tracking is off, and in MTP mode, where they live in the subprocess.
 
-        Example:
+        Examples:
             >>> it = iter(Pipeline(sources.from_sequence([1, 2])))
             >>> it.stats()
             {}
@@ -822,7 +822,7 @@ class PipelineIterator:
         (a run that had reached the end of its stream keeps raising ``StopIteration``)
         until :meth:`restore` or :meth:`set_state` starts it again.
 
-        Example:
+        Examples:
             >>> it = iter(Pipeline(sources.from_sequence([1, 2]), shuffle=False))
             >>> next(it)
             1

@@ -109,7 +109,7 @@ class Pipeline:
     Raises:
         ZephonConfigError: a value out of range or of the wrong type, naming it.
 
-    Example:
+    Examples:
         >>> pipe = Pipeline(sources.from_sequence(list(range(10))), seed=0, chunk_size=4)
         >>> sorted(pipe) == list(range(10))
         True
@@ -165,7 +165,7 @@ class Pipeline:
     def ops(self) -> tuple[O.Op, ...]:
         """The pipeline's ops, in chain order (its spec's).
 
-        Example:
+        Examples:
             >>> pipe = Pipeline(sources.from_sequence([1, 2])).map(abs).batch(2)
             >>> len(pipe.ops), pipe.ops[-1].describe()
             (2, 'batch(2, drop_last=False)')
@@ -177,7 +177,7 @@ class Pipeline:
     def source(self):
         """The pipeline's source (its spec's).
 
-        Example:
+        Examples:
             >>> Pipeline(sources.from_sequence([1, 2])).source.name
             'sequence'
         """
@@ -187,7 +187,7 @@ class Pipeline:
     def seed(self) -> int:
         """The seed of the epoch orders and of every op's randomness (its spec's).
 
-        Example:
+        Examples:
             >>> Pipeline(sources.from_sequence([1, 2]), seed=7).seed
             7
         """
@@ -198,7 +198,7 @@ class Pipeline:
         """The epoch order (its spec's): True (a seeded permutation), False (source
         order), or the source's shard shuffle.
 
-        Example:
+        Examples:
             >>> Pipeline(sources.from_sequence([1, 2]), shuffle=False).permute
             False
         """
@@ -208,7 +208,7 @@ class Pipeline:
     def chunk_size(self) -> int:
         """Samples per chunk (its spec's).
 
-        Example:
+        Examples:
             >>> Pipeline(sources.from_sequence([1, 2]), chunk_size=64).chunk_size
             64
         """
@@ -218,7 +218,7 @@ class Pipeline:
     def num_epochs(self):
         """Epochs in a pass, None for one endless pass (its spec's).
 
-        Example:
+        Examples:
             >>> Pipeline(sources.from_sequence([1, 2]), num_epochs=3).num_epochs
             3
         """
@@ -240,7 +240,7 @@ class Pipeline:
         Returns:
             A new pipeline with the op appended.
 
-        Example:
+        Examples:
             >>> pipe = Pipeline(sources.from_sequence([1, 2, 3]), shuffle=False)
             >>> list(pipe.map(lambda x: x * 10))
             [10, 20, 30]
@@ -258,7 +258,7 @@ class Pipeline:
         Returns:
             A new pipeline with the op appended.
 
-        Example:
+        Examples:
             >>> pipe = Pipeline(sources.from_sequence(list(range(6))), shuffle=False)
             >>> list(pipe.filter(lambda x: x % 2 == 0))
             [0, 2, 4]
@@ -276,7 +276,7 @@ class Pipeline:
         Returns:
             A new pipeline with the op appended.
 
-        Example:
+        Examples:
             >>> src = sources.from_callable(4, lambda i: {"x": np.full(2, i)})
             >>> pipe = Pipeline(src, shuffle=False).batch(2).map_batch(lambda b: {"x": b["x"] * 2})
             >>> [b["x"].tolist() for b in pipe]
@@ -298,7 +298,7 @@ class Pipeline:
         Returns:
             A new pipeline with the op appended.
 
-        Example:
+        Examples:
             >>> pipe = Pipeline(sources.from_sequence(list(range(8))), shuffle=False)
             >>> sorted(pipe.shuffle(4)) == list(range(8))
             True
@@ -342,7 +342,7 @@ class Pipeline:
                 samples carry (a nested mixture's own components, not its name), or the op placed
                 after ``batch`` or a packer.
 
-        Example:
+        Examples:
             >>> a = sources.from_callable(40, lambda i: {"x": i})
             >>> b = sources.from_callable(40, lambda i: {"x": 100 + i})
             >>> mix = sources.mixture({"a": a, "b": b}, weights={"a": 0.5, "b": 0.5})
@@ -418,7 +418,7 @@ class Pipeline:
         Returns:
             A new pipeline with the op appended.
 
-        Example:
+        Examples:
             >>> src = sources.from_callable(5, lambda i: {"x": np.arange(3) + i, "label": i})
             >>> batches = list(Pipeline(src, shuffle=False).batch(2))
             >>> batches[0]["x"].shape, batches[0]["label"].tolist(), len(batches)
@@ -455,7 +455,7 @@ class Pipeline:
                 fields aligned with ``field`` and an op since (a ``map``) may have changed
                 them (give ``aligned=``: the fields to pack, or ``()``).
 
-        Example:
+        Examples:
             >>> src = sources.from_callable(3, lambda i: {"tokens": np.arange(5) + 10 * i})
             >>> rows = list(Pipeline(src, shuffle=False).pack_tokens(4))
             >>> [r["tokens"].tolist() for r in rows]
@@ -505,7 +505,7 @@ class Pipeline:
                 fields aligned with ``field`` and an op since (a ``map``) may have changed
                 them (give ``aligned=``: the fields to pack, or ``()``).
 
-        Example:
+        Examples:
             >>> src = sources.from_sequence([{"tokens": np.arange(n) + 10 * n} for n in (3, 5, 2)])
             >>> rows = list(Pipeline(src, shuffle=False).pack_documents(6, algorithm="best_fit"))
             >>> [r["tokens"].tolist() for r in rows]
@@ -562,7 +562,7 @@ class Pipeline:
                 too small for the vocabulary, an option out of range.
             ImportError: ``tokenizers`` is missing (the ``text`` extra).
 
-        Example:
+        Examples:
             >>> pipe = Pipeline(sources.from_sequence([{"text": "hi"}])).tokenize(
             ...     tok, add_eos=True, eos="<eos>")                      # doctest: +SKIP
         """
@@ -611,7 +611,7 @@ class Pipeline:
         Returns:
             A new pipeline with the op appended.
 
-        Example:
+        Examples:
             >>> chats = [{"messages": [{"role": "user", "content": "hi"},
             ...                        {"role": "assistant", "content": "hello"}]}]
             >>> rows = list(Pipeline(sources.from_sequence(chats)).tokenize_chat(tok))  # doctest: +SKIP
@@ -644,7 +644,7 @@ class Pipeline:
         Raises:
             ZephonConfigError: ``opts`` is not a RuntimeOptions.
 
-        Example:
+        Examples:
             >>> pipe = Pipeline(sources.from_sequence(list(range(6))), seed=1)
             >>> threaded = pipe.options(RuntimeOptions(runner="threads", max_workers=2))
             >>> list(threaded) == list(pipe)
@@ -665,7 +665,7 @@ class Pipeline:
         Returns:
             A 64-character hex string (SHA-256).
 
-        Example:
+        Examples:
             >>> a = Pipeline(sources.from_sequence([1, 2]), seed=0)
             >>> a.fingerprint() == Pipeline(sources.from_sequence([1, 2]), seed=0).fingerprint()
             True
@@ -685,7 +685,7 @@ class Pipeline:
             The :class:`~zephon.pipeline.engine.Plan`: lanes, stages, runners, worker counts
             and queue depths (``plan().explain()`` prints it).
 
-        Example:
+        Examples:
             >>> plan = Pipeline(sources.from_sequence([1, 2])).plan()
             >>> plan.runners
             {'inline'}
@@ -702,7 +702,7 @@ class Pipeline:
             resumes (cursor or replay), the flush cadence, and each stage's ops, runner,
             workers and queue depths.
 
-        Example:
+        Examples:
             >>> text = Pipeline(sources.from_sequence([1, 2])).map(abs).explain()
             >>> "stage 0: read, map(abs)" in text
             True
@@ -738,7 +738,7 @@ class Pipeline:
                 on the first sample: it cannot be pickled for a process stage (or MTP
                 mode), it is not deterministic, or it mutates its input.
 
-        Example:
+        Examples:
             >>> it = iter(Pipeline(sources.from_sequence([1, 2, 3]), shuffle=False))
             >>> next(it), next(it)
             (1, 2)
@@ -770,7 +770,7 @@ class Pipeline:
         Raises:
             ZephonConfigError: ``epoch`` is not an int >= 0.
 
-        Example:
+        Examples:
             >>> pipe = Pipeline(sources.from_sequence(list(range(4))), seed=0)
             >>> epoch0, epoch1 = list(pipe), list(pipe)
             >>> pipe.set_epoch(1)
@@ -784,7 +784,7 @@ class Pipeline:
     def close(self) -> None:
         """Close every run of this pipeline that is still going (idempotent).
 
-        Example:
+        Examples:
             >>> pipe = Pipeline(sources.from_sequence([1, 2, 3]))
             >>> it = iter(pipe)
             >>> pipe.close()
@@ -807,7 +807,7 @@ class Pipeline:
             mode, where the statistics live in the subprocess, and before a run (also
             after :meth:`restore` or :meth:`set_epoch` placed the next start).
 
-        Example:
+        Examples:
             >>> Pipeline(sources.from_sequence([1, 2])).stats()
             {}
         """
@@ -821,7 +821,7 @@ class Pipeline:
         a run ends (a :meth:`restore` or :meth:`set_epoch` with no run going places a
         new start, which has none).
 
-        Example:
+        Examples:
             >>> Pipeline(sources.from_sequence([1, 2])).final_state is None
             True
         """
@@ -832,7 +832,7 @@ class Pipeline:
         """Where the latest run stands (``it.position()``, also after the run ended, and
         right after a :meth:`restore`: where the restored run will start).
 
-        Example:
+        Examples:
             >>> pipe = Pipeline(sources.from_sequence(list(range(8))), seed=1).batch(2)
             >>> for _, batch in zip(range(3), pipe):
             ...     pass
@@ -865,7 +865,7 @@ class Pipeline:
             AggregationTimeoutError: a rank did not take part within
                 ``aggregate_timeout_s`` (named).
 
-        Example:
+        Examples:
             >>> pipe = Pipeline(sources.from_sequence(list(range(10))), seed=3, chunk_size=2)
             >>> for _, x in zip(range(4), pipe):
             ...     pass
@@ -894,7 +894,7 @@ class Pipeline:
                 fit this pipeline (another fingerprint, lane count, or positions out of
                 range), naming what differs. Nothing is applied then.
 
-        Example:
+        Examples:
             >>> pipe = Pipeline(sources.from_sequence(list(range(6))), shuffle=False)
             >>> it = iter(pipe)
             >>> next(it), next(it)

@@ -130,7 +130,7 @@ class _WithMeta:
     def meta(self) -> dict:
         """The batch's metadata, a dict.
 
-        Example:
+        Examples:
             >>> zephon.Batch({"x": np.zeros(2)}, meta={"lane": 1}).meta
             {'lane': 1}
         """
@@ -159,7 +159,7 @@ class Batch(_WithMeta, dict):
         meta: the batch's metadata (None: empty).
         **kwargs: as for ``dict``.
 
-    Example:
+    Examples:
         >>> b = zephon.Batch({"x": np.zeros((2, 3))}, meta={"lane": 0})
         >>> b["x"].shape, b.meta["lane"]
         ((2, 3), 0)
@@ -196,7 +196,7 @@ class BatchList(_WithMeta, list):
         items: the batch's positions (an iterable).
         meta: the batch's metadata (None: empty).
 
-    Example:
+    Examples:
         >>> b = zephon.BatchList([np.zeros((2, 3)), np.arange(2)], meta={"lane": 0})
         >>> x, y = b
         >>> x.shape, b.meta["lane"]

@@ -121,7 +121,7 @@ def to_training(batch, *, field: str = "tokens", ignore_index: int = IGNORE_INDE
     Raises:
         ZephonConfigError: no 2-D token column, or a layout column of another shape.
 
-    Example:
+    Examples:
         >>> src = sources.from_sequence([{"tokens": np.arange(n) + 10 * n} for n in (3, 2)])
         >>> rows = Pipeline(src, shuffle=False).pack_documents(6, algorithm="first_fit")
         >>> out = to_training(next(iter(rows.batch(1))))

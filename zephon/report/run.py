@@ -133,7 +133,7 @@ def profile(pipe, *, steps: int | None = None, seconds: float | None = None,
     Raises:
         ZephonConfigError: a value above out of range (named in the message).
 
-    Example:
+    Examples:
         >>> pipe = Pipeline(sources.from_sequence(list(range(64)))).batch(8)
         >>> report = zephon.profile(pipe, steps=4)
         >>> report.snapshot["consumer"]["batches"]

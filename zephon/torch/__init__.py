@@ -104,7 +104,7 @@ def loader(pipe, *, pin_memory: bool = False, prefetch: int = 2,
             ``channels_last``. When a batch is normalised: a named column that is missing,
             not ``uint8``, or has another number of channels than ``mean`` and ``std``.
 
-    Example:
+    Examples:
         >>> src = sources.from_callable(6, lambda i: {"x": np.full(3, i, dtype=np.float32)})
         >>> loader = zephon.torch.loader(Pipeline(src, shuffle=False).batch(2))
         >>> [type(b["x"]).__name__ for b in loader]
@@ -145,7 +145,7 @@ def dataset(pipe, *, pin_memory: bool = False, keep_dtypes: bool = False):
     Raises:
         ImportError: torch is missing (``python -m pip install -e ".[torch]"`` in the zephon checkout).
 
-    Example:
+    Examples:
         >>> import torch
         >>> src = sources.from_callable(4, lambda i: {"x": np.full(2, i)})
         >>> ds = zephon.torch.dataset(Pipeline(src, shuffle=False).batch(2))
@@ -184,7 +184,7 @@ def to_torch(batch, *, keep_dtypes: bool = False):
     Raises:
         ImportError: torch is missing (``python -m pip install -e ".[torch]"`` in the zephon checkout).
 
-    Example:
+    Examples:
         >>> out = zephon.torch.to_torch({"x": np.arange(3), "name": ["a", "b", "c"]})
         >>> type(out["x"]).__name__, out["name"]
         ('Tensor', ['a', 'b', 'c'])
@@ -222,7 +222,7 @@ def to_training(batch, *, field: str = "tokens", ignore_index: int = -100,
         ZephonConfigError: the batch has no 2-D token column, or a layout column of
             another shape.
 
-    Example:
+    Examples:
         >>> src = sources.from_sequence([{"tokens": np.arange(n) + 10 * n} for n in (3, 2)])
         >>> pipe = Pipeline(src, shuffle=False).pack_documents(6, algorithm="first_fit")
         >>> out = zephon.torch.to_training(next(iter(pipe.batch(1))))

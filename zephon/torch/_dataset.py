@@ -32,7 +32,7 @@ class PipelineDataset(torch.utils.data.IterableDataset):
         pin_memory: pin numeric columns on a background thread.
         keep_dtypes: as in :func:`zephon.torch.loader`.
 
-    Example:
+    Examples:
         >>> ds = zephon.torch.dataset(Pipeline(sources.from_sequence([1, 2]), shuffle=False))
         >>> list(ds)
         [1, 2]
@@ -66,7 +66,7 @@ class PipelineDataset(torch.utils.data.IterableDataset):
         Returns:
             ``{"zephon_checkpoint": bytes}``.
 
-        Example:
+        Examples:
             >>> ds = zephon.torch.dataset(Pipeline(sources.from_sequence([1, 2])))
             >>> list(ds.state_dict())
             ['zephon_checkpoint']
@@ -83,7 +83,7 @@ class PipelineDataset(torch.utils.data.IterableDataset):
         Raises:
             CheckpointError: not such a dict, or a checkpoint that does not fit.
 
-        Example:
+        Examples:
             >>> ds = zephon.torch.dataset(Pipeline(sources.from_sequence([1, 2]), shuffle=False))
             >>> state = ds.state_dict()
             >>> ds.load_state_dict(state)

@@ -135,7 +135,7 @@ class TorchLoader:
             ``prefetch``, ``device``, ``non_blocking``, ``normalize``, ``layout`` or
             ``channels_last``.
 
-    Example:
+    Examples:
         >>> src = sources.from_sequence([{"x": np.float32(i)} for i in range(6)])
         >>> loader = zephon.torch.loader(Pipeline(src, shuffle=False).batch(2))
         >>> first = next(iter(loader))
@@ -220,7 +220,7 @@ class TorchLoader:
             ZephonConfigError: the source is no mixture with a position-keyed schedule,
                 or the weights do not name exactly its components.
 
-        Example:
+        Examples:
             >>> mix = sources.mixture(
             ...     {"a": sources.from_sequence(list(range(1000)), name="a"),
             ...      "b": sources.from_sequence(list(range(1000, 2000)), name="b")},
@@ -286,7 +286,7 @@ class TorchLoader:
         for the pipeline's next batch gets it, finds the hand-off closed and ends; then the run
         closes (its workers are reaped). :meth:`state_dict` still answers afterwards.
 
-        Example:
+        Examples:
             >>> loader = zephon.torch.loader(Pipeline(sources.from_sequence([1, 2])))
             >>> next(iter(loader))
             2
@@ -320,7 +320,7 @@ class TorchLoader:
         (:class:`~zephon.pipeline.state.Position`; after a restore on another number of
         ranks, ``batches`` is the whole stream's count as the checkpoint had it).
 
-        Example:
+        Examples:
             >>> loader = zephon.torch.loader(Pipeline(sources.from_sequence(list(range(8))),
             ...                                       seed=0).batch(2))
             >>> _ = next(iter(loader)), next(iter(loader))
@@ -356,7 +356,7 @@ class TorchLoader:
                 (the checkpoint was taken mid-step, or with another global batch); a
                 position in a later pass without ``start``; a pass that delivers no batch.
 
-        Example:
+        Examples:
             >>> pipe = Pipeline(sources.from_sequence(list(range(6))), seed=0).batch(2)
             >>> loader = zephon.torch.loader(pipe)
             >>> [(step, len(b)) for step, b in loader.steps(4, micro_batches=2)]
@@ -416,7 +416,7 @@ class TorchLoader:
         trains on them keeps the copy of each batch and passes the one of the batch last
         trained on to ``state_dict(delivered=...)``.
 
-        Example:
+        Examples:
             >>> loader = zephon.torch.loader(Pipeline(sources.from_sequence([1, 2]), shuffle=False))
             >>> loader.delivered()
             {}
@@ -451,7 +451,7 @@ class TorchLoader:
             CheckpointError: the multi-rank exchange failed.
             AggregationTimeoutError: the exchange exceeded ``aggregate_timeout_s``.
 
-        Example:
+        Examples:
             >>> pipe = Pipeline(sources.from_sequence([1, 2, 3]), shuffle=False)
         >>> loader = zephon.torch.loader(pipe)
             >>> next(iter(loader))
@@ -486,7 +486,7 @@ class TorchLoader:
             CheckpointError: not such a dict, a tensor of another dtype, or a checkpoint
                 that is corrupt or does not fit this pipeline.
 
-        Example:
+        Examples:
             >>> pipe = Pipeline(sources.from_sequence([1, 2, 3]), shuffle=False)
             >>> loader = zephon.torch.loader(pipe)
             >>> state = loader.state_dict()             # before any batch: the start

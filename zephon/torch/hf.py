@@ -100,7 +100,7 @@ class ZephonTrainer(Trainer):
         ZephonConfigError: ``train_loader`` is not a zephon loader, or a
             ``train_dataset`` is given too.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from transformers import TrainingArguments
         >>> class Tiny(torch.nn.Module):
@@ -183,7 +183,7 @@ def register(accelerator: Any, loader: Any) -> Any:
     Raises:
         ZephonConfigError: ``loader`` is not a zephon loader.
 
-    Example:
+    Examples:
         >>> from accelerate import Accelerator
         >>> accelerator = Accelerator(cpu=True)
         >>> loader = zephon.torch.loader(Pipeline(sources.from_sequence(list(range(4)))))

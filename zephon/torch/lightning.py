@@ -104,7 +104,7 @@ class ZephonDataModule(pl.LightningDataModule):
         ZephonConfigError: ``build`` is not callable, or returns a pipeline whose world
             size or rank differs from the trainer's.
 
-    Example:
+    Examples:
         >>> dm = ZephonDataModule(lambda world, rank: Pipeline(
         ...     sources.from_sequence(list(range(8))), seed=0).batch(4))
         >>> dm.setup("fit")

@@ -86,7 +86,7 @@ class ZephonDataLoader(BaseDataLoader):
     Raises:
         ZephonConfigError: the builder cannot be loaded or does not return a Pipeline.
 
-    Example:
+    Examples:
         >>> import sys, types
         >>> sys.modules["demo_data"] = demo = types.ModuleType("demo_data")
         >>> demo.build = lambda *, seq_len, local_batch_size, **_: Pipeline(
@@ -159,7 +159,7 @@ class ZephonDataLoader(BaseDataLoader):
     def close(self) -> None:
         """Close the pipeline's run (its workers are reaped; idempotent).
 
-        Example:
+        Examples:
             >>> import sys, types
             >>> sys.modules["demo_close"] = demo = types.ModuleType("demo_close")
             >>> demo.build = lambda **_: Pipeline(sources.from_callable(

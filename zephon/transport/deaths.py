@@ -119,7 +119,7 @@ def death_text(slot: Hashable, pid: int, where: str, exitcode: int | None) -> st
     """How every crash report starts, whichever face: which worker, which pid, of what,
     how it died.
 
-    Example:
+    Examples:
         >>> death_text(1, 4321, "pool 'p'", -9)
         "worker 1 (pid 4321) of pool 'p' died by signal SIGKILL"
     """

@@ -64,10 +64,10 @@ def forkserver_context(*modules: str):
 
     Warns:
         RuntimeWarning: the program's fork server already runs without some of
-        ``modules`` (started by an earlier ``forkserver`` process): workers will
-        import those themselves.
+            ``modules`` (started by an earlier ``forkserver`` process), and workers
+            then import those themselves.
 
-    Example:
+    Examples:
         >>> ctx = forkserver_context("numpy")
         >>> ctx.get_start_method()
         'forkserver'

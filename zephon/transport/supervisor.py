@@ -206,7 +206,7 @@ class ShutdownPolicy:
             the grace, is killed at once with its process tree (:func:`kill_tree`): what
             it is doing is not waited for.
 
-    Example:
+    Examples:
         >>> ShutdownPolicy.for_shutdown_mode("hard").grace_s
         0.5
         >>> ShutdownPolicy.for_shutdown_mode("immediate").abandon
@@ -249,7 +249,7 @@ class ShutdownPolicy:
 def exit_text(exitcode: int | None) -> str:
     """A child's exit status in words: ``"signal SIGKILL"``, ``"exit code 3"``.
 
-    Example:
+    Examples:
         >>> exit_text(-9)
         'signal SIGKILL'
     """
@@ -663,7 +663,7 @@ class InterruptGuard:
     per block: :meth:`pause` makes it behave as Python's own handler (every Ctrl-C
     raises) and :meth:`resume` starts a fresh block (nothing held, nothing raised).
 
-    Example:
+    Examples:
         >>> with InterruptGuard(hold=True) as guard:
         ...     pass  # a Ctrl-C here would be raised as the block ends
         >>> guard.held

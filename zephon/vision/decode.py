@@ -648,7 +648,7 @@ def decode_image(data: Any, *, path: str | None = None, exif_transpose: bool = F
     Raises:
         SourceError: the bytes are corrupt, truncated or no image; names ``path``.
 
-    Example:
+    Examples:
         >>> from zephon.vision import decode_image  # doctest: +SKIP
         >>> decode_image(open("cat.jpg", "rb").read()).shape  # doctest: +SKIP
         (375, 500, 3)

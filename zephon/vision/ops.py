@@ -82,7 +82,7 @@ def random_resized_crop_box(width: int, height: int, rng: np.random.Generator,
     Returns:
         (left, top, right, bottom), integers, inside the image.
 
-    Example:
+    Examples:
         >>> from zephon.vision import random_resized_crop_box  # doctest: +SKIP
         >>> random_resized_crop_box(500, 375, np.random.default_rng(0))  # doctest: +SKIP
         (16, 99, 347, 349)
@@ -122,7 +122,7 @@ def resized_size(width: int, height: int, resize: int | tuple[int, int]) -> tupl
     Returns:
         (width, height) after the resize.
 
-    Example:
+    Examples:
         >>> from zephon.vision import resized_size  # doctest: +SKIP
         >>> resized_size(500, 375, 256)  # doctest: +SKIP
         (341, 256)
@@ -274,7 +274,7 @@ class RandomResizedCrop:
         fast_upsample: libjpeg-turbo's fast chroma upsampling (replication instead of
             interpolation; about 37-41 dB, 3 % faster on 500x375).
 
-    Example:
+    Examples:
         >>> from zephon.vision import RandomResizedCrop  # doctest: +SKIP
         >>> pipe = Pipeline(source).map(RandomResizedCrop(224))  # doctest: +SKIP
         >>> next(iter(pipe))["image"].shape  # doctest: +SKIP
@@ -312,7 +312,7 @@ class RandomResizedCrop:
         Returns:
             A new dict: the sample with the pixels at ``key``.
 
-        Example:
+        Examples:
             >>> op = RandomResizedCrop(224)  # doctest: +SKIP
             >>> op({"image": jpeg_bytes}, ctx)["image"].shape  # doctest: +SKIP
             (224, 224, 3)
@@ -355,7 +355,7 @@ class CenterCrop:
             from the accurate one); False decodes as Pillow does.
         fast_upsample: libjpeg-turbo's fast chroma upsampling (about 37-41 dB).
 
-    Example:
+    Examples:
         >>> from zephon.vision import CenterCrop  # doctest: +SKIP
         >>> pipe = Pipeline(source, shuffle=False).map(CenterCrop(224))  # doctest: +SKIP
         >>> next(iter(pipe))["image"].shape  # doctest: +SKIP
@@ -392,7 +392,7 @@ class CenterCrop:
         Returns:
             A new dict: the sample with the pixels at ``key``.
 
-        Example:
+        Examples:
             >>> CenterCrop(224)({"image": jpeg_bytes})["image"].shape  # doctest: +SKIP
             (224, 224, 3)
         """

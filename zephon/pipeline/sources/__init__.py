@@ -102,7 +102,7 @@ def from_sequence(items: Sequence[Any], *, name: str = "sequence") -> Source:
             once to check, raises KeyError or IndexError), or a length past what
             ``len()`` holds: give ``list(items)``, or use :func:`from_callable`.
 
-    Example:
+    Examples:
         >>> src = sources.from_sequence(["a", "b", "c"])
         >>> len(src), src.get(1), src.identity(1)
         (3, 'b', ('sequence', 1))
@@ -125,7 +125,7 @@ def from_callable(n: int, fn: Callable[[int], Any], *, name: str = "callable") -
     Raises:
         ZephonConfigError: ``n`` is not an int >= 0, or ``fn`` is not callable.
 
-    Example:
+    Examples:
         >>> src = sources.from_callable(4, lambda i: {"x": np.full(2, i)})
         >>> len(src), src.get(3)["x"].tolist()
         (4, [3, 3])
@@ -176,7 +176,7 @@ def token_windows(path: str, seq_len: int, dtype: str | None = "uint16", *,
             misspelled one included), ``vocab_size`` is not an int >= 1, or the sample of
             the file holds a token outside ``vocab_size``.
 
-    Example:
+    Examples:
         >>> np.arange(10, dtype=np.uint16).tofile("train.bin")
         >>> src = sources.token_windows("train.bin", seq_len=4)
         >>> len(src), src.get(1)["tokens"].tolist()
@@ -225,7 +225,7 @@ def jsonl(paths: str | Sequence[str], *, name: str = "jsonl", io_options=None,
             offset.
         ZephonConfigError: ``max_decompressed_bytes`` is not an int >= 1.
 
-    Example:
+    Examples:
         >>> with open("part-0.jsonl", "w") as f:
         ...     print('{"stars": 3}', file=f)
         ...     print('', file=f)
@@ -278,7 +278,7 @@ def parquet(paths: str | Sequence[str], columns: Sequence[str] | None = None, *,
             ".[parquet]"``), no file matches, a footer is corrupt, or a column is missing; a
             corrupt row group raises it when read, naming the file and the row group.
 
-    Example:
+    Examples:
         >>> src = sources.parquet("corpus/*.parquet", columns=["text", "score"])  # doctest: +SKIP
         >>> src.get(0)  # doctest: +SKIP
         {'text': 'first row', 'score': 0.5}
@@ -325,7 +325,7 @@ def webdataset(shards: str | Sequence[str], *, name: str = "webdataset", io_opti
             or a sample has two members with the same extension (naming the shard and
             the member); a shard truncated after building raises it when read.
 
-    Example:
+    Examples:
         >>> import io, tarfile
         >>> with tarfile.open("shard-000.tar", "w") as tar:
         ...     for name, data in [("a.txt", b"hello"), ("a.cls", b"1"), ("b.txt", b"bye")]:
@@ -365,7 +365,7 @@ def hf_dataset(ds, *, name: str = "hf", columns: Sequence[str] | None = None) ->
             Arrow file changed since the source was built, or a row cannot be read
             (naming the row).
 
-    Example:
+    Examples:
         >>> src = sources.hf_dataset("saved_dataset_dir", columns=["text"])  # doctest: +SKIP
     """
     return HfDatasetSource(ds, name, columns)
@@ -418,7 +418,7 @@ def image_folder(root, *, extensions: Sequence[str] | None = None, name: str = "
         ZephonConfigError: ``root`` is not a path, ``extensions`` is not a list of
             suffixes starting with a dot, or a flag is not a bool.
 
-    Example:
+    Examples:
         >>> import os
         >>> for path in ["pets/dog/b.png", "pets/cat/a.JPG", "pets/cat/notes.txt"]:
         ...     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -513,7 +513,7 @@ def mixture(components: Mapping[str, Source], weights: Weights = None, *,
             ``(2**63 - 1) // len(mixture) - 1`` (where its sample numbers would pass
             int64; epoch 1023 at 2**53 positions) raises it too.
 
-    Example:
+    Examples:
         >>> a = sources.from_sequence(["a0", "a1", "a2", "a3"], name="a")
         >>> b = sources.from_sequence(["b0", "b1"], name="b")
         >>> warm = sources.mixture(  # all of a for 1024 samples, then all of b

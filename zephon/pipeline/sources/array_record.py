@@ -91,7 +91,7 @@ def expand_specs(paths) -> list[str]:
     local file) replaced by its ``N`` shard names ``name-00000-of-0000N``, and each local
     directory by its ArrayRecord files (``*.array_record`` and TFDS shards), sorted.
 
-    Example:
+    Examples:
         >>> expand_specs("data/train.array_record@2")
         ['data/train.array_record-00000-of-00002', 'data/train.array_record-00001-of-00002']
     """
@@ -363,7 +363,7 @@ def array_record(paths: str | Sequence[str], *, decode: Callable[[bytes], Any] |
             is not a readable ArrayRecord file (truncated, corrupt footer), naming it; a
             corrupt chunk raises it when its record is read, naming the file and record.
 
-    Example:
+    Examples:
         >>> import array_record.python.array_record_module as ar  # doctest: +SKIP
         >>> writer = ar.ArrayRecordWriter("data.array_record", "group_size:1")  # doctest: +SKIP
         >>> for record in (b"hello", b"world"):  # doctest: +SKIP

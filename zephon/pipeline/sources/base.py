@@ -78,7 +78,7 @@ class Source:
     deterministic (the same sample in every process and run) and the source picklable
     without open handles (file handles are reopened lazily where the source is read).
 
-    Example:
+    Examples:
         >>> class Squares(sources.Source):
         ...     name = "squares"
         ...     def __len__(self):
@@ -103,7 +103,7 @@ class Source:
         Returns:
             The sample (any picklable value; ops and ``batch()`` work best on dicts).
 
-        Example:
+        Examples:
             >>> sources.from_sequence([10, 20]).get(1)
             20
         """
@@ -120,7 +120,7 @@ class Source:
             and its own index). With the epoch it seeds ``ctx.rng`` and names the sample in
             ``Batch.meta["sample_ids"]``.
 
-        Example:
+        Examples:
             >>> sources.from_sequence([10, 20], name="nums").identity(1)
             ('nums', 1)
         """
@@ -140,7 +140,7 @@ class Source:
         Returns:
             An object with ``identity(n)`` and ``get(n)`` for the ``n``-th index.
 
-        Example:
+        Examples:
             >>> sources.from_sequence([10, 20]).view(np.array([1]), 0).get(0)
             20
         """
@@ -161,7 +161,7 @@ class Source:
             ``[get(i) for i in indices]``; or None when the source has no columnar read
             (then samples are read one by one).
 
-        Example:
+        Examples:
             >>> sources.from_sequence([{"x": 1}]).get_batch([0]) is None
             True
         """
@@ -181,7 +181,7 @@ class Source:
         Raises:
             ZephonConfigError: the source is not a position-keyed mixture.
 
-        Example:
+        Examples:
             >>> sources.from_sequence([1]).with_weight_overrides(())
             Traceback (most recent call last):
             ...
@@ -197,7 +197,7 @@ class Source:
         position-keyed schedule): the pipeline then reads it in source order and hands
         its ``shuffle`` flag to :meth:`ordered`.
 
-        Example:
+        Examples:
             >>> sources.from_sequence([1]).orders_itself()
             False
         """
@@ -213,7 +213,7 @@ class Source:
         Returns:
             The source to read in source order.
 
-        Example:
+        Examples:
             >>> src = sources.from_sequence([1])
             >>> src.ordered(True) is src
             True
@@ -228,7 +228,7 @@ class Source:
             Bytes per sample (a float: an average), or None when the source cannot tell
             cheaply (then each batch travels as its own message).
 
-        Example:
+        Examples:
             >>> sources.from_sequence([{"x": 1}]).sample_nbytes() is None
             True
         """
@@ -243,7 +243,7 @@ class Source:
             Tokens per sample (``token_windows``: ``seq_len``), or None (the default: not
             known without reading).
 
-        Example:
+        Examples:
             >>> sources.from_sequence([{"tokens": [1, 2]}]).known_tokens_per_sample() is None
             True
         """
@@ -260,7 +260,7 @@ class Source:
             its own; the pipeline cuts the index space into blocks of
             :data:`zephon.pipeline.shards.BLOCK` indices).
 
-        Example:
+        Examples:
             >>> sources.from_sequence([1, 2]).shard_bounds() is None
             True
         """
@@ -274,7 +274,7 @@ class Source:
             A sentence, or None (the default: random access costs about what reading in
             order does).
 
-        Example:
+        Examples:
             >>> sources.from_sequence([1, 2]).permute_note() is None
             True
         """
@@ -299,7 +299,7 @@ class Source:
             description covers its files already (an image folder lists each image's
             size and mtime in it).
 
-        Example:
+        Examples:
             >>> sources.from_sequence([1, 2]).stamps() is None
             True
         """
@@ -312,7 +312,7 @@ class Source:
             A string naming the source's class, name and length (and what else defines
             its samples).
 
-        Example:
+        Examples:
             >>> sources.from_sequence([1, 2, 3]).describe()
             'SequenceSource(sequence, n=3)'
         """
@@ -331,7 +331,7 @@ class Source:
         Returns:
             ``self`` when the options change nothing, else a refined copy.
 
-        Example:
+        Examples:
             >>> src = sources.from_sequence([1])
             >>> src.configured(RuntimeOptions()) is src
             True

@@ -546,7 +546,7 @@ def lance(uri, *, columns: Sequence[str] | None = None, version: int | str | Non
         ZephonConfigError: ``batch_rows`` or ``block_cache_bytes`` is not a positive int,
             or ``version`` is neither None, an int nor a str.
 
-    Example:
+    Examples:
         >>> import lance as pylance, pyarrow as pa  # doctest: +SKIP
         >>> _ = pylance.write_dataset(pa.table({"x": [1, 2, 3]}), "data.lance")  # doctest: +SKIP
         >>> src = sources.lance("data.lance", columns=["x"])  # doctest: +SKIP

@@ -1067,7 +1067,7 @@ def litdata(root, *, name: str = "litdata", block_size: int | None = None,
         ZephonConfigError: ``block_size`` missing for a ``TokensLoader`` corpus, or given
             for another; ``cache_bytes`` not an int >= 0.
 
-    Example:
+    Examples:
         >>> import litdata as ld  # doctest: +SKIP
         >>> def item(i):
         ...     return {"i": i, "x": np.arange(i % 3)}

@@ -146,7 +146,7 @@ def mds(root: str | os.PathLike | Sequence[str | os.PathLike], *, split: str | N
             ``snappy``, or mosaicml-streaming for image encodings: ``python -m pip
             install -e ".[mds]"``); a corrupt shard raises it when read, naming the file.
 
-    Example:
+    Examples:
         >>> from streaming.base import MDSWriter  # doctest: +SKIP
         >>> with MDSWriter(out="ds", columns={"x": "int", "t": "str"}) as w:  # doctest: +SKIP
         ...     w.write({"x": 1, "t": "one"})
