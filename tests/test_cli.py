@@ -147,7 +147,7 @@ def test_demo_resumes_identically(tmp_path):
     assert (tmp_path / "demo-tokens-v1.u16").stat().st_size == (8 << 20) * 2
 
 
-# ``python -m zephon example-data DIR``: the files the README's examples read.
+# ``python -m zephon example-data DIR``: the files the documentation's examples read.
 
 def _files(root):
     """{relative path: bytes} of every file under ``root``."""

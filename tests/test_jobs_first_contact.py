@@ -1,4 +1,4 @@
-"""First contact: the README's jobs example, run as a real script.
+"""First contact: the getting-started jobs example (docs/getting-started/jobs.md), run as a real script.
 
 Without the ``if __name__ == "__main__":`` guard every spawn worker re-runs the script;
 the run must say so in one sentence with the fix, not report a checkpoint store "in use

@@ -1,4 +1,4 @@
-"""The small data files the README's examples read (``python -m zephon example-data DIR``).
+"""The small data files the documentation's examples read (``python -m zephon example-data DIR``).
 
 What it owns: one writer per example file or directory, and the table of them
 (:data:`EXAMPLES`). :func:`write_examples` writes every example into a directory:
@@ -172,7 +172,7 @@ class _Example:
     extra: str = ""
 
 
-# The README's examples read exactly these paths (tests/test_readme.py checks that each
+# The documentation's examples read exactly these paths (tests/test_docs.py checks that each
 # block reading one runs after `python -m zephon example-data .`).
 EXAMPLES = (
     _Example("corpus/", "2 Parquet files, 200 rows of text and score", _parquet_corpus,
@@ -274,7 +274,7 @@ def write_examples(directory: str, *, force: bool = False) -> list[ExampleFile]:
     """Write every example file into ``directory`` (created if missing).
 
     Args:
-        directory: where to write; the README's examples run in it.
+        directory: where to write; the documentation's examples run in it.
         force: replace existing files of the listed names whose contents differ
             (without it they are refused). A symbolic link is refused either way.
 

@@ -91,8 +91,8 @@ class Pipeline:
 
     Args:
         source: a zephon source (``zephon.sources.*``).
-        seed: the seed of the epoch permutations and of every op's randomness (an int
-            >= 0).
+        seed: the seed of the epoch permutations and of every op's randomness (a
+            non-negative int).
         shuffle: visit each epoch in a seeded permutation (True), in source order (False),
             or ``"shards"``: the source's shards (:meth:`Source.shard_bounds`: row
             groups, tar shards, files; else blocks of 4096 indices) in a seeded order,

@@ -453,7 +453,7 @@ class TorchLoader:
 
         Examples:
             >>> pipe = Pipeline(sources.from_sequence([1, 2, 3]), shuffle=False)
-        >>> loader = zephon.torch.loader(pipe)
+            >>> loader = zephon.torch.loader(pipe)
             >>> next(iter(loader))
             1
             >>> sorted(loader.state_dict())
