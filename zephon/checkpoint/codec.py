@@ -65,10 +65,13 @@ __all__ = [
 ]
 
 MAGIC = b"ZEPHONCK"
-VERSION = 6
+VERSION = 7
 #: the format versions this zephon reads (4: a state without the resume proof; 5: without
-#: a ``mixture`` field, which no pipeline of version 5 could have)
-READABLE = (4, 5, 6)
+#: a ``mixture`` field, which no pipeline of version 5 could have; 6: every per-sample op
+#: drew the first op's ``ctx.rng`` numbers: a pipeline where a later op takes ``ctx`` has
+#: another fingerprint now (its op says "ctx.rng stream k"), so such a state is refused
+#: by the fingerprint, naming the op, and every other version-6 state is the same stream)
+READABLE = (4, 5, 6, 7)
 #: why an older format version cannot be read
 _OLDER = {
     1: " (written by an earlier zephon, without a checksum); re-create the checkpoint "

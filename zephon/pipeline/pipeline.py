@@ -161,6 +161,10 @@ class Pipeline:
         new._plan = None  # and is resolved anew
         return new
 
+    def _per_sample_ops(self) -> int:
+        """How many per-sample (stateless) ops the chain has: the next one's ordinal."""
+        return sum(isinstance(op, O.StatelessOp) for op in self.spec.ops)
+
     @property
     def ops(self) -> tuple[O.Op, ...]:
         """The pipeline's ops, in chain order (its spec's).
@@ -245,7 +249,7 @@ class Pipeline:
             >>> list(pipe.map(lambda x: x * 10))
             [10, 20, 30]
         """
-        return self._with(O.MapOp(fn, parallelism))
+        return self._with(O.MapOp(fn, parallelism, ordinal=self._per_sample_ops()))
 
     def filter(self, pred, parallelism: int = 1) -> "Pipeline":
         """Keep the samples for which ``pred`` is true.
@@ -263,7 +267,7 @@ class Pipeline:
             >>> list(pipe.filter(lambda x: x % 2 == 0))
             [0, 2, 4]
         """
-        return self._with(O.FilterOp(pred, parallelism))
+        return self._with(O.FilterOp(pred, parallelism, ordinal=self._per_sample_ops()))
 
     def map_batch(self, fn, parallelism: int = 1) -> "Pipeline":
         """Apply ``fn`` to every batch (place it after :meth:`batch`).

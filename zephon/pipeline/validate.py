@@ -314,7 +314,7 @@ def _call(op, value, sid, seed: int, ordinal: int, which: frozenset[str],
         with rngs.LOCK:
             rngs.plant(which, rngs.global_seeds(seed, sid, ordinal))
             marks, before = rngs.snapshot(), rngs.changes()
-        out = op.fn(*((arg, OpContext(sid, seed)) if op.with_ctx else (arg,)))
+        out = op.fn(*((arg, OpContext(sid, seed, op.ordinal)) if op.with_ctx else (arg,)))
         with rngs.LOCK:
             after, moved = rngs.snapshot(), rngs.changes() != before
         if not moved:
@@ -327,7 +327,7 @@ def _observed_call(op, value, sid, seed: int, ordinal: int, which: frozenset[str
     lock)."""
     rngs.plant(which, rngs.global_seeds(seed, sid, ordinal))
     marks = rngs.snapshot()
-    out = op.fn(*((value, OpContext(sid, seed)) if op.with_ctx else (value,)))
+    out = op.fn(*((value, OpContext(sid, seed, op.ordinal)) if op.with_ctx else (value,)))
     return out, _drawn_from(marks, rngs.snapshot())
 
 

@@ -77,19 +77,28 @@ def _stable_hash(text: str) -> int:
 
 
 class OpContext:
-    """What an op may know about the sample it runs on; ``rng`` is seeded from its identity."""
+    """What an op may know about the sample it runs on; ``rng`` is seeded from its identity.
 
-    __slots__ = ("_rng", "sample_id", "seed")
+    ``rng`` is a NumPy generator seeded from ``[seed, crc32(source), index, epoch]`` for
+    the pipeline's first per-sample op (``ordinal`` 0), and from that key plus the op's
+    ordinal for each later one (the ordinal counts the ``map``/``filter``/... ops in
+    chain order), so two ops drawing on one sample draw independent numbers.
+    """
 
-    def __init__(self, sample_id, seed: int) -> None:
-        self.sample_id, self.seed = sample_id, seed
+    __slots__ = ("_rng", "ordinal", "sample_id", "seed")
+
+    def __init__(self, sample_id, seed: int, ordinal: int = 0) -> None:
+        self.sample_id, self.seed, self.ordinal = sample_id, seed, ordinal
         self._rng: np.random.Generator | None = None
 
     @property
     def rng(self) -> np.random.Generator:
         if self._rng is None:
             source, index, epoch = self.sample_id
-            self._rng = np.random.default_rng([self.seed, _stable_hash(source), index, epoch])
+            key = [self.seed, _stable_hash(source), index, epoch]
+            if self.ordinal:
+                key.append(self.ordinal)
+            self._rng = np.random.default_rng(key)
         return self._rng
 
 

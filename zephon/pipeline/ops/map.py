@@ -40,11 +40,14 @@ class MapOp(StatelessOp):
 
     kind = "map"
     one_to_one = True
+    #: the op's place among the pipeline's per-sample ops (``ctx.rng``'s stream)
+    ordinal = 0
 
-    def __init__(self, fn: Callable, parallelism: int = 1) -> None:
+    def __init__(self, fn: Callable, parallelism: int = 1, *, ordinal: int = 0) -> None:
         if not callable(fn):
             raise ZephonConfigError(f"map: fn must be callable, got {fn!r}")
         self.fn, self.parallelism = fn, check_int("map", "parallelism", parallelism, 1)
+        self.ordinal = check_int("map", "ordinal", ordinal, 0)
         self.with_ctx = wants_ctx(fn)
 
     @property
@@ -52,11 +55,14 @@ class MapOp(StatelessOp):
         return f"{self.kind}({fn_name(self.fn)})"
 
     def describe(self) -> str:
-        return f"{self.kind}({fn_identity(self.fn)})"
+        # an op drawing from a ctx.rng stream of its own says which: a checkpoint of the
+        # stream where every op shared the first op's draws restores into no such pipeline
+        stream = f", ctx.rng stream {self.ordinal}" if self.with_ctx and self.ordinal else ""
+        return f"{self.kind}({fn_identity(self.fn)}{stream})"
 
     def apply_one(self, r: Record, seed: int) -> Record | None:
         try:
-            value = self.fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx \
+            value = self.fn(r.value, OpContext(r.ids[0], seed, self.ordinal)) if self.with_ctx \
                 else self.fn(r.value)
         except Exception as exc:
             raise op_error(self, r, exc) from exc
@@ -75,7 +81,7 @@ class FilterOp(MapOp):
 
     def apply_one(self, r: Record, seed: int) -> Record | None:
         try:
-            keep = self.fn(r.value, OpContext(r.ids[0], seed)) if self.with_ctx \
+            keep = self.fn(r.value, OpContext(r.ids[0], seed, self.ordinal)) if self.with_ctx \
                 else self.fn(r.value)
         except Exception as exc:
             raise op_error(self, r, exc) from exc
