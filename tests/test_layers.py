@@ -44,6 +44,9 @@ ALLOWED = {
     # image ops: plain map ops, they need nothing of the engine; _kernels: the optional
     # region decoder (kernels/jpeg)
     "vision": {"_kernels"},
+    # the pytest plugin (loaded by every pytest session where zephon is installed): it
+    # drives a pipeline through iter()/next()/close() alone, importing nothing of zephon
+    "testing": set(),
 }
 # zephon.pipeline module (or subpackage) -> pipeline modules it may import (besides
 # itself). Bottom: what flows down a lane and how callables are named; then the ops;
