@@ -179,6 +179,23 @@ def test_report_file_mode_follows_the_umask(tmp_path):
 
 # -- --version ------------------------------------------------------------------------
 
+#: the compiled kernels that zephon.kernels does not select (no pure Python reference)
+OTHER_KERNELS = ["heap", "resample", "jpeg_region"]
+
+
+def kernel_lines(stdout):
+    """{name: state} of the per-kernel lines of ``--version`` (indented, after the
+    ``kernels:`` summary, in the order they were printed)."""
+    lines = stdout.splitlines()
+    assert lines[1].startswith("kernels: ") and lines[-1].startswith("python "), stdout
+    out = {}
+    for line in lines[2:-1]:
+        assert line.startswith("  ") and ": " in line, (line, stdout)
+        name, state = line.strip().split(": ", 1)
+        out[name] = state
+    return out
+
+
 def test_version_names_the_kernels_that_loaded():
     from zephon import kernels
 
@@ -187,9 +204,61 @@ def test_version_names_the_kernels_that_loaded():
     lines = out.stdout.splitlines()
     assert lines[0].startswith("zephon ")
     assert lines[1].startswith(f"kernels: {kernels.IMPLEMENTATION}")
+    per_kernel = kernels.loaded()
+    states = kernel_lines(out.stdout)
+    assert list(states) == [*per_kernel, *OTHER_KERNELS]
+    top = os.path.dirname(lines[0].split("(", 1)[1].rstrip(")"))  # holds the package
+    for name, state in states.items():
+        if name in per_kernel and per_kernel[name] == "reference":
+            assert state.startswith(f"pure Python reference (zephon/kernels/{name}_ref.py; ")
+            continue
+        if name in per_kernel or state.startswith("compiled"):
+            # compiled, and the file named is the extension module that loaded
+            path = state.split("(", 1)[1].split(")", 1)[0]
+            assert state.startswith("compiled ("), (name, state)
+            assert path.startswith(f"zephon/_kernels/{name}.") and path.endswith((".so", ".pyd"))
+            assert os.path.isfile(os.path.join(top, path)), (top, path)
+
     pure = run_cli("--version", env={**os.environ, "ZEPHON_PURE_PYTHON": "1"})
+    assert pure.returncode == 0, pure.stderr
     assert pure.stdout.splitlines()[1].startswith("kernels: reference (ZEPHON_PURE_PYTHON")
-    assert set(kernels.loaded().values()) <= {"compiled", "reference"}
+    pure_states = kernel_lines(pure.stdout)
+    assert list(pure_states) == [*per_kernel, *OTHER_KERNELS]
+    for name in per_kernel:  # every selected kernel reads its reference, and why
+        assert pure_states[name] == (f"pure Python reference (zephon/kernels/{name}_ref.py; "
+                                     "ZEPHON_PURE_PYTHON=1)")
+    for name in OTHER_KERNELS:  # ZEPHON_PURE_PYTHON leaves these as they are
+        assert pure_states[name] == states[name]
+    assert set(per_kernel.values()) <= {"compiled", "reference"}
+
+
+def test_version_of_a_package_without_its_compiled_kernels(tmp_path):
+    # A copy of the package with no extension module, and one that is present but does
+    # not load: every kernel reads its fallback, the broken one says why.
+    import shutil
+    from importlib.machinery import EXTENSION_SUFFIXES
+
+    from zephon import kernels
+
+    shutil.copytree(os.path.join(CHECKOUT, "zephon"), tmp_path / "zephon",
+                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"))
+    (tmp_path / "zephon" / "_kernels" / f"jpeg_region{EXTENSION_SUFFIXES[0]}").write_bytes(
+        b"not a shared library")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ZEPHON_PURE_PYTHON")}
+    out = run_cli("--version", cwd=tmp_path, env=env)  # the copy comes first on sys.path
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].endswith(f"({tmp_path / 'zephon'})"), lines[0]
+    assert lines[1].startswith("kernels: reference (not built: "), lines[1]
+    states = kernel_lines(out.stdout)
+    names = list(kernels.loaded())
+    assert list(states) == [*names, *OTHER_KERNELS]
+    for name in names:
+        assert states[name] == f"pure Python reference (zephon/kernels/{name}_ref.py; not built)"
+    assert states["heap"].startswith("not built (no shared heap")
+    assert states["resample"].startswith("not built (Pillow resizes")
+    assert states["jpeg_region"].startswith("does not load: "), states["jpeg_region"]
+    assert "compiled" not in "".join(states.values())
 
 
 def test_version_from_the_parent_directory_of_a_checkout(tmp_path):

@@ -89,8 +89,65 @@ class UsageError(Exception):
     """
 
 
+#: The compiled kernels that are not selected by :mod:`zephon.kernels` (no pure Python
+#: reference replaces them): name -> what runs where the module is not built.
+_OTHER_KERNELS = {
+    "heap": "no shared heap: worker results are copied",
+    "resample": "Pillow resizes instead",
+    "jpeg_region": "simplejpeg and Pillow decode instead; the kernel is optional, built "
+                   "where the headers of libjpeg-turbo >= 2.1.3 are",
+}
+
+
+def _relative(path: str | None, top: str) -> str:
+    """``path`` relative to the directory holding the ``zephon`` package."""
+    return os.path.relpath(path, top or os.curdir) if path else "?"
+
+
+def _compiled_file(name: str) -> tuple[str | None, str | None]:
+    """(file of ``zephon._kernels.<name>``, None), or (None, why it did not load)."""
+    from zephon import kernels
+
+    try:
+        return kernels.compiled_module(name).__file__, None
+    except ImportError as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name == f"zephon._kernels.{name}":
+            return None, "not built"
+        # present but broken: a shared library it links is missing, say
+        return None, f"does not load: {_one_line(str(exc))}"
+
+
+def _kernel_lines(per_kernel: dict[str, str], top: str) -> list[str]:
+    """One line per kernel: compiled (and its file) or what runs instead."""
+    from zephon.transport.heap import heap_enabled
+
+    pure = os.environ.get("ZEPHON_PURE_PYTHON") == "1"
+    lines = []
+    for name, implementation in per_kernel.items():
+        if implementation == "compiled":
+            path, _ = _compiled_file(name)
+            lines.append(f"  {name}: compiled ({_relative(path, top)})")
+            continue
+        why = "ZEPHON_PURE_PYTHON=1" if pure else _compiled_file(name)[1]
+        reference = _relative(importlib.import_module(f"zephon.kernels.{name}_ref").__file__,
+                              top)
+        lines.append(f"  {name}: pure Python reference ({reference}; {why})")
+    for name, instead in _OTHER_KERNELS.items():
+        path, why = _compiled_file(name)
+        if path is None:
+            lines.append(f"  {name}: {why} ({instead})")
+            continue
+        line = f"  {name}: compiled ({_relative(path, top)})"
+        if name == "heap" and not heap_enabled():
+            line += "; the shared heap is off (ZEPHON_WORKER_SHARED_HEAP=0 or no GIL)"
+        lines.append(line)
+    return lines
+
+
 def version_text() -> str:
-    """zephon's version, where it was imported from, and which kernels loaded."""
+    """zephon's version, where it was imported from, which kernels loaded (a summary
+    line, then one line per kernel: compiled and from which file, or what runs
+    instead), and the Python and NumPy versions."""
     import warnings
 
     import numpy
@@ -102,8 +159,8 @@ def version_text() -> str:
         per_kernel = kernels.loaded()
         implementation = kernels.IMPLEMENTATION
     package = sys.modules["zephon"]
-    lines = [f"zephon {package.__version__} ({os.path.dirname(package.__file__ or '?')})",
-             f"kernels: {implementation}"]
+    where = os.path.dirname(package.__file__ or "?")
+    lines = [f"zephon {package.__version__} ({where})", f"kernels: {implementation}"]
     missing = sorted(k for k, v in per_kernel.items() if v != "compiled")
     if os.environ.get("ZEPHON_PURE_PYTHON") == "1":
         lines[-1] += " (ZEPHON_PURE_PYTHON=1 asks for the pure Python references)"
@@ -111,6 +168,7 @@ def version_text() -> str:
         lines[-1] += (f" (not built: {', '.join(missing)}; the pure Python references run, "
                       "much slower: build them with `python -m pip install -e .` in the "
                       "checkout, or install a wheel)")
+    lines += _kernel_lines(per_kernel, os.path.dirname(where))
     lines.append(f"python {sys.version.split()[0]}, numpy {numpy.__version__}")
     return "\n".join(lines)
 
