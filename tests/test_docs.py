@@ -36,6 +36,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import urllib.parse
 
 import pytest
@@ -274,11 +275,12 @@ def served(site):
                              "127.0.0.1", "--directory", str(site)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(100):
+        for _ in range(300):  # up to 30 s on a loaded machine
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
                 break
             if proc.poll() is not None:
                 pytest.fail("the HTTP server for the site did not start")
+            time.sleep(0.1)
         else:
             pytest.fail("the HTTP server for the site did not listen")
         yield f"http://127.0.0.1:{port}"

@@ -94,7 +94,7 @@ def test_a_checkpoint_of_the_shared_draws_is_refused_naming_the_op(monkeypatch):
         it.close()
     assert MapOp.describe is real
     fresh = build()
-    with pytest.raises(CheckpointError, match="ctx.rng stream"):
+    with pytest.raises(CheckpointError, match=r"ctx\.rng stream"):
         fresh.restore(state)
 
 
