@@ -10,7 +10,7 @@ Commands:
             ``--config FILE`` (JSON, or YAML with the ``yaml`` extra) supply
             explicit values; ``--json`` prints machine-readable output.
   example-data DIR
-            write the small data files the README's examples read into DIR
+            write the small data files the documentation's examples read into DIR
             (see zephon.example_data); prints one line per file written, and for a
             format whose library is missing the line that installs its extra.
             Existing files with other contents are refused unless ``--force``; a
@@ -474,10 +474,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "batch and exits 0 if so, 1 if not.")
     p_demo.set_defaults(func=lambda args: __import__("zephon.demo", fromlist=["main"]).main())
     p_data = sub.add_parser(
-        "example-data", help="write the data files the README's examples read",
-        description="Write the small, deterministic data files the README's examples "
-                    "read (Parquet, WebDataset tar shards, a uint16 token file, zstd "
-                    "JSON lines, a saved Hugging Face dataset) into DIR. A format whose "
+        "example-data", help="write the data files the documentation's examples read",
+        description="Write the small, deterministic data files the documentation's "
+                    "examples read (Parquet, WebDataset tar shards, a uint16 token file, "
+                    "zstd JSON lines, a saved Hugging Face dataset, an ImageFolder of "
+                    "JPEGs) into DIR. A format whose "
                     "library is missing is skipped with the line that installs it.")
     p_data.add_argument("directory", metavar="DIR", help="where to write (created if missing)")
     p_data.add_argument("--force", action="store_true",
