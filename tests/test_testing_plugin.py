@@ -97,48 +97,24 @@ def test_gate(zephon_benchmark):
 # Checks after every inner test that nothing of the run is left: no live child process
 # (multiprocessing's interpreter-lifetime helpers aside), no new zephon /dev/shm name.
 LEFTOVERS_CONFTEST = '''
-import os
+import importlib.util
 
 import pytest
 
-from zephon.transport.arena import SEGMENT_PREFIX
-
-HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
-
-
-def shm():
-    try:
-        return {e for e in os.listdir("/dev/shm") if e.startswith(SEGMENT_PREFIX)}
-    except FileNotFoundError:
-        return set()
-
-
-def children():
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read().decode(errors="replace")
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                cmd = fh.read().replace(b"\\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == os.getpid() and state != "Z" and not any(h in cmd for h in HELPERS):
-            out.append((int(entry), cmd))
-    return out
+# the suite's own checks (tests/conftest.py), loaded by path: no copy of them here
+_spec = importlib.util.spec_from_file_location("zephon_suite_conftest", OUTER_CONFTEST)
+_suite = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_suite)
 
 
 @pytest.fixture(autouse=True)
 def nothing_left():
-    before = shm()
+    before = _suite.zephon_shm_entries()
     yield
-    left, leaked = children(), sorted(shm() - before)
+    left, leaked = _suite.live_children(), sorted(_suite.zephon_shm_entries() - before)
     print(f"LEFTOVERS children={left} shm={leaked}")
     assert not left and not leaked
-'''
+'''.replace("OUTER_CONFTEST", repr(str(pathlib.Path(__file__).with_name("conftest.py"))))
 
 TEST_LEFTOVERS = '''
 import pytest
