@@ -803,6 +803,8 @@ class PipelineIterator:
         Returns:
             A dict snapshot of the run's counters (``RuntimeOptions.execution_tracking``);
             empty when tracking is off, and in MTP mode, where they live in the subprocess.
+            Under ``worker_allocation="autotune"`` it has an ``"autotune"`` entry, tracking
+            or not.
 
         Examples:
             >>> it = iter(Pipeline(sources.from_sequence([1, 2])))
