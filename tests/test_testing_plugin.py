@@ -327,3 +327,20 @@ def test_a_bad_gate_is_a_usage_error(tmp_path):
                  "test_gate.py")
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, output(proc)
     assert "expected FIELD:PERCENT%" in output(proc)
+
+
+def test_a_gate_asked_for_never_passes_without_comparing():
+    from zephon.testing import Gate, gate_failures
+
+    ratio = [Gate("ratio", 20.0)]
+    assert gate_failures(ratio, {"ratio": 0.9}, "t", [("0001", {"t": {"ratio": 1.0}})]) == []
+    assert "regressed by" in gate_failures(ratio, {"ratio": 0.7}, "t",
+                                           [("0001", {"t": {"ratio": 1.0}})])[0]
+    assert "no saved run" in gate_failures(ratio, {"ratio": 0.9}, "t", [])[0]
+    missing = gate_failures(ratio, {"ratio": 0.9}, "t", [("0001", {"other": {"ratio": 1.0}})])
+    assert "has no entry for t" in missing[0] and "other" in missing[0]
+    no_baseline = gate_failures(ratio, {"ratio": None}, "t", [("0001", {"t": {"ratio": 1.0}})])
+    assert "baseline=" in no_baseline[0]
+    grown = gate_failures([Gate("memory_growth", 25.0)], {"memory_growth_bytes": 300 << 20},
+                          "t", [("0001", {"t": {"memory_growth_bytes": 200 << 20}})])
+    assert "300.0 MiB now" in grown[0]

@@ -87,7 +87,7 @@ import pytest
 if TYPE_CHECKING:
     from zephon.testing.measure import ThroughputResult
 
-__all__ = ["Gate", "ZephonBenchmark", "parse_gate"]
+__all__ = ["Gate", "ZephonBenchmark", "gate_failures", "parse_gate"]
 
 _RESULTS = pytest.StashKey[list]()
 _SAVED = pytest.StashKey[list]()
@@ -97,7 +97,8 @@ _INSTALL = ("zephon_benchmark needs pytest-benchmark, which this session does no
 #: gate field -> (extra_info key, whether higher is better)
 FIELDS = {"ratio": ("ratio", True), "rate": ("batches_per_s", True),
           "first_batch": ("first_batch_s", False), "startup": ("startup_s", False),
-          "peak_memory": ("peak_memory_bytes", False)}
+          "peak_memory": ("peak_memory_bytes", False),
+          "memory_growth": ("memory_growth_bytes", False)}
 _GATE = re.compile(r"^(?P<field>[a-z_]+):(?P<pct>[0-9]+(\.[0-9]+)?)%$")
 
 
@@ -106,10 +107,11 @@ class Gate:
     """A ``--zephon-compare-fail`` check: ``field`` may regress by ``percent`` at most.
 
     Attributes:
-        field: one of ``FIELDS`` (ratio, rate, first_batch, startup, peak_memory).
+        field: one of ``FIELDS`` (ratio, rate, first_batch, startup, peak_memory,
+            memory_growth).
         percent: the largest regression allowed, in percent.
 
-    Example:
+    Examples:
         >>> Gate("ratio", 20.0).regression(now=1.0, saved=1.5)
         50.0
     """
@@ -144,7 +146,7 @@ def parse_gate(text: str) -> Gate:
     Returns:
         A :class:`Gate`.
 
-    Example:
+    Examples:
         >>> parse_gate("ratio:20%")
         Gate(field='ratio', percent=20.0)
     """
@@ -163,7 +165,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="with --benchmark-compare: fail a zephon_benchmark test whose FIELD regressed "
              "by more than PCT%% against the saved run; FIELD: ratio (baseline time / "
              "zephon time, stable on noisy machines), rate, first_batch, startup, "
-             "peak_memory. May be given several times.")
+             "peak_memory (the process tree's summed RSS), memory_growth (peak minus "
+             "the start: what the run added). May be given several times.")
 
 
 def _has_benchmark(config: pytest.Config) -> bool:
@@ -205,7 +208,7 @@ class ZephonBenchmark:
         benchmark: the test's ``benchmark`` fixture.
         request: the test's ``request`` fixture.
 
-    Example:
+    Examples:
         >>> def test_throughput(zephon_benchmark):  # doctest: +SKIP
         ...     result = zephon_benchmark(pipe, batches=200)
     """
@@ -278,21 +281,65 @@ class ZephonBenchmark:
                        f"{result.min_ratio:.2f} (baseline time / zephon time)")
         config = self._request.config
         gates = [parse_gate(text) for text in config.getoption("zephon_compare_fail", [])]
-        fullname = getattr(self.benchmark, "fullname", self._request.node.nodeid)
-        info = result.extra_info()
-        for label, saved_runs in config.stash.get(_SAVED, []):
-            saved = saved_runs.get(fullname)
-            for gate in gates if saved else ():
-                key = FIELDS[gate.field][0]
-                now, then = info.get(key), saved.get(key)
-                if now is None or then is None:
-                    continue
-                worse = gate.regression(float(now), float(then))
-                if worse > gate.percent:
-                    out.append(f"zephon_benchmark: {gate.field} regressed by {worse:.1f}% "
-                               f"(> {gate.percent:g}%) against the run saved {label}: "
-                               f"{then:.4g} then, {now:.4g} now")
+        if gates:
+            fullname = getattr(self.benchmark, "fullname", self._request.node.nodeid)
+            out += gate_failures(gates, result.extra_info(), fullname,
+                                 config.stash.get(_SAVED, []))
         return out
+
+
+def _shown(field: str, value: float) -> str:
+    return f"{value / 2**20:,.1f} MiB" if field in ("peak_memory", "memory_growth") \
+        else f"{value:.4g}"
+
+
+def gate_failures(gates: list[Gate], info: dict, fullname: str,
+                  saved_runs: list[tuple[str, dict]]) -> list[str]:
+    """What ``--zephon-compare-fail`` finds wrong with one test's ``info`` against the
+    saved runs: a regression past a gate, and every gate that cannot be checked (no
+    saved run, no entry of this test in it, no value of the field): a gate asked for
+    never passes without comparing.
+
+    Args:
+        gates: the parsed gates.
+        info: this run's ``extra_info``.
+        fullname: the test's name as pytest-benchmark saves it.
+        saved_runs: ``(label, {fullname: extra_info})`` of each run compared with.
+
+    Returns:
+        One message per failure; empty when every gate held.
+
+    Examples:
+        >>> gate_failures([Gate("ratio", 20.0)], {"ratio": 0.5}, "t",
+        ...               [("0001", {"t": {"ratio": 1.0}})])[0][:45]
+        'zephon_benchmark: ratio regressed by 100.0% ('
+    """
+    if not saved_runs:
+        return ["zephon_benchmark: --zephon-compare-fail has no saved run to compare with "
+                "(--benchmark-compare names none that could be read)"]
+    out = []
+    for label, runs in saved_runs:
+        saved = runs.get(fullname)
+        if saved is None:
+            known = ", ".join(sorted(runs)[:5]) or "none"
+            out.append(f"zephon_benchmark: the run saved {label} has no entry for {fullname} "
+                       f"(it has: {known}); run from the same directory with the same paths")
+            continue
+        for gate in gates:
+            key = FIELDS[gate.field][0]
+            now, then = info.get(key), saved.get(key)
+            if now is None or then is None:
+                which = "this run" if now is None else f"the run saved {label}"
+                out.append(f"zephon_benchmark: {gate.field} cannot be compared: {which} "
+                           f"has no {key}" + (" (give the test a baseline=)"
+                                              if gate.field == "ratio" else ""))
+                continue
+            worse = gate.regression(float(now), float(then))
+            if worse > gate.percent:
+                out.append(f"zephon_benchmark: {gate.field} regressed by {worse:.1f}% "
+                           f"(> {gate.percent:g}%) against the run saved {label}: "
+                           f"{_shown(gate.field, then)} then, {_shown(gate.field, now)} now")
+    return out
 
 
 class _FixtureWithBenchmark:
@@ -310,6 +357,7 @@ class _FixtureWithout:
         pytest.fail(_INSTALL, pytrace=False)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-benchmark's, which raises on a regression
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
                             config: pytest.Config) -> None:
     results = config.stash.get(_RESULTS, [])

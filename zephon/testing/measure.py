@@ -75,7 +75,7 @@ def rows_of(batch: Any) -> int | None:
     Returns:
         The number of rows, or None.
 
-    Example:
+    Examples:
         >>> rows_of({"x": [[1, 2], [3, 4], [5, 6]]})
         3
         >>> rows_of(7) is None
@@ -102,7 +102,7 @@ class Stream:
         start: makes the next iterator (``lambda: iter(pipe)``).
         what: the stream's name in errors ("the pipeline", "the baseline").
 
-    Example:
+    Examples:
         >>> s = Stream(lambda: iter([1, 2]), "a list")
         >>> [s.pull() for _ in range(3)], s.restarts
         ([1, 2, 1], 1)
@@ -224,7 +224,7 @@ class Plan:
         Returns:
             A Plan.
 
-        Example:
+        Examples:
             >>> Plan.of(200, 20, None)
             Plan(rounds=20, per_round=10, warmup=50, block=4, drain_cap=128)
         """
@@ -300,6 +300,15 @@ class ThroughputResult:
     disabled: bool = False
 
     @property
+    def memory_growth_bytes(self) -> int | None:
+        """The peak over the start: what the pipeline's run added (its workers, its
+        buffers), apart from what the test session held before (torch imported by an
+        earlier test, say); None where memory cannot be read."""
+        if self.peak_memory_bytes is None or self.start_memory_bytes is None:
+            return None
+        return max(0, self.peak_memory_bytes - self.start_memory_bytes)
+
+    @property
     def round_median_s(self) -> float:
         """The median round time in seconds."""
         return statistics.median(self.round_times_s)
@@ -317,6 +326,8 @@ class ThroughputResult:
                 "spread": self.spread, "restarts": self.restarts,
                 "peak_memory_bytes": self.peak_memory_bytes,
                 "start_memory_bytes": self.start_memory_bytes,
+                "memory_growth_bytes": self.memory_growth_bytes,
+                "round_times_s": list(self.round_times_s),
                 "peak_processes": self.peak_processes, "ratio": self.ratio,
                 "baseline_batches_per_s": self.baseline_batches_per_s,
                 "baseline_round_times_s": list(self.baseline_round_times_s),
@@ -357,7 +368,7 @@ def spread_of(times: Iterable[float]) -> float:
     Returns:
         The relative interquartile range.
 
-    Example:
+    Examples:
         >>> spread_of([1.0, 1.0, 1.0, 1.0])
         0.0
     """
@@ -449,7 +460,7 @@ def measure(subject: Any, *, plan: Plan, timer: Timer, baseline: Any = None,
     Returns:
         A :class:`ThroughputResult`.
 
-    Example:
+    Examples:
         >>> def timer(target, setup, rounds):
         ...     for _ in range(rounds):
         ...         if setup: setup()

@@ -82,7 +82,7 @@ def linux_tree(root: int) -> list[int]:
     Returns:
         The process ids, ``root`` first.
 
-    Example:
+    Examples:
         >>> os.getpid() in linux_tree(os.getpid())
         True
     """
@@ -146,7 +146,7 @@ def tree_reader() -> Callable[[int], dict[int, int]] | None:
     Returns:
         ``read(root_pid) -> {pid: rss_bytes}``, or None.
 
-    Example:
+    Examples:
         >>> read = tree_reader()
         >>> read is None or read(os.getpid())[os.getpid()] > 0
         True
@@ -162,7 +162,7 @@ class TreeMemory:
     Args:
         interval: seconds between samples.
 
-    Example:
+    Examples:
         >>> mem = TreeMemory(0.01)
         >>> mem.start()
         >>> mem.stop()
@@ -223,6 +223,12 @@ class TreeMemory:
         (multiprocessing's resource tracker, a server the test started) are not the
         measured run's: they never count."""
         if self._read is not None:
+            # multiprocessing's resource tracker lives as long as the interpreter: started
+            # here, it is running before every measurement, never counted in one test
+            # and not in the next (spawn workers would start it on first use)
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()
             running = set(self._read(self._root)) - {self._root}
             with self._lock:
                 self._known |= running
