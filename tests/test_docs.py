@@ -76,7 +76,9 @@ def reads_example_data(code: str) -> bool:
 
 
 def missing_modules(code: str) -> list[str]:
-    """The packages a block needs that are not installed: its imports, then ``NEEDS``."""
+    """The packages a block needs that are not installed: its imports, ``NEEDS``, and the
+    library of each example file it reads (``example-data`` skips a file whose library
+    is missing)."""
     names = set()
     for node in ast.walk(ast.parse(code)):
         if isinstance(node, ast.Import):
@@ -84,6 +86,8 @@ def missing_modules(code: str) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names.add(node.module.split(".")[0])
     names.update(module for marker, module in NEEDS.items() if marker in code)
+    names.update(ex.module.split(".")[0] for ex in EXAMPLES if ex.module and re.search(
+        rf"[\"']{re.escape(ex.path.rstrip('/'))}(/[^\"']*)?[\"']", code))
     return sorted(n for n in names if importlib.util.find_spec(n) is None)
 
 
@@ -117,11 +121,15 @@ def run_block(code: str, index: int, where: pathlib.Path) -> subprocess.Complete
 @pytest.mark.parametrize("page", pages_with_code(), ids=page_id)
 def test_every_python_block_of_the_page_runs_top_to_bottom(page, tmp_path, example_dir):
     shutil.copytree(example_dir, tmp_path, dirs_exist_ok=True)
-    skipped = []
+    skipped, unsaved = [], []  # the files of skipped named blocks: later blocks run them
     for index, code in enumerate(blocks(page)):
-        missing = missing_modules(code)
+        missing = missing_modules(code) + [f"block {name} (skipped)" for name in unsaved
+                                           if name in code]
         if missing:
             skipped.append(f"block {index} needs {', '.join(missing)}")
+            named = NAMED.fullmatch(code.splitlines()[0].strip()) if code.strip() else None
+            if named:
+                unsaved.append(named.group(1))
             continue
         proc = run_block(code, index, tmp_path)
         where = f"{page_id(page)} block {index}"
@@ -143,6 +151,10 @@ def test_the_block_rules_can_fail(tmp_path):
     assert missing_modules("import zephon_no_such_package as z\nimport os") == \
         ["zephon_no_such_package"]
     assert missing_modules("from os import path\nprint(1)") == []
+    images = next(ex for ex in EXAMPLES if ex.path.rstrip("/") == "images")
+    reads_images = 'sources.image_folder("images")'
+    assert (images.module in missing_modules(reads_images)) == \
+        (importlib.util.find_spec(images.module) is None)
 
 
 def test_every_page_that_reads_example_files_names_the_command_first():
